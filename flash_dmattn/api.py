@@ -1,0 +1,141 @@
+"""The public attention functions (SPEC §2): validation once, then a backend from the registry."""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+from . import registry
+from .inputs import AttentionInputs, VarlenInputs
+
+
+def flash_dmattn_func(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    attn_bias=None,
+    softmax_scale=None,
+    is_causal=None,
+    softcap=None,
+    deterministic=None,
+    return_attn_probs=None,
+):
+    """Attention with a boolean mask and an additive bias, on the best backend for the inputs.
+
+    Args:
+        query: ``(B, Lq, H, D)``; key, value: ``(B, Lk, Hkv, D)`` with ``H % Hkv == 0``.
+        attn_mask: bool, broadcastable to ``(B, H, Lq, Lk)`` (head dim may be ``Hkv``);
+            True = attend. Never expanded in memory.
+        attn_bias: float (query dtype or float32), same broadcast rules; added to the scaled
+            scores. Its gradient has exactly its shape.
+        softmax_scale: default ``1/sqrt(D)``; ``0.0`` is valid (uniform attention).
+        is_causal: bottom-right aligned causal mask (key j visible to query i iff
+            ``j <= i + Lk - Lq``).
+        softcap: ``> 0`` applies ``softcap * tanh(s / softcap)`` before the bias.
+        deterministic: bitwise-reproducible backward.
+        return_attn_probs: also return ``lse (B, H, Lq)`` and the probabilities (testing aid).
+
+    Returns ``(B, Lq, H, D)`` in the query's dtype (or ``(out, lse, probs)``). Rows with no
+    visible key give 0 (lse = -inf). Equivalent plain PyTorch::
+
+        g = H // Hkv
+        s = softmax_scale * torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(g, 2)).float()
+        if softcap: s = softcap * torch.tanh(s / softcap)
+        s = s + attn_bias                                   # per-kv-head: repeat_interleave(g, 1)
+        i, j = torch.arange(Lq)[:, None], torch.arange(Lk)
+        visible = attn_mask & ((j <= i + Lk - Lq) if is_causal else True)
+        p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
+        out = torch.einsum("bhij,bjhd->bihd", p, v.repeat_interleave(g, 2).float()).to(q.dtype)
+    """
+    inputs = AttentionInputs.from_args(
+        query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
+        deterministic, return_attn_probs,
+    )
+    return registry.select_backend(inputs).attention(inputs)
+
+
+def flash_dmattn_varlen_func(
+    query,
+    key,
+    value,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    attn_mask=None,
+    attn_bias=None,
+    softmax_scale=None,
+    is_causal=None,
+    softcap=None,
+    deterministic=None,
+    return_attn_probs=None,
+):
+    """Attention over packed sequences; no token attends across a sequence boundary.
+
+    ``query (total_q, H, D)``, ``key``/``value (total_k, Hkv, D)``; sequence ``i`` owns rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` (and likewise for keys). ``attn_mask`` /
+    ``attn_bias`` are per key: ``(total_k,)``, ``(Hkv, total_k)`` or ``(H, total_k)``, applying to
+    every query of that key's sequence. Causal alignment is per sequence (bottom-right).
+    Returns ``(total_q, H, D)`` (or ``(out, lse (H, total_q), probs)``). Equivalent::
+
+        for i in range(len(cu_seqlens_q) - 1):
+            qs = slice(cu_seqlens_q[i], cu_seqlens_q[i + 1])
+            ks = slice(cu_seqlens_k[i], cu_seqlens_k[i + 1])
+            out[qs] = flash_dmattn_func(query[None, qs], key[None, ks], value[None, ks],
+                                        attn_mask[..., ks], attn_bias[..., ks], ...)[0]
+    """
+    inputs = VarlenInputs.from_args(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic,
+        return_attn_probs,
+    )
+    return registry.select_backend(inputs).varlen_attention(inputs)
+
+
+def _fixed_backend_func(name: str) -> Callable:
+    """``flash_dmattn_func`` bound to one backend, which never silently falls back."""
+
+    @functools.wraps(flash_dmattn_func)
+    def run(
+        query,
+        key,
+        value,
+        attn_mask=None,
+        attn_bias=None,
+        softmax_scale=None,
+        is_causal=None,
+        softcap=None,
+        deterministic=None,
+        return_attn_probs=None,
+    ):
+        inputs = AttentionInputs.from_args(
+            query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
+            deterministic, return_attn_probs,
+        )
+        backend = registry.check_explicit(registry.get_backend(name), inputs)
+        return backend.attention(inputs)
+
+    run.__name__ = f"{name.replace('-', '_')}_dmattn_func"
+    run.__qualname__ = run.__name__
+    run.__doc__ = f"``flash_dmattn_func`` on the {name!r} backend only (no fallback).\n\n" + (
+        flash_dmattn_func.__doc__ or ""
+    )
+    return run
+
+
+flex_dmattn_func = _fixed_backend_func("flex")
+reference_dmattn_func = _fixed_backend_func("torch-reference")
+
+
+def flash_dmattn_func_auto(backend: Optional[str] = None, **_ignored) -> Callable:
+    """Return an attention function: one backend's, or per-call auto-dispatch.
+
+    ``backend=None`` returns :func:`flash_dmattn_func` (the first backend in the order
+    ``cuda, triton, flex, torch-reference`` that supports each call's inputs). A name returns
+    that backend's function, or raises ``BackendUnavailableError`` (a ``RuntimeError``) with
+    the reason it cannot be used here, or ``ValueError`` for an unknown name.
+    """
+    if backend is None:
+        return flash_dmattn_func
+    registry.get_backend(backend)
+    return _fixed_backend_func(backend)

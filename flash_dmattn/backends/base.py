@@ -1,0 +1,72 @@
+"""What every backend is: a name, an availability probe, capability checks and two entry points."""
+from __future__ import annotations
+
+import abc
+from typing import List, Optional
+
+from ..inputs import AttentionInputs, VarlenInputs
+
+
+class Backend(abc.ABC):
+    """One implementation of the flash_dmattn contract.
+
+    Subclasses set ``name`` and implement :meth:`probe` (is the software there?),
+    :meth:`not_supported_reasons` (can it run these inputs?) and :meth:`attention`.
+    ``attention`` receives validated inputs and returns what the public function returns:
+    ``out`` or, with ``return_attn_probs``, ``(out, lse, attn_probs)``.
+    """
+
+    name: str = ""
+
+    def __init__(self) -> None:
+        self._probed = False
+        self._unavailable: Optional[str] = None
+
+    # Availability -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def probe(self) -> Optional[str]:
+        """Return None when usable in this environment, else the reason it is not.
+
+        Called once, lazily (never at import time), so it may import optional packages.
+        It must not initialise a GPU context unless the backend needs a GPU anyway.
+        """
+
+    def unavailable_reason(self) -> Optional[str]:
+        if not self._probed:
+            try:
+                self._unavailable = self.probe()
+            except Exception as exc:  # a broken optional install must not break import
+                self._unavailable = f"probe failed: {type(exc).__name__}: {exc}"
+            self._probed = True
+        return self._unavailable
+
+    @property
+    def available(self) -> bool:
+        return self.unavailable_reason() is None
+
+    def version(self) -> str:
+        return "-"
+
+    # Capabilities -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def not_supported_reasons(self, inputs: AttentionInputs) -> List[str]:
+        """Why this backend cannot compute these inputs exactly (empty list = it can)."""
+
+    def auto_skip_reasons(self, inputs: AttentionInputs) -> List[str]:
+        """Why auto-dispatch should prefer a later backend although this one could run.
+
+        Explicitly requested backends ignore these (e.g. a backend that is correct but slower
+        than the reference on this device).
+        """
+        return []
+
+    def varlen_not_supported_reasons(self, inputs: VarlenInputs) -> List[str]:
+        return [f"{self.name} has no varlen (packed sequences) path"]
+
+    # Entry points -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def attention(self, inputs: AttentionInputs):
+        """Compute attention for validated inputs."""
+
+    def varlen_attention(self, inputs: VarlenInputs):
+        raise RuntimeError(f"backend {self.name!r} has no varlen path")

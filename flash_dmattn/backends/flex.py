@@ -1,0 +1,189 @@
+"""The ``flex`` backend: PyTorch FlexAttention with a BlockMask and a bias ``score_mod``.
+
+* mask -> ``BlockMask`` built at tile granularity from the compact mask (dead tiles skipped,
+  full tiles run without ``mask_mod``); the ``mask_mod`` reads the mask through broadcast-aware
+  indices, so nothing is expanded;
+* bias and softcap -> ``score_mod``; the bias gradient comes from Flex's captured-buffer
+  gradients (torch >= 2.6, computed with atomics, hence not deterministic);
+* GQA via ``enable_gqa``; bottom-right causal in both the block map and ``mask_mod``.
+
+On CUDA the call is compiled (fused kernels). On CPU FlexAttention runs its eager
+implementation, which has no backward and materialises the score matrix; auto-dispatch
+therefore prefers the chunked reference there.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import List, Optional
+
+import torch
+
+from ..block_map import cdiv, tile_liveness
+from .base import Backend
+
+BLOCK = 128  # Flex's default tile; its kernels' tiles divide it.
+
+_TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+_flex = None  # the torch.nn.attention.flex_attention module, once probed
+_compiled = None
+
+
+def _flex_module():
+    global _flex
+    if _flex is None:
+        from torch.nn.attention import flex_attention as module
+
+        _flex = module
+    return _flex
+
+
+def _compiled_flex():
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_flex_module().flex_attention)
+    return _compiled
+
+
+def _broadcast_index(t4, num_heads: int, num_kv_heads: int):
+    """A function ``(b, h, q, kv) -> t4[...]`` honouring size-1 dims and per-kv-head tensors."""
+    bx, hx, qx, kx = t4.shape
+    group = num_heads // num_kv_heads
+    per_kv_head = hx == num_kv_heads and hx != num_heads
+
+    def read(b, h, q, kv):
+        return t4[
+            b if bx > 1 else 0,
+            (h // group if per_kv_head else h) if hx > 1 else 0,
+            q if qx > 1 else 0,
+            kv if kx > 1 else 0,
+        ]
+
+    return read
+
+
+def _block_mask(inputs):
+    """BlockMask from the compact mask and causal flag, or None when every key is visible."""
+    if inputs.attn_mask is None and not inputs.is_causal:
+        return None
+    fa = _flex_module()
+    lq, lk = inputs.seqlen_q, inputs.seqlen_k
+    live, full = tile_liveness(inputs.attn_mask, lq, lk, BLOCK, BLOCK, inputs.is_causal)
+    n_q, n_k = cdiv(lq, BLOCK), cdiv(lk, BLOCK)
+    if live.shape[1] not in (1, inputs.num_heads):  # per kv head -> per query head (small)
+        live = live.repeat_interleave(inputs.group_size, dim=1)
+        full = full.repeat_interleave(inputs.group_size, dim=1)
+    shape = (live.shape[0], live.shape[1], n_q, n_k)
+    full = full.expand(shape).to(inputs.device)
+    partial = live.expand(shape).to(inputs.device) & ~full
+
+    def compact(tiles):
+        counts = tiles.sum(dim=-1, dtype=torch.int32).contiguous()
+        order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
+        return counts, order.to(torch.int32).contiguous()
+
+    offset = lk - lq
+    read_mask = (
+        _broadcast_index(inputs.attn_mask, inputs.num_heads, inputs.num_kv_heads)
+        if inputs.attn_mask is not None
+        else None
+    )
+    causal = inputs.is_causal
+
+    def mask_mod(b, h, q, kv):
+        visible = kv <= q + offset if causal else q >= 0
+        if read_mask is not None:
+            visible = visible & read_mask(b, h, q, kv)
+        return visible
+
+    kv_num, kv_idx = compact(partial)
+    full_num, full_idx = compact(full)
+    kwargs = dict(BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=mask_mod)
+    if "seq_lengths" in inspect.signature(fa.BlockMask.from_kv_blocks).parameters:
+        kwargs["seq_lengths"] = (lq, lk)
+    return fa.BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, **kwargs)
+
+
+def _score_mod(inputs):
+    bias, cap = inputs.attn_bias, inputs.softcap
+    if bias is None and cap == 0.0:
+        return None
+    read_bias = _broadcast_index(bias, inputs.num_heads, inputs.num_kv_heads) if bias is not None else None
+
+    def score_mod(score, b, h, q, kv):
+        if cap > 0.0:
+            score = cap * torch.tanh(score / cap)
+        if read_bias is not None:
+            score = score + read_bias(b, h, q, kv)
+        return score
+
+    return score_mod
+
+
+class FlexBackend(Backend):
+    name = "flex"
+
+    def probe(self) -> Optional[str]:
+        if _TORCH_VERSION < (2, 5):
+            return f"FlexAttention needs torch >= 2.5, found {torch.__version__}"
+        try:
+            _flex_module()
+        except ImportError as exc:
+            return f"torch.nn.attention.flex_attention cannot be imported: {exc}"
+        return None
+
+    def version(self) -> str:
+        return f"torch {torch.__version__}"
+
+    def not_supported_reasons(self, inputs) -> List[str]:
+        reasons = []
+        dev = inputs.device.type
+        if dev not in ("cuda", "cpu"):
+            reasons.append(f"device type {dev!r} is not supported (cuda, cpu)")
+        if dev == "cpu" and inputs.needs_grad:
+            reasons.append("FlexAttention has no backward pass on CPU")
+        if dev == "cuda":
+            if inputs.dtype == torch.float64:
+                reasons.append("float64 is not supported on CUDA")
+            d = inputs.head_dim
+            if d < 16 or d & (d - 1):
+                reasons.append(f"head_dim {d} is not a power of two >= 16")
+        if inputs.bias_needs_grad and _TORCH_VERSION < (2, 6):
+            reasons.append(f"bias gradients need torch >= 2.6 (found {torch.__version__})")
+        if inputs.deterministic and inputs.bias_needs_grad:
+            reasons.append("the bias gradient uses atomics: deterministic=True is not possible")
+        if inputs.return_attn_probs:
+            reasons.append("return_attn_probs is not supported")
+        if inputs.seqlen_q == 0 or inputs.seqlen_k == 0:
+            reasons.append("empty sequences are not supported")
+        return reasons
+
+    def auto_skip_reasons(self, inputs) -> List[str]:
+        if inputs.device.type == "cpu":
+            return [
+                "on CPU FlexAttention runs eagerly and materialises the score matrix; "
+                "the chunked torch-reference is preferred"
+            ]
+        return []
+
+    def attention(self, inputs):
+        fa = _flex_module()
+        q = inputs.query.transpose(1, 2)
+        k = inputs.key.transpose(1, 2)
+        v = inputs.value.transpose(1, 2)
+        kwargs = dict(
+            score_mod=_score_mod(inputs),
+            block_mask=_block_mask(inputs),
+            scale=inputs.softmax_scale,
+            enable_gqa=inputs.num_heads != inputs.num_kv_heads,
+        )
+        if torch.compiler.is_compiling():
+            out = fa.flex_attention(q, k, v, **kwargs)  # the enclosing compile fuses it
+        elif inputs.device.type == "cuda":
+            out = _compiled_flex()(q, k, v, **kwargs)
+        else:
+            with warnings.catch_warnings():
+                # On CPU the eager path is the intended one; its advice to compile is noise.
+                warnings.filterwarnings("ignore", message="flex_attention called without")
+                out = fa.flex_attention(q, k, v, **kwargs)
+        return out.transpose(1, 2)

@@ -1,0 +1,459 @@
+"""One validated, normalised description of an attention call (SPEC §3).
+
+Every public entry point builds an :class:`AttentionInputs` (or :class:`VarlenInputs`) once,
+before any backend runs. Backends then read plain attributes and never re-validate: they may
+rely on every invariant listed in the class docstrings.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fmt(t: torch.Tensor) -> str:
+    dtype = str(t.dtype).replace("torch.", "")
+    return f"{tuple(t.shape)} {dtype} on {t.device}"
+
+
+def _check_float_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"{name} has dtype {t.dtype}; supported dtypes are float16, bfloat16, float32 and "
+            f"float64 (kernels take float16/bfloat16)"
+        )
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    # Kernels vectorise along the head dim; every other stride is used as given.
+    return t if t.stride(-1) == 1 or t.size(-1) == 1 else t.contiguous()
+
+
+def _collapse_broadcast_dims(t: torch.Tensor) -> torch.Tensor:
+    """Narrow every stride-0 dimension to size 1 (a view).
+
+    A user who passes ``mask.expand(B, H, L, L)`` means a broadcast mask; reading it as one lets
+    backends take their per-key / per-head fast paths and keeps block maps small.
+    """
+    for dim in range(t.dim()):
+        if t.size(dim) > 1 and t.stride(dim) == 0:
+            t = t.narrow(dim, 0, 1)
+    return t
+
+
+def _scale_and_softcap(softmax_scale, softcap, head_dim: int) -> Tuple[float, float]:
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    else:
+        scale = float(softmax_scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    cap = 0.0 if softcap is None else float(softcap)
+    if not math.isfinite(cap) or cap < 0.0:
+        raise ValueError(f"softcap must be None, 0.0 (off) or a positive number, got {softcap}")
+    return scale, cap
+
+
+def normalise_mask_or_bias(
+    name: str,
+    t: Optional[torch.Tensor],
+    *,
+    query: torch.Tensor,
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+) -> Optional[torch.Tensor]:
+    """Check a mask or bias and return it as a 4-D view ``(Bx, Hx, Qx, Kx)``.
+
+    ``Bx in {1, B}``, ``Hx in {1, Hkv, H}``, ``Qx in {1, Lq}``, ``Kx in {1, Lk}``. Fewer than 4 dims
+    are left-padded with size-1 dims; nothing is expanded or copied.
+    """
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if name == "attn_mask":
+        if t.dtype != torch.bool:
+            raise TypeError(
+                f"attn_mask must be a bool tensor (True = attend), got {t.dtype} with shape "
+                f"{tuple(t.shape)}; use attn_mask.bool(), or pass an additive mask as attn_bias"
+            )
+    else:
+        if t.dtype == torch.bool:
+            raise TypeError(
+                "attn_bias must be a floating tensor (added to the scores), got bool with shape "
+                f"{tuple(t.shape)}; pass a boolean mask as attn_mask"
+            )
+        if t.dtype not in (query.dtype, torch.float32):
+            raise ValueError(
+                f"attn_bias has dtype {t.dtype} but query has {query.dtype}; attn_bias must have "
+                f"the query's dtype or float32"
+            )
+    if t.device != query.device:
+        raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+    if t.dim() > 4:
+        raise ValueError(f"{name} must have at most 4 dims, got shape {tuple(t.shape)}")
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    bx, hx, qx, kx = t.shape
+    target = (batch, num_heads, seqlen_q, seqlen_k)
+    ok = (
+        bx in (1, batch)
+        and hx in (1, num_kv_heads, num_heads)
+        and qx in (1, seqlen_q)
+        and kx in (1, seqlen_k)
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} with shape {tuple(t.shape)} does not broadcast to (batch, heads, seqlen_q, "
+            f"seqlen_k) = {target}; the heads dim may be 1, num_kv_heads={num_kv_heads} or "
+            f"num_heads={num_heads}"
+        )
+    return t
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """A validated dense attention call.
+
+    Invariants: ``query (B, Lq, H, D)``, ``key``/``value (B, Lk, Hkv, D)`` with ``H % Hkv == 0``,
+    one dtype (fp16/bf16/fp32/fp64) and one device, last dims contiguous. ``attn_mask`` is None or
+    a bool 4-D view and ``attn_bias`` None or a float 4-D view (query dtype or fp32), each with
+    dims ``(1|B, 1|Hkv|H, 1|Lq, 1|Lk)``; stride-0 dims of the mask (and of a bias that needs no
+    gradient) are narrowed to size 1. ``softcap == 0.0`` means off.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: Optional[torch.Tensor]
+    attn_bias: Optional[torch.Tensor]
+    softmax_scale: float
+    is_causal: bool
+    softcap: float
+    deterministic: bool
+    return_attn_probs: bool
+
+    @staticmethod
+    def from_args(
+        query,
+        key,
+        value,
+        attn_mask=None,
+        attn_bias=None,
+        softmax_scale=None,
+        is_causal=None,
+        softcap=None,
+        deterministic=None,
+        return_attn_probs=None,
+    ) -> "AttentionInputs":
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise ValueError(
+                    f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape "
+                    f"{tuple(t.shape)}"
+                )
+        _check_float_dtype("query", query)
+        if key.dtype != query.dtype or value.dtype != query.dtype:
+            raise ValueError(
+                f"query, key and value must share one dtype, got query {_fmt(query)}, "
+                f"key {_fmt(key)}, value {_fmt(value)}"
+            )
+        if key.device != query.device or value.device != query.device:
+            raise ValueError(
+                f"query, key and value must be on one device, got query {_fmt(query)}, "
+                f"key {_fmt(key)}, value {_fmt(value)}"
+            )
+        b, lq, h, d = query.shape
+        if key.shape != value.shape:
+            raise ValueError(
+                f"key and value must have the same shape (batch, seqlen_k, kv_heads, head_dim), "
+                f"got key {tuple(key.shape)} and value {tuple(value.shape)}"
+            )
+        bk, lk, hkv, dk = key.shape
+        if bk != b:
+            raise ValueError(
+                f"batch size differs: query {tuple(query.shape)} vs key/value {tuple(key.shape)}"
+            )
+        if dk != d:
+            raise ValueError(
+                f"head_dim differs: query {tuple(query.shape)} vs key/value {tuple(key.shape)}"
+            )
+        if hkv == 0 or h % hkv != 0:
+            raise ValueError(
+                f"num_heads={h} (query {tuple(query.shape)}) must be a multiple of "
+                f"num_kv_heads={hkv} (key {tuple(key.shape)})"
+            )
+        scale, cap = _scale_and_softcap(softmax_scale, softcap, d)
+        dims = dict(query=query, batch=b, num_heads=h, num_kv_heads=hkv, seqlen_q=lq, seqlen_k=lk)
+        mask = normalise_mask_or_bias("attn_mask", attn_mask, **dims)
+        bias = normalise_mask_or_bias("attn_bias", attn_bias, **dims)
+        if mask is not None:
+            mask = _collapse_broadcast_dims(mask)
+        if bias is not None and not bias.requires_grad:
+            bias = _collapse_broadcast_dims(bias)
+        return AttentionInputs(
+            query=_last_dim_contiguous(query),
+            key=_last_dim_contiguous(key),
+            value=_last_dim_contiguous(value),
+            attn_mask=mask,
+            attn_bias=bias,
+            softmax_scale=scale,
+            is_causal=bool(is_causal),
+            softcap=cap,
+            deterministic=bool(deterministic),
+            return_attn_probs=bool(return_attn_probs),
+        )
+
+    # Shapes -------------------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return self.query.shape[0]
+
+    @property
+    def seqlen_q(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def seqlen_k(self) -> int:
+        return self.key.shape[1]
+
+    @property
+    def num_heads(self) -> int:
+        return self.query.shape[2]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.query.shape[3]
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.query.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    @property
+    def needs_grad(self) -> bool:
+        """True when autograd will ask for a gradient of any input."""
+        if not torch.is_grad_enabled():
+            return False
+        tensors = (self.query, self.key, self.value, self.attn_bias)
+        return any(t is not None and t.requires_grad for t in tensors)
+
+    @property
+    def bias_needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and self.attn_bias is not None and self.attn_bias.requires_grad
+
+    def describe(self) -> str:
+        parts = [f"query {_fmt(self.query)}", f"key {tuple(self.key.shape)}"]
+        if self.attn_mask is not None:
+            parts.append(f"mask {tuple(self.attn_mask.shape)}")
+        if self.attn_bias is not None:
+            parts.append(f"bias {tuple(self.attn_bias.shape)}")
+        if self.is_causal:
+            parts.append("causal")
+        if self.softcap:
+            parts.append(f"softcap={self.softcap}")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class VarlenInputs:
+    """A validated packed-sequence call (SPEC §4).
+
+    ``query (total_q, H, D)``, ``key``/``value (total_k, Hkv, D)``; ``cu_seqlens_q/k`` int32
+    1-D of equal length ``n + 1`` on the query's device. ``attn_mask`` / ``attn_bias`` are
+    None or 2-D views ``(1|Hkv|H, total_k)``: one value per key, shared by every query of
+    that key's sequence.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    attn_mask: Optional[torch.Tensor]
+    attn_bias: Optional[torch.Tensor]
+    softmax_scale: float
+    is_causal: bool
+    softcap: float
+    deterministic: bool
+    return_attn_probs: bool
+
+    @staticmethod
+    def from_args(
+        query,
+        key,
+        value,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        attn_mask=None,
+        attn_bias=None,
+        softmax_scale=None,
+        is_causal=None,
+        softcap=None,
+        deterministic=None,
+        return_attn_probs=None,
+    ) -> "VarlenInputs":
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 3:
+                raise ValueError(
+                    f"{name} must be 3-D (total_tokens, heads, head_dim) for varlen, got shape "
+                    f"{tuple(t.shape)}"
+                )
+        _check_float_dtype("query", query)
+        if key.dtype != query.dtype or value.dtype != query.dtype:
+            raise ValueError(
+                f"query, key and value must share one dtype, got query {_fmt(query)}, "
+                f"key {_fmt(key)}, value {_fmt(value)}"
+            )
+        if key.device != query.device or value.device != query.device:
+            raise ValueError(
+                f"query, key and value must be on one device, got query {_fmt(query)}, "
+                f"key {_fmt(key)}, value {_fmt(value)}"
+            )
+        if key.shape != value.shape:
+            raise ValueError(
+                f"key and value must have the same shape, got {tuple(key.shape)} and "
+                f"{tuple(value.shape)}"
+            )
+        _, h, d = query.shape
+        total_k, hkv, dk = key.shape
+        if dk != d:
+            raise ValueError(f"head_dim differs: query {tuple(query.shape)} vs key {tuple(key.shape)}")
+        if hkv == 0 or h % hkv != 0:
+            raise ValueError(
+                f"num_heads={h} (query {tuple(query.shape)}) must be a multiple of "
+                f"num_kv_heads={hkv} (key {tuple(key.shape)})"
+            )
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
+                raise ValueError(f"{name} must be a 1-D tensor of n+1 offsets")
+            if cu.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{name} must be int32 (or int64), got {cu.dtype}")
+            if cu.device != query.device:
+                raise ValueError(f"{name} is on {cu.device} but query is on {query.device}")
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise ValueError(
+                f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has "
+                f"{cu_seqlens_k.numel()}; both must hold n+1 offsets"
+            )
+        scale, cap = _scale_and_softcap(softmax_scale, softcap, d)
+        mask = _normalise_varlen_per_key("attn_mask", attn_mask, query, h, hkv, total_k)
+        bias = _normalise_varlen_per_key("attn_bias", attn_bias, query, h, hkv, total_k)
+        return VarlenInputs(
+            query=_last_dim_contiguous(query),
+            key=_last_dim_contiguous(key),
+            value=_last_dim_contiguous(value),
+            cu_seqlens_q=cu_seqlens_q.to(torch.int32),
+            cu_seqlens_k=cu_seqlens_k.to(torch.int32),
+            max_seqlen_q=int(max_seqlen_q),
+            max_seqlen_k=int(max_seqlen_k),
+            attn_mask=mask,
+            attn_bias=bias,
+            softmax_scale=scale,
+            is_causal=bool(is_causal),
+            softcap=cap,
+            deterministic=bool(deterministic),
+            return_attn_probs=bool(return_attn_probs),
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens_q.numel() - 1
+
+    @property
+    def num_heads(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.query.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.query.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    @property
+    def needs_grad(self) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        tensors = (self.query, self.key, self.value, self.attn_bias)
+        return any(t is not None and t.requires_grad for t in tensors)
+
+    def describe(self) -> str:
+        parts = [
+            f"varlen query {_fmt(self.query)}",
+            f"key {tuple(self.key.shape)}",
+            f"{self.num_seqs} sequences",
+        ]
+        if self.attn_mask is not None:
+            parts.append(f"mask {tuple(self.attn_mask.shape)}")
+        if self.attn_bias is not None:
+            parts.append(f"bias {tuple(self.attn_bias.shape)}")
+        if self.is_causal:
+            parts.append("causal")
+        return ", ".join(parts)
+
+
+def _normalise_varlen_per_key(name, t, query, h, hkv, total_k):
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if name == "attn_mask" and t.dtype != torch.bool:
+        raise TypeError(
+            f"attn_mask must be a bool tensor (True = attend), got {t.dtype} with shape "
+            f"{tuple(t.shape)}; use attn_mask.bool(), or pass an additive mask as attn_bias"
+        )
+    if name == "attn_bias":
+        if t.dtype == torch.bool:
+            raise TypeError("attn_bias must be a floating tensor; pass a boolean mask as attn_mask")
+        if t.dtype not in (query.dtype, torch.float32):
+            raise ValueError(
+                f"attn_bias has dtype {t.dtype} but query has {query.dtype}; attn_bias must have "
+                f"the query's dtype or float32"
+            )
+    if t.device != query.device:
+        raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+    if t.dim() == 1:
+        t = t.unsqueeze(0)
+    if t.dim() != 2 or t.shape[0] not in (1, hkv, h) or t.shape[1] != total_k:
+        raise ValueError(
+            f"varlen {name} must have shape (total_k,), (num_kv_heads, total_k) or "
+            f"(num_heads, total_k) = ({total_k},), ({hkv}, {total_k}) or ({h}, {total_k}); "
+            f"got {tuple(t.shape)}"
+        )
+    return t

@@ -1,0 +1,260 @@
+"""The plain-PyTorch oracle: exact SPEC §3 semantics, processed in query chunks.
+
+Forward keeps one ``(B, H, chunk, Lk)`` score block alive at a time; backward recomputes the
+probabilities chunk by chunk from the saved log-sum-exp (as FlashAttention does), so memory
+stays O(chunk·Lk) in both directions instead of the O(Lq·Lk) that plain autograd would save.
+GQA is computed by grouping query heads onto their kv head: K and V are never repeated.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+# Elements of one fp32 score block; bounds the reference's working memory (~64 MiB a block).
+CHUNK_ELEMENTS = 1 << 24
+
+_NEG_INF = float("-inf")
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _group_heads(x: Tensor, num_kv_heads: int) -> Tensor:
+    """(B, L, H, D) -> (B, Hkv, g, L, D) view: query head h = kv_head * g + member."""
+    return x.transpose(1, 2).unflatten(1, (num_kv_heads, x.shape[2] // num_kv_heads))
+
+
+def _group_aux(t: Optional[Tensor], num_heads: int, num_kv_heads: int) -> Optional[Tensor]:
+    """A 4-D mask/bias ``(Bx, Hx, Qx, Kx)`` as a 5-D view aligned with :func:`_group_heads`."""
+    if t is None:
+        return None
+    if t.shape[1] == num_heads:  # one per query head (also covers H == Hkv)
+        return t.unflatten(1, (num_kv_heads, num_heads // num_kv_heads))
+    return t.unsqueeze(2)  # one per kv head, or one for all heads
+
+
+def _chunk_rows(batch: int, heads: int, seqlen_k: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, batch * heads * seqlen_k))
+
+
+class _Geometry:
+    """Shapes and the per-chunk score computation shared by forward, backward and probs."""
+
+    def __init__(self, q, k, mask, bias, scale, is_causal, softcap):
+        self.B, self.Lq, self.H, self.D = q.shape
+        self.Lk, self.Hkv = k.shape[1], k.shape[2]
+        self.g = self.H // self.Hkv
+        self.acc = _accumulation_dtype(q.dtype)
+        self.scale, self.is_causal, self.softcap = scale, is_causal, softcap
+        self.mask5 = _group_aux(mask, self.H, self.Hkv)
+        self.bias5 = _group_aux(bias, self.H, self.Hkv)
+        self.rows = _chunk_rows(self.B, self.H, self.Lk)
+
+    def chunks(self):
+        for i0 in range(0, self.Lq, self.rows):
+            yield i0, min(self.Lq, i0 + self.rows)
+
+    @staticmethod
+    def _rows_of(t5: Optional[Tensor], i0: int, i1: int) -> Optional[Tensor]:
+        if t5 is None or t5.shape[3] == 1:
+            return t5
+        return t5[:, :, :, i0:i1]
+
+    def scores(self, qc: Tensor, k4: Tensor, i0: int, i1: int) -> Tuple[Tensor, Optional[Tensor]]:
+        """Masked scores ``(B, Hkv, g, rows, Lk)`` and ``tanh`` of the softcap (or None)."""
+        B, Hkv, g, c = self.B, self.Hkv, self.g, i1 - i0
+        # Fold the group into the rows so one matmul per kv head serves all its query heads.
+        raw = torch.matmul(qc.reshape(B, Hkv, g * c, self.D), k4.transpose(-1, -2))
+        raw = raw.view(B, Hkv, g, c, self.Lk) * self.scale
+        tanh = None
+        if self.softcap > 0.0:
+            tanh = torch.tanh(raw / self.softcap)
+            s = self.softcap * tanh
+        else:
+            s = raw
+        bias_c = self._rows_of(self.bias5, i0, i1)
+        if bias_c is not None:
+            s = s + bias_c.to(self.acc)
+        visible = self._rows_of(self.mask5, i0, i1)
+        if self.is_causal:
+            rows = torch.arange(i0, i1, device=qc.device).unsqueeze(1)
+            cols = torch.arange(self.Lk, device=qc.device).unsqueeze(0)
+            causal = cols <= rows + (self.Lk - self.Lq)
+            visible = causal if visible is None else visible & causal
+        if visible is not None:
+            s = s.masked_fill(~visible, _NEG_INF)
+        return s, tanh
+
+    @staticmethod
+    def grouped_matmul(a5: Tensor, b4: Tensor) -> Tensor:
+        """``a @ b`` for a ``(B, Hkv, g, c, X)`` and b ``(B, Hkv, X, Y)`` -> ``(B, Hkv, g, c, Y)``."""
+        B, Hkv, g, c, x = a5.shape
+        return torch.matmul(a5.reshape(B, Hkv, g * c, x), b4).view(B, Hkv, g, c, -1)
+
+    @staticmethod
+    def grouped_matmul_t(a5: Tensor, b5: Tensor) -> Tensor:
+        """``sum_g a^T @ b`` for a ``(B,Hkv,g,c,X)``, b ``(B,Hkv,g,c,Y)`` -> ``(B,Hkv,X,Y)``."""
+        B, Hkv, g, c, x = a5.shape
+        return torch.matmul(
+            a5.reshape(B, Hkv, g * c, x).transpose(-1, -2), b5.reshape(B, Hkv, g * c, -1)
+        )
+
+
+def _softmax_parts(s: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """Unnormalised probabilities, their row sums, and the row lse (-inf for empty rows)."""
+    m = s.amax(dim=-1, keepdim=True)
+    m_safe = torch.where(m == _NEG_INF, torch.zeros_like(m), m)
+    p = torch.exp(s - m_safe)
+    denom = p.sum(dim=-1, keepdim=True)
+    lse = torch.where(denom > 0, m_safe + torch.log(denom), torch.full_like(denom, _NEG_INF))
+    return p, denom, lse
+
+
+def _forward(q, k, v, mask, bias, scale, is_causal, softcap):
+    geo = _Geometry(q, k, mask, bias, scale, is_causal, softcap)
+    B, Lq, H, D = q.shape
+    out = torch.zeros(B, Lq, H, v.shape[-1], dtype=q.dtype, device=q.device)
+    # Kept in the accumulation dtype so a float64 backward is exact; callers get float32.
+    lse = torch.full((B, H, Lq), _NEG_INF, dtype=geo.acc, device=q.device)
+    if geo.Lk == 0 or Lq == 0:
+        return out, lse
+    q5 = _group_heads(q, geo.Hkv)
+    k4 = k.transpose(1, 2).to(geo.acc)
+    v4 = v.transpose(1, 2).to(geo.acc)
+    for i0, i1 in geo.chunks():
+        s, _ = geo.scores(q5[:, :, :, i0:i1].to(geo.acc), k4, i0, i1)
+        p, denom, lse_c = _softmax_parts(s)
+        o = geo.grouped_matmul(p, v4) / torch.where(denom > 0, denom, torch.ones_like(denom))
+        out[:, i0:i1] = o.flatten(1, 2).transpose(1, 2).to(q.dtype)
+        lse[:, :, i0:i1] = lse_c.squeeze(-1).flatten(1, 2)
+    return out, lse
+
+
+def _reduce_like(x: Tensor, target_shape) -> Tensor:
+    """Sum ``x`` over every dim where ``target_shape`` has size 1 (keepdim)."""
+    dims = [d for d, (n, t) in enumerate(zip(x.shape, target_shape)) if t == 1 and n != 1]
+    return x.sum(dim=dims, keepdim=True) if dims else x
+
+
+def _backward(ctx_flags, dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap):
+    need_dq, need_dk, need_dv, need_dbias = ctx_flags
+    geo = _Geometry(q, k, mask, bias, scale, is_causal, softcap)
+    acc = geo.acc
+    B, Lq, H, D = q.shape
+    dq = torch.zeros(B, Lq, H, D, dtype=acc, device=q.device) if need_dq else None
+    dk4 = torch.zeros(B, geo.Hkv, geo.Lk, D, dtype=acc, device=q.device) if need_dk else None
+    dv4 = torch.zeros(B, geo.Hkv, geo.Lk, D, dtype=acc, device=q.device) if need_dv else None
+    dbias = torch.zeros(bias.shape, dtype=acc, device=q.device) if need_dbias else None
+    if geo.Lk > 0 and Lq > 0:
+        dbias5 = _group_aux(dbias, H, geo.Hkv)
+        q5, do5, o5 = (_group_heads(t, geo.Hkv) for t in (q, dout, out))
+        k4 = k.transpose(1, 2).to(acc)
+        v4 = v.transpose(1, 2).to(acc)
+        lse5 = lse.view(B, geo.Hkv, geo.g, Lq, 1)
+        for i0, i1 in geo.chunks():
+            qc = q5[:, :, :, i0:i1].to(acc)
+            s, tanh = geo.scores(qc, k4, i0, i1)
+            lse_c = lse5[:, :, :, i0:i1].to(acc)
+            # Empty rows have lse = -inf and scores = -inf: subtracting 0 keeps p = 0, not NaN.
+            p = torch.exp(s - torch.where(lse_c == _NEG_INF, torch.zeros_like(lse_c), lse_c))
+            doc = do5[:, :, :, i0:i1].to(acc)
+            if need_dv:
+                dv4 += geo.grouped_matmul_t(p, doc)
+            if not (need_dq or need_dk or need_dbias):
+                continue
+            delta = (doc * o5[:, :, :, i0:i1].to(acc)).sum(dim=-1, keepdim=True)
+            dp = geo.grouped_matmul(doc, v4.transpose(-1, -2))
+            ds = p * (dp - delta)
+            if need_dbias:
+                part = _reduce_like(ds, dbias5.shape)
+                if dbias5.shape[3] == 1:
+                    dbias5 += part
+                else:
+                    dbias5[:, :, :, i0:i1] = part
+            if tanh is not None:
+                ds = ds * (1.0 - tanh * tanh)
+            if need_dq:
+                dq5 = geo.grouped_matmul(ds, k4) * scale
+                dq[:, i0:i1] = dq5.flatten(1, 2).transpose(1, 2)
+            if need_dk:
+                dk4 += geo.grouped_matmul_t(ds, qc) * scale
+    return (
+        dq.to(q.dtype) if need_dq else None,
+        dk4.transpose(1, 2).to(k.dtype).contiguous() if need_dk else None,
+        dv4.transpose(1, 2).to(v.dtype).contiguous() if need_dv else None,
+        dbias.to(bias.dtype) if need_dbias else None,
+    )
+
+
+class _ReferenceAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, bias, scale, is_causal, softcap):
+        out, lse = _forward(q, k, v, mask, bias, scale, is_causal, softcap)
+        ctx.save_for_backward(q, k, v, mask, bias, out, lse)
+        ctx.config = (scale, is_causal, softcap)
+        lse32 = lse.to(torch.float32)
+        ctx.mark_non_differentiable(lse32)
+        return out, lse32
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, mask, bias, out, lse = ctx.saved_tensors
+        flags = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            ctx.needs_input_grad[2],
+            bias is not None and ctx.needs_input_grad[4],
+        )
+        dq, dk, dv, dbias = _backward(flags, dout, q, k, v, mask, bias, out, lse, *ctx.config)
+        return dq, dk, dv, None, dbias, None, None, None
+
+
+def reference_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    attn_bias: Optional[Tensor] = None,
+    softmax_scale: float = 1.0,
+    is_causal: bool = False,
+    softcap: float = 0.0,
+) -> Tuple[Tensor, Tensor]:
+    """Attention with mask, bias, GQA, causal and softcap; returns ``(out, lse)``.
+
+    Arguments are already validated (see :class:`flash_dmattn.inputs.AttentionInputs`): q
+    ``(B, Lq, H, D)``, k/v ``(B, Lk, Hkv, D)``, mask/bias 4-D ``(1|B, 1|Hkv|H, 1|Lq, 1|Lk)``.
+    Equivalent plain PyTorch (materialising everything, which this function does not)::
+
+        s = scale * einsum("bihd,bjhd->bhij", q, k.repeat_interleave(H // Hkv, 2))
+        if softcap: s = softcap * tanh(s / softcap)
+        s = s + bias                          # broadcast
+        visible = mask & (j <= i + Lk - Lq)   # causal part only if is_causal
+        s = s.masked_fill(~visible, -inf)
+        lse = s.logsumexp(-1)
+        p = (s - lse).exp().nan_to_num(0)     # empty rows -> 0
+        out = einsum("bhij,bjhd->bihd", p, v.repeat_interleave(H // Hkv, 2))
+    """
+    return _ReferenceAttention.apply(
+        query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap
+    )
+
+
+def reference_probs(query, key, attn_mask, attn_bias, softmax_scale, is_causal, softcap) -> Tensor:
+    """The normalised attention probabilities ``(B, H, Lq, Lk)`` (a testing aid; no gradient)."""
+    with torch.no_grad():
+        geo = _Geometry(query, key, attn_mask, attn_bias, softmax_scale, is_causal, softcap)
+        B, Lq, H, _ = query.shape
+        probs = torch.zeros(B, H, Lq, geo.Lk, dtype=geo.acc, device=query.device)
+        if geo.Lk == 0 or Lq == 0:
+            return probs
+        q5 = _group_heads(query, geo.Hkv)
+        k4 = key.transpose(1, 2).to(geo.acc)
+        for i0, i1 in geo.chunks():
+            s, _ = geo.scores(q5[:, :, :, i0:i1].to(geo.acc), k4, i0, i1)
+            p, denom, _ = _softmax_parts(s)
+            p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+            probs[:, :, i0:i1] = p.flatten(1, 2)
+        return probs

@@ -1,0 +1,71 @@
+"""Packed-sequence reference: one dense reference call per sequence (SPEC §4)."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from .attention import reference_attention, reference_probs
+
+
+def _offsets(cu: Tensor, total: int, name: str) -> List[int]:
+    offs = [int(x) for x in cu.tolist()]
+    if offs[0] != 0 or any(b < a for a, b in zip(offs, offs[1:])) or offs[-1] > total:
+        raise ValueError(
+            f"{name} must start at 0, be non-decreasing and end at most at the packed length "
+            f"{total}; got {offs}"
+        )
+    return offs
+
+
+def _per_key(t: Optional[Tensor], k0: int, k1: int) -> Optional[Tensor]:
+    # (Hx, total_k) -> (1, Hx, 1, Lk_i): one value per key for every query of the sequence.
+    return None if t is None else t[:, k0:k1].unsqueeze(0).unsqueeze(2)
+
+
+def reference_varlen_attention(inputs):
+    """Run :func:`reference_attention` sequence by sequence on packed inputs.
+
+    Returns ``(out (total_q, H, D), lse (H, total_q), probs or None)``; queries past
+    ``cu_seqlens_q[-1]`` get output 0 and lse -inf. Equivalent plain PyTorch::
+
+        for i in range(n):
+            qs, ks = slice(cu_q[i], cu_q[i+1]), slice(cu_k[i], cu_k[i+1])
+            out[qs] = dense_attention(q[None, qs], k[None, ks], v[None, ks],
+                                      mask[:, ks][None, :, None], bias[:, ks][None, :, None])[0]
+    """
+    q, k, v = inputs.query, inputs.key, inputs.value
+    total_q, H, D = q.shape
+    cu_q = _offsets(inputs.cu_seqlens_q, total_q, "cu_seqlens_q")
+    cu_k = _offsets(inputs.cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    outs, lses, probs = [], [], []
+    for i in range(inputs.num_seqs):
+        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        args = (
+            q[q0:q1].unsqueeze(0),
+            k[k0:k1].unsqueeze(0),
+            v[k0:k1].unsqueeze(0),
+            _per_key(inputs.attn_mask, k0, k1),
+            _per_key(inputs.attn_bias, k0, k1),
+        )
+        out_i, lse_i = reference_attention(
+            *args, inputs.softmax_scale, inputs.is_causal, inputs.softcap
+        )
+        outs.append(out_i[0])
+        lses.append(lse_i[0])
+        if inputs.return_attn_probs:
+            p = reference_probs(
+                args[0], args[1], args[3], args[4],
+                inputs.softmax_scale, inputs.is_causal, inputs.softcap,
+            )[0]
+            padded = p.new_zeros(H, inputs.max_seqlen_q, inputs.max_seqlen_k)
+            padded[:, : p.shape[1], : p.shape[2]] = p[:, : inputs.max_seqlen_q, : inputs.max_seqlen_k]
+            probs.append(padded)
+    tail = total_q - cu_q[-1]
+    if tail:
+        outs.append(q.new_zeros(tail, H, v.shape[-1]))
+        lses.append(torch.full((H, tail), float("-inf"), device=q.device))
+    out = torch.cat(outs, 0) if outs else q.new_zeros(0, H, v.shape[-1])
+    lse = torch.cat(lses, 1) if lses else torch.zeros(H, 0, device=q.device)
+    return out, lse, (torch.stack(probs) if inputs.return_attn_probs and probs else None)
