@@ -5,8 +5,9 @@ Priority order is ``cuda, triton, flex, torch-reference``. Environment:
 * ``FLASH_DMATTN_BACKEND=<name>`` forces that backend for auto-dispatched calls;
 * ``FLASH_DMATTN_DISABLE=a,b`` removes backends from both auto-dispatch and explicit use.
 
-Auto-dispatch runs the first backend that supports the inputs; when none can, one
-``RuntimeError`` lists every backend's reasons. An explicitly requested backend never falls
+Auto-dispatch runs the first backend that supports the inputs and has no preference
+against them (``auto_skip_reasons``); a backend skipped only for preference still runs when
+nothing else can. When none can, one ``RuntimeError`` lists every backend's reasons. An explicitly requested backend never falls
 back: it raises ``ValueError`` with its own reasons.
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ PRIORITY = ("cuda", "triton", "flex", "torch-reference")
 
 # Devices on which landing on the reference is a performance problem worth a warning.
 ACCELERATED_DEVICE_TYPES = {"cuda"}
+
+NOT_BUILT = "not part of this version of flash_dmattn yet"
 
 _BACKENDS: Dict[str, Backend] = {}
 _logged_choices: set = set()
@@ -75,8 +78,10 @@ def get_available_backends() -> List[str]:
 
 def get_backend(name: str) -> Backend:
     """The backend called ``name``, or an error that says why it cannot be used."""
-    if name not in _BACKENDS:
+    if name not in PRIORITY:
         raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(PRIORITY)}")
+    if name not in _BACKENDS:
+        raise BackendUnavailableError(f"backend {name!r} is unavailable: {NOT_BUILT}")
     backend = _BACKENDS[name]
     reason = unavailable_reason(backend)
     if reason is not None:
@@ -87,19 +92,15 @@ def get_backend(name: str) -> Backend:
 Inputs = Union[AttentionInputs, VarlenInputs]
 
 
-def _reasons(backend: Backend, inputs: Inputs, auto: bool) -> List[str]:
+def _reasons(backend: Backend, inputs: Inputs) -> List[str]:
     if isinstance(inputs, VarlenInputs):
-        reasons = backend.varlen_not_supported_reasons(inputs)
-    else:
-        reasons = list(backend.not_supported_reasons(inputs))
-        if auto and not reasons:
-            reasons = list(backend.auto_skip_reasons(inputs))
-    return reasons
+        return list(backend.varlen_not_supported_reasons(inputs))
+    return list(backend.not_supported_reasons(inputs))
 
 
 def check_explicit(backend: Backend, inputs: Inputs) -> Backend:
     """Raise ValueError when an explicitly chosen backend cannot run ``inputs``."""
-    reasons = _reasons(backend, inputs, auto=False)
+    reasons = _reasons(backend, inputs)
     if reasons:
         raise ValueError(
             f"backend {backend.name!r} cannot run these inputs ({inputs.describe()}): "
@@ -115,22 +116,39 @@ def select_backend(inputs: Inputs) -> Backend:
         return check_explicit(get_backend(forced), inputs)
 
     declined: List[Tuple[str, List[str]]] = []
-    for backend in registered_backends():
+    runnable: List[Backend] = []  # could run, but asked auto-dispatch to prefer a later one
+    for name in PRIORITY:
+        backend = _BACKENDS.get(name)
+        if backend is None:
+            declined.append((name, [f"unavailable: {NOT_BUILT}"]))
+            continue
         reason = unavailable_reason(backend)
         if reason is not None:
-            declined.append((backend.name, [f"unavailable: {reason}"]))
+            declined.append((name, [f"unavailable: {reason}"]))
             continue
-        reasons = _reasons(backend, inputs, auto=True)
+        reasons = _reasons(backend, inputs)
+        if not reasons and isinstance(inputs, AttentionInputs):
+            preference = list(backend.auto_skip_reasons(inputs))
+            if preference:
+                runnable.append(backend)
+                declined.append((name, preference))
+                continue
         if reasons:
-            declined.append((backend.name, reasons))
+            declined.append((name, reasons))
             continue
-        if not torch.compiler.is_compiling():
-            _note_choice(backend, inputs, declined)
-        return backend
+        return _chosen(backend, inputs, declined)
+    if runnable:
+        return _chosen(runnable[0], inputs, declined)
     raise RuntimeError(
         f"no flash_dmattn backend can run these inputs ({inputs.describe()}):\n"
         + _format_declines(declined)
     )
+
+
+def _chosen(backend: Backend, inputs: Inputs, declined) -> Backend:
+    if not torch.compiler.is_compiling():
+        _note_choice(backend, inputs, declined)
+    return backend
 
 
 def _format_declines(declined: Iterable[Tuple[str, List[str]]]) -> str:

@@ -1,0 +1,37 @@
+"""Triton kernels of flash_dmattn (forward, backward and tile-list construction).
+
+Importing this package never fails without Triton: :func:`triton_unavailable_reason` says why
+the kernels cannot be used, and the kernel entry points are imported lazily on first access.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def triton_unavailable_reason() -> Optional[str]:
+    """None when the ``triton`` package imports, else a human-readable reason."""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # broken installs raise more than ImportError
+        return f"triton is not importable: {type(exc).__name__}: {exc}"
+    return None
+
+
+def __getattr__(name):
+    # Lazy so that `import flash_dmattn.backends.triton` works without triton installed.
+    if name == "attention_forward":
+        from .forward import attention_forward
+
+        return attention_forward
+    if name == "attention_backward":
+        from .backward import attention_backward
+
+        return attention_backward
+    if name in ("build_tile_lists", "classify_tiles", "TileLists"):
+        from . import tiles
+
+        return getattr(tiles, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["attention_forward", "attention_backward", "triton_unavailable_reason"]

@@ -1,0 +1,652 @@
+"""Triton backward kernels (FlashAttention-2 style) with tile skipping and bias gradients.
+
+Kernels:
+
+* ``_bwd_preprocess``: ``delta = rowsum(dout * out)`` (fp32).
+* ``_attn_bwd_dkdv_kernel``: one program per (key tile, kv head slot); it loops over the query
+  heads of the GQA group and over the live query tiles of each, accumulating dK/dV in registers
+  (no atomics). It also produces dbias (see below) and, in non-deterministic mode, dQ through
+  fp32 atomics.
+* ``_attn_bwd_dq_kernel``: one program per (query tile, batch, query head) over the live key
+  tiles; used for dQ when ``deterministic`` (bitwise reproducible) or when dK/dV are not needed.
+
+dbias targets (``T``) by bias shape ``(Bx, Hx, Qx, Kx)``; ``T`` is fp32 unless noted:
+
+a. per-key (``Kx == Lk``), no cross-program reduction (``Bx == B`` and not (``Hx == 1 < Hkv``)):
+   written in place into a tensor of the bias' shape (bias dtype when every element is written
+   exactly once, i.e. ``Hx == H`` or no GQA, and ``Qx == Lq``). A per-query-head reduction over
+   the group (``Hx == Hkv < H``) and a query reduction (``Qx == 1``) happen in-kernel.
+b. ``Kx == Lk``, ``Qx == 1`` with a batch or kv-head broadcast: temporary ``(B, Hkv|H, 1, Lk)``
+   of in-kernel query-reduced partials, summed with torch.
+c. ``Kx == Lk``, ``Qx == Lq`` with a batch or kv-head broadcast: deterministic -> programs
+   serialise the ``(b, kv head)`` pairs that share a bias slice (less parallelism, no
+   temporary); otherwise fp32 atomics into a bias-shaped buffer.
+d. ``Kx == 1`` (bias broadcast over keys): temporary ``(B, Hkv|H, Qx, nK)`` of per-key-tile
+   partial row sums (``nK`` = number of key tiles), summed with torch.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .forward import (
+    LOG2E,
+    _load_bcast,
+    _dot,
+    _tanh,
+    dot_upcast,
+    alloc_output,
+    broadcast_strides,
+    head_block,
+    interpret_mode,
+    last_dim_contiguous,
+    seqlen_bucket,
+)
+from .tiles import build_tile_lists
+
+# dbias modes of the dK/dV kernel.
+_DB_NONE, _DB_TILE, _DB_QRED, _DB_KRED, _DB_SCALAR = 0, 1, 2, 3, 4
+# How _DB_TILE / _DB_KRED write: plain store, load-add-store (exclusive owner), fp32 atomics.
+_ACC_STORE, _ACC_RMW, _ACC_ATOMIC = 0, 1, 2
+
+
+@triton.jit
+def _bwd_preprocess(
+    Out, DO, Delta,
+    stride_ob, stride_om, stride_oh,
+    stride_db, stride_dm, stride_dh,
+    num_heads, seqlen_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_heads).to(tl.int64)
+    h = (pid_bh % num_heads).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+                mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :],
+                 mask=ok, other=0.0).to(tl.float32)
+    tl.store(Delta + pid_bh.to(tl.int64) * seqlen_q + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem,
+              stride_bm, stride_bn, stride_mm, stride_mn,
+              seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+              HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Transposed scores (keys x queries) in log2 units, plus tanh (for the softcap chain)."""
+    st = _dot(k, tl.trans(q), DOT_UPCAST)
+    if HAS_SOFTCAP:
+        th = _tanh(st * cap_scale)
+        st = (softcap * 1.4426950408889634) * th
+    else:
+        th = st
+        st = st * qk_scale
+    if HAS_BIAS:
+        bv = _load_bcast(bias_base, offs_n, offs_m, stride_bn, stride_bm, seqlen_k, seqlen_q,
+                         BIAS_KB, BIAS_QB, 0.0)
+        st = st + bv.to(tl.float32) * 1.4426950408889634
+    if need_elem:
+        vis = offs_n[:, None] < seqlen_k
+        if HAS_MASK:
+            mv = _load_bcast(mask_base, offs_n, offs_m, stride_mn, stride_mm, seqlen_k, seqlen_q,
+                             MASK_KB, MASK_QB, 0)
+            vis = vis & (mv != 0)
+        if IS_CAUSAL:
+            vis = vis & (offs_n[:, None] <= offs_m[None, :] + (seqlen_k - seqlen_q))
+        st = tl.where(vis, st, float("-inf"))
+    return st, th
+
+
+@triton.jit
+def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, need_elem,
+            stride_bm, stride_bn, stride_mm, stride_mn,
+            seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+            HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
+            HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
+            IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Scores (queries x keys) in log2 units, plus tanh (for the softcap chain)."""
+    s = _dot(q, kt, DOT_UPCAST)
+    if HAS_SOFTCAP:
+        th = _tanh(s * cap_scale)
+        s = (softcap * 1.4426950408889634) * th
+    else:
+        th = s
+        s = s * qk_scale
+    if HAS_BIAS:
+        bv = _load_bcast(bias_base, offs_m, offs_n, stride_bm, stride_bn, seqlen_q, seqlen_k,
+                         BIAS_QB, BIAS_KB, 0.0)
+        s = s + bv.to(tl.float32) * 1.4426950408889634
+    if need_elem:
+        vis = offs_n[None, :] < seqlen_k
+        if HAS_MASK:
+            mv = _load_bcast(mask_base, offs_m, offs_n, stride_mm, stride_mn, seqlen_q, seqlen_k,
+                             MASK_QB, MASK_KB, 0)
+            vis = vis & (mv != 0)
+        if IS_CAUSAL:
+            vis = vis & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
+        s = tl.where(vis, s, float("-inf"))
+    return s, th
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV, DQacc, Mask, Bias, DB, ListIdx, ListCnt,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_mb, stride_mh, stride_mm, stride_mn, mask_hdiv,
+    stride_bb, stride_bh, stride_bm, stride_bn, bias_hdiv,
+    stride_tb, stride_th, stride_tm, stride_tn, db_hdiv,
+    stride_lb, stride_lh, stride_ln, stride_cb, stride_ch, stride_cn, list_hdiv,
+    num_heads, group, seqlen_q, seqlen_k, n_q_tiles,
+    n_pairs, pair_h, slots_h,
+    sm_scale, qk_scale, cap_scale, softcap,
+    lq_bucket, lk_bucket,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    STORE_DKV: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    DB_MODE: tl.constexpr, DB_ACC: tl.constexpr, DB_GROUP: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    slot_b = slot // slots_h
+    slot_h = slot % slots_h
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    n_ok = offs_n < seqlen_k
+    n_edge = start_n + BLOCK_N > seqlen_k
+
+    # Usually one pair; several only when this program must own a bias slice shared by them.
+    for r in range(0, n_pairs):
+        b = slot_b + r // pair_h
+        hk = slot_h + r % pair_h
+        b64 = b.to(tl.int64)
+        k = tl.load(K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        col_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        sc_acc = tl.sum(col_acc, 0)
+        for g in range(0, group):
+            h = hk * group + g
+            h64 = h.to(tl.int64)
+            bh = b * num_heads + h
+            if not DB_GROUP:
+                col_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+                sc_acc = tl.sum(col_acc, 0)
+            mask_base = Mask + b64 * stride_mb + (h // mask_hdiv).to(tl.int64) * stride_mh
+            bias_base = Bias + b64 * stride_bb + (h // bias_hdiv).to(tl.int64) * stride_bh
+            db_base = DB + b64 * stride_tb + (h // db_hdiv).to(tl.int64) * stride_th
+            if USE_LIST:
+                lh = h // list_hdiv
+                list_row = ListIdx + b * stride_lb + lh * stride_lh + pid_n * stride_ln
+                n_iter = tl.load(ListCnt + b * stride_cb + lh * stride_ch + pid_n * stride_cn)
+            else:
+                list_row = ListIdx
+                n_iter = n_q_tiles
+            for t in range(0, n_iter):
+                if USE_LIST:
+                    entry = tl.load(list_row + t)
+                    start_m = (entry >> 1) * BLOCK_M
+                    need_elem = ((entry & 1) != 0) | n_edge
+                else:
+                    start_m = t * BLOCK_M
+                    need_elem = n_edge
+                offs_m = start_m + offs_m0
+                m_ok = offs_m < seqlen_q
+                q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                            mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+                do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
+                             mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+                # Rows past Lq and rows with no visible key (lse = -inf) get lse = +inf: p = 0.
+                lse = tl.load(Lse + bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=float("inf"))
+                lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+                delta = tl.load(Delta + bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=0.0)
+
+                st, th = _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem,
+                                   stride_bm, stride_bn, stride_mm, stride_mn,
+                                   seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                                   HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
+                                   IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST)
+                pt = tl.exp2(st - lse2[None, :])
+                if STORE_DKV:
+                    dv += _dot(pt.to(do.dtype), do, DOT_UPCAST)
+                dpt = _dot(v, tl.trans(do), DOT_UPCAST)
+                # dst: gradient w.r.t. the final (soft-capped + bias) score, natural units.
+                dst = pt * (dpt - delta[None, :])
+
+                if DB_MODE == 1:
+                    t_ptrs = db_base + offs_n[:, None] * stride_tn + offs_m[None, :] * stride_tm
+                    t_ok = n_ok[:, None] & m_ok[None, :]
+                    if DB_ACC == 0:
+                        tl.store(t_ptrs, dst.to(DB.dtype.element_ty), mask=t_ok)
+                    elif DB_ACC == 1:
+                        # Earlier iterations' stores came from other threads' layouts.
+                        tl.debug_barrier()
+                        old = tl.load(t_ptrs, mask=t_ok, other=0.0)
+                        tl.store(t_ptrs, old + dst, mask=t_ok)
+                    else:
+                        tl.atomic_add(t_ptrs, dst, mask=t_ok)
+                elif DB_MODE == 2:
+                    col_acc += tl.sum(dst, 1)
+                elif DB_MODE == 3:
+                    r_ptrs = db_base + offs_m * stride_tm + pid_n * stride_tn
+                    rsum = tl.sum(dst, 0)
+                    if DB_ACC == 1:
+                        tl.debug_barrier()
+                        old = tl.load(r_ptrs, mask=m_ok, other=0.0)
+                        tl.store(r_ptrs, old + rsum, mask=m_ok)
+                    else:
+                        tl.store(r_ptrs, rsum, mask=m_ok)
+                elif DB_MODE == 4:
+                    sc_acc += tl.sum(tl.sum(dst, 1), 0)
+
+                if HAS_SOFTCAP:
+                    dst = dst * (1.0 - th * th)
+                dst_lp = dst.to(q.dtype)
+                if STORE_DKV:
+                    dk += _dot(dst_lp, q, DOT_UPCAST)
+                if DQ_ATOMIC:
+                    dq_part = _dot(tl.trans(dst_lp), k, DOT_UPCAST) * sm_scale
+                    dq_ptrs = DQacc + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
+                    tl.atomic_add(dq_ptrs, dq_part, mask=m_ok[:, None] & d_ok[None, :])
+            if not DB_GROUP:
+                if DB_MODE == 2:
+                    tl.store(db_base + offs_n * stride_tn, col_acc, mask=n_ok)
+                elif DB_MODE == 4:
+                    tl.store(db_base + pid_n * stride_tn, sc_acc)
+        if DB_GROUP:
+            db_base_g = DB + b64 * stride_tb + ((hk * group) // db_hdiv).to(tl.int64) * stride_th
+            if DB_MODE == 2:
+                tl.store(db_base_g + offs_n * stride_tn, col_acc, mask=n_ok)
+            elif DB_MODE == 4:
+                tl.store(db_base_g + pid_n * stride_tn, sc_acc)
+        if STORE_DKV:
+            dk = dk * sm_scale
+            tl.store(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
+                     dk.to(DK.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+            tl.store(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
+                     dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, Mask, Bias, ListIdx, ListCnt,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_mb, stride_mh, stride_mm, stride_mn, mask_hdiv,
+    stride_bb, stride_bh, stride_bm, stride_bn, bias_hdiv,
+    stride_lb, stride_lh, stride_lm, stride_cb, stride_ch, stride_cm, list_hdiv,
+    num_heads, group, seqlen_q, seqlen_k, n_k_tiles,
+    sm_scale, qk_scale, cap_scale, softcap,
+    lq_bucket, lk_bucket,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    hk = h // group
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    m_ok = offs_m < seqlen_q
+
+    q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
+                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    lse = tl.load(Lse + pid_bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(Delta + pid_bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=0.0)
+    k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    mask_base = Mask + b64 * stride_mb + (h // mask_hdiv).to(tl.int64) * stride_mh
+    bias_base = Bias + b64 * stride_bb + (h // bias_hdiv).to(tl.int64) * stride_bh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    if USE_LIST:
+        lh = h // list_hdiv
+        list_row = ListIdx + b * stride_lb + lh * stride_lh + pid_m * stride_lm
+        n_iter = tl.load(ListCnt + b * stride_cb + lh * stride_ch + pid_m * stride_cm)
+    else:
+        list_row = ListIdx
+        n_iter = n_k_tiles
+    for t in range(0, n_iter):
+        if USE_LIST:
+            entry = tl.load(list_row + t)
+            start_n = (entry >> 1) * BLOCK_N
+            need_elem = ((entry & 1) != 0) | (start_n + BLOCK_N > seqlen_k)
+        else:
+            start_n = t * BLOCK_N
+            need_elem = start_n + BLOCK_N > seqlen_k
+        offs_n = start_n + offs_n0
+        n_ok = offs_n < seqlen_k
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None],
+                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        s, th = _scores(q, tl.trans(k), bias_base, mask_base, offs_m, offs_n, need_elem,
+                        stride_bm, stride_bn, stride_mm, stride_mn,
+                        seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                        HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
+                        IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST)
+        p = tl.exp2(s - lse2[:, None])
+        dp = _dot(do, vt, DOT_UPCAST)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - th * th)
+        dq += _dot(ds.to(k.dtype), k, DOT_UPCAST)
+    dq = dq * sm_scale
+    tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+# ------------------------------------------------------------------------------------------
+# Launch configuration
+# ------------------------------------------------------------------------------------------
+
+_BWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE_LIST",
+            "lq_bucket", "lk_bucket"]
+
+
+def bwd_blocks(head_dim: int) -> Tuple[int, int]:
+    """(BLOCK_M queries, BLOCK_N keys) shared by both backward kernels (one tile map).
+
+    dK/dV keep two BLOCK_N x D fp32 accumulators in registers, hence smaller key tiles for
+    large head dims.
+    """
+    if interpret_mode():
+        return 16, 16
+    bd = head_block(head_dim)
+    if bd <= 64:
+        return 64, 128
+    if bd <= 128:
+        return 64, 64
+    return 32, 64
+
+
+def _bwd_configs():
+    return [triton.Config({}, num_warps=w, num_stages=s)
+            for w, s in ((4, 2), (8, 2), (4, 3), (8, 3), (4, 1), (8, 1))]
+
+
+def _prune_bwd(configs, named_args, **kwargs):
+    bd = named_args.get("BLOCK_D", kwargs.get("BLOCK_D", 64))
+    out = [c for c in configs if not (bd >= 256 and c.num_stages > 2)]
+    return out or configs[:1]
+
+
+_dkdv_tuned = triton.autotune(
+    configs=_bwd_configs(),
+    key=_BWD_KEY + ["STORE_DKV", "DQ_ATOMIC", "DB_MODE", "DB_ACC"],
+    prune_configs_by={"early_config_prune": _prune_bwd},
+    reset_to_zero=["DQacc", "DB"],
+)(_attn_bwd_dkdv_kernel)
+
+_dq_tuned = triton.autotune(
+    configs=_bwd_configs(), key=_BWD_KEY, prune_configs_by={"early_config_prune": _prune_bwd}
+)(_attn_bwd_dq_kernel)
+
+
+def _dbias_plan(bias: torch.Tensor, B: int, H: int, Hkv: int, Lq: int, Lk: int,
+                n_k_tiles: int, deterministic: bool, dense: bool):
+    """Choose the dbias target buffer and kernel mode (cases a-d of the module docstring).
+
+    Returns (target, mode, acc, group_reduce, n_pairs, pair_h, slots_b, slots_h, finish) where
+    ``finish(target)`` turns the kernel's buffer into dbias of the bias' shape and dtype.
+    """
+    bx, hx, qx, kx = bias.shape
+    G = H // Hkv
+    dev = bias.device
+    q_red = qx == 1 and Lq != 1
+    k_red = kx == 1 and Lk != 1
+    th = H if hx == H else Hkv  # target head count when the target is per (b, kv head) pair
+    group_reduce = th != H
+    reduce_b = bx == 1 and B > 1
+    reduce_h = hx == 1 and Hkv > 1
+    one_pair = (1, 1, B, Hkv)
+
+    def sum_to_bias(t):
+        if reduce_b:
+            t = t.sum(0, keepdim=True)
+        if hx == 1 and t.size(1) > 1:
+            t = t.sum(1, keepdim=True)
+        return t.to(bias.dtype)
+
+    if k_red:
+        # (d) per-key-tile partial row sums.
+        target = torch.zeros((B, th, qx, n_k_tiles), dtype=torch.float32, device=dev)
+        mode = _DB_SCALAR if q_red else _DB_KRED
+        acc = _ACC_RMW if (group_reduce and G > 1) else _ACC_STORE
+        return (target, mode, acc, group_reduce, *one_pair,
+                lambda t: sum_to_bias(t.sum(3, keepdim=True)))
+    if not reduce_b and not reduce_h:
+        # (a) exclusive ownership: write the bias-shaped result in place.
+        if q_red:
+            target = torch.zeros(bias.shape, dtype=torch.float32, device=dev)
+            return (target, _DB_QRED, _ACC_STORE, group_reduce, *one_pair,
+                    lambda t: t.to(bias.dtype))
+        if group_reduce and G > 1:
+            target = torch.zeros(bias.shape, dtype=torch.float32, device=dev)
+            return (target, _DB_TILE, _ACC_RMW, group_reduce, *one_pair,
+                    lambda t: t.to(bias.dtype))
+        # Every visited element is stored exactly once; skipped (dead) tiles must read as 0.
+        if dense:
+            target = alloc_output(bias.shape, bias.dtype, dev)
+        else:
+            target = torch.zeros(bias.shape, dtype=bias.dtype, device=dev)
+        return (target, _DB_TILE, _ACC_STORE, group_reduce, *one_pair, lambda t: t)
+    if q_red:
+        # (b) query-reduced partials per (b, kv head or head), summed with torch.
+        target = torch.zeros((B, th, 1, Lk), dtype=torch.float32, device=dev)
+        return (target, _DB_QRED, _ACC_STORE, group_reduce, *one_pair, sum_to_bias)
+    # (c) full (Lq, Lk) tiles shared across batch and/or kv heads.
+    target = torch.zeros(bias.shape, dtype=torch.float32, device=dev)
+    if not deterministic:
+        return (target, _DB_TILE, _ACC_ATOMIC, group_reduce, *one_pair,
+                lambda t: t.to(bias.dtype))
+    pair_b = B if reduce_b else 1
+    pair_h = Hkv if reduce_h else 1
+    return (target, _DB_TILE, _ACC_RMW, group_reduce, pair_b * pair_h, pair_h,
+            B // pair_b, Hkv // pair_h, lambda t: t.to(bias.dtype))
+
+
+def _target_strides(target: torch.Tensor, H: int):
+    st = [0 if target.size(d) == 1 else target.stride(d) for d in range(4)]
+    return st[0], st[1], st[2], st[3], H // target.size(1)
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    softmax_scale: float,
+    is_causal: bool,
+    softcap: float,
+    deterministic: bool,
+    bias_needs_grad: bool,
+    needs_dq: bool = True,
+    needs_dkv: bool = True,
+):
+    """Attention backward.
+
+    Args:
+        dout, out: ``(B, Lq, H, D)``; q ``(B, Lq, H, D)``; k, v ``(B, Lk, Hkv, D)``; lse
+            ``(B, H, Lq)`` fp32 from :func:`attention_forward`; mask/bias/scale/causal/softcap
+            exactly as given to the forward.
+        deterministic: bitwise reproducible (dQ by its own kernel, no atomics anywhere).
+        bias_needs_grad: compute dbias (requires ``bias``).
+        needs_dq / needs_dkv: skip work for gradients nobody wants.
+
+    Returns:
+        ``(dq, dk, dv, dbias)``; dq/dk/dv in q/k/v's dtype (None when not requested), dbias of
+        the bias view's exact shape and dtype (None unless requested).
+    """
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
+    lse = lse.contiguous()
+    B, Lq, H, D = q.shape
+    Lk, Hkv = k.shape[1], k.shape[2]
+    G = H // Hkv
+    device = q.device
+    want_db = bool(bias_needs_grad) and bias is not None
+
+    dq = alloc_output(q.shape, q.dtype, device) if needs_dq else None
+    dk = alloc_output(k.shape, k.dtype, device) if needs_dkv else None
+    dv = alloc_output(v.shape, v.dtype, device) if needs_dkv else None
+    if B * H * Lq * Lk * D == 0 or B * H * Lq * Lk == 0:
+        for t in (dq, dk, dv):
+            if t is not None:
+                t.zero_()
+        return dq, dk, dv, (torch.zeros_like(bias) if want_db else None)
+
+    block_m, block_n = bwd_blocks(D)
+    n_q_tiles = triton.cdiv(Lq, block_m)
+    n_k_tiles = triton.cdiv(Lk, block_n)
+    bd = head_block(D)
+    interp = interpret_mode()
+
+    delta = torch.empty((B, H, Lq), dtype=torch.float32, device=device)
+    pre_bm = 16 if interp else 64
+    _bwd_preprocess[(triton.cdiv(Lq, pre_bm), B * H)](
+        out, dout, delta,
+        out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        H, Lq, HEAD_DIM=D, BLOCK_D=bd, BLOCK_M=pre_bm,
+    )
+
+    run_dkdv = needs_dkv or want_db
+    dq_atomic = needs_dq and run_dkdv and not deterministic
+    run_dq_kernel = needs_dq and not dq_atomic
+    tiles = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m, block_n, device,
+                             need_fwd=run_dq_kernel, need_bwd=run_dkdv)
+    use_list = tiles is not None
+
+    mask_arg = mask.view(torch.uint8) if mask is not None else q
+    bias_arg = bias if bias is not None else q
+    ms = broadcast_strides(mask, H)
+    bs = broadcast_strides(bias, H)
+    has_softcap = softcap > 0.0
+    scal = (softmax_scale, softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0,
+            softcap, seqlen_bucket(Lq), seqlen_bucket(Lk))
+    flags = dict(
+        HEAD_DIM=D, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_MASK=mask is not None,
+        MASK_QB=mask is not None and mask.size(2) == 1,
+        MASK_KB=mask is not None and mask.size(3) == 1,
+        HAS_BIAS=bias is not None,
+        BIAS_QB=bias is not None and bias.size(2) == 1,
+        BIAS_KB=bias is not None and bias.size(3) == 1,
+        IS_CAUSAL=bool(is_causal), USE_LIST=use_list, HAS_SOFTCAP=has_softcap,
+        DOT_UPCAST=dot_upcast(q.dtype),
+    )
+
+    dbias = None
+    if run_dkdv:
+        if want_db:
+            (target, db_mode, db_acc, db_group, n_pairs, pair_h, slots_b, slots_h,
+             finish) = _dbias_plan(bias, B, H, Hkv, Lq, Lk, n_k_tiles, deterministic, not use_list)
+            ts = _target_strides(target, H)
+        else:
+            # Never pass a real input here: the autotuner zeroes DB between trials.
+            target = torch.empty(1, dtype=torch.float32, device=device)
+            db_mode, db_acc, db_group = _DB_NONE, _ACC_STORE, False
+            n_pairs, pair_h, slots_b, slots_h, finish = 1, 1, B, Hkv, None
+            ts = (0, 0, 0, 0, 1)
+        dq_acc = (torch.zeros((B, Lq, H, D), dtype=torch.float32, device=device)
+                  if dq_atomic else torch.empty(1, dtype=torch.float32, device=device))
+        dk_arg = dk if needs_dkv else q
+        dv_arg = dv if needs_dkv else q
+        if use_list:
+            idx, cnt, lst, lhd = tiles.bwd_idx, tiles.bwd_cnt, tiles.bwd_strides(), tiles.head_div
+        else:
+            idx, cnt, lst, lhd = q, q, (0, 0, 0, 0, 0, 0), 1
+        dq_strides = (dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2)) if dq_atomic else (0, 0, 0)
+        args = (
+            q, k, v, dout, lse, delta, dk_arg, dv_arg, dq_acc, mask_arg, bias_arg, target, idx, cnt,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            dk_arg.stride(0), dk_arg.stride(1), dk_arg.stride(2),
+            dv_arg.stride(0), dv_arg.stride(1), dv_arg.stride(2),
+            *dq_strides,
+            *ms, *bs, *ts, *lst, lhd,
+            H, G, Lq, Lk, n_q_tiles,
+            n_pairs, pair_h, slots_h,
+            *scal,
+        )
+        meta = dict(flags, STORE_DKV=needs_dkv, DQ_ATOMIC=dq_atomic,
+                    DB_MODE=db_mode, DB_ACC=db_acc, DB_GROUP=db_group)
+        grid = (n_k_tiles, slots_b * slots_h)
+        if interp:
+            _attn_bwd_dkdv_kernel[grid](*args, **meta, num_warps=4, num_stages=1)
+        else:
+            _dkdv_tuned[grid](*args, **meta)
+        if dq_atomic:
+            dq.copy_(dq_acc)
+        if want_db:
+            dbias = finish(target)
+
+    if run_dq_kernel:
+        if use_list:
+            idx, cnt, lst, lhd = tiles.fwd_idx, tiles.fwd_cnt, tiles.fwd_strides(), tiles.head_div
+        else:
+            idx, cnt, lst, lhd = q, q, (0, 0, 0, 0, 0, 0), 1
+        args = (
+            q, k, v, dout, lse, delta, dq, mask_arg, bias_arg, idx, cnt,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            *ms, *bs, *lst, lhd,
+            H, G, Lq, Lk, n_k_tiles,
+            *scal,
+        )
+        grid = (n_q_tiles, B * H)
+        if interp:
+            _attn_bwd_dq_kernel[grid](*args, **flags, num_warps=4, num_stages=1)
+        else:
+            _dq_tuned[grid](*args, **flags)
+
+    return dq, dk, dv, dbias

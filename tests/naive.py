@@ -1,0 +1,49 @@
+"""An independent, deliberately plain float64 implementation of SPEC §3 for the tests.
+
+Everything is materialised at full (B, H, Lq, Lk) size; it shares no code with the library.
+"""
+import torch
+
+
+def expand_heads(t, batch, heads, kv_heads, lq, lk):
+    """Broadcast a 4-D mask/bias (head dim 1, Hkv or H) to (B, H, Lq, Lk)."""
+    if t.shape[1] == kv_heads and kv_heads != heads:
+        t = t.repeat_interleave(heads // kv_heads, dim=1)
+    return t.expand(batch, heads, lq, lk)
+
+
+def naive_attention(q, k, v, mask=None, bias=None, scale=None, causal=False, softcap=0.0):
+    """Returns (out (B, Lq, H, D), lse (B, H, Lq)), all in float64, differentiable."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, Lq, H, D = q.shape
+    Lk, Hkv = k.shape[1], k.shape[2]
+    g = H // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    kk = k.repeat_interleave(g, dim=2)
+    vv = v.repeat_interleave(g, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        b4 = bias.double()
+        while b4.dim() < 4:
+            b4 = b4.unsqueeze(0)
+        s = s + expand_heads(b4, B, H, Hkv, Lq, Lk)
+    visible = torch.ones(B, H, Lq, Lk, dtype=torch.bool)
+    if mask is not None:
+        m4 = mask
+        while m4.dim() < 4:
+            m4 = m4.unsqueeze(0)
+        visible = visible & expand_heads(m4, B, H, Hkv, Lq, Lk)
+    if causal:
+        i = torch.arange(Lq).unsqueeze(1)
+        j = torch.arange(Lk).unsqueeze(0)
+        visible = visible & (j <= i + Lk - Lq)
+    s = s.masked_fill(~visible, float("-inf"))
+    empty = torch.isneginf(s).all(dim=-1, keepdim=True)
+    safe = torch.where(empty, torch.zeros_like(s), s)
+    p = torch.softmax(safe, dim=-1) * (~empty)
+    lse = torch.where(empty.squeeze(-1), torch.full_like(empty.squeeze(-1), float("-inf"), dtype=s.dtype),
+                      torch.logsumexp(safe, dim=-1))
+    out = torch.einsum("bhij,bjhd->bihd", p, vv)
+    return out, lse

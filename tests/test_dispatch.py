@@ -1,0 +1,131 @@
+"""Dispatch rules of SPEC §6: priority, env overrides, explicit backends, fallback warning."""
+import warnings
+
+import pytest
+import torch
+
+import flash_dmattn
+from flash_dmattn import (
+    BackendUnavailableError,
+    flash_dmattn_func,
+    flash_dmattn_func_auto,
+    get_available_backends,
+    registry,
+)
+from flash_dmattn.backends.flex import FlexBackend
+from flash_dmattn.backends.reference import ReferenceBackend
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Record which backend ran each call."""
+    seen = []
+    for cls in (FlexBackend, ReferenceBackend):
+        original = cls.attention
+
+        def spy(self, inputs, _orig=original):
+            seen.append(self.name)
+            return _orig(self, inputs)
+
+        monkeypatch.setattr(cls, "attention", spy)
+    return seen
+
+
+def small(requires_grad=False):
+    q = torch.randn(1, 6, 2, 16, requires_grad=requires_grad)
+    k = torch.randn(1, 6, 1, 16)
+    return q, k, k.clone()
+
+
+def test_available_backends_in_priority_order():
+    names = get_available_backends()
+    assert names == [n for n in registry.PRIORITY if n in names]
+    assert "torch-reference" in names and "flex" in names
+    assert flash_dmattn.FLEX_AVAILABLE is True
+    assert flash_dmattn.CUDA_AVAILABLE == ("cuda" in names)
+    assert flash_dmattn.TRITON_AVAILABLE == ("triton" in names)
+
+
+def test_auto_on_cpu_prefers_reference_over_eager_flex(calls):
+    flash_dmattn_func(*small())
+    assert calls == ["torch-reference"]
+
+
+def test_forced_backend_env(monkeypatch, calls):
+    monkeypatch.setenv("FLASH_DMATTN_BACKEND", "flex")
+    flash_dmattn_func(*small())
+    assert calls == ["flex"]
+    # forced means no fallback: flex cannot do a CPU backward
+    with pytest.raises(ValueError, match="no backward pass on CPU"):
+        flash_dmattn_func(*small(requires_grad=True))
+
+
+def test_forced_unknown_backend(monkeypatch):
+    monkeypatch.setenv("FLASH_DMATTN_BACKEND", "nope")
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        flash_dmattn_func(*small())
+
+
+def test_disable_env(monkeypatch, calls):
+    monkeypatch.setenv("FLASH_DMATTN_DISABLE", "torch-reference")
+    assert "torch-reference" not in get_available_backends()
+    flash_dmattn_func(*small())  # flex is the only one left; it can run a forward
+    assert calls == ["flex"]
+    with pytest.raises(BackendUnavailableError, match="disabled by FLASH_DMATTN_DISABLE"):
+        flash_dmattn_func_auto("torch-reference")
+
+
+def test_auto_function_and_explicit_functions(calls):
+    assert flash_dmattn_func_auto() is flash_dmattn_func
+    fn = flash_dmattn_func_auto(backend="flex")
+    fn(*small())
+    flash_dmattn_func_auto("torch-reference")(*small(requires_grad=True))
+    assert calls == ["flex", "torch-reference"]
+    with pytest.raises(BackendUnavailableError, match="'cuda' is unavailable"):
+        flash_dmattn_func_auto("cuda")
+    with pytest.raises(ValueError, match="unknown backend"):
+        flash_dmattn_func_auto("tpu")
+
+
+def test_auto_falls_through_to_reference_when_flex_declines(calls):
+    q, k, v = small(requires_grad=True)
+    flash_dmattn_func(q, k, v).sum().backward()
+    assert calls == ["torch-reference"] and q.grad is not None
+
+
+def test_fallback_warning_once_on_accelerated_device(monkeypatch):
+    # Pretend the CPU is an accelerator: the warning path is device-type driven.
+    monkeypatch.setattr(registry, "ACCELERATED_DEVICE_TYPES", {"cpu"})
+    q, k, v = small(requires_grad=True)
+    with pytest.warns(RuntimeWarning, match=r"(?s)torch-reference.*flex: FlexAttention has no backward"):
+        flash_dmattn_func(q, k, v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flash_dmattn_func(q, k, v)  # same reasons: no second warning
+
+
+def test_no_warning_on_cpu():
+    q, k, v = small(requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flash_dmattn_func(q, k, v)
+
+
+def test_choice_is_logged_once(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="flash_dmattn"):
+        flash_dmattn_func(*small())
+        flash_dmattn_func(*small())
+    lines = [r for r in caplog.records if "using backend" in r.getMessage()]
+    assert len(lines) == 1 and "torch-reference" in lines[0].getMessage()
+
+
+def test_info_lists_every_backend(capsys):
+    from flash_dmattn.__main__ import main
+
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for name in registry.PRIORITY:
+        assert name in out
+    assert "device:" in out

@@ -1,0 +1,149 @@
+"""The torch-reference backend against an independent float64 formula (tests/naive.py)."""
+import pytest
+import torch
+from hypothesis import given, settings
+
+from flash_dmattn import flash_dmattn_func, reference_dmattn_func
+from flash_dmattn.reference import attention as ref_mod
+
+from cases import FIXED, Case, cases
+from naive import naive_attention
+
+
+def _grads(out, inputs, grad_out):
+    needed = [t for t in inputs if t is not None and t.requires_grad]
+    return torch.autograd.grad(out, needed, grad_out)
+
+
+def check_against_naive(case: Case, fn=reference_dmattn_func, dtype=torch.float64, tol=1e-9):
+    q, k, v, mask, bias = case.tensors(dtype=dtype, requires_grad=True)
+    out, lse, probs = fn(q, k, v, mask, bias, case.scale, case.causal, case.softcap,
+                         return_attn_probs=True)
+    ref_out, ref_lse = naive_attention(q, k, v, mask, bias, case.scale, case.causal, case.softcap)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
+    assert lse.dtype == torch.float32  # SPEC: lse is fp32; -inf rows must match too
+    torch.testing.assert_close(lse, ref_lse.float(), atol=max(tol, 1e-5), rtol=max(tol, 2e-6))
+    assert probs.shape == (case.batch, case.heads, case.seqlen_q, case.seqlen_k)
+    grad_out = torch.randn_like(ref_out)
+    got = _grads(out, (q, k, v, bias), grad_out.to(out.dtype))
+    want = _grads(ref_out, (q, k, v, bias), grad_out)
+    for name, a, b in zip("q k v bias".split(), got, want):
+        assert a.shape == b.shape, name
+        assert not a.isnan().any(), f"NaN in d{name}"
+        torch.testing.assert_close(a.double(), b.double(), atol=tol * 10, rtol=tol * 10)
+
+
+@pytest.mark.parametrize("case", FIXED, ids=lambda c: f"{c.seqlen_q}x{c.seqlen_k}")
+def test_fixed_cases_float64(case):
+    check_against_naive(case)
+
+
+@settings(max_examples=120, deadline=None)
+@given(cases())
+def test_random_cases_float64(case):
+    check_against_naive(case)
+
+
+@settings(max_examples=25, deadline=None)
+@given(cases())
+def test_random_cases_float32(case):
+    # fp32 accumulation over <= 40 keys: errors ~1e-6; 2e-5 leaves room without hiding bugs
+    check_against_naive(case, dtype=torch.float32, tol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype):
+    case = FIXED[0]
+    q, k, v, mask, bias = case.tensors(dtype=dtype)
+    out = flash_dmattn_func(q, k, v, mask, bias, is_causal=True)
+    ref, _ = naive_attention(q, k, v, mask, bias, causal=True)
+    assert out.dtype == dtype
+    # the output is rounded to 8 (bf16) / 11 (fp16) mantissa bits: |out| <~ 3 -> 2e-2 / 3e-3
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
+
+
+def test_chunked_path_matches(monkeypatch):
+    # Force several query chunks so chunk boundaries (and q-indexed mask/bias rows) are hit.
+    monkeypatch.setattr(ref_mod, "CHUNK_ELEMENTS", 4 * 65 * 4)
+    check_against_naive(FIXED[0])
+    check_against_naive(FIXED[1])
+
+
+def test_fully_masked_rows_zero_output_and_grads():
+    q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    mask[..., 3, :] = False
+    bias = torch.zeros(1, 2, 8, 8, dtype=torch.float64)
+    bias[..., 5, :] = float("-inf")
+    bias.requires_grad_()
+    out, lse, _ = reference_dmattn_func(q, k, v, mask, bias, return_attn_probs=True)
+    assert torch.equal(out[0, 3], torch.zeros_like(out[0, 3]))
+    assert torch.equal(out[0, 5], torch.zeros_like(out[0, 5]))
+    assert torch.isneginf(lse[0, :, 3]).all() and torch.isneginf(lse[0, :, 5]).all()
+    out.sum().backward()
+    for t in (q, k, v, bias):
+        assert not t.grad.isnan().any()
+    assert torch.equal(q.grad[0, 3], torch.zeros_like(q.grad[0, 3]))
+    assert torch.equal(bias.grad[0, :, 5], torch.zeros_like(bias.grad[0, :, 5]))
+
+
+def test_dbias_is_reduced_to_bias_shape():
+    b, h, hkv, l = 2, 4, 2, 12
+    q = torch.randn(b, l, h, 8, dtype=torch.float64)
+    k, v = (torch.randn(b, l, hkv, 8, dtype=torch.float64) for _ in range(2))
+    full = torch.randn(b, h, l, l, dtype=torch.float64)
+    for shape in [(b, hkv, 1, l), (1, 1, l, l), (b, 1, 1, l), (l,), (1, h, 1, 1), (hkv, l, l)]:
+        # the same values as a full bias, so the reduced gradient must be the full one summed
+        small = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        out = flash_dmattn_func(q, k, v, attn_bias=small, is_causal=True)
+        gout = torch.randn_like(out)
+        (g_small,) = torch.autograd.grad(out, small, gout)
+        expanded = small.detach()
+        while expanded.dim() < 4:
+            expanded = expanded.unsqueeze(0)
+        if expanded.shape[1] == hkv:
+            expanded = expanded.repeat_interleave(h // hkv, 1)
+        big = expanded.expand(b, h, l, l).clone().requires_grad_()
+        (g_big,) = torch.autograd.grad(flash_dmattn_func(q, k, v, attn_bias=big, is_causal=True), big, gout)
+        assert g_small.shape == small.shape and g_small.dtype == small.dtype
+        torch.testing.assert_close(g_small, _reduce_to(g_big, small.shape, h, hkv), atol=1e-12, rtol=1e-10)
+
+
+def _reduce_to(grad_full, shape, h, hkv):
+    g = grad_full
+    shape4 = (1,) * (4 - len(shape)) + tuple(shape)
+    if shape4[1] == hkv and hkv != h:
+        g = g.unflatten(1, (hkv, h // hkv)).sum(2)
+    return g.sum_to_size(shape4).reshape(shape)
+
+
+def test_no_grad_forward_stores_nothing():
+    q = torch.randn(1, 8, 2, 8, requires_grad=True)
+    with torch.no_grad():
+        out = flash_dmattn_func(q, q[:, :, :1].detach(), q[:, :, :1].detach())
+    assert out.grad_fn is None
+
+
+def test_only_requested_grads_are_computed():
+    q = torch.randn(1, 8, 2, 8, dtype=torch.float64)
+    k = torch.randn(1, 8, 2, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 8, 2, 8, dtype=torch.float64)
+    out = flash_dmattn_func(q, k, v)
+    out.sum().backward()
+    assert k.grad is not None and q.grad is None and v.grad is None
+
+
+def test_empty_key_sequence():
+    q = torch.randn(1, 3, 2, 8)
+    k = v = torch.randn(1, 0, 2, 8)
+    out, lse, _ = reference_dmattn_func(q, k, v, return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_softmax_scale_zero_is_uniform():
+    q, k, v = (torch.randn(1, 5, 1, 8, dtype=torch.float64) for _ in range(3))
+    out = flash_dmattn_func(q, k, v, softmax_scale=0.0)
+    torch.testing.assert_close(out, v.mean(dim=1, keepdim=True).expand_as(out))

@@ -1,0 +1,334 @@
+"""Triton kernels vs a float64 naive formula, on CPU through the Triton interpreter.
+
+Shapes are tiny and the kernels run with 16x16 tiles under TRITON_INTERPRET=1, so ragged edges,
+tile skipping and every broadcast path are exercised in a few minutes on two cores.
+"""
+import os
+
+# Must precede the first triton import: triton.jit picks interpreter vs compiler at decoration.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="the Triton kernels need the triton package")
+
+from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
+from flash_dmattn.backends.triton.backward import attention_backward  # noqa: E402
+from flash_dmattn.backends.triton.forward import attention_forward, fwd_blocks  # noqa: E402
+from flash_dmattn.backends.triton.tiles import build_tile_lists, classify_tiles  # noqa: E402
+
+# Tolerances, relative to the largest magnitude of the reference tensor:
+# * fp32 inputs: the kernels accumulate in fp32 (reordered sums, exp2 with folded log2(e)),
+#   so errors are ~1e-6 relative; 2e-5 leaves margin for lengths ~65 and large dS sums.
+# * fp16 inputs: P and dS are rounded to fp16 (11-bit mantissa, ~5e-4 relative) before their
+#   dots and the results are stored in fp16, so a few 1e-3 relative is the expected floor.
+# * bf16: 8-bit mantissa (~4e-3 relative per rounding), a few roundings compound.
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    # Kernel-written outputs start as NaN: anything the kernels forget to write shows up.
+    monkeypatch.setattr(fwd_mod, "DEBUG_POISON", True)
+
+
+def naive_attention(q, k, v, mask, bias, scale, causal, softcap):
+    """Dense float64 formula of the contract; differentiable in q, k, v and bias."""
+    B, Lq, H, D = q.shape
+    Lk, Hkv = k.shape[1], k.shape[2]
+    G = H // Hkv
+    kk = k.repeat_interleave(G, dim=2)
+    vv = v.repeat_interleave(G, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+
+    def per_head(t):
+        if t.size(1) not in (1, H):  # per-kv-head: query head h reads head h // G
+            t = t.repeat_interleave(G, dim=1)
+        return t.expand(B, H, Lq, Lk)
+
+    if bias is not None:
+        s = s + per_head(bias)
+    vis = torch.ones(B, H, Lq, Lk, dtype=torch.bool)
+    if mask is not None:
+        vis = vis & per_head(mask)
+    if causal:
+        vis = vis & torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq)
+    s = s.masked_fill(~vis, float("-inf"))
+    row_live = (s > float("-inf")).any(-1, keepdim=True)
+    # Empty rows get finite dummy scores so no NaN reaches autograd; they are zeroed after.
+    s = torch.where(row_live, s, torch.zeros_like(s))
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    p = torch.exp(s - lse) * row_live
+    out = torch.einsum("bhij,bjhd->bihd", p, vv)
+    lse = torch.where(row_live, lse, torch.full_like(lse, float("-inf"))).squeeze(-1)
+    return out, lse
+
+
+def make_tensor(shape, dtype, kind="randn"):
+    if kind == "mask":
+        return torch.rand(shape) > 0.3
+    return torch.randn(shape, dtype=torch.float32).to(dtype)
+
+
+def resolve(shape_spec, B, H, Hkv, Lq, Lk):
+    names = {"B": B, "H": H, "K": Hkv, "Q": Lq, "L": Lk, "1": 1}
+    return tuple(names[c] for c in shape_spec)
+
+
+def assert_close(name, got, want, tol):
+    assert got is not None, name
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    assert not torch.isnan(got).any(), f"{name} has NaN"
+    got = got.double()
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite), f"{name}: inf pattern differs"
+    assert torch.equal(got[~finite], want[~finite]), f"{name}: inf values differ"
+    if finite.any():
+        scale = want[finite].abs().max().clamp_min(1.0)
+        err = (got[finite] - want[finite]).abs().max()
+        assert err <= tol * scale, f"{name}: max err {err.item():.3g} > {tol} * {scale.item():.3g}"
+
+
+def run_case(B, H, Hkv, Lq, Lk, D, causal=False, mask=None, bias=None, softcap=0.0, dtype=torch.float32,
+             scale=None, deterministic=False, bias_grad=True, q=None, k=None, v=None):
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    q = make_tensor((B, Lq, H, D), dtype) if q is None else q
+    k = make_tensor((B, Lk, Hkv, D), dtype) if k is None else k
+    v = make_tensor((B, Lk, Hkv, D), dtype) if v is None else v
+    out, lse = attention_forward(q, k, v, mask, bias, scale, causal, softcap)
+    dout = make_tensor(out.shape, dtype)
+    want_db = bias is not None and bias_grad
+    dq, dk, dv, db = attention_backward(dout, q, k, v, out, lse, mask, bias, scale, causal, softcap,
+                                        deterministic, want_db)
+
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    bd = bias.detach().double().requires_grad_() if bias is not None else None
+    ro, rl = naive_attention(qd, kd, vd, mask, bd, scale, causal, softcap)
+    ro.backward(dout.double())
+    tol = TOL[dtype]
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close("out", out, ro.detach(), tol)
+    assert_close("lse", lse, rl.detach(), tol)
+    assert_close("dq", dq, qd.grad, tol)
+    assert_close("dk", dk, kd.grad, tol)
+    assert_close("dv", dv, vd.grad, tol)
+    assert dq.dtype == dtype and dk.dtype == dtype and dv.dtype == dtype
+    if want_db:
+        assert db.dtype == bias.dtype
+        assert_close("dbias", db, bd.grad, tol)
+    else:
+        assert db is None
+    return out, lse, (dq, dk, dv, db)
+
+
+# (Lq, Lk, H, Hkv, D, causal)
+GEOMETRIES = [
+    (1, 1, 2, 2, 16, False),
+    (1, 17, 4, 2, 16, True),
+    (17, 17, 2, 1, 40, True),
+    (33, 63, 4, 2, 16, True),    # Lq < Lk, bottom-right causal
+    (65, 33, 4, 1, 16, True),    # Lq > Lk: first rows causally empty
+    (63, 65, 2, 2, 64, False),
+    (17, 33, 4, 4, 40, False),
+]
+
+
+@pytest.mark.parametrize("geom", GEOMETRIES, ids=lambda g: "q{}k{}h{}kv{}d{}{}".format(*g[:5], "c" if g[5] else ""))
+def test_geometries_plain(geom):
+    Lq, Lk, H, Hkv, D, causal = geom
+    run_case(2, H, Hkv, Lq, Lk, D, causal=causal)
+
+
+# Shape specs: B/H/K(=Hkv)/Q/L(=Lk)/1 per dim.
+BCAST_SHAPES = ["BHQL", "BKQL", "BK1L", "11QL", "B11L", "1111", "BHQ1", "11Q1", "B1QL", "1H1L", "1KQL", "B111"]
+
+
+@pytest.mark.parametrize("spec", BCAST_SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_mask_broadcast(spec, causal):
+    B, H, Hkv, Lq, Lk = 2, 4, 2, 33, 40
+    mask = make_tensor(resolve(spec, B, H, Hkv, Lq, Lk), None, "mask")
+    run_case(B, H, Hkv, Lq, Lk, 16, causal=causal, mask=mask)
+
+
+@pytest.mark.parametrize("spec", BCAST_SHAPES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bias_broadcast(spec, deterministic):
+    B, H, Hkv, Lq, Lk = 2, 4, 2, 33, 40
+    bias = make_tensor(resolve(spec, B, H, Hkv, Lq, Lk), torch.float32)
+    run_case(B, H, Hkv, Lq, Lk, 16, causal=not deterministic, bias=bias, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("spec", ["BHQL", "1KQL", "11QL", "B1QL", "BK1L", "1111"])
+def test_bias_broadcast_mha(spec):
+    # Hkv == H: head broadcast of 1 reduces across all (kv) heads, a different kernel plan.
+    B, H, Lq, Lk = 2, 2, 20, 33
+    bias = make_tensor(resolve(spec, B, H, H, Lq, Lk), torch.float32)
+    mask = make_tensor((B, 1, Lq, Lk), None, "mask")
+    run_case(B, H, H, Lq, Lk, 16, mask=mask, bias=bias, deterministic=spec.startswith("1"))
+
+
+@pytest.mark.parametrize("mask_spec,bias_spec", [("BKQL", "1H1L"), ("B11L", "BKQ1"), ("BHQL", "11QL")])
+def test_mask_and_bias_softcap(mask_spec, bias_spec):
+    B, H, Hkv, Lq, Lk = 2, 4, 2, 30, 45
+    mask = make_tensor(resolve(mask_spec, B, H, Hkv, Lq, Lk), None, "mask")
+    bias = make_tensor(resolve(bias_spec, B, H, Hkv, Lq, Lk), torch.float32)
+    run_case(B, H, Hkv, Lq, Lk, 40, causal=True, mask=mask, bias=bias, softcap=3.0, scale=0.5)
+
+
+def test_expanded_bias_with_grad():
+    # A bias needing grad may arrive with stride-0 dims of full size (not narrowed): its grad is
+    # per expanded element, read through stride 0.
+    B, H, Lq, Lk = 2, 2, 17, 20
+    base = make_tensor((1, H, Lq, Lk), torch.float32)
+    bias = base.expand(B, H, Lq, Lk)
+    run_case(B, H, H, Lq, Lk, 16, bias=bias)
+
+
+def test_strided_inputs():
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 19, 23, 16
+    qkv = make_tensor((B, Lq, 3, H, D), torch.float32)
+    kv = make_tensor((B, Hkv, Lk, 2, D), torch.float32).permute(0, 2, 1, 3, 4)  # (B, Lk, Hkv, 2, D)
+    mask = (torch.rand(B, H, Lk, 2 * Lq) > 0.2).transpose(-1, -2)[:, :, ::2, :]  # strided, transposed
+    bias = make_tensor((B, 1, Lk, Lq), torch.float32).transpose(-1, -2)
+    run_case(B, H, Hkv, Lq, Lk, D, causal=True, mask=mask, bias=bias,
+             q=qkv[:, :, 0], k=kv[..., 0, :], v=kv[..., 1, :])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [16, 40, 64])
+def test_low_precision(dtype, D):
+    B, H, Hkv, Lq, Lk = 1, 4, 2, 33, 47
+    mask = make_tensor((B, Hkv, Lq, Lk), None, "mask")
+    bias = make_tensor((1, H, 1, Lk), dtype)
+    run_case(B, H, Hkv, Lq, Lk, D, causal=True, mask=mask, bias=bias, dtype=dtype)
+
+
+def test_fp32_bias_with_fp16_inputs():
+    B, H, Lq, Lk = 1, 2, 20, 20
+    bias = make_tensor((B, H, Lq, Lk), torch.float32)
+    run_case(B, H, H, Lq, Lk, 16, bias=bias, dtype=torch.float16)
+
+
+def test_zero_scale_and_softcap():
+    run_case(1, 2, 1, 17, 21, 16, causal=True, scale=0.0, softcap=1.0,
+             bias=make_tensor((1, 2, 17, 21), torch.float32))
+
+
+def test_empty_rows_no_nan():
+    """Fully masked rows, -inf bias entries and whole -inf bias rows: 0 out, -inf lse, 0 grads."""
+    B, H, Hkv, Lq, Lk = 2, 4, 2, 33, 40
+    mask = make_tensor((B, H, Lq, Lk), None, "mask")
+    mask[0, 1, 5] = False
+    mask[1, :, 20:] = False  # a whole query tile plus rows past it
+    bias = make_tensor((B, H, Lq, Lk), torch.float32)
+    bias[0, 0, 3] = float("-inf")
+    bias[1, 2, 7, ::3] = float("-inf")
+    bias[0, 3, 9, :] = float("-inf")
+    out, lse, grads = run_case(B, H, Hkv, Lq, Lk, 16, causal=True, mask=mask, bias=bias)
+    for b, h, i in [(0, 1, 5), (0, 0, 3), (0, 3, 9), (1, 0, 25), (1, 3, 32)]:
+        assert torch.all(out[b, i, h] == 0)
+        assert lse[b, h, i] == float("-inf")
+    dq, dk, dv, db = grads
+    assert torch.all(dq[0, 5, 1] == 0) and torch.all(dq[1, 20:] == 0)
+    assert torch.all(db[1, :, 20:] == 0) and torch.all(db[0, 3, 9] == 0)
+    for t in grads:
+        assert torch.isfinite(t).all()
+
+
+def test_causally_empty_rows():
+    # Lq > Lk: rows i < Lq - Lk see no key.
+    out, lse, grads = run_case(1, 2, 2, 40, 9, 16, causal=True,
+                               bias=make_tensor((1, 2, 40, 9), torch.float32))
+    assert torch.all(out[:, :31] == 0) and torch.all(lse[:, :, :31] == float("-inf"))
+    assert all(torch.isfinite(t).all() for t in grads)
+
+
+def test_all_masked():
+    mask = torch.zeros(1, 1, 1, 1, dtype=torch.bool)
+    out, lse, grads = run_case(2, 2, 1, 17, 19, 16, mask=mask, bias=make_tensor((2, 1, 17, 19), torch.float32))
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+    assert all(torch.all(t == 0) for t in grads)
+
+
+def _mixed_tile_mask(B, H, Lq, Lk, bm, bn):
+    """Mask whose bm x bn tiles cycle through dead, full and partial."""
+    nq, nk = -(-Lq // bm), -(-Lk // bn)
+    kind = torch.arange(nq * nk).reshape(nq, nk) % 3  # 0 dead, 1 full, 2 partial
+    elem = kind.repeat_interleave(bm, 0).repeat_interleave(bn, 1)[:Lq, :Lk]
+    rnd = torch.rand(B, H, Lq, Lk) > 0.5
+    return torch.where(elem == 0, False, torch.where(elem == 1, True, rnd))
+
+
+def test_mixed_dead_full_partial_tiles():
+    B, H, Hkv, Lq, Lk = 2, 2, 1, 64, 57
+    bm, bn = fwd_blocks(16)
+    mask = _mixed_tile_mask(B, H, Lq, Lk, bm, bn)
+    live, full = classify_tiles(mask, Lq, Lk, False, bm, bn, torch.device("cpu"))
+    partial = live & ~full
+    assert (~live).any() and full.any() and partial.any()
+    bias = make_tensor((B, H, Lq, Lk), torch.float32)
+    run_case(B, H, Hkv, Lq, Lk, 16, mask=mask, bias=bias)
+    run_case(B, H, Hkv, Lq, Lk, 16, mask=mask, bias=bias, causal=True, deterministic=True)
+
+
+def test_tile_lists_broadcast_and_order():
+    Lq, Lk, bm, bn = 40, 50, 16, 16
+    mask = torch.zeros(1, 1, 1, Lk, dtype=torch.bool)
+    mask[..., 17:20] = True   # tile 1, partial
+    mask[..., 32:48] = True   # tile 2, full
+    t = build_tile_lists(mask, Lq, Lk, 4, False, bm, bn, torch.device("cpu"), need_fwd=True, need_bwd=True)
+    # A per-key mask shares one forward list across query tiles.
+    assert t.fwd_idx.shape == (1, 1, 1, 4) and t.fwd_cnt.tolist() == [[[2]]]
+    assert t.fwd_idx[0, 0, 0, :2].tolist() == [1 * 2 + 1, 2 * 2 + 0]
+    assert t.bwd_cnt.tolist() == [[[0, 3, 3, 0]]]
+    assert t.bwd_idx[0, 0, 1, :3].tolist() == [1, 3, 5]  # every query tile, partial
+    assert t.fwd_strides()[:3] == (0, 0, 0)
+    # Causal forces per-query-tile lists; tiles above the diagonal disappear.
+    tc = build_tile_lists(None, 32, 32, 4, True, bm, bn, torch.device("cpu"), need_fwd=True, need_bwd=True)
+    assert tc.fwd_cnt.flatten().tolist() == [1, 2]
+    assert tc.fwd_idx[0, 0, 1, :2].tolist() == [0, 3]  # off-diagonal full, diagonal partial
+    assert build_tile_lists(None, 32, 32, 4, False, bm, bn, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("bias_spec", ["11QL", "1KQL", "B11L", "BHQ1"])
+def test_deterministic_bitwise(bias_spec):
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 37, 41, 16
+    q = make_tensor((B, Lq, H, D), torch.float32)
+    k = make_tensor((B, Lk, Hkv, D), torch.float32)
+    v = make_tensor((B, Lk, Hkv, D), torch.float32)
+    mask = make_tensor((B, 1, Lq, Lk), None, "mask")
+    bias = make_tensor(resolve(bias_spec, B, H, Hkv, Lq, Lk), torch.float32)
+    out, lse = attention_forward(q, k, v, mask, bias, 0.3, True, 0.0)
+    dout = make_tensor(out.shape, torch.float32)
+    r1 = attention_backward(dout, q, k, v, out, lse, mask, bias, 0.3, True, 0.0, True, True)
+    r2 = attention_backward(dout, q, k, v, out, lse, mask, bias, 0.3, True, 0.0, True, True)
+    for a, b in zip(r1, r2):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("needs_dq,needs_dkv,bias_grad", [(True, False, False), (False, True, True),
+                                                          (False, False, True), (True, False, True)])
+def test_partial_gradients(needs_dq, needs_dkv, bias_grad):
+    B, H, Hkv, Lq, Lk, D = 1, 4, 2, 21, 26, 16
+    q = make_tensor((B, Lq, H, D), torch.float32)
+    k = make_tensor((B, Lk, Hkv, D), torch.float32)
+    v = make_tensor((B, Lk, Hkv, D), torch.float32)
+    bias = make_tensor((1, Hkv, Lq, Lk), torch.float32)
+    out, lse = attention_forward(q, k, v, None, bias, 0.25, True, 0.0)
+    dout = make_tensor(out.shape, torch.float32)
+    full = attention_backward(dout, q, k, v, out, lse, None, bias, 0.25, True, 0.0, True, True)
+    part = attention_backward(dout, q, k, v, out, lse, None, bias, 0.25, True, 0.0, False, bias_grad,
+                              needs_dq=needs_dq, needs_dkv=needs_dkv)
+    wanted = (needs_dq, needs_dkv, needs_dkv, bias_grad)
+    for w, a, b in zip(wanted, full, part):
+        if w:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        else:
+            assert b is None
