@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call: install, report the environment, run the whole test suite (GPU tests
+# included), the demo and (optionally) benchmarks. Logs go to $OUT (or ./gpu_out).
+#   bash scripts/gpu_check.sh [tests|demo|bench|all] [extra pytest args...]
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+what=${1:-all}
+shift || true
+export PYTHONUNBUFFERED=1
+PY=python3
+$PY -m pip install --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv; \
+  $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } | tee "$OUT/env.txt"
+$PY -m flash_dmattn info | tee "$OUT/info.txt"
+status=0
+if [[ $what == tests || $what == all ]]; then
+  $PY -m pytest tests -q -p no:cacheprovider -x --durations=15 "$@" 2>&1 | tee "$OUT/tests.log"
+  status=${PIPESTATUS[0]}
+fi
+if [[ $what == demo || $what == all ]]; then
+  $PY -m flash_dmattn demo 2>&1 | tee "$OUT/demo.txt"
+fi
+if [[ $what == bench || $what == all ]] && [[ -f benchmarks/run.py ]]; then
+  $PY -m benchmarks.run --suite "${BENCH_SUITE:-all}" --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
+fi
+exit $status

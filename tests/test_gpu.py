@@ -1,0 +1,117 @@
+"""GPU equivalence: every backend available on CUDA against the reference, fwd and bwd."""
+import pytest
+import torch
+
+from flash_dmattn import flash_dmattn_func, get_available_backends, registry
+from flash_dmattn.inputs import AttentionInputs
+from flash_dmattn.reference import reference_attention
+
+from cases import FIXED
+
+pytestmark = pytest.mark.gpu
+
+FAST_BACKENDS = ["flex"]  # later issues append "triton", "cuda"
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def make_problem(b, lq, lk, h, hkv, d, dtype, mask_kind, bias_kind, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    q = torch.randn(b, lq, h, d, device=dev, dtype=dtype, generator=g)
+    k = torch.randn(b, lk, hkv, d, device=dev, dtype=dtype, generator=g)
+    v = torch.randn(b, lk, hkv, d, device=dev, dtype=dtype, generator=g)
+    bias = None
+    if bias_kind == "per_key":
+        bias = torch.randn(b, hkv, 1, lk, device=dev, dtype=dtype, generator=g)
+    elif bias_kind == "full":
+        bias = torch.randn(b, h, lq, lk, device=dev, dtype=dtype, generator=g)
+    elif bias_kind == "neg_inf":
+        bias = torch.randn(1, 1, lq, lk, device=dev, dtype=torch.float32, generator=g)
+        bias[..., ::7, :] = float("-inf")  # whole rows: output 0, no NaN
+        bias[..., :, ::3] = float("-inf")
+    mask = None
+    if mask_kind == "topk":  # per-query top-w keys, the dynamic-mask workload
+        w = max(1, lk // 8)
+        scores = torch.rand(b, hkv, lq, lk, device=dev, generator=g)
+        idx = scores.topk(w, dim=-1).indices
+        mask = torch.zeros(b, hkv, lq, lk, device=dev, dtype=torch.bool).scatter_(-1, idx, True)
+        mask[:, :, : min(lq, 5)] = False  # fully masked rows
+    elif mask_kind == "block_sparse":  # per-key, 128-key blocks ~25% live
+        live = torch.rand(b, 1, 1, -(-lk // 128), device=dev, generator=g) < 0.25
+        mask = live.repeat_interleave(128, dim=-1)[..., :lk]
+    elif mask_kind == "padding":
+        mask = torch.ones(b, 1, 1, lk, device=dev, dtype=torch.bool)
+        mask[0, ..., lk // 2:] = False
+    return q, k, v, mask, bias
+
+
+def check(backend, problem, causal, softcap=0.0, grads=True):
+    q, k, v, mask, bias = problem
+    leaves = [q, k, v] + ([bias] if bias is not None else [])
+    leaves = [t.detach().requires_grad_(grads) for t in leaves]
+    q, k, v = leaves[:3]
+    bias = leaves[3] if bias is not None else None
+    fn = flash_dmattn_func if backend == "auto" else registry.get_backend(backend)
+    inputs = AttentionInputs.from_args(q, k, v, mask, bias, None, causal, softcap)
+    out = fn(q, k, v, mask, bias, is_causal=causal, softcap=softcap) if backend == "auto" else fn.attention(inputs)
+    ref_leaves = [t.detach().float().requires_grad_(grads) for t in leaves]
+    ref, _ = reference_attention(*ref_leaves[:3], mask, ref_leaves[3] if bias is not None else None,
+                                 inputs.softmax_scale, causal, softcap)
+    assert not out.isnan().any()
+    # bf16 inputs, fp32 accumulation on both sides: relative error ~ 2^-8 from output rounding
+    tol = 1.5e-2 if q.dtype == torch.bfloat16 else 3e-3
+    assert rel_err(out, ref) < tol
+    if not grads:
+        return
+    gout = torch.randn_like(ref)
+    got = torch.autograd.grad(out, leaves, gout.to(out.dtype))
+    want = torch.autograd.grad(ref, ref_leaves, gout)
+    for name, a, b in zip(["dq", "dk", "dv", "dbias"], got, want):
+        assert a.shape == b.shape and a.dtype == leaves[["dq", "dk", "dv", "dbias"].index(name)].dtype
+        assert not a.isnan().any(), name
+        # gradients sum over up to Lq*Lk bf16 products: allow 2x the forward tolerance
+        assert rel_err(a, b) < 2 * tol, (name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1024, 1024, 8, 2, 64), (2, 511, 1537, 4, 4, 128), (1, 2048, 777, 4, 1, 64)],
+    ids=["square", "lq<lk", "lq>lk"],
+)
+@pytest.mark.parametrize("mask_kind,bias_kind", [
+    (None, None), ("topk", "per_key"), ("block_sparse", "full"), ("padding", "neg_inf"),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backend_matches_reference(backend, shape, mask_kind, bias_kind, causal):
+    if backend not in get_available_backends():
+        pytest.skip(f"{backend} unavailable here")
+    problem = make_problem(*shape, torch.bfloat16, mask_kind, bias_kind)
+    check(backend, problem, causal)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backend_long_sequence_and_softcap(backend, dtype):
+    problem = make_problem(1, 8192, 8192, 4, 2, 128, dtype, "topk", "per_key", seed=3)
+    check(backend, problem, causal=True, softcap=30.0)
+
+
+@pytest.mark.parametrize("case", FIXED, ids=lambda c: f"{c.seqlen_q}x{c.seqlen_k}")
+def test_reference_on_cuda_matches_cpu(case):
+    cpu = case.tensors(dtype=torch.float64)
+    gpu = case.tensors(dtype=torch.float64, device="cuda")
+    a = flash_dmattn_func(*cpu, case.scale, case.causal, case.softcap)
+    registry_warns = pytest.warns(RuntimeWarning, match="torch-reference")
+    with registry_warns:  # fp64 on CUDA: the fast backends decline, the reference warns
+        b = flash_dmattn_func(*gpu, case.scale, case.causal, case.softcap)
+    torch.testing.assert_close(b.cpu(), a, atol=1e-10, rtol=1e-10)
+
+
+def test_auto_dispatch_picks_a_fast_backend_on_cuda():
+    q, k, v, mask, bias = make_problem(1, 256, 256, 4, 2, 64, torch.bfloat16, "topk", "per_key")
+    inputs = AttentionInputs.from_args(q, k, v, mask, bias, None, True)
+    assert registry.select_backend(inputs).name != "torch-reference"
