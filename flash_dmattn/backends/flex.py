@@ -145,9 +145,8 @@ class FlexBackend(Backend):
         if dev == "cuda":
             if inputs.dtype == torch.float64:
                 reasons.append("float64 is not supported on CUDA")
-            d = inputs.head_dim
-            if d < 16 or d & (d - 1):
-                reasons.append(f"head_dim {d} is not a power of two >= 16")
+            if inputs.head_dim < 16:
+                reasons.append(f"head_dim {inputs.head_dim} < 16 (Flex's Triton tiles need >= 16)")
         if inputs.bias_needs_grad and _TORCH_VERSION < (2, 6):
             reasons.append(f"bias gradients need torch >= 2.6 (found {torch.__version__})")
         if inputs.deterministic and inputs.bias_needs_grad:
