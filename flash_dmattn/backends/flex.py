@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections import OrderedDict
 from typing import List, Optional
 
 import torch
@@ -41,8 +42,15 @@ def _flex_module():
 def _compiled_flex():
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(_flex_module().flex_attention)
+        # Static shapes: automatic dynamic shapes turn the scale into a symbolic float, which
+        # FlexAttention's lowering cannot handle (seen with torch 2.11 on an H200).
+        _compiled = torch.compile(_flex_module().flex_attention, dynamic=False)
     return _compiled
+
+
+# Every distinct shape / score_mod constant is one compiled entry; dynamo's default of 8
+# would silently drop to the eager (score-materialising) path in a model with many shapes.
+_RECOMPILE_LIMIT = 64
 
 
 def _broadcast_index(t4, num_heads: int, num_kv_heads: int):
@@ -62,10 +70,26 @@ def _broadcast_index(t4, num_heads: int, num_kv_heads: int):
     return read
 
 
+_causal_cache: "OrderedDict" = OrderedDict()
+
+
 def _block_mask(inputs):
     """BlockMask from the compact mask and causal flag, or None when every key is visible."""
     if inputs.attn_mask is None and not inputs.is_causal:
         return None
+    if inputs.attn_mask is None:
+        # A causal-only map depends on the lengths alone: build it once per shape.
+        key = (inputs.seqlen_q, inputs.seqlen_k, inputs.device, inputs.needs_grad)
+        if key not in _causal_cache:
+            _causal_cache[key] = _build_block_mask(inputs)
+            if len(_causal_cache) > 32:
+                _causal_cache.popitem(last=False)
+        _causal_cache.move_to_end(key)
+        return _causal_cache[key]
+    return _build_block_mask(inputs)
+
+
+def _build_block_mask(inputs):
     fa = _flex_module()
     lq, lk = inputs.seqlen_q, inputs.seqlen_k
     live, full = tile_liveness(inputs.attn_mask, lq, lk, BLOCK, BLOCK, inputs.is_causal)
@@ -99,8 +123,11 @@ def _block_mask(inputs):
     kv_num, kv_idx = compact(partial)
     full_num, full_idx = compact(full)
     kwargs = dict(BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=mask_mod)
-    if "seq_lengths" in inspect.signature(fa.BlockMask.from_kv_blocks).parameters:
+    params = inspect.signature(fa.BlockMask.from_kv_blocks).parameters
+    if "seq_lengths" in params:
         kwargs["seq_lengths"] = (lq, lk)
+    if "compute_q_blocks" in params and not inputs.needs_grad:
+        kwargs["compute_q_blocks"] = False  # the transposed map only serves the backward
     return fa.BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, **kwargs)
 
 
@@ -179,7 +206,8 @@ class FlexBackend(Backend):
         if torch.compiler.is_compiling():
             out = fa.flex_attention(q, k, v, **kwargs)  # the enclosing compile fuses it
         elif inputs.device.type == "cuda":
-            out = _compiled_flex()(q, k, v, **kwargs)
+            with torch._dynamo.config.patch(cache_size_limit=_RECOMPILE_LIMIT):
+                out = _compiled_flex()(q, k, v, **kwargs)
         else:
             with warnings.catch_warnings():
                 # On CPU the eager path is the intended one; its advice to compile is noise.
