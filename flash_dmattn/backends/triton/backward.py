@@ -313,6 +313,8 @@ def _attn_bwd_dq_kernel(
     DOT_UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if IS_CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest (bottom) query tiles first
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
@@ -386,26 +388,30 @@ _BWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE
 def bwd_blocks(head_dim: int) -> Tuple[int, int]:
     """(BLOCK_M queries, BLOCK_N keys) shared by both backward kernels (one tile map).
 
-    dK/dV keep two BLOCK_N x D fp32 accumulators in registers, hence smaller key tiles for
-    large head dims.
+    dK/dV keep two BLOCK_N x D fp32 accumulators plus K/V in registers, so tiles stay at 64x64
+    (32x64 for D=256): larger ones spill on sm_90 per ahead-of-time compile reports.
     """
     if interpret_mode():
         return 16, 16
-    bd = head_block(head_dim)
-    if bd <= 64:
-        return 64, 128
-    if bd <= 128:
+    if head_block(head_dim) <= 128:
         return 64, 64
     return 32, 64
 
 
 def _bwd_configs():
     return [triton.Config({}, num_warps=w, num_stages=s)
-            for w, s in ((4, 2), (8, 2), (4, 3), (8, 3), (4, 1), (8, 1))]
+            for w, s in ((8, 2), (8, 3), (4, 2), (4, 3), (8, 1))]
 
 
-def _prune_bwd(configs, named_args, **kwargs):
-    bd = named_args.get("BLOCK_D", kwargs.get("BLOCK_D", 64))
+def _prune_dkdv(configs, named_args, **kwargs):
+    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 64))
+    out = [c for c in configs
+           if not (bd >= 128 and c.num_warps < 8) and not (bd >= 256 and c.num_stages > 2)]
+    return out or configs[:1]
+
+
+def _prune_dq(configs, named_args, **kwargs):
+    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 64))
     out = [c for c in configs if not (bd >= 256 and c.num_stages > 2)]
     return out or configs[:1]
 
@@ -413,12 +419,12 @@ def _prune_bwd(configs, named_args, **kwargs):
 _dkdv_tuned = triton.autotune(
     configs=_bwd_configs(),
     key=_BWD_KEY + ["STORE_DKV", "DQ_ATOMIC", "DB_MODE", "DB_ACC"],
-    prune_configs_by={"early_config_prune": _prune_bwd},
+    prune_configs_by={"early_config_prune": _prune_dkdv},
     reset_to_zero=["DQacc", "DB"],
 )(_attn_bwd_dkdv_kernel)
 
 _dq_tuned = triton.autotune(
-    configs=_bwd_configs(), key=_BWD_KEY, prune_configs_by={"early_config_prune": _prune_bwd}
+    configs=_bwd_configs(), key=_BWD_KEY, prune_configs_by={"early_config_prune": _prune_dq}
 )(_attn_bwd_dq_kernel)
 
 
