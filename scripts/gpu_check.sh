@@ -15,7 +15,8 @@ $PY -m pip install --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 
 $PY -m flash_dmattn info | tee "$OUT/info.txt"
 status=0
 if [[ $what == tests || $what == all ]]; then
-  $PY -m pytest tests -q -p no:cacheprovider -x --durations=15 "$@" 2>&1 | tee "$OUT/tests.log"
+  # extra arguments replace the default target (the whole suite)
+  $PY -m pytest -q -p no:cacheprovider --durations=15 "${@:-tests}" 2>&1 | tee "$OUT/tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [[ $what == demo || $what == all ]]; then
