@@ -152,7 +152,9 @@ def _score_mod(inputs):
 _FALLBACK_KERNEL_OPTIONS = {"num_stages": 1, "num_warps": 4}
 
 
-def _run_compiled(q, k, v, kwargs):
+def _run_compiled(q, k, v, kwargs, light: bool):
+    if light:
+        kwargs = dict(kwargs, kernel_options=_FALLBACK_KERNEL_OPTIONS)
     with torch._dynamo.config.patch(cache_size_limit=_RECOMPILE_LIMIT):
         try:
             return _compiled_flex()(q, k, v, **kwargs)
@@ -221,7 +223,12 @@ class FlexBackend(Backend):
         if torch.compiler.is_compiling():
             out = fa.flex_attention(q, k, v, **kwargs)  # the enclosing compile fuses it
         elif inputs.device.type == "cuda":
-            out = _run_compiled(q, k, v, kwargs)
+            # A per-query bias gradient is scattered from the backward kernel, whose default
+            # configs then overflow shared memory (H200, torch 2.11); the backward compiles
+            # lazily, so it cannot be retried: choose the lighter settings up front.
+            bias = inputs.attn_bias
+            light = inputs.bias_needs_grad and bias.shape[2] > 1
+            out = _run_compiled(q, k, v, kwargs, light)
         else:
             with warnings.catch_warnings():
                 # On CPU the eager path is the intended one; its advice to compile is noise.
