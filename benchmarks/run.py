@@ -1,0 +1,442 @@
+"""Benchmark flash_dmattn backends against SDPA and FlexAttention.
+
+Usage::
+
+    python -m benchmarks.run [--suite dense,dynamic,block_sparse,upstream,decode | all]
+                             [--quick] [--out benchmarks/results] [--backends flex,...] [--no-bwd]
+
+Writes ``<out>/<device-slug>/<tag>.json``, ``.md`` and ``.png`` (``<device-slug>`` is the GPU
+name, or ``cpu``) and prints the markdown table. See ``benchmarks/README.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import flash_dmattn
+from flash_dmattn import BackendUnavailableError, flash_dmattn_func_auto, get_available_backends
+from flash_dmattn.registry import PRIORITY
+
+from . import report
+from .impls import Declined, Impl, RunContext, Skipped, implementations
+from .report import DECLINED, ERROR, OK, PARTIAL, SKIPPED, Row
+from .timing import peak_extra_mib, time_ms, timing_method
+from .workloads import SUITES, Case, Workload, build_case, workloads_for
+
+# The float32 oracle is O(Lq·Lk) work per call: affordable up to 8192², not beyond.
+REFERENCE_CHECK_MAX_WORK = 8192 * 8192
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+CPU_REPEATS = 3
+GRAD_NAMES = ("dq", "dk", "dv", "dbias")
+
+
+def _describe(exc: BaseException, limit: int = 300) -> str:
+    text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _free(device: torch.device) -> None:
+    # Only CUDA needs this: the caching allocator keeps freed blocks (and reference cycles
+    # keep tensors) that the next workload's peak-memory figure would otherwise count.
+    # On CPU refcounting already freed everything, and gc.collect costs ~0.1 s a call.
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * 2**30
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and the float32 reference
+
+
+def _to_layout(t: torch.Tensor, impl: Impl) -> torch.Tensor:
+    # Heads-first copies are made once, outside timing: SDPA/Flex get their native layout.
+    return t.transpose(1, 2).contiguous() if impl.heads_first else t
+
+
+def _from_layout(t: torch.Tensor, impl: Impl) -> torch.Tensor:
+    return t.transpose(1, 2) if impl.heads_first else t
+
+
+def _impl_inputs(case: Case, impl: Impl, grad: bool):
+    """``(args, leaves, grad_out)`` for one implementation; leaves are fresh autograd leaves."""
+    q, k, v = (_to_layout(t, impl) for t in (case.q, case.k, case.v))
+    bias = case.bias if impl.uses_bias else None
+    leaves: List[torch.Tensor] = []
+    if grad:
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        bias = bias.detach().requires_grad_() if bias is not None else None
+        leaves = [q, k, v] + ([bias] if bias is not None else [])
+    return (q, k, v, case.mask, bias), leaves, _to_layout(case.grad_out, impl)
+
+
+def reference_outputs(case: Case, backward: bool) -> Dict[str, torch.Tensor]:
+    """The torch-reference backend's output (and gradients) in float32 on the case's inputs."""
+    w = case.workload
+    fn = flash_dmattn_func_auto("torch-reference")
+    # detach() first: on float32 inputs .float() is the identity, and requires_grad_ below
+    # must not reach the case's own tensors (the forward-only timings use them).
+    q, k, v = (t.detach().float() for t in (case.q, case.k, case.v))
+    bias = case.bias.detach().float() if case.bias is not None else None
+    if not backward:
+        with torch.no_grad():
+            return {"out": fn(q, k, v, attn_mask=case.mask, attn_bias=bias, is_causal=w.causal)}
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    leaves = [q, k, v] + ([bias.requires_grad_()] if bias is not None else [])
+    out = fn(q, k, v, attn_mask=case.mask, attn_bias=bias, is_causal=w.causal)
+    grads = torch.autograd.grad(out, leaves, case.grad_out.float())
+    result = {"out": out.detach()}
+    result.update(zip(GRAD_NAMES, grads))
+    return result
+
+
+def _compare(row: Row, ref: Dict[str, torch.Tensor], got: Dict[str, torch.Tensor]) -> None:
+    non_finite = []
+    for name, x in got.items():
+        if name not in ref:
+            continue
+        r = ref[name].float()
+        x = x.float()
+        if not torch.isfinite(x).all():
+            non_finite.append(name)
+            x = x.nan_to_num(0.0, posinf=0.0, neginf=0.0)
+        den = r.norm().item()
+        num = (x - r).norm().item()
+        row.rel_err_detail[name] = num / den if den > 0 else num
+    if row.rel_err_detail:
+        row.rel_err = max(row.rel_err_detail.values())
+    if non_finite:
+        row.notes.append(
+            f"non-finite values in {', '.join(non_finite)} (queries with no visible key?); compared as 0"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# One implementation on one workload
+
+
+def _first_call(impl: Impl, call, row: Row, phase: str):
+    """Run ``call`` once (compiles, warms caches); on a pinned-kernel failure fall back and retry."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return call()
+        except (Declined, Skipped, torch.cuda.OutOfMemoryError):
+            raise
+        except RuntimeError as exc:
+            if not impl.can_fall_back():
+                raise
+            # On CUDA PyTorch says why a pinned SDPA kernel cannot run in warnings ("... not
+            # used because:" then the reasons), then raises a generic "No available kernel".
+            said = [str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()]
+            reason = " ".join(dict.fromkeys(said)) or _describe(exc)
+    row.notes.append(f"{phase}: {impl.fall_back(reason[:200])}")
+    return call()
+
+
+def _run_phase(row: Row, phase: str, body) -> str:
+    """Run one phase (fwd or fwd+bwd); return its outcome: ok / declined / skipped / error."""
+    try:
+        body()
+        return OK
+    except Declined as exc:
+        row.notes.append(f"{phase} declined: {exc}")
+        return DECLINED
+    except Skipped as exc:
+        row.notes.append(f"{phase} skipped: {exc}")
+        return SKIPPED
+    except Exception as exc:  # noqa: BLE001  (one failing implementation must not end the run)
+        row.notes.append(f"{phase} error: {_describe(exc)}")
+        return ERROR
+
+
+def run_impl(case: Case, impl: Impl, ctx: RunContext, ref: Optional[Dict[str, torch.Tensor]], ref_note: str) -> Row:
+    """Time ``impl`` on ``case`` (forward, then forward+backward) and check it against ``ref``."""
+    w = case.workload
+    row = Row(
+        suite=w.suite, workload=w.name, short=w.short, impl=impl.name, kind=impl.kind,
+        shape=w.to_dict(), is_speedup_baseline=impl.speedup_baseline,
+    )
+    try:
+        impl.setup(case, ctx)
+    except Skipped as exc:
+        row.status, row.rel_err_note = SKIPPED, "-"
+        row.notes.append(f"skipped: {exc}")
+        return row
+    except Declined as exc:
+        row.status = DECLINED
+        row.notes.append(f"declined: {exc}")
+        return row
+    except Exception as exc:  # noqa: BLE001
+        row.status = ERROR
+        row.notes.append(f"error in setup: {_describe(exc)}")
+        return row
+    row.notes.extend(impl.notes)
+    if not impl.computes_workload:
+        row.rel_err_note = "n/a"
+    elif ref is None:
+        row.rel_err_note = ref_note
+    check = ref is not None and impl.computes_workload
+    backward = ctx.backward and not w.forward_only
+    device = case.device
+
+    def forward():
+        args, _, _ = _impl_inputs(case, impl, grad=False)
+
+        def fwd():
+            with torch.no_grad():
+                return impl(*args)
+
+        out = _first_call(impl, fwd, row, "fwd")
+        if check:
+            _compare(row, ref, {"out": _from_layout(out, impl)})
+        del out
+        if not backward:
+            row.peak_extra_mib, row.peak_phase = peak_extra_mib(fwd, device), "fwd"
+        row.fwd_ms = time_ms(fwd, device, CPU_REPEATS)
+
+    def forward_backward():
+        reason = impl.backward_skip_reason(ctx)
+        if reason:
+            raise Skipped(reason)
+        args, leaves, grad_out = _impl_inputs(case, impl, grad=True)
+
+        def step():
+            out = impl(*args)
+            return out, torch.autograd.grad(out, leaves, grad_out)
+
+        out, grads = _first_call(impl, step, row, "fwd+bwd")
+        if check:
+            got = {name: _from_layout(g, impl) if name != "dbias" else g for name, g in zip(GRAD_NAMES, grads)}
+            if "out" not in row.rel_err_detail:  # the forward phase failed or was skipped
+                got["out"] = _from_layout(out, impl)
+            _compare(row, ref, got)
+        del out, grads
+        row.peak_extra_mib, row.peak_phase = peak_extra_mib(step, device), "fwd+bwd"
+        row.fwd_bwd_ms = time_ms(step, device, CPU_REPEATS)
+
+    outcomes = [_run_phase(row, "fwd", forward)]
+    _free(device)
+    if backward:
+        outcomes.append(_run_phase(row, "fwd+bwd", forward_backward))
+        _free(device)
+    row.notes = list(dict.fromkeys(row.notes))  # a decline often repeats for both phases
+    if all(o == OK for o in outcomes):
+        row.status = OK
+    elif any(o == OK for o in outcomes):
+        row.status = PARTIAL
+    else:
+        row.status = ERROR if ERROR in outcomes else DECLINED if DECLINED in outcomes else SKIPPED
+    _derive_rates(row, w, case.dtype)
+    return row
+
+
+def _derive_rates(row: Row, w: Workload, dtype: torch.dtype) -> None:
+    if row.fwd_ms:
+        row.tflops_fwd = w.flops_fwd() / (row.fwd_ms * 1e-3) / 1e12
+        if w.forward_only:
+            row.tb_per_s = w.io_bytes(dtype) / (row.fwd_ms * 1e-3) / 1e12
+    if row.fwd_bwd_ms:
+        row.tflops_fwd_bwd = w.flops_fwd_bwd() / (row.fwd_bwd_ms * 1e-3) / 1e12
+
+
+def _fill_speedups(rows: List[Row]) -> None:
+    base = next((r for r in rows if r.is_speedup_baseline and r.fwd_ms), None)
+    if base is None:
+        for r in rows:
+            r.notes.append("no speedup: the dense SDPA baseline did not run")
+        return
+    for r in rows:
+        if r.fwd_ms:
+            r.speedup_fwd = base.fwd_ms / r.fwd_ms
+        if r.fwd_bwd_ms and base.fwd_bwd_ms:
+            r.speedup_fwd_bwd = base.fwd_bwd_ms / r.fwd_bwd_ms
+
+
+def run_workload(w: Workload, ctx: RunContext, backends: List[str]) -> List[Row]:
+    """Every implementation on one workload; failures become rows, never exceptions."""
+    print(f"== {w.name}", flush=True)
+    try:
+        case = build_case(w, ctx.device, ctx.dtype)
+    except Exception as exc:  # noqa: BLE001
+        row = Row(w.suite, w.name, w.short, "(inputs)", "-", w.to_dict(), status=ERROR)
+        row.notes.append(f"building the inputs failed: {_describe(exc)}")
+        print(f"   {row.notes[-1]}", flush=True)
+        _free(ctx.device)
+        return [row]
+
+    ref, ref_note = None, "-"
+    if w.seqlen_q * w.seqlen_k <= REFERENCE_CHECK_MAX_WORK:
+        try:
+            ref = reference_outputs(case, ctx.backward and not w.forward_only)
+        except Exception as exc:  # noqa: BLE001
+            ref_note = "ref failed"
+            print(f"   float32 reference failed: {_describe(exc)}", flush=True)
+
+    rows: List[Row] = []
+    try:
+        impls = implementations(w, ctx, backends)
+    except Exception as exc:  # noqa: BLE001
+        row = Row(w.suite, w.name, w.short, "(setup)", "-", w.to_dict(), status=ERROR)
+        row.notes.append(f"creating the implementations failed: {_describe(exc)}")
+        impls, rows = [], [row]
+    for impl in impls:
+        row = run_impl(case, impl, ctx, ref, ref_note)
+        rows.append(row)
+        print(
+            f"   {row.impl:<36} fwd {report.fmt_ms(row.fwd_ms):>9} ms  fwd+bwd {report.fmt_ms(row.fwd_bwd_ms):>9} ms"
+            f"  {row.status}{'  ' + '; '.join(row.notes) if row.notes else ''}",
+            flush=True,
+        )
+        del impl
+        _free(ctx.device)
+    _fill_speedups(rows)
+    del case, ref, impls
+    if ctx.cuda:
+        # Each workload compiles its own Flex kernels; dropping them keeps the compile cache
+        # below torch's recompile limit (past it, compiled calls silently run eagerly).
+        torch.compiler.reset()
+    _free(ctx.device)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def _parse_list(text: str, allowed: Sequence[str], what: str, parser) -> List[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        parser.error(f"unknown {what} {', '.join(unknown)}; choose from {', '.join(allowed)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse the command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    parser.add_argument("--suite", default="all", help=f"comma list of {', '.join(SUITES)}, or all (default)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (L <= 512, H <= 4): runs on CPU in seconds")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="results root; files go to <out>/<device-slug>/")
+    parser.add_argument("--backends", default=None, help="comma list of flash_dmattn backends (default: all available)")
+    parser.add_argument("--no-bwd", action="store_true", help="forward only")
+    args = parser.parse_args(argv)
+    args.suites = list(SUITES) if args.suite.strip() == "all" else _parse_list(args.suite, SUITES, "suite", parser)
+    args.backend_list = _parse_list(args.backends, PRIORITY, "backend", parser) if args.backends else None
+    return args
+
+
+def _resolve_backends(requested: Optional[List[str]]) -> Tuple[List[str], Dict[str, str]]:
+    """(backends to run, {unavailable backend: why})."""
+    unavailable = {}
+    for name in PRIORITY:
+        try:
+            flash_dmattn_func_auto(name)
+        except BackendUnavailableError as exc:
+            unavailable[name] = str(exc)
+    available = get_available_backends()
+    if requested is None:
+        return available, unavailable
+    return [n for n in requested if n in available], unavailable
+
+
+def environment(ctx: RunContext, args: argparse.Namespace, backends: List[str], unavailable: Dict[str, str]) -> dict:
+    """What the numbers were measured on."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001
+        triton_version = "not installed"
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(ctx.device),
+        "gpu_name": None,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "flash_dmattn": flash_dmattn.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "dtype": str(ctx.dtype).replace("torch.", ""),
+        "timing": timing_method(ctx.device, CPU_REPEATS),
+        "quick": args.quick,
+        "backward": ctx.backward,
+        "suites": args.suites,
+        "backends_available": get_available_backends(),
+        "backends_run": backends,
+        "backends_unavailable": unavailable,
+        "argv": sys.argv[1:],
+    }
+    if ctx.cuda:
+        props = torch.cuda.get_device_properties(ctx.device)
+        env.update(
+            gpu_name=props.name,
+            gpu_capability=f"sm_{props.major}{props.minor}",
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(),
+        )
+    else:
+        env.update(cpu=platform.processor() or platform.machine(), cpu_threads=torch.get_num_threads())
+    return env
+
+
+def main(argv=None) -> int:
+    """Run the selected suites, write JSON / markdown / PNG and print the markdown."""
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # bf16 is what GPUs train in; CPU kernels for bf16 are slow and not what anyone deploys.
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ctx = RunContext(device, dtype, args.quick, _device_memory(device), backward=not args.no_bwd)
+    backends, unavailable = _resolve_backends(args.backend_list)
+    for name in args.backend_list or []:
+        if name in unavailable:
+            print(f"note: {unavailable[name]}", flush=True)
+    if device.type == "cpu" and not args.quick:
+        print("note: full-size shapes on CPU take a very long time; --quick is the CPU mode", file=sys.stderr)
+    env = environment(ctx, args, backends, unavailable)
+
+    rows: List[Row] = []
+    for suite in args.suites:
+        for w in workloads_for(suite, args.quick):
+            rows.extend(run_workload(w, ctx, backends))
+    for r in rows:
+        r.fwd_ms, r.fwd_bwd_ms = report.finite_or_none(r.fwd_ms), report.finite_or_none(r.fwd_bwd_ms)
+        r.rel_err = report.finite_or_none(r.rel_err)
+
+    out_dir = Path(args.out) / (report.slug(env["gpu_name"]) if env["gpu_name"] else "cpu")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = ("quick-" if args.quick else "") + ("all" if args.suites == list(SUITES) else "-".join(args.suites))
+    json_path, md_path, png_path = (out_dir / f"{tag}.{ext}" for ext in ("json", "md", "png"))
+    plot_note = report.plot(png_path, rows, args.suites)
+    env["plot"] = plot_note or str(png_path)
+    report.write_json(json_path, rows, env)
+    text = report.markdown(rows, env, args.suites)
+    md_path.write_text(text)
+    print()
+    print(text)
+    print(f"wrote {json_path}")
+    print(f"wrote {md_path}")
+    print(plot_note or f"wrote {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Median timing and peak-memory measurement, on CUDA or CPU."""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+
+try:  # triton's do_bench flushes L2 between runs and picks the repeat count itself
+    from triton.testing import do_bench as _do_bench
+except Exception:  # noqa: BLE001  (a broken triton install must not stop CPU runs)
+    _do_bench = None
+
+
+def timing_method(device: torch.device, cpu_repeats: int) -> str:
+    """How :func:`time_ms` measures on ``device`` (recorded in the results)."""
+    if device.type == "cuda":
+        if _do_bench is not None:
+            return "triton.testing.do_bench(warmup=25, rep=100, return_mode='median')"
+        return "CUDA events, median (~25 ms warm-up, ~100 ms of runs)"
+    return f"time.perf_counter, median of {cpu_repeats} runs after 1 warm-up"
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, cpu_repeats: int = 3) -> float:
+    """Median milliseconds of one call of ``fn`` (which has already been warmed up once)."""
+    if device.type == "cuda":
+        if _do_bench is not None:
+            try:
+                return float(_do_bench(fn, warmup=25, rep=100, return_mode="median"))
+            except TypeError:  # triton < 2.2 has no return_mode
+                return float(_do_bench(fn, warmup=25, rep=100, quantiles=[0.5]))
+        return _cuda_event_median(fn)
+    samples = []
+    for _ in range(cpu_repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def _cuda_event_median(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
+    # Same budget as do_bench: estimate one call, then warm up and repeat for fixed times.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 3, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    samples = []
+    for _ in range(min(1000, max(5, int(rep_ms / estimate)))):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        samples.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in samples)
+
+
+def peak_extra_mib(fn: Callable[[], object], device: torch.device) -> Optional[float]:
+    """Peak CUDA memory one call of ``fn`` allocates beyond what was already allocated (MiB).
+
+    Everything alive before the call (the inputs, the mask, other implementations' state)
+    is the baseline, so the figure is the call's own footprint: its outputs, gradients,
+    saved activations and workspaces. ``None`` off CUDA.
+    """
+    if device.type != "cuda":
+        return None
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del result
+    return (peak - base) / 2**20

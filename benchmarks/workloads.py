@@ -1,0 +1,226 @@
+"""The benchmark workloads: shapes per suite (full and ``--quick``) and their inputs.
+
+Every workload uses the flash_dmattn layout: ``q (B, Lq, H, D)``, ``k, v (B, Lk, Hkv, D)``,
+a bool mask and a float bias broadcastable to ``(B, H or Hkv, Lq, Lk)``. Masks are built once
+per workload, outside every timed region.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import List, Optional
+
+import torch
+
+from flash_dmattn.utils.mask import create_mask
+
+SUITES = ("dense", "dynamic", "block_sparse", "upstream", "decode")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One problem shape and the kind of mask / bias it carries.
+
+    ``mask`` is one of ``"none"``, ``"topk-per-query"`` (top-``window`` keys of a per-key bias
+    among each query's causally visible keys, ``(B, Hkv, Lq, Lk)``), ``"blocks-per-key"``
+    (``density`` of the ``block``-key blocks live, ``(B, 1, 1, Lk)``), ``"topk-per-key"``
+    (top-``window`` of a per-key bias, ``(B, Hkv, 1, Lk)``) or ``"relu-per-key"`` (keys whose
+    per-key bias is positive, ``(B, Hkv, 1, Lk)``).
+    """
+
+    suite: str
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    causal: bool
+    mask: str = "none"
+    bias: bool = False
+    window: Optional[int] = None
+    block: Optional[int] = None
+    density: Optional[float] = None
+    forward_only: bool = False
+
+    @property
+    def name(self) -> str:
+        """A readable one-line label, unique within a run."""
+        heads = f"H{self.heads}" if self.heads == self.kv_heads else f"H{self.heads}/{self.kv_heads}"
+        length = f"L{self.seqlen_k}" if self.seqlen_q == self.seqlen_k else f"Lq{self.seqlen_q} Lk{self.seqlen_k}"
+        parts = [self.suite, f"B{self.batch}", heads, length, f"D{self.head_dim}"]
+        parts.append(self.mask_label)
+        parts.append("causal" if self.causal else "non-causal")
+        return " ".join(p for p in parts if p)
+
+    @property
+    def short(self) -> str:
+        """A compact label for plot axes."""
+        length = f"L{self.seqlen_k}" if self.seqlen_q == self.seqlen_k else f"Lk{self.seqlen_k}"
+        tags = [length, f"D{self.head_dim}"]
+        if self.mask != "none" or self.bias:
+            tags.append(self.mask_label)
+        if self.seqlen_q == self.seqlen_k:
+            tags.append("c" if self.causal else "nc")
+        return " ".join(tags)
+
+    @property
+    def mask_label(self) -> str:
+        if self.mask == "topk-per-query":
+            return f"top-{self.window}/query+bias"
+        if self.mask == "blocks-per-key":
+            return f"{round(100 * self.density)}%-of-{self.block}-key-blocks"
+        if self.mask == "topk-per-key":
+            return f"window{self.window}+bias"
+        if self.mask == "relu-per-key":
+            return "mask+bias"
+        return "bias" if self.bias else ""
+
+    @property
+    def has_mask_or_bias(self) -> bool:
+        return self.mask != "none" or self.bias
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    def flops_fwd(self) -> float:
+        """Nominal forward FLOPs: ``4·B·H·Lq·Lk·D``, halved when causal; sparsity ignored."""
+        flops = 4.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
+        return flops / 2 if self.causal else flops
+
+    def flops_fwd_bwd(self) -> float:
+        """Nominal forward+backward FLOPs: the backward counts as 2.5 forwards."""
+        return 3.5 * self.flops_fwd()
+
+    def io_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V, plus the per-key mask and bias when present (decode bandwidth)."""
+        elem = torch.finfo(dtype).bits // 8
+        kv = 2 * self.batch * self.seqlen_k * self.kv_heads * self.head_dim * elem
+        extra = 0
+        if self.mask != "none":
+            extra += self.batch * self.kv_heads * self.seqlen_k  # bool: one byte a key
+        if self.bias:
+            extra += self.batch * self.kv_heads * self.seqlen_k * elem
+        return kv + extra
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["name"] = self.name
+        return d
+
+
+@dataclass
+class Case:
+    """A workload's tensors on one device: the inputs every implementation is timed on."""
+
+    workload: Workload
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    grad_out: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+
+def _dense(L: int, D: int, causal: bool, heads: int) -> Workload:
+    return Workload("dense", 1, heads, heads, L, L, D, causal)
+
+
+def workloads_for(suite: str, quick: bool) -> List[Workload]:
+    """The workloads of ``suite`` (one of :data:`SUITES`); tiny shapes when ``quick``."""
+    if suite == "dense":
+        if quick:
+            # One head dim per length keeps the CPU smoke run short and still covers both loops.
+            return [_dense(L, D, c, 4) for L, D in ((256, 32), (512, 64)) for c in (True, False)]
+        return [_dense(L, D, c, 16) for L in (4096, 16384) for D in (64, 128) for c in (True, False)]
+    if suite == "dynamic":
+        if quick:
+            return [Workload("dynamic", 1, 4, 2, 512, 512, 64, True, "topk-per-query", True, window=128)]
+        return [Workload("dynamic", 1, 16, 4, 8192, 8192, 128, True, "topk-per-query", True, window=2048)]
+    if suite == "block_sparse":
+        if quick:
+            # 32-key blocks so that 10% of a 512-key sequence is still more than one block.
+            return [Workload("block_sparse", 1, 4, 4, 512, 512, 64, True, "blocks-per-key", block=32, density=0.1)]
+        return [
+            Workload("block_sparse", 1, 16, 16, 32768, 32768, 128, True, "blocks-per-key", block=128, density=0.1)
+        ]
+    if suite == "upstream":
+        lengths, window = ((256, 512), 64) if quick else ((4096, 8192, 16384, 32768), 1024)
+        return [
+            Workload("upstream", 1, 2, 1, L, L, 64, True, "topk-per-key", True, window=window)
+            for L in lengths
+        ]
+    if suite == "decode":
+        if quick:
+            lengths, heads, kv_heads, dim = (256, 512), 4, 2, 64
+        else:
+            lengths, heads, kv_heads, dim = (4096, 32768, 131072, 524288), 32, 8, 128
+        out = []
+        for L in lengths:
+            # Decode is not causal: with Lq=1 a bottom-right causal mask hides nothing, and
+            # SDPA's is_causal is top-left aligned (it would hide every key but the first).
+            out.append(Workload("decode", 1, heads, kv_heads, 1, L, dim, False, forward_only=True))
+            out.append(
+                Workload("decode", 1, heads, kv_heads, 1, L, dim, False, "relu-per-key", True, forward_only=True)
+            )
+        return out
+    raise ValueError(f"unknown suite {suite!r}; expected one of {', '.join(SUITES)}")
+
+
+def causal_visibility(seqlen_q: int, seqlen_k: int, device) -> torch.Tensor:
+    """``(1, 1, Lq, Lk)`` bool: key j visible to query i iff ``j <= i + Lk - Lq`` (bottom-right)."""
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    return (j <= i + (seqlen_k - seqlen_q))[None, None]
+
+
+def build_case(w: Workload, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Case:
+    """Random inputs for ``w``; masks and biases are built here, outside any timed region."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+
+    B, Lq, Lk = w.batch, w.seqlen_q, w.seqlen_k
+    q = randn(B, Lq, w.heads, w.head_dim)
+    k = randn(B, Lk, w.kv_heads, w.head_dim)
+    v = randn(B, Lk, w.kv_heads, w.head_dim)
+    grad_out = randn(B, Lq, w.heads, w.head_dim)
+    bias = randn(B, w.kv_heads, 1, Lk) if w.bias else None
+    min_dtype = torch.finfo(dtype).min
+
+    if w.mask == "none":
+        mask = None
+    elif w.mask == "topk-per-query":
+        # Candidates are the causally visible keys, so every query keeps `window` keys it
+        # could actually see (or all of them, early in the sequence).
+        visible = causal_visibility(Lq, Lk, device)
+        mask = create_mask(bias, visible, B, Lq, Lk, w.window, min_dtype)
+        del visible
+    elif w.mask == "topk-per-key":
+        mask = create_mask(bias, None, B, Lq, Lk, w.window, min_dtype)
+    elif w.mask == "relu-per-key":
+        # About half the keys, scattered: no tile is entirely dead, so a decode row measures
+        # bandwidth rather than how many tiles a backend manages to skip.
+        mask = create_mask(bias, None, B, Lq, Lk, Lk, min_dtype, type="relu")
+    elif w.mask == "blocks-per-key":
+        num_blocks = -(-Lk // w.block)
+        live_count = max(1, round(w.density * num_blocks))
+        # Block 0 is always live so every causal query has at least one visible key: fully
+        # masked rows are legal for flash_dmattn but NaN for an SDPA additive mask.
+        others = torch.randperm(num_blocks - 1, device=device, generator=gen)[: live_count - 1] + 1
+        live = torch.zeros(num_blocks, dtype=torch.bool, device=device)
+        live[0] = True
+        live[others] = True
+        mask = live.repeat_interleave(w.block)[:Lk].view(1, 1, 1, Lk).expand(B, 1, 1, Lk).contiguous()
+    else:
+        raise ValueError(f"unknown mask kind {w.mask!r}")
+    return Case(w, q, k, v, mask, bias, grad_out)
