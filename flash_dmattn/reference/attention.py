@@ -7,10 +7,12 @@ GQA is computed by grouping query heads onto their kv head: K and V are never re
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from ..ops import AttentionOp
 
 # Elements of one fp32 score block; bounds the reference's working memory (~64 MiB a block).
 CHUNK_ELEMENTS = 1 << 24
@@ -182,95 +184,21 @@ def _backward(ctx_flags, dout, q, k, v, mask, bias, out, lse, scale, is_causal, 
             if need_dk:
                 dk4 += geo.grouped_matmul_t(ds, qc) * scale
     return (
-        _laid_out_like(q, dq) if need_dq else None,
-        _laid_out_like(k, dk4.transpose(1, 2)) if need_dk else None,
-        _laid_out_like(v, dv4.transpose(1, 2)) if need_dv else None,
-        _laid_out_like(bias, dbias) if need_dbias else None,
+        dq if need_dq else None,
+        dk4.transpose(1, 2) if need_dk else None,
+        dv4.transpose(1, 2) if need_dv else None,
+        dbias if need_dbias else None,
     )
 
 
-def _laid_out_like(t: Tensor, value: Tensor) -> Tensor:
-    """``value`` in ``t``'s dtype and memory layout (what the custom op's fake promises)."""
-    result = torch.empty_like(t)
-    result.copy_(value)
-    return result
+def _backward_op(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, _det, needs):
+    # The reference is deterministic whatever was asked.
+    return _backward(needs, dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap)
 
 
-# The reference runs as opaque custom ops: torch.compile sees one node with a fake
-# (shape-only) implementation instead of tracing the chunk loop, which keeps graphs small and
-# avoids dynamo limitations with autograd.Function under dynamic shapes.
-@torch.library.custom_op("flash_dmattn::reference_fwd", mutates_args=())
-def _reference_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Optional[Tensor],
-    bias: Optional[Tensor],
-    scale: float,
-    is_causal: bool,
-    softcap: float,
-) -> Tuple[Tensor, Tensor]:
-    return _forward(q, k, v, mask, bias, scale, is_causal, softcap)
-
-
-@_reference_fwd.register_fake
-def _(q, k, v, mask, bias, scale, is_causal, softcap):
-    B, Lq, H, _ = q.shape
-    out = q.new_empty(B, Lq, H, v.shape[-1])
-    return out, q.new_empty(B, H, Lq, dtype=_accumulation_dtype(q.dtype))
-
-
-@torch.library.custom_op("flash_dmattn::reference_bwd", mutates_args=())
-def _reference_bwd(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Optional[Tensor],
-    bias: Optional[Tensor],
-    out: Tensor,
-    lse: Tensor,
-    scale: float,
-    is_causal: bool,
-    softcap: float,
-    needs: List[bool],
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    grads = _backward(tuple(needs), dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap)
-    # custom ops return tensors only: an empty tensor stands for "not requested"
-    return tuple(g if g is not None else q.new_empty(0) for g in grads)
-
-
-@_reference_bwd.register_fake
-def _(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, needs):
-    shapes = (q, k, v, bias)
-    return tuple(
-        torch.empty_like(t) if need and t is not None else q.new_empty(0)
-        for need, t in zip(needs, shapes)
-    )
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, mask, bias, scale, is_causal, softcap = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, mask, bias, out, lse)
-    ctx.config = (scale, is_causal, softcap)
-    ctx.has_bias = bias is not None
-
-
-def _reference_backward(ctx, dout, _dlse):
-    q, k, v, mask, bias, out, lse = ctx.saved_tensors
-    needs = [
-        ctx.needs_input_grad[0],
-        ctx.needs_input_grad[1],
-        ctx.needs_input_grad[2],
-        ctx.has_bias and ctx.needs_input_grad[4],
-    ]
-    grads = _reference_bwd(dout.contiguous(), q, k, v, mask, bias, out, lse, *ctx.config, needs)
-    dq, dk, dv, dbias = (g if n else None for g, n in zip(grads, needs))
-    return dq, dk, dv, None, dbias, None, None, None
-
-
-_reference_fwd.register_autograd(_reference_backward, setup_context=_setup_context)
+# Opaque to torch.compile (see flash_dmattn.ops); lse stays in the accumulation dtype between
+# forward and backward so a float64 backward is exact.
+_REFERENCE_OP = AttentionOp("reference", _forward, _backward_op, lse_dtype=_accumulation_dtype)
 
 
 def reference_attention(
@@ -298,10 +226,9 @@ def reference_attention(
         p = (s - lse).exp().nan_to_num(0)     # empty rows -> 0
         out = einsum("bhij,bjhd->bihd", p, v.repeat_interleave(H // Hkv, 2))
     """
-    out, lse = _reference_fwd(
-        query, key, value, attn_mask, attn_bias, float(softmax_scale), bool(is_causal), float(softcap)
+    return _REFERENCE_OP(
+        query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap
     )
-    return out, lse.to(torch.float32)
 
 
 def reference_probs(query, key, attn_mask, attn_bias, softmax_scale, is_causal, softcap) -> Tensor:

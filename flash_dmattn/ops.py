@@ -1,0 +1,125 @@
+"""Attention implementations as ``torch.library`` custom ops, with fake kernels and autograd.
+
+Wrapping each implementation's forward and backward as opaque custom ops keeps
+``torch.compile`` from tracing into kernel launchers or chunk loops: the compiler sees one
+node per direction with a shape-only (fake) implementation, and the autograd formula saves
+only what the backward needs (inputs, output, lse).
+
+An implementation supplies two plain functions:
+
+* ``forward(q, k, v, mask, bias, scale, is_causal, softcap) -> (out, lse)``
+* ``backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
+  needs) -> (dq, dk, dv, dbias)`` with ``None`` for gradients ``needs`` did not ask for.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+def laid_out_like(t: Tensor, value: Tensor) -> Tensor:
+    """``value`` in ``t``'s dtype and memory layout (the layout the fake kernels promise)."""
+    result = torch.empty_like(t)  # an allocation from the caching allocator, no traffic
+    if value.dtype == result.dtype and value.stride() == result.stride():
+        return value
+    result.copy_(value)
+    return result
+
+
+class AttentionOp:
+    """A forward/backward pair registered as ``flash_dmattn::<name>_fwd`` / ``_bwd``."""
+
+    def __init__(
+        self,
+        name: str,
+        forward: Callable,
+        backward: Callable,
+        lse_dtype: Callable[[torch.dtype], torch.dtype] = lambda dtype: torch.float32,
+    ) -> None:
+        self.name = name
+
+        @torch.library.custom_op(f"flash_dmattn::{name}_fwd", mutates_args=())
+        def fwd_op(
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            mask: Optional[Tensor],
+            bias: Optional[Tensor],
+            scale: float,
+            is_causal: bool,
+            softcap: float,
+            deterministic: bool,
+        ) -> Tuple[Tensor, Tensor]:
+            out, lse = forward(q, k, v, mask, bias, scale, is_causal, softcap)
+            # the fake promises contiguous outputs; .contiguous() is free when already so
+            return out.contiguous(), lse.contiguous()
+
+        @fwd_op.register_fake
+        def _(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
+            B, Lq, H, _ = q.shape
+            out = q.new_empty(B, Lq, H, v.shape[-1])
+            return out, q.new_empty(B, H, Lq, dtype=lse_dtype(q.dtype))
+
+        @torch.library.custom_op(f"flash_dmattn::{name}_bwd", mutates_args=())
+        def bwd_op(
+            dout: Tensor,
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            mask: Optional[Tensor],
+            bias: Optional[Tensor],
+            out: Tensor,
+            lse: Tensor,
+            scale: float,
+            is_causal: bool,
+            softcap: float,
+            deterministic: bool,
+            needs: List[bool],
+        ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+            grads = backward(
+                dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
+                tuple(needs),
+            )
+            # Custom ops return tensors only: an empty tensor stands for "not requested".
+            return tuple(
+                laid_out_like(t, g) if g is not None else q.new_empty(0)
+                for t, g in zip((q, k, v, bias), grads)
+            )
+
+        @bwd_op.register_fake
+        def _(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs):
+            return tuple(
+                torch.empty_like(t) if need and t is not None else q.new_empty(0)
+                for need, t in zip(needs, (q, k, v, bias))
+            )
+
+        def setup_context(ctx, inputs, output):
+            q, k, v, mask, bias, scale, is_causal, softcap, deterministic = inputs
+            out, lse = output
+            ctx.save_for_backward(q, k, v, mask, bias, out, lse)
+            ctx.config = (scale, is_causal, softcap, deterministic)
+            ctx.has_bias = bias is not None
+
+        def backward_formula(ctx, dout, _dlse):
+            q, k, v, mask, bias, out, lse = ctx.saved_tensors
+            needs = [
+                ctx.needs_input_grad[0],
+                ctx.needs_input_grad[1],
+                ctx.needs_input_grad[2],
+                ctx.has_bias and ctx.needs_input_grad[4],
+            ]
+            grads = bwd_op(dout.contiguous(), q, k, v, mask, bias, out, lse, *ctx.config, needs)
+            dq, dk, dv, dbias = (g if n else None for g, n in zip(grads, needs))
+            return dq, dk, dv, None, dbias, None, None, None, None
+
+        fwd_op.register_autograd(backward_formula, setup_context=setup_context)
+        self._fwd = fwd_op
+
+    def __call__(self, q, k, v, mask, bias, scale, is_causal, softcap, deterministic=False):
+        """``(out, lse)``; differentiable in q, k, v and bias. lse is returned as float32."""
+        out, lse = self._fwd(
+            q, k, v, mask, bias, float(scale), bool(is_causal), float(softcap), bool(deterministic)
+        )
+        return out, lse.to(torch.float32)
