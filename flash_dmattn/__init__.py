@@ -17,6 +17,7 @@ from .api import (
     flash_dmattn_varlen_func,
     flex_dmattn_func,
     reference_dmattn_func,
+    triton_dmattn_func,
 )
 from .inputs import AttentionInputs, VarlenInputs
 from .registry import BackendUnavailableError, get_available_backends
@@ -38,6 +39,7 @@ __all__ = [
     "flash_dmattn_func",
     "flash_dmattn_varlen_func",
     "flash_dmattn_func_auto",
+    "triton_dmattn_func",
     "flex_dmattn_func",
     "reference_dmattn_func",
     "get_available_backends",

@@ -123,6 +123,7 @@ def _fixed_backend_func(name: str) -> Callable:
     return run
 
 
+triton_dmattn_func = _fixed_backend_func("triton")
 flex_dmattn_func = _fixed_backend_func("flex")
 reference_dmattn_func = _fixed_backend_func("torch-reference")
 

@@ -14,6 +14,8 @@ def test_quick_benchmark_writes_reports(tmp_path):
     env["CUDA_VISIBLE_DEVICES"] = ""
     env.pop("FLASH_DMATTN_BACKEND", None)
     env.pop("FLASH_DMATTN_DISABLE", None)
+    # conftest turns on Triton's interpreter for the kernel tests; a benchmark must not use it
+    env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--suite", "dense,dynamic", "--out", str(tmp_path)]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"

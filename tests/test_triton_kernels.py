@@ -3,15 +3,16 @@
 Shapes are tiny and the kernels run with 16x16 tiles under TRITON_INTERPRET=1, so ragged edges,
 tile skipping and every broadcast path are exercised in a few minutes on two cores.
 """
+import math
 import os
 
-# Must precede the first triton import: triton.jit picks interpreter vs compiler at decoration.
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import math  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    # conftest.py turns the interpreter on for CPU-only machines; on a GPU machine the same
+    # kernels are compiled and covered by tests/test_gpu.py at realistic sizes.
+    pytest.skip("interpreter tests: run on a CPU-only machine", allow_module_level=True)
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
@@ -297,9 +298,11 @@ def test_tile_lists_broadcast_and_order():
     assert build_tile_lists(None, 32, 32, 4, False, bm, bn, torch.device("cpu")) is None
 
 
-@pytest.mark.parametrize("bias_spec", ["11QL", "1KQL", "B11L", "BHQ1"])
+# 11QL: programs serialise the (batch, kv head) pairs sharing a bias slice (read-add-write);
+# BHQ1: per-key-tile partial row sums reduced with torch.
+@pytest.mark.parametrize("bias_spec", ["11QL", "BHQ1"])
 def test_deterministic_bitwise(bias_spec):
-    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 37, 41, 16
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 29, 35, 16
     q = make_tensor((B, Lq, H, D), torch.float32)
     k = make_tensor((B, Lk, Hkv, D), torch.float32)
     v = make_tensor((B, Lk, Hkv, D), torch.float32)

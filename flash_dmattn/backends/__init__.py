@@ -2,6 +2,8 @@
 from .. import registry
 from .flex import FlexBackend
 from .reference import ReferenceBackend
+from .triton.backend import TritonBackend
 
+registry.register_backend(TritonBackend())
 registry.register_backend(FlexBackend())
 registry.register_backend(ReferenceBackend())

@@ -92,7 +92,9 @@ def _block_mask(inputs):
 def _build_block_mask(inputs):
     fa = _flex_module()
     lq, lk = inputs.seqlen_q, inputs.seqlen_k
-    live, full = tile_liveness(inputs.attn_mask, lq, lk, BLOCK, BLOCK, inputs.is_causal)
+    live, full = tile_liveness(
+        inputs.attn_mask, lq, lk, BLOCK, BLOCK, inputs.is_causal, inputs.device
+    )
     n_q, n_k = cdiv(lq, BLOCK), cdiv(lk, BLOCK)
     if live.shape[1] not in (1, inputs.num_heads):  # per kv head -> per query head (small)
         live = live.repeat_interleave(inputs.group_size, dim=1)

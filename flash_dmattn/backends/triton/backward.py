@@ -385,34 +385,41 @@ _BWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE
             "lq_bucket", "lk_bucket"]
 
 
-def bwd_blocks(head_dim: int) -> Tuple[int, int]:
-    """(BLOCK_M queries, BLOCK_N keys) shared by both backward kernels (one tile map).
+def bwd_blocks(head_dim: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """Block shapes ``((BLOCK_M, BLOCK_N) of dK/dV, (BLOCK_M, BLOCK_N) of dQ)``.
 
-    dK/dV keep two BLOCK_N x D fp32 accumulators plus K/V in registers, so tiles stay at 64x64
-    (32x64 for D=256): larger ones spill on sm_90 per ahead-of-time compile reports.
+    dK/dV keep K, V and two BLOCK_N x D fp32 accumulators live, so their query tiles are short;
+    the dQ kernel is forward-shaped. Picked from sm_90 ahead-of-time compile reports (no
+    register spills at 8 warps up to D=128 with mask + bias + softcap + dbias enabled; D=256
+    dK/dV still spills ~300 B).
     """
     if interpret_mode():
-        return 16, 16
-    if head_block(head_dim) <= 128:
-        return 64, 64
-    return 32, 64
+        return (16, 16), (16, 16)
+    bd = head_block(head_dim)
+    if bd <= 64:
+        return (32, 128), (128, 64)
+    if bd <= 128:
+        return (32, 64), (64, 64)
+    return (16, 64), (32, 64)
 
 
 def _bwd_configs():
     return [triton.Config({}, num_warps=w, num_stages=s)
-            for w, s in ((8, 2), (8, 3), (4, 2), (4, 3), (8, 1))]
+            for w, s in ((8, 2), (8, 3), (8, 1), (4, 2), (4, 3))]
 
 
 def _prune_dkdv(configs, named_args, **kwargs):
     bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 64))
-    out = [c for c in configs
-           if not (bd >= 128 and c.num_warps < 8) and not (bd >= 256 and c.num_stages > 2)]
+    # 4 warps spill at every head dim in the compile reports; deep pipelines cost smem.
+    out = [c for c in configs if c.num_warps >= 8 and not (bd >= 128 and c.num_stages > 2)]
     return out or configs[:1]
 
 
 def _prune_dq(configs, named_args, **kwargs):
     bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 64))
-    out = [c for c in configs if not (bd >= 256 and c.num_stages > 2)]
+    bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 64))
+    out = [c for c in configs
+           if not (bd >= 256 and c.num_stages > 2) and not (bm >= 128 and c.num_warps < 8)]
     return out or configs[:1]
 
 
@@ -539,13 +546,13 @@ def attention_backward(
     dq = alloc_output(q.shape, q.dtype, device) if needs_dq else None
     dk = alloc_output(k.shape, k.dtype, device) if needs_dkv else None
     dv = alloc_output(v.shape, v.dtype, device) if needs_dkv else None
-    if B * H * Lq * Lk * D == 0 or B * H * Lq * Lk == 0:
+    if B * H * Lq * Lk == 0:
         for t in (dq, dk, dv):
             if t is not None:
                 t.zero_()
         return dq, dk, dv, (torch.zeros_like(bias) if want_db else None)
 
-    block_m, block_n = bwd_blocks(D)
+    (block_m, block_n), (block_m2, block_n2) = bwd_blocks(D)
     n_q_tiles = triton.cdiv(Lq, block_m)
     n_k_tiles = triton.cdiv(Lk, block_n)
     bd = head_block(D)
@@ -563,9 +570,19 @@ def attention_backward(
     run_dkdv = needs_dkv or want_db
     dq_atomic = needs_dq and run_dkdv and not deterministic
     run_dq_kernel = needs_dq and not dq_atomic
-    tiles = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m, block_n, device,
-                             need_fwd=run_dq_kernel, need_bwd=run_dkdv)
-    use_list = tiles is not None
+    same_blocks = (block_m, block_n) == (block_m2, block_n2)
+    tiles = None
+    if run_dkdv or same_blocks:
+        tiles = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m, block_n, device,
+                                 need_fwd=run_dq_kernel and same_blocks, need_bwd=run_dkdv)
+    if same_blocks:
+        tiles_q = tiles
+    elif run_dq_kernel:
+        tiles_q = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m2, block_n2, device,
+                                   need_fwd=True, need_bwd=False)
+    else:
+        tiles_q = None
+    use_list = mask is not None or bool(is_causal)
 
     mask_arg = mask.view(torch.uint8) if mask is not None else q
     bias_arg = bias if bias is not None else q
@@ -634,8 +651,10 @@ def attention_backward(
             dbias = finish(target)
 
     if run_dq_kernel:
+        flags = dict(flags, BLOCK_M=block_m2, BLOCK_N=block_n2)
         if use_list:
-            idx, cnt, lst, lhd = tiles.fwd_idx, tiles.fwd_cnt, tiles.fwd_strides(), tiles.head_div
+            idx, cnt = tiles_q.fwd_idx, tiles_q.fwd_cnt
+            lst, lhd = tiles_q.fwd_strides(), tiles_q.head_div
         else:
             idx, cnt, lst, lhd = q, q, (0, 0, 0, 0, 0, 0), 1
         args = (
@@ -646,10 +665,10 @@ def attention_backward(
             dout.stride(0), dout.stride(1), dout.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
             *ms, *bs, *lst, lhd,
-            H, G, Lq, Lk, n_k_tiles,
+            H, G, Lq, Lk, triton.cdiv(Lk, block_n2),
             *scal,
         )
-        grid = (n_q_tiles, B * H)
+        grid = (triton.cdiv(Lq, block_m2), B * H)
         if interp:
             _attn_bwd_dq_kernel[grid](*args, **flags, num_warps=4, num_stages=1)
         else:

@@ -250,7 +250,7 @@ def _prune_fwd(configs, named_args, **kwargs):
     bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 128))
     out = []
     for c in configs:
-        if bm >= 128 and c.num_warps < 8:
+        if (bm >= 128 or bd >= 256) and c.num_warps < 8:
             continue  # 128 rows on one warpgroup spill heavily on sm_90
         if bd >= 256 and c.num_stages > 2:
             continue  # shared memory: q + 2 stages of K/V tiles already ~170 KB
@@ -297,7 +297,7 @@ def attention_forward(
     device = q.device
     out = alloc_output((B, Lq, H, D), q.dtype, device)
     lse = alloc_output((B, H, Lq), torch.float32, device)
-    if out.numel() == 0 or Lk == 0:
+    if B * H * Lq == 0 or Lk == 0:
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse

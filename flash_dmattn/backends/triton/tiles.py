@@ -28,6 +28,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ...block_map import tile_liveness
+
 
 @dataclass(frozen=True)
 class TileLists:
@@ -66,29 +68,6 @@ def _row_strides(idx: torch.Tensor, cnt: torch.Tensor):
     return (s(idx, 0), s(idx, 1), s(idx, 2), s(cnt, 0), s(cnt, 1), s(cnt, 2))
 
 
-def _block_sum(t: torch.Tensor, dim: int, block: int) -> torch.Tensor:
-    """Sum ``t`` over consecutive blocks of ``block`` along ``dim`` (last block may be short).
-
-    narrow + unflatten of a single dim is always a view, so arbitrary strides (including the
-    stride-0 views users pass for broadcast masks) are read in place without a copy.
-    """
-    length = t.size(dim)
-    n_full = length // block
-    rem = length - n_full * block
-    parts = []
-    if n_full:
-        main = t.narrow(dim, 0, n_full * block).unflatten(dim, (n_full, block))
-        parts.append(main.sum(dim + 1, dtype=torch.int32))
-    if rem:
-        parts.append(t.narrow(dim, n_full * block, rem).sum(dim, keepdim=True, dtype=torch.int32))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
-
-
-def _tile_extent(total: int, block: int, n_tiles: int, device) -> torch.Tensor:
-    starts = torch.arange(n_tiles, device=device, dtype=torch.int64) * block
-    return torch.clamp(total - starts, max=block)
-
-
 def classify_tiles(
     mask: Optional[torch.Tensor],
     seqlen_q: int,
@@ -98,43 +77,8 @@ def classify_tiles(
     block_n: int,
     device: torch.device,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(live, full)`` bool block maps of shape ``(Bm, Hm, nQm, nKm)``.
-
-    ``Bm, Hm`` are the mask's batch/head sizes (1, 1 without a mask); ``nQm`` is 1 when the mask
-    is per-key and the call is not causal, else ``cdiv(Lq, block_m)``; ``nKm`` is 1 for a
-    per-query mask without causal, else ``cdiv(Lk, block_n)``. Out-of-bounds elements of edge
-    tiles are ignored (the kernels bound-check them separately).
-    """
-    n_q = -(-seqlen_q // block_m)
-    n_k = -(-seqlen_k // block_n)
-    if mask is not None:
-        bx, hx, qx, kx = mask.shape
-        cnt = mask
-        if kx > 1:
-            cnt = _block_sum(cnt, 3, block_n)
-        else:
-            cnt = cnt.to(torch.int32)
-        if qx > 1:
-            cnt = _block_sum(cnt, 2, block_m)
-        rows = _tile_extent(qx, block_m, cnt.size(2), device) if qx > 1 else torch.ones(1, device=device, dtype=torch.int64)
-        cols = _tile_extent(kx, block_n, cnt.size(3), device) if kx > 1 else torch.ones(1, device=device, dtype=torch.int64)
-        valid = rows[:, None] * cols[None, :]
-        live = cnt > 0
-        full = cnt == valid
-    else:
-        live = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
-        full = live
-    if is_causal:
-        i_lo = torch.arange(n_q, device=device, dtype=torch.int64) * block_m
-        i_hi = torch.clamp(i_lo + block_m, max=seqlen_q) - 1
-        j_lo = torch.arange(n_k, device=device, dtype=torch.int64) * block_n
-        j_hi = torch.clamp(j_lo + block_n, max=seqlen_k) - 1
-        offset = seqlen_k - seqlen_q  # bottom-right aligned: j <= i + offset
-        c_live = j_lo[None, :] <= i_hi[:, None] + offset
-        c_full = j_hi[None, :] <= i_lo[:, None] + offset
-        live = live & c_live
-        full = full & c_full
-    return live, full
+    """``(live, full)`` bool block maps ``(Bm, Hm, nQm, nKm)``; see :func:`tile_liveness`."""
+    return tile_liveness(mask, seqlen_q, seqlen_k, block_m, block_n, is_causal, device)
 
 
 def _compact(live: torch.Tensor, partial: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,103 @@
+"""The ``triton`` backend: fused mask + bias attention kernels with tile skipping.
+
+Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests the kernels).
+The kernels are wrapped as custom ops (:class:`flash_dmattn.ops.AttentionOp`) so
+``torch.compile`` treats them as opaque nodes with fake implementations.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import torch
+
+from ..base import Backend
+from . import triton_unavailable_reason
+
+MAX_HEAD_DIM = 256
+
+# Auto-dispatch passes over these kernels (while still using them when flex cannot run) until
+# the benchmark shows them at least as fast as flex; explicit use is unaffected.
+TUNED = False
+
+_op = None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _forward(q, k, v, mask, bias, scale, is_causal, softcap):
+    from .forward import attention_forward
+
+    return attention_forward(q, k, v, mask, bias, scale, is_causal, softcap)
+
+
+def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs):
+    from .backward import attention_backward
+
+    need_dq, need_dk, need_dv, need_dbias = needs
+    return attention_backward(
+        dout, q, k, v, out, lse, mask, bias, scale, is_causal, softcap, deterministic,
+        bias_needs_grad=need_dbias, needs_dq=need_dq, needs_dkv=need_dk or need_dv,
+    )
+
+
+def triton_op():
+    """The registered custom-op pair (created on first use, so importing needs no triton)."""
+    global _op
+    if _op is None:
+        from ...ops import AttentionOp
+
+        _op = AttentionOp("triton", _forward, _backward)
+    return _op
+
+
+class TritonBackend(Backend):
+    name = "triton"
+
+    def probe(self) -> Optional[str]:
+        reason = triton_unavailable_reason()
+        if reason is not None:
+            return reason
+        if not _interpreting() and not torch.cuda.is_available():
+            return "no CUDA device (TRITON_INTERPRET=1 runs the kernels on CPU tensors)"
+        return None
+
+    def version(self) -> str:
+        import triton
+
+        return f"triton {triton.__version__}"
+
+    def not_supported_reasons(self, inputs) -> List[str]:
+        reasons = []
+        dev = inputs.device.type
+        if dev != "cuda" and not (dev == "cpu" and _interpreting()):
+            reasons.append(f"tensors on {dev} (needs CUDA, or CPU with TRITON_INTERPRET=1)")
+        if dev == "cuda" and torch.cuda.get_device_capability(inputs.device) < (8, 0):
+            reasons.append("needs a GPU of compute capability >= 8.0")
+        allowed = (torch.float16, torch.bfloat16) + ((torch.float32,) if dev == "cpu" else ())
+        if inputs.dtype not in allowed:
+            reasons.append(f"dtype {inputs.dtype} is not supported (float16, bfloat16)")
+        if inputs.head_dim > MAX_HEAD_DIM:
+            reasons.append(f"head_dim {inputs.head_dim} > {MAX_HEAD_DIM}")
+        if inputs.return_attn_probs:
+            reasons.append("return_attn_probs is not supported (use torch-reference)")
+        return reasons
+
+    def auto_skip_reasons(self, inputs) -> List[str]:
+        if inputs.device.type == "cpu":
+            return ["on CPU the Triton interpreter is a testing aid, far slower than torch-reference"]
+        if not TUNED:
+            return [
+                "kernels not yet tuned: measured slower than flex on an H200 "
+                "(benchmarks/results/nvidia-h200); auto-dispatch prefers flex when flex can run"
+            ]
+        return []
+
+    def attention(self, inputs):
+        out, _ = triton_op()(
+            inputs.query, inputs.key, inputs.value, inputs.attn_mask, inputs.attn_bias,
+            inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
+        )
+        return out
