@@ -13,6 +13,7 @@ from flash_dmattn import (
     registry,
 )
 from flash_dmattn.backends.flex import FlexBackend
+from flash_dmattn.inputs import AttentionInputs
 from flash_dmattn.backends.reference import ReferenceBackend
 from flash_dmattn.backends.triton.backend import TritonBackend
 
@@ -70,9 +71,17 @@ def test_forced_unknown_backend(monkeypatch):
 def test_disable_env(monkeypatch, calls):
     monkeypatch.setenv("FLASH_DMATTN_DISABLE", "torch-reference")
     assert "torch-reference" not in get_available_backends()
-    flash_dmattn_func(*small())
-    # triton (interpreter) and flex were only passed over by preference on CPU: the first runs
-    assert calls == [[n for n in get_available_backends() if n in ("triton", "flex")][0]]
+    args = small()
+    flash_dmattn_func(*args)
+    # Backends passed over only by preference (triton's interpreter, eager flex on CPU) still
+    # run when nothing else can: the first of them that supports the inputs.
+    inputs = AttentionInputs.from_args(*args)
+    expected = [
+        b.name for b in registry.registered_backends()
+        if b.name in ("triton", "flex") and registry.unavailable_reason(b) is None
+        and not b.not_supported_reasons(inputs)
+    ][0]
+    assert calls == [expected]
     with pytest.raises(BackendUnavailableError, match="disabled by FLASH_DMATTN_DISABLE"):
         flash_dmattn_func_auto("torch-reference")
 
