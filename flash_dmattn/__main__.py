@@ -89,7 +89,6 @@ def demo(seqlen: int = 0, repeats: int = 0) -> int:
     )
     print(f"{'backend':<16} {'fwd ms':>9} {'fwd+bwd ms':>11} {'max |err|':>10}  note")
     auto = flash_dmattn_func_auto(None)
-    chosen = None
     for name in get_available_backends():
         fn = flash_dmattn_func_auto(name)
         backend = registry.get_backend(name)
@@ -114,8 +113,6 @@ def demo(seqlen: int = 0, repeats: int = 0) -> int:
                 torch.autograd.grad(o, (qg, kg, vg, bg), torch.ones_like(o))
 
             bwd, note = f"{_time_ms(step, device, repeats):.3f}", ""
-        if chosen is None:
-            chosen = name
         print(f"{name:<16} {fwd:>9.3f} {bwd:>11} {err:>10.2e}  {note}")
     with torch.no_grad():
         out = auto(q, k, v, mask, bias, is_causal=True)

@@ -28,6 +28,37 @@ def _check_float_dtype(name: str, t: torch.Tensor) -> None:
         )
 
 
+def _check_qkv(query, key, value, layout: str) -> None:
+    """Types, rank, one dtype, one device, and key/value shapes alike (SPEC §3.5)."""
+    rank = int(layout[0])
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+    _check_float_dtype("query", query)
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError(
+            f"query, key and value must share one dtype, got query {_fmt(query)}, "
+            f"key {_fmt(key)}, value {_fmt(value)}"
+        )
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(
+            f"query, key and value must be on one device, got query {_fmt(query)}, "
+            f"key {_fmt(key)}, value {_fmt(value)}"
+        )
+    if key.shape != value.shape:
+        raise ValueError(
+            f"key and value must have the same shape, got key {tuple(key.shape)} and "
+            f"value {tuple(value.shape)}"
+        )
+
+
+def _needs_grad(*tensors) -> bool:
+    """True when autograd will ask for a gradient of any of ``tensors``."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     # Kernels vectorise along the head dim; every other stride is used as given.
     return t if t.stride(-1) == 1 or t.size(-1) == 1 else t.contiguous()
@@ -58,24 +89,8 @@ def _scale_and_softcap(softmax_scale, softcap, head_dim: int) -> Tuple[float, fl
     return scale, cap
 
 
-def normalise_mask_or_bias(
-    name: str,
-    t: Optional[torch.Tensor],
-    *,
-    query: torch.Tensor,
-    batch: int,
-    num_heads: int,
-    num_kv_heads: int,
-    seqlen_q: int,
-    seqlen_k: int,
-) -> Optional[torch.Tensor]:
-    """Check a mask or bias and return it as a 4-D view ``(Bx, Hx, Qx, Kx)``.
-
-    ``Bx in {1, B}``, ``Hx in {1, Hkv, H}``, ``Qx in {1, Lq}``, ``Kx in {1, Lk}``. Fewer than 4 dims
-    are left-padded with size-1 dims; nothing is expanded or copied.
-    """
-    if t is None:
-        return None
+def _check_aux_type(name: str, t, query: torch.Tensor) -> None:
+    """A mask must be bool; a bias float in the query's dtype or fp32; both on its device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     if name == "attn_mask":
@@ -97,6 +112,27 @@ def normalise_mask_or_bias(
             )
     if t.device != query.device:
         raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+
+
+def normalise_mask_or_bias(
+    name: str,
+    t: Optional[torch.Tensor],
+    *,
+    query: torch.Tensor,
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+) -> Optional[torch.Tensor]:
+    """Check a mask or bias and return it as a 4-D view ``(Bx, Hx, Qx, Kx)``.
+
+    ``Bx in {1, B}``, ``Hx in {1, Hkv, H}``, ``Qx in {1, Lq}``, ``Kx in {1, Lk}``. Fewer than 4 dims
+    are left-padded with size-1 dims; nothing is expanded or copied.
+    """
+    if t is None:
+        return None
+    _check_aux_type(name, t, query)
     if t.dim() > 4:
         raise ValueError(f"{name} must have at most 4 dims, got shape {tuple(t.shape)}")
     while t.dim() < 4:
@@ -153,31 +189,8 @@ class AttentionInputs:
         deterministic=None,
         return_attn_probs=None,
     ) -> "AttentionInputs":
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != 4:
-                raise ValueError(
-                    f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape "
-                    f"{tuple(t.shape)}"
-                )
-        _check_float_dtype("query", query)
-        if key.dtype != query.dtype or value.dtype != query.dtype:
-            raise ValueError(
-                f"query, key and value must share one dtype, got query {_fmt(query)}, "
-                f"key {_fmt(key)}, value {_fmt(value)}"
-            )
-        if key.device != query.device or value.device != query.device:
-            raise ValueError(
-                f"query, key and value must be on one device, got query {_fmt(query)}, "
-                f"key {_fmt(key)}, value {_fmt(value)}"
-            )
+        _check_qkv(query, key, value, "4-D (batch, seqlen, heads, head_dim)")
         b, lq, h, d = query.shape
-        if key.shape != value.shape:
-            raise ValueError(
-                f"key and value must have the same shape (batch, seqlen_k, kv_heads, head_dim), "
-                f"got key {tuple(key.shape)} and value {tuple(value.shape)}"
-            )
         bk, lk, hkv, dk = key.shape
         if bk != b:
             raise ValueError(
@@ -253,10 +266,7 @@ class AttentionInputs:
     @property
     def needs_grad(self) -> bool:
         """True when autograd will ask for a gradient of any input."""
-        if not torch.is_grad_enabled():
-            return False
-        tensors = (self.query, self.key, self.value, self.attn_bias)
-        return any(t is not None and t.requires_grad for t in tensors)
+        return _needs_grad(self.query, self.key, self.value, self.attn_bias)
 
     @property
     def bias_needs_grad(self) -> bool:
@@ -317,30 +327,7 @@ class VarlenInputs:
         deterministic=None,
         return_attn_probs=None,
     ) -> "VarlenInputs":
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != 3:
-                raise ValueError(
-                    f"{name} must be 3-D (total_tokens, heads, head_dim) for varlen, got shape "
-                    f"{tuple(t.shape)}"
-                )
-        _check_float_dtype("query", query)
-        if key.dtype != query.dtype or value.dtype != query.dtype:
-            raise ValueError(
-                f"query, key and value must share one dtype, got query {_fmt(query)}, "
-                f"key {_fmt(key)}, value {_fmt(value)}"
-            )
-        if key.device != query.device or value.device != query.device:
-            raise ValueError(
-                f"query, key and value must be on one device, got query {_fmt(query)}, "
-                f"key {_fmt(key)}, value {_fmt(value)}"
-            )
-        if key.shape != value.shape:
-            raise ValueError(
-                f"key and value must have the same shape, got {tuple(key.shape)} and "
-                f"{tuple(value.shape)}"
-            )
+        _check_qkv(query, key, value, "3-D (total_tokens, heads, head_dim) for varlen")
         _, h, d = query.shape
         total_k, hkv, dk = key.shape
         if dk != d:
@@ -408,10 +395,7 @@ class VarlenInputs:
 
     @property
     def needs_grad(self) -> bool:
-        if not torch.is_grad_enabled():
-            return False
-        tensors = (self.query, self.key, self.value, self.attn_bias)
-        return any(t is not None and t.requires_grad for t in tensors)
+        return _needs_grad(self.query, self.key, self.value, self.attn_bias)
 
     def describe(self) -> str:
         parts = [
@@ -431,23 +415,7 @@ class VarlenInputs:
 def _normalise_varlen_per_key(name, t, query, h, hkv, total_k):
     if t is None:
         return None
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-    if name == "attn_mask" and t.dtype != torch.bool:
-        raise TypeError(
-            f"attn_mask must be a bool tensor (True = attend), got {t.dtype} with shape "
-            f"{tuple(t.shape)}; use attn_mask.bool(), or pass an additive mask as attn_bias"
-        )
-    if name == "attn_bias":
-        if t.dtype == torch.bool:
-            raise TypeError("attn_bias must be a floating tensor; pass a boolean mask as attn_mask")
-        if t.dtype not in (query.dtype, torch.float32):
-            raise ValueError(
-                f"attn_bias has dtype {t.dtype} but query has {query.dtype}; attn_bias must have "
-                f"the query's dtype or float32"
-            )
-    if t.device != query.device:
-        raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+    _check_aux_type(name, t, query)
     if t.dim() == 1:
         t = t.unsqueeze(0)
     if t.dim() != 2 or t.shape[0] not in (1, hkv, h) or t.shape[1] != total_k:
