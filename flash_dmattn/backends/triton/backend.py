@@ -65,8 +65,10 @@ class TritonBackend(Backend):
         return None
 
     def version(self) -> str:
-        import triton
-
+        try:
+            import triton
+        except Exception:  # reported by probe(); `info` must still print a row
+            return "-"
         return f"triton {triton.__version__}"
 
     def not_supported_reasons(self, inputs) -> List[str]:
