@@ -53,3 +53,8 @@ __all__ = [
     "TRITON_AVAILABLE",
     "FLEX_AVAILABLE",
 ]
+
+# Model-level nn.Module layers; imported last because they build on everything above.
+from .modules import DynamicMaskAttention, MultiheadAttention  # noqa: E402
+
+__all__ += ["DynamicMaskAttention", "MultiheadAttention"]
