@@ -1,0 +1,423 @@
+"""HuggingFace ``transformers`` attention function and mask function for flash_dmattn.
+
+``dmattn_attention_forward`` has the signature of transformers' attention interface
+(``sdpa_attention_forward`` / ``eager_attention_forward``) and ``dmattn_mask`` that of its
+attention-mask interface; :func:`register` installs both under the name ``"dmattn"``. This
+module imports ``transformers`` only inside :func:`register` and :func:`dmattn_mask`, so the
+attention function itself works on plain tensors without transformers installed.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+
+from ..api import flash_dmattn_func_auto
+
+#: The name under which :func:`register` installs the attention and mask functions. It must not
+#: contain "flash": transformers 5.x treats such names as flash-attention / hub-kernel requests.
+DEFAULT_NAME = "dmattn"
+
+# Models whose attention layers turn the mask they are given into a *dynamic* mask of their
+# own (bias + top-k), instead of passing it through. They need a materialised causal mask even
+# where sdpa's mask function would return None and rely on ``is_causal``: once such a model has
+# folded the (absent) mask into its float bias, the attention function is handed a non-None
+# mask and cannot tell that causality was dropped. transformers' own Doge has this property
+# (with ``attn_implementation="sdpa"`` an unpadded Doge prefill is not causal).
+_DYNAMIC_MASK_MODEL_TYPES = frozenset({"doge"})
+
+
+def _get_kernel() -> Callable:
+    """The library call used for every attention (a seam: tests spy on it)."""
+    return flash_dmattn_func_auto()
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask / bias normalisation
+# ---------------------------------------------------------------------------------------------
+def _check_dropout(module: Optional[torch.nn.Module], dropout: float) -> None:
+    if dropout is None or float(dropout) == 0.0:
+        return
+    # Models pass their configured dropout only while training (``0.0 if not self.training``),
+    # but some pass it unconditionally; at inference dropout is a no-op either way.
+    if module is not None and not getattr(module, "training", True):
+        return
+    raise ValueError(
+        f"flash_dmattn's transformers integration does not implement attention dropout "
+        f"(got dropout={dropout} while the module is training); set the model's "
+        f"attention_dropout to 0.0, call model.eval(), or use attn_implementation='eager'"
+    )
+
+
+def _masked_threshold(dtype: torch.dtype) -> float:
+    # transformers writes torch.finfo(dtype).min (or -inf) into masked entries of additive
+    # masks; anything at or below half of it cannot be a real score offset.
+    return torch.finfo(dtype).min / 2
+
+
+def _split_additive_mask(mask: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Split a float additive mask into ``(bool attend-mask, bias or None)``.
+
+    Equivalent plain PyTorch::
+
+        keep = torch.isfinite(mask) & (mask > torch.finfo(mask.dtype).min / 2)
+        bias = mask if (mask[keep] != 0).any() else None
+
+    The bias is the given tensor itself (its masked entries are never read because the bool
+    mask excludes them), so nothing larger than the input is allocated.
+    """
+    keep = torch.isfinite(mask) & (mask > _masked_threshold(mask.dtype))
+    # A pure 0 / sentinel mask carries no bias: skipping it saves a bias read per tile and,
+    # during training, a bias-gradient reduction nobody asked for.
+    has_bias = bool(((mask != 0) & keep).any()) if mask.numel() else False
+    return keep, (mask if has_bias else None)
+
+
+def _as_bias(name: str, t: torch.Tensor, query_dtype: torch.dtype, key_len: int) -> torch.Tensor:
+    """A float bias in the library's layout: 4-D, last dim sliced to the keys, legal dtype."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if t.dim() == 3:
+        # The 1.2.x per-key form (batch, heads, key_len): the same bias for every query.
+        t = t.unsqueeze(-2)
+    if t.dim() != 4:
+        raise ValueError(
+            f"{name} must be 4-D (batch, heads, query_len, key_len) or 3-D "
+            f"(batch, heads, key_len), got shape {tuple(t.shape)}"
+        )
+    t = _slice_keys(name, t, key_len)
+    # The kernels take a bias in the query's dtype or float32; float32 keeps every value exact.
+    if t.dtype not in (query_dtype, torch.float32):
+        t = t.float()
+    return t
+
+
+def _slice_keys(name: str, t: torch.Tensor, key_len: int) -> torch.Tensor:
+    # transformers' masks may be built for a static cache's full length while the keys of this
+    # call are shorter; like eager and flex attention, keep the first key_len columns.
+    if t.shape[-1] > key_len:
+        return t[..., :key_len]
+    if t.shape[-1] < key_len and t.shape[-1] != 1:
+        raise ValueError(
+            f"{name} covers {t.shape[-1]} keys but there are {key_len} keys; "
+            f"shape {tuple(t.shape)} cannot be broadcast to key_len={key_len}"
+        )
+    return t
+
+
+def normalise_hf_mask(
+    attention_mask: Optional[torch.Tensor], key_len: int
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], bool, int]:
+    """Turn whatever a transformers model passed as ``attention_mask`` into library inputs.
+
+    Returns ``(bool_mask, bias, is_structural, key_limit)``:
+
+    * ``None`` -> ``(None, None, False, key_len)``.
+    * bool 4-D ``(B, 1|H, Lq, >=Lk)`` (True = attend) -> the mask, key dim sliced to ``Lk``.
+    * float 4-D additive (0 = attend, dtype-min / -inf = masked, possibly plus a real bias) ->
+      ``isfinite(m) & (m > finfo.min / 2)`` and ``m`` itself as bias if it holds any value
+      other than 0 and the sentinel.
+    * 3-D ``(B, Lq, Lk)`` -> as 4-D with a singleton head dim.
+    * 2-D ``(B, L)`` padding mask (nonzero = real token) -> ``(B, 1, 1, L)`` bool and
+      ``key_limit = L``: the keys past ``L`` are unused static-cache slots (transformers pads
+      such masks with False, see ``prepare_padding_mask``).
+
+    ``is_structural`` is True for 3-/4-D masks: they already encode causality, so
+    ``is_causal`` is not applied on top of them.
+    """
+    if attention_mask is None:
+        return None, None, False, key_len
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(
+            f"attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__} "
+            f"(flex-attention BlockMasks are not supported; use attn_implementation='dmattn' "
+            f"with its registered mask function)"
+        )
+    m = attention_mask
+    if m.dim() == 2:
+        length = m.shape[-1]
+        if length > key_len:
+            raise ValueError(
+                f"2-D attention_mask has length {length} but there are only {key_len} keys; "
+                f"pass a 4-D mask for caches that drop tokens (sliding windows)"
+            )
+        keep = m if m.dtype == torch.bool else m != 0
+        return keep[:, None, None, :], None, False, length
+    if m.dim() == 3:
+        m = m.unsqueeze(1)
+    if m.dim() != 4:
+        raise ValueError(
+            f"attention_mask must be 2-D (batch, seq), 3-D or 4-D (batch, heads, query, key), "
+            f"got shape {tuple(m.shape)}"
+        )
+    m = _slice_keys("attention_mask", m, key_len)
+    if m.dtype == torch.bool:
+        return m, None, True, key_len
+    if m.is_floating_point():
+        keep, bias = _split_additive_mask(m)
+        return keep, bias, True, key_len
+    # Integer 4-D masks follow the 2-D convention: nonzero = attend.
+    return m != 0, None, True, key_len
+
+
+def _band_mask(
+    query_len: int, key_len: int, sliding_window: int, device: torch.device
+) -> torch.Tensor:
+    """``(1, 1, Lq, Lk)`` bool: key j visible to query i iff ``j > i + Lk - Lq - window``.
+
+    transformers' sliding-window convention (``sliding_window_overlay``), bottom-right aligned
+    like the library's causal mask.
+    """
+    q_pos = torch.arange(query_len, device=device)[:, None] + (key_len - query_len)
+    k_pos = torch.arange(key_len, device=device)[None, :]
+    return (k_pos > q_pos - sliding_window)[None, None]
+
+
+def _combine_bias(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if a.dtype != b.dtype:
+        a, b = a.float(), b.float()
+    return a + b
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function
+# ---------------------------------------------------------------------------------------------
+def dmattn_attention_forward(
+    module: Optional[torch.nn.Module],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    softcap: Optional[float] = None,
+    **kwargs: Any,
+) -> Tuple[torch.Tensor, None]:
+    """transformers attention-interface function running flash_dmattn.
+
+    Args:
+        module: the calling attention layer (``is_causal`` and ``training`` are read from it).
+        query: ``(B, H, Lq, D)``; key, value: ``(B, Hkv, Lk, D)`` (heads first, as
+            transformers passes them). K/V are never repeated for GQA.
+        attention_mask: None, bool 4-D (True = attend), additive float 4-D (0 / dtype-min or
+            -inf, possibly plus a real bias, as Doge passes it), 3-D, or a 2-D ``(B, L)``
+            padding mask; 4-D masks may be longer than ``Lk`` (sliced).
+        scaling: softmax scale (default ``1/sqrt(D)``).
+        dropout: must be 0 while ``module.training`` (ValueError otherwise).
+        softcap: ``softcap * tanh(s / softcap)`` on the scaled scores.
+        kwargs: ``is_causal`` (default ``module.is_causal``, else True; used only with no 3-/4-D
+            mask and ``Lq > 1``), ``attention_bias`` / ``position_bias`` (extra additive biases,
+            4-D or per-key 3-D), ``sliding_window`` (applied only when no 3-/4-D mask is given);
+            others (``position_ids``, ``output_attentions``, ...) are ignored.
+
+    Returns ``(attn_output (B, Lq, H, D), None)``.
+
+    Equivalent plain PyTorch (``repeat_kv`` as in transformers, ``m`` the additive form of the
+    mask, ``causal`` as decided above)::
+
+        k, v = repeat_kv(key, H // Hkv), repeat_kv(value, H // Hkv)
+        s = (query @ k.transpose(-1, -2)).float() * scaling
+        if softcap: s = softcap * torch.tanh(s / softcap)
+        keep = torch.isfinite(m) & (m > torch.finfo(m.dtype).min / 2)   # & causal band
+        s = torch.where(keep, s + m + attention_bias, float("-inf"))
+        p = torch.softmax(s, -1).nan_to_num(0.0)                        # fully masked rows -> 0
+        out = (p @ v.float()).to(query.dtype).transpose(1, 2)           # (B, Lq, H, D)
+
+    With no mask, ``is_causal`` and ``Lk > Lq > 1`` the keys are cut to the first ``Lq`` (as
+    transformers' sdpa integration does: this only happens when prefilling an empty static
+    cache, whose later slots are empty).
+    """
+    call = prepare_attention_call(
+        module, query, key, value, attention_mask, scaling, dropout, softcap, kwargs
+    )
+    out = _get_kernel()(**call)
+    return out, None
+
+
+def prepare_attention_call(
+    module: Optional[torch.nn.Module],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float],
+    dropout: float,
+    softcap: Optional[float],
+    kwargs: dict,
+) -> dict:
+    """The keyword arguments of the library call that ``dmattn_attention_forward`` makes.
+
+    Keys: ``query``, ``key``, ``value`` (``(B, L, H|Hkv, D)`` views), ``attn_mask``,
+    ``attn_bias``, ``softmax_scale``, ``is_causal``, ``softcap``.
+    """
+    _check_dropout(module, dropout)
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            "flash_dmattn does not support attention sinks (s_aux); use attn_implementation='eager'"
+        )
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            f"query, key and value must be 4-D (batch, heads, seq, head_dim), got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    query_len, key_len = query.shape[2], key.shape[2]
+
+    mask, mask_bias, structural, key_limit = normalise_hf_mask(attention_mask, key_len)
+
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    # A 3-/4-D mask already says what each query sees; causality is added only for no mask or
+    # a 2-D padding mask, and never for a single query (it sees every cached key).
+    causal = bool(is_causal) and not structural and query_len > 1
+
+    if attention_mask is None and causal and key_len > query_len:
+        key_limit = query_len
+    if key_limit < key_len:
+        # Views only: the trailing keys are static-cache slots nothing may attend to.
+        key, value = key[:, :, :key_limit], value[:, :, :key_limit]
+        key_len = key_limit
+
+    sliding_window = kwargs.get("sliding_window")
+    if not structural and sliding_window is not None and key_len > int(sliding_window) > 0:
+        band = _band_mask(query_len, key_len, int(sliding_window), query.device)
+        mask = band if mask is None else mask & band
+
+    bias = mask_bias
+    for name in ("attention_bias", "position_bias"):
+        extra = kwargs.get(name)
+        if extra is not None:
+            bias = _combine_bias(bias, _as_bias(name, extra, query.dtype, key_len))
+    if bias is not None and bias.dtype not in (query.dtype, torch.float32):
+        bias = bias.float()
+
+    # Library layout (B, L, H, D) as views; K/V caches in another dtype (quantised caches
+    # dequantise to their own dtype) are cast because the kernels take one dtype.
+    q = query.transpose(1, 2)
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
+    if k.dtype != q.dtype:
+        k = k.to(q.dtype)
+    if v.dtype != q.dtype:
+        v = v.to(q.dtype)
+    if scaling is not None and not math.isfinite(float(scaling)):
+        raise ValueError(f"scaling must be finite, got {scaling}")
+
+    return dict(
+        query=q,
+        key=k,
+        value=v,
+        attn_mask=mask,
+        attn_bias=bias,
+        softmax_scale=scaling,
+        is_causal=causal,
+        softcap=softcap if softcap else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The mask function
+# ---------------------------------------------------------------------------------------------
+def _sdpa_mask_function() -> Callable:
+    try:
+        from transformers import masking_utils
+    except ImportError as exc:  # transformers < 4.53 has no mask interface
+        raise ImportError(
+            "dmattn_mask needs transformers.masking_utils (transformers >= 4.53)"
+        ) from exc
+    fn = getattr(masking_utils, "sdpa_mask", None)
+    if fn is None:
+        fn = masking_utils.AttentionMaskInterface._global_mapping.get("sdpa")
+    if fn is None:
+        raise RuntimeError(
+            "this transformers version has no sdpa mask function to build dmattn masks from"
+        )
+    return fn
+
+
+def dmattn_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
+    """transformers attention-mask-interface function for ``"dmattn"``.
+
+    Builds the same boolean ``(B, 1, Lq, Lk)`` mask (True = attend) as transformers' sdpa mask
+    function, with the same arguments, and the same ``None`` when the mask is plain causal (or
+    plain full) so the attention function can use ``is_causal`` and skip tiles without reading
+    a mask. For models that derive their own dynamic mask from the mask they receive
+    (``config.model_type == "doge"``) the causal mask is always materialised, because they drop
+    the ``None`` → causal meaning when they fold it into their bias.
+
+    Equivalent::
+
+        return transformers.masking_utils.sdpa_mask(*args, **kwargs)
+    """
+    config = kwargs.get("config")
+    if getattr(config, "model_type", None) in _DYNAMIC_MASK_MODEL_TYPES:
+        kwargs["allow_is_causal_skip"] = False
+    mask = _sdpa_mask_function()(*args, **kwargs)
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
+        raise TypeError(
+            f"transformers' sdpa mask function returned {type(mask).__name__} "
+            f"{getattr(mask, 'dtype', '')}; dmattn expects a bool tensor or None"
+        )
+    return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------------------------
+def register(name: str = DEFAULT_NAME) -> str:
+    """Register :func:`dmattn_attention_forward` and :func:`dmattn_mask` under ``name``.
+
+    After this, ``from_pretrained(..., attn_implementation="dmattn")``,
+    ``from_config(..., attn_implementation="dmattn")`` and
+    ``model.set_attn_implementation("dmattn")`` use flash_dmattn. Idempotent.
+
+    Equivalent::
+
+        transformers.AttentionInterface.register(name, dmattn_attention_forward)
+        transformers.masking_utils.AttentionMaskInterface.register(name, dmattn_mask)
+
+    Raises ImportError without transformers, RuntimeError when it has no
+    ``AttentionInterface`` (transformers < 4.48), ValueError for a name transformers would
+    read as a flash-attention or hub-kernel request. With 4.48 <= transformers < 4.53 (no
+    mask interface) only the attention function is registered; those versions build 4-D
+    masks in the model, which the attention function accepts.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if "flash" in name or "/" in name or ":" in name:
+        raise ValueError(
+            f"attention implementation name {name!r} would be read by transformers as a "
+            f"flash-attention or hub-kernel request; use a name without 'flash', '/' or ':' "
+            f"(default {DEFAULT_NAME!r})"
+        )
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            f"flash_dmattn.integrations needs HuggingFace transformers, which could not be "
+            f"imported ({exc}); pip install -U transformers"
+        ) from exc
+    interface = getattr(transformers, "AttentionInterface", None)
+    if interface is None:
+        try:
+            from transformers.modeling_utils import AttentionInterface as interface
+        except ImportError as exc:
+            raise RuntimeError(
+                f"transformers {transformers.__version__} has no AttentionInterface; "
+                f"flash_dmattn's integration needs transformers >= 4.48"
+            ) from exc
+    interface.register(name, dmattn_attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:
+        AttentionMaskInterface = None
+    if AttentionMaskInterface is not None:
+        AttentionMaskInterface.register(name, dmattn_mask)
+    return name

@@ -1,0 +1,312 @@
+"""HuggingFace transformers integration: attention function, mask function, registration.
+
+Tiny randomly initialised models built from configs (no downloads), float32 on CPU.
+"""
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flash_dmattn.integrations as integ  # noqa: E402  (registers "dmattn")
+from flash_dmattn.integrations import hf_transformers  # noqa: E402
+from flash_dmattn.integrations.flash_dynamic_mask_attention import (  # noqa: E402
+    flash_dynamic_mask_attention_forward,
+)
+
+VOCAB = 128
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+class _Module(torch.nn.Module):
+    def __init__(self, is_causal=True, training=False):
+        super().__init__()
+        self.is_causal = is_causal
+        self.train(training)
+
+
+def _eager(query, key, value, additive, scaling, softcap=None):
+    """transformers-style eager attention with fully masked rows set to 0 (float64)."""
+    g = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(g, 1).double()
+    v = value.repeat_interleave(g, 1).double()
+    s = (query.double() @ k.transpose(-1, -2)) * scaling
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if additive is not None:
+        keep = torch.isfinite(additive) & (additive > torch.finfo(additive.dtype).min / 2)
+        s = torch.where(keep, s + additive.double().nan_to_num(0.0, 0.0, 0.0), float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return (p @ v).transpose(1, 2)
+
+
+def _qkv(b=2, h=4, hkv=2, lq=7, lk=7, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, lq, d, generator=g)
+    k = torch.randn(b, hkv, lk, d, generator=g)
+    v = torch.randn(b, hkv, lk, d, generator=g)
+    return q, k, v
+
+
+def _causal_additive(b, lq, lk, extra=0, dtype=torch.float32):
+    i = torch.arange(lq)[:, None] + (lk - lq)
+    j = torch.arange(lk + extra)[None, :]
+    allowed = (j <= i) & (j < lk)
+    m = torch.zeros(b, 1, lq, lk + extra, dtype=dtype)
+    return m.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+@pytest.fixture
+def kernel_spy(monkeypatch):
+    """Counts library calls and records their masks/biases; proves dmattn actually ran."""
+    calls = []
+    real = hf_transformers._get_kernel
+
+    def spy_get_kernel():
+        fn = real()
+
+        def run(**kw):
+            calls.append(kw)
+            return fn(**kw)
+
+        return run
+
+    monkeypatch.setattr(hf_transformers, "_get_kernel", spy_get_kernel)
+    return calls
+
+
+@pytest.fixture
+def mask_spy(monkeypatch):
+    from transformers.masking_utils import AttentionMaskInterface
+
+    seen = []
+    real = AttentionMaskInterface._global_mapping["dmattn"]
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(out)
+        return out
+
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "dmattn", spy)
+    return seen
+
+
+# ---------------------------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------------------------
+def test_registration():
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert transformers.AttentionInterface._global_mapping["dmattn"] is integ.dmattn_attention_forward
+    assert AttentionMaskInterface._global_mapping["dmattn"] is integ.dmattn_mask
+    assert integ.register() == "dmattn"  # idempotent
+    with pytest.raises(ValueError, match="flash"):
+        integ.register("flash_dmattn")
+
+
+def test_mask_function_is_bool_or_none():
+    kw = dict(batch_size=2, q_length=5, kv_length=5, device="cpu")
+    import inspect
+
+    if "q_length" not in inspect.signature(transformers.masking_utils.sdpa_mask).parameters:
+        pytest.skip("transformers 4.x sdpa_mask signature (cache_position)")
+    assert integ.dmattn_mask(**kw) is None  # plain causal: left to is_causal
+    pad = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    m = integ.dmattn_mask(attention_mask=pad, **kw)
+    assert m.dtype == torch.bool and m.shape == (2, 1, 5, 5)
+    assert not m[0, 0, :, 0].any()
+    assert torch.equal(m[1, 0], torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+# ---------------------------------------------------------------------------------------------
+# the attention function on raw tensors
+# ---------------------------------------------------------------------------------------------
+def test_no_mask_causal_and_not_causal():
+    q, k, v = _qkv()
+    for causal in (True, False):
+        out, w = integ.dmattn_attention_forward(_Module(is_causal=causal), q, k, v, None, scaling=0.3)
+        assert w is None and out.shape == (2, 7, 4, 16)
+        ref = _eager(q, k, v, _causal_additive(2, 7, 7) if causal else None, 0.3)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # kwargs override the module
+    out, _ = integ.dmattn_attention_forward(_Module(is_causal=True), q, k, v, None, is_causal=False)
+    ref = _eager(q, k, v, None, 1 / math.sqrt(16))
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bool_and_additive_masks_longer_than_keys(kernel_spy):
+    q, k, v = _qkv(lq=6, lk=9)
+    add = _causal_additive(2, 6, 9, extra=5)  # static-cache style: 5 columns beyond the keys
+    add[0, :, :, :2] = float("-inf")  # padding written as -inf
+    ref = _eager(q, k, v, add[..., :9], 0.25)
+    out_f, _ = integ.dmattn_attention_forward(_Module(), q, k, v, add, scaling=0.25)
+    out_b, _ = integ.dmattn_attention_forward(_Module(), q, k, v, add > -1, scaling=0.25)
+    for out in (out_f, out_b):
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # a 0 / sentinel additive mask is passed as a bool mask only, and never causal on top
+    assert kernel_spy[0]["attn_bias"] is None and kernel_spy[0]["attn_mask"].dtype == torch.bool
+    assert kernel_spy[0]["is_causal"] is False
+    assert kernel_spy[0]["attn_mask"].shape[-1] == 9
+
+
+def test_additive_mask_with_real_bias_gqa_softcap():
+    q, k, v = _qkv(h=6, hkv=2, lq=5, lk=11, seed=1)
+    add = _causal_additive(2, 5, 11)
+    bias = torch.randn(2, 6, 5, 11)
+    add = torch.where(add == 0, bias, add)  # Doge-style: real bias where kept, dtype-min elsewhere
+    out, _ = integ.dmattn_attention_forward(_Module(), q, k, v, add, scaling=0.2, softcap=3.0)
+    ref = _eager(q, k, v, add, 0.2, softcap=3.0)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_bias_keyword_and_per_key_bias():
+    q, k, v = _qkv(lq=4, lk=10, seed=2)
+    bias = torch.randn(2, 2, 10)  # (B, Hkv, Lk): 1.2.x per-key form
+    pad = torch.ones(2, 10, dtype=torch.long)
+    pad[1, :3] = 0
+    out, _ = integ.dmattn_attention_forward(_Module(), q, k, v, pad, attention_bias=bias)
+    add = _causal_additive(2, 4, 10).masked_fill(~pad.bool()[:, None, None, :], float("-inf"))
+    add = add + bias.repeat_interleave(2, 1)[:, :, None, :]
+    ref = _eager(q, k, v, add, 0.25)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # the 1.2.x entry point: attention_bias is the sixth positional argument
+    out2, _ = flash_dynamic_mask_attention_forward(_Module(), q, k, v, pad, bias)
+    torch.testing.assert_close(out2, out)
+
+
+def test_two_d_mask_shorter_than_keys_slices_static_slots():
+    q, k, v = _qkv(lq=4, lk=12, seed=3)
+    pad = torch.ones(2, 8, dtype=torch.bool)  # 8 seen tokens, 4 empty static-cache slots
+    pad[0, 0] = False
+    out, _ = integ.dmattn_attention_forward(_Module(), q, k, v, pad)
+    add = _causal_additive(2, 4, 8).masked_fill(~pad[:, None, None, :], float("-inf"))
+    ref = _eager(q, k[:, :, :8], v[:, :, :8], add, 0.25)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_single_query_sees_every_key():
+    q, k, v = _qkv(lq=1, lk=9, seed=4)
+    out, _ = integ.dmattn_attention_forward(_Module(is_causal=True), q, k, v, None)
+    torch.testing.assert_close(out.double(), _eager(q, k, v, None, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_fully_masked_rows_are_zero():
+    q, k, v = _qkv(lq=3, lk=3)
+    add = torch.full((2, 1, 3, 3), torch.finfo(torch.float32).min)
+    out, _ = integ.dmattn_attention_forward(_Module(), q, k, v, add)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_dropout_rules():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="dropout"):
+        integ.dmattn_attention_forward(_Module(training=True), q, k, v, None, dropout=0.1)
+    out, _ = integ.dmattn_attention_forward(_Module(training=False), q, k, v, None, dropout=0.1)
+    assert out.shape == (2, 7, 4, 16)
+
+
+def test_bad_inputs_raise_typed_errors():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="2-D attention_mask"):
+        integ.dmattn_attention_forward(_Module(), q, k, v, torch.ones(2, 9, dtype=torch.bool))
+    with pytest.raises(TypeError):
+        integ.dmattn_attention_forward(_Module(), q, k, v, "mask")
+    with pytest.raises(NotImplementedError):
+        integ.dmattn_attention_forward(_Module(), q, k, v, None, s_aux=torch.zeros(4))
+
+
+def test_legacy_window_size_topk():
+    q, k, v = _qkv(lq=6, lk=6, seed=5)
+    bias = torch.randn(2, 2, 1, 6)
+    out, _ = flash_dynamic_mask_attention_forward(_Module(), q, k, v, None, bias, window_size=2)
+    i, j = torch.arange(6)[:, None], torch.arange(6)[None, :]
+    score = bias.expand(2, 2, 6, 6).masked_fill(j > i, float("-inf"))
+    top = score.topk(2, dim=-1).indices
+    keep = torch.zeros(2, 2, 6, 6, dtype=torch.bool).scatter(-1, top, True) & (j <= i)
+    add = torch.where(keep, bias.expand(2, 2, 6, 6), float("-inf")).repeat_interleave(2, 1)
+    ref = _eager(q, k, v, add, 0.25)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# whole models
+# ---------------------------------------------------------------------------------------------
+def _batch(seq=20, pad=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (2, seq), generator=g)
+    am = torch.ones_like(ids)
+    am[0, :pad] = 0  # left padding
+    ids[0, :pad] = 0
+    return ids, am
+
+
+def _compare_with_eager(model, kernel_spy, mask_spy, seq=20):
+    ids, am = _batch(seq)
+    keep = am.bool()
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        ref = model(ids, attention_mask=am).logits
+        ref_gen = model.generate(
+            ids, attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0
+        )
+        ref_nopad = model(ids[1:]).logits
+        model.set_attn_implementation("dmattn")
+        assert model.config._attn_implementation == "dmattn"
+        n0 = len(kernel_spy)
+        out = model(ids, attention_mask=am).logits
+        assert len(kernel_spy) - n0 == model.config.num_hidden_layers
+        gen = model.generate(
+            ids, attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0
+        )
+        out_nopad = model(ids[1:]).logits
+    # Padded query rows differ by design (eager averages over all keys, dmattn gives 0);
+    # they are never attended to, so every real position must agree.
+    torch.testing.assert_close(out[keep], ref[keep], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_nopad, ref_nopad, atol=1e-5, rtol=1e-5)
+    assert torch.equal(gen, ref_gen)
+    # prefill + 4 decode steps per layer went through the library, with the padding mask
+    assert len(kernel_spy) - n0 >= model.config.num_hidden_layers * (1 + 5 + 1)
+    assert any(m is not None and m.dtype == torch.bool for m in mask_spy)
+    assert any(c["query"].shape[1] == 1 for c in kernel_spy)  # decode steps with a KV cache
+    return kernel_spy[n0:]
+
+
+def test_llama_matches_eager(kernel_spy, mask_spy):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM._from_config(cfg, attn_implementation="dmattn").eval()
+    assert model.config._attn_implementation == "dmattn"
+    calls = _compare_with_eager(model, kernel_spy, mask_spy)
+    # GQA reached the library without repeat_kv
+    assert all(c["key"].shape[2] == 2 and c["query"].shape[2] == 4 for c in calls)
+    # an unpadded prefill needs no mask at all: is_causal does the work
+    assert any(c["attn_mask"] is None and c["is_causal"] for c in calls)
+
+
+def test_doge_matches_eager(kernel_spy, mask_spy):
+    doge = pytest.importorskip("transformers.models.doge", reason="transformers has no Doge")
+    cfg = doge.DogeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        keep_window_size=8,  # < sequence length: Doge's top-k dynamic mask is active
+    )
+    torch.manual_seed(0)
+    model = doge.DogeForCausalLM._from_config(cfg, attn_implementation="dmattn").eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            # A is zero-initialised, which makes every dynamic-mask bias exactly 1 (all ties);
+            # random values give a real, distinct bias per key.
+            layer.self_attn.A.normal_(0.0, 1.0)
+    calls = _compare_with_eager(model, kernel_spy, mask_spy, seq=20)
+    prefill = [c for c in calls if c["query"].shape[1] == 20]
+    assert prefill and all(c["attn_bias"] is not None for c in prefill)
+    # the top-k keeps at most keep_window_size keys per query
+    assert all(int(c["attn_mask"].sum(-1).max()) <= 8 for c in prefill)
