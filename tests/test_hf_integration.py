@@ -310,3 +310,42 @@ def test_doge_matches_eager(kernel_spy, mask_spy):
     assert prefill and all(c["attn_bias"] is not None for c in prefill)
     # the top-k keeps at most keep_window_size keys per query
     assert all(int(c["attn_mask"].sum(-1).max()) <= 8 for c in prefill)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "doge"])
+def test_gpu_bf16_matches_eager_on_fast_backend(arch, kernel_spy):
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if arch == "llama":
+        model = LlamaForCausalLM._from_config(LlamaConfig(**common), attn_implementation="dmattn")
+    else:
+        doge = pytest.importorskip("transformers.models.doge", reason="transformers has no Doge")
+        model = doge.DogeForCausalLM._from_config(
+            doge.DogeConfig(keep_window_size=64, **common), attn_implementation="dmattn"
+        )
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.A.normal_(0.0, 1.0)
+    model = model.to("cuda", torch.bfloat16).eval()
+    ids, am = _batch(seq=160, pad=17)
+    ids, am = ids.cuda(), am.cuda()
+    keep = am.bool()
+    with torch.no_grad(), warnings.catch_warnings():
+        # a fallback to torch-reference on CUDA warns: make it fail the test
+        warnings.simplefilter("error", RuntimeWarning)
+        model.set_attn_implementation("eager")
+        ref = model(ids, attention_mask=am).logits.float()
+        model.set_attn_implementation("dmattn")
+        n0 = len(kernel_spy)
+        out = model(ids, attention_mask=am).logits.float()
+        model.generate(ids, attention_mask=am, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert len(kernel_spy) - n0 >= model.config.num_hidden_layers * 4
+    # bf16 end to end (weights, activations, both attention paths): relative error ~1e-2
+    err = (out[keep] - ref[keep]).norm() / ref[keep].norm()
+    assert err < 3e-2, err.item()
