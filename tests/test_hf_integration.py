@@ -214,7 +214,7 @@ def test_bad_inputs_raise_typed_errors():
         integ.dmattn_attention_forward(_Module(), q, k, v, torch.ones(2, 9, dtype=torch.bool))
     with pytest.raises(TypeError):
         integ.dmattn_attention_forward(_Module(), q, k, v, "mask")
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match="attention sinks"):
         integ.dmattn_attention_forward(_Module(), q, k, v, None, s_aux=torch.zeros(4))
 
 

@@ -259,7 +259,7 @@ def prepare_attention_call(
     """
     _check_dropout(module, dropout)
     if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(
+        raise ValueError(
             "flash_dmattn does not support attention sinks (s_aux); use attn_implementation='eager'"
         )
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
