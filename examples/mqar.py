@@ -1,0 +1,834 @@
+"""Multi-query associative recall (MQAR) with Dynamic Mask Attention: a training demo.
+
+MQAR (Arora et al., "Zoology", 2023) asks a model to recall, for many queries in one
+sequence, the value that was paired with a key much earlier. It is the synthetic task that
+best separates attention from sub-quadratic mixers, and it is a natural test of DMA's key
+selection: with ``window_size`` smaller than the sequence, each query only attends to the
+``window_size`` keys with the largest learned bias, so the model must learn to keep the
+key-value pairs (and not the filler) inside its window.
+
+Sequence layout (``L = seq_len``, ``N = num_pairs``, ``Q = num_queries``, default ``Q = N``)::
+
+    position  0 .. 2N-1        k_1 v_1 k_2 v_2 ... k_N v_N     the key-value pairs
+    position  2N .. L-2Q-1     f f f ... f                     filler / noise tokens
+    position  L-2Q .. L-1      k_a v_a k_b v_b ...             Q queries: keys seen above,
+                                                               each followed by its value
+
+Token ids come from three disjoint ranges: keys ``[0, key_vocab)``, values
+``[key_vocab, key_vocab + value_vocab)``, filler after that. The keys of one sequence are
+distinct (so every query has one answer); values are drawn with replacement; the queried
+keys are a random subset (in random order) of the sequence's keys.
+
+Targets follow the language-modelling convention: the position holding a query key is
+trained to predict the next token, which is the value paired with that key. Every other
+position has target ``-100`` (ignored), so the loss and the accuracy only cover the ``Q``
+query positions. Accuracy is the fraction of those positions whose argmax prediction is
+exactly the paired value.
+
+The model is a small pre-norm transformer: token embedding, rotary positions (passed to
+the attention layer as ``position_embeddings=(cos, sin)``), 2 blocks of
+``RMSNorm -> attention -> residual -> RMSNorm -> MLP -> residual``, a final RMSNorm and an
+LM head. The attention is :class:`flash_dmattn.modules.DynamicMaskAttention` (causal, GQA
+optional) with the chosen ``window_size``; ``full`` uses ``window_size = seq_len`` (DMA bias,
+no key selection) and ``dense`` swaps in plain causal attention through
+``torch.nn.functional.scaled_dot_product_attention`` (same projections and rotary, no DMA
+bias) as the time-per-step baseline.
+
+Run::
+
+    python -m examples.mqar --smoke --device cpu --out /tmp/mqar        # seconds, on CPU
+    python -m examples.mqar --device cuda --seq-len 1024 --num-pairs 64 \\
+        --windows 32,64,128,256,512,full,dense --steps 2000 --batch-size 64 --lr 1e-3
+
+One model is trained per window setting, from the same initialisation (same seed) on the
+same stream of batches; the script reports the final eval accuracy and the median training
+step time, and writes ``mqar.json``, ``mqar.md`` and (with matplotlib) ``mqar.png`` to
+``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import platform
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flash_dmattn.modules import DynamicMaskAttention, apply_rotary_pos_emb
+
+__all__ = [
+    "IGNORE_INDEX",
+    "MQARConfig",
+    "ModelConfig",
+    "TrainConfig",
+    "MQARModel",
+    "DenseAttention",
+    "generate_batch",
+    "query_positions",
+    "rotary_tables",
+    "parse_windows",
+    "train_model",
+    "evaluate",
+    "main",
+]
+
+IGNORE_INDEX = -100
+
+# Where results go when --out is not given: examples/results/<device-slug>/.
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+@dataclass
+class MQARConfig:
+    """Shape of the synthetic task (see the module docstring for the layout).
+
+    Args:
+        seq_len: tokens per sequence ``L``.
+        num_pairs: key-value pairs per sequence ``N``.
+        num_queries: queries per sequence ``Q`` (``None``: ``N``, every key queried once).
+        key_vocab: number of distinct key tokens (``>= num_pairs``: keys of a sequence are distinct).
+        value_vocab: number of distinct value tokens.
+        filler_vocab: number of distinct filler tokens.
+    """
+
+    seq_len: int = 1024
+    num_pairs: int = 64
+    num_queries: Optional[int] = None
+    key_vocab: int = 256
+    value_vocab: int = 256
+    filler_vocab: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "num_pairs", "key_vocab", "value_vocab", "filler_vocab"):
+            _check_positive(name, getattr(self, name))
+        if self.num_queries is None:
+            self.num_queries = self.num_pairs
+        _check_positive("num_queries", self.num_queries)
+        if self.num_queries > self.num_pairs:
+            raise ValueError(
+                f"num_queries ({self.num_queries}) must be <= num_pairs ({self.num_pairs}): "
+                "each query asks for a distinct key of the sequence"
+            )
+        if self.key_vocab < self.num_pairs:
+            raise ValueError(
+                f"key_vocab ({self.key_vocab}) must be >= num_pairs ({self.num_pairs}) so the keys "
+                "of a sequence can be distinct"
+            )
+        needed = 2 * self.num_pairs + 2 * self.num_queries
+        if self.seq_len < needed:
+            raise ValueError(
+                f"seq_len ({self.seq_len}) is too short for {self.num_pairs} pairs and "
+                f"{self.num_queries} queries: needs at least 2*num_pairs + 2*num_queries = {needed}"
+            )
+
+    @property
+    def value_offset(self) -> int:
+        return self.key_vocab
+
+    @property
+    def filler_offset(self) -> int:
+        return self.key_vocab + self.value_vocab
+
+    @property
+    def vocab_size(self) -> int:
+        return self.key_vocab + self.value_vocab + self.filler_vocab
+
+    @property
+    def query_start(self) -> int:
+        """Position of the first query key."""
+        return self.seq_len - 2 * self.num_queries
+
+
+def _check_positive(name: str, value) -> int:
+    # bool is an int subclass; True silently meaning 1 would hide a caller bug.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def query_positions(cfg: MQARConfig, device=None) -> torch.Tensor:
+    """The ``Q`` positions (the same in every sequence) whose target is a paired value."""
+    return torch.arange(cfg.query_start, cfg.seq_len, 2, device=device)
+
+
+def generate_batch(
+    cfg: MQARConfig,
+    batch_size: int,
+    generator: torch.Generator,
+    device=None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Draw ``batch_size`` MQAR sequences.
+
+    Args:
+        cfg: the task's shape.
+        batch_size: number of sequences ``B``.
+        generator: a ``torch.Generator`` on ``device``; the batch is a deterministic
+            function of its state, so a seeded generator gives reproducible data.
+        device: where the tensors are built (default: the generator's device).
+
+    Returns:
+        ``(tokens, targets)``, both ``(B, L)`` int64 on ``device``. ``targets`` is
+        ``IGNORE_INDEX`` everywhere except at :func:`query_positions`, where it holds the
+        value paired with the query key found at that position of ``tokens``.
+    """
+    _check_positive("batch_size", batch_size)
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    device = torch.device(generator.device if device is None else device)
+    if device.type != generator.device.type:
+        # torch samples on the generator's device only; a mismatch fails deep inside torch.
+        raise ValueError(f"generator is on {generator.device} but device is {device}")
+    n, q, length = cfg.num_pairs, cfg.num_queries, cfg.seq_len
+
+    # Distinct keys per row: the first N entries of a per-row random permutation (argsort of
+    # uniform noise), which stays vectorised over the batch, unlike randperm.
+    keys = torch.rand(batch_size, cfg.key_vocab, generator=generator, device=device).argsort(-1)[:, :n]
+    values = cfg.value_offset + torch.randint(
+        cfg.value_vocab, (batch_size, n), generator=generator, device=device
+    )
+    tokens = cfg.filler_offset + torch.randint(
+        cfg.filler_vocab, (batch_size, length), generator=generator, device=device
+    )
+    tokens[:, 0 : 2 * n : 2] = keys
+    tokens[:, 1 : 2 * n : 2] = values
+
+    # Which pairs are asked for, and in which order: a random subset per row.
+    picked = torch.rand(batch_size, n, generator=generator, device=device).argsort(-1)[:, :q]
+    query_keys = keys.gather(1, picked)
+    query_values = values.gather(1, picked)
+    start = cfg.query_start
+    tokens[:, start::2] = query_keys
+    # The value follows its query key as the next token (as in text); a causal model cannot
+    # see it from the query position, so it does not leak the answer.
+    tokens[:, start + 1 :: 2] = query_values
+
+    targets = torch.full_like(tokens, IGNORE_INDEX)
+    targets[:, start::2] = query_values
+    return tokens, targets
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    """Model shape. ``window`` is an int (DMA ``window_size``), ``"full"`` (DMA with
+    ``window_size = seq_len``) or ``"dense"`` (plain SDPA attention)."""
+
+    vocab_size: int
+    seq_len: int
+    d_model: int = 128
+    num_heads: int = 4
+    num_kv_heads: Optional[int] = None
+    num_layers: int = 2
+    mlp_ratio: int = 4
+    window: object = "full"
+    backend: Optional[str] = None
+    rope_base: float = 10000.0
+
+
+def rotary_tables(
+    seq_len: int, head_dim: int, base: float = 10000.0, device=None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Llama-style rotary ``(cos, sin)``, each ``(seq_len, head_dim)`` float32, with the
+    ``head_dim / 2`` frequencies repeated over both halves (what ``rotate_half`` expects)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+class DenseAttention(nn.Module):
+    """Plain causal GQA self-attention (SDPA) with the same projections and rotary handling
+    as :class:`DynamicMaskAttention`, minus the DMA bias and key selection: the baseline."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads != 0 or hidden_size % num_heads != 0:
+            raise ValueError(
+                f"need num_heads % num_kv_heads == 0 and hidden_size % num_heads == 0, got "
+                f"hidden_size={hidden_size}, num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+            )
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = hidden_size // num_heads
+        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None) -> torch.Tensor:
+        if attention_mask is not None:
+            # MQAR batches are never padded; refusing beats silently ignoring a mask.
+            raise ValueError("DenseAttention does not take a padding mask")
+        b, length, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, length, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(b, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(b, length, self.num_kv_heads, self.head_dim)
+        if position_embeddings is not None:
+            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.num_kv_heads != self.num_heads:
+            # repeat instead of enable_gqa=True: SDPA's fused kernels do not all take GQA.
+            g = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model)
+        if cfg.window == "dense":
+            self.attn = DenseAttention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads)
+        else:
+            window_size = cfg.seq_len if cfg.window == "full" else int(cfg.window)
+            self.attn = DynamicMaskAttention(
+                cfg.d_model,
+                cfg.num_heads,
+                num_kv_heads=cfg.num_kv_heads,
+                window_size=window_size,
+                is_causal=True,
+                backend=cfg.backend,
+            )
+        self.mlp_norm = nn.RMSNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=False),
+            nn.GELU(),
+            nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=False),
+        )
+
+    def forward(self, x: torch.Tensor, rope: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), position_embeddings=rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class MQARModel(nn.Module):
+    """Token embedding + rotary positions -> ``num_layers`` blocks -> RMSNorm -> LM head.
+
+    ``forward(tokens (B, L) int64) -> logits (B, L, vocab_size)``.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.d_model % cfg.num_heads != 0:
+            raise ValueError(f"d_model ({cfg.d_model}) must be divisible by num_heads ({cfg.num_heads})")
+        self.cfg = cfg
+        self.head_dim = cfg.d_model // cfg.num_heads
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        cos, sin = rotary_tables(cfg.seq_len, self.head_dim, cfg.rope_base)
+        # Buffers follow .to(device); non-persistent since they are a pure function of the config.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        # GPT-2-style small init; PyTorch's default Embedding init (std 1) makes the
+        # residual stream large relative to the blocks' outputs and slows early training.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        if length > self.cfg.seq_len:
+            raise ValueError(f"sequence length {length} exceeds the model's seq_len {self.cfg.seq_len}")
+        rope = (self.rope_cos[:length], self.rope_sin[:length])
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, rope)
+        return self.lm_head(self.norm(x))
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    """Optimisation and measurement settings."""
+
+    steps: int = 2000
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    warmup_frac: float = 0.05  # linear LR warm-up, then cosine decay to 10 %
+    eval_size: int = 1024
+    eval_every: int = 0  # 0: evaluate only at the end
+    timing_warmup: int = 20  # steps excluded from the ms/step median (compile, autotune, caches)
+    seed: int = 0
+    dtype: str = "fp32"  # "bf16": autocast (CUDA); "fp32": no autocast
+
+
+def parse_windows(text: str) -> List[object]:
+    """``"32,64,full,dense"`` -> ``[32, 64, "full", "dense"]`` (ints > 0, ``full``, ``dense``).
+
+    An int at or above the sequence length behaves like ``full`` (DMA only selects keys
+    when the sequence is longer than its window) and is kept under its own label."""
+    out: List[object] = []
+    for raw in text.split(","):
+        item = raw.strip().lower()
+        if not item:
+            continue
+        if item in ("full", "dense"):
+            out.append(item)
+            continue
+        try:
+            value = int(item)
+        except ValueError:
+            raise ValueError(f"window {raw!r} is not an int, 'full' or 'dense'") from None
+        if value <= 0:
+            raise ValueError(f"window sizes must be > 0, got {value}")
+        out.append(value)
+    if not out:
+        raise ValueError("no window settings given")
+    if len(set(map(str, out))) != len(out):
+        raise ValueError(f"duplicate window settings in {text!r}")
+    return out
+
+
+def _autocast(device: torch.device, dtype: str):
+    if dtype == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+def _sync(device: torch.device) -> None:
+    # CUDA kernels run asynchronously; without a sync the timer measures launch time only.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _lr_factor(step: int, total: int, warmup_frac: float) -> float:
+    warmup = max(1, int(total * warmup_frac))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    # Only the query positions carry targets; slicing them first keeps the float32
+    # cross-entropy small (Q positions instead of L).
+    sel_logits = logits[:, positions].float()
+    sel_targets = targets[:, positions]
+    return F.cross_entropy(sel_logits.reshape(-1, sel_logits.shape[-1]), sel_targets.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    task: MQARConfig,
+    eval_size: int,
+    batch_size: int,
+    seed: int,
+    device: torch.device,
+    dtype: str = "fp32",
+) -> Dict[str, float]:
+    """Accuracy and loss on ``eval_size`` fresh sequences drawn with ``seed``.
+
+    Returns ``{"accuracy": correct / (eval_size * Q), "loss": mean cross-entropy}``.
+    """
+    was_training = model.training
+    model.eval()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    positions = query_positions(task, device)
+    correct = total = 0
+    loss_sum = 0.0
+    done = 0
+    while done < eval_size:
+        b = min(batch_size, eval_size - done)
+        tokens, targets = generate_batch(task, b, gen, device)
+        with _autocast(device, dtype):
+            logits = model(tokens)
+        loss_sum += _loss(logits, targets, positions).item() * b
+        pred = logits[:, positions].argmax(-1)
+        correct += (pred == targets[:, positions]).sum().item()
+        total += pred.numel()
+        done += b
+    model.train(was_training)
+    return {"accuracy": correct / total, "loss": loss_sum / eval_size}
+
+
+def train_model(
+    task: MQARConfig,
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    device,
+    progress: bool = False,
+    label: str = "",
+) -> Dict[str, object]:
+    """Train one fresh model on ``task`` and evaluate it.
+
+    The initialisation (``torch.manual_seed(seed)``) and the training batches (a generator
+    seeded with ``seed``) are the same for every call with the same ``seed``, so runs that
+    differ only in the attention setting see identical data. The evaluation set uses
+    ``seed + 1``: a stream of its own, not the training one.
+
+    Returns a dict with ``accuracy``, ``eval_loss``, ``ms_per_step`` (median over the steps
+    after ``timing_warmup``; the step is forward + backward + optimizer, not data
+    generation), ``losses`` (per step), ``history`` (periodic evals) and ``params``.
+    """
+    device = torch.device(device)
+    torch.manual_seed(train_cfg.seed)
+    model = MQARModel(model_cfg).to(device)
+    model.train()
+    # The usual GPT recipe: decay matrices and embeddings, not the 1-D parameters (norm
+    # weights, DMA's per-head A), whose scale is meaningful and which decay would pull to 0.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": train_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=train_cfg.lr,
+        betas=(0.9, 0.98),
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: _lr_factor(s, train_cfg.steps, train_cfg.warmup_frac)
+    )
+    gen = torch.Generator(device=device).manual_seed(train_cfg.seed)
+    positions = query_positions(task, device)
+    timing_warmup = min(train_cfg.timing_warmup, max(0, train_cfg.steps - 1))
+
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=train_cfg.steps, desc=label or "train", leave=True, dynamic_ncols=True)
+        except ImportError:
+            bar = None
+    print_every = max(1, train_cfg.steps // 10)
+
+    losses: List[float] = []
+    step_ms: List[float] = []
+    history: List[Dict[str, float]] = []
+    for step in range(train_cfg.steps):
+        tokens, targets = generate_batch(task, train_cfg.batch_size, gen, device)
+        _sync(device)
+        t0 = time.perf_counter()
+        with _autocast(device, train_cfg.dtype):
+            logits = model(tokens)
+        loss = _loss(logits, targets, positions)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        # Clipping keeps the occasional large early step (before the recall circuit forms)
+        # from knocking the run off course; it costs little.
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        _sync(device)
+        elapsed = (time.perf_counter() - t0) * 1e3
+        if step >= timing_warmup:
+            step_ms.append(elapsed)
+        loss_value = loss.item()
+        losses.append(loss_value)
+
+        if train_cfg.eval_every and (step + 1) % train_cfg.eval_every == 0 and step + 1 < train_cfg.steps:
+            ev = evaluate(model, task, min(train_cfg.eval_size, 256), train_cfg.batch_size,
+                          train_cfg.seed + 1, device, train_cfg.dtype)
+            history.append({"step": step + 1, "accuracy": ev["accuracy"], "loss": ev["loss"]})
+            # Printed even without progress bars: interim evals are asked for explicitly.
+            msg = f"[{label}] step {step + 1}: eval accuracy {ev['accuracy']:.4f}, eval loss {ev['loss']:.4f}"
+            (bar.write if bar is not None else print)(msg)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.3f}", ms=f"{elapsed:.1f}")
+        elif progress and ((step + 1) % print_every == 0 or step + 1 == train_cfg.steps):
+            print(f"[{label}] step {step + 1}/{train_cfg.steps} loss {loss_value:.4f} ({elapsed:.1f} ms)", flush=True)
+    if bar is not None:
+        bar.close()
+
+    final = evaluate(model, task, train_cfg.eval_size, train_cfg.batch_size, train_cfg.seed + 1, device, train_cfg.dtype)
+    history.append({"step": train_cfg.steps, "accuracy": final["accuracy"], "loss": final["loss"]})
+    tail = losses[-max(1, len(losses) // 10):]
+    return {
+        "accuracy": final["accuracy"],
+        "eval_loss": final["loss"],
+        "final_train_loss": sum(tail) / len(tail),
+        "ms_per_step": statistics.median(step_ms) if step_ms else None,
+        "timed_steps": len(step_ms),
+        "losses": losses,
+        "history": history,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Reports
+# --------------------------------------------------------------------------------------------
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def _environment(device: torch.device) -> Dict[str, object]:
+    try:
+        from flash_dmattn import registry
+
+        available = registry.get_available_backends()
+    except Exception as exc:  # informational only: a report must not fail on it
+        available = [f"unknown ({exc.__class__.__name__})"]
+    try:
+        from flash_dmattn import __version__ as version
+    except ImportError:
+        version = None
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "flash_dmattn": version,
+        "device": str(device),
+        "gpu_name": gpu,
+        "available_backends": available,
+        "argv": sys.argv[1:],
+    }
+
+
+def _window_label(window: object) -> str:
+    return str(window)
+
+
+def _previous_rows(path: Path, config: Dict[str, object], env: Dict[str, object]) -> List[dict]:
+    """The result rows of an earlier run stored in ``path`` (for ``--merge``), or ``[]``.
+
+    Called before any training so that a mismatch costs nothing: rows are only merged when
+    the task/model/training configuration and the device are the same, otherwise the
+    combined table would compare unlike runs.
+    """
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    old_cfg = {k: v for k, v in old.get("config", {}).items() if k != "windows"}
+    if old_cfg != config:
+        raise ValueError(f"{path} was written with a different configuration; use another --out")
+    if old.get("environment", {}).get("gpu_name") != env["gpu_name"]:
+        raise ValueError(f"{path} was measured on another device; use another --out")
+    return list(old.get("results", []))
+
+
+def _markdown(doc: Dict[str, object]) -> str:
+    env, cfg = doc["environment"], doc["config"]
+    lines = [
+        "# MQAR: accuracy and step time per attention window",
+        "",
+        f"- device: {env['gpu_name'] or env['device']}; torch {env['torch']}; date {env['date']}",
+        f"- task: seq_len {cfg['task']['seq_len']}, {cfg['task']['num_pairs']} pairs, "
+        f"{cfg['task']['num_queries']} queries, vocab {cfg['vocab_size']}",
+        f"- model: d_model {cfg['model']['d_model']}, {cfg['model']['num_layers']} layers, "
+        f"{cfg['model']['num_heads']} heads / {cfg['model']['num_kv_heads'] or cfg['model']['num_heads']} kv heads",
+        f"- training: {cfg['train']['steps']} steps, batch {cfg['train']['batch_size']}, lr {cfg['train']['lr']}, "
+        f"{cfg['train']['dtype']}; eval on {cfg['train']['eval_size']} sequences",
+        "- ms/step: median forward+backward+optimizer time after "
+        f"{cfg['train']['timing_warmup']} warm-up steps",
+        "",
+        "| window | attention | accuracy | eval loss | ms/step | params |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in doc["results"]:
+        ms = "-" if r["ms_per_step"] is None else f"{r['ms_per_step']:.2f}"
+        lines.append(
+            f"| {r['window']} | {r['attention']} | {r['accuracy']:.4f} | {r['eval_loss']:.4f} | {ms} | {r['params']:,} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plot(doc: Dict[str, object], path: Path) -> Optional[str]:
+    """Write the accuracy / ms-per-step figure; returns a note instead when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on servers / CI
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not importable; skipped the plot"
+    rows = doc["results"]
+    labels = [r["window"] for r in rows]
+    xs = range(len(rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(list(xs), [r["accuracy"] for r in rows], marker="o")
+    ax1.set_xticks(list(xs), labels)
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.set_xlabel("window")
+    ax1.set_ylabel("eval accuracy")
+    ax1.set_title("MQAR recall accuracy")
+    ax1.grid(alpha=0.3)
+    ax2.bar(list(xs), [r["ms_per_step"] or 0.0 for r in rows])
+    ax2.set_xticks(list(xs), labels)
+    ax2.set_xlabel("window")
+    ax2.set_ylabel("median ms / training step")
+    ax2.set_title("step time")
+    ax2.grid(alpha=0.3, axis="y")
+    env = doc["environment"]
+    fig.suptitle(f"MQAR, seq_len {doc['config']['task']['seq_len']}, {env['gpu_name'] or env['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+SMOKE = dict(
+    seq_len=64, num_pairs=4, key_vocab=16, value_vocab=16, filler_vocab=8, d_model=32, num_heads=2,
+    num_kv_heads=None, steps=3, windows="8,full", batch_size=4, eval_size=8, timing_warmup=1,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m examples.mqar",
+        description="Train a 2-layer model on multi-query associative recall (MQAR) for several "
+        "Dynamic Mask Attention window sizes; report accuracy and ms/step.",
+    )
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="bf16 autocast or fp32 (auto: bf16 on CUDA, fp32 elsewhere)")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--num-pairs", type=int, default=64)
+    p.add_argument("--num-queries", type=int, default=None, help="default: --num-pairs")
+    p.add_argument("--key-vocab", type=int, default=256)
+    p.add_argument("--value-vocab", type=int, default=256)
+    p.add_argument("--filler-vocab", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=None, help="GQA: fewer kv heads (default: --num-heads)")
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--windows", default="32,64,128,256,512,full",
+                   help="comma list of DMA window sizes, 'full' (window = seq_len) and/or 'dense' (SDPA)")
+    p.add_argument("--window-size", type=int, default=None, help="train a single DMA window (overrides --windows)")
+    p.add_argument("--attention", choices=("dma", "dense"), default="dma",
+                   help="dense: a single run with plain SDPA attention (overrides --windows)")
+    p.add_argument("--backend", default=None, help="flash_dmattn backend for DMA (default: auto-dispatch)")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--eval-size", type=int, default=1024, help="eval sequences")
+    p.add_argument("--eval-every", type=int, default=0, help="steps between (small) interim evals; 0: none")
+    p.add_argument("--timing-warmup", type=int, default=20, help="steps left out of the ms/step median")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output folder (default: examples/results/<device-slug>)")
+    p.add_argument("--merge", action="store_true",
+                   help="add to (or replace windows in) an existing mqar.json in --out from the same configuration")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars / periodic prints")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny CPU-friendly run (seq 64, 4 pairs, d_model 32, 2 heads, 3 steps, windows 8,full, batch 4)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """CLI entry point; returns the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda requested but CUDA is not available")
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+
+    try:
+        task = MQARConfig(
+            seq_len=args.seq_len, num_pairs=args.num_pairs, num_queries=args.num_queries,
+            key_vocab=args.key_vocab, value_vocab=args.value_vocab, filler_vocab=args.filler_vocab,
+        )
+        if args.attention == "dense":
+            windows = ["dense"]
+        elif args.window_size is not None:
+            windows = parse_windows(str(args.window_size))
+        else:
+            windows = parse_windows(args.windows)
+        for name in ("steps", "batch_size", "eval_size", "d_model", "num_heads", "num_layers"):
+            _check_positive(name.replace("_", "-"), getattr(args, name))
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+
+    train_cfg = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+        eval_size=args.eval_size, eval_every=args.eval_every, timing_warmup=args.timing_warmup,
+        seed=args.seed, dtype=dtype,
+    )
+    env = _environment(device)
+    out_dir = Path(args.out) if args.out else DEFAULT_RESULTS / (_slug(env["gpu_name"]) if env["gpu_name"] else "cpu")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    model_template = ModelConfig(
+        vocab_size=task.vocab_size, seq_len=task.seq_len, d_model=args.d_model, num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads, num_layers=args.num_layers, backend=args.backend,
+    )
+    config = {
+        "task": asdict(task),
+        "vocab_size": task.vocab_size,
+        "model": {k: v for k, v in asdict(model_template).items() if k != "window"},
+        "train": asdict(train_cfg),
+    }
+    previous: List[dict] = []
+    if args.merge:
+        try:
+            previous = _previous_rows(out_dir / "mqar.json", config, env)
+        except ValueError as exc:
+            parser.error(f"--merge: {exc}")
+    print(f"MQAR on {env['gpu_name'] or device}: seq_len {task.seq_len}, {task.num_pairs} pairs, "
+          f"{task.num_queries} queries, vocab {task.vocab_size}, {dtype}, windows {windows}", flush=True)
+
+    results = []
+    for window in windows:
+        model_cfg = ModelConfig(**{**asdict(model_template), "window": window})
+        label = f"window={window}"
+        try:
+            res = train_model(task, model_cfg, train_cfg, device, progress=not args.no_progress, label=label)
+        except (TypeError, ValueError) as exc:
+            # Bad shape combinations (e.g. d_model / heads) surface here; report them as usage errors.
+            parser.error(f"{label}: {exc}")
+        attention = "sdpa" if window == "dense" else "dma"
+        window_size = None if window == "dense" else (task.seq_len if window == "full" else int(window))
+        row = {"window": _window_label(window), "attention": attention, "window_size": window_size, **res}
+        results.append(row)
+        ms = "-" if row["ms_per_step"] is None else f"{row['ms_per_step']:.2f}"
+        print(f"{label}: accuracy {row['accuracy']:.4f}, eval loss {row['eval_loss']:.4f}, {ms} ms/step", flush=True)
+
+    if args.merge:
+        # A window run again replaces its earlier row; the others are kept in their order.
+        new_windows = {r["window"] for r in results}
+        results = [r for r in previous if r["window"] not in new_windows] + results
+    config["windows"] = [r["window"] for r in results]
+    doc = {"environment": env, "config": config, "results": results}
+    (out_dir / "mqar.json").write_text(json.dumps(doc, indent=2))
+    md = _markdown(doc)
+    (out_dir / "mqar.md").write_text(md)
+    note = _plot(doc, out_dir / "mqar.png")
+    print()
+    print(md)
+    if note:
+        print(f"note: {note}")
+    print(f"wrote {out_dir}/mqar.json, mqar.md" + ("" if note else ", mqar.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
