@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install, report the environment, run the whole test suite (GPU tests
 # included), the demo and (optionally) benchmarks. Logs go to $OUT (or ./gpu_out).
-#   bash scripts/gpu_check.sh [tests|demo|bench|all] [extra pytest args...]
+#   bash scripts/gpu_check.sh [tests|demo|bench|testbench|all] [extra pytest args...]
+# env: BENCH_SUITE (default all), BENCH_BACKENDS (default: every available backend)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -14,7 +15,7 @@ $PY -m pip install --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 
   $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } | tee "$OUT/env.txt"
 $PY -m flash_dmattn info | tee "$OUT/info.txt"
 status=0
-if [[ $what == tests || $what == all ]]; then
+if [[ $what == tests || $what == testbench || $what == all ]]; then
   # extra arguments replace the default target (the whole suite)
   $PY -m pytest -q -p no:cacheprovider --durations=15 "${@:-tests}" 2>&1 | tee "$OUT/tests.log"
   status=${PIPESTATUS[0]}
@@ -22,7 +23,8 @@ fi
 if [[ $what == demo || $what == all ]]; then
   $PY -m flash_dmattn demo 2>&1 | tee "$OUT/demo.txt"
 fi
-if [[ $what == bench || $what == all ]] && [[ -f benchmarks/run.py ]]; then
-  $PY -m benchmarks.run --suite "${BENCH_SUITE:-all}" --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
+if [[ $what == bench || $what == testbench || $what == all ]] && [[ -f benchmarks/run.py ]]; then
+  $PY -m benchmarks.run --suite "${BENCH_SUITE:-all}" ${BENCH_BACKENDS:+--backends "$BENCH_BACKENDS"} \
+    --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
 fi
 exit $status

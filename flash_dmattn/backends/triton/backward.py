@@ -5,10 +5,11 @@ Kernels:
 * ``_bwd_preprocess``: ``delta = rowsum(dout * out)`` (fp32).
 * ``_attn_bwd_dkdv_kernel``: one program per (key tile, kv head slot); it loops over the query
   heads of the GQA group and over the live query tiles of each, accumulating dK/dV in registers
-  (no atomics). It also produces dbias (see below) and, in non-deterministic mode, dQ through
-  fp32 atomics.
+  (no atomics). It also produces dbias (see below).
 * ``_attn_bwd_dq_kernel``: one program per (query tile, batch, query head) over the live key
-  tiles; used for dQ when ``deterministic`` (bitwise reproducible) or when dK/dV are not needed.
+  tiles, accumulating dQ in registers. Recomputing P and dP here costs two extra matmuls per
+  tile but replaces fp32 atomics into dQ, whose traffic (one BLOCK_M x D fp32 add per live
+  tile pair) dominated the previous single-pass design at long sequence lengths.
 
 dbias targets (``T``) by bias shape ``(Bx, Hx, Qx, Kx)``; ``T`` is fp32 unless noted:
 
@@ -139,14 +140,13 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, need_elem,
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQacc, Mask, Bias, DB, ListIdx, ListCnt,
+    Q, K, V, DO, Lse, Delta, DK, DV, Mask, Bias, DB, ListIdx, ListCnt,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
-    stride_dqb, stride_dqm, stride_dqh,
     stride_mb, stride_mh, stride_mm, stride_mn, mask_hdiv,
     stride_bb, stride_bh, stride_bm, stride_bn, bias_hdiv,
     stride_tb, stride_th, stride_tm, stride_tn, db_hdiv,
@@ -161,7 +161,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
-    STORE_DKV: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    STORE_DKV: tl.constexpr,
     DB_MODE: tl.constexpr, DB_ACC: tl.constexpr, DB_GROUP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -268,10 +268,6 @@ def _attn_bwd_dkdv_kernel(
                 dst_lp = dst.to(q.dtype)
                 if STORE_DKV:
                     dk += _dot(dst_lp, q, DOT_UPCAST)
-                if DQ_ATOMIC:
-                    dq_part = _dot(tl.trans(dst_lp), k, DOT_UPCAST) * sm_scale
-                    dq_ptrs = DQacc + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
-                    tl.atomic_add(dq_ptrs, dq_part, mask=m_ok[:, None] & d_ok[None, :])
             if not DB_GROUP:
                 if DB_MODE == 2:
                     tl.store(db_base + offs_n * stride_tn, col_acc, mask=n_ok)
@@ -388,30 +384,35 @@ _BWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE
 def bwd_blocks(head_dim: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
     """Block shapes ``((BLOCK_M, BLOCK_N) of dK/dV, (BLOCK_M, BLOCK_N) of dQ)``.
 
-    dK/dV keep K, V and two BLOCK_N x D fp32 accumulators live, so their query tiles are short;
-    the dQ kernel is forward-shaped. Picked from sm_90 ahead-of-time compile reports (no
-    register spills at 8 warps up to D=128 with mask + bias + softcap + dbias enabled; D=256
-    dK/dV still spills ~300 B).
+    The dK/dV kernel keeps a long key tile resident (K, V and two fp32 accumulators) and streams
+    short query tiles; the dQ kernel is forward-shaped (long query tile, short key tile), so for
+    head dims up to 128 it uses the forward's blocks. The shapes match what FlexAttention picks
+    on sm_90 (the same register budget), which measured well on the H200; D=256 halves the
+    long side because the fp32 accumulators alone fill the register file.
     """
     if interpret_mode():
         return (16, 16), (16, 16)
     bd = head_block(head_dim)
-    if bd <= 64:
-        return (32, 128), (128, 64)
     if bd <= 128:
-        return (32, 64), (64, 64)
-    return (16, 64), (32, 64)
+        return (64, 128), (128, 64)
+    return (64, 64), (64, 64)
 
 
 def _bwd_configs():
     return [triton.Config({}, num_warps=w, num_stages=s)
-            for w, s in ((8, 2), (8, 3), (8, 1), (4, 2), (4, 3))]
+            for w, s in ((8, 3), (8, 2), (4, 3), (4, 2), (8, 1))]
 
 
 def _prune_dkdv(configs, named_args, **kwargs):
     bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 64))
-    # 4 warps spill at every head dim in the compile reports; deep pipelines cost smem.
-    out = [c for c in configs if c.num_warps >= 8 and not (bd >= 128 and c.num_stages > 2)]
+    bn = kwargs.get("BLOCK_N", named_args.get("BLOCK_N", 128))
+    out = []
+    for c in configs:
+        if bn >= 128 and bd >= 64 and c.num_warps < 8:
+            continue  # two 128 x D fp32 accumulators on one warpgroup spill
+        if bd >= 256 and c.num_stages > 2:
+            continue  # shared memory
+        out.append(c)
     return out or configs[:1]
 
 
@@ -425,9 +426,9 @@ def _prune_dq(configs, named_args, **kwargs):
 
 _dkdv_tuned = triton.autotune(
     configs=_bwd_configs(),
-    key=_BWD_KEY + ["STORE_DKV", "DQ_ATOMIC", "DB_MODE", "DB_ACC"],
+    key=_BWD_KEY + ["STORE_DKV", "DB_MODE", "DB_ACC"],
     prune_configs_by={"early_config_prune": _prune_dkdv},
-    reset_to_zero=["DQacc", "DB"],
+    reset_to_zero=["DB"],
 )(_attn_bwd_dkdv_kernel)
 
 _dq_tuned = triton.autotune(
@@ -526,7 +527,8 @@ def attention_backward(
         dout, out: ``(B, Lq, H, D)``; q ``(B, Lq, H, D)``; k, v ``(B, Lk, Hkv, D)``; lse
             ``(B, H, Lq)`` fp32 from :func:`attention_forward`; mask/bias/scale/causal/softcap
             exactly as given to the forward.
-        deterministic: bitwise reproducible (dQ by its own kernel, no atomics anywhere).
+        deterministic: bitwise reproducible (only dbias of a bias shared across batch or kv
+            heads ever uses atomics; this serialises those programs instead).
         bias_needs_grad: compute dbias (requires ``bias``).
         needs_dq / needs_dkv: skip work for gradients nobody wants.
 
@@ -568,8 +570,7 @@ def attention_backward(
     )
 
     run_dkdv = needs_dkv or want_db
-    dq_atomic = needs_dq and run_dkdv and not deterministic
-    run_dq_kernel = needs_dq and not dq_atomic
+    run_dq_kernel = needs_dq
     same_blocks = (block_m, block_n) == (block_m2, block_n2)
     tiles = None
     if run_dkdv or same_blocks:
@@ -615,38 +616,32 @@ def attention_backward(
             db_mode, db_acc, db_group = _DB_NONE, _ACC_STORE, False
             n_pairs, pair_h, slots_b, slots_h, finish = 1, 1, B, Hkv, None
             ts = (0, 0, 0, 0, 1)
-        dq_acc = (torch.zeros((B, Lq, H, D), dtype=torch.float32, device=device)
-                  if dq_atomic else torch.empty(1, dtype=torch.float32, device=device))
         dk_arg = dk if needs_dkv else q
         dv_arg = dv if needs_dkv else q
         if use_list:
             idx, cnt, lst, lhd = tiles.bwd_idx, tiles.bwd_cnt, tiles.bwd_strides(), tiles.head_div
         else:
             idx, cnt, lst, lhd = q, q, (0, 0, 0, 0, 0, 0), 1
-        dq_strides = (dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2)) if dq_atomic else (0, 0, 0)
         args = (
-            q, k, v, dout, lse, delta, dk_arg, dv_arg, dq_acc, mask_arg, bias_arg, target, idx, cnt,
+            q, k, v, dout, lse, delta, dk_arg, dv_arg, mask_arg, bias_arg, target, idx, cnt,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             dout.stride(0), dout.stride(1), dout.stride(2),
             dk_arg.stride(0), dk_arg.stride(1), dk_arg.stride(2),
             dv_arg.stride(0), dv_arg.stride(1), dv_arg.stride(2),
-            *dq_strides,
             *ms, *bs, *ts, *lst, lhd,
             H, G, Lq, Lk, n_q_tiles,
             n_pairs, pair_h, slots_h,
             *scal,
         )
-        meta = dict(flags, STORE_DKV=needs_dkv, DQ_ATOMIC=dq_atomic,
+        meta = dict(flags, STORE_DKV=needs_dkv,
                     DB_MODE=db_mode, DB_ACC=db_acc, DB_GROUP=db_group)
         grid = (n_k_tiles, slots_b * slots_h)
         if interp:
             _attn_bwd_dkdv_kernel[grid](*args, **meta, num_warps=4, num_stages=1)
         else:
             _dkdv_tuned[grid](*args, **meta)
-        if dq_atomic:
-            dq.copy_(dq_acc)
         if want_db:
             dbias = finish(target)
 
