@@ -23,6 +23,7 @@ broadcast by the kernels through stride 0.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -113,6 +114,29 @@ def build_tile_lists(
     """
     if mask is None and not is_causal:
         return None
+    if mask is None:
+        # Causal-only lists depend on the shape alone: build them once, not per call (the
+        # handful of small launches costs more than a short attention call itself).
+        key = (seqlen_q, seqlen_k, num_heads, block_m, block_n, str(device), need_fwd, need_bwd)
+        cached = _CAUSAL_CACHE.get(key)
+        if cached is None:
+            cached = _build(None, seqlen_q, seqlen_k, num_heads, True, block_m, block_n, device,
+                            need_fwd, need_bwd)
+            _CAUSAL_CACHE[key] = cached
+            if len(_CAUSAL_CACHE) > _CAUSAL_CACHE_SIZE:
+                _CAUSAL_CACHE.popitem(last=False)
+        _CAUSAL_CACHE.move_to_end(key)
+        return cached
+    return _build(mask, seqlen_q, seqlen_k, num_heads, is_causal, block_m, block_n, device,
+                  need_fwd, need_bwd)
+
+
+_CAUSAL_CACHE: "OrderedDict" = OrderedDict()
+_CAUSAL_CACHE_SIZE = 64
+
+
+def _build(mask, seqlen_q, seqlen_k, num_heads, is_causal, block_m, block_n, device,
+           need_fwd, need_bwd) -> TileLists:
     n_q = -(-seqlen_q // block_m)
     n_k = -(-seqlen_k // block_n)
     live, full = classify_tiles(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n, device)
