@@ -16,27 +16,25 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _block_count(t: Tensor, dim: int, block: int) -> Tensor:
-    """Count True (or sum) over consecutive blocks of ``block`` along ``dim`` (last may be short).
+def block_reduce(t: Tensor, dim: int, block: int, op: str) -> Tensor:
+    """``any`` / ``all`` over consecutive blocks of ``block`` along ``dim`` (last may be short).
 
-    ``narrow`` + ``unflatten`` of one dim is always a view, so any strides (including the
-    stride-0 views users pass for broadcast masks) are read in place without a copy.
+    Boolean reductions read the mask as it is: a counting ``sum(dtype=int32)`` would first make
+    an int32 copy of the whole mask (1 GiB for a (1, 4, 8192, 8192) mask). ``narrow`` +
+    ``unflatten`` of one dim is always a view, so any strides (including the stride-0 views
+    users pass for broadcast masks) are read in place.
     """
+    reduce = torch.any if op == "any" else torch.all
     length = t.size(dim)
     n_full = length // block
     rem = length - n_full * block
     parts = []
     if n_full:
         main = t.narrow(dim, 0, n_full * block).unflatten(dim, (n_full, block))
-        parts.append(main.sum(dim + 1, dtype=torch.int32))
+        parts.append(reduce(main, dim + 1))
     if rem:
-        parts.append(t.narrow(dim, n_full * block, rem).sum(dim, keepdim=True, dtype=torch.int32))
+        parts.append(reduce(t.narrow(dim, n_full * block, rem), dim, keepdim=True))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
-
-
-def _tile_extent(total: int, block: int, n_tiles: int, device) -> Tensor:
-    starts = torch.arange(n_tiles, device=device, dtype=torch.int64) * block
-    return torch.clamp(total - starts, max=block)
 
 
 def causal_tiles(
@@ -66,8 +64,8 @@ def tile_liveness(
 
     ``live``: some element of the tile may be visible (dead tiles can be skipped entirely).
     ``full``: every in-range element is visible (no per-element mask needed). A tile that is
-    neither is partial. The mask is read once (one count per tile); its broadcast dims stay
-    size 1, so a per-key mask gives one row of tiles. Equivalent plain PyTorch (materialising,
+    neither is partial. The mask is read twice (an ``any`` and an ``all`` pass, no copies);
+    its broadcast dims stay size 1, so a per-key mask gives one row of tiles. Equivalent plain PyTorch (materialising,
     which this does not)::
 
         vis = mask.expand(B, H, Lq, Lk) & causal          # padded to whole tiles with False
@@ -76,14 +74,14 @@ def tile_liveness(
     device = mask.device if mask is not None else device
     if mask is not None:
         bx, hx, qx, kx = mask.shape
-        count = _block_count(mask, 3, block_k) if kx > 1 else mask.to(torch.int32)
+        live, full = mask, mask
         if qx > 1:
-            count = _block_count(count, 2, block_q)
-        one = torch.ones(1, device=device, dtype=torch.int64)
-        rows = _tile_extent(qx, block_q, count.size(2), device) if qx > 1 else one
-        cols = _tile_extent(kx, block_k, count.size(3), device) if kx > 1 else one
-        live = count > 0
-        full = count == rows[:, None] * cols[None, :]
+            # Rows first: the (Bx, Hx, nQ, Lk) intermediates are block_q times smaller.
+            live = block_reduce(live, 2, block_q, "any")
+            full = block_reduce(full, 2, block_q, "all")
+        if kx > 1:
+            live = block_reduce(live, 3, block_k, "any")
+            full = block_reduce(full, 3, block_k, "all")
     else:
         live = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
         full = live

@@ -340,3 +340,101 @@ def test_partial_gradients(needs_dq, needs_dkv, bias_grad):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         else:
             assert b is None
+
+
+# ------------------------------------------------------------------------------------------
+# Gather mode (per-query masks: the kernels walk each query tile's union of live keys)
+# ------------------------------------------------------------------------------------------
+
+def _topk_mask(B, Hm, Lq, Lk, keep, causal):
+    """Per-query top-`keep` of a per-key score among the (causally) visible keys: consecutive
+    queries keep nearly the same keys, the case gather mode exists for."""
+    score = torch.randn(B, Hm, 1, Lk).expand(B, Hm, Lq, Lk).clone()
+    if causal:
+        vis = torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq)
+        score = score.masked_fill(~vis, float("-inf"))
+    top = score.topk(min(keep, Lk), dim=-1).indices
+    mask = torch.zeros(B, Hm, Lq, Lk, dtype=torch.bool).scatter_(-1, top, True)
+    if causal:
+        mask &= vis
+    return mask
+
+
+@pytest.fixture
+def gather_always(monkeypatch):
+    monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", "always")
+
+
+# (B, H, Hkv, Lq, Lk, mask heads, causal, bias spec or None)
+GATHER_CASES = [
+    (2, 4, 2, 40, 70, "K", True, "BK1L"),    # GQA, per-kv-head mask + per-key bias, Lq < Lk
+    (1, 2, 2, 33, 33, "1", False, None),     # mask broadcast over heads, ragged last tile
+    (2, 4, 1, 50, 37, "H", True, "1H1L"),    # Lq > Lk: first rows causally empty
+    (1, 4, 2, 17, 65, "K", False, "BKQ1"),   # bias broadcast over keys
+]
+
+
+@pytest.mark.parametrize("case", GATHER_CASES, ids=lambda c: f"q{c[3]}k{c[4]}m{c[5]}{'c' if c[6] else ''}")
+def test_gather_mode_matches_naive(case, gather_always):
+    B, H, Hkv, Lq, Lk, mh, causal, bias_spec = case
+    Hm = {"K": Hkv, "H": H, "1": 1}[mh]
+    mask = _topk_mask(B, Hm, Lq, Lk, keep=11, causal=causal)
+    bias = make_tensor(resolve(bias_spec, B, H, Hkv, Lq, Lk), torch.float32) if bias_spec else None
+    run_case(B, H, Hkv, Lq, Lk, 16, causal=causal, mask=mask, bias=bias)
+
+
+def test_gather_mode_empty_rows_and_neg_inf_bias(gather_always):
+    B, H, Hkv, Lq, Lk = 1, 2, 1, 35, 48
+    mask = _topk_mask(B, Hkv, Lq, Lk, keep=7, causal=False)
+    mask[0, 0, 3] = False
+    mask[0, 0, 16:32] = False  # a whole query tile: empty union
+    bias = make_tensor((B, Hkv, 1, Lk), torch.float32)
+    bias[..., ::4] = float("-inf")
+    out, lse, grads = run_case(B, H, Hkv, Lq, Lk, 16, mask=mask, bias=bias, softcap=2.0)
+    assert torch.all(out[0, 16:32] == 0) and torch.all(lse[0, :, 16:32] == float("-inf"))
+    assert torch.all(grads[0][0, 16:32] == 0)
+    assert all(torch.isfinite(t).all() for t in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gather_mode_low_precision(dtype, gather_always):
+    mask = _topk_mask(1, 2, 37, 45, keep=9, causal=True)
+    run_case(1, 4, 2, 37, 45, 40, causal=True, mask=mask,
+             bias=make_tensor((1, 2, 1, 45), dtype), dtype=dtype)
+
+
+def test_gather_plan_auto_prefers_gather_only_when_it_saves_work():
+    from flash_dmattn.backends.triton.gather import plan_key_gather
+
+    Lq = Lk = 256
+    sparse = _topk_mask(1, 2, Lq, Lk, keep=20, causal=True)
+    g = plan_key_gather(sparse, None, Lq, Lk, 4, True, 16, 16, policy="auto")
+    assert g is not None
+    assert g.idx.shape[:3] == (1, 2, Lq // 16) and g.gmask.shape == (1, 2, Lq, g.capacity)
+    assert g.capacity < Lk // 2
+    dense = torch.rand(1, 2, Lq, Lk) > 0.5
+    assert plan_key_gather(dense, None, Lq, Lk, 4, True, 16, 16, policy="auto") is None
+    # Ineligible: a per-key mask (tile skipping already handles it), a full (Lq, Lk) bias.
+    assert plan_key_gather(sparse[:, :, :1], None, Lq, Lk, 4, True, 16, 16, "always") is None
+    full_bias = torch.randn(1, 2, Lq, Lk)
+    assert plan_key_gather(sparse, full_bias, Lq, Lk, 4, True, 16, 16, "always") is None
+    assert plan_key_gather(sparse, None, Lq, Lk, 4, True, 16, 16, "never") is None
+
+
+def test_gather_mode_through_public_api(gather_always):
+    """The autograd path (forward lists and the dQ kernel) in gather mode, against the reference."""
+    import flash_dmattn
+
+    B, H, Hkv, L, D = 1, 4, 2, 48, 16
+    q, k, v = (torch.randn(B, L, h, D, requires_grad=True) for h in (H, Hkv, Hkv))
+    mask = _topk_mask(B, Hkv, L, L, keep=8, causal=True)
+    bias = torch.randn(B, Hkv, 1, L, requires_grad=True)
+    outs, grads = [], []
+    for backend in ("triton", "torch-reference"):
+        fn = flash_dmattn.flash_dmattn_func_auto(backend)
+        o = fn(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=True)
+        outs.append(o)
+        grads.append(torch.autograd.grad(o.square().sum(), (q, k, v, bias)))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5)
+    for a, b in zip(grads[0], grads[1]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)

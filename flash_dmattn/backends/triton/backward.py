@@ -46,6 +46,7 @@ from .forward import (
     last_dim_contiguous,
     seqlen_bucket,
 )
+from .gather import plan_key_gather
 from .tiles import build_tile_lists
 
 # dbias modes of the dK/dV kernel.
@@ -108,13 +109,17 @@ def _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem,
 
 
 @triton.jit
-def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, need_elem,
+def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, mask_cols, mask_lim, need_elem,
             stride_bm, stride_bn, stride_mm, stride_mn,
             seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
             HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
             HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
             IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """Scores (queries x keys) in log2 units, plus tanh (for the softcap chain)."""
+    """Scores (queries x keys) in log2 units, plus tanh (for the softcap chain).
+
+    ``mask_cols`` / ``mask_lim``: the mask's column index and bound (the key index and Lk,
+    or in gather mode the position in the gathered list and its length).
+    """
     s = _dot(q, kt, DOT_UPCAST)
     if HAS_SOFTCAP:
         th = _tanh(s * cap_scale)
@@ -129,7 +134,7 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, need_elem,
     if need_elem:
         vis = offs_n[None, :] < seqlen_k
         if HAS_MASK:
-            mv = _load_bcast(mask_base, offs_m, offs_n, stride_mm, stride_mn, seqlen_q, seqlen_k,
+            mv = _load_bcast(mask_base, offs_m, mask_cols, stride_mm, stride_mn, seqlen_q, mask_lim,
                              MASK_QB, MASK_KB, 0)
             vis = vis & (mv != 0)
         if IS_CAUSAL:
@@ -306,8 +311,9 @@ def _attn_bwd_dq_kernel(
     HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr,
 ):
+    # GATHER: as in the forward kernel (key lists of a KeyGather, gathered mask).
     pid_m = tl.program_id(0)
     if IS_CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest (bottom) query tiles first
@@ -343,21 +349,34 @@ def _attn_bwd_dq_kernel(
     else:
         list_row = ListIdx
         n_iter = n_k_tiles
+    n_keys = n_iter
+    if GATHER:
+        n_iter = tl.cdiv(n_keys, BLOCK_N)
     for t in range(0, n_iter):
-        if USE_LIST:
-            entry = tl.load(list_row + t)
-            start_n = (entry >> 1) * BLOCK_N
-            need_elem = ((entry & 1) != 0) | (start_n + BLOCK_N > seqlen_k)
+        if GATHER:
+            mask_cols = t * BLOCK_N + offs_n0
+            n_ok = mask_cols < n_keys
+            offs_n = tl.load(list_row + mask_cols, mask=n_ok, other=0)
+            mask_lim = n_keys
+            need_elem = True
         else:
-            start_n = t * BLOCK_N
-            need_elem = start_n + BLOCK_N > seqlen_k
-        offs_n = start_n + offs_n0
-        n_ok = offs_n < seqlen_k
+            if USE_LIST:
+                entry = tl.load(list_row + t)
+                start_n = (entry >> 1) * BLOCK_N
+                need_elem = ((entry & 1) != 0) | (start_n + BLOCK_N > seqlen_k)
+            else:
+                start_n = t * BLOCK_N
+                need_elem = start_n + BLOCK_N > seqlen_k
+            offs_n = start_n + offs_n0
+            n_ok = offs_n < seqlen_k
+            mask_cols = offs_n
+            mask_lim = seqlen_k
         k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None],
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s, th = _scores(q, tl.trans(k), bias_base, mask_base, offs_m, offs_n, need_elem,
+        s, th = _scores(q, tl.trans(k), bias_base, mask_base, offs_m, offs_n, mask_cols, mask_lim,
+                        need_elem,
                         stride_bm, stride_bn, stride_mm, stride_mn,
                         seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                         HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
@@ -432,7 +451,7 @@ _dkdv_tuned = triton.autotune(
 )(_attn_bwd_dkdv_kernel)
 
 _dq_tuned = triton.autotune(
-    configs=_bwd_configs(), key=_BWD_KEY, prune_configs_by={"early_config_prune": _prune_dq}
+    configs=_bwd_configs(), key=_BWD_KEY + ["GATHER"], prune_configs_by={"early_config_prune": _prune_dq}
 )(_attn_bwd_dq_kernel)
 
 
@@ -571,14 +590,18 @@ def attention_backward(
 
     run_dkdv = needs_dkv or want_db
     run_dq_kernel = needs_dq
-    same_blocks = (block_m, block_n) == (block_m2, block_n2)
+    # dQ is query-major like the forward: it can walk gathered key lists. (dK/dV cannot: the
+    # union of a key tile's live queries is wide whenever one of its keys is popular.)
+    gather = (plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m2, block_n2)
+              if run_dq_kernel else None)
+    same_blocks = (block_m, block_n) == (block_m2, block_n2) and gather is None
     tiles = None
     if run_dkdv or same_blocks:
         tiles = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m, block_n, device,
                                  need_fwd=run_dq_kernel and same_blocks, need_bwd=run_dkdv)
     if same_blocks:
         tiles_q = tiles
-    elif run_dq_kernel:
+    elif run_dq_kernel and gather is None:
         tiles_q = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m2, block_n2, device,
                                    need_fwd=True, need_bwd=False)
     else:
@@ -646,20 +669,25 @@ def attention_backward(
             dbias = finish(target)
 
     if run_dq_kernel:
-        flags = dict(flags, BLOCK_M=block_m2, BLOCK_N=block_n2)
-        if use_list:
+        flags = dict(flags, BLOCK_M=block_m2, BLOCK_N=block_n2, GATHER=gather is not None)
+        dq_mask, dq_ms = mask_arg, ms
+        if gather is not None:
+            idx, cnt, lst, lhd = gather.idx, gather.cnt, gather.list_strides(), gather.head_div
+            dq_mask, dq_ms = gather.gmask, gather.mask_strides(H)
+            flags.update(USE_LIST=True)
+        elif use_list:
             idx, cnt = tiles_q.fwd_idx, tiles_q.fwd_cnt
             lst, lhd = tiles_q.fwd_strides(), tiles_q.head_div
         else:
             idx, cnt, lst, lhd = q, q, (0, 0, 0, 0, 0, 0), 1
         args = (
-            q, k, v, dout, lse, delta, dq, mask_arg, bias_arg, idx, cnt,
+            q, k, v, dout, lse, delta, dq, dq_mask, bias_arg, idx, cnt,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             dout.stride(0), dout.stride(1), dout.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            *ms, *bs, *lst, lhd,
+            *dq_ms, *bs, *lst, lhd,
             H, G, Lq, Lk, triton.cdiv(Lk, block_n2),
             *scal,
         )

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gather import plan_key_gather
 from .tiles import TileLists, build_tile_lists
 
 LOG2E = 1.4426950408889634
@@ -129,8 +130,10 @@ def _attn_fwd_kernel(
     HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr,
 ):
+    # GATHER: ListIdx/ListCnt are a KeyGather's idx/cnt (key indices, not tile entries) and
+    # Mask is its gathered mask, addressed by position in the list (see .gather).
     pid_m = tl.program_id(0)
     if IS_CAUSAL:
         # Bottom query tiles see the most keys: launch them first to shorten the tail.
@@ -165,17 +168,29 @@ def _attn_fwd_kernel(
     else:
         list_row = ListIdx
         n_iter = n_k_tiles
+    n_keys = n_iter
+    if GATHER:
+        n_iter = tl.cdiv(n_keys, BLOCK_N)
 
     for t in range(0, n_iter):
-        if USE_LIST:
-            entry = tl.load(list_row + t)
-            start_n = (entry >> 1) * BLOCK_N
-            need_elem = ((entry & 1) != 0) | (start_n + BLOCK_N > seqlen_k)
+        if GATHER:
+            mask_cols = t * BLOCK_N + offs_n0
+            n_ok = mask_cols < n_keys
+            offs_n = tl.load(list_row + mask_cols, mask=n_ok, other=0)
+            mask_lim = n_keys
+            need_elem = True
         else:
-            start_n = t * BLOCK_N
-            need_elem = start_n + BLOCK_N > seqlen_k
-        offs_n = start_n + offs_n0
-        n_ok = offs_n < seqlen_k
+            if USE_LIST:
+                entry = tl.load(list_row + t)
+                start_n = (entry >> 1) * BLOCK_N
+                need_elem = ((entry & 1) != 0) | (start_n + BLOCK_N > seqlen_k)
+            else:
+                start_n = t * BLOCK_N
+                need_elem = start_n + BLOCK_N > seqlen_k
+            offs_n = start_n + offs_n0
+            n_ok = offs_n < seqlen_k
+            mask_cols = offs_n
+            mask_lim = seqlen_k
 
         kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None],
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)
@@ -191,7 +206,7 @@ def _attn_fwd_kernel(
         if need_elem:
             vis = n_ok[None, :]
             if HAS_MASK:
-                mv = _load_bcast(mask_base, offs_m, offs_n, stride_mm, stride_mn, seqlen_q, seqlen_k,
+                mv = _load_bcast(mask_base, offs_m, mask_cols, stride_mm, stride_mn, seqlen_q, mask_lim,
                                  MASK_QB, MASK_KB, 0)
                 vis = vis & (mv != 0)
             if IS_CAUSAL:
@@ -223,7 +238,7 @@ def _attn_fwd_kernel(
 # ------------------------------------------------------------------------------------------
 
 _FWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE_LIST",
-            "lq_bucket", "lk_bucket"]
+            "GATHER", "lq_bucket", "lk_bucket"]
 
 
 def fwd_blocks(head_dim: int) -> Tuple[int, int]:
@@ -303,11 +318,16 @@ def attention_forward(
         return out, lse
 
     block_m, block_n = fwd_blocks(D)
+    gather = None
     if tiles is None:
-        tiles = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m, block_n, device,
-                                 need_fwd=True, need_bwd=False)
-    use_list = tiles is not None
-    if use_list:
+        gather = plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m, block_n)
+        if gather is None:
+            tiles = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m, block_n, device,
+                                     need_fwd=True, need_bwd=False)
+    use_list = tiles is not None or gather is not None
+    if gather is not None:
+        idx, cnt, lst, list_hdiv = gather.idx, gather.cnt, gather.list_strides(), gather.head_div
+    elif tiles is not None:
         idx, cnt = tiles.fwd_idx, tiles.fwd_cnt
         lst = tiles.fwd_strides()
         list_hdiv = tiles.head_div
@@ -316,9 +336,12 @@ def attention_forward(
         lst = (0, 0, 0, 0, 0, 0)
         list_hdiv = 1
 
-    mask_arg = mask.view(torch.uint8) if mask is not None else q
+    if gather is not None:
+        mask_arg, ms = gather.gmask, gather.mask_strides(H)
+    else:
+        mask_arg = mask.view(torch.uint8) if mask is not None else q
+        ms = broadcast_strides(mask, H)
     bias_arg = bias if bias is not None else q
-    ms = broadcast_strides(mask, H)
     bs = broadcast_strides(bias, H)
     n_k_tiles = triton.cdiv(Lk, block_n)
     grid = (triton.cdiv(Lq, block_m), B * H)
@@ -343,7 +366,7 @@ def attention_forward(
         BIAS_QB=bias is not None and bias.size(2) == 1,
         BIAS_KB=bias is not None and bias.size(3) == 1,
         IS_CAUSAL=bool(is_causal), USE_LIST=use_list, HAS_SOFTCAP=has_softcap,
-        DOT_UPCAST=dot_upcast(q.dtype),
+        DOT_UPCAST=dot_upcast(q.dtype), GATHER=gather is not None,
     )
     if interpret_mode():
         _attn_fwd_kernel[grid](*args, **meta, num_warps=4, num_stages=1)
