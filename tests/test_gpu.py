@@ -115,3 +115,26 @@ def test_auto_dispatch_picks_a_fast_backend_on_cuda():
     q, k, v, mask, bias = make_problem(1, 256, 256, 4, 2, 64, torch.bfloat16, "topk", "per_key")
     inputs = AttentionInputs.from_args(q, k, v, mask, bias, None, True)
     assert registry.select_backend(inputs).name != "torch-reference"
+
+
+@pytest.mark.parametrize("policy", ["always", "auto"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_triton_gather_mode_dynamic_mask(policy, d, monkeypatch):
+    """The dynamic-mask workload's mask (per-query top-k of a per-key bias among the causally
+    visible keys) in the Triton backend's gather mode, which `auto` must choose for it."""
+    if "triton" not in get_available_backends():
+        pytest.skip("triton unavailable here")
+    from flash_dmattn.backends.triton.gather import plan_key_gather
+    from flash_dmattn.utils.mask import create_mask
+
+    monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", policy)
+    b, lq, lk, h, hkv = 2, 4093, 4096, 8, 2
+    q, k, v, _, bias = make_problem(b, lq, lk, h, hkv, d, torch.bfloat16, None, "per_key", seed=5)
+    i = torch.arange(lq, device="cuda")[:, None]
+    j = torch.arange(lk, device="cuda")[None, :]
+    visible = (j <= i + (lk - lq))[None, None]
+    mask = create_mask(bias, visible, b, lq, lk, 512, torch.finfo(bias.dtype).min)
+    mask[0, 1, 100:300] = False  # fully masked rows, including whole query tiles
+    plan = plan_key_gather(mask, bias, lq, lk, h, True, 128, 64)
+    assert plan is not None and plan.capacity < lk // 2
+    check("triton", (q, k, v, mask, bias), causal=True)
