@@ -438,3 +438,16 @@ def test_gather_mode_through_public_api(gather_always):
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5)
     for a, b in zip(grads[0], grads[1]):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_gather_policy_defaults_and_env(monkeypatch):
+    from flash_dmattn.backends.triton.gather import DEFAULT_POLICY, gather_policy
+
+    monkeypatch.delenv("FLASH_DMATTN_TRITON_GATHER", raising=False)
+    assert gather_policy("forward") == DEFAULT_POLICY["forward"] == "never"
+    assert gather_policy("dq") == DEFAULT_POLICY["dq"] == "auto"
+    monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", "Always")
+    assert gather_policy("forward") == gather_policy("dq") == "always"
+    monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", "sometimes")
+    with pytest.raises(ValueError, match="FLASH_DMATTN_TRITON_GATHER"):
+        gather_policy("dq")

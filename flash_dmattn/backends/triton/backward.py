@@ -592,7 +592,7 @@ def attention_backward(
     run_dq_kernel = needs_dq
     # dQ is query-major like the forward: it can walk gathered key lists. (dK/dV cannot: the
     # union of a key tile's live queries is wide whenever one of its keys is popular.)
-    gather = (plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m2, block_n2)
+    gather = (plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m2, block_n2, kernel="dq")
               if run_dq_kernel else None)
     same_blocks = (block_m, block_n) == (block_m2, block_n2) and gather is None
     tiles = None
