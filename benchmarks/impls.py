@@ -65,10 +65,13 @@ class Impl:
             so comparing it with the reference makes sense.
         uses_bias: the bias is an input (and receives a gradient in forward+backward).
         speedup_baseline: the row every row of the workload is compared with.
+        takes_cache_seqlens: runs a part-filled KV cache through ``cache_seqlens``; the others
+            get K/V sliced to the used length (:meth:`Case.used_prefix`).
     """
 
     name = ""
     kind = "baseline"
+    takes_cache_seqlens = False
     heads_first = False
     computes_workload = True
     uses_bias = True
@@ -111,6 +114,7 @@ class FlashDmattn(Impl):
     """``flash_dmattn_func_auto(backend)``: one flash_dmattn backend, no fallback."""
 
     kind = "flash_dmattn"
+    takes_cache_seqlens = True
 
     def __init__(self, backend: str) -> None:
         super().__init__()
@@ -120,6 +124,7 @@ class FlashDmattn(Impl):
 
     def setup(self, case: Case, ctx: RunContext) -> None:
         super().setup(case, ctx)
+        self.cache_seqlens = case.cache_seqlens
         w = case.workload
         if self.backend == "torch-reference" and ctx.cuda and not ctx.quick:
             if w.seqlen_q * w.seqlen_k > REFERENCE_MAX_WORK_GPU:
@@ -127,7 +132,10 @@ class FlashDmattn(Impl):
 
     def __call__(self, q, k, v, mask, bias):
         try:
-            return self.fn(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=self.workload.causal)
+            return self.fn(
+                q, k, v, attn_mask=mask, attn_bias=bias, is_causal=self.workload.causal,
+                cache_seqlens=self.cache_seqlens,
+            )
         except ValueError as exc:
             raise Declined(_short_decline(exc)) from None
 

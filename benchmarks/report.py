@@ -124,7 +124,7 @@ def markdown(rows: List[Row], env: dict, suites: List[str]) -> str:
         "causal, backward = 2.5× forward) whatever the sparsity, so a sparse kernel can exceed the "
         "hardware peak. Speedup = time of the row marked as the workload's dense SDPA baseline "
         "(cuDNN on CUDA, PyTorch's default on CPU; dense causal for masked workloads) / this row's "
-        "time. TB/s (decode) = bytes of K+V (+ per-key mask and bias) / forward time. Peak extra = "
+        "time. TB/s (decode) = bytes of K+V (+ per-key mask and bias) / forward time, counting only the used keys of a part-filled cache (flash_dmattn gets cache_seqlens; the baselines K/V sliced to the used length). Peak extra = "
         "max_memory_allocated during one call minus what was allocated before it (inputs excluded). "
         "rel err = max over out, dq, dk, dv (and dbias) of ‖x−ref‖/‖ref‖ against the torch-reference "
         "backend in float32 on the same inputs, computed where Lq·Lk ≤ 8192². flex-direct's "

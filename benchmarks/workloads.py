@@ -6,7 +6,7 @@ per workload, outside every timed region.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import List, Optional
 
 import torch
@@ -25,6 +25,10 @@ class Workload:
     (``density`` of the ``block``-key blocks live, ``(B, 1, 1, Lk)``), ``"topk-per-key"``
     (top-``window`` of a per-key bias, ``(B, Hkv, 1, Lk)``) or ``"relu-per-key"`` (keys whose
     per-key bias is positive, ``(B, Hkv, 1, Lk)``).
+
+    ``cache_fill`` (decode): K/V are a cache of capacity ``seqlen_k`` of which the first
+    ``round(cache_fill * seqlen_k)`` keys are used (``cache_seqlens``); FLOPs and bytes count
+    the used keys only.
     """
 
     suite: str
@@ -41,6 +45,14 @@ class Workload:
     block: Optional[int] = None
     density: Optional[float] = None
     forward_only: bool = False
+    cache_fill: Optional[float] = None
+
+    @property
+    def used_k(self) -> int:
+        """Keys that take part: the used cache length, or all of ``seqlen_k``."""
+        if self.cache_fill is None:
+            return self.seqlen_k
+        return max(1, round(self.cache_fill * self.seqlen_k))
 
     @property
     def name(self) -> str:
@@ -50,6 +62,8 @@ class Workload:
         parts = [self.suite, f"B{self.batch}", heads, length, f"D{self.head_dim}"]
         parts.append(self.mask_label)
         parts.append("causal" if self.causal else "non-causal")
+        if self.cache_fill is not None:
+            parts.append(f"cache {round(100 * self.cache_fill)}% used")
         return " ".join(p for p in parts if p)
 
     @property
@@ -61,6 +75,8 @@ class Workload:
             tags.append(self.mask_label)
         if self.seqlen_q == self.seqlen_k:
             tags.append("c" if self.causal else "nc")
+        if self.cache_fill is not None:
+            tags.append(f"cache{round(100 * self.cache_fill)}%")
         return " ".join(tags)
 
     @property
@@ -85,7 +101,7 @@ class Workload:
 
     def flops_fwd(self) -> float:
         """Nominal forward FLOPs: ``4·B·H·Lq·Lk·D``, halved when causal; sparsity ignored."""
-        flops = 4.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
+        flops = 4.0 * self.batch * self.heads * self.seqlen_q * self.used_k * self.head_dim
         return flops / 2 if self.causal else flops
 
     def flops_fwd_bwd(self) -> float:
@@ -93,14 +109,19 @@ class Workload:
         return 3.5 * self.flops_fwd()
 
     def io_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V, plus the per-key mask and bias when present (decode bandwidth)."""
+        """Bytes of K and V, plus the per-key mask and bias when present (decode bandwidth).
+
+        Only the used keys count (``used_k``): with a part-filled cache that is all a decode
+        kernel needs to read.
+        """
         elem = torch.finfo(dtype).bits // 8
-        kv = 2 * self.batch * self.seqlen_k * self.kv_heads * self.head_dim * elem
+        n = self.used_k
+        kv = 2 * self.batch * n * self.kv_heads * self.head_dim * elem
         extra = 0
         if self.mask != "none":
-            extra += self.batch * self.kv_heads * self.seqlen_k  # bool: one byte a key
+            extra += self.batch * self.kv_heads * n  # bool: one byte a key
         if self.bias:
-            extra += self.batch * self.kv_heads * self.seqlen_k * elem
+            extra += self.batch * self.kv_heads * n * elem
         return kv + extra
 
     def to_dict(self) -> dict:
@@ -120,10 +141,29 @@ class Case:
     mask: Optional[torch.Tensor]
     bias: Optional[torch.Tensor]
     grad_out: torch.Tensor
+    cache_seqlens: Optional[torch.Tensor] = None
 
     @property
     def device(self) -> torch.device:
         return self.q.device
+
+    def used_prefix(self) -> "Case":
+        """The same problem with K/V (and mask/bias) sliced to the used cache length (views).
+
+        Baselines that know nothing of ``cache_seqlens`` run this: it is what a model without
+        it would do (slice the cache), and it gives the same output.
+        """
+        w = self.workload
+        if w.cache_fill is None:
+            return self
+        n = w.used_k
+
+        def keys(t, dim):
+            return t if t is None or t.size(dim) == 1 else t.narrow(dim, 0, n)
+
+        sliced = replace(w, seqlen_k=n, cache_fill=None)
+        return Case(sliced, self.q, keys(self.k, 1), keys(self.v, 1), keys(self.mask, -1),
+                    keys(self.bias, -1), self.grad_out, None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -170,6 +210,11 @@ def workloads_for(suite: str, quick: bool) -> List[Workload]:
             out.append(Workload("decode", 1, heads, kv_heads, 1, L, dim, False, forward_only=True))
             out.append(
                 Workload("decode", 1, heads, kv_heads, 1, L, dim, False, "relu-per-key", True, forward_only=True)
+            )
+            # A KV cache half full (cache_seqlens): only the used half should be read.
+            out.append(
+                Workload("decode", 1, heads, kv_heads, 1, L, dim, False, "relu-per-key", True,
+                         forward_only=True, cache_fill=0.5)
             )
         return out
     raise ValueError(f"unknown suite {suite!r}; expected one of {', '.join(SUITES)}")
@@ -223,4 +268,7 @@ def build_case(w: Workload, device: torch.device, dtype: torch.dtype, seed: int 
         mask = live.repeat_interleave(w.block)[:Lk].view(1, 1, 1, Lk).expand(B, 1, 1, Lk).contiguous()
     else:
         raise ValueError(f"unknown mask kind {w.mask!r}")
-    return Case(w, q, k, v, mask, bias, grad_out)
+    cache_seqlens = None
+    if w.cache_fill is not None:
+        cache_seqlens = torch.full((B,), w.used_k, dtype=torch.int32, device=device)
+    return Case(w, q, k, v, mask, bias, grad_out, cache_seqlens)

@@ -19,6 +19,7 @@ def flash_dmattn_func(
     softcap=None,
     deterministic=None,
     return_attn_probs=None,
+    cache_seqlens=None,
 ):
     """Attention with a boolean mask and an additive bias, on the best backend for the inputs.
 
@@ -34,6 +35,13 @@ def flash_dmattn_func(
         softcap: ``> 0`` applies ``softcap * tanh(s / softcap)`` before the bias.
         deterministic: bitwise-reproducible backward.
         return_attn_probs: also return ``lse (B, H, Lq)`` and the probabilities (testing aid).
+        cache_seqlens: KV-cache decoding (like ``flash_attn_with_kvcache``): int32/int64
+            ``(B,)`` on the query's device; key/value hold a preallocated cache of capacity
+            ``Lk`` of which the first ``cache_seqlens[b]`` keys are valid for batch ``b``.
+            Keys ``j >= cache_seqlens[b]`` are invisible, and causal alignment is bottom-right
+            against the used length: query i sees key j iff ``j <= i + cache_seqlens[b] - Lq``.
+            Values must be in ``0..Lk`` (checked for CPU tensors only: checking CUDA values
+            would sync the device every decoding step).
 
     Returns ``(B, Lq, H, D)`` in the query's dtype (or ``(out, lse, probs)``). Rows with no
     visible key give 0 (lse = -inf). Equivalent plain PyTorch::
@@ -46,10 +54,15 @@ def flash_dmattn_func(
         visible = attn_mask & ((j <= i + Lk - Lq) if is_causal else True)
         p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
         out = torch.einsum("bhij,bjhd->bihd", p, v.repeat_interleave(g, 2).float()).to(q.dtype)
+
+    With ``cache_seqlens`` (``n = cache_seqlens[:, None, None, None]``, per batch)::
+
+        used = j < n                                        # (B, 1, 1, Lk)
+        visible = attn_mask & used & ((j <= i + n - Lq) if is_causal else True)
     """
     inputs = AttentionInputs.from_args(
         query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
-        deterministic, return_attn_probs,
+        deterministic, return_attn_probs, cache_seqlens,
     )
     return registry.select_backend(inputs).attention(inputs)
 
@@ -107,10 +120,11 @@ def _fixed_backend_func(name: str) -> Callable:
         softcap=None,
         deterministic=None,
         return_attn_probs=None,
+        cache_seqlens=None,
     ):
         inputs = AttentionInputs.from_args(
             query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
-            deterministic, return_attn_probs,
+            deterministic, return_attn_probs, cache_seqlens,
         )
         backend = registry.check_explicit(registry.get_backend(name), inputs)
         return backend.attention(inputs)

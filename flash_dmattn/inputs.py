@@ -154,6 +154,44 @@ def normalise_mask_or_bias(
     return t
 
 
+def _check_cache_seqlens(cache_seqlens, query: torch.Tensor, batch: int, seqlen_k: int):
+    """Validate ``cache_seqlens`` (per-batch used length of a KV cache); return it as int32.
+
+    Shape ``(B,)``, int32/int64, on the query's device. Values must lie in ``0..Lk``; they are
+    checked only for CPU tensors: reading a CUDA tensor's values would force a device sync on
+    every decoding step (and break CUDA-graph capture), which is exactly what a KV-cache
+    decoding loop must avoid. On CUDA, out-of-range values are clamped to ``0..Lk`` by the
+    kernels (memory-safe, but the result is then unspecified).
+    """
+    if cache_seqlens is None:
+        return None
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(
+            f"cache_seqlens must be a torch.Tensor of shape (batch,) or None, got "
+            f"{type(cache_seqlens).__name__}"
+        )
+    if cache_seqlens.dtype not in (torch.int32, torch.int64):
+        # ValueError like cu_seqlens' dtype check (SPEC §3.5: dtype mismatches are ValueError).
+        raise ValueError(f"cache_seqlens must be int32 (or int64), got {cache_seqlens.dtype}")
+    if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
+        raise ValueError(
+            f"cache_seqlens must have shape (batch,) = ({batch},), got "
+            f"{tuple(cache_seqlens.shape)}"
+        )
+    if cache_seqlens.device != query.device:
+        raise ValueError(
+            f"cache_seqlens is on {cache_seqlens.device} but query is on {query.device}"
+        )
+    if cache_seqlens.device.type == "cpu" and cache_seqlens.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
+        if lo < 0 or hi > seqlen_k:
+            raise ValueError(
+                f"cache_seqlens values must lie in 0..{seqlen_k} (the key/value capacity Lk); "
+                f"got min {lo}, max {hi}"
+            )
+    return cache_seqlens.to(torch.int32).contiguous()
+
+
 @dataclass(frozen=True)
 class AttentionInputs:
     """A validated dense attention call.
@@ -162,7 +200,10 @@ class AttentionInputs:
     one dtype (fp16/bf16/fp32/fp64) and one device, last dims contiguous. ``attn_mask`` is None or
     a bool 4-D view and ``attn_bias`` None or a float 4-D view (query dtype or fp32), each with
     dims ``(1|B, 1|Hkv|H, 1|Lq, 1|Lk)``; stride-0 dims of the mask (and of a bias that needs no
-    gradient) are narrowed to size 1. ``softcap == 0.0`` means off.
+    gradient) are narrowed to size 1. ``softcap == 0.0`` means off. ``cache_seqlens`` is None
+    or an int32 contiguous ``(B,)`` tensor on the query's device: keys ``j >= cache_seqlens[b]``
+    are invisible for batch ``b`` and causal alignment is bottom-right against that length
+    (values in ``0..Lk``, checked on CPU only, see :func:`_check_cache_seqlens`).
     """
 
     query: torch.Tensor
@@ -175,6 +216,7 @@ class AttentionInputs:
     softcap: float
     deterministic: bool
     return_attn_probs: bool
+    cache_seqlens: Optional[torch.Tensor] = None
 
     @staticmethod
     def from_args(
@@ -188,6 +230,7 @@ class AttentionInputs:
         softcap=None,
         deterministic=None,
         return_attn_probs=None,
+        cache_seqlens=None,
     ) -> "AttentionInputs":
         _check_qkv(query, key, value, "4-D (batch, seqlen, heads, head_dim)")
         b, lq, h, d = query.shape
@@ -213,6 +256,7 @@ class AttentionInputs:
             mask = _collapse_broadcast_dims(mask)
         if bias is not None and not bias.requires_grad:
             bias = _collapse_broadcast_dims(bias)
+        cache_seqlens = _check_cache_seqlens(cache_seqlens, query, b, lk)
         return AttentionInputs(
             query=_last_dim_contiguous(query),
             key=_last_dim_contiguous(key),
@@ -224,6 +268,7 @@ class AttentionInputs:
             softcap=cap,
             deterministic=bool(deterministic),
             return_attn_probs=bool(return_attn_probs),
+            cache_seqlens=cache_seqlens,
         )
 
     # Shapes -------------------------------------------------------------------------------
@@ -282,6 +327,8 @@ class AttentionInputs:
             parts.append("causal")
         if self.softcap:
             parts.append(f"softcap={self.softcap}")
+        if self.cache_seqlens is not None:
+            parts.append("cache_seqlens")
         return ", ".join(parts)
 
 

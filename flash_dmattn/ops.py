@@ -10,6 +10,9 @@ An implementation supplies two plain functions:
 * ``forward(q, k, v, mask, bias, scale, is_causal, softcap) -> (out, lse)``
 * ``backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
   needs) -> (dq, dk, dv, dbias)`` with ``None`` for gradients ``needs`` did not ask for.
+
+Both also receive ``cache_seqlens=<(B,) int32 tensor>`` as a keyword, but only on calls that
+have one (KV-cache decoding), so implementations that never get it need not accept it.
 """
 from __future__ import annotations
 
@@ -51,13 +54,15 @@ class AttentionOp:
             is_causal: bool,
             softcap: float,
             deterministic: bool,
+            cache_seqlens: Optional[Tensor] = None,
         ) -> Tuple[Tensor, Tensor]:
-            out, lse = forward(q, k, v, mask, bias, scale, is_causal, softcap)
+            extra = {} if cache_seqlens is None else {"cache_seqlens": cache_seqlens}
+            out, lse = forward(q, k, v, mask, bias, scale, is_causal, softcap, **extra)
             # the fake promises contiguous outputs; .contiguous() is free when already so
             return out.contiguous(), lse.contiguous()
 
         @fwd_op.register_fake
-        def _(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
+        def _(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, cache_seqlens=None):
             B, Lq, H, _ = q.shape
             out = q.new_empty(B, Lq, H, v.shape[-1])
             return out, q.new_empty(B, H, Lq, dtype=lse_dtype(q.dtype))
@@ -77,10 +82,12 @@ class AttentionOp:
             softcap: float,
             deterministic: bool,
             needs: List[bool],
+            cache_seqlens: Optional[Tensor] = None,
         ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+            extra = {} if cache_seqlens is None else {"cache_seqlens": cache_seqlens}
             grads = backward(
                 dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
-                tuple(needs),
+                tuple(needs), **extra,
             )
             # Custom ops return tensors only: an empty tensor stands for "not requested".
             return tuple(
@@ -89,37 +96,161 @@ class AttentionOp:
             )
 
         @bwd_op.register_fake
-        def _(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs):
+        def _(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs,
+              cache_seqlens=None):
             return tuple(
                 torch.empty_like(t) if need and t is not None else q.new_empty(0)
                 for need, t in zip(needs, (q, k, v, bias))
             )
 
         def setup_context(ctx, inputs, output):
-            q, k, v, mask, bias, scale, is_causal, softcap, deterministic = inputs
+            q, k, v, mask, bias, scale, is_causal, softcap, deterministic, cache_seqlens = inputs
             out, lse = output
-            ctx.save_for_backward(q, k, v, mask, bias, out, lse)
+            ctx.save_for_backward(q, k, v, mask, bias, out, lse, cache_seqlens)
             ctx.config = (scale, is_causal, softcap, deterministic)
             ctx.has_bias = bias is not None
 
         def backward_formula(ctx, dout, _dlse):
-            q, k, v, mask, bias, out, lse = ctx.saved_tensors
+            q, k, v, mask, bias, out, lse, cache_seqlens = ctx.saved_tensors
             needs = [
                 ctx.needs_input_grad[0],
                 ctx.needs_input_grad[1],
                 ctx.needs_input_grad[2],
                 ctx.has_bias and ctx.needs_input_grad[4],
             ]
-            grads = bwd_op(dout.contiguous(), q, k, v, mask, bias, out, lse, *ctx.config, needs)
+            grads = bwd_op(
+                dout.contiguous(), q, k, v, mask, bias, out, lse, *ctx.config, needs, cache_seqlens
+            )
             dq, dk, dv, dbias = (g if n else None for g, n in zip(grads, needs))
-            return dq, dk, dv, None, dbias, None, None, None, None
+            return dq, dk, dv, None, dbias, None, None, None, None, None
 
         fwd_op.register_autograd(backward_formula, setup_context=setup_context)
         self._fwd = fwd_op
 
-    def __call__(self, q, k, v, mask, bias, scale, is_causal, softcap, deterministic=False):
-        """``(out, lse)``; differentiable in q, k, v and bias. lse is returned as float32."""
+    def __call__(
+        self, q, k, v, mask, bias, scale, is_causal, softcap, deterministic=False, cache_seqlens=None
+    ):
+        """``(out, lse)``; differentiable in q, k, v and bias. lse is returned as float32.
+
+        ``cache_seqlens``: optional int32 ``(B,)`` used KV-cache lengths (KV-cache decoding).
+        """
         out, lse = self._fwd(
-            q, k, v, mask, bias, float(scale), bool(is_causal), float(softcap), bool(deterministic)
+            q, k, v, mask, bias, float(scale), bool(is_causal), float(softcap), bool(deterministic),
+            cache_seqlens,
         )
         return out, lse.to(torch.float32)
+
+
+class VarlenAttentionOp:
+    """A packed-sequence forward/backward pair registered as ``flash_dmattn::<name>_fwd`` /
+    ``_bwd`` (the varlen counterpart of :class:`AttentionOp`).
+
+    An implementation supplies:
+
+    * ``forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap)
+      -> (out (total_q, H, D), lse (H, total_q) fp32)``
+    * ``backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, out, lse, scale,
+      is_causal, softcap, deterministic, needs) -> (dq, dk, dv, dbias)`` with ``None`` for
+      gradients ``needs`` did not ask for; dbias in the shape of ``bias`` (a per-key 2-D view).
+    """
+
+    def __init__(self, name: str, forward: Callable, backward: Callable) -> None:
+        self.name = name
+
+        @torch.library.custom_op(f"flash_dmattn::{name}_fwd", mutates_args=())
+        def fwd_op(
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            cu_q: Tensor,
+            cu_k: Tensor,
+            max_q: int,
+            max_k: int,
+            mask: Optional[Tensor],
+            bias: Optional[Tensor],
+            scale: float,
+            is_causal: bool,
+            softcap: float,
+            deterministic: bool,
+        ) -> Tuple[Tensor, Tensor]:
+            out, lse = forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
+                               softcap)
+            return out.contiguous(), lse.contiguous()
+
+        @fwd_op.register_fake
+        def _(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
+              deterministic):
+            total_q, H, _ = q.shape
+            out = q.new_empty(total_q, H, v.shape[-1])
+            return out, q.new_empty(H, total_q, dtype=torch.float32)
+
+        @torch.library.custom_op(f"flash_dmattn::{name}_bwd", mutates_args=())
+        def bwd_op(
+            dout: Tensor,
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            cu_q: Tensor,
+            cu_k: Tensor,
+            max_q: int,
+            max_k: int,
+            mask: Optional[Tensor],
+            bias: Optional[Tensor],
+            out: Tensor,
+            lse: Tensor,
+            scale: float,
+            is_causal: bool,
+            softcap: float,
+            deterministic: bool,
+            needs: List[bool],
+        ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+            grads = backward(
+                dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, out, lse, scale, is_causal,
+                softcap, deterministic, tuple(needs),
+            )
+            # Custom ops return tensors only: an empty tensor stands for "not requested".
+            return tuple(
+                laid_out_like(t, g) if g is not None else q.new_empty(0)
+                for t, g in zip((q, k, v, bias), grads)
+            )
+
+        @bwd_op.register_fake
+        def _(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, out, lse, scale, is_causal,
+              softcap, deterministic, needs):
+            return tuple(
+                torch.empty_like(t) if need and t is not None else q.new_empty(0)
+                for need, t in zip(needs, (q, k, v, bias))
+            )
+
+        def setup_context(ctx, inputs, output):
+            (q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
+             deterministic) = inputs
+            out, lse = output
+            ctx.save_for_backward(q, k, v, cu_q, cu_k, mask, bias, out, lse)
+            ctx.config = (scale, is_causal, softcap, deterministic)
+            ctx.max_lens = (max_q, max_k)
+            ctx.has_bias = bias is not None
+
+        def backward_formula(ctx, dout, _dlse):
+            q, k, v, cu_q, cu_k, mask, bias, out, lse = ctx.saved_tensors
+            needs = [
+                ctx.needs_input_grad[0],
+                ctx.needs_input_grad[1],
+                ctx.needs_input_grad[2],
+                ctx.has_bias and ctx.needs_input_grad[8],
+            ]
+            grads = bwd_op(dout.contiguous(), q, k, v, cu_q, cu_k, *ctx.max_lens, mask, bias,
+                           out, lse, *ctx.config, needs)
+            dq, dk, dv, dbias = (g if n else None for g, n in zip(grads, needs))
+            return (dq, dk, dv, None, None, None, None, None, dbias, None, None, None, None)
+
+        fwd_op.register_autograd(backward_formula, setup_context=setup_context)
+        self._fwd = fwd_op
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
+                 deterministic=False):
+        """``(out (total_q, H, D), lse (H, total_q) fp32)``; differentiable in q, k, v, bias."""
+        return self._fwd(
+            q, k, v, cu_q, cu_k, int(max_q), int(max_k), mask, bias, float(scale),
+            bool(is_causal), float(softcap), bool(deterministic),
+        )

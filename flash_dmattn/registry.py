@@ -127,7 +127,8 @@ def select_backend(inputs: Inputs) -> Backend:
             declined.append((name, [f"unavailable: {reason}"]))
             continue
         reasons = _reasons(backend, inputs)
-        if not reasons and isinstance(inputs, AttentionInputs):
+        if not reasons:
+            # Preferences apply to packed (varlen) calls too: e.g. the Triton interpreter on CPU.
             preference = list(backend.auto_skip_reasons(inputs))
             if preference:
                 runnable.append(backend)

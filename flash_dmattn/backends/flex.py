@@ -6,6 +6,9 @@
 * bias and softcap -> ``score_mod``; the bias gradient comes from Flex's captured-buffer
   gradients (torch >= 2.6, computed with atomics, hence not deterministic);
 * GQA via ``enable_gqa``; bottom-right causal in both the block map and ``mask_mod``.
+* ``cache_seqlens`` (KV-cache decoding) -> ``mask_mod`` reads the per-batch used length
+  (``kv < n[b]``, causal diagonal at ``n[b] - Lq``); the block map drops key tiles past it and
+  marks no tile full, so ``mask_mod`` runs on every live tile.
 
 On CUDA the call is compiled (fused kernels). On CPU FlexAttention runs its eager
 implementation, which has no backward and materialises the score matrix; auto-dispatch
@@ -75,9 +78,9 @@ _causal_cache: "OrderedDict" = OrderedDict()
 
 def _block_mask(inputs):
     """BlockMask from the compact mask and causal flag, or None when every key is visible."""
-    if inputs.attn_mask is None and not inputs.is_causal:
+    if inputs.attn_mask is None and not inputs.is_causal and inputs.cache_seqlens is None:
         return None
-    if inputs.attn_mask is None:
+    if inputs.attn_mask is None and inputs.cache_seqlens is None:
         # A causal-only map depends on the lengths alone: build it once per shape.
         key = (inputs.seqlen_q, inputs.seqlen_k, inputs.device, inputs.needs_grad)
         if key not in _causal_cache:
@@ -92,21 +95,25 @@ def _block_mask(inputs):
 def _build_block_mask(inputs):
     fa = _flex_module()
     lq, lk = inputs.seqlen_q, inputs.seqlen_k
+    cache = inputs.cache_seqlens
+    # With a per-batch used length the causal diagonal moves per batch: classify tiles from the
+    # mask alone (a superset of the live tiles) and let mask_mod decide inside them.
     live, full = tile_liveness(
-        inputs.attn_mask, lq, lk, BLOCK, BLOCK, inputs.is_causal, inputs.device
+        inputs.attn_mask, lq, lk, BLOCK, BLOCK, inputs.is_causal and cache is None, inputs.device
     )
     n_q, n_k = cdiv(lq, BLOCK), cdiv(lk, BLOCK)
+    if cache is not None:
+        # (B, 1, 1, nK): key tiles that start before the used length; nothing is full.
+        starts = torch.arange(n_k, device=inputs.device) * BLOCK
+        used = (starts < cache.to(torch.int64).view(-1, 1)).view(-1, 1, 1, n_k)
+        live = live.to(inputs.device) & used
+        full = torch.zeros_like(live)
     if live.shape[1] not in (1, inputs.num_heads):  # per kv head -> per query head (small)
         live = live.repeat_interleave(inputs.group_size, dim=1)
         full = full.repeat_interleave(inputs.group_size, dim=1)
     shape = (live.shape[0], live.shape[1], n_q, n_k)
     full = full.expand(shape).to(inputs.device)
     partial = live.expand(shape).to(inputs.device) & ~full
-
-    def compact(tiles):
-        counts = tiles.sum(dim=-1, dtype=torch.int32).contiguous()
-        order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
-        return counts, order.to(torch.int32).contiguous()
 
     offset = lk - lq
     read_mask = (
@@ -116,11 +123,32 @@ def _build_block_mask(inputs):
     )
     causal = inputs.is_causal
 
+    if cache is not None:
+        n_used = cache.clamp(0, lk)  # clamped: values are unchecked on GPU
+
+        def mask_mod(b, h, q, kv):
+            n = n_used[b]
+            visible = (kv <= q + (n - lq)) if causal else (kv < n)
+            if read_mask is not None:
+                visible = visible & read_mask(b, h, q, kv)
+            return visible
+
+        return _from_kv_blocks(fa, partial, full, mask_mod, lq, lk, inputs.needs_grad)
+
     def mask_mod(b, h, q, kv):
         visible = kv <= q + offset if causal else q >= 0
         if read_mask is not None:
             visible = visible & read_mask(b, h, q, kv)
         return visible
+
+    return _from_kv_blocks(fa, partial, full, mask_mod, lq, lk, inputs.needs_grad)
+
+
+def _from_kv_blocks(fa, partial, full, mask_mod, lq, lk, needs_grad):
+    def compact(tiles):
+        counts = tiles.sum(dim=-1, dtype=torch.int32).contiguous()
+        order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
+        return counts, order.to(torch.int32).contiguous()
 
     kv_num, kv_idx = compact(partial)
     full_num, full_idx = compact(full)
@@ -128,7 +156,7 @@ def _build_block_mask(inputs):
     params = inspect.signature(fa.BlockMask.from_kv_blocks).parameters
     if "seq_lengths" in params:
         kwargs["seq_lengths"] = (lq, lk)
-    if "compute_q_blocks" in params and not inputs.needs_grad:
+    if "compute_q_blocks" in params and not needs_grad:
         kwargs["compute_q_blocks"] = False  # the transposed map only serves the backward
     return fa.BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, **kwargs)
 

@@ -25,10 +25,13 @@ class ReferenceBackend(Backend):
     def attention(self, inputs):
         args = (inputs.query, inputs.key, inputs.value, inputs.attn_mask, inputs.attn_bias)
         cfg = (inputs.softmax_scale, inputs.is_causal, inputs.softcap)
-        out, lse = reference_attention(*args, *cfg)
+        out, lse = reference_attention(*args, *cfg, cache_seqlens=inputs.cache_seqlens)
         if not inputs.return_attn_probs:
             return out
-        probs = reference_probs(inputs.query, inputs.key, inputs.attn_mask, inputs.attn_bias, *cfg)
+        probs = reference_probs(
+            inputs.query, inputs.key, inputs.attn_mask, inputs.attn_bias, *cfg,
+            cache_seqlens=inputs.cache_seqlens,
+        )
         return out, lse, probs
 
     def varlen_attention(self, inputs):

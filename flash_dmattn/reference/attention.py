@@ -45,7 +45,7 @@ def _chunk_rows(batch: int, heads: int, seqlen_k: int) -> int:
 class _Geometry:
     """Shapes and the per-chunk score computation shared by forward, backward and probs."""
 
-    def __init__(self, q, k, mask, bias, scale, is_causal, softcap):
+    def __init__(self, q, k, mask, bias, scale, is_causal, softcap, cache_seqlens=None):
         self.B, self.Lq, self.H, self.D = q.shape
         self.Lk, self.Hkv = k.shape[1], k.shape[2]
         self.g = self.H // self.Hkv
@@ -54,6 +54,12 @@ class _Geometry:
         self.mask5 = _group_aux(mask, self.H, self.Hkv)
         self.bias5 = _group_aux(bias, self.H, self.Hkv)
         self.rows = _chunk_rows(self.B, self.H, self.Lk)
+        # KV-cache decoding: per-batch used length, (B, 1, 1, 1, 1) to broadcast against the
+        # grouped scores; clamped so out-of-range values (unchecked on GPU) stay defined.
+        self.used = None
+        if cache_seqlens is not None:
+            n = cache_seqlens.to(torch.int64).clamp(0, self.Lk)
+            self.used = n.view(self.B, 1, 1, 1, 1)
 
     def chunks(self):
         for i0 in range(0, self.Lq, self.rows):
@@ -81,9 +87,20 @@ class _Geometry:
         if bias_c is not None:
             s = s + bias_c.to(self.acc)
         visible = self._rows_of(self.mask5, i0, i1)
-        if self.is_causal:
+        cols = torch.arange(self.Lk, device=qc.device).unsqueeze(0)
+        if self.used is not None:
+            # Per batch: keys past the used cache length are invisible, and the causal
+            # diagonal is aligned with the used length. (B,1,1,1,Lk), or (B,1,1,rows,Lk) when
+            # causal: never per head, and at most one chunk of rows.
+            if self.is_causal:
+                rows = torch.arange(i0, i1, device=qc.device).unsqueeze(1)
+                # j <= i + n - Lq also implies j < n, since i < Lq.
+                extra = cols <= rows + (self.used - self.Lq)
+            else:
+                extra = cols < self.used
+            visible = extra if visible is None else visible & extra
+        elif self.is_causal:
             rows = torch.arange(i0, i1, device=qc.device).unsqueeze(1)
-            cols = torch.arange(self.Lk, device=qc.device).unsqueeze(0)
             causal = cols <= rows + (self.Lk - self.Lq)
             visible = causal if visible is None else visible & causal
         if visible is not None:
@@ -115,8 +132,8 @@ def _softmax_parts(s: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return p, denom, lse
 
 
-def _forward(q, k, v, mask, bias, scale, is_causal, softcap):
-    geo = _Geometry(q, k, mask, bias, scale, is_causal, softcap)
+def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None):
+    geo = _Geometry(q, k, mask, bias, scale, is_causal, softcap, cache_seqlens)
     B, Lq, H, D = q.shape
     out = torch.zeros(B, Lq, H, v.shape[-1], dtype=q.dtype, device=q.device)
     # Kept in the accumulation dtype so a float64 backward is exact; callers get float32.
@@ -141,9 +158,10 @@ def _reduce_like(x: Tensor, target_shape) -> Tensor:
     return x.sum(dim=dims, keepdim=True) if dims else x
 
 
-def _backward(ctx_flags, dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap):
+def _backward(ctx_flags, dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap,
+              cache_seqlens=None):
     need_dq, need_dk, need_dv, need_dbias = ctx_flags
-    geo = _Geometry(q, k, mask, bias, scale, is_causal, softcap)
+    geo = _Geometry(q, k, mask, bias, scale, is_causal, softcap, cache_seqlens)
     acc = geo.acc
     B, Lq, H, D = q.shape
     dq = torch.zeros(B, Lq, H, D, dtype=acc, device=q.device) if need_dq else None
@@ -191,9 +209,12 @@ def _backward(ctx_flags, dout, q, k, v, mask, bias, out, lse, scale, is_causal, 
     )
 
 
-def _backward_op(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, _det, needs):
+def _backward_op(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, _det, needs,
+                 cache_seqlens=None):
     # The reference is deterministic whatever was asked.
-    return _backward(needs, dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap)
+    return _backward(
+        needs, dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, cache_seqlens
+    )
 
 
 # Opaque to torch.compile (see flash_dmattn.ops); lse stays in the accumulation dtype between
@@ -210,6 +231,7 @@ def reference_attention(
     softmax_scale: float = 1.0,
     is_causal: bool = False,
     softcap: float = 0.0,
+    cache_seqlens: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention with mask, bias, GQA, causal and softcap; returns ``(out, lse)``.
 
@@ -225,16 +247,24 @@ def reference_attention(
         lse = s.logsumexp(-1)
         p = (s - lse).exp().nan_to_num(0)     # empty rows -> 0
         out = einsum("bhij,bjhd->bihd", p, v.repeat_interleave(H // Hkv, 2))
+
+    ``cache_seqlens`` (int32 ``(B,)``, KV-cache decoding) adds, with ``n = cache_seqlens[b]``,
+    ``visible &= j < n`` and aligns the causal diagonal with it: ``j <= i + n - Lq``.
     """
     return _REFERENCE_OP(
-        query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap
+        query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
+        cache_seqlens=cache_seqlens,
     )
 
 
-def reference_probs(query, key, attn_mask, attn_bias, softmax_scale, is_causal, softcap) -> Tensor:
+def reference_probs(
+    query, key, attn_mask, attn_bias, softmax_scale, is_causal, softcap, cache_seqlens=None
+) -> Tensor:
     """The normalised attention probabilities ``(B, H, Lq, Lk)`` (a testing aid; no gradient)."""
     with torch.no_grad():
-        geo = _Geometry(query, key, attn_mask, attn_bias, softmax_scale, is_causal, softcap)
+        geo = _Geometry(
+            query, key, attn_mask, attn_bias, softmax_scale, is_causal, softcap, cache_seqlens
+        )
         B, Lq, H, _ = query.shape
         probs = torch.zeros(B, H, Lq, geo.Lk, dtype=geo.acc, device=query.device)
         if geo.Lk == 0 or Lq == 0:

@@ -27,6 +27,14 @@ def __getattr__(name):
         from .backward import attention_backward
 
         return attention_backward
+    if name == "attention_forward_varlen":
+        from .forward import attention_forward_varlen
+
+        return attention_forward_varlen
+    if name == "attention_backward_varlen":
+        from .backward import attention_backward_varlen
+
+        return attention_backward_varlen
     if name in ("build_tile_lists", "classify_tiles", "TileLists"):
         from . import tiles
 
@@ -34,4 +42,10 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["attention_forward", "attention_backward", "triton_unavailable_reason"]
+__all__ = [
+    "attention_forward",
+    "attention_backward",
+    "attention_forward_varlen",
+    "attention_backward_varlen",
+    "triton_unavailable_reason",
+]

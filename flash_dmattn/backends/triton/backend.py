@@ -27,15 +27,30 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _forward(q, k, v, mask, bias, scale, is_causal, softcap):
+def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None):
+    from .decode import decode_forward, use_decode_kernel
+
+    # Few query rows per kv head (decoding): the split-KV kernel reads K/V once per group.
+    # It is also the only forward that honours cache_seqlens (not_supported_reasons declines
+    # cache_seqlens for every other shape).
+    if use_decode_kernel(q.shape[1], q.shape[2], k.shape[2], k.shape[1], cache_seqlens is not None):
+        return decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens)
     from .forward import attention_forward
 
     return attention_forward(q, k, v, mask, bias, scale, is_causal, softcap)
 
 
-def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs):
+def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs,
+              cache_seqlens=None):
     from .backward import attention_backward
 
+    if cache_seqlens is not None:
+        # The backward kernels take one key length for all batches: fold the per-batch used
+        # length (and its causal diagonal) into the mask; small by cache_seqlens_reasons.
+        from .decode import fold_cache_seqlens
+
+        mask = fold_cache_seqlens(mask, cache_seqlens, q.shape[1], k.shape[1], is_causal)
+        is_causal = False
     need_dq, need_dk, need_dv, need_dbias = needs
     return attention_backward(
         dout, q, k, v, out, lse, mask, bias, scale, is_causal, softcap, deterministic,
@@ -51,6 +66,56 @@ def triton_op():
 
         _op = AttentionOp("triton", _forward, _backward)
     return _op
+
+
+_varlen_op = None
+
+
+def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap):
+    from .forward import attention_forward_varlen
+
+    return attention_forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale,
+                                    is_causal, softcap)
+
+
+def _varlen_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, out, lse, scale,
+                     is_causal, softcap, deterministic, needs):
+    from .backward import attention_backward_varlen
+
+    # deterministic needs nothing extra: the varlen backward never uses atomics.
+    need_dq, need_dk, need_dv, need_dbias = needs
+    return attention_backward_varlen(
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
+        bias_needs_grad=need_dbias, needs_dq=need_dq, needs_dkv=need_dk or need_dv,
+    )
+
+
+def triton_varlen_op():
+    """The registered packed-sequence custom-op pair (created on first use)."""
+    global _varlen_op
+    if _varlen_op is None:
+        from ...ops import VarlenAttentionOp
+
+        _varlen_op = VarlenAttentionOp("triton_varlen", _varlen_forward, _varlen_backward)
+    return _varlen_op
+
+
+def _varlen_kernel_reasons(inputs) -> List[str]:
+    """Why the kernels cannot run packed-sequence inputs (device, dtype, head dim, probs)."""
+    reasons = []
+    dev = inputs.device.type
+    if dev != "cuda" and not (dev == "cpu" and _interpreting()):
+        reasons.append(f"tensors on {dev} (needs CUDA, or CPU with TRITON_INTERPRET=1)")
+    if dev == "cuda" and torch.cuda.get_device_capability(inputs.device) < (8, 0):
+        reasons.append("needs a GPU of compute capability >= 8.0")
+    allowed = (torch.float16, torch.bfloat16) + ((torch.float32,) if dev == "cpu" else ())
+    if inputs.dtype not in allowed:
+        reasons.append(f"dtype {inputs.dtype} is not supported (float16, bfloat16)")
+    if inputs.head_dim > MAX_HEAD_DIM:
+        reasons.append(f"head_dim {inputs.head_dim} > {MAX_HEAD_DIM}")
+    if inputs.return_attn_probs:
+        reasons.append("return_attn_probs is not supported (use torch-reference)")
+    return reasons
 
 
 class TritonBackend(Backend):
@@ -85,7 +150,24 @@ class TritonBackend(Backend):
             reasons.append(f"head_dim {inputs.head_dim} > {MAX_HEAD_DIM}")
         if inputs.return_attn_probs:
             reasons.append("return_attn_probs is not supported (use torch-reference)")
+        if inputs.cache_seqlens is not None:
+            from .decode import cache_seqlens_reasons
+
+            reasons.extend(cache_seqlens_reasons(inputs))
         return reasons
+
+    def varlen_not_supported_reasons(self, inputs) -> List[str]:
+        """Why the packed-sequence kernels cannot run ``inputs`` (a VarlenInputs)."""
+        return _varlen_kernel_reasons(inputs)
+
+    def varlen_attention(self, inputs):
+        """Packed-sequence attention (SPEC §4) through the ``triton_varlen`` custom ops."""
+        out, _ = triton_varlen_op()(
+            inputs.query, inputs.key, inputs.value, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
+            inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.attn_mask, inputs.attn_bias,
+            inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
+        )
+        return out
 
     def auto_skip_reasons(self, inputs) -> List[str]:
         if inputs.device.type == "cpu":
@@ -101,5 +183,6 @@ class TritonBackend(Backend):
         out, _ = triton_op()(
             inputs.query, inputs.key, inputs.value, inputs.attn_mask, inputs.attn_bias,
             inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
+            cache_seqlens=inputs.cache_seqlens,
         )
         return out

@@ -24,6 +24,10 @@ c. ``Kx == Lk``, ``Qx == Lq`` with a batch or kv-head broadcast: deterministic -
    temporary); otherwise fp32 atomics into a bias-shaped buffer.
 d. ``Kx == 1`` (bias broadcast over keys): temporary ``(B, Hkv|H, Qx, nK)`` of per-key-tile
    partial row sums (``nK`` = number of key tiles), summed with torch.
+
+Packed sequences (``VARLEN``, :func:`attention_backward_varlen`) use the same kernels with one
+``(sequence, kv head)`` pair per dK/dV program and no tile lists; their per-key dbias is case
+(a)/(b) with ``Qx == 1`` and never needs atomics.
 """
 from __future__ import annotations
 
@@ -36,6 +40,9 @@ import triton.language as tl
 from .forward import (
     LOG2E,
     _load_bcast,
+    _varlen_key_tiles,
+    _varlen_need_elem,
+    _varlen_seq,
     _dot,
     _tanh,
     dot_upcast,
@@ -45,6 +52,8 @@ from .forward import (
     interpret_mode,
     last_dim_contiguous,
     seqlen_bucket,
+    varlen_aux_4d,
+    varlen_tail_rows,
 )
 from .gather import plan_key_gather
 from .tiles import build_tile_lists
@@ -145,7 +154,7 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, mask_cols, mask_lim, ne
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, Mask, Bias, DB, ListIdx, ListCnt,
+    Q, K, V, DO, Lse, Delta, DK, DV, Mask, Bias, DB, ListIdx, ListCnt, CuQ, CuK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -156,7 +165,7 @@ def _attn_bwd_dkdv_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn, bias_hdiv,
     stride_tb, stride_th, stride_tm, stride_tn, db_hdiv,
     stride_lb, stride_lh, stride_ln, stride_cb, stride_ch, stride_cn, list_hdiv,
-    num_heads, group, seqlen_q, seqlen_k, n_q_tiles,
+    num_heads, group, seqlen_q, seqlen_k, n_q_tiles, stride_lse_h,
     n_pairs, pair_h, slots_h,
     sm_scale, qk_scale, cap_scale, softcap,
     lq_bucket, lk_bucket,
@@ -168,11 +177,25 @@ def _attn_bwd_dkdv_kernel(
     DOT_UPCAST: tl.constexpr,
     STORE_DKV: tl.constexpr,
     DB_MODE: tl.constexpr, DB_ACC: tl.constexpr, DB_GROUP: tl.constexpr,
+    VARLEN: tl.constexpr = False,
 ):
+    # VARLEN: packed sequences (one pair per program, slot_b = sequence index); pointers are
+    # moved to the sequence's first query / key row and lengths become per sequence.
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     slot_b = slot // slots_h
     slot_h = slot % slots_h
+    if VARLEN:
+        q_start, seqlen_q, k_start, seqlen_k = _varlen_seq(CuQ, CuK, slot_b)
+        Q += q_start * stride_qm
+        DO += q_start * stride_dom
+        K += k_start * stride_kn
+        V += k_start * stride_vn
+        DK += k_start * stride_dkn
+        DV += k_start * stride_dvn
+        Mask += k_start * stride_mn
+        Bias += k_start * stride_bn
+        DB += k_start * stride_tn
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -211,7 +234,18 @@ def _attn_bwd_dkdv_kernel(
             else:
                 list_row = ListIdx
                 n_iter = n_q_tiles
-            for t in range(0, n_iter):
+            t_lo = 0
+            if VARLEN:
+                n_iter = tl.where(start_n < seqlen_k, tl.cdiv(seqlen_q, BLOCK_M), 0)
+                if IS_CAUSAL:
+                    # first query row that sees key start_n (bottom-right alignment)
+                    t_lo = tl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M
+                lse_row = Lse + h64 * stride_lse_h + q_start
+                delta_row = Delta + h64 * stride_lse_h + q_start
+            else:
+                lse_row = Lse + bh.to(tl.int64) * seqlen_q
+                delta_row = Delta + bh.to(tl.int64) * seqlen_q
+            for t in range(t_lo, n_iter):
                 if USE_LIST:
                     entry = tl.load(list_row + t)
                     start_m = (entry >> 1) * BLOCK_M
@@ -219,6 +253,10 @@ def _attn_bwd_dkdv_kernel(
                 else:
                     start_m = t * BLOCK_M
                     need_elem = n_edge
+                    if VARLEN:
+                        need_elem = _varlen_need_elem(need_elem, start_m, start_n, seqlen_q,
+                                                      seqlen_k, BLOCK_M, BLOCK_N, HAS_MASK,
+                                                      IS_CAUSAL)
                 offs_m = start_m + offs_m0
                 m_ok = offs_m < seqlen_q
                 q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
@@ -226,9 +264,9 @@ def _attn_bwd_dkdv_kernel(
                 do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
                              mask=m_ok[:, None] & d_ok[None, :], other=0.0)
                 # Rows past Lq and rows with no visible key (lse = -inf) get lse = +inf: p = 0.
-                lse = tl.load(Lse + bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=float("inf"))
+                lse = tl.load(lse_row + offs_m, mask=m_ok, other=float("inf"))
                 lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-                delta = tl.load(Delta + bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=0.0)
+                delta = tl.load(delta_row + offs_m, mask=m_ok, other=0.0)
 
                 st, th = _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem,
                                    stride_bm, stride_bn, stride_mm, stride_mn,
@@ -294,7 +332,7 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, Mask, Bias, ListIdx, ListCnt,
+    Q, K, V, DO, Lse, Delta, DQ, Mask, Bias, ListIdx, ListCnt, CuQ, CuK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -303,7 +341,7 @@ def _attn_bwd_dq_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn, mask_hdiv,
     stride_bb, stride_bh, stride_bm, stride_bn, bias_hdiv,
     stride_lb, stride_lh, stride_lm, stride_cb, stride_ch, stride_cm, list_hdiv,
-    num_heads, group, seqlen_q, seqlen_k, n_k_tiles,
+    num_heads, group, seqlen_q, seqlen_k, n_k_tiles, stride_lse_h,
     sm_scale, qk_scale, cap_scale, softcap,
     lq_bucket, lk_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -311,9 +349,10 @@ def _attn_bwd_dq_kernel(
     HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
     # GATHER: as in the forward kernel (key lists of a KeyGather, gathered mask).
+    # VARLEN: as in the forward kernel (b is the packed sequence index).
     pid_m = tl.program_id(0)
     if IS_CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest (bottom) query tiles first
@@ -323,6 +362,18 @@ def _attn_bwd_dq_kernel(
     hk = h // group
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
+    if VARLEN:
+        q_start, seqlen_q, k_start, seqlen_k = _varlen_seq(CuQ, CuK, b)
+        Q += q_start * stride_qm
+        DO += q_start * stride_dom
+        DQ += q_start * stride_dqm
+        K += k_start * stride_kn
+        V += k_start * stride_vn
+        Mask += k_start * stride_mn
+        Bias += k_start * stride_bn
+        lse_off = h64 * stride_lse_h + q_start
+    else:
+        lse_off = pid_bh.to(tl.int64) * seqlen_q
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -333,9 +384,9 @@ def _attn_bwd_dq_kernel(
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
                  mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    lse = tl.load(Lse + pid_bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=float("inf"))
+    lse = tl.load(Lse + lse_off + offs_m, mask=m_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(Delta + pid_bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(Delta + lse_off + offs_m, mask=m_ok, other=0.0)
     k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     mask_base = Mask + b64 * stride_mb + (h // mask_hdiv).to(tl.int64) * stride_mh
@@ -349,6 +400,8 @@ def _attn_bwd_dq_kernel(
     else:
         list_row = ListIdx
         n_iter = n_k_tiles
+    if VARLEN:
+        n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
     n_keys = n_iter
     if GATHER:
         n_iter = tl.cdiv(n_keys, BLOCK_N)
@@ -367,6 +420,9 @@ def _attn_bwd_dq_kernel(
             else:
                 start_n = t * BLOCK_N
                 need_elem = start_n + BLOCK_N > seqlen_k
+                if VARLEN:
+                    need_elem = _varlen_need_elem(need_elem, pid_m * BLOCK_M, start_n, seqlen_q,
+                                                  seqlen_k, BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL)
             offs_n = start_n + offs_n0
             n_ok = offs_n < seqlen_k
             mask_cols = offs_n
@@ -397,7 +453,7 @@ def _attn_bwd_dq_kernel(
 # ------------------------------------------------------------------------------------------
 
 _BWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE_LIST",
-            "lq_bucket", "lk_bucket"]
+            "VARLEN", "lq_bucket", "lk_bucket"]
 
 
 def bwd_blocks(head_dim: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
@@ -646,7 +702,7 @@ def attention_backward(
         else:
             idx, cnt, lst, lhd = q, q, (0, 0, 0, 0, 0, 0), 1
         args = (
-            q, k, v, dout, lse, delta, dk_arg, dv_arg, mask_arg, bias_arg, target, idx, cnt,
+            q, k, v, dout, lse, delta, dk_arg, dv_arg, mask_arg, bias_arg, target, idx, cnt, q, q,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -654,17 +710,14 @@ def attention_backward(
             dk_arg.stride(0), dk_arg.stride(1), dk_arg.stride(2),
             dv_arg.stride(0), dv_arg.stride(1), dv_arg.stride(2),
             *ms, *bs, *ts, *lst, lhd,
-            H, G, Lq, Lk, n_q_tiles,
+            H, G, Lq, Lk, n_q_tiles, 0,
             n_pairs, pair_h, slots_h,
             *scal,
         )
         meta = dict(flags, STORE_DKV=needs_dkv,
-                    DB_MODE=db_mode, DB_ACC=db_acc, DB_GROUP=db_group)
+                    DB_MODE=db_mode, DB_ACC=db_acc, DB_GROUP=db_group, VARLEN=False)
         grid = (n_k_tiles, slots_b * slots_h)
-        if interp:
-            _attn_bwd_dkdv_kernel[grid](*args, **meta, num_warps=4, num_stages=1)
-        else:
-            _dkdv_tuned[grid](*args, **meta)
+        _launch_dkdv(grid, args, meta)
         if want_db:
             dbias = finish(target)
 
@@ -681,20 +734,182 @@ def attention_backward(
         else:
             idx, cnt, lst, lhd = q, q, (0, 0, 0, 0, 0, 0), 1
         args = (
-            q, k, v, dout, lse, delta, dq, dq_mask, bias_arg, idx, cnt,
+            q, k, v, dout, lse, delta, dq, dq_mask, bias_arg, idx, cnt, q, q,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             dout.stride(0), dout.stride(1), dout.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
             *dq_ms, *bs, *lst, lhd,
-            H, G, Lq, Lk, triton.cdiv(Lk, block_n2),
+            H, G, Lq, Lk, triton.cdiv(Lk, block_n2), 0,
             *scal,
         )
         grid = (triton.cdiv(Lq, block_m2), B * H)
-        if interp:
-            _attn_bwd_dq_kernel[grid](*args, **flags, num_warps=4, num_stages=1)
+        _launch_dq(grid, args, dict(flags, VARLEN=False))
+
+    return dq, dk, dv, dbias
+
+
+def _launch_dkdv(grid, args, meta) -> None:
+    if interpret_mode():
+        _attn_bwd_dkdv_kernel[grid](*args, **meta, num_warps=4, num_stages=1)
+    else:
+        _dkdv_tuned[grid](*args, **meta)
+
+
+def _launch_dq(grid, args, meta) -> None:
+    if interpret_mode():
+        _attn_bwd_dq_kernel[grid](*args, **meta, num_warps=4, num_stages=1)
+    else:
+        _dq_tuned[grid](*args, **meta)
+
+
+def attention_backward_varlen(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    mask: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    softmax_scale: float,
+    is_causal: bool,
+    softcap: float,
+    bias_needs_grad: bool,
+    needs_dq: bool = True,
+    needs_dkv: bool = True,
+):
+    """Attention backward over packed sequences (the inverse of ``attention_forward_varlen``).
+
+    Args:
+        dout, out, q: ``(total_q, H, D)``; k, v: ``(total_k, Hkv, D)``; lse ``(H, total_q)``
+            fp32 from :func:`~.forward.attention_forward_varlen`; cu_seqlens / max_seqlen /
+            mask / bias / scale / causal / softcap exactly as given to the forward.
+        bias_needs_grad: compute dbias (requires ``bias``). needs_dq / needs_dkv: skip work
+            for gradients nobody wants.
+
+    Every gradient element has exactly one writing program (a key belongs to one sequence and
+    the dK/dV program of its (key tile, sequence, kv head) reduces the GQA group in registers),
+    so there are no atomics and the result is always bitwise reproducible.
+
+    Returns:
+        ``(dq, dk, dv, dbias)``; dq/dk/dv in q/k/v's dtype (None when not requested; rows past
+        ``cu_seqlens[-1]`` are 0), dbias of the bias's ``(1|Hkv|H, total_k)`` shape and dtype.
+    """
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
+    lse = lse.contiguous()
+    total_q, H, D = q.shape
+    total_k, Hkv = k.shape[0], k.shape[1]
+    G = H // Hkv
+    n_seqs = cu_seqlens_q.numel() - 1
+    device = q.device
+    want_db = bool(bias_needs_grad) and bias is not None
+
+    dq = alloc_output(q.shape, q.dtype, device) if needs_dq else None
+    dk = alloc_output(k.shape, k.dtype, device) if needs_dkv else None
+    dv = alloc_output(v.shape, v.dtype, device) if needs_dkv else None
+    if n_seqs <= 0 or H * total_q * total_k == 0 or max_seqlen_q <= 0 or max_seqlen_k <= 0:
+        for t in (dq, dk, dv):
+            if t is not None:
+                t.zero_()
+        return dq, dk, dv, (torch.zeros_like(bias) if want_db else None)
+
+    (block_m, block_n), (block_m2, block_n2) = bwd_blocks(D)
+    bd = head_block(D)
+    cu_q = cu_seqlens_q.to(torch.int32)
+    cu_k = cu_seqlens_k.to(torch.int32)
+
+    # delta = rowsum(dout * out) in lse's (H, total_q) layout: the packed rows are batch 1.
+    delta = torch.empty((H, total_q), dtype=torch.float32, device=device)
+    pre_bm = 16 if interpret_mode() else 64
+    _bwd_preprocess[(triton.cdiv(total_q, pre_bm), H)](
+        out, dout, delta,
+        0, out.stride(0), out.stride(1),
+        0, dout.stride(0), dout.stride(1),
+        H, total_q, HEAD_DIM=D, BLOCK_D=bd, BLOCK_M=pre_bm,
+    )
+
+    mask4, bias4 = varlen_aux_4d(mask), varlen_aux_4d(bias)
+    mask_arg = mask4.view(torch.uint8) if mask4 is not None else q
+    bias_arg = bias4 if bias4 is not None else q
+    ms = broadcast_strides(mask4, H)
+    bs = broadcast_strides(bias4, H)
+    no_list = (0, 0, 0, 0, 0, 0, 1)
+    has_softcap = softcap > 0.0
+    scal = (softmax_scale, softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0,
+            softcap, seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k))
+    flags = dict(
+        HEAD_DIM=D, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_MASK=mask is not None, MASK_QB=True, MASK_KB=False,
+        HAS_BIAS=bias is not None, BIAS_QB=True, BIAS_KB=False,
+        IS_CAUSAL=bool(is_causal), USE_LIST=False, HAS_SOFTCAP=has_softcap,
+        DOT_UPCAST=dot_upcast(q.dtype), VARLEN=True,
+    )
+
+    dbias = None
+    if needs_dkv or want_db:
+        if want_db:
+            # Per-key dbias summed over each key's queries in-kernel (mode QRED). The target has
+            # one row per query head, or per kv head with the group reduced in registers; a
+            # single shared row is summed from the per-kv-head rows afterwards. Zero-filled so
+            # keys no sequence owns read 0.
+            hx = bias.shape[0]
+            th = H if hx == H else Hkv
+            target = torch.zeros((th, total_k), dtype=torch.float32, device=device)
+            ts = _target_strides(target[None, :, None, :], H)
+            db_mode, db_group = _DB_QRED, th != H
         else:
-            _dq_tuned[grid](*args, **flags)
+            # Never pass a real input here: the autotuner zeroes DB between trials.
+            target = torch.empty(1, dtype=torch.float32, device=device)
+            ts = (0, 0, 0, 0, 1)
+            db_mode, db_group = _DB_NONE, False
+        dk_arg = dk if needs_dkv else q
+        dv_arg = dv if needs_dkv else q
+        args = (
+            q, k, v, dout, lse, delta, dk_arg, dv_arg, mask_arg, bias_arg, target, q, q, cu_q, cu_k,
+            0, q.stride(0), q.stride(1),
+            0, k.stride(0), k.stride(1),
+            0, v.stride(0), v.stride(1),
+            0, dout.stride(0), dout.stride(1),
+            0, dk_arg.stride(0), dk_arg.stride(1),
+            0, dv_arg.stride(0), dv_arg.stride(1),
+            *ms, *bs, *ts, *no_list,
+            H, G, max_seqlen_q, max_seqlen_k, 0, lse.stride(0),
+            1, 1, Hkv,
+            *scal,
+        )
+        meta = dict(flags, STORE_DKV=needs_dkv, DB_MODE=db_mode, DB_ACC=_ACC_STORE,
+                    DB_GROUP=db_group)
+        _launch_dkdv((triton.cdiv(max_seqlen_k, block_n), n_seqs * Hkv), args, meta)
+        if needs_dkv:
+            tail_k = varlen_tail_rows(cu_k, total_k)[:, None, None]
+            dk.masked_fill_(tail_k, 0.0)
+            dv.masked_fill_(tail_k, 0.0)
+        if want_db:
+            if bias.shape[0] == 1 and target.shape[0] > 1:
+                target = target.sum(0, keepdim=True)
+            dbias = target.to(bias.dtype)
+
+    if needs_dq:
+        args = (
+            q, k, v, dout, lse, delta, dq, mask_arg, bias_arg, q, q, cu_q, cu_k,
+            0, q.stride(0), q.stride(1),
+            0, k.stride(0), k.stride(1),
+            0, v.stride(0), v.stride(1),
+            0, dout.stride(0), dout.stride(1),
+            0, dq.stride(0), dq.stride(1),
+            *ms, *bs, *no_list,
+            H, G, max_seqlen_q, max_seqlen_k, triton.cdiv(max_seqlen_k, block_n2), lse.stride(0),
+            *scal,
+        )
+        meta = dict(flags, BLOCK_M=block_m2, BLOCK_N=block_n2, GATHER=False)
+        _launch_dq((triton.cdiv(max_seqlen_q, block_m2), n_seqs * H), args, meta)
+        dq.masked_fill_(varlen_tail_rows(cu_q, total_q)[:, None, None], 0.0)
 
     return dq, dk, dv, dbias

@@ -4,6 +4,11 @@ One program computes one query tile of one (batch, query head) and walks only th
 the tile lists mark live (see :mod:`.tiles`); full tiles skip every per-element mask. The softmax
 is online in fp32 in the log2 domain (scores are pre-multiplied by log2(e) so the inner loop
 uses exp2).
+
+With ``VARLEN`` the same kernel runs packed sequences (:func:`attention_forward_varlen`): the
+packed ``(total, H, D)`` tensors are batch 1, the batch grid index is the sequence index, and
+each program moves its pointers to its sequence's first query / key row read from
+``cu_seqlens``; query tiles past the sequence's length do nothing.
 """
 from __future__ import annotations
 
@@ -113,8 +118,47 @@ def _load_bcast(base, offs_r, offs_c, stride_r, stride_c, lim_r, lim_c,
 
 
 @triton.jit
+def _varlen_seq(CuQ, CuK, b):
+    """(q_start (int64), seqlen_q, k_start (int64), seqlen_k) of packed sequence ``b``."""
+    q0 = tl.load(CuQ + b)
+    k0 = tl.load(CuK + b)
+    return q0.to(tl.int64), tl.load(CuQ + b + 1) - q0, k0.to(tl.int64), tl.load(CuK + b + 1) - k0
+
+
+@triton.jit
+def _varlen_key_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      IS_CAUSAL: tl.constexpr):
+    """Key tiles a query tile of one packed sequence visits (0 past the sequence's end).
+
+    Varlen calls have no tile lists (those are per (b, h) of a fixed length); every key tile up
+    to the causal limit of the tile's last row is visited and masked per element.
+    """
+    n = tl.cdiv(seqlen_k, BLOCK_N)
+    if IS_CAUSAL:
+        # the last row sees keys < start_m + BLOCK_M + seqlen_k - seqlen_q (bottom-right)
+        n = tl.minimum(n, tl.cdiv(tl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), BLOCK_N))
+    return tl.where(start_m < seqlen_q, n, 0)
+
+
+@triton.jit
+def _varlen_need_elem(need_elem, start_m, start_n, seqlen_q, seqlen_k,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """Whether a varlen (query tile, key tile) pair needs per-element masking.
+
+    Without tile lists nothing classified the tile: a per-key mask is always applied (one
+    vector load), the causal compare only on tiles that cross the diagonal.
+    """
+    if HAS_MASK:
+        need_elem = start_n >= 0
+    elif IS_CAUSAL:
+        need_elem = need_elem | (start_n + BLOCK_N - 1 > start_m + (seqlen_k - seqlen_q))
+    return need_elem
+
+
+@triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt,
+    Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt, CuQ, CuK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -122,7 +166,7 @@ def _attn_fwd_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn, mask_hdiv,
     stride_bb, stride_bh, stride_bm, stride_bn, bias_hdiv,
     stride_lb, stride_lh, stride_lm, stride_cb, stride_ch, stride_cm, list_hdiv,
-    num_heads, group, seqlen_q, seqlen_k, n_k_tiles,
+    num_heads, group, seqlen_q, seqlen_k, n_k_tiles, stride_lse_h,
     qk_scale, cap_scale, softcap,
     lq_bucket, lk_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -130,10 +174,11 @@ def _attn_fwd_kernel(
     HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
     # GATHER: ListIdx/ListCnt are a KeyGather's idx/cnt (key indices, not tile entries) and
     # Mask is its gathered mask, addressed by position in the list (see .gather).
+    # VARLEN: packed sequences, see _varlen_seq; b is the sequence index.
     pid_m = tl.program_id(0)
     if IS_CAUSAL:
         # Bottom query tiles see the most keys: launch them first to shorten the tail.
@@ -143,6 +188,17 @@ def _attn_fwd_kernel(
     h = pid_bh % num_heads
     hk = h // group
     b64 = b.to(tl.int64)
+    if VARLEN:
+        q_start, seqlen_q, k_start, seqlen_k = _varlen_seq(CuQ, CuK, b)
+        Q += q_start * stride_qm
+        Out += q_start * stride_om
+        K += k_start * stride_kn
+        V += k_start * stride_vn
+        Mask += k_start * stride_mn
+        Bias += k_start * stride_bn
+        lse_row = Lse + h.to(tl.int64) * stride_lse_h + q_start
+    else:
+        lse_row = Lse + pid_bh.to(tl.int64) * seqlen_q
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
@@ -168,6 +224,8 @@ def _attn_fwd_kernel(
     else:
         list_row = ListIdx
         n_iter = n_k_tiles
+    if VARLEN:
+        n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
     n_keys = n_iter
     if GATHER:
         n_iter = tl.cdiv(n_keys, BLOCK_N)
@@ -187,6 +245,9 @@ def _attn_fwd_kernel(
             else:
                 start_n = t * BLOCK_N
                 need_elem = start_n + BLOCK_N > seqlen_k
+                if VARLEN:
+                    need_elem = _varlen_need_elem(need_elem, pid_m * BLOCK_M, start_n, seqlen_q,
+                                                  seqlen_k, BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL)
             offs_n = start_n + offs_n0
             n_ok = offs_n < seqlen_k
             mask_cols = offs_n
@@ -230,7 +291,7 @@ def _attn_fwd_kernel(
     lse = tl.where(has_any, (m_i + tl.log2(l_use)) * 0.6931471805599453, float("-inf"))
     o_ptrs = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(Lse + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=m_ok)
+    tl.store(lse_row + offs_m, lse, mask=m_ok)
 
 
 # ------------------------------------------------------------------------------------------
@@ -238,7 +299,7 @@ def _attn_fwd_kernel(
 # ------------------------------------------------------------------------------------------
 
 _FWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE_LIST",
-            "GATHER", "lq_bucket", "lk_bucket"]
+            "GATHER", "VARLEN", "lq_bucket", "lk_bucket"]
 
 
 def fwd_blocks(head_dim: int) -> Tuple[int, int]:
@@ -347,13 +408,13 @@ def attention_forward(
     grid = (triton.cdiv(Lq, block_m), B * H)
     has_softcap = softcap > 0.0
     args = (
-        q, k, v, out, lse, mask_arg, bias_arg, idx, cnt,
+        q, k, v, out, lse, mask_arg, bias_arg, idx, cnt, q, q,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         *ms, *bs, *lst, list_hdiv,
-        H, H // Hkv, Lq, Lk, n_k_tiles,
+        H, H // Hkv, Lq, Lk, n_k_tiles, 0,
         softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
         seqlen_bucket(Lq), seqlen_bucket(Lk),
     )
@@ -366,10 +427,107 @@ def attention_forward(
         BIAS_QB=bias is not None and bias.size(2) == 1,
         BIAS_KB=bias is not None and bias.size(3) == 1,
         IS_CAUSAL=bool(is_causal), USE_LIST=use_list, HAS_SOFTCAP=has_softcap,
-        DOT_UPCAST=dot_upcast(q.dtype), GATHER=gather is not None,
+        DOT_UPCAST=dot_upcast(q.dtype), GATHER=gather is not None, VARLEN=False,
     )
+    _launch_fwd(grid, args, meta)
+    return out, lse
+
+
+def _launch_fwd(grid, args, meta) -> None:
     if interpret_mode():
         _attn_fwd_kernel[grid](*args, **meta, num_warps=4, num_stages=1)
     else:
         _attn_fwd_tuned[grid](*args, **meta)
+
+
+def varlen_aux_4d(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A varlen per-key mask/bias ``(1|Hkv|H, total_k)`` as the kernels' 4-D view.
+
+    ``(1, Hx, 1, total_k)``: batch 1 and one query row (broadcast), indexed by packed key.
+    """
+    return None if t is None else t[None, :, None, :]
+
+
+def varlen_tail_rows(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Bool ``(total,)``: packed rows past ``cu_seqlens[-1]``, which no sequence owns.
+
+    Computed on the device (no host sync); the kernels never visit those rows.
+    """
+    return torch.arange(total, device=cu_seqlens.device) >= cu_seqlens[-1]
+
+
+def attention_forward_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    mask: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    softmax_scale: float,
+    is_causal: bool,
+    softcap: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward over packed sequences (SPEC §4).
+
+    Args:
+        q: ``(total_q, H, D)``; k, v: ``(total_k, Hkv, D)``; sequence ``i`` owns query rows
+            ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and key rows likewise (int32 offsets on the
+            tensors' device, non-decreasing; not validated here, that would need a host sync).
+        max_seqlen_q / max_seqlen_k: upper bounds of the per-sequence lengths (they size the
+            grid; a sequence longer than ``max_seqlen_q`` leaves rows unwritten).
+        mask: None or bool ``(1|Hkv|H, total_k)``; bias: None or float ``(1|Hkv|H, total_k)``,
+            one value per key for every query of its sequence.
+        softmax_scale, is_causal (bottom-right per sequence), softcap: as
+            :func:`attention_forward`.
+
+    Returns:
+        ``out (total_q, H, D)`` in q's dtype and ``lse (H, total_q)`` fp32. Rows with no
+        visible key, empty sequences and rows past ``cu_seqlens_q[-1]`` give 0 / -inf.
+    """
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    total_q, H, D = q.shape
+    Hkv = k.shape[1]
+    n_seqs = cu_seqlens_q.numel() - 1
+    device = q.device
+    out = alloc_output((total_q, H, D), q.dtype, device)
+    lse = alloc_output((H, total_q), torch.float32, device)
+    if n_seqs <= 0 or H * total_q == 0 or max_seqlen_q <= 0 or max_seqlen_k <= 0 or k.shape[0] == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+
+    block_m, block_n = fwd_blocks(D)
+    mask4, bias4 = varlen_aux_4d(mask), varlen_aux_4d(bias)
+    mask_arg = mask4.view(torch.uint8) if mask4 is not None else q
+    bias_arg = bias4 if bias4 is not None else q
+    cu_q = cu_seqlens_q.to(torch.int32)
+    cu_k = cu_seqlens_k.to(torch.int32)
+    has_softcap = softcap > 0.0
+    # The packed tensors are batch 1 (batch strides 0); programs offset by their sequence start.
+    args = (
+        q, k, v, out, lse, mask_arg, bias_arg, q, q, cu_q, cu_k,
+        0, q.stride(0), q.stride(1),
+        0, k.stride(0), k.stride(1),
+        0, v.stride(0), v.stride(1),
+        0, out.stride(0), out.stride(1),
+        *broadcast_strides(mask4, H), *broadcast_strides(bias4, H), 0, 0, 0, 0, 0, 0, 1,
+        H, H // Hkv, max_seqlen_q, max_seqlen_k, triton.cdiv(max_seqlen_k, block_n), lse.stride(0),
+        softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
+        seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k),
+    )
+    meta = dict(
+        HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_MASK=mask is not None, MASK_QB=True, MASK_KB=False,
+        HAS_BIAS=bias is not None, BIAS_QB=True, BIAS_KB=False,
+        IS_CAUSAL=bool(is_causal), USE_LIST=False, HAS_SOFTCAP=has_softcap,
+        DOT_UPCAST=dot_upcast(q.dtype), GATHER=False, VARLEN=True,
+    )
+    grid = (triton.cdiv(max_seqlen_q, block_m), n_seqs * H)
+    _launch_fwd(grid, args, meta)
+    tail = varlen_tail_rows(cu_q, total_q)
+    out.masked_fill_(tail[:, None, None], 0.0)
+    lse.masked_fill_(tail[None, :], float("-inf"))
     return out, lse

@@ -1,0 +1,483 @@
+"""Split-KV decode forward: attention for a few query tokens against a long (cached) key range.
+
+Decoding is bandwidth-bound (SPEC §4): each step reads all of K and V (plus a per-key mask and
+bias) for one or a few queries. The main forward kernel gives one program a 128-row query tile
+of one head, so for ``Lq = 1`` it wastes most of its rows, launches only ``B * H`` programs and
+reads every K/V tile once per *query head*. This kernel instead:
+
+* packs the ``G = H / Hkv`` query heads of a GQA group and all ``Lq`` queries into the M
+  dimension of one tile (``G * Lq <= DECODE_MAX_ROWS`` rows, padded to >= 16 for ``tl.dot``),
+  so each K/V tile is loaded once per kv head;
+* splits the key range across ``num_splits`` programs per (batch, kv head) so that short
+  batches still fill the GPU; each split writes an fp32 partial output and its log-sum-exp;
+* merges the splits in a small combine kernel (one program per output row).
+
+Mask and bias are read through their strides in any broadcast shape of SPEC §3.2 (the per-key
+``(B, Hkv, 1, Lk)`` case loads one key vector per tile for the whole group). ``cache_seqlens``
+gives a per-batch used length: keys past it are never loaded, and the causal diagonal is
+aligned with it. Forward only: the backward of a decode call is the main backward kernels'
+(they need only ``out`` and ``lse``), see :func:`fold_cache_seqlens`.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .forward import (
+    LOG2E,
+    _dot,
+    _tanh,
+    alloc_output,
+    broadcast_strides,
+    dot_upcast,
+    head_block,
+    interpret_mode,
+    last_dim_contiguous,
+    seqlen_bucket,
+)
+
+# Rows of the packed (query head, query) tile: 64 keeps the fp32 accumulator of a 128-dim head
+# at 64 registers a thread with 4 warps. Beyond it the main kernel's 128-row tiles fit better.
+DECODE_MAX_ROWS = 64
+# Below this many keys one program per (batch, head) of the main kernel is already short, and
+# splitting buys nothing; calls with cache_seqlens use the decode kernel at any length.
+DECODE_MIN_SEQLEN_K = 128
+# Split-count bounds: at most this many splits (the combine reads one partial per split), and
+# at least this many keys per split so a split amortises its q load and partial write.
+MAX_SPLITS = 128
+MIN_KEYS_PER_SPLIT = 256
+# Split boundaries are multiples of this, so every autotuned BLOCK_N tiles a split exactly.
+SPLIT_ALIGN = 128
+
+
+def decode_rows(seqlen_q: int, num_heads: int, num_kv_heads: int) -> int:
+    """Rows of the packed tile: query heads per kv head times queries."""
+    return (num_heads // max(num_kv_heads, 1)) * seqlen_q
+
+
+# This kernel has so far run only under the Triton interpreter. Until a device run validates
+# and times it, on a GPU it serves only the calls the main kernel cannot (cache_seqlens);
+# ordinary short-query calls keep the GPU-tested main kernel.
+DECODE_VERIFIED_ON_GPU = False
+
+
+def use_decode_kernel(seqlen_q: int, num_heads: int, num_kv_heads: int, seqlen_k: int,
+                      has_cache_seqlens: bool) -> bool:
+    """Whether the triton forward runs this kernel rather than the main one."""
+    if seqlen_q == 0 or decode_rows(seqlen_q, num_heads, num_kv_heads) > DECODE_MAX_ROWS:
+        return False
+    if has_cache_seqlens:
+        return True
+    return seqlen_k >= DECODE_MIN_SEQLEN_K and (DECODE_VERIFIED_ON_GPU or interpret_mode())
+
+
+def _folded_mask_shape(mask_shape, batch: int, seqlen_q: int, seqlen_k: int, is_causal: bool):
+    """Shape of ``mask & cache-visibility`` (see :func:`fold_cache_seqlens`), nothing allocated."""
+    vis = (batch, 1, seqlen_q if is_causal and seqlen_q > 1 else 1, seqlen_k)
+    if mask_shape is None:
+        return vis
+    return tuple(torch.broadcast_shapes(tuple(mask_shape), vis))
+
+
+def cache_seqlens_reasons(inputs) -> List[str]:
+    """Why the triton backend cannot run these inputs' ``cache_seqlens`` (empty: it can).
+
+    The forward needs the decode kernel (the main kernels read one key length for all
+    batches). Gradients reuse the main backward with the cache folded into the mask, which
+    is allowed only while that mask stays small: at most ``max(mask.numel(), B * Lq * Lk)``
+    bools, where ``Lq <= DECODE_MAX_ROWS`` (so ``O(B * Lk)``, far below the size of K itself).
+    """
+    if inputs.cache_seqlens is None:
+        return []
+    rows = decode_rows(inputs.seqlen_q, inputs.num_heads, inputs.num_kv_heads)
+    if rows > DECODE_MAX_ROWS:
+        return [
+            f"cache_seqlens needs the decode kernel, which takes Lq * (H / Hkv) <= "
+            f"{DECODE_MAX_ROWS} rows; got {inputs.seqlen_q} * {inputs.group_size} = {rows} "
+            f"(use torch-reference or flex)"
+        ]
+    if inputs.needs_grad:
+        mask = inputs.attn_mask
+        shape = _folded_mask_shape(
+            None if mask is None else mask.shape, inputs.batch, inputs.seqlen_q, inputs.seqlen_k,
+            inputs.is_causal,
+        )
+        limit = max(0 if mask is None else mask.numel(),
+                    inputs.batch * inputs.seqlen_q * inputs.seqlen_k)
+        if _numel(shape) > limit:
+            return [
+                f"gradients with cache_seqlens fold the cache into the mask, which would grow "
+                f"to {shape} (more than max(mask size, B*Lq*Lk)); use torch-reference or flex"
+            ]
+    return []
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def fold_cache_seqlens(mask: Optional[torch.Tensor], cache_seqlens: torch.Tensor, seqlen_q: int,
+                       seqlen_k: int, is_causal: bool) -> torch.Tensor:
+    """``mask`` combined with the KV-cache visibility, for the (non-decode) backward kernels.
+
+    Returns a bool mask to use with ``is_causal=False``: ``(B, 1, 1, Lk)`` keys ``j < n[b]``, or
+    with ``is_causal`` ``(B, 1, Lq, Lk)`` keys ``j <= i + n[b] - Lq`` (which implies ``j < n[b]``),
+    and'ed with ``mask`` (broadcast, never per head unless ``mask`` is). Size: see
+    :func:`cache_seqlens_reasons`. Equivalent to the visibility the decode kernel applies.
+    """
+    batch = cache_seqlens.shape[0]
+    n = cache_seqlens.to(torch.int64).clamp(0, seqlen_k).view(batch, 1, 1, 1)
+    j = torch.arange(seqlen_k, device=cache_seqlens.device)
+    if is_causal:
+        i = torch.arange(seqlen_q, device=cache_seqlens.device).view(seqlen_q, 1)
+        vis = j <= i + (n - seqlen_q)
+    else:
+        vis = j < n
+    return vis if mask is None else mask & vis
+
+
+# ------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _decode_tile(q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok, row_ok,
+                 offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
+                 HAS_BIAS: tl.constexpr, BIAS_ROWB: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 DOT_UPCAST: tl.constexpr):
+    """One key tile of the online softmax (log2 domain); returns the updated acc, m, l."""
+    kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None],
+                 mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    s = _dot(q, kt, DOT_UPCAST)
+    if HAS_SOFTCAP:
+        s = (softcap * 1.4426950408889634) * _tanh(s * cap_scale)
+    else:
+        s = s * qk_scale
+    if HAS_BIAS:
+        if BIAS_ROWB:
+            bv = tl.load(bias_base + offs_n * stride_bn, mask=n_ok, other=0.0)
+            s = s + (bv.to(tl.float32) * 1.4426950408889634)[None, :]
+        else:
+            bv = tl.load(bias_base + offs_n[None, :] * stride_bn,
+                         mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+            s = s + bv.to(tl.float32) * 1.4426950408889634
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows with nothing visible yet keep m = -inf; subtracting 0 avoids inf - inf.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, Mask, Bias, CacheSeqlens, OPart, LPart,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_mb, stride_mh, stride_mm, stride_mn, mask_hdiv,
+    stride_bb, stride_bh, stride_bm, stride_bn, bias_hdiv,
+    batch, num_heads, group, seqlen_q, seqlen_k, keys_per_split,
+    qk_scale, cap_scale, softcap,
+    lk_bucket,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_ROWB: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_ROWB: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CACHE: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    # One program: key split pid_s of (batch b, kv head hk), for every query head of the group
+    # and every query. Row r of the tile is query head hk*group + r // seqlen_q, query
+    # r % seqlen_q. ROWB: the mask/bias value is the same for every row (per-key or per-kv-head
+    # with one query row), so one key vector is loaded per tile.
+    pid_s = tl.program_id(0)
+    b = tl.program_id(1)
+    hk = tl.program_id(2)
+    b64 = b.to(tl.int64)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < group * seqlen_q
+    g = rows // seqlen_q
+    qi = rows % seqlen_q
+    h = hk * group + g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_n0 = tl.arange(0, BLOCK_N)
+
+    if HAS_CACHE:
+        # Clamped: values are not checked on the GPU (that would sync), memory stays safe.
+        kv_len = tl.minimum(tl.maximum(tl.load(CacheSeqlens + b), 0), seqlen_k)
+    else:
+        kv_len = seqlen_k
+    start = pid_s * keys_per_split
+    end = tl.minimum(start + keys_per_split, kv_len)
+
+    q_ptrs = (Q + b64 * stride_qb + qi[:, None].to(tl.int64) * stride_qm
+              + h[:, None].to(tl.int64) * stride_qh + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    h0 = hk * group
+    if MASK_ROWB:
+        mask_base = Mask + b64 * stride_mb + (h0 // mask_hdiv).to(tl.int64) * stride_mh
+    else:
+        mask_base = (Mask + b64 * stride_mb + (h // mask_hdiv).to(tl.int64)[:, None] * stride_mh
+                     + qi.to(tl.int64)[:, None] * stride_mm)
+    if BIAS_ROWB:
+        bias_base = Bias + b64 * stride_bb + (h0 // bias_hdiv).to(tl.int64) * stride_bh
+    else:
+        bias_base = (Bias + b64 * stride_bb + (h // bias_hdiv).to(tl.int64)[:, None] * stride_bh
+                     + qi.to(tl.int64)[:, None] * stride_bm)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + offs_n0
+        n_ok = offs_n < end
+        vis = n_ok[None, :] & row_ok[:, None]
+        if HAS_MASK:
+            if MASK_ROWB:
+                mv = tl.load(mask_base + offs_n * stride_mn, mask=n_ok, other=0)
+                vis = vis & (mv != 0)[None, :]
+            else:
+                mv = tl.load(mask_base + offs_n[None, :] * stride_mn,
+                             mask=row_ok[:, None] & n_ok[None, :], other=0)
+                vis = vis & (mv != 0)
+        if IS_CAUSAL:
+            vis = vis & (offs_n[None, :] <= qi[:, None] + (kv_len - seqlen_q))
+        if HAS_MASK:
+            # A tile the mask hides entirely is never loaded: block skipping for sparse dynamic
+            # masks. Without a mask the loop stays branch-free (pipelined loads).
+            if tl.sum(vis.to(tl.int32)) > 0:
+                acc, m_i, l_i = _decode_tile(
+                    q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok, row_ok,
+                    offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
+                    HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST)
+        else:
+            acc, m_i, l_i = _decode_tile(
+                q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok, row_ok,
+                offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
+                HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST)
+
+    has_any = l_i > 0.0
+    l_use = tl.where(has_any, l_i, 1.0)
+    out = acc / l_use[:, None]
+    lse2 = tl.where(has_any, m_i + tl.log2(l_use), float("-inf"))  # log2 domain
+    # Partial row index: ((split * B + b) * H + h) * Lq + i, rows of (B, H, Lq) per split.
+    prow = ((pid_s * batch + b) * num_heads + h).to(tl.int64) * seqlen_q + qi
+    tl.store(OPart + prow[:, None] * HEAD_DIM + offs_d[None, :], out,
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LPart + prow, lse2, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    OPart, LPart, Out, Lse,
+    num_splits, split_rows, num_heads, seqlen_q,
+    stride_ob, stride_om, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # One program per output row r = (b * H + h) * Lq + i: out = sum_s w_s * o_s / sum_s w_s
+    # with w_s = 2^(lse_s - max lse); empty splits have lse -inf (weight 0) and o_s = 0.
+    r = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    ls = tl.load(LPart + offs_s.to(tl.int64) * split_rows + r, mask=offs_s < num_splits,
+                 other=float("-inf"))
+    m = tl.max(ls, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.exp2(ls - m_use), 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s in range(0, num_splits):
+        row = s * split_rows + r
+        w = tl.exp2(tl.load(LPart + row) - m_use)
+        o = tl.load(OPart + row * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        acc += w * o
+    has_any = denom > 0.0
+    out = acc / tl.where(has_any, denom, 1.0)
+    lse = tl.where(has_any, (m_use + tl.log2(tl.where(has_any, denom, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    i = r % seqlen_q
+    bh = r // seqlen_q
+    h = bh % num_heads
+    b = bh // num_heads
+    tl.store(Out + b * stride_ob + i * stride_om + h * stride_oh + offs_d,
+             out.to(Out.dtype.element_ty), mask=d_ok)
+    tl.store(Lse + r, lse)
+
+
+# ------------------------------------------------------------------------------------------
+# Launch configuration
+# ------------------------------------------------------------------------------------------
+
+_DECODE_KEY = ["HEAD_DIM", "BLOCK_M", "HAS_MASK", "MASK_ROWB", "HAS_BIAS", "BIAS_ROWB",
+               "IS_CAUSAL", "HAS_SOFTCAP", "HAS_CACHE", "lk_bucket"]
+
+
+def _decode_configs():
+    # BLOCK_N varies: every value divides SPLIT_ALIGN, so split boundaries stay tile-aligned.
+    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
+            for n, w, s in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3),
+                            (32, 4, 4), (64, 8, 3))]
+
+
+def _prune_decode(configs, named_args, **kwargs):
+    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 128))
+    out = []
+    for c in configs:
+        n = c.kwargs["BLOCK_N"]
+        # K and V tiles per pipeline stage (2-byte elements); keep below ~160 KB of smem.
+        if c.num_stages * 2 * n * bd * 2 > 160 * 1024:
+            continue
+        out.append(c)
+    return out or configs[:1]
+
+
+_decode_split_tuned = triton.autotune(
+    configs=_decode_configs(), key=_DECODE_KEY,
+    prune_configs_by={"early_config_prune": _prune_decode},
+)(_decode_split_kernel)
+
+_sm_count_cache = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_count_cache:
+        _sm_count_cache[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_count_cache[idx]
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torch.device) -> int:
+    """Key splits per (batch, kv head).
+
+    On a GPU: enough programs for about four per SM (``B * Hkv`` alone rarely fills one wave
+    when decoding), but at least ``MIN_KEYS_PER_SPLIT`` keys each and at most ``MAX_SPLITS``.
+    The capacity ``Lk`` is used even with ``cache_seqlens`` (the used lengths live on the
+    device; splits past a batch's length exit at once). Under the CPU interpreter: a few
+    splits, so the combine step is always exercised.
+    """
+    if seqlen_k <= 0:
+        return 1
+    if device.type != "cuda":
+        return max(1, min(3, triton.cdiv(seqlen_k, 16)))
+    want = triton.cdiv(4 * _sm_count(device), max(1, batch * num_kv_heads))
+    cap = max(1, min(MAX_SPLITS, triton.cdiv(seqlen_k, MIN_KEYS_PER_SPLIT)))
+    return max(1, min(want, cap))
+
+
+def decode_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    softmax_scale: float,
+    is_causal: bool,
+    softcap: float,
+    cache_seqlens: Optional[torch.Tensor] = None,
+    num_splits: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV attention forward for few queries (``Lq * H / Hkv <= DECODE_MAX_ROWS``).
+
+    Args:
+        q: ``(B, Lq, H, D)``; k, v: ``(B, Lk, Hkv, D)`` (a KV cache of capacity ``Lk``).
+        mask / bias / softmax_scale / is_causal / softcap: as :func:`.forward.attention_forward`
+            (4-D broadcast views, any strides).
+        cache_seqlens: None or int32 ``(B,)``: keys ``j >= cache_seqlens[b]`` are invisible
+            and the causal diagonal is ``j <= i + cache_seqlens[b] - Lq``.
+        num_splits: key splits per (batch, kv head); default :func:`choose_num_splits`.
+
+    Returns ``out (B, Lq, H, D)`` in q's dtype and ``lse (B, H, Lq)`` fp32 (natural log, -inf
+    and zero output for rows with no visible key). Equivalent plain PyTorch, per split ``s``
+    of the keys and then merged::
+
+        o_s, lse_s = attention(q, k[:, keys_s], v[:, keys_s], ...)      # fp32 partials
+        lse = torch.logsumexp(torch.stack(lse_s), 0)
+        out = sum(torch.exp(lse_s - lse)[..., None] * o_s)               # 0 where lse = -inf
+    """
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    B, Lq, H, D = q.shape
+    Lk, Hkv = k.shape[1], k.shape[2]
+    G = H // Hkv
+    rows = G * Lq
+    if rows > DECODE_MAX_ROWS:
+        raise ValueError(f"decode_forward takes Lq * H / Hkv <= {DECODE_MAX_ROWS} rows, got {rows}")
+    device = q.device
+    out = alloc_output((B, Lq, H, D), q.dtype, device)
+    lse = alloc_output((B, H, Lq), torch.float32, device)
+    if B * H * Lq == 0 or Lk == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+
+    interp = interpret_mode()
+    if num_splits is None:
+        num_splits = choose_num_splits(B, Hkv, Lk, device)
+    align = 16 if interp else SPLIT_ALIGN
+    keys_per_split = triton.cdiv(triton.cdiv(Lk, max(1, num_splits)), align) * align
+    num_splits = triton.cdiv(Lk, keys_per_split)  # no split that starts past the capacity
+
+    split_rows = B * H * Lq
+    o_part = alloc_output((num_splits, split_rows, D), torch.float32, device)
+    l_part = alloc_output((num_splits, split_rows), torch.float32, device)
+
+    mask_arg = mask.view(torch.uint8) if mask is not None else q
+    ms = broadcast_strides(mask, H)
+    bias_arg = bias if bias is not None else q
+    bs = broadcast_strides(bias, H)
+
+    def row_invariant(t):
+        # Same value for every row of a (batch, kv head) tile: one query row (or Lq == 1), and
+        # the head dim is not per query head (or the group has one head).
+        return t is not None and (t.size(2) == 1 or Lq == 1) and (t.size(1) != H or G == 1)
+
+    has_softcap = softcap > 0.0
+    block_m = max(16, triton.next_power_of_2(rows))
+    cache_arg = cache_seqlens if cache_seqlens is not None else q
+    args = (
+        q, k, v, mask_arg, bias_arg, cache_arg, o_part, l_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        *ms, *bs,
+        B, H, G, Lq, Lk, keys_per_split,
+        softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
+        seqlen_bucket(Lk),
+    )
+    meta = dict(
+        HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_M=block_m,
+        HAS_MASK=mask is not None, MASK_ROWB=row_invariant(mask),
+        HAS_BIAS=bias is not None, BIAS_ROWB=row_invariant(bias),
+        IS_CAUSAL=bool(is_causal), HAS_SOFTCAP=has_softcap, HAS_CACHE=cache_seqlens is not None,
+        DOT_UPCAST=dot_upcast(q.dtype),
+    )
+    grid = (num_splits, B, Hkv)
+    if interp:
+        _decode_split_kernel[grid](*args, **meta, BLOCK_N=16, num_warps=4, num_stages=1)
+    else:
+        _decode_split_tuned[grid](*args, **meta)
+
+    _decode_combine_kernel[(split_rows,)](
+        o_part, l_part, out, lse,
+        num_splits, split_rows, H, Lq,
+        out.stride(0), out.stride(1), out.stride(2),
+        HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        num_warps=1 if head_block(D) <= 64 else 2,
+    )
+    return out, lse
