@@ -47,3 +47,19 @@ def naive_attention(q, k, v, mask=None, bias=None, scale=None, causal=False, sof
                       torch.logsumexp(safe, dim=-1))
     out = torch.einsum("bhij,bjhd->bihd", p, vv)
     return out, lse
+
+
+def assert_close(name, got, want, tol):
+    """Max-abs error of ``got`` within ``tol`` x the largest magnitude of ``want`` (at least 1),
+    with identical NaN-free inf patterns (fully masked rows give lse = -inf exactly)."""
+    assert got is not None, name
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    assert not torch.isnan(got).any(), f"{name} has NaN"
+    got, want = got.double(), want.double()
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite), f"{name}: inf pattern differs"
+    assert torch.equal(got[~finite], want[~finite]), f"{name}: inf values differ"
+    if finite.any():
+        scale = want[finite].abs().max().clamp_min(1.0)
+        err = (got[finite] - want[finite]).abs().max()
+        assert err <= tol * scale, f"{name}: max err {err.item():.3g} > {tol} * {scale.item():.3g}"

@@ -11,12 +11,13 @@ import os
 import pytest
 import torch
 
+
 from flash_dmattn import flash_dmattn_func, flex_dmattn_func, triton_dmattn_func
 from flash_dmattn.api import reference_dmattn_func
 from flash_dmattn import registry
 from flash_dmattn.inputs import AttentionInputs
 
-from naive import naive_attention
+from naive import assert_close, naive_attention
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 try:
@@ -54,19 +55,6 @@ def naive_kv(q, k, v, mask, bias, scale, causal, softcap, cs):
             m4 = m4.repeat_interleave(H // Hkv, dim=1)
         vis = vis & m4
     return naive_attention(q, k, v, vis, bias, scale, False, softcap)
-
-
-def assert_close(name, got, want, tol):
-    assert got.shape == want.shape, (name, got.shape, want.shape)
-    assert not torch.isnan(got).any(), f"{name} has NaN"
-    got, want = got.double(), want.double()
-    finite = torch.isfinite(want)
-    assert torch.equal(torch.isfinite(got), finite), f"{name}: inf pattern differs"
-    assert torch.equal(got[~finite], want[~finite]), f"{name}: inf values differ"
-    if finite.any():
-        scale = want[finite].abs().max().clamp_min(1.0)
-        err = (got[finite] - want[finite]).abs().max()
-        assert err <= tol * scale, f"{name}: max err {err.item():.3g} > {tol} * {scale.item():.3g}"
 
 
 def make(B, Lq, H, Hkv, Lk, D, dtype=torch.float32, seed=0):

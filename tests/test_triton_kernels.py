@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from naive import assert_close
+
 if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     # conftest.py turns the interpreter on for CPU-only machines; on a GPU machine the same
     # kernels are compiled and covered by tests/test_gpu.py at realistic sizes.
@@ -84,20 +86,6 @@ def make_tensor(shape, dtype, kind="randn"):
 def resolve(shape_spec, B, H, Hkv, Lq, Lk):
     names = {"B": B, "H": H, "K": Hkv, "Q": Lq, "L": Lk, "1": 1}
     return tuple(names[c] for c in shape_spec)
-
-
-def assert_close(name, got, want, tol):
-    assert got is not None, name
-    assert got.shape == want.shape, (name, got.shape, want.shape)
-    assert not torch.isnan(got).any(), f"{name} has NaN"
-    got = got.double()
-    finite = torch.isfinite(want)
-    assert torch.equal(torch.isfinite(got), finite), f"{name}: inf pattern differs"
-    assert torch.equal(got[~finite], want[~finite]), f"{name}: inf values differ"
-    if finite.any():
-        scale = want[finite].abs().max().clamp_min(1.0)
-        err = (got[finite] - want[finite]).abs().max()
-        assert err <= tol * scale, f"{name}: max err {err.item():.3g} > {tol} * {scale.item():.3g}"
 
 
 def run_case(B, H, Hkv, Lq, Lk, D, causal=False, mask=None, bias=None, softcap=0.0, dtype=torch.float32,

@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 
+from naive import assert_close
+
 if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("interpreter tests: run on a CPU-only machine", allow_module_level=True)
 
@@ -40,20 +42,6 @@ LENS_K = [4, 0, 20, 17, 1, 5]
 def _poison_outputs(monkeypatch):
     # Kernel-written outputs start as NaN: anything the kernels forget to write shows up.
     monkeypatch.setattr(fwd_mod, "DEBUG_POISON", True)
-
-
-def assert_close(name, got, want, tol):
-    assert got is not None, name
-    assert got.shape == want.shape, (name, got.shape, want.shape)
-    assert not torch.isnan(got).any(), f"{name} has NaN"
-    got = got.double()
-    finite = torch.isfinite(want)
-    assert torch.equal(torch.isfinite(got), finite), f"{name}: inf pattern differs"
-    assert torch.equal(got[~finite], want[~finite]), f"{name}: inf values differ"
-    if finite.any():
-        scale = want[finite].abs().max().clamp_min(1.0)
-        err = (got[finite] - want[finite]).abs().max()
-        assert err <= tol * scale, f"{name}: max err {err.item():.3g} > {tol} * {scale.item():.3g}"
 
 
 def aux_shape(spec, H, Hkv, total_k):

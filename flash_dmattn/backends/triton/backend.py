@@ -100,8 +100,8 @@ def triton_varlen_op():
     return _varlen_op
 
 
-def _varlen_kernel_reasons(inputs) -> List[str]:
-    """Why the kernels cannot run packed-sequence inputs (device, dtype, head dim, probs)."""
+def _kernel_reasons(inputs) -> List[str]:
+    """Why the kernels cannot run these inputs (dense or packed): device, dtype, head dim, probs."""
     reasons = []
     dev = inputs.device.type
     if dev != "cuda" and not (dev == "cpu" and _interpreting()):
@@ -137,19 +137,7 @@ class TritonBackend(Backend):
         return f"triton {triton.__version__}"
 
     def not_supported_reasons(self, inputs) -> List[str]:
-        reasons = []
-        dev = inputs.device.type
-        if dev != "cuda" and not (dev == "cpu" and _interpreting()):
-            reasons.append(f"tensors on {dev} (needs CUDA, or CPU with TRITON_INTERPRET=1)")
-        if dev == "cuda" and torch.cuda.get_device_capability(inputs.device) < (8, 0):
-            reasons.append("needs a GPU of compute capability >= 8.0")
-        allowed = (torch.float16, torch.bfloat16) + ((torch.float32,) if dev == "cpu" else ())
-        if inputs.dtype not in allowed:
-            reasons.append(f"dtype {inputs.dtype} is not supported (float16, bfloat16)")
-        if inputs.head_dim > MAX_HEAD_DIM:
-            reasons.append(f"head_dim {inputs.head_dim} > {MAX_HEAD_DIM}")
-        if inputs.return_attn_probs:
-            reasons.append("return_attn_probs is not supported (use torch-reference)")
+        reasons = _kernel_reasons(inputs)
         if inputs.cache_seqlens is not None:
             from .decode import cache_seqlens_reasons
 
@@ -158,7 +146,7 @@ class TritonBackend(Backend):
 
     def varlen_not_supported_reasons(self, inputs) -> List[str]:
         """Why the packed-sequence kernels cannot run ``inputs`` (a VarlenInputs)."""
-        return _varlen_kernel_reasons(inputs)
+        return _kernel_reasons(inputs)
 
     def varlen_attention(self, inputs):
         """Packed-sequence attention (SPEC §4) through the ``triton_varlen`` custom ops."""
