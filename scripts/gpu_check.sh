@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call: install, report the environment, run the whole test suite (GPU tests
 # included), the demo and (optionally) benchmarks. Logs go to $OUT (or ./gpu_out).
-#   bash scripts/gpu_check.sh [tests|demo|bench|testbench|all] [extra pytest args...]
-# env: BENCH_SUITE (default all), BENCH_BACKENDS (default: every available backend)
+#   bash scripts/gpu_check.sh [tests|demo|bench|testbench|profile|all] [extra pytest args...]
+# env: BENCH_SUITE (default all), BENCH_BACKENDS (default: every available backend),
+#      PROFILE_SUITE (default dynamic,dense), PROFILE_BACKENDS (default triton,flex)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -26,5 +27,10 @@ fi
 if [[ $what == bench || $what == testbench || $what == all ]] && [[ -f benchmarks/run.py ]]; then
   $PY -m benchmarks.run --suite "${BENCH_SUITE:-all}" ${BENCH_BACKENDS:+--backends "$BENCH_BACKENDS"} \
     --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
+fi
+if [[ $what == profile ]]; then
+  $PY -m benchmarks.profile --suite "${PROFILE_SUITE:-dynamic,dense}" \
+    --backends "${PROFILE_BACKENDS:-triton,flex}" --out "$OUT" > "$OUT/profile.log" 2>&1
+  tail -5 "$OUT/profile.log"
 fi
 exit $status
