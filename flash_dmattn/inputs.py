@@ -192,6 +192,53 @@ def _check_cache_seqlens(cache_seqlens, query: torch.Tensor, batch: int, seqlen_
     return cache_seqlens.to(torch.int32).contiguous()
 
 
+# Page sizes must be multiples of this: the decode kernel's key tiles are 16 wide, and the
+# FlashAttention paged-KV convention keeps pages a multiple of the tile size.
+PAGE_SIZE_MULTIPLE = 16
+
+
+def _check_block_table(block_table, query: torch.Tensor, key: torch.Tensor, batch: int):
+    """Validate a paged-KV ``block_table``; return it as int32 contiguous.
+
+    ``block_table (B, max_pages_per_seq)`` maps batch ``b``'s logical page ``p`` (keys
+    ``p*page_size .. (p+1)*page_size - 1``) to a physical page of the pools ``key``/``value``
+    ``(num_pages, page_size, Hkv, D)``. ``page_size`` must be a positive multiple of 16. Page
+    ids must lie in ``0..num_pages-1``; like ``cache_seqlens`` they are checked only for CPU
+    tensors (no device sync per decoding step); on CUDA the kernel clamps them (memory-safe,
+    result unspecified).
+    """
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(
+            f"block_table must be a torch.Tensor of shape (batch, max_pages_per_seq) or None, "
+            f"got {type(block_table).__name__}"
+        )
+    if block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_table must be int32 (or int64), got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(
+            f"block_table must have shape (batch, max_pages_per_seq) with batch={batch} (from "
+            f"query {tuple(query.shape)}), got {tuple(block_table.shape)}"
+        )
+    if block_table.device != query.device:
+        raise ValueError(f"block_table is on {block_table.device} but query is on {query.device}")
+    num_pages, page_size = key.shape[0], key.shape[1]
+    if page_size < PAGE_SIZE_MULTIPLE or page_size % PAGE_SIZE_MULTIPLE != 0:
+        raise ValueError(
+            f"with block_table, key/value are page pools (num_pages, page_size, num_kv_heads, "
+            f"head_dim) and page_size must be a positive multiple of {PAGE_SIZE_MULTIPLE}; got "
+            f"key {tuple(key.shape)} (page_size {page_size})"
+        )
+    if (block_table.device.type == "cpu" and block_table.numel()
+            and not torch.compiler.is_compiling()):
+        lo, hi = int(block_table.min()), int(block_table.max())
+        if lo < 0 or hi >= num_pages:
+            raise ValueError(
+                f"block_table page ids must lie in 0..{num_pages - 1} (key/value pools hold "
+                f"{num_pages} pages); got min {lo}, max {hi}"
+            )
+    return block_table.to(torch.int32).contiguous()
+
+
 @dataclass(frozen=True)
 class AttentionInputs:
     """A validated dense attention call.
@@ -204,6 +251,12 @@ class AttentionInputs:
     or an int32 contiguous ``(B,)`` tensor on the query's device: keys ``j >= cache_seqlens[b]``
     are invisible for batch ``b`` and causal alignment is bottom-right against that length
     (values in ``0..Lk``, checked on CPU only, see :func:`_check_cache_seqlens`).
+
+    Paged KV: with ``block_table`` (int32 contiguous ``(B, P)``, see
+    :func:`_check_block_table`) ``key``/``value`` are page pools ``(num_pages, page_size, Hkv,
+    D)`` and the logical key length is ``Lk = P * page_size``; use :attr:`seqlen_k`,
+    :attr:`num_kv_heads` and :attr:`page_size`, never ``key.shape[1]``, for the logical shape.
+    Logical key ``j`` of batch ``b`` is ``key[block_table[b, j // page_size], j % page_size]``.
     """
 
     query: torch.Tensor
@@ -217,6 +270,7 @@ class AttentionInputs:
     deterministic: bool
     return_attn_probs: bool
     cache_seqlens: Optional[torch.Tensor] = None
+    block_table: Optional[torch.Tensor] = None
 
     @staticmethod
     def from_args(
@@ -231,11 +285,20 @@ class AttentionInputs:
         deterministic=None,
         return_attn_probs=None,
         cache_seqlens=None,
+        block_table=None,
     ) -> "AttentionInputs":
-        _check_qkv(query, key, value, "4-D (batch, seqlen, heads, head_dim)")
+        paged = block_table is not None
+        layout = (
+            "4-D (num_pages, page_size, heads, head_dim) page pools with block_table"
+            if paged else "4-D (batch, seqlen, heads, head_dim)"
+        )
+        _check_qkv(query, key, value, layout)
         b, lq, h, d = query.shape
         bk, lk, hkv, dk = key.shape
-        if bk != b:
+        if paged:
+            block_table = _check_block_table(block_table, query, key, b)
+            lk = block_table.shape[1] * key.shape[1]  # logical length: pages per seq * page size
+        elif bk != b:
             raise ValueError(
                 f"batch size differs: query {tuple(query.shape)} vs key/value {tuple(key.shape)}"
             )
@@ -269,6 +332,7 @@ class AttentionInputs:
             deterministic=bool(deterministic),
             return_attn_probs=bool(return_attn_probs),
             cache_seqlens=cache_seqlens,
+            block_table=block_table,
         )
 
     # Shapes -------------------------------------------------------------------------------
@@ -282,7 +346,15 @@ class AttentionInputs:
 
     @property
     def seqlen_k(self) -> int:
+        """Logical key length: ``Lk``, or ``max_pages_per_seq * page_size`` when paged."""
+        if self.block_table is not None:
+            return self.block_table.shape[1] * self.key.shape[1]
         return self.key.shape[1]
+
+    @property
+    def page_size(self) -> Optional[int]:
+        """Keys per page of a paged KV cache (None when K/V are contiguous)."""
+        return self.key.shape[1] if self.block_table is not None else None
 
     @property
     def num_heads(self) -> int:
@@ -329,6 +401,11 @@ class AttentionInputs:
             parts.append(f"softcap={self.softcap}")
         if self.cache_seqlens is not None:
             parts.append("cache_seqlens")
+        if self.block_table is not None:
+            parts.append(
+                f"paged KV (block_table {tuple(self.block_table.shape)}, page_size "
+                f"{self.page_size}, logical Lk {self.seqlen_k})"
+            )
         return ", ".join(parts)
 
 
