@@ -140,6 +140,53 @@ class FlashDmattn(Impl):
             raise Declined(_short_decline(exc)) from None
 
 
+# Paged decode rows: the page size of vLLM-style caches, pages in a shuffled order.
+PAGED_PAGE_SIZE = 64
+
+
+class FlashDmattnPaged(FlashDmattn):
+    """``FlashDmattn`` on a paged KV cache (``block_table``): decode workloads, forward only.
+
+    :meth:`setup` copies the case's K/V into page pools of :data:`PAGED_PAGE_SIZE` keys whose
+    pages lie in a shuffled order (outside the timed region); each call then reads the pools
+    through the block table instead of the contiguous K/V it is handed (same values, so the
+    output is compared with the same reference).
+    """
+
+    def __init__(self, backend: str) -> None:
+        super().__init__(backend)
+        self.name = f"flash_dmattn[{backend}] paged{PAGED_PAGE_SIZE}"
+
+    def setup(self, case: Case, ctx: RunContext) -> None:
+        super().setup(case, ctx)
+        B, Lk, Hkv, D = case.k.shape
+        page = PAGED_PAGE_SIZE
+        pages = -(-Lk // page)
+        if pages * page != Lk:
+            raise Declined(f"Lk {Lk} is not a multiple of the page size {page}")
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        perm = torch.randperm(B * pages, generator=gen).to(case.device)
+        self.block_table = perm.view(B, pages).to(torch.int32)
+        self.k_pool = case.k.new_empty(B * pages, page, Hkv, D)
+        self.v_pool = case.v.new_empty(B * pages, page, Hkv, D)
+        self.k_pool[perm] = case.k.reshape(B * pages, page, Hkv, D)
+        self.v_pool[perm] = case.v.reshape(B * pages, page, Hkv, D)
+        self.notes.append(f"paged KV: {page}-key pages in shuffled order")
+
+    def backward_skip_reason(self, ctx: RunContext) -> Optional[str]:
+        return "paged KV runs forward only"
+
+    def __call__(self, q, k, v, mask, bias):
+        try:
+            return self.fn(
+                q, self.k_pool, self.v_pool, attn_mask=mask, attn_bias=bias,
+                is_causal=self.workload.causal, cache_seqlens=self.cache_seqlens,
+                block_table=self.block_table,
+            )
+        except ValueError as exc:
+            raise Declined(_short_decline(exc)) from None
+
+
 def _sdpa(q, k, v, causal: bool, attn_mask=None):
     """SDPA on heads-first tensors, with native GQA where torch has it."""
     heads, kv_heads = q.shape[1], k.shape[1]
@@ -366,6 +413,8 @@ class FlexDirect(Impl):
 def implementations(w: Workload, ctx: RunContext, backends: List[str]) -> List[Impl]:
     """The implementations to run on ``w``: the given flash_dmattn backends, then the baselines."""
     impls: List[Impl] = [FlashDmattn(b) for b in backends]
+    if w.suite == "decode" and "triton" in backends:
+        impls.append(FlashDmattnPaged("triton"))
     dense_suffix = (" (dense causal)" if w.causal else " (dense)") if w.has_mask_or_bias else ""
     if ctx.cuda:
         from torch.nn.attention import SDPBackend

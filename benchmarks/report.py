@@ -37,6 +37,9 @@ class Row:
     rel_err_note: str = "-"
     is_speedup_baseline: bool = False
     notes: List[str] = field(default_factory=list)
+    # varlen: on a backend's packed row, its time over its sequential / padded rows'
+    # ("packed/sequential fwd", "packed/padded fwd+bwd", ...).
+    ratios: Dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,6 +106,9 @@ def markdown(rows: List[Row], env: dict, suites: List[str]) -> str:
         cols = ["workload", "impl", "fwd ms", "fwd+bwd ms", "TFLOP/s fwd / fwd+bwd", "speedup fwd / fwd+bwd"]
         if decode:
             cols = ["workload", "impl", "fwd ms", "TFLOP/s", "TB/s", "speedup"]
+        varlen = suite == "varlen"
+        if varlen:
+            cols += ["packed/sequential fwd / fwd+bwd", "packed/padded fwd / fwd+bwd"]
         cols += ["peak extra MiB", "rel err", "notes"]
         out += [f"## {suite}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         previous = None
@@ -116,6 +122,9 @@ def markdown(rows: List[Row], env: dict, suites: List[str]) -> str:
                 cells = [label, r.impl, fmt_ms(r.fwd_ms), fmt_ms(r.fwd_bwd_ms),
                          _pair(r.tflops_fwd, r.tflops_fwd_bwd, "rate"),
                          _pair(r.speedup_fwd, r.speedup_fwd_bwd, "ratio", "×")]
+            if varlen:
+                cells += [_pair(r.ratios.get(f"packed/{o} fwd"), r.ratios.get(f"packed/{o} fwd+bwd"), "ratio", "×")
+                          for o in ("sequential", "padded")]
             cells += [_num(r.peak_extra_mib, ".0f"), _err(r), _cell("; ".join(r.notes))]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
@@ -131,6 +140,16 @@ def markdown(rows: List[Row], env: dict, suites: List[str]) -> str:
         "BlockMask is built outside the timed region; the materialised SDPA mask inside it.",
         "",
     ]
+    if "varlen" in suites:
+        out += [
+            "varlen: FLOPs count the real tokens only (Σ over sequences of 4·H·L²·D, halved when "
+            "causal), also for the padded rows; the speedup reference is cuDNN SDPA on the padded "
+            "batch (is_causal only). packed/sequential and packed/padded = a backend's packed time / "
+            "its own sequential (one dense call per sequence) or padded time; the target is "
+            "fwd+bwd ≤ 1.1× sequential and < 1× padded. rel err is on the real tokens, against the "
+            "torch-reference varlen path in float32 on the packed inputs.",
+            "",
+        ]
     return "\n".join(out)
 
 
@@ -165,7 +184,10 @@ def plot(path: Path, rows: List[Row], suites: List[str]) -> Optional[str]:
         _plot_label(r.impl) for _, suite_rows, metrics in grid for r in suite_rows
         if any(getattr(r, m) for m, _ in metrics)
     ))
-    colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    # More than 10 implementations (all suites, or varlen's packed/sequential/padded rows):
+    # tab20, so that no two share a colour.
+    palette = plt.get_cmap("tab20") if len(labels) > 10 else None
+    colours = {label: palette(i % 20) if palette else f"C{i}" for i, label in enumerate(labels)}
     fig, axes = plt.subplots(len(grid), 2, figsize=(16, 3.8 * len(grid) + 0.8), squeeze=False)
     for (suite, suite_rows, metrics), ax_row in zip(grid, axes):
         for ax, (metric, label) in zip(ax_row, metrics):

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m benchmarks.run [--suite dense,dynamic,block_sparse,upstream,decode | all]
+    python -m benchmarks.run [--suite dense,dynamic,block_sparse,upstream,decode,varlen | all]
                              [--quick] [--out benchmarks/results] [--backends flex,...] [--no-bwd]
 
 Writes ``<out>/<device-slug>/<tag>.json``, ``.md`` and ``.png`` (``<device-slug>`` is the GPU
@@ -273,6 +273,10 @@ def _fill_speedups(rows: List[Row]) -> None:
 
 def run_workload(w: Workload, ctx: RunContext, backends: List[str]) -> List[Row]:
     """Every implementation on one workload; failures become rows, never exceptions."""
+    if w.suite == "varlen":  # packed inputs, its own rows (benchmarks/varlen.py)
+        from .varlen import run_varlen_workload
+
+        return run_varlen_workload(w, ctx, backends)
     print(f"== {w.name}", flush=True)
     try:
         case = build_case(w, ctx.device, ctx.dtype)

@@ -13,7 +13,7 @@ import torch
 
 from flash_dmattn.utils.mask import create_mask
 
-SUITES = ("dense", "dynamic", "block_sparse", "upstream", "decode")
+SUITES = ("dense", "dynamic", "block_sparse", "upstream", "decode", "varlen")
 
 
 @dataclass(frozen=True)
@@ -217,6 +217,11 @@ def workloads_for(suite: str, quick: bool) -> List[Workload]:
                          forward_only=True, cache_fill=0.5)
             )
         return out
+    if suite == "varlen":
+        # Packed sequences vs padded / one by one: its own workload type and runner (varlen.py).
+        from .varlen import varlen_workloads
+
+        return varlen_workloads(quick)
     raise ValueError(f"unknown suite {suite!r}; expected one of {', '.join(SUITES)}")
 
 

@@ -20,6 +20,7 @@ def flash_dmattn_func(
     deterministic=None,
     return_attn_probs=None,
     cache_seqlens=None,
+    block_table=None,
 ):
     """Attention with a boolean mask and an additive bias, on the best backend for the inputs.
 
@@ -42,6 +43,14 @@ def flash_dmattn_func(
             against the used length: query i sees key j iff ``j <= i + cache_seqlens[b] - Lq``.
             Values must be in ``0..Lk`` (checked for CPU tensors only: checking CUDA values
             would sync the device every decoding step).
+        block_table: paged KV cache (like ``flash_attn_with_kvcache``): int32/int64
+            ``(B, max_pages_per_seq)``. key/value are then page pools ``(num_pages,
+            page_size, Hkv, D)`` (page_size a multiple of 16) and batch ``b``'s logical key
+            ``j`` is ``key[block_table[b, j // page_size], j % page_size]``; the logical key
+            length is ``Lk = max_pages_per_seq * page_size`` (mask, bias and ``cache_seqlens``
+            refer to it). Page ids must be in ``0..num_pages-1`` (checked for CPU tensors
+            only). Supported by triton (forward, few query rows: the decode kernel) and
+            torch-reference (also gradients w.r.t. the pools); not by flex.
 
     Returns ``(B, Lq, H, D)`` in the query's dtype (or ``(out, lse, probs)``). Rows with no
     visible key give 0 (lse = -inf). Equivalent plain PyTorch::
@@ -59,10 +68,15 @@ def flash_dmattn_func(
 
         used = j < n                                        # (B, 1, 1, Lk)
         visible = attn_mask & used & ((j <= i + n - Lq) if is_causal else True)
+
+    With ``block_table`` (``P = block_table.shape[1]``, ``S = key.shape[1]``), first gather
+    the pages into contiguous K/V, then proceed as above::
+
+        k = key[block_table.long()].reshape(B, P * S, Hkv, D)   # same for v
     """
     inputs = AttentionInputs.from_args(
         query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
-        deterministic, return_attn_probs, cache_seqlens,
+        deterministic, return_attn_probs, cache_seqlens, block_table,
     )
     return registry.select_backend(inputs).attention(inputs)
 
@@ -121,10 +135,11 @@ def _fixed_backend_func(name: str) -> Callable:
         deterministic=None,
         return_attn_probs=None,
         cache_seqlens=None,
+        block_table=None,
     ):
         inputs = AttentionInputs.from_args(
             query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
-            deterministic, return_attn_probs, cache_seqlens,
+            deterministic, return_attn_probs, cache_seqlens, block_table,
         )
         backend = registry.check_explicit(registry.get_backend(name), inputs)
         return backend.attention(inputs)

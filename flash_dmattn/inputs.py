@@ -362,6 +362,7 @@ class AttentionInputs:
 
     @property
     def num_kv_heads(self) -> int:
+        # Dim 2 in both layouts: (B, Lk, Hkv, D) and paged pools (num_pages, page_size, Hkv, D).
         return self.key.shape[2]
 
     @property

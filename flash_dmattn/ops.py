@@ -12,7 +12,10 @@ An implementation supplies two plain functions:
   needs) -> (dq, dk, dv, dbias)`` with ``None`` for gradients ``needs`` did not ask for.
 
 Both also receive ``cache_seqlens=<(B,) int32 tensor>`` as a keyword, but only on calls that
-have one (KV-cache decoding), so implementations that never get it need not accept it.
+have one (KV-cache decoding), so implementations that never get it need not accept it. The
+forward likewise receives ``block_table=<(B, P) int32 tensor>`` only on paged-KV calls (k and v
+are then page pools); there is no backward for those: a backend that takes paged KV with
+gradients must differentiate outside the op (the reference gathers the pages first).
 """
 from __future__ import annotations
 
@@ -55,14 +58,18 @@ class AttentionOp:
             softcap: float,
             deterministic: bool,
             cache_seqlens: Optional[Tensor] = None,
+            block_table: Optional[Tensor] = None,
         ) -> Tuple[Tensor, Tensor]:
             extra = {} if cache_seqlens is None else {"cache_seqlens": cache_seqlens}
+            if block_table is not None:
+                extra["block_table"] = block_table
             out, lse = forward(q, k, v, mask, bias, scale, is_causal, softcap, **extra)
             # the fake promises contiguous outputs; .contiguous() is free when already so
             return out.contiguous(), lse.contiguous()
 
         @fwd_op.register_fake
-        def _(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, cache_seqlens=None):
+        def _(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, cache_seqlens=None,
+              block_table=None):
             B, Lq, H, _ = q.shape
             out = q.new_empty(B, Lq, H, v.shape[-1])
             return out, q.new_empty(B, H, Lq, dtype=lse_dtype(q.dtype))
@@ -104,13 +111,21 @@ class AttentionOp:
             )
 
         def setup_context(ctx, inputs, output):
-            q, k, v, mask, bias, scale, is_causal, softcap, deterministic, cache_seqlens = inputs
+            (q, k, v, mask, bias, scale, is_causal, softcap, deterministic, cache_seqlens,
+             block_table) = inputs
             out, lse = output
+            ctx.paged = block_table is not None
             ctx.save_for_backward(q, k, v, mask, bias, out, lse, cache_seqlens)
             ctx.config = (scale, is_causal, softcap, deterministic)
             ctx.has_bias = bias is not None
 
         def backward_formula(ctx, dout, _dlse):
+            if ctx.paged:
+                # Backends decline gradients with paged KV (see the module docstring).
+                raise RuntimeError(
+                    f"flash_dmattn::{name}: no backward for paged KV (block_table); use the "
+                    f"torch-reference backend for gradients"
+                )
             q, k, v, mask, bias, out, lse, cache_seqlens = ctx.saved_tensors
             needs = [
                 ctx.needs_input_grad[0],
@@ -122,21 +137,24 @@ class AttentionOp:
                 dout.contiguous(), q, k, v, mask, bias, out, lse, *ctx.config, needs, cache_seqlens
             )
             dq, dk, dv, dbias = (g if n else None for g, n in zip(grads, needs))
-            return dq, dk, dv, None, dbias, None, None, None, None, None
+            return dq, dk, dv, None, dbias, None, None, None, None, None, None
 
         fwd_op.register_autograd(backward_formula, setup_context=setup_context)
         self._fwd = fwd_op
 
     def __call__(
-        self, q, k, v, mask, bias, scale, is_causal, softcap, deterministic=False, cache_seqlens=None
+        self, q, k, v, mask, bias, scale, is_causal, softcap, deterministic=False, cache_seqlens=None,
+        block_table=None,
     ):
         """``(out, lse)``; differentiable in q, k, v and bias. lse is returned as float32.
 
         ``cache_seqlens``: optional int32 ``(B,)`` used KV-cache lengths (KV-cache decoding).
+        ``block_table``: optional int32 ``(B, P)`` page ids; k/v are then page pools
+        (forward only).
         """
         out, lse = self._fwd(
             q, k, v, mask, bias, float(scale), bool(is_causal), float(softcap), bool(deterministic),
-            cache_seqlens,
+            cache_seqlens, block_table,
         )
         return out, lse.to(torch.float32)
 

@@ -47,3 +47,66 @@ def test_quick_benchmark_writes_reports(tmp_path):
     assert "torch-reference" in md and "sdpa" in md
     assert "## dense" in md and "## dynamic" in md
     assert "| workload | impl |" in res.stdout  # the table is printed at the end
+
+
+def test_quick_varlen_benchmark(tmp_path):
+    # The varlen suite (packed vs sequential vs padded) on CPU, every available backend.
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    for name in ("FLASH_DMATTN_BACKEND", "FLASH_DMATTN_DISABLE", "TRITON_INTERPRET"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--suite", "varlen", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
+
+    out_dir = tmp_path / "cpu"
+    doc = json.loads((out_dir / "quick-varlen.json").read_text())
+    rows = doc["rows"]
+    assert {r["suite"] for r in rows} == {"varlen"}
+    errors = [(r["workload"], r["impl"], r["notes"]) for r in rows if r["status"] == "error"]
+    assert not errors, errors
+    assert len({r["workload"] for r in rows}) == 2  # without and with the per-key mask + bias
+
+    by_impl = {}
+    for r in rows:
+        by_impl.setdefault(r["impl"], []).append(r)
+    for mode in ("packed", "sequential", "padded"):
+        mine = by_impl[f"flash_dmattn[torch-reference] {mode}"]
+        assert len(mine) == 2
+        for r in mine:
+            assert r["status"] == "ok" and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0, r
+            # out, dq, dk, dv (and dbias on the masked workload) against the float32 oracle
+            assert r["rel_err"] is not None and r["rel_err"] < 1e-4, r
+            assert {"out", "dq", "dk", "dv"} <= set(r["rel_err_detail"])
+    masked = [r for r in by_impl["flash_dmattn[torch-reference] padded"] if "mask+bias" in r["workload"]]
+    assert masked and "dbias" in masked[0]["rel_err_detail"]
+    for r in by_impl["flash_dmattn[torch-reference] packed"]:
+        assert set(r["ratios"]) == {f"packed/{o} {p}" for o in ("sequential", "padded") for p in ("fwd", "fwd+bwd")}
+        assert any(n.startswith("target (") for n in r["notes"])
+    # A backend without a varlen path says so (and its sequential row is skipped, not run).
+    for r in by_impl.get("flash_dmattn[flex] packed", []):
+        assert r["status"] == "declined" and "varlen" in r["notes"][0], r
+    for r in by_impl.get("flash_dmattn[flex] sequential", []):
+        assert r["status"] == "skipped", r
+    sdpa = [r for r in rows if r["impl"].startswith("sdpa padded")]
+    assert sdpa and any(r["is_speedup_baseline"] and r["speedup_fwd"] == 1.0 for r in sdpa)
+    # No mask: SDPA on the padded batch computes the workload (compared on the real tokens).
+    assert all(r["rel_err"] < 1e-4 for r in sdpa if "mask+bias" not in r["workload"])
+
+    md = (out_dir / "quick-varlen.md").read_text()
+    assert "## varlen" in md and "packed/sequential" in md and "flash_dmattn[torch-reference] packed" in md
+
+
+def test_profile_tables(tmp_path):
+    """benchmarks.profile prints and writes a per-op table for each (workload, backend) pair."""
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "benchmarks.profile", "--quick", "--suite", "dynamic",
+           "--backends", "torch-reference", "--rows", "5", "--iters", "1", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
+    text = (tmp_path / "profile-dynamic.txt").read_text()
+    assert "| torch-reference | fwd+bwd" in text
+    assert "flash_dmattn::reference_fwd" in text or "aten::" in text
+    assert "not run" not in text

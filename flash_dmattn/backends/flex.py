@@ -211,6 +211,11 @@ class FlexBackend(Backend):
 
     def not_supported_reasons(self, inputs) -> List[str]:
         reasons = []
+        if inputs.block_table is not None:
+            # FlexAttention reads K/V as (B, Hkv, Lk, D) tensors; pages would need a gather.
+            reasons.append(
+                "paged KV (block_table) is not supported by flex; use triton or torch-reference"
+            )
         dev = inputs.device.type
         if dev not in ("cuda", "cpu"):
             reasons.append(f"device type {dev!r} is not supported (cuda, cpu)")

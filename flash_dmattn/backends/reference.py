@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference import reference_attention, reference_probs, reference_varlen_attention
+from ..reference import gather_kv_pages, reference_attention, reference_probs, reference_varlen_attention
 from .base import Backend
 
 
@@ -23,13 +23,19 @@ class ReferenceBackend(Backend):
         return []
 
     def attention(self, inputs):
-        args = (inputs.query, inputs.key, inputs.value, inputs.attn_mask, inputs.attn_bias)
+        key, value = inputs.key, inputs.value
+        if inputs.block_table is not None:
+            # Paged KV: gather the pages into contiguous (B, Lk, Hkv, D) K/V (autograd
+            # scatter-adds the gradients back into the pools), then the ordinary path.
+            key = gather_kv_pages(key, inputs.block_table)
+            value = gather_kv_pages(value, inputs.block_table)
+        args = (inputs.query, key, value, inputs.attn_mask, inputs.attn_bias)
         cfg = (inputs.softmax_scale, inputs.is_causal, inputs.softcap)
         out, lse = reference_attention(*args, *cfg, cache_seqlens=inputs.cache_seqlens)
         if not inputs.return_attn_probs:
             return out
         probs = reference_probs(
-            inputs.query, inputs.key, inputs.attn_mask, inputs.attn_bias, *cfg,
+            inputs.query, key, inputs.attn_mask, inputs.attn_bias, *cfg,
             cache_seqlens=inputs.cache_seqlens,
         )
         return out, lse, probs

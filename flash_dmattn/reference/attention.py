@@ -257,6 +257,21 @@ def reference_attention(
     )
 
 
+def gather_kv_pages(pool: Tensor, block_table: Tensor) -> Tensor:
+    """Contiguous ``(B, P * page_size, Hkv, D)`` keys (or values) from a paged-KV pool.
+
+    ``pool (num_pages, page_size, Hkv, D)``, ``block_table`` int ``(B, P)`` of physical page ids.
+    Differentiable: the gradient w.r.t. ``pool`` is scatter-added back through the page ids
+    (``index_select``'s backward), so a page listed twice receives both contributions. Memory is
+    O(B * Lk * Hkv * D), acceptable for the oracle. Equivalent plain PyTorch::
+
+        pool[block_table.long()].reshape(B, P * page_size, Hkv, D)
+    """
+    batch, pages = block_table.shape
+    flat = pool.index_select(0, block_table.reshape(-1).to(torch.int64))
+    return flat.view(batch, pages * pool.shape[1], *pool.shape[2:])
+
+
 def reference_probs(
     query, key, attn_mask, attn_bias, softmax_scale, is_causal, softcap, cache_seqlens=None
 ) -> Tensor:

@@ -27,8 +27,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None):
+def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None, block_table=None):
     from .decode import decode_forward, use_decode_kernel
+
+    if block_table is not None:
+        # Paged KV: only the decode kernel reads pages (block_table_reasons declines the rest).
+        return decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
+                              block_table=block_table)
 
     # Few query rows per kv head (decoding): the split-KV kernel reads K/V once per group.
     # It is also the only forward that honours cache_seqlens (not_supported_reasons declines
@@ -142,6 +147,10 @@ class TritonBackend(Backend):
             from .decode import cache_seqlens_reasons
 
             reasons.extend(cache_seqlens_reasons(inputs))
+        if inputs.block_table is not None:
+            from .decode import block_table_reasons
+
+            reasons.extend(block_table_reasons(inputs))
         return reasons
 
     def varlen_not_supported_reasons(self, inputs) -> List[str]:
@@ -171,6 +180,6 @@ class TritonBackend(Backend):
         out, _ = triton_op()(
             inputs.query, inputs.key, inputs.value, inputs.attn_mask, inputs.attn_bias,
             inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
-            cache_seqlens=inputs.cache_seqlens,
+            cache_seqlens=inputs.cache_seqlens, block_table=inputs.block_table,
         )
         return out

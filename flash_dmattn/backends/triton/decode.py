@@ -17,6 +17,14 @@ Mask and bias are read through their strides in any broadcast shape of SPEC §3.
 gives a per-batch used length: keys past it are never loaded, and the causal diagonal is
 aligned with it. Forward only: the backward of a decode call is the main backward kernels'
 (they need only ``out`` and ``lse``), see :func:`fold_cache_seqlens`.
+
+Paged KV (``block_table``, like ``flash_attn_with_kvcache``): K/V are page pools ``(num_pages,
+page_size, Hkv, D)`` and logical key ``j`` of batch ``b`` lives in physical page
+``block_table[b, j // page_size]``, slot ``j % page_size``. Each key tile computes its K/V
+addresses per key (one page-id load per key, from a small cached table), so a tile may span
+pages and the tile size stays independent of the page size. Only this kernel reads pages: the
+backend declines paged calls that need gradients or more rows than it takes
+(:func:`block_table_reasons`).
 """
 from __future__ import annotations
 
@@ -51,6 +59,9 @@ MAX_SPLITS = 128
 MIN_KEYS_PER_SPLIT = 256
 # Split boundaries are multiples of this, so every autotuned BLOCK_N tiles a split exactly.
 SPLIT_ALIGN = 128
+# Key tile under the CPU interpreter (small, so tiny test shapes have several tiles; tests raise
+# it to make tiles span several 16-key pages).
+INTERPRET_BLOCK_N = 16
 
 
 def decode_rows(seqlen_q: int, num_heads: int, num_kv_heads: int) -> int:
@@ -115,6 +126,30 @@ def cache_seqlens_reasons(inputs) -> List[str]:
     return []
 
 
+def block_table_reasons(inputs) -> List[str]:
+    """Why the triton backend cannot run these inputs' paged KV (``block_table``; empty: it can).
+
+    Only the decode kernel reads pages, and only forwards: the main forward and backward
+    kernels take contiguous ``(B, Lk, Hkv, D)`` K/V.
+    """
+    if inputs.block_table is None:
+        return []
+    reasons = []
+    rows = decode_rows(inputs.seqlen_q, inputs.num_heads, inputs.num_kv_heads)
+    if rows > DECODE_MAX_ROWS:
+        reasons.append(
+            f"paged KV (block_table) needs the decode kernel, which takes Lq * (H / Hkv) <= "
+            f"{DECODE_MAX_ROWS} rows; got {inputs.seqlen_q} * {inputs.group_size} = {rows} "
+            f"(use torch-reference)"
+        )
+    if inputs.needs_grad:
+        reasons.append(
+            "paged KV (block_table) is forward-only in triton (the backward kernels need "
+            "contiguous K/V); use torch-reference for gradients, or run under torch.no_grad()"
+        )
+    return reasons
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -149,10 +184,25 @@ def fold_cache_seqlens(mask: Optional[torch.Tensor], cache_seqlens: torch.Tensor
 @triton.jit
 def _decode_tile(q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok, row_ok,
                  offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
+                 bt_base, num_pages, stride_kp, stride_vp,
                  HAS_BIAS: tl.constexpr, BIAS_ROWB: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 DOT_UPCAST: tl.constexpr):
-    """One key tile of the online softmax (log2 domain); returns the updated acc, m, l."""
-    kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None],
+                 DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """One key tile of the online softmax (log2 domain); returns the updated acc, m, l.
+
+    ``PAGE_SIZE > 0``: paged K/V; each key's page comes from the block table (loaded only for
+    keys in range, so unused table entries past the used length are never read).
+    """
+    if PAGE_SIZE > 0:
+        page = tl.load(bt_base + offs_n // PAGE_SIZE, mask=n_ok, other=0)
+        # Clamped: page ids are not checked on the GPU (that would sync); memory stays safe.
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+        slot = (offs_n % PAGE_SIZE).to(tl.int64)
+        k_off = page * stride_kp + slot * stride_kn
+        v_off = page * stride_vp + slot * stride_vn
+    else:
+        k_off = offs_n * stride_kn
+        v_off = offs_n * stride_vn
+    kt = tl.load(k_base + k_off[None, :] + offs_d[:, None],
                  mask=n_ok[None, :] & d_ok[:, None], other=0.0)
     s = _dot(q, kt, DOT_UPCAST)
     if HAS_SOFTCAP:
@@ -174,7 +224,7 @@ def _decode_tile(q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok,
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
+    v = tl.load(v_base + v_off[:, None] + offs_d[None, :],
                 mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_UPCAST)
     return acc, m_new, l_i
@@ -182,7 +232,7 @@ def _decode_tile(q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok,
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, Mask, Bias, CacheSeqlens, OPart, LPart,
+    Q, K, V, Mask, Bias, CacheSeqlens, BlockTable, OPart, LPart,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -190,13 +240,14 @@ def _decode_split_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn, bias_hdiv,
     batch, num_heads, group, seqlen_q, seqlen_k, keys_per_split,
     qk_scale, cap_scale, softcap,
+    stride_btb, num_pages,
     lk_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWB: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CACHE: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     # One program: key split pid_s of (batch b, kv head hk), for every query head of the group
     # and every query. Row r of the tile is query head hk*group + r // seqlen_q, query
@@ -227,8 +278,15 @@ def _decode_split_kernel(
     q_ptrs = (Q + b64 * stride_qb + qi[:, None].to(tl.int64) * stride_qm
               + h[:, None].to(tl.int64) * stride_qh + offs_d[None, :])
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    if PAGE_SIZE > 0:
+        # Paged: stride_kb / stride_vb are the pools' page strides, applied per key tile.
+        k_base = K + hk.to(tl.int64) * stride_kh
+        v_base = V + hk.to(tl.int64) * stride_vh
+        bt_base = BlockTable + b64 * stride_btb
+    else:
+        k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+        v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+        bt_base = BlockTable
     h0 = hk * group
     if MASK_ROWB:
         mask_base = Mask + b64 * stride_mb + (h0 // mask_hdiv).to(tl.int64) * stride_mh
@@ -266,12 +324,14 @@ def _decode_split_kernel(
                 acc, m_i, l_i = _decode_tile(
                     q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok, row_ok,
                     offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
-                    HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST)
+                    bt_base, num_pages, stride_kb, stride_vb,
+                    HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST, PAGE_SIZE)
         else:
             acc, m_i, l_i = _decode_tile(
                 q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok, row_ok,
                 offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
-                HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST)
+                bt_base, num_pages, stride_kb, stride_vb,
+                HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST, PAGE_SIZE)
 
     has_any = l_i > 0.0
     l_use = tl.where(has_any, l_i, 1.0)
@@ -326,7 +386,7 @@ def _decode_combine_kernel(
 # ------------------------------------------------------------------------------------------
 
 _DECODE_KEY = ["HEAD_DIM", "BLOCK_M", "HAS_MASK", "MASK_ROWB", "HAS_BIAS", "BIAS_ROWB",
-               "IS_CAUSAL", "HAS_SOFTCAP", "HAS_CACHE", "lk_bucket"]
+               "IS_CAUSAL", "HAS_SOFTCAP", "HAS_CACHE", "PAGE_SIZE", "lk_bucket"]
 
 
 def _decode_configs():
@@ -392,6 +452,7 @@ def decode_forward(
     softcap: float,
     cache_seqlens: Optional[torch.Tensor] = None,
     num_splits: Optional[int] = None,
+    block_table: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Split-KV attention forward for few queries (``Lq * H / Hkv <= DECODE_MAX_ROWS``).
 
@@ -402,6 +463,10 @@ def decode_forward(
         cache_seqlens: None or int32 ``(B,)``: keys ``j >= cache_seqlens[b]`` are invisible
             and the causal diagonal is ``j <= i + cache_seqlens[b] - Lq``.
         num_splits: key splits per (batch, kv head); default :func:`choose_num_splits`.
+        block_table: None, or int ``(B, P)`` page ids for paged KV: k, v are then pools
+            ``(num_pages, page_size, Hkv, D)`` (page_size a multiple of 16, any strides with a
+            contiguous last dim) and the logical key length is ``Lk = P * page_size``. Equivalent
+            to calling with ``k = k[block_table.long()].flatten(1, 2)`` (likewise v).
 
     Returns ``out (B, Lq, H, D)`` in q's dtype and ``lse (B, H, Lq)`` fp32 (natural log, -inf
     and zero output for rows with no visible key). Equivalent plain PyTorch, per split ``s``
@@ -413,7 +478,20 @@ def decode_forward(
     """
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     B, Lq, H, D = q.shape
-    Lk, Hkv = k.shape[1], k.shape[2]
+    Hkv = k.shape[2]
+    if block_table is not None:
+        page_size, num_pages = k.shape[1], k.shape[0]
+        if page_size % 16 != 0 or page_size == 0 or block_table.shape[0] != B:
+            raise ValueError(
+                f"paged decode needs pools (num_pages, page_size % 16 == 0, Hkv, D) and a "
+                f"(B={B}, P) block_table; got k {tuple(k.shape)}, block_table "
+                f"{tuple(block_table.shape)}"
+            )
+        block_table = block_table.to(torch.int32).contiguous()
+        Lk = block_table.shape[1] * page_size  # logical key length
+    else:
+        page_size, num_pages = 0, 1
+        Lk = k.shape[1]
     G = H // Hkv
     rows = G * Lq
     if rows > DECODE_MAX_ROWS:
@@ -450,14 +528,16 @@ def decode_forward(
     has_softcap = softcap > 0.0
     block_m = max(16, triton.next_power_of_2(rows))
     cache_arg = cache_seqlens if cache_seqlens is not None else q
+    table_arg = block_table if block_table is not None else q
     args = (
-        q, k, v, mask_arg, bias_arg, cache_arg, o_part, l_part,
+        q, k, v, mask_arg, bias_arg, cache_arg, table_arg, o_part, l_part,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         *ms, *bs,
         B, H, G, Lq, Lk, keys_per_split,
         softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
+        block_table.stride(0) if block_table is not None else 0, num_pages,
         seqlen_bucket(Lk),
     )
     meta = dict(
@@ -465,11 +545,12 @@ def decode_forward(
         HAS_MASK=mask is not None, MASK_ROWB=row_invariant(mask),
         HAS_BIAS=bias is not None, BIAS_ROWB=row_invariant(bias),
         IS_CAUSAL=bool(is_causal), HAS_SOFTCAP=has_softcap, HAS_CACHE=cache_seqlens is not None,
-        DOT_UPCAST=dot_upcast(q.dtype),
+        DOT_UPCAST=dot_upcast(q.dtype), PAGE_SIZE=page_size,
     )
     grid = (num_splits, B, Hkv)
     if interp:
-        _decode_split_kernel[grid](*args, **meta, BLOCK_N=16, num_warps=4, num_stages=1)
+        _decode_split_kernel[grid](*args, **meta, BLOCK_N=INTERPRET_BLOCK_N, num_warps=4,
+                                   num_stages=1)
     else:
         _decode_split_tuned[grid](*args, **meta)
 
