@@ -168,8 +168,9 @@ def _run_phase(row: Row, phase: str, body) -> str:
         return ERROR
 
 
-def run_impl(case: Case, impl: Impl, ctx: RunContext, ref: Optional[Dict[str, torch.Tensor]], ref_note: str) -> Row:
-    """Time ``impl`` on ``case`` (forward, then forward+backward) and check it against ``ref``."""
+def start_row(case, impl, ctx: RunContext, have_ref: bool, ref_note: str) -> Tuple[Row, bool]:
+    """``impl``'s row for ``case`` after ``impl.setup``; ``ready`` is False when the setup
+    skipped, declined or failed (the row then says so and is final)."""
     w = case.workload
     row = Row(
         suite=w.suite, workload=w.name, short=w.short, impl=impl.name, kind=impl.kind,
@@ -180,20 +181,29 @@ def run_impl(case: Case, impl: Impl, ctx: RunContext, ref: Optional[Dict[str, to
     except Skipped as exc:
         row.status, row.rel_err_note = SKIPPED, "-"
         row.notes.append(f"skipped: {exc}")
-        return row
+        return row, False
     except Declined as exc:
         row.status = DECLINED
         row.notes.append(f"declined: {exc}")
-        return row
+        return row, False
     except Exception as exc:  # noqa: BLE001
         row.status = ERROR
         row.notes.append(f"error in setup: {_describe(exc)}")
-        return row
+        return row, False
     row.notes.extend(impl.notes)
     if not impl.computes_workload:
         row.rel_err_note = "n/a"
-    elif ref is None:
+    elif not have_ref:
         row.rel_err_note = ref_note
+    return row, True
+
+
+def run_impl(case: Case, impl: Impl, ctx: RunContext, ref: Optional[Dict[str, torch.Tensor]], ref_note: str) -> Row:
+    """Time ``impl`` on ``case`` (forward, then forward+backward) and check it against ``ref``."""
+    w = case.workload
+    row, ready = start_row(case, impl, ctx, ref is not None, ref_note)
+    if not ready:
+        return row
     check = ref is not None and impl.computes_workload
     backward = ctx.backward and not w.forward_only
     device = case.device

@@ -551,30 +551,12 @@ def reference_outputs(case: VarlenCase, backward: bool) -> Dict[str, torch.Tenso
 
 
 def _run_impl(case: VarlenCase, impl: VarlenImpl, ctx: RunContext, ref, ref_note: str) -> Row:
-    from .run import CPU_REPEATS, _compare, _describe, _first_call, _free, _run_phase
+    from .run import CPU_REPEATS, _compare, _first_call, _free, _run_phase, start_row
 
     w = case.workload
-    row = Row(suite=w.suite, workload=w.name, short=w.short, impl=impl.name, kind=impl.kind,
-              shape=w.to_dict(), is_speedup_baseline=impl.speedup_baseline)
-    try:
-        impl.setup(case, ctx)
-    except Skipped as exc:
-        row.status, row.rel_err_note = SKIPPED, "-"
-        row.notes.append(f"skipped: {exc}")
+    row, ready = start_row(case, impl, ctx, ref is not None, ref_note)
+    if not ready:
         return row
-    except Declined as exc:
-        row.status = DECLINED
-        row.notes.append(f"declined: {exc}")
-        return row
-    except Exception as exc:  # noqa: BLE001
-        row.status = ERROR
-        row.notes.append(f"error in setup: {_describe(exc)}")
-        return row
-    row.notes.extend(impl.notes)
-    if not impl.computes_workload:
-        row.rel_err_note = "n/a"
-    elif ref is None:
-        row.rel_err_note = ref_note
     check = ref is not None and impl.computes_workload
     backward = ctx.backward
     device = case.device

@@ -124,7 +124,7 @@ def plan_key_gather(
     if policy == "auto" and seqlen_k < 4 * block_n:
         return None
     device = mask.device
-    bx, hx = mask.shape[0], mask.shape[1]
+    hx = mask.shape[1]
     n_q = cdiv(seqlen_q, block_m)
 
     union = block_reduce(mask, 2, block_m, "any")  # (bx, hx, nQ, Lk)
