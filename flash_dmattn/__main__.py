@@ -1,7 +1,8 @@
-"""Command line: ``python -m flash_dmattn info | demo``."""
+"""Command line: ``python -m flash_dmattn info | demo | build``."""
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
@@ -124,6 +125,62 @@ def demo(seqlen: int = 0, repeats: int = 0) -> int:
     return 0
 
 
+def build(specs, build_all: bool = False, list_only: bool = False) -> int:
+    """Prebuild CUDA kernel specialisations into the on-disk cache (``--all`` or named specs).
+
+    ``--list`` prints the specs (those named, else every one ``--all`` means) and builds
+    nothing. Exit status: 0 done, 1 a build failed, 2 bad arguments or the cuda backend is
+    unavailable here (the reason is printed, no traceback).
+    """
+    from . import registry
+    from .backends.cuda import jit
+    from .backends.cuda.spec import KernelSpec, all_specs
+
+    if build_all and specs:
+        print("flash_dmattn build: give --all or spec names, not both", file=sys.stderr)
+        return 2
+    try:
+        targets = [KernelSpec.parse(s) for s in specs] if specs else all_specs()
+    except ValueError as exc:
+        print(f"flash_dmattn build: {exc}", file=sys.stderr)
+        return 2
+    if list_only:
+        for spec in targets:
+            print(spec.name)
+        return 0
+    if not (build_all or specs):
+        print("flash_dmattn build: name specs (e.g. d128-bf16-mask-bias), --all or --list",
+              file=sys.stderr)
+        return 2
+    reason = registry._BACKENDS["cuda"].unavailable_reason()
+    if reason is not None:
+        print(f"flash_dmattn build: the cuda backend is unavailable here: {reason}",
+              file=sys.stderr)
+        return 2
+    if not logging.getLogger().handlers:
+        # Show jit's one "compiling ..." line per build.
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("flash_dmattn").setLevel(logging.INFO)
+    from .backends.cuda import toolchain
+
+    tc = toolchain.detect()
+    failures = 0
+    for spec in targets:
+        cached = jit.is_built(spec, tc)
+        start = time.perf_counter()
+        try:
+            jit.load_kernel(spec, tc)
+        except Exception as exc:  # report every spec's failure, then exit 1
+            failures += 1
+            print(f"{spec.name}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+            continue
+        took = "already built" if cached else f"built in {time.perf_counter() - start:.1f} s"
+        print(f"{spec.name}: {took}")
+    print(f"{len(targets) - failures}/{len(targets)} specialisations ready for {tc.arch} "
+          f"in {jit.cache_root()}")
+    return 1 if failures else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flash_dmattn")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,9 +188,15 @@ def main(argv=None) -> int:
     p_demo = sub.add_parser("demo", help="run every available backend on a small problem")
     p_demo.add_argument("--seqlen", type=int, default=0)
     p_demo.add_argument("--repeats", type=int, default=0)
+    p_build = sub.add_parser("build", help="prebuild cuda kernel specialisations")
+    p_build.add_argument("specs", nargs="*", metavar="SPEC", help="e.g. d128-bf16-mask-bias")
+    p_build.add_argument("--all", action="store_true", help="every specialisation")
+    p_build.add_argument("--list", action="store_true", help="print the specs, build nothing")
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
+    if args.command == "build":
+        return build(args.specs, args.all, args.list)
     return demo(args.seqlen, args.repeats)
 
 

@@ -34,6 +34,24 @@ def laid_out_like(t: Tensor, value: Tensor) -> Tensor:
     return result
 
 
+def _grads_as_outputs(inputs, grads) -> Tuple[Tensor, ...]:
+    """A backward op's outputs: each gradient laid out like its input. Custom ops return
+    tensors only, so an empty tensor stands for a gradient nobody asked for."""
+    # A fresh empty tensor per slot: custom-op outputs must not alias each other.
+    return tuple(
+        laid_out_like(t, g) if g is not None else inputs[0].new_empty(0)
+        for t, g in zip(inputs, grads)
+    )
+
+
+def _fake_grads(inputs, needs) -> Tuple[Tensor, ...]:
+    """Shape-only outputs of a backward op (see :func:`_grads_as_outputs`)."""
+    return tuple(
+        torch.empty_like(t) if need and t is not None else inputs[0].new_empty(0)
+        for need, t in zip(needs, inputs)
+    )
+
+
 class AttentionOp:
     """A forward/backward pair registered as ``flash_dmattn::<name>_fwd`` / ``_bwd``."""
 
@@ -96,19 +114,12 @@ class AttentionOp:
                 dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
                 tuple(needs), **extra,
             )
-            # Custom ops return tensors only: an empty tensor stands for "not requested".
-            return tuple(
-                laid_out_like(t, g) if g is not None else q.new_empty(0)
-                for t, g in zip((q, k, v, bias), grads)
-            )
+            return _grads_as_outputs((q, k, v, bias), grads)
 
         @bwd_op.register_fake
         def _(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs,
               cache_seqlens=None):
-            return tuple(
-                torch.empty_like(t) if need and t is not None else q.new_empty(0)
-                for need, t in zip(needs, (q, k, v, bias))
-            )
+            return _fake_grads((q, k, v, bias), needs)
 
         def setup_context(ctx, inputs, output):
             (q, k, v, mask, bias, scale, is_causal, softcap, deterministic, cache_seqlens,
@@ -226,19 +237,12 @@ class VarlenAttentionOp:
                 dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, out, lse, scale, is_causal,
                 softcap, deterministic, tuple(needs),
             )
-            # Custom ops return tensors only: an empty tensor stands for "not requested".
-            return tuple(
-                laid_out_like(t, g) if g is not None else q.new_empty(0)
-                for t, g in zip((q, k, v, bias), grads)
-            )
+            return _grads_as_outputs((q, k, v, bias), grads)
 
         @bwd_op.register_fake
         def _(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, out, lse, scale, is_causal,
               softcap, deterministic, needs):
-            return tuple(
-                torch.empty_like(t) if need and t is not None else q.new_empty(0)
-                for need, t in zip(needs, (q, k, v, bias))
-            )
+            return _fake_grads((q, k, v, bias), needs)
 
         def setup_context(ctx, inputs, output):
             (q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,

@@ -1,0 +1,444 @@
+"""The cuda backend's build plumbing (issue: build on first use), tested without nvcc or a GPU.
+
+Kernel specs, cache keys and layout, the cross-process lock (with a fake builder injected into
+jit.load_kernel), the probe's reasons, the CLI's ``info`` / ``build`` and import hygiene.
+"""
+import json
+import logging
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from flash_dmattn import BackendUnavailableError, get_available_backends, registry
+from flash_dmattn.__main__ import main as cli_main
+from flash_dmattn._version import __version__
+from flash_dmattn.backends.cuda import backend as cuda_backend
+from flash_dmattn.backends.cuda import jit, toolchain
+from flash_dmattn.backends.cuda.spec import HEAD_DIM_BUCKETS, KernelSpec, all_specs
+from flash_dmattn.backends.cuda.toolchain import Toolchain
+from flash_dmattn.inputs import AttentionInputs
+
+TC = Toolchain(nvcc="/opt/cuda/bin/nvcc", nvcc_version="12.4.131", cutlass_include="/opt/inc",
+               capability=(9, 0), torch_version="2.6.0")
+SPEC = KernelSpec(64, "bf16", has_mask=True, has_bias=True)
+
+
+@pytest.fixture
+def csrc(tmp_path):
+    d = tmp_path / "csrc"
+    (d / "kernels").mkdir(parents=True)
+    for name in jit.KERNEL_SOURCES:
+        (d / name).write_text(f"// {name}\n")
+    (d / "kernels" / "tile.h").write_text("// header\n")
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _fresh_jit(monkeypatch):
+    jit.clear_loaded()
+    yield
+    jit.clear_loaded()
+
+
+# Specs --------------------------------------------------------------------------------------
+def test_spec_names_round_trip():
+    specs = all_specs()
+    assert len(specs) == len(HEAD_DIM_BUCKETS) * 2 * 4
+    assert len({s.name for s in specs}) == len(specs)
+    for spec in specs:
+        assert KernelSpec.parse(spec.name) == spec
+        assert str(spec) == spec.name
+    assert SPEC.name == "d64-bf16-mask-bias"
+    assert KernelSpec(256, "fp16").name == "d256-fp16"
+    # Flags in any order and any case parse to the canonical name.
+    assert KernelSpec.parse(" D64-BF16-bias-mask ").name == "d64-bf16-mask-bias"
+
+
+@pytest.mark.parametrize("text", [
+    "", "bf16", "128-bf16", "d-bf16", "dx-bf16", "d128", "d80-bf16", "d512-fp16",
+    "d128-fp32", "d128-bf16-foo", "d128-bf16-mask-mask", "d128-bf16-causal",
+])
+def test_bad_spec_strings_rejected(text):
+    with pytest.raises(ValueError, match="bad kernel spec"):
+        KernelSpec.parse(text)
+
+
+@pytest.mark.parametrize("args", [(80, "bf16"), (128, "fp32"), (True, "bf16"), ("128", "bf16"),
+                                  (128, "bf16", 1), (128, "bf16", False, None)])
+def test_bad_spec_fields_rejected(args):
+    with pytest.raises(ValueError):
+        KernelSpec(*args)
+
+
+def test_spec_from_inputs():
+    q = torch.zeros(1, 4, 2, 80, dtype=torch.float16)
+    k = torch.zeros(1, 4, 1, 80, dtype=torch.float16)
+    assert KernelSpec.from_inputs(AttentionInputs.from_args(q, k, k)).name == "d96-fp16"
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    bias = torch.zeros(1, 1, 1, 4, dtype=torch.float16)
+    inputs = AttentionInputs.from_args(q, k, k, mask, bias, is_causal=True)
+    assert KernelSpec.from_inputs(inputs).name == "d96-fp16-mask-bias"
+    with pytest.raises(ValueError, match="dtype"):
+        KernelSpec.from_inputs(AttentionInputs.from_args(q.float(), k.float(), k.float()))
+    big_q, big_k = torch.zeros(1, 2, 1, 300, dtype=torch.bfloat16), torch.zeros(1, 2, 1, 300, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim 300"):
+        KernelSpec.from_inputs(AttentionInputs.from_args(big_q, big_k, big_k))
+
+
+# Cache key and layout -----------------------------------------------------------------------
+def test_cache_key_tracks_what_the_binary_depends_on(csrc):
+    key = jit.cache_key(SPEC, TC, csrc)
+    assert key == jit.cache_key(SPEC, TC, csrc)  # stable
+    assert re.fullmatch(r"[0-9a-f]{64}", key)
+    (csrc / "README.md").write_text("not a source")  # not compiled, not hashed
+    assert jit.cache_key(SPEC, TC, csrc) == key
+
+    changed = {
+        "spec": jit.cache_key(KernelSpec(64, "bf16", True), TC, csrc),
+        "dtype": jit.cache_key(KernelSpec(64, "fp16", True, True), TC, csrc),
+        "nvcc": jit.cache_key(SPEC, Toolchain(TC.nvcc, "12.6.20", TC.cutlass_include,
+                                              TC.capability, TC.torch_version), csrc),
+        "torch": jit.cache_key(SPEC, Toolchain(TC.nvcc, TC.nvcc_version, TC.cutlass_include,
+                                               TC.capability, "2.7.0"), csrc),
+        "arch": jit.cache_key(SPEC, Toolchain(TC.nvcc, TC.nvcc_version, TC.cutlass_include,
+                                              (8, 0), TC.torch_version), csrc),
+    }
+    (csrc / jit.KERNEL_SOURCES[1]).write_text("// edited kernel\n")
+    changed["source"] = jit.cache_key(SPEC, TC, csrc)
+    (csrc / jit.KERNEL_SOURCES[1]).write_text(f"// {jit.KERNEL_SOURCES[1]}\n")
+    assert jit.cache_key(SPEC, TC, csrc) == key  # content, not mtime
+    (csrc / "kernels" / "tile.h").write_text("// edited header\n")
+    changed["header"] = jit.cache_key(SPEC, TC, csrc)
+    for what, other in changed.items():
+        assert other != key, what
+    assert len(set(changed.values())) == len(changed)
+
+
+def test_cache_key_needs_the_sources(tmp_path):
+    with pytest.raises(FileNotFoundError, match="kernel sources missing"):
+        jit.cache_key(SPEC, TC, tmp_path)
+
+
+def test_cache_dir_layout_and_override(monkeypatch, tmp_path, csrc):
+    monkeypatch.delenv("FLASH_DMATTN_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert jit.cache_root() == tmp_path / "home" / ".cache" / "flash_dmattn"
+    monkeypatch.setenv("FLASH_DMATTN_CACHE_DIR", str(tmp_path / "mine"))
+    assert jit.cache_root() == tmp_path / "mine"
+    key = jit.cache_key(SPEC, TC, csrc)
+    entry = jit.entry_dir(SPEC, TC, key)
+    assert entry == tmp_path / "mine" / __version__ / "sm_90" / f"d64-bf16-mask-bias-{key[:16]}"
+    assert jit.module_name(SPEC, key).isidentifier()
+
+
+def test_build_flags():
+    flags = jit.cuda_flags(SPEC, TC)
+    for f in ("-O3", "-std=c++17", "--use_fast_math", "-DFLASH_DMATTN_HEADDIM=64",
+              "-DFLASH_DMATTN_IS_BF16=1", "-DFLASH_DMATTN_HAS_MASK=1", "-DFLASH_DMATTN_HAS_BIAS=1"):
+        assert f in flags
+    i = flags.index("-gencode")
+    assert flags[i + 1] == "arch=compute_90,code=sm_90"
+
+
+# Build on first use (fake builder) ------------------------------------------------------------
+def fake_builder(req, calls=None, sleep=0.0, record=None):
+    """Stands in for nvcc: writes the artifact, returns a 'module'."""
+    start = time.time()
+    if calls is not None:
+        calls.append(req)
+    time.sleep(sleep)
+    req.artifact.write_text(json.dumps({"built_by": os.getpid()}))
+    if record is not None:
+        with open(record, "a") as fh:
+            fh.write(f"build {os.getpid()} {start} {time.time()}\n")
+    return {"module": req.name, "fresh": True}
+
+
+def fake_loader(name, path, record=None):
+    if record is not None:
+        with open(record, "a") as fh:
+            fh.write(f"load {os.getpid()} {time.time()}\n")
+    return {"module": name, "fresh": False, **json.loads(Path(path).read_text())}
+
+
+def test_first_use_builds_once_then_loads(tmp_path, csrc, caplog):
+    calls = []
+    builder = partial(fake_builder, calls=calls)
+    kw = dict(csrc_dir=csrc, cache_dir=tmp_path / "cache", builder=builder, loader=fake_loader)
+    with caplog.at_level(logging.INFO, logger="flash_dmattn"):
+        mod = jit.load_kernel(SPEC, TC, **kw)
+    assert mod["fresh"] and len(calls) == 1
+    req = calls[0]
+    key = jit.cache_key(SPEC, TC, csrc)
+    entry = jit.entry_dir(SPEC, TC, key, tmp_path / "cache")
+    assert req.build_dir == entry and req.artifact.parent == entry
+    assert req.sources == [str(csrc / s) for s in jit.KERNEL_SOURCES]
+    assert TC.cutlass_include in req.extra_include_paths
+    lines = [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()]
+    assert lines == [f"flash_dmattn: compiling cuda kernel d64-bf16-mask-bias for sm_90 "
+                     f"(first use, cached in {entry})"]
+    manifest = json.loads((entry / jit.MANIFEST).read_text())
+    assert manifest["key"] == key and manifest["spec"] == SPEC.name
+    assert manifest["arch"] == "sm_90" and manifest["nvcc_version"] == "12.4.131"
+
+    assert jit.load_kernel(SPEC, TC, **kw) is mod  # in-process cache
+    jit.clear_loaded()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="flash_dmattn"):
+        again = jit.load_kernel(SPEC, TC, **kw)  # from disk, as a new process would
+    assert again["fresh"] is False and len(calls) == 1
+    assert not [r for r in caplog.records if "compiling" in r.getMessage()]
+
+
+def test_failed_or_stale_builds_are_redone(tmp_path, csrc):
+    kw = dict(csrc_dir=csrc, cache_dir=tmp_path / "cache", loader=fake_loader)
+
+    def broken(req):
+        raise RuntimeError("nvcc error")
+
+    with pytest.raises(RuntimeError, match="nvcc error"):
+        jit.load_kernel(SPEC, TC, builder=broken, **kw)
+    with pytest.raises(RuntimeError, match="produced no"):
+        jit.load_kernel(SPEC, TC, builder=lambda req: object(), **kw)
+    assert not jit.is_built(SPEC, TC, csrc, tmp_path / "cache")
+    calls = []
+    jit.load_kernel(SPEC, TC, builder=partial(fake_builder, calls=calls), **kw)
+    assert len(calls) == 1 and jit.is_built(SPEC, TC, csrc, tmp_path / "cache")
+    # A manifest for another key (or with its artifact gone) does not count as built.
+    entry = calls[0].build_dir
+    calls[0].artifact.unlink()
+    assert not jit.is_built(SPEC, TC, csrc, tmp_path / "cache")
+    jit.clear_loaded()
+    jit.load_kernel(SPEC, TC, builder=partial(fake_builder, calls=calls), **kw)
+    assert len(calls) == 2
+    manifest = json.loads((entry / jit.MANIFEST).read_text())
+    (entry / jit.MANIFEST).write_text(json.dumps(dict(manifest, key="0" * 64)))
+    jit.clear_loaded()
+    jit.load_kernel(SPEC, TC, builder=partial(fake_builder, calls=calls), **kw)
+    assert len(calls) == 3
+
+
+def _build_worker(root, csrc_dir, record, barrier, results):
+    barrier.wait()
+    mod = jit.load_kernel(
+        SPEC, TC, csrc_dir=csrc_dir, cache_dir=root,
+        builder=partial(fake_builder, sleep=1.0, record=record),
+        loader=partial(fake_loader, record=record),
+    )
+    results.put((os.getpid(), mod["fresh"], mod.get("built_by"), time.time()))
+
+
+def _lock_worker(path, record, barrier):
+    barrier.wait()
+    with jit.file_lock(Path(path)):
+        start = time.time()
+        time.sleep(0.3)
+        with open(record, "a") as fh:
+            fh.write(f"{start} {time.time()}\n")
+
+
+fork_only = pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods() or os.name == "nt",
+    reason="needs fork (and fcntl)",
+)
+
+
+@fork_only
+def test_file_lock_serialises_processes(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(3)
+    record = tmp_path / "record"
+    procs = [ctx.Process(target=_lock_worker, args=(tmp_path / "x" / jit.LOCK_FILE, record, barrier))
+             for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    spans = sorted(tuple(map(float, line.split())) for line in record.read_text().splitlines())
+    assert len(spans) == 3
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert start >= end  # no two holders at once
+
+
+@fork_only
+def test_second_process_reuses_the_first_build(tmp_path, csrc):
+    ctx = multiprocessing.get_context("fork")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    record = tmp_path / "record"
+    procs = [ctx.Process(target=_build_worker, args=(tmp_path / "cache", csrc, record, barrier, results))
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=30) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    events = [line.split() for line in record.read_text().splitlines()]
+    builds = [e for e in events if e[0] == "build"]
+    loads = [e for e in events if e[0] == "load"]
+    assert len(builds) == 1, events  # compiled exactly once across both processes
+    assert len(loads) == 1 and loads[0][1] != builds[0][1]
+    assert float(loads[0][2]) >= float(builds[0][3])  # waited for the build, then loaded it
+    fresh = {pid: f for pid, f, _, _ in got}
+    assert sorted(fresh.values()) == [False, True]
+    loaded = next(g for g in got if not g[1])
+    assert loaded[2] == int(builds[0][1])  # the artifact the builder wrote
+
+
+# Probe reasons ------------------------------------------------------------------------------
+@pytest.fixture
+def full_toolchain(monkeypatch):
+    """Pretend everything is present; tests then take one piece away."""
+    monkeypatch.setattr(toolchain, "device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(toolchain, "device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(toolchain, "find_nvcc", lambda: "/opt/cuda/bin/nvcc")
+    monkeypatch.setattr(toolchain, "nvcc_version", lambda nvcc: "12.4.131")
+    monkeypatch.setattr(toolchain, "find_ninja", lambda: "/usr/bin/ninja")
+    monkeypatch.setattr(toolchain, "find_cutlass_include", lambda: "/opt/inc")
+    monkeypatch.setattr(jit, "missing_kernel_sources", lambda: [])
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    return monkeypatch
+
+
+def test_probe_on_this_machine():
+    reason = cuda_backend.CudaBackend().probe()
+    assert reason is not None
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in reason
+    # The kernels are not written yet: the probe says so instead of pretending.
+    assert "kernel sources not present yet" in reason
+    assert "flash_fwd.cu" in reason
+
+
+def test_probe_reasons_one_at_a_time(full_toolchain):
+    mp = full_toolchain
+    assert cuda_backend.CudaBackend().probe() is None  # not hard-wired to fail
+
+    def reason_with(obj, attr, value):
+        with mp.context() as m:
+            m.setattr(obj, attr, value)
+            return cuda_backend.CudaBackend().probe()
+
+    assert reason_with(toolchain, "device_capability", lambda device=None: None) == "no CUDA device"
+    assert reason_with(toolchain, "device_capability", lambda device=None: (7, 5)) == (
+        "GPU Fake GPU is sm_75; needs compute capability >= 8.0")
+    assert reason_with(toolchain, "find_nvcc", lambda: None) == (
+        "nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    assert "does not match the CUDA 12.4" in reason_with(toolchain, "nvcc_version",
+                                                         lambda nvcc: "13.0.88")
+    assert "ninja not found" in reason_with(toolchain, "find_ninja", lambda: None)
+    assert "CUTLASS/CuTe headers not found" in reason_with(toolchain, "find_cutlass_include",
+                                                           lambda: None)
+    assert "kernel sources not present yet" in reason_with(
+        jit, "missing_kernel_sources", lambda: ["/x/csrc/flash_fwd.cu"])
+
+
+def test_toolchain_detect_errors(full_toolchain):
+    tc = toolchain.detect()
+    assert tc.arch == "sm_90" and tc.gencode_flags() == ["-gencode", "arch=compute_90,code=sm_90"]
+    full_toolchain.setattr(toolchain, "find_cutlass_include", lambda: None)
+    with pytest.raises(toolchain.ToolchainError, match="CUTLASS"):
+        toolchain.detect()
+    full_toolchain.setattr(toolchain, "device_capability", lambda device=None: None)
+    with pytest.raises(toolchain.ToolchainError, match="no CUDA device"):
+        toolchain.detect()
+
+
+def test_nvcc_discovery_honours_cuda_home(monkeypatch, tmp_path):
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.4, V12.4.131'\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    toolchain.clear_caches()
+    try:
+        assert toolchain.find_nvcc() == str(nvcc)
+        if os.name != "nt":
+            assert toolchain.nvcc_version(str(nvcc)) == "12.4.131"
+    finally:
+        toolchain.clear_caches()
+
+
+def test_cuda_never_selected_while_unavailable():
+    assert "cuda" not in get_available_backends()
+    with pytest.raises(BackendUnavailableError, match="'cuda' is unavailable: .*kernel sources"):
+        registry.get_backend("cuda")
+    q = torch.randn(1, 4, 2, 16)
+    inputs = AttentionInputs.from_args(q, q[:, :, :1], q[:, :, :1])
+    assert registry.select_backend(inputs).name != "cuda"
+    reasons = cuda_backend.CudaBackend().not_supported_reasons(inputs)
+    assert any("needs CUDA" in r for r in reasons) and any("dtype" in r for r in reasons)
+
+
+# CLI and import hygiene --------------------------------------------------------------------
+def _run(*args):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-m", "flash_dmattn", *args], capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-machine messages")
+def test_cli_info_and_build_all_without_cuda():
+    res = _run("info")
+    assert res.returncode == 0, res.stderr
+    row = next(line for line in res.stdout.splitlines() if line.startswith("cuda "))
+    assert " no " in row and "no CUDA device" in row and "kernel sources not present" in row
+    assert registry.NOT_BUILT not in row
+    res = _run("build", "--all")
+    assert res.returncode == 2
+    assert "cuda backend is unavailable here: no CUDA device" in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+
+
+def test_cli_build_list_and_bad_specs(capsys):
+    assert cli_main(["build", "--list"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert listed == [s.name for s in all_specs()]
+    assert cli_main(["build", "--list", "d128-bf16-bias-mask"]) == 0
+    assert capsys.readouterr().out.split() == ["d128-bf16-mask-bias"]
+    assert cli_main(["build", "d80-bf16"]) == 2
+    assert "not a kernel bucket" in capsys.readouterr().err
+    assert cli_main(["build", "--all", "d64-fp16"]) == 2
+    assert cli_main(["build"]) == 2
+
+
+def test_import_touches_neither_cuda_nor_nvcc():
+    code = r"""
+import subprocess, sys, torch
+def boom(*a, **k):
+    raise SystemExit("touched: " + repr(a[:1]))
+for name in ("is_available", "device_count", "get_device_capability", "get_device_name", "init",
+             "_lazy_init", "current_device"):
+    setattr(torch.cuda, name, boom)
+subprocess.Popen = boom
+subprocess.run = boom
+import flash_dmattn
+import flash_dmattn.backends.cuda.backend, flash_dmattn.backends.cuda.jit
+import flash_dmattn.backends.cuda.toolchain, flash_dmattn.backends.cuda.spec
+assert "torch.utils.cpp_extension" not in sys.modules
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
+
+
+@pytest.mark.gpu
+def test_toolchain_discovery_on_a_gpu():
+    cap = toolchain.device_capability()
+    assert cap == torch.cuda.get_device_capability()
+    assert toolchain.arch_name(cap) == f"sm_{cap[0]}{cap[1]}"
+    assert not any("no CUDA device" in r for r in cuda_backend.unavailable_reasons())
+    nvcc = toolchain.find_nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc on this CUDA machine (the probe reports it)")
+    assert re.fullmatch(r"\d+\.\d+(\.\d+)*", toolchain.nvcc_version(nvcc) or "")
