@@ -16,6 +16,7 @@ therefore prefers the chunked reference there.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from collections import OrderedDict
@@ -92,6 +93,13 @@ def _block_mask(inputs):
     return _build_block_mask(inputs)
 
 
+@functools.lru_cache(maxsize=None)
+def _from_kv_blocks_params():
+    """Keyword names of this torch's ``BlockMask.from_kv_blocks`` (they vary by version);
+    looked up once, not on every BlockMask build."""
+    return frozenset(inspect.signature(_flex_module().BlockMask.from_kv_blocks).parameters)
+
+
 def _build_block_mask(inputs):
     fa = _flex_module()
     lq, lk = inputs.seqlen_q, inputs.seqlen_k
@@ -153,7 +161,7 @@ def _from_kv_blocks(fa, partial, full, mask_mod, lq, lk, needs_grad):
     kv_num, kv_idx = compact(partial)
     full_num, full_idx = compact(full)
     kwargs = dict(BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=mask_mod)
-    params = inspect.signature(fa.BlockMask.from_kv_blocks).parameters
+    params = _from_kv_blocks_params()
     if "seq_lengths" in params:
         kwargs["seq_lengths"] = (lq, lk)
     if "compute_q_blocks" in params and not needs_grad:
