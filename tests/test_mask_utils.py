@@ -515,3 +515,51 @@ def test_apply_dynamic_mask_attention_per_query_head_mask():
     )
     expected, _ = _naive_dma(q, k, v, w, A, causal, 8)
     torch.testing.assert_close(out, expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 200])
+@pytest.mark.parametrize("seed", range(12))
+def test_causal_topk_mask_equals_create_mask(seed, chunk, monkeypatch):
+    """The per-key fast path gives create_mask's exact result: ties to the lower index,
+    min_dtype / -inf / NaN entries and padding never kept, prefixes shorter than the window.
+    A small _CHUNK_ELEMENTS splits the rows into many chunks (the running window carries over)."""
+    from flash_dmattn.utils.mask import causal_topk_mask
+
+    if chunk is not None:
+        monkeypatch.setattr(mask_mod, "_CHUNK_ELEMENTS", chunk)
+
+    g = torch.Generator().manual_seed(seed)
+    B, H = 1 + seed % 2, 1 + (seed // 2) % 2
+    L = int(torch.randint(1, 100, (1,), generator=g))
+    W = int(torch.randint(1, L + 3, (1,), generator=g))
+    dtype = (torch.float32, torch.bfloat16)[seed % 2]
+    bias = torch.randn(B, H, 1, L, generator=g).to(dtype)
+    if seed % 3 == 0:
+        bias = (bias * 2).round() / 2  # many ties
+    min_dtype = torch.finfo(dtype).min
+    bias[..., ::7] = min_dtype
+    bias[..., 3::11] = float("-inf")
+    if seed % 4 == 0:
+        bias[..., 5::13] = float("nan")
+    padding = torch.rand(B, L, generator=g) > 0.2 if seed % 2 == 0 else None
+    i = torch.arange(L)
+    candidates = (i[None, :] <= i[:, None])[None, None]
+    if padding is not None:
+        candidates = candidates & padding[:, None, None, :]
+    want = create_mask(bias, candidates, B, L, L, W, min_dtype).expand(B, H, L, L)
+    got = causal_topk_mask(bias, padding, W, min_dtype)
+    assert got.dtype == torch.bool and got.shape == (B, H, L, L)
+    assert torch.equal(got, want)
+
+
+def test_causal_topk_mask_rejects_bad_inputs():
+    from flash_dmattn.utils.mask import causal_topk_mask
+
+    with pytest.raises(ValueError, match="per key"):
+        causal_topk_mask(torch.randn(1, 2, 3, 3), None, 2, -1e30)
+    with pytest.raises(ValueError, match="padding_mask"):
+        causal_topk_mask(torch.randn(1, 2, 1, 3), torch.ones(1, 4, dtype=torch.bool), 2, -1e30)
+    with pytest.raises(TypeError):
+        causal_topk_mask(torch.ones(1, 2, 1, 3, dtype=torch.int64), None, 2, -1e30)
+    with pytest.raises(ValueError, match="window_size"):
+        causal_topk_mask(torch.randn(1, 2, 1, 3), None, 0, -1e30)

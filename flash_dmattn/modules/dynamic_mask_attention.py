@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..utils.dynamic import dynamic_mask_bias
-from ..utils.mask import create_mask
+from ..utils.mask import causal_topk_mask, create_mask
 from ._common import attention_function, check_backend_name, check_positive_int
 
 __all__ = ["DynamicMaskAttention", "apply_rotary_pos_emb", "rotate_half"]
@@ -225,12 +225,9 @@ class DynamicMaskAttention(nn.Module):
             return create_mask(bias, padding, batch, length, length, self.window_size, min_dtype)
         # Causal: the window must be filled from the keys each query can see, otherwise
         # slots go to future keys that the kernel then masks (and early queries could be
-        # left with no key at all). create_mask chunks its work over query rows.
-        idx = torch.arange(length, device=bias.device)
-        candidates = (idx[None, :] <= idx[:, None]).view(1, 1, length, length)
-        if padding is not None:
-            candidates = candidates & padding.view(batch, 1, 1, length)
-        return create_mask(bias, candidates, batch, length, length, self.window_size, min_dtype)
+        # left with no key at all). The bias is per key, so causal_topk_mask gives exactly
+        # create_mask's result from one sort per (batch, head) instead of a top-k per row.
+        return causal_topk_mask(bias, padding, self.window_size, min_dtype)
 
     # Forward ------------------------------------------------------------------------------------
     def forward(

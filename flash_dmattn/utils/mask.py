@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["create_mask"]
+__all__ = ["create_mask", "causal_topk_mask"]
 
 # Upper bound on the number of elements of any float/int temporary built per chunk of
 # query rows. Module level so tests can shrink it to exercise the chunked path.
@@ -254,6 +254,83 @@ def create_mask(
         hi = min(lo + chunk, num_rows)
         result[:, :, lo:hi] = rows(lo, hi)
     return result
+
+
+def causal_topk_mask(
+    attention_bias: torch.Tensor,
+    padding_mask: Optional[torch.Tensor],
+    window_size: int,
+    min_dtype: float,
+) -> torch.Tensor:
+    """The causal top-``window_size`` mask of a per-key bias, without a per-row top-k.
+
+    Same result as ``create_mask(bias, causal & padding, B, L, L, window_size, min_dtype)``
+    for ``attention_bias`` of shape ``(B, H, 1, L)`` (one value per key, e.g. the DMA bias) and
+    ``padding_mask`` None or bool ``(B, L)``: query ``i`` keeps the ``window_size`` keys
+    ``j <= i`` with the largest bias (ties to the lower index; padding and ``min_dtype``
+    entries never). Returns bool ``(B, H, L, L)``.
+
+    With a per-key bias every query ranks the keys the same way, so query ``i`` keeps key
+    ``j`` iff ``j <= i`` and ``j``'s global rank is among the ``window_size`` best ranks of the
+    prefix ``0..i``. One sort per (batch, head) gives the ranks, and a running
+    ``window_size``-th smallest rank per prefix gives each row's threshold: the work is
+    ``O(L * window_size)`` per (batch, head) plus the final comparison, instead of a top-k
+    over every ``(L, L)`` row. Equivalent plain PyTorch::
+
+        i = torch.arange(L)
+        causal = i[None, :] <= i[:, None]
+        return create_mask(bias, causal[None, None] & padding[:, None, None, :], B, L, L,
+                           window_size, min_dtype)
+    """
+    _check_int("window_size", window_size, 1)
+    if not isinstance(attention_bias, torch.Tensor) or not attention_bias.is_floating_point():
+        raise TypeError("attention_bias must be a floating-point tensor")
+    if attention_bias.dim() != 4 or attention_bias.shape[2] != 1:
+        raise ValueError(
+            f"attention_bias must be per key, (batch, heads, 1, L); got {tuple(attention_bias.shape)}"
+        )
+    bias = attention_bias.detach()[:, :, 0]  # (B, H, L)
+    batch, heads, length = bias.shape
+    device = bias.device
+    valid = bias > min_dtype  # also rejects -inf and NaN
+    if padding_mask is not None:
+        if padding_mask.dtype != torch.bool or tuple(padding_mask.shape) != (batch, length):
+            raise ValueError(
+                f"padding_mask must be bool (batch, L) = {(batch, length)}, got "
+                f"{padding_mask.dtype} {tuple(padding_mask.shape)}"
+            )
+        valid = valid & padding_mask[:, None, :]
+    ar = torch.arange(length, device=device)
+    causal = ar[None, :] <= ar[:, None]
+    if length <= window_size:
+        return causal[None, None] & valid[:, :, None, :]
+
+    score = torch.where(valid, bias, torch.tensor(float("-inf"), dtype=bias.dtype, device=device))
+    # Stable descending sort: equal biases keep ascending key order (ties to the lower index).
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty((batch, heads, length), dtype=torch.int32, device=device)
+    rank.scatter_(-1, order, ar.to(torch.int32).expand(batch, heads, length).contiguous())
+    none = torch.tensor(length, dtype=torch.int32, device=device)  # worse than every valid rank
+    rank = torch.where(valid, rank, none)
+
+    # threshold[i]: the window_size-th smallest rank among keys 0..i (`none` if fewer are valid).
+    w = window_size
+    rows = max(1, min(256, _CHUNK_ELEMENTS // max(batch * heads * (w + 256), 1)))
+    best = none.expand(batch, heads, w)  # the w smallest ranks of the prefix so far
+    threshold = torch.empty((batch, heads, length), dtype=torch.int32, device=device)
+    tri = ar[:rows, None] >= ar[None, :rows]  # row r of a chunk sees its keys 0..r
+    for lo in range(0, length, rows):
+        new = rank[:, :, lo:lo + rows]
+        n = new.shape[-1]
+        fresh = torch.where(tri[:n, :n], new[:, :, None, :], none)  # (B, H, n, n)
+        cand = torch.cat([best[:, :, None, :].expand(batch, heads, n, w), fresh], dim=-1)
+        threshold[:, :, lo:lo + n] = cand.kthvalue(w, dim=-1).values
+        best = torch.cat([best, new], dim=-1).topk(w, dim=-1, largest=False).values
+
+    keep = rank[:, :, None, :] <= threshold[:, :, :, None]
+    keep &= causal
+    keep &= valid[:, :, None, :]
+    return keep
 
 
 def _type_name(obj) -> str:
