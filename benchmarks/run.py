@@ -168,6 +168,15 @@ def _run_phase(row: Row, phase: str, body) -> str:
         return ERROR
 
 
+def inputs_error_row(w, exc: BaseException, device: torch.device) -> Row:
+    """The single row of a workload whose inputs could not be built."""
+    row = Row(w.suite, w.name, w.short, "(inputs)", "-", w.to_dict(), status=ERROR)
+    row.notes.append(f"building the inputs failed: {_describe(exc)}")
+    print(f"   {row.notes[-1]}", flush=True)
+    _free(device)
+    return row
+
+
 def start_row(case, impl, ctx: RunContext, have_ref: bool, ref_note: str) -> Tuple[Row, bool]:
     """``impl``'s row for ``case`` after ``impl.setup``; ``ready`` is False when the setup
     skipped, declined or failed (the row then says so and is final)."""
@@ -291,11 +300,7 @@ def run_workload(w: Workload, ctx: RunContext, backends: List[str]) -> List[Row]
     try:
         case = build_case(w, ctx.device, ctx.dtype)
     except Exception as exc:  # noqa: BLE001
-        row = Row(w.suite, w.name, w.short, "(inputs)", "-", w.to_dict(), status=ERROR)
-        row.notes.append(f"building the inputs failed: {_describe(exc)}")
-        print(f"   {row.notes[-1]}", flush=True)
-        _free(ctx.device)
-        return [row]
+        return [inputs_error_row(w, exc, ctx.device)]
 
     ref, ref_note = None, "-"
     if w.seqlen_q * w.seqlen_k <= REFERENCE_CHECK_MAX_WORK:

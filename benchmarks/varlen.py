@@ -640,17 +640,13 @@ def _fill_ratios(rows: List[Row], backends: List[str]) -> None:
 
 def run_varlen_workload(w: VarlenWorkload, ctx: RunContext, backends: List[str]) -> List[Row]:
     """Every implementation on one varlen workload; failures become rows, never exceptions."""
-    from .run import _describe, _fill_speedups, _free
+    from .run import _describe, _fill_speedups, _free, inputs_error_row
 
     print(f"== {w.name}", flush=True)
     try:
         case = VarlenCase(w, ctx.device, ctx.dtype)
     except Exception as exc:  # noqa: BLE001
-        row = Row(w.suite, w.name, w.short, "(inputs)", "-", w.to_dict(), status=ERROR)
-        row.notes.append(f"building the inputs failed: {_describe(exc)}")
-        print(f"   {row.notes[-1]}", flush=True)
-        _free(ctx.device)
-        return [row]
+        return [inputs_error_row(w, exc, ctx.device)]
 
     ref, ref_note = None, "-"
     work = [n * n for n in w.lengths]

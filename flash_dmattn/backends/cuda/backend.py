@@ -87,8 +87,11 @@ class CudaBackend(Backend):
         return jit.load_kernel(spec, toolchain.detect(device))
 
     def attention(self, inputs):
-        # Unreachable while probe() reports the kernel sources missing; the fwd/bwd glue
-        # (custom ops around kernel_module(...).fwd / .bwd) lands together with the kernels.
-        raise NotImplementedError(
-            "the cuda backend's kernels are not part of this version of flash_dmattn"
+        # The registry never routes here while probe() reports a reason (the kernel sources
+        # are missing in this version); a direct call gets the same typed error as any
+        # unavailable backend. The fwd/bwd custom ops land together with the kernels.
+        from ...registry import BackendUnavailableError
+
+        raise BackendUnavailableError(
+            "backend 'cuda' is unavailable: " + "; ".join(unavailable_reasons())
         )
