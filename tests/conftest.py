@@ -27,5 +27,6 @@ def _clean_dispatch_state(monkeypatch):
     # Dispatch reads the environment per call and logs/warns once; isolate every test.
     monkeypatch.delenv("FLASH_DMATTN_BACKEND", raising=False)
     monkeypatch.delenv("FLASH_DMATTN_DISABLE", raising=False)
+    monkeypatch.delenv("FLASH_DMATTN_TRITON_DECODE", raising=False)
     registry.reset_dispatch_notes()
     yield

@@ -28,6 +28,7 @@ backend declines paged calls that need gradients or more rows than it takes
 """
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Tuple
 
 import torch
@@ -73,6 +74,17 @@ def decode_rows(seqlen_q: int, num_heads: int, num_kv_heads: int) -> int:
 # and times it, on a GPU it serves only the calls the main kernel cannot (cache_seqlens);
 # ordinary short-query calls keep the GPU-tested main kernel.
 DECODE_VERIFIED_ON_GPU = False
+# FLASH_DMATTN_TRITON_DECODE=auto (default) | always | never: "always" routes every eligible
+# short-query call through this kernel (benchmarks compare it with the main kernel this way);
+# "never" keeps the main kernel except where only this kernel can run (cache_seqlens).
+DECODE_ENV = "FLASH_DMATTN_TRITON_DECODE"
+
+
+def _decode_policy() -> str:
+    policy = os.environ.get(DECODE_ENV, "auto").strip().lower() or "auto"
+    if policy not in ("auto", "always", "never"):
+        raise ValueError(f"{DECODE_ENV}={policy!r}: expected auto, always or never")
+    return policy
 
 
 def use_decode_kernel(seqlen_q: int, num_heads: int, num_kv_heads: int, seqlen_k: int,
@@ -82,6 +94,9 @@ def use_decode_kernel(seqlen_q: int, num_heads: int, num_kv_heads: int, seqlen_k
         return False
     if has_cache_seqlens:
         return True
+    policy = _decode_policy()
+    if policy != "auto":
+        return policy == "always"
     return seqlen_k >= DECODE_MIN_SEQLEN_K and (DECODE_VERIFIED_ON_GPU or interpret_mode())
 
 
