@@ -5,15 +5,41 @@
 attention-mask interface; :func:`register` installs both under the name ``"dmattn"``. This
 module imports ``transformers`` only inside :func:`register` and :func:`dmattn_mask`, so the
 attention function itself works on plain tensors without transformers installed.
+
+Padding masks take the packed-sequence path
+-------------------------------------------
+When the mask of a call is exactly "causal (or not) + key padding" (a batch padded on the
+left, as in generation, or on the right, as in training), ``dmattn_attention_forward`` can
+unpad the real tokens, call :func:`flash_dmattn.flash_dmattn_varlen_func` without any mask
+and pad the result back, instead of passing a ``(B, 1, Lq, Lk)`` mask to the dense kernel.
+``dmattn_mask`` recognises the pattern where it is built (it knows which transformers mask
+function it was asked for) and attaches the ``(B, L)`` padding mask to the bool tensor it
+returns; see :mod:`flash_dmattn.integrations.hf_varlen` for the rules. Control:
+
+* ``FLASH_DMATTN_HF_VARLEN=auto|always|never`` (environment; default ``auto``),
+* :func:`flash_dmattn.integrations.hf_varlen.set_varlen_mode` (process-wide, overrides the
+  environment),
+* ``dmattn_varlen="auto"|"always"|"never"`` keyword on a call (e.g. ``model(ids,
+  attention_mask=am, dmattn_varlen="never")``; transformers forwards it), overriding both.
+
+``never`` keeps the dense path; ``always`` packs every recognised call with more than one
+query; ``auto`` packs when some key is padding and a packed kernel backend (``cuda`` /
+``triton``, not the per-sequence ``torch-reference`` loop) would run it. Decode steps (one
+query against a KV cache), masks with any other content (sliding windows, chunks, dynamic
+masks, user 4-D masks, masks edited in place) and calls with ``attention_bias`` /
+``position_bias`` always keep the dense path. Padded query rows of causal packed calls are
+zeros; rows of real tokens are identical to the dense path's.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Callable, Optional, Tuple
 
 import torch
 
 from ..api import flash_dmattn_func_auto
+from . import hf_varlen
 
 #: The name under which :func:`register` installs the attention and mask functions. It must not
 #: contain "flash": transformers 5.x treats such names as flash-attention / hub-kernel requests.
@@ -219,6 +245,11 @@ def dmattn_attention_forward(
 
     Returns ``(attn_output (B, Lq, H, D), None)``.
 
+    A mask that ``dmattn_mask`` built as "causal (or not) + key padding", or a 2-D padding
+    mask, may instead be run as packed sequences (``dmattn_varlen`` keyword /
+    ``FLASH_DMATTN_HF_VARLEN``, see the module docstring): same rows for real tokens, zeros
+    for the padded query rows of causal calls.
+
     Equivalent plain PyTorch (``repeat_kv`` as in transformers, ``m`` the additive form of the
     mask, ``causal`` as decided above)::
 
@@ -234,11 +265,42 @@ def dmattn_attention_forward(
     transformers' sdpa integration does: this only happens when prefilling an empty static
     cache, whose later slots are empty).
     """
+    _validate_call(module, query, key, value, scaling, dropout, kwargs)
+    # A "causal + key padding" mask may be cheaper as packed sequences (see module docstring).
+    out = hf_varlen.maybe_varlen_attention(
+        module, query, key, value, attention_mask, scaling, softcap, kwargs
+    )
+    if out is not None:
+        return out, None
     call = prepare_attention_call(
         module, query, key, value, attention_mask, scaling, dropout, softcap, kwargs
     )
     out = _get_kernel()(**call)
     return out, None
+
+
+def _validate_call(
+    module: Optional[torch.nn.Module],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: Optional[float],
+    dropout: float,
+    kwargs: dict,
+) -> None:
+    """Checks shared by the dense and the packed route (typed errors, before any work)."""
+    _check_dropout(module, dropout)
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(
+            "flash_dmattn does not support attention sinks (s_aux); use attn_implementation='eager'"
+        )
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            f"query, key and value must be 4-D (batch, heads, seq, head_dim), got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if scaling is not None and not math.isfinite(float(scaling)):
+        raise ValueError(f"scaling must be finite, got {scaling}")
 
 
 def prepare_attention_call(
@@ -257,16 +319,7 @@ def prepare_attention_call(
     Keys: ``query``, ``key``, ``value`` (``(B, L, H|Hkv, D)`` views), ``attn_mask``,
     ``attn_bias``, ``softmax_scale``, ``is_causal``, ``softcap``.
     """
-    _check_dropout(module, dropout)
-    if kwargs.get("s_aux") is not None:
-        raise ValueError(
-            "flash_dmattn does not support attention sinks (s_aux); use attn_implementation='eager'"
-        )
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise ValueError(
-            f"query, key and value must be 4-D (batch, heads, seq, head_dim), got "
-            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
-        )
+    _validate_call(module, query, key, value, scaling, dropout, kwargs)
     query_len, key_len = query.shape[2], key.shape[2]
 
     mask, mask_bias, structural, key_limit = normalise_hf_mask(attention_mask, key_len)
@@ -307,8 +360,6 @@ def prepare_attention_call(
         k = k.to(q.dtype)
     if v.dtype != q.dtype:
         v = v.to(q.dtype)
-    if scaling is not None and not math.isfinite(float(scaling)):
-        raise ValueError(f"scaling must be finite, got {scaling}")
 
     return dict(
         query=q,
@@ -352,6 +403,11 @@ def dmattn_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
     (``config.model_type == "doge"``) the causal mask is always materialised, because they drop
     the ``None`` → causal meaning when they fold it into their bias.
 
+    When the mask is plain causal or plain bidirectional plus a 2-D padding mask, the returned
+    tensor carries a :class:`~flash_dmattn.integrations.hf_varlen.PaddingRecord` (a Python
+    attribute holding that ``(B, L)`` mask) so that the attention function can run the call as
+    packed sequences without reading the 4-D mask. The tensor itself is unchanged.
+
     Equivalent::
 
         return transformers.masking_utils.sdpa_mask(*args, **kwargs)
@@ -359,13 +415,31 @@ def dmattn_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
     config = kwargs.get("config")
     if getattr(config, "model_type", None) in _DYNAMIC_MASK_MODEL_TYPES:
         kwargs["allow_is_causal_skip"] = False
-    mask = _sdpa_mask_function()(*args, **kwargs)
+    build = _sdpa_mask_function()
+    mask = build(*args, **kwargs)
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
         raise TypeError(
             f"transformers' sdpa mask function returned {type(mask).__name__} "
             f"{getattr(mask, 'dtype', '')}; dmattn expects a bool tensor or None"
         )
+    if mask is not None and not torch.compiler.is_compiling():
+        # Remember what this mask is, so that the attention function can take the packed
+        # route without reading the mask (attributes on traced tensors are left alone).
+        record = hf_varlen.record_for_sdpa_mask(mask, _bind_mask_arguments(build, args, kwargs))
+        if record is not None:
+            hf_varlen.attach_record(mask, record)
     return mask
+
+
+def _bind_mask_arguments(build: Callable, args: tuple, kwargs: dict) -> dict:
+    """The mask function's arguments by name (transformers passes keywords; accept both)."""
+    if not args:
+        return kwargs
+    try:
+        bound = inspect.signature(build).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {}  # unknown calling convention: no record, the dense path is always right
+    return dict(bound.arguments)
 
 
 # ---------------------------------------------------------------------------------------------

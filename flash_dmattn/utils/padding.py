@@ -10,7 +10,7 @@ from typing import Tuple, Union
 
 import torch
 
-__all__ = ["unpad_input", "pad_input", "cu_seqlens_from_lengths"]
+__all__ = ["unpad_input", "pad_input", "cu_seqlens_from_lengths", "unpad_indices", "gather_tokens"]
 
 _INT32_MAX = torch.iinfo(torch.int32).max
 
@@ -144,3 +144,82 @@ def pad_input(hidden_unpadded: torch.Tensor, indices: torch.Tensor, batch: int, 
     # raises on indices outside [0, batch * seqlen).
     out = out.index_copy(0, indices.to(torch.int64), hidden_unpadded)
     return out.view(batch, seqlen, *rest)
+
+
+def unpad_indices(attention_mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """The packing metadata of :func:`unpad_input`, without touching any hidden states.
+
+    Computed once per padding mask and reused for every tensor packed with it (queries,
+    keys, values of every layer), which is what the transformers integration does.
+
+    Args:
+        attention_mask: ``(B, L)`` bool or integer; True / non-zero marks a real token.
+
+    Returns:
+        ``(indices, cu_seqlens, max_seqlen, seqused)`` exactly as :func:`unpad_input` returns
+        them: ``indices`` ``(total,)`` int64 into the flattened ``(B * L)`` batch,
+        ``cu_seqlens`` ``(B + 1,)`` int32, ``max_seqlen`` a Python int, ``seqused`` ``(B,)``
+        int32.
+
+    Equivalent plain PyTorch::
+
+        m = attention_mask.bool()
+        seqused = m.sum(-1, dtype=torch.int32)
+        indices = m.flatten().nonzero().flatten()
+        cu_seqlens = torch.nn.functional.pad(seqused.cumsum(0, dtype=torch.int32), (1, 0))
+        max_seqlen = int(seqused.max())
+    """
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor, got {attention_mask.__class__.__name__}")
+    if attention_mask.is_floating_point() or attention_mask.is_complex():
+        raise TypeError(
+            f"attention_mask must be bool or integer, got dtype {attention_mask.dtype}; use `.bool()`"
+        )
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be (B, L), got shape {tuple(attention_mask.shape)}")
+    mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
+    seqused = mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
+    cu_seqlens = cu_seqlens_from_lengths(seqused)
+    max_seqlen = int(seqused.max()) if seqused.numel() > 0 else 0
+    return indices, cu_seqlens, max_seqlen, seqused
+
+
+def gather_tokens(hidden_states: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Rows ``indices`` of ``hidden_states`` ``(B, L, ...)`` flattened to ``(B * L, ...)``.
+
+    Unlike ``hidden_states.flatten(0, 1)[indices]`` this never copies the whole tensor when
+    its first two dims cannot be merged into a view, e.g. the ``(B, L, H, D)`` view
+    ``q.transpose(1, 2)`` of a heads-first ``(B, H, L, D)`` tensor: only the selected rows
+    are read. Differentiable w.r.t. ``hidden_states``.
+
+    Args:
+        hidden_states: ``(B, L, ...)``, any strides.
+        indices: ``(total,)`` int64 / int32 positions in ``[0, B * L)`` (as returned by
+            :func:`unpad_input` / :func:`unpad_indices`).
+
+    Returns:
+        ``(total, ...)``, a new tensor.
+
+    Equivalent plain PyTorch::
+
+        hidden_states.reshape(B * L, *hidden_states.shape[2:])[indices]
+    """
+    if not isinstance(hidden_states, torch.Tensor):
+        raise TypeError(f"hidden_states must be a torch.Tensor, got {hidden_states.__class__.__name__}")
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices must be a torch.Tensor, got {indices.__class__.__name__}")
+    if indices.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"indices must be an int64 or int32 tensor, got dtype {indices.dtype}")
+    if hidden_states.dim() < 2:
+        raise ValueError(f"hidden_states must be (B, L, ...), got shape {tuple(hidden_states.shape)}")
+    if indices.dim() != 1:
+        raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
+    batch, seqlen = hidden_states.shape[:2]
+    if hidden_states.stride(0) == seqlen * hidden_states.stride(1) or batch == 1:
+        # The first two dims merge into a view: one index_select, no copy of the rest.
+        flat = hidden_states.flatten(0, 1)
+        return flat.index_select(0, indices.to(torch.int64))
+    # Two-index gather reads the selected rows through the original strides.
+    idx = indices.to(torch.int64)
+    return hidden_states[idx // seqlen, idx % seqlen]

@@ -40,6 +40,7 @@ import triton.language as tl
 from .forward import (
     LOG2E,
     _load_bcast,
+    _load_mask_tile,
     _varlen_key_tiles,
     _varlen_need_elem,
     _varlen_seq,
@@ -56,6 +57,7 @@ from .forward import (
     varlen_tail_rows,
 )
 from .gather import plan_key_gather
+from .mask_summary import summarize_mask, summary_blocks, wants_summary
 from .tiles import build_tile_lists
 
 # dbias modes of the dK/dV kernel.
@@ -105,11 +107,12 @@ def _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem,
         bv = _load_bcast(bias_base, offs_n, offs_m, stride_bn, stride_bm, seqlen_k, seqlen_q,
                          BIAS_KB, BIAS_QB, 0.0)
         st = st + bv.to(tl.float32) * 1.4426950408889634
+    if HAS_MASK:  # outside the branch so it is pipelined (see _load_mask_tile)
+        mv = _load_mask_tile(mask_base, offs_n, offs_m, stride_mn, stride_mm, seqlen_k, seqlen_q,
+                             MASK_KB, MASK_QB, need_elem)
     if need_elem:
         vis = offs_n[:, None] < seqlen_k
         if HAS_MASK:
-            mv = _load_bcast(mask_base, offs_n, offs_m, stride_mn, stride_mm, seqlen_k, seqlen_q,
-                             MASK_KB, MASK_QB, 0)
             vis = vis & (mv != 0)
         if IS_CAUSAL:
             vis = vis & (offs_n[:, None] <= offs_m[None, :] + (seqlen_k - seqlen_q))
@@ -140,11 +143,12 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, mask_cols, mask_lim, ne
         bv = _load_bcast(bias_base, offs_m, offs_n, stride_bm, stride_bn, seqlen_q, seqlen_k,
                          BIAS_QB, BIAS_KB, 0.0)
         s = s + bv.to(tl.float32) * 1.4426950408889634
+    if HAS_MASK:  # outside the branch so it is pipelined (see _load_mask_tile)
+        mv = _load_mask_tile(mask_base, offs_m, mask_cols, stride_mm, stride_mn, seqlen_q,
+                             mask_lim, MASK_QB, MASK_KB, need_elem)
     if need_elem:
         vis = offs_n[None, :] < seqlen_k
         if HAS_MASK:
-            mv = _load_bcast(mask_base, offs_m, mask_cols, stride_mm, stride_mn, seqlen_q, mask_lim,
-                             MASK_QB, MASK_KB, 0)
             vis = vis & (mv != 0)
         if IS_CAUSAL:
             vis = vis & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
@@ -648,18 +652,24 @@ def attention_backward(
     run_dq_kernel = needs_dq
     # dQ is query-major like the forward: it can walk gathered key lists. (dK/dV cannot: the
     # union of a key tile's live queries is wide whenever one of its keys is popular.)
-    gather = (plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m2, block_n2, kernel="dq")
+    # A per-query mask is read once (one kernel) for the dK/dV lists, the dQ lists and the
+    # dQ gather plan; torch reductions would read it once per question.
+    summary = (summarize_mask(mask, *summary_blocks((block_m, block_n), (block_m2, block_n2)))
+               if wants_summary(mask, Lq, Lk) else None)
+    gather = (plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m2, block_n2, kernel="dq",
+                              summary=summary)
               if run_dq_kernel else None)
     same_blocks = (block_m, block_n) == (block_m2, block_n2) and gather is None
     tiles = None
     if run_dkdv or same_blocks:
         tiles = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m, block_n, device,
-                                 need_fwd=run_dq_kernel and same_blocks, need_bwd=run_dkdv)
+                                 need_fwd=run_dq_kernel and same_blocks, need_bwd=run_dkdv,
+                                 summary=summary)
     if same_blocks:
         tiles_q = tiles
     elif run_dq_kernel and gather is None:
         tiles_q = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m2, block_n2, device,
-                                   need_fwd=True, need_bwd=False)
+                                   need_fwd=True, need_bwd=False, summary=summary)
     else:
         tiles_q = None
     use_list = mask is not None or bool(is_causal)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .gather import plan_key_gather
+from .mask_summary import summarize_mask, wants_summary
 from .tiles import TileLists, build_tile_lists
 
 LOG2E = 1.4426950408889634
@@ -115,6 +116,34 @@ def _load_bcast(base, offs_r, offs_c, stride_r, stride_c, lim_r, lim_c,
         c = offs_c[None, :]
         c_ok = c < lim_c
     return tl.load(base + r * stride_r + c * stride_c, mask=r_ok & c_ok, other=other)
+
+
+@triton.jit
+def _load_mask_tile(base, offs_r, offs_c, stride_r, stride_c, lim_r, lim_c,
+                    R_BCAST: tl.constexpr, C_BCAST: tl.constexpr, pred):
+    """A mask tile as ``_load_bcast`` reads it, fetched only where the scalar ``pred`` holds.
+
+    The kernels call this outside their ``if need_elem:`` branch, with ``pred=need_elem``:
+    Triton software-pipelines only loads in the loop body proper, so a mask load inside the
+    branch would stall every partial tile (every tile, for a per-query top-k mask) for the
+    full memory latency. Out-of-range and unfetched elements read as 1; callers bound the
+    keys separately.
+    """
+    if R_BCAST:
+        r = tl.zeros([1, 1], dtype=tl.int32)
+        r_ok = r == 0
+    else:
+        r = offs_r[:, None]
+        r_ok = r < lim_r
+    if C_BCAST:
+        c = tl.zeros([1, 1], dtype=tl.int32)
+        c_ok = c == 0
+    else:
+        c = offs_c[None, :]
+        c_ok = c < lim_c
+    # pred may be a Python bool (gather mode) or a scalar tensor; make it a (1, 1) int1 tile.
+    fetch = (tl.zeros([1, 1], dtype=tl.int32) + pred) != 0
+    return tl.load(base + r * stride_r + c * stride_c, mask=r_ok & c_ok & fetch, other=1)
 
 
 @triton.jit
@@ -264,11 +293,12 @@ def _attn_fwd_kernel(
             bv = _load_bcast(bias_base, offs_m, offs_n, stride_bm, stride_bn, seqlen_q, seqlen_k,
                              BIAS_QB, BIAS_KB, 0.0)
             s = s + bv.to(tl.float32) * 1.4426950408889634
+        if HAS_MASK:
+            mv = _load_mask_tile(mask_base, offs_m, mask_cols, stride_mm, stride_mn, seqlen_q,
+                                 mask_lim, MASK_QB, MASK_KB, need_elem)
         if need_elem:
             vis = n_ok[None, :]
             if HAS_MASK:
-                mv = _load_bcast(mask_base, offs_m, mask_cols, stride_mm, stride_mn, seqlen_q, mask_lim,
-                                 MASK_QB, MASK_KB, 0)
                 vis = vis & (mv != 0)
             if IS_CAUSAL:
                 vis = vis & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
@@ -381,10 +411,14 @@ def attention_forward(
     block_m, block_n = fwd_blocks(D)
     gather = None
     if tiles is None:
-        gather = plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m, block_n)
+        # A per-query mask is read once, by one kernel, for everything planned from it.
+        summary = (summarize_mask(mask, block_m, block_n)
+                   if wants_summary(mask, Lq, Lk) else None)
+        gather = plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m, block_n,
+                                 summary=summary)
         if gather is None:
             tiles = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m, block_n, device,
-                                     need_fwd=True, need_bwd=False)
+                                     need_fwd=True, need_bwd=False, summary=summary)
     use_list = tiles is not None or gather is not None
     if gather is not None:
         idx, cnt, lst, list_hdiv = gather.idx, gather.cnt, gather.list_strides(), gather.head_div

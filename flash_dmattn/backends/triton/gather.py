@@ -30,6 +30,7 @@ from typing import Optional, Tuple
 import torch
 
 from ...block_map import block_reduce, cdiv
+from .mask_summary import MaskSummary
 
 # Use gather mode when it visits at most this fraction of the key tiles that tile skipping
 # would visit. Gathered tiles always load their element mask and their K/V rows by index, so
@@ -111,6 +112,7 @@ def plan_key_gather(
     block_n: int,
     policy: Optional[str] = None,
     kernel: str = "forward",
+    summary: Optional[MaskSummary] = None,
 ) -> Optional[KeyGather]:
     """Gather lists for ``block_m``-row query tiles, or None when tile skipping is as cheap.
 
@@ -127,7 +129,8 @@ def plan_key_gather(
     hx = mask.shape[1]
     n_q = cdiv(seqlen_q, block_m)
 
-    union = block_reduce(mask, 2, block_m, "any")  # (bx, hx, nQ, Lk)
+    # (bx, hx, nQ, Lk); a MaskSummary already holds it (or a finer version of it)
+    union = summary.row_union(block_m) if summary is not None else block_reduce(mask, 2, block_m, "any")
     if is_causal:
         q_last = torch.clamp(torch.arange(n_q, device=device) * block_m + block_m, max=seqlen_q) - 1
         keys = torch.arange(seqlen_k, device=device)

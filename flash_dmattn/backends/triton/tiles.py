@@ -29,7 +29,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...block_map import tile_liveness
+from ...block_map import causal_tiles, tile_liveness
+from .mask_summary import MaskSummary
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,21 @@ def classify_tiles(
     block_m: int,
     block_n: int,
     device: torch.device,
+    summary: Optional[MaskSummary] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(live, full)`` bool block maps ``(Bm, Hm, nQm, nKm)``; see :func:`tile_liveness`."""
-    return tile_liveness(mask, seqlen_q, seqlen_k, block_m, block_n, is_causal, device)
+    """``(live, full)`` bool block maps ``(Bm, Hm, nQm, nKm)``; see :func:`tile_liveness`.
+
+    With a :class:`MaskSummary` of ``mask`` the maps are reductions of the summary (the mask
+    itself is not read again).
+    """
+    if summary is None:
+        return tile_liveness(mask, seqlen_q, seqlen_k, block_m, block_n, is_causal, device)
+    live, full = summary.tiles(block_m, block_n)
+    if is_causal:
+        c_any, c_all = causal_tiles(seqlen_q, seqlen_k, block_m, block_n, device)
+        live = live & c_any
+        full = full & c_all
+    return live, full
 
 
 def _compact(live: torch.Tensor, partial: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -106,11 +119,13 @@ def build_tile_lists(
     device: torch.device,
     need_fwd: bool = True,
     need_bwd: bool = False,
+    summary: Optional[MaskSummary] = None,
 ) -> Optional[TileLists]:
     """Build live-tile lists for ``block_m x block_n`` tiles, or None when every tile is full.
 
     Returns None without a mask and without causal: kernels then visit every tile densely.
-    ``mask`` is the normalised 4-D bool view ``(Bx, Hx, Qx, Kx)``.
+    ``mask`` is the normalised 4-D bool view ``(Bx, Hx, Qx, Kx)``; ``summary``, when given, is
+    its :class:`MaskSummary` and replaces reading it.
     """
     if mask is None and not is_causal:
         return None
@@ -128,7 +143,7 @@ def build_tile_lists(
         _CAUSAL_CACHE.move_to_end(key)
         return cached
     return _build(mask, seqlen_q, seqlen_k, num_heads, is_causal, block_m, block_n, device,
-                  need_fwd, need_bwd)
+                  need_fwd, need_bwd, summary)
 
 
 _CAUSAL_CACHE: "OrderedDict" = OrderedDict()
@@ -136,10 +151,11 @@ _CAUSAL_CACHE_SIZE = 64
 
 
 def _build(mask, seqlen_q, seqlen_k, num_heads, is_causal, block_m, block_n, device,
-           need_fwd, need_bwd) -> TileLists:
+           need_fwd, need_bwd, summary=None) -> TileLists:
     n_q = -(-seqlen_q // block_m)
     n_k = -(-seqlen_k // block_n)
-    live, full = classify_tiles(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n, device)
+    live, full = classify_tiles(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n, device,
+                                summary)
     bm, hm = live.shape[0], live.shape[1]
     head_div = num_heads // hm
     fwd_idx = fwd_cnt = bwd_idx = bwd_cnt = None

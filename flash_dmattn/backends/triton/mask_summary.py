@@ -1,0 +1,127 @@
+"""One pass over a per-query mask that answers every tile question a call asks.
+
+A per-query mask ``(Bx, Hx, Lq, Lk)`` is the one input whose classification costs real time:
+the forward's live/full tile map, the backward's transposed map and the gather planner's
+per-query-tile key unions are each a reduction over the whole mask (268 MB for the T2
+workload), and with plain torch reductions a forward + backward read it ten times. This
+module reads it once per direction, with one Triton kernel, into two small summaries at a
+fine ``(row_block, key_block)`` granularity:
+
+* ``row_any``  ``(Bx, Hx, nQf, Lk)`` -- for each block of ``row_block`` rows, whether each key
+  is live in any of them (``row_block`` times smaller than the mask);
+* ``tile_all`` ``(Bx, Hx, nQf, nKf)`` -- whether every in-range element of each fine tile is
+  live.
+
+Every coarser question is then a reduction of these: tile maps for any block shape that is a
+multiple of the fine one, and the gather planner's unions over ``block_m`` rows. Equivalent
+plain PyTorch for the two summaries (what the torch fallback computes)::
+
+    row_any  = block_reduce(mask, 2, row_block, "any")
+    tile_all = block_reduce(block_reduce(mask, 2, row_block, "all"), 3, key_block, "all")
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ...block_map import block_reduce
+
+
+@dataclass(frozen=True)
+class MaskSummary:
+    """Fine-grained liveness of one per-query mask (see the module docstring)."""
+
+    row_block: int
+    key_block: int
+    seqlen_q: int
+    seqlen_k: int
+    row_any: torch.Tensor
+    tile_all: torch.Tensor
+
+    def tiles(self, block_q: int, block_k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(live, full)`` maps ``(Bx, Hx, nQ, nK)`` of ``block_q x block_k`` tiles (no causal)."""
+        if block_q % self.row_block or block_k % self.key_block:
+            raise ValueError(f"tiles {block_q}x{block_k} are not multiples of the summary's "
+                             f"{self.row_block}x{self.key_block}")
+        live = self.row_union(block_q)
+        live = block_reduce(live, 3, block_k, "any")
+        full = self.tile_all
+        if block_q > self.row_block:
+            full = block_reduce(full, 2, block_q // self.row_block, "all")
+        if block_k > self.key_block:
+            full = block_reduce(full, 3, block_k // self.key_block, "all")
+        return live, full
+
+    def row_union(self, block_q: int) -> torch.Tensor:
+        """``(Bx, Hx, nQ, Lk)``: key j is live in some row of query tile m (no causal)."""
+        if block_q % self.row_block:
+            raise ValueError(f"{block_q}-row tiles are not a multiple of {self.row_block}")
+        if block_q == self.row_block:
+            return self.row_any
+        return block_reduce(self.row_any, 2, block_q // self.row_block, "any")
+
+
+def summary_blocks(*shapes: Tuple[int, int]) -> Tuple[int, int]:
+    """The finest ``(row_block, key_block)`` every given ``(block_q, block_k)`` is a multiple of."""
+    rows = math.gcd(*(s[0] for s in shapes))
+    keys = math.gcd(*(s[1] for s in shapes))
+    return rows, keys
+
+
+def wants_summary(mask: Optional[torch.Tensor], seqlen_q: int, seqlen_k: int) -> bool:
+    """Only a mask that varies along both queries and keys is worth one fused pass."""
+    return (mask is not None and seqlen_q > 1 and seqlen_k > 1
+            and mask.size(2) == seqlen_q and mask.size(3) == seqlen_k)
+
+
+@triton.jit
+def _mask_summary_kernel(
+    Mask, RowAny, TileAll,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    num_heads_m, seqlen_q, seqlen_k, n_row_blocks, n_key_blocks,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_k = tl.program_id(0)
+    pid_q = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = (pid_bh // num_heads_m).to(tl.int64)
+    h = (pid_bh % num_heads_m).to(tl.int64)
+    offs_m = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_n = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_ok = offs_m < seqlen_q
+    n_ok = offs_n < seqlen_k
+    ok = m_ok[:, None] & n_ok[None, :]
+    ptrs = Mask + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
+    live = (tl.load(ptrs, mask=ok, other=0) != 0).to(tl.int32)
+    row = pid_bh.to(tl.int64) * n_row_blocks + pid_q
+    tl.store(RowAny + row * seqlen_k + offs_n, tl.max(live, 0).to(tl.uint8), mask=n_ok)
+    # Out-of-range elements do not make a ragged edge tile partial.
+    full = tl.min(tl.min(tl.where(ok, live, 1), 1), 0)
+    tl.store(TileAll + row * n_key_blocks + pid_k, full.to(tl.uint8))
+
+
+def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int) -> MaskSummary:
+    """Read a 4-D bool mask ``(Bx, Hx, Lq, Lk)`` (any strides) once into a :class:`MaskSummary`."""
+    bx, hx, seqlen_q, seqlen_k = mask.shape
+    n_q = triton.cdiv(seqlen_q, row_block)
+    n_k = triton.cdiv(seqlen_k, key_block)
+    device = mask.device
+    row_any = torch.empty((bx, hx, n_q, seqlen_k), dtype=torch.uint8, device=device)
+    tile_all = torch.empty((bx, hx, n_q, n_k), dtype=torch.uint8, device=device)
+    if row_any.numel():
+        mask_u8 = mask.view(torch.uint8)
+        _mask_summary_kernel[(n_k, n_q, bx * hx)](
+            mask_u8, row_any, tile_all,
+            mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2), mask_u8.stride(3),
+            hx, seqlen_q, seqlen_k, n_q, n_k,
+            BLOCK_Q=row_block, BLOCK_K=key_block,
+            num_warps=4,
+        )
+    return MaskSummary(row_block=row_block, key_block=key_block, seqlen_q=seqlen_q,
+                       seqlen_k=seqlen_k, row_any=row_any.view(torch.bool),
+                       tile_all=tile_all.view(torch.bool))

@@ -1,0 +1,101 @@
+"""The one-pass mask summary kernel vs torch block reductions, and the maps derived from it.
+
+Runs the kernel through the Triton interpreter on CPU and compiled on a GPU (same test).
+"""
+import pytest
+import torch
+
+try:
+    import triton  # noqa: F401
+except ModuleNotFoundError as exc:
+    if exc.name != "triton":
+        raise
+    pytest.skip("the summary kernel needs the triton package", allow_module_level=True)
+
+from flash_dmattn.backends.triton.gather import plan_key_gather  # noqa: E402
+from flash_dmattn.backends.triton.mask_summary import (  # noqa: E402
+    summarize_mask,
+    summary_blocks,
+    wants_summary,
+)
+from flash_dmattn.backends.triton.tiles import build_tile_lists, classify_tiles  # noqa: E402
+from flash_dmattn.block_map import block_reduce, tile_liveness  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _masks(Lq, Lk, gen):
+    """Per-query masks with dead, full and partial 16x16 tiles, in several layouts."""
+    rnd = torch.rand(2, 3, Lq, Lk, generator=gen) < 0.3
+    rnd[:, :, :, :16] = True                      # a full column of tiles
+    rnd[:, :, :, 32:48] = False                   # a dead column of tiles
+    rnd[1, 2] = False                             # one head with nothing live at all
+    yield "contiguous", rnd
+    yield "broadcast-batch-head", rnd[:1, :1].expand(2, 3, Lq, Lk)
+    yield "non-contiguous", rnd.transpose(2, 3).contiguous().transpose(2, 3)
+
+
+@pytest.mark.parametrize("Lq,Lk,block", [(63, 65, (16, 16)), (65, 129, (32, 16)), (16, 48, (16, 16)),
+                                          (129, 63, (16, 64))])
+def test_summary_matches_block_reductions(Lq, Lk, block):
+    gen = torch.Generator().manual_seed(Lq * 1000 + Lk)
+    for name, mask in _masks(Lq, Lk, gen):
+        mask = mask.to(DEVICE)
+        s = summarize_mask(mask, *block)
+        want_any = block_reduce(mask, 2, block[0], "any")
+        want_all = block_reduce(block_reduce(mask, 2, block[0], "all"), 3, block[1], "all")
+        assert torch.equal(s.row_any, want_any), name
+        assert torch.equal(s.tile_all, want_all), name
+
+
+def test_derived_tile_maps_equal_direct_ones():
+    # One summary per layout answers every coarser block shape, causal or not.
+    Lq, Lk = 97, 113
+    gen = torch.Generator().manual_seed(7)
+    for name, mask in _masks(Lq, Lk, gen):
+        mask = mask.to(DEVICE)
+        s = summarize_mask(mask, 16, 16)
+        for coarse in ((16, 16), (32, 16), (16, 32), (64, 48)):
+            for causal in (False, True):
+                live, full = classify_tiles(mask, Lq, Lk, causal, *coarse, mask.device, summary=s)
+                want_live, want_full = tile_liveness(mask, Lq, Lk, *coarse, causal)
+                assert torch.equal(live, want_live), (name, coarse, causal)
+                assert torch.equal(full, want_full), (name, coarse, causal)
+            assert torch.equal(s.row_union(coarse[0]), block_reduce(mask, 2, coarse[0], "any")), name
+
+
+def test_tile_lists_and_gather_plan_identical_with_summary():
+    Lq, Lk, H = 100, 90, 6
+    gen = torch.Generator().manual_seed(3)
+    mask = (torch.rand(1, 3, Lq, Lk, generator=gen) < 0.2).to(DEVICE)
+    s = summarize_mask(mask, *summary_blocks((16, 32), (32, 16)))
+    assert (s.row_block, s.key_block) == (16, 16)
+    for need in ((True, False), (False, True)):
+        a = build_tile_lists(mask, Lq, Lk, H, True, 32, 16, mask.device, *need)
+        b = build_tile_lists(mask, Lq, Lk, H, True, 32, 16, mask.device, *need, summary=s)
+        for field in ("fwd_idx", "fwd_cnt", "bwd_idx", "bwd_cnt"):
+            x, y = getattr(a, field), getattr(b, field)
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert torch.equal(x, y), field
+    g1 = plan_key_gather(mask, None, Lq, Lk, H, True, 32, 16, policy="always")
+    g2 = plan_key_gather(mask, None, Lq, Lk, H, True, 32, 16, policy="always", summary=s)
+    assert torch.equal(g1.idx, g2.idx) and torch.equal(g1.cnt, g2.cnt)
+    assert torch.equal(g1.gmask, g2.gmask)
+
+
+def test_wants_summary_only_for_per_query_masks():
+    m = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    assert wants_summary(m, 8, 8)
+    assert not wants_summary(m[:, :, :1], 8, 8)      # per-key
+    assert not wants_summary(m[:, :, :, :1], 8, 8)   # per-query scalar
+    assert not wants_summary(None, 8, 8)
+    assert not wants_summary(m[:, :, :1], 1, 8)     # decode row
+
+
+def test_blocks_must_be_multiples():
+    s = summarize_mask(torch.ones(1, 1, 32, 32, dtype=torch.bool, device=DEVICE), 16, 16)
+    with pytest.raises(ValueError):
+        s.tiles(24, 16)
+    with pytest.raises(ValueError):
+        s.row_union(8)
