@@ -92,6 +92,14 @@ def get_backend(name: str) -> Backend:
 Inputs = Union[AttentionInputs, VarlenInputs]
 
 
+def can_run(name: str, inputs: Inputs) -> bool:
+    """Whether backend ``name`` is available and supports ``inputs`` (preferences ignored)."""
+    backend = _BACKENDS.get(name)
+    if backend is None or unavailable_reason(backend) is not None:
+        return False
+    return not _reasons(backend, inputs)
+
+
 def _reasons(backend: Backend, inputs: Inputs) -> List[str]:
     if isinstance(inputs, VarlenInputs):
         return list(backend.varlen_not_supported_reasons(inputs))

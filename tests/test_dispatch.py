@@ -140,3 +140,42 @@ def test_info_lists_every_backend(capsys):
     for name in registry.PRIORITY:
         assert name in out
     assert "device:" in out
+
+
+class _FakeCudaInputs:
+    """Just enough of an inputs object for auto_skip_reasons: a CUDA device."""
+
+    device = torch.device("cuda")
+
+
+@pytest.mark.parametrize("flex_can_run", [True, False])
+def test_untuned_triton_steps_aside_only_for_flex(monkeypatch, flex_can_run):
+    # Untuned Triton yields to flex on CUDA, but where flex declines (varlen, paged KV) it
+    # must win over the torch-reference fallback rather than yield to it.
+    from flash_dmattn import registry
+    from flash_dmattn.backends.triton import backend as triton_backend
+
+    monkeypatch.setattr(triton_backend, "TUNED", False)
+    asked = []
+
+    def fake_can_run(name, inputs):
+        asked.append(name)
+        return flex_can_run
+
+    monkeypatch.setattr(registry, "can_run", fake_can_run)
+    reasons = TritonBackend().auto_skip_reasons(_FakeCudaInputs())
+    assert asked == ["flex"]
+    assert bool(reasons) == flex_can_run
+    monkeypatch.setattr(triton_backend, "TUNED", True)
+    assert TritonBackend().auto_skip_reasons(_FakeCudaInputs()) == []
+
+
+def test_can_run_reports_support_and_availability(monkeypatch):
+    from flash_dmattn import registry
+
+    q = torch.randn(1, 4, 2, 8)
+    inputs = AttentionInputs.from_args(q, q, q, None, None, None, False)
+    assert registry.can_run("torch-reference", inputs)
+    monkeypatch.setenv("FLASH_DMATTN_DISABLE", "torch-reference")
+    assert not registry.can_run("torch-reference", inputs)
+    assert not registry.can_run("no-such-backend", inputs)
