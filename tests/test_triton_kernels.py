@@ -279,14 +279,23 @@ def test_tile_lists_broadcast_and_order():
     mask[..., 32:48] = True   # tile 2, full
     t = build_tile_lists(mask, Lq, Lk, 4, False, bm, bn, torch.device("cpu"), need_fwd=True, need_bwd=True)
     # A per-key mask shares one forward list across query tiles.
-    assert t.fwd_idx.shape == (1, 1, 1, 4) and t.fwd_cnt.tolist() == [[[2]]]
-    assert t.fwd_idx[0, 0, 0, :2].tolist() == [1 * 2 + 1, 2 * 2 + 0]
-    assert t.bwd_cnt.tolist() == [[[0, 3, 3, 0]]]
+    # Counts are (live, full); full tiles are listed first.
+    assert t.fwd_idx.shape == (1, 1, 1, 4) and t.fwd_cnt.tolist() == [[[[2, 1]]]]
+    assert t.fwd_idx[0, 0, 0, :2].tolist() == [2 * 2 + 0, 1 * 2 + 1]
+    assert t.bwd_cnt.tolist() == [[[[0, 0], [3, 0], [3, 3], [0, 0]]]]
     assert t.bwd_idx[0, 0, 1, :3].tolist() == [1, 3, 5]  # every query tile, partial
+    assert t.bwd_idx[0, 0, 2, :3].tolist() == [0, 2, 4]  # every query tile, full
+    # A ragged last key tile is partial even where the mask is all True.
+    r = build_tile_lists(torch.ones(1, 1, 1, Lk, dtype=torch.bool), Lq, Lk, 4, False, bm, bn,
+                         torch.device("cpu"), need_fwd=True, need_bwd=True)
+    assert r.fwd_cnt.tolist() == [[[[4, 3]]]]
+    assert r.fwd_idx[0, 0, 0].tolist() == [0, 2, 4, 3 * 2 + 1]
+    assert r.bwd_cnt[0, 0, :, 1].tolist() == [3, 3, 3, 0]
     assert t.fwd_strides()[:3] == (0, 0, 0)
     # Causal forces per-query-tile lists; tiles above the diagonal disappear.
     tc = build_tile_lists(None, 32, 32, 4, True, bm, bn, torch.device("cpu"), need_fwd=True, need_bwd=True)
-    assert tc.fwd_cnt.flatten().tolist() == [1, 2]
+    assert tc.fwd_cnt[..., 0].flatten().tolist() == [1, 2]
+    assert tc.fwd_cnt[..., 1].flatten().tolist() == [0, 1]
     assert tc.fwd_idx[0, 0, 1, :2].tolist() == [0, 3]  # off-diagonal full, diagonal partial
     assert build_tile_lists(None, 32, 32, 4, False, bm, bn, torch.device("cpu")) is None
 

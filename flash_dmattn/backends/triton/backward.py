@@ -40,7 +40,9 @@ import triton.language as tl
 from .forward import (
     LOG2E,
     _load_bcast,
+    _key_tile,
     _load_mask_tile,
+    _scores,
     _varlen_key_tiles,
     _varlen_need_elem,
     _varlen_seq,
@@ -94,8 +96,12 @@ def _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem,
               seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
               HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
               HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
-              IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """Transposed scores (keys x queries) in log2 units, plus tanh (for the softcap chain)."""
+              IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr,
+              ELEM: tl.constexpr):
+    """Transposed scores (keys x queries) in log2 units, plus tanh (for the softcap chain).
+
+    ``ELEM`` as in :func:`.forward._scores`: 0 full tile, 1 partial tile, 2 ``need_elem``.
+    """
     st = _dot(k, tl.trans(q), DOT_UPCAST)
     if HAS_SOFTCAP:
         th = _tanh(st * cap_scale)
@@ -107,53 +113,100 @@ def _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem,
         bv = _load_bcast(bias_base, offs_n, offs_m, stride_bn, stride_bm, seqlen_k, seqlen_q,
                          BIAS_KB, BIAS_QB, 0.0)
         st = st + bv.to(tl.float32) * 1.4426950408889634
-    if HAS_MASK:  # outside the branch so it is pipelined (see _load_mask_tile)
+    if HAS_MASK and ELEM != 0:  # outside the branch so it is pipelined (see _load_mask_tile)
         mv = _load_mask_tile(mask_base, offs_n, offs_m, stride_mn, stride_mm, seqlen_k, seqlen_q,
                              MASK_KB, MASK_QB, need_elem)
-    if need_elem:
-        vis = offs_n[:, None] < seqlen_k
-        if HAS_MASK:
-            vis = vis & (mv != 0)
-        if IS_CAUSAL:
-            vis = vis & (offs_n[:, None] <= offs_m[None, :] + (seqlen_k - seqlen_q))
-        st = tl.where(vis, st, float("-inf"))
+    else:
+        mv = 1
+    if ELEM == 1:
+        st = _hide_t(st, mv, offs_n, offs_m, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL)
+    elif ELEM == 2:
+        if need_elem:
+            st = _hide_t(st, mv, offs_n, offs_m, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL)
     return st, th
 
 
 @triton.jit
-def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, mask_cols, mask_lim, need_elem,
-            stride_bm, stride_bn, stride_mm, stride_mn,
-            seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
-            HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
-            HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
-            IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """Scores (queries x keys) in log2 units, plus tanh (for the softcap chain).
+def _hide_t(st, mv, offs_n, offs_m, seqlen_q, seqlen_k, HAS_MASK: tl.constexpr,
+            IS_CAUSAL: tl.constexpr):
+    """-inf where a (key, query) element is out of range, masked or causally hidden."""
+    vis = offs_n[:, None] < seqlen_k
+    if HAS_MASK:
+        vis = vis & (mv != 0)
+    if IS_CAUSAL:
+        vis = vis & (offs_n[:, None] <= offs_m[None, :] + (seqlen_k - seqlen_q))
+    return tl.where(vis, st, float("-inf"))
 
-    ``mask_cols`` / ``mask_lim``: the mask's column index and bound (the key index and Lk,
-    or in gather mode the position in the gathered list and its length).
-    """
-    s = _dot(q, kt, DOT_UPCAST)
+
+@triton.jit
+def _dkdv_tile(dk, dv, col_acc, sc_acc, k, v, start_m, need_elem,
+               Q, DO, DB, lse_row, delta_row, bias_base, mask_base, db_base,
+               b64, h64, offs_m0, offs_n, offs_d, d_ok, n_ok, pid_n,
+               stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
+               stride_bm, stride_bn, stride_mm, stride_mn, stride_tm, stride_tn,
+               seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+               HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
+               HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
+               IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr,
+               STORE_DKV: tl.constexpr, DB_MODE: tl.constexpr, DB_ACC: tl.constexpr,
+               ELEM: tl.constexpr):
+    """One query tile of the dK/dV kernel: returns the updated ``(dk, dv, col_acc, sc_acc)``
+    (dbias modes 1 and 3 store their part directly)."""
+    offs_m = start_m + offs_m0
+    m_ok = offs_m < seqlen_q
+    q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
+                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    # Rows past Lq and rows with no visible key (lse = -inf) get lse = +inf: p = 0.
+    lse = tl.load(lse_row + offs_m, mask=m_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(delta_row + offs_m, mask=m_ok, other=0.0)
+
+    st, th = _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem,
+                       stride_bm, stride_bn, stride_mm, stride_mn,
+                       seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                       HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
+                       IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM)
+    pt = tl.exp2(st - lse2[None, :])
+    if STORE_DKV:
+        dv += _dot(pt.to(do.dtype), do, DOT_UPCAST)
+    dpt = _dot(v, tl.trans(do), DOT_UPCAST)
+    # dst: gradient w.r.t. the final (soft-capped + bias) score, natural units.
+    dst = pt * (dpt - delta[None, :])
+
+    if DB_MODE == 1:
+        t_ptrs = db_base + offs_n[:, None] * stride_tn + offs_m[None, :] * stride_tm
+        t_ok = n_ok[:, None] & m_ok[None, :]
+        if DB_ACC == 0:
+            tl.store(t_ptrs, dst.to(DB.dtype.element_ty), mask=t_ok)
+        elif DB_ACC == 1:
+            # Earlier iterations' stores came from other threads' layouts.
+            tl.debug_barrier()
+            old = tl.load(t_ptrs, mask=t_ok, other=0.0)
+            tl.store(t_ptrs, old + dst, mask=t_ok)
+        else:
+            tl.atomic_add(t_ptrs, dst, mask=t_ok)
+    elif DB_MODE == 2:
+        col_acc += tl.sum(dst, 1)
+    elif DB_MODE == 3:
+        r_ptrs = db_base + offs_m * stride_tm + pid_n * stride_tn
+        rsum = tl.sum(dst, 0)
+        if DB_ACC == 1:
+            tl.debug_barrier()
+            old = tl.load(r_ptrs, mask=m_ok, other=0.0)
+            tl.store(r_ptrs, old + rsum, mask=m_ok)
+        else:
+            tl.store(r_ptrs, rsum, mask=m_ok)
+    elif DB_MODE == 4:
+        sc_acc += tl.sum(tl.sum(dst, 1), 0)
+
     if HAS_SOFTCAP:
-        th = _tanh(s * cap_scale)
-        s = (softcap * 1.4426950408889634) * th
-    else:
-        th = s
-        s = s * qk_scale
-    if HAS_BIAS:
-        bv = _load_bcast(bias_base, offs_m, offs_n, stride_bm, stride_bn, seqlen_q, seqlen_k,
-                         BIAS_QB, BIAS_KB, 0.0)
-        s = s + bv.to(tl.float32) * 1.4426950408889634
-    if HAS_MASK:  # outside the branch so it is pipelined (see _load_mask_tile)
-        mv = _load_mask_tile(mask_base, offs_m, mask_cols, stride_mm, stride_mn, seqlen_q,
-                             mask_lim, MASK_QB, MASK_KB, need_elem)
-    if need_elem:
-        vis = offs_n[None, :] < seqlen_k
-        if HAS_MASK:
-            vis = vis & (mv != 0)
-        if IS_CAUSAL:
-            vis = vis & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
-        s = tl.where(vis, s, float("-inf"))
-    return s, th
+        dst = dst * (1.0 - th * th)
+    dst_lp = dst.to(q.dtype)
+    if STORE_DKV:
+        dk += _dot(dst_lp, q, DOT_UPCAST)
+    return dk, dv, col_acc, sc_acc
 
 
 @triton.jit
@@ -249,72 +302,48 @@ def _attn_bwd_dkdv_kernel(
             else:
                 lse_row = Lse + bh.to(tl.int64) * seqlen_q
                 delta_row = Delta + bh.to(tl.int64) * seqlen_q
-            for t in range(t_lo, n_iter):
-                if USE_LIST:
-                    entry = tl.load(list_row + t)
-                    start_m = (entry >> 1) * BLOCK_M
-                    need_elem = ((entry & 1) != 0) | n_edge
-                else:
+            if USE_LIST:
+                # Full query tiles first, then partial ones (see the forward kernel).
+                n_full = tl.load(ListCnt + b * stride_cb + lh * stride_ch + pid_n * stride_cn + 1)
+                for t in range(0, n_full):
+                    start_m = (tl.load(list_row + t) >> 1) * BLOCK_M
+                    dk, dv, col_acc, sc_acc = _dkdv_tile(
+                        dk, dv, col_acc, sc_acc, k, v, start_m, False,
+                        Q, DO, DB, lse_row, delta_row, bias_base, mask_base, db_base,
+                        b64, h64, offs_m0, offs_n, offs_d, d_ok, n_ok, pid_n,
+                        stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
+                        stride_bm, stride_bn, stride_mm, stride_mn, stride_tm, stride_tn,
+                        seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                        HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
+                        HAS_SOFTCAP, DOT_UPCAST, STORE_DKV, DB_MODE, DB_ACC, 0)
+                for t in range(n_full, n_iter):
+                    start_m = (tl.load(list_row + t) >> 1) * BLOCK_M
+                    dk, dv, col_acc, sc_acc = _dkdv_tile(
+                        dk, dv, col_acc, sc_acc, k, v, start_m, True,
+                        Q, DO, DB, lse_row, delta_row, bias_base, mask_base, db_base,
+                        b64, h64, offs_m0, offs_n, offs_d, d_ok, n_ok, pid_n,
+                        stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
+                        stride_bm, stride_bn, stride_mm, stride_mn, stride_tm, stride_tn,
+                        seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                        HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
+                        HAS_SOFTCAP, DOT_UPCAST, STORE_DKV, DB_MODE, DB_ACC, 1)
+            else:
+                for t in range(t_lo, n_iter):
                     start_m = t * BLOCK_M
                     need_elem = n_edge
                     if VARLEN:
                         need_elem = _varlen_need_elem(need_elem, start_m, start_n, seqlen_q,
                                                       seqlen_k, BLOCK_M, BLOCK_N, HAS_MASK,
                                                       IS_CAUSAL)
-                offs_m = start_m + offs_m0
-                m_ok = offs_m < seqlen_q
-                q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-                            mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-                do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
-                             mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-                # Rows past Lq and rows with no visible key (lse = -inf) get lse = +inf: p = 0.
-                lse = tl.load(lse_row + offs_m, mask=m_ok, other=float("inf"))
-                lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-                delta = tl.load(delta_row + offs_m, mask=m_ok, other=0.0)
-
-                st, th = _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem,
-                                   stride_bm, stride_bn, stride_mm, stride_mn,
-                                   seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
-                                   HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
-                                   IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST)
-                pt = tl.exp2(st - lse2[None, :])
-                if STORE_DKV:
-                    dv += _dot(pt.to(do.dtype), do, DOT_UPCAST)
-                dpt = _dot(v, tl.trans(do), DOT_UPCAST)
-                # dst: gradient w.r.t. the final (soft-capped + bias) score, natural units.
-                dst = pt * (dpt - delta[None, :])
-
-                if DB_MODE == 1:
-                    t_ptrs = db_base + offs_n[:, None] * stride_tn + offs_m[None, :] * stride_tm
-                    t_ok = n_ok[:, None] & m_ok[None, :]
-                    if DB_ACC == 0:
-                        tl.store(t_ptrs, dst.to(DB.dtype.element_ty), mask=t_ok)
-                    elif DB_ACC == 1:
-                        # Earlier iterations' stores came from other threads' layouts.
-                        tl.debug_barrier()
-                        old = tl.load(t_ptrs, mask=t_ok, other=0.0)
-                        tl.store(t_ptrs, old + dst, mask=t_ok)
-                    else:
-                        tl.atomic_add(t_ptrs, dst, mask=t_ok)
-                elif DB_MODE == 2:
-                    col_acc += tl.sum(dst, 1)
-                elif DB_MODE == 3:
-                    r_ptrs = db_base + offs_m * stride_tm + pid_n * stride_tn
-                    rsum = tl.sum(dst, 0)
-                    if DB_ACC == 1:
-                        tl.debug_barrier()
-                        old = tl.load(r_ptrs, mask=m_ok, other=0.0)
-                        tl.store(r_ptrs, old + rsum, mask=m_ok)
-                    else:
-                        tl.store(r_ptrs, rsum, mask=m_ok)
-                elif DB_MODE == 4:
-                    sc_acc += tl.sum(tl.sum(dst, 1), 0)
-
-                if HAS_SOFTCAP:
-                    dst = dst * (1.0 - th * th)
-                dst_lp = dst.to(q.dtype)
-                if STORE_DKV:
-                    dk += _dot(dst_lp, q, DOT_UPCAST)
+                    dk, dv, col_acc, sc_acc = _dkdv_tile(
+                        dk, dv, col_acc, sc_acc, k, v, start_m, need_elem,
+                        Q, DO, DB, lse_row, delta_row, bias_base, mask_base, db_base,
+                        b64, h64, offs_m0, offs_n, offs_d, d_ok, n_ok, pid_n,
+                        stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
+                        stride_bm, stride_bn, stride_mm, stride_mn, stride_tm, stride_tn,
+                        seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                        HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
+                        HAS_SOFTCAP, DOT_UPCAST, STORE_DKV, DB_MODE, DB_ACC, 2)
             if not DB_GROUP:
                 if DB_MODE == 2:
                     tl.store(db_base + offs_n * stride_tn, col_acc, mask=n_ok)
@@ -332,6 +361,33 @@ def _attn_bwd_dkdv_kernel(
                      dk.to(DK.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
             tl.store(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
                      dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
+             offs_m, offs_n, offs_d, d_ok, n_ok, mask_cols, mask_lim, need_elem,
+             stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
+             seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+             HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
+             HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
+             IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr,
+             ELEM: tl.constexpr):
+    """One key tile of the dQ kernel: returns ``dq`` plus this tile's ``dS @ K``."""
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None],
+                 mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    s, th = _scores(q, tl.trans(k), bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols,
+                    mask_lim, need_elem, stride_bm, stride_bn, stride_mm, stride_mn,
+                    seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                    HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
+                    IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM)
+    p = tl.exp2(s - lse2[:, None])
+    dp = _dot(do, vt, DOT_UPCAST)
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - th * th)
+    return dq + _dot(ds.to(k.dtype), k, DOT_UPCAST)
 
 
 @triton.jit
@@ -400,53 +456,47 @@ def _attn_bwd_dq_kernel(
     if USE_LIST:
         lh = h // list_hdiv
         list_row = ListIdx + b * stride_lb + lh * stride_lh + pid_m * stride_lm
-        n_iter = tl.load(ListCnt + b * stride_cb + lh * stride_ch + pid_m * stride_cm)
+        cnt_ptr = ListCnt + b * stride_cb + lh * stride_ch + pid_m * stride_cm
+        n_iter = tl.load(cnt_ptr)
     else:
         list_row = ListIdx
+        cnt_ptr = ListCnt
         n_iter = n_k_tiles
     if VARLEN:
         n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    n_keys = n_iter
-    if GATHER:
-        n_iter = tl.cdiv(n_keys, BLOCK_N)
-    for t in range(0, n_iter):
+    if USE_LIST and not GATHER:
+        # Full tiles first, then partial ones (see the forward kernel).
+        n_full = tl.load(cnt_ptr + 1)
+        for t in range(0, n_full):
+            offs_n = (tl.load(list_row + t) >> 1) * BLOCK_N + offs_n0
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
+                          offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, seqlen_k, False,
+                          stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
+                          seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                          HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
+                          HAS_SOFTCAP, DOT_UPCAST, 0)
+        for t in range(n_full, n_iter):
+            offs_n = (tl.load(list_row + t) >> 1) * BLOCK_N + offs_n0
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
+                          offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, seqlen_k, True,
+                          stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
+                          seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                          HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
+                          HAS_SOFTCAP, DOT_UPCAST, 1)
+    else:
+        n_keys = n_iter
         if GATHER:
-            mask_cols = t * BLOCK_N + offs_n0
-            n_ok = mask_cols < n_keys
-            offs_n = tl.load(list_row + mask_cols, mask=n_ok, other=0)
-            mask_lim = n_keys
-            need_elem = True
-        else:
-            if USE_LIST:
-                entry = tl.load(list_row + t)
-                start_n = (entry >> 1) * BLOCK_N
-                need_elem = ((entry & 1) != 0) | (start_n + BLOCK_N > seqlen_k)
-            else:
-                start_n = t * BLOCK_N
-                need_elem = start_n + BLOCK_N > seqlen_k
-                if VARLEN:
-                    need_elem = _varlen_need_elem(need_elem, pid_m * BLOCK_M, start_n, seqlen_q,
-                                                  seqlen_k, BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL)
-            offs_n = start_n + offs_n0
-            n_ok = offs_n < seqlen_k
-            mask_cols = offs_n
-            mask_lim = seqlen_k
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None],
-                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s, th = _scores(q, tl.trans(k), bias_base, mask_base, offs_m, offs_n, mask_cols, mask_lim,
-                        need_elem,
-                        stride_bm, stride_bn, stride_mm, stride_mn,
-                        seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
-                        HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
-                        IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST)
-        p = tl.exp2(s - lse2[:, None])
-        dp = _dot(do, vt, DOT_UPCAST)
-        ds = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - th * th)
-        dq += _dot(ds.to(k.dtype), k, DOT_UPCAST)
+            n_iter = tl.cdiv(n_keys, BLOCK_N)
+        for t in range(0, n_iter):
+            offs_n, n_ok, mask_cols, mask_lim, need_elem = _key_tile(
+                t, list_row, offs_n0, n_keys, pid_m * BLOCK_M, seqlen_q, seqlen_k,
+                BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL, GATHER, VARLEN)
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
+                          offs_m, offs_n, offs_d, d_ok, n_ok, mask_cols, mask_lim, need_elem,
+                          stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
+                          seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                          HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
+                          HAS_SOFTCAP, DOT_UPCAST, 1 if GATHER else 2)
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])

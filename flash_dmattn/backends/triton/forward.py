@@ -186,6 +186,119 @@ def _varlen_need_elem(need_elem, start_m, start_n, seqlen_q, seqlen_k,
 
 
 @triton.jit
+def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_lim, need_elem,
+            stride_bm, stride_bn, stride_mm, stride_mn,
+            seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+            HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
+            HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
+            IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr,
+            ELEM: tl.constexpr):
+    """Scores (queries x keys) in log2 units, plus tanh (for the softcap chain).
+
+    ``ELEM``: 0 -- a full tile (listed as such): no mask load, no per-element test; 1 -- a
+    partial tile: mask load and test always; 2 -- decided per tile by ``need_elem`` at run
+    time (unlisted calls: ragged edges, varlen, gather). Lists put full tiles first so the
+    kernels run two branch-free loops instead of one loop with a branch per tile.
+
+    ``mask_cols`` / ``mask_lim``: the mask's column index and bound (the key index and Lk,
+    or in gather mode the position in the gathered list and its length).
+    """
+    s = _dot(q, kt, DOT_UPCAST)
+    if HAS_SOFTCAP:
+        th = _tanh(s * cap_scale)
+        s = (softcap * 1.4426950408889634) * th
+    else:
+        th = s
+        s = s * qk_scale
+    if HAS_BIAS:
+        bv = _load_bcast(bias_base, offs_m, offs_n, stride_bm, stride_bn, seqlen_q, seqlen_k,
+                         BIAS_QB, BIAS_KB, 0.0)
+        s = s + bv.to(tl.float32) * 1.4426950408889634
+    if HAS_MASK and ELEM != 0:  # outside the branch so it is pipelined (see _load_mask_tile)
+        mv = _load_mask_tile(mask_base, offs_m, mask_cols, stride_mm, stride_mn, seqlen_q,
+                             mask_lim, MASK_QB, MASK_KB, need_elem)
+    else:
+        mv = 1
+    if ELEM == 1:
+        s = _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL)
+    elif ELEM == 2:
+        if need_elem:
+            s = _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL)
+    return s, th
+
+
+@triton.jit
+def _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK: tl.constexpr,
+          IS_CAUSAL: tl.constexpr):
+    """-inf where a (query, key) element is out of range, masked or causally hidden."""
+    vis = n_ok[None, :]
+    if HAS_MASK:
+        vis = vis & (mv != 0)
+    if IS_CAUSAL:
+        vis = vis & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
+    return tl.where(vis, s, float("-inf"))
+
+
+@triton.jit
+def _key_tile(t, list_row, offs_n0, n_keys, start_m, seqlen_q, seqlen_k,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr):
+    """Key tile ``t`` of an unlisted loop (dense, varlen or gather), for the forward and dQ.
+
+    Returns ``(offs_n, n_ok, mask_cols, mask_lim, need_elem)``: the key indices, which are in
+    range, the mask's column index and bound (the key index and Lk, or in gather mode the
+    position in the gathered list and its length) and whether the tile needs per-element
+    masking.
+    """
+    if GATHER:
+        mask_cols = t * BLOCK_N + offs_n0
+        n_ok = mask_cols < n_keys
+        offs_n = tl.load(list_row + mask_cols, mask=n_ok, other=0)
+        mask_lim = n_keys
+        need_elem = n_keys >= 0  # always (a tensor, like the other branch's)
+    else:
+        start_n = t * BLOCK_N
+        need_elem = start_n + BLOCK_N > seqlen_k
+        if VARLEN:
+            need_elem = _varlen_need_elem(need_elem, start_m, start_n, seqlen_q, seqlen_k,
+                                          BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL)
+        offs_n = start_n + offs_n0
+        n_ok = offs_n < seqlen_k
+        mask_cols = offs_n
+        mask_lim = seqlen_k
+    return offs_n, n_ok, mask_cols, mask_lim, need_elem
+
+
+@triton.jit
+def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
+              offs_m, offs_n, offs_d, d_ok, n_ok, mask_cols, mask_lim, need_elem,
+              stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
+              seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+              HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr,
+              ELEM: tl.constexpr):
+    """One key tile of the online softmax: returns the updated ``(acc, m_i, l_i)``."""
+    kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None],
+                 mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    s, _ = _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_lim,
+                   need_elem, stride_bm, stride_bn, stride_mm, stride_mn,
+                   seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                   HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
+                   IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt, CuQ, CuK,
     stride_qb, stride_qm, stride_qh,
@@ -249,71 +362,53 @@ def _attn_fwd_kernel(
     if USE_LIST:
         lh = h // list_hdiv
         list_row = ListIdx + b * stride_lb + lh * stride_lh + pid_m * stride_lm
-        n_iter = tl.load(ListCnt + b * stride_cb + lh * stride_ch + pid_m * stride_cm)
+        cnt_ptr = ListCnt + b * stride_cb + lh * stride_ch + pid_m * stride_cm
+        n_iter = tl.load(cnt_ptr)
     else:
         list_row = ListIdx
+        cnt_ptr = ListCnt
         n_iter = n_k_tiles
     if VARLEN:
         n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    n_keys = n_iter
-    if GATHER:
-        n_iter = tl.cdiv(n_keys, BLOCK_N)
 
-    for t in range(0, n_iter):
+    if USE_LIST and not GATHER:
+        # Tile lists hold the full tiles first (count at cnt_ptr + 1), then the partial ones:
+        # two loops without a per-tile branch (see _scores' ELEM).
+        n_full = tl.load(cnt_ptr + 1)
+        for t in range(0, n_full):
+            offs_n = (tl.load(list_row + t) >> 1) * BLOCK_N + offs_n0
+            acc, m_i, l_i = _fwd_tile(
+                acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
+                offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, seqlen_k, False,
+                stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
+                seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
+                DOT_UPCAST, 0)
+        for t in range(n_full, n_iter):
+            offs_n = (tl.load(list_row + t) >> 1) * BLOCK_N + offs_n0
+            acc, m_i, l_i = _fwd_tile(
+                acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
+                offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, seqlen_k, True,
+                stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
+                seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
+                DOT_UPCAST, 1)
+    else:
+        n_keys = n_iter
         if GATHER:
-            mask_cols = t * BLOCK_N + offs_n0
-            n_ok = mask_cols < n_keys
-            offs_n = tl.load(list_row + mask_cols, mask=n_ok, other=0)
-            mask_lim = n_keys
-            need_elem = True
-        else:
-            if USE_LIST:
-                entry = tl.load(list_row + t)
-                start_n = (entry >> 1) * BLOCK_N
-                need_elem = ((entry & 1) != 0) | (start_n + BLOCK_N > seqlen_k)
-            else:
-                start_n = t * BLOCK_N
-                need_elem = start_n + BLOCK_N > seqlen_k
-                if VARLEN:
-                    need_elem = _varlen_need_elem(need_elem, pid_m * BLOCK_M, start_n, seqlen_q,
-                                                  seqlen_k, BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL)
-            offs_n = start_n + offs_n0
-            n_ok = offs_n < seqlen_k
-            mask_cols = offs_n
-            mask_lim = seqlen_k
-
-        kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None],
-                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s = _dot(q, kt, DOT_UPCAST)
-        if HAS_SOFTCAP:
-            s = (softcap * 1.4426950408889634) * _tanh(s * cap_scale)
-        else:
-            s = s * qk_scale
-        if HAS_BIAS:
-            bv = _load_bcast(bias_base, offs_m, offs_n, stride_bm, stride_bn, seqlen_q, seqlen_k,
-                             BIAS_QB, BIAS_KB, 0.0)
-            s = s + bv.to(tl.float32) * 1.4426950408889634
-        if HAS_MASK:
-            mv = _load_mask_tile(mask_base, offs_m, mask_cols, stride_mm, stride_mn, seqlen_q,
-                                 mask_lim, MASK_QB, MASK_KB, need_elem)
-        if need_elem:
-            vis = n_ok[None, :]
-            if HAS_MASK:
-                vis = vis & (mv != 0)
-            if IS_CAUSAL:
-                vis = vis & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
-            s = tl.where(vis, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_UPCAST)
-        m_i = m_new
+            n_iter = tl.cdiv(n_keys, BLOCK_N)
+        for t in range(0, n_iter):
+            offs_n, n_ok, mask_cols, mask_lim, need_elem = _key_tile(
+                t, list_row, offs_n0, n_keys, pid_m * BLOCK_M, seqlen_q, seqlen_k,
+                BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL, GATHER, VARLEN)
+            # gathered keys are always masked per element (ELEM 1); others decide per tile
+            acc, m_i, l_i = _fwd_tile(
+                acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
+                offs_m, offs_n, offs_d, d_ok, n_ok, mask_cols, mask_lim, need_elem,
+                stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
+                seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
+                DOT_UPCAST, 1 if GATHER else 2)
 
     has_any = l_i > 0.0
     l_use = tl.where(has_any, l_i, 1.0)

@@ -17,8 +17,10 @@ tiles alive does ~5% of the work:
 * forward lists, per (b, h, query tile): the live key tiles in ascending order;
 * backward lists, per (b, h, key tile): the live query tiles in ascending order.
 
-Each list entry is ``tile_index * 2 + partial`` (int32); only the first ``count`` entries of a
-row are meaningful. Dims of size 1 (batch, head, and for forward lists the query-tile dim) are
+Each list entry is ``tile_index * 2 + partial`` (int32). A row lists its full tiles first,
+then its partial ones (each group ascending), so a kernel runs two loops without a per-tile
+branch; ``cnt[..., 0]`` is the number of live entries and ``cnt[..., 1]`` how many of them are
+full (a ragged last key tile always counts as partial: only partial tiles are bound-checked). Dims of size 1 (batch, head, and for forward lists the query-tile dim) are
 broadcast by the kernels through stride 0.
 """
 from __future__ import annotations
@@ -37,9 +39,10 @@ from .mask_summary import MaskSummary
 class TileLists:
     """Live-tile lists for one block shape.
 
-    ``fwd_idx`` is ``(Bm, Hm, nQm, nK)`` and ``fwd_cnt`` ``(Bm, Hm, nQm)``: for query tile ``m``
-    of batch ``b`` and query head ``h`` the row is ``[b or 0, h // head_div, m or 0]``.
-    ``bwd_idx`` is ``(Bm, Hm, nK, nQ)`` and ``bwd_cnt`` ``(Bm, Hm, nK)`` (per key tile).
+    ``fwd_idx`` is ``(Bm, Hm, nQm, nK)`` and ``fwd_cnt`` ``(Bm, Hm, nQm, 2)`` (live, full): for
+    query tile ``m`` of batch ``b`` and query head ``h`` the row is ``[b or 0, h // head_div,
+    m or 0]``. ``bwd_idx`` is ``(Bm, Hm, nK, nQ)`` and ``bwd_cnt`` ``(Bm, Hm, nK, 2)`` (per key
+    tile).
     Either pair may be None when not requested.
     """
 
@@ -96,16 +99,19 @@ def classify_tiles(
 
 
 def _compact(live: torch.Tensor, partial: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per row of the last dim: live indices first, ascending, encoded ``index * 2 + partial``."""
+    """Per row of the last dim: live indices encoded ``index * 2 + partial``, the full ones
+    first and then the partial ones, each ascending; counts ``[..., (live, full)]``."""
     n = live.size(-1)
     ar = torch.arange(n, device=live.device, dtype=torch.int32)
-    # Dead tiles sort after every live one; the index breaks ties so live order stays ascending.
-    key = (~live).to(torch.int32) * n + ar
+    # Full tiles sort first, partial next, dead last; the index keeps each group ascending.
+    part = partial.to(torch.int32)
+    key = ((~live).to(torch.int32) * 2 + part) * n + ar
     order = torch.sort(key, dim=-1).values % n
-    flag = torch.gather(partial.to(torch.int32), -1, order.to(torch.int64))
+    flag = torch.gather(part, -1, order.to(torch.int64))
     idx = (order * 2 + flag).to(torch.int32).contiguous()
-    cnt = live.sum(-1, dtype=torch.int32).contiguous()
-    return idx, cnt
+    n_live = live.sum(-1, dtype=torch.int32)
+    n_full = (live & ~partial).sum(-1, dtype=torch.int32)
+    return idx, torch.stack([n_live, n_full], -1).contiguous()
 
 
 def build_tile_lists(
@@ -161,6 +167,11 @@ def _build(mask, seqlen_q, seqlen_k, num_heads, is_causal, block_m, block_n, dev
     fwd_idx = fwd_cnt = bwd_idx = bwd_cnt = None
     live_k = live.expand(bm, hm, live.size(2), n_k)
     full_k = full.expand(bm, hm, full.size(2), n_k)
+    if seqlen_k % block_n:
+        # The kernels bound-check keys only on partial tiles: a ragged last key tile is one.
+        inner = torch.ones(n_k, dtype=torch.bool, device=live.device)
+        inner[-1] = False
+        full_k = full_k & inner
     if need_fwd:
         fwd_idx, fwd_cnt = _compact(live_k, live_k & ~full_k)
     if need_bwd:
