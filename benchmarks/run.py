@@ -363,6 +363,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="results root; files go to <out>/<device-slug>/")
     parser.add_argument("--backends", default=None, help="comma list of flash_dmattn backends (default: all available)")
     parser.add_argument("--no-bwd", action="store_true", help="forward only")
+    parser.add_argument("--match", default=None,
+                        help="comma list of substrings: run only workloads whose name contains one "
+                             "(e.g. 'L16384 D128 causal')")
     args = parser.parse_args(argv)
     args.suites = list(SUITES) if args.suite.strip() == "all" else _parse_list(args.suite, SUITES, "suite", parser)
     args.backend_list = _parse_list(args.backends, PRIORITY, "backend", parser) if args.backends else None
@@ -442,6 +445,8 @@ def main(argv=None) -> int:
     rows: List[Row] = []
     for suite in args.suites:
         for w in workloads_for(suite, args.quick):
+            if args.match and not any(m.strip() and m.strip() in w.name for m in args.match.split(",")):
+                continue
             rows.extend(run_workload(w, ctx, backends))
     for r in rows:
         r.fwd_ms, r.fwd_bwd_ms = report.finite_or_none(r.fwd_ms), report.finite_or_none(r.fwd_bwd_ms)

@@ -41,6 +41,7 @@ from .forward import (
     LOG2E,
     _load_bcast,
     _key_tile,
+    launch_tuned,
     _load_mask_tile,
     _scores,
     _varlen_key_tiles,
@@ -303,30 +304,19 @@ def _attn_bwd_dkdv_kernel(
                 lse_row = Lse + bh.to(tl.int64) * seqlen_q
                 delta_row = Delta + bh.to(tl.int64) * seqlen_q
             if USE_LIST:
-                # Full query tiles first, then partial ones (see the forward kernel).
-                n_full = tl.load(ListCnt + b * stride_cb + lh * stride_ch + pid_n * stride_cn + 1)
-                for t in range(0, n_full):
-                    start_m = (tl.load(list_row + t) >> 1) * BLOCK_M
+                # One loop with a per-tile branch, unlike the forward and dQ kernels: two loop
+                # copies push this kernel (two fp32 128x128 accumulators) into heavy spilling.
+                for t in range(0, n_iter):
+                    entry = tl.load(list_row + t)
                     dk, dv, col_acc, sc_acc = _dkdv_tile(
-                        dk, dv, col_acc, sc_acc, k, v, start_m, False,
+                        dk, dv, col_acc, sc_acc, k, v, (entry >> 1) * BLOCK_M, (entry & 1) != 0,
                         Q, DO, DB, lse_row, delta_row, bias_base, mask_base, db_base,
                         b64, h64, offs_m0, offs_n, offs_d, d_ok, n_ok, pid_n,
                         stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
                         stride_bm, stride_bn, stride_mm, stride_mn, stride_tm, stride_tn,
                         seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                         HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
-                        HAS_SOFTCAP, DOT_UPCAST, STORE_DKV, DB_MODE, DB_ACC, 0)
-                for t in range(n_full, n_iter):
-                    start_m = (tl.load(list_row + t) >> 1) * BLOCK_M
-                    dk, dv, col_acc, sc_acc = _dkdv_tile(
-                        dk, dv, col_acc, sc_acc, k, v, start_m, True,
-                        Q, DO, DB, lse_row, delta_row, bias_base, mask_base, db_base,
-                        b64, h64, offs_m0, offs_n, offs_d, d_ok, n_ok, pid_n,
-                        stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
-                        stride_bm, stride_bn, stride_mm, stride_mn, stride_tm, stride_tn,
-                        seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
-                        HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
-                        HAS_SOFTCAP, DOT_UPCAST, STORE_DKV, DB_MODE, DB_ACC, 1)
+                        HAS_SOFTCAP, DOT_UPCAST, STORE_DKV, DB_MODE, DB_ACC, 2)
             else:
                 for t in range(t_lo, n_iter):
                     start_m = t * BLOCK_M
@@ -483,20 +473,28 @@ def _attn_bwd_dq_kernel(
                           seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                           HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
                           HAS_SOFTCAP, DOT_UPCAST, 1)
-    else:
+    elif GATHER:
+        # Gathered keys: indices by position in the row's key list, masked per element.
         n_keys = n_iter
-        if GATHER:
-            n_iter = tl.cdiv(n_keys, BLOCK_N)
-        for t in range(0, n_iter):
-            offs_n, n_ok, mask_cols, mask_lim, need_elem = _key_tile(
-                t, list_row, offs_n0, n_keys, pid_m * BLOCK_M, seqlen_q, seqlen_k,
-                BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL, GATHER, VARLEN)
+        for t in range(0, tl.cdiv(n_keys, BLOCK_N)):
+            cols = t * BLOCK_N + offs_n0
+            keys = tl.load(list_row + cols, mask=cols < n_keys, other=0)
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
-                          offs_m, offs_n, offs_d, d_ok, n_ok, mask_cols, mask_lim, need_elem,
+                          offs_m, keys, offs_d, d_ok, cols < n_keys, cols, n_keys, True,
                           stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                           seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                           HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
-                          HAS_SOFTCAP, DOT_UPCAST, 1 if GATHER else 2)
+                          HAS_SOFTCAP, DOT_UPCAST, 1)
+    else:
+        for t in range(0, n_iter):
+            offs_n, n_ok, need_elem = _key_tile(t, offs_n0, pid_m * BLOCK_M, seqlen_q, seqlen_k,
+                                                BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL, VARLEN)
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
+                          offs_m, offs_n, offs_d, d_ok, n_ok, offs_n, seqlen_k, need_elem,
+                          stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
+                          seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                          HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
+                          HAS_SOFTCAP, DOT_UPCAST, 2)
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -811,17 +809,11 @@ def attention_backward(
 
 
 def _launch_dkdv(grid, args, meta) -> None:
-    if interpret_mode():
-        _attn_bwd_dkdv_kernel[grid](*args, **meta, num_warps=4, num_stages=1)
-    else:
-        _dkdv_tuned[grid](*args, **meta)
+    launch_tuned(_attn_bwd_dkdv_kernel, _dkdv_tuned, grid, args, meta)
 
 
 def _launch_dq(grid, args, meta) -> None:
-    if interpret_mode():
-        _attn_bwd_dq_kernel[grid](*args, **meta, num_warps=4, num_stages=1)
-    else:
-        _dq_tuned[grid](*args, **meta)
+    launch_tuned(_attn_bwd_dq_kernel, _dq_tuned, grid, args, meta)
 
 
 def attention_backward_varlen(

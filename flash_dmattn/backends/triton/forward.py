@@ -240,33 +240,21 @@ def _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK: tl.constexp
 
 
 @triton.jit
-def _key_tile(t, list_row, offs_n0, n_keys, start_m, seqlen_q, seqlen_k,
+def _key_tile(t, offs_n0, start_m, seqlen_q, seqlen_k,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
-              IS_CAUSAL: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr):
-    """Key tile ``t`` of an unlisted loop (dense, varlen or gather), for the forward and dQ.
+              IS_CAUSAL: tl.constexpr, VARLEN: tl.constexpr):
+    """Key tile ``t`` of an unlisted loop (dense or varlen), for the forward and dQ kernels.
 
-    Returns ``(offs_n, n_ok, mask_cols, mask_lim, need_elem)``: the key indices, which are in
-    range, the mask's column index and bound (the key index and Lk, or in gather mode the
-    position in the gathered list and its length) and whether the tile needs per-element
-    masking.
+    Returns ``(offs_n, n_ok, need_elem)``: the key indices, which are in range and whether the
+    tile needs per-element masking (a ragged edge; in varlen calls also mask / diagonal).
     """
-    if GATHER:
-        mask_cols = t * BLOCK_N + offs_n0
-        n_ok = mask_cols < n_keys
-        offs_n = tl.load(list_row + mask_cols, mask=n_ok, other=0)
-        mask_lim = n_keys
-        need_elem = n_keys >= 0  # always (a tensor, like the other branch's)
-    else:
-        start_n = t * BLOCK_N
-        need_elem = start_n + BLOCK_N > seqlen_k
-        if VARLEN:
-            need_elem = _varlen_need_elem(need_elem, start_m, start_n, seqlen_q, seqlen_k,
-                                          BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL)
-        offs_n = start_n + offs_n0
-        n_ok = offs_n < seqlen_k
-        mask_cols = offs_n
-        mask_lim = seqlen_k
-    return offs_n, n_ok, mask_cols, mask_lim, need_elem
+    start_n = t * BLOCK_N
+    need_elem = start_n + BLOCK_N > seqlen_k
+    if VARLEN:
+        need_elem = _varlen_need_elem(need_elem, start_m, start_n, seqlen_q, seqlen_k,
+                                      BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL)
+    offs_n = start_n + offs_n0
+    return offs_n, offs_n < seqlen_k, need_elem
 
 
 @triton.jit
@@ -393,22 +381,30 @@ def _attn_fwd_kernel(
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
                 DOT_UPCAST, 1)
-    else:
+    elif GATHER:
+        # Gathered keys: indices by position in the row's key list, masked per element.
         n_keys = n_iter
-        if GATHER:
-            n_iter = tl.cdiv(n_keys, BLOCK_N)
-        for t in range(0, n_iter):
-            offs_n, n_ok, mask_cols, mask_lim, need_elem = _key_tile(
-                t, list_row, offs_n0, n_keys, pid_m * BLOCK_M, seqlen_q, seqlen_k,
-                BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL, GATHER, VARLEN)
-            # gathered keys are always masked per element (ELEM 1); others decide per tile
+        for t in range(0, tl.cdiv(n_keys, BLOCK_N)):
+            cols = t * BLOCK_N + offs_n0
+            keys = tl.load(list_row + cols, mask=cols < n_keys, other=0)
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
-                offs_m, offs_n, offs_d, d_ok, n_ok, mask_cols, mask_lim, need_elem,
+                offs_m, keys, offs_d, d_ok, cols < n_keys, cols, n_keys, True,
                 stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
-                DOT_UPCAST, 1 if GATHER else 2)
+                DOT_UPCAST, 1)
+    else:
+        for t in range(0, n_iter):
+            offs_n, n_ok, need_elem = _key_tile(t, offs_n0, pid_m * BLOCK_M, seqlen_q, seqlen_k,
+                                                BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL, VARLEN)
+            acc, m_i, l_i = _fwd_tile(
+                acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
+                offs_m, offs_n, offs_d, d_ok, n_ok, offs_n, seqlen_k, need_elem,
+                stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
+                seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
+                DOT_UPCAST, 2)
 
     has_any = l_i > 0.0
     l_use = tl.where(has_any, l_i, 1.0)
@@ -562,11 +558,29 @@ def attention_forward(
     return out, lse
 
 
-def _launch_fwd(grid, args, meta) -> None:
+# FLASH_DMATTN_TRITON_AUTOTUNE=0 launches the first (pruned) config instead of autotuning:
+# GPU test runs compile each specialisation once instead of once per config.
+AUTOTUNE_ENV = "FLASH_DMATTN_TRITON_AUTOTUNE"
+
+
+def launch_tuned(kernel, tuned, grid, args, meta) -> None:
+    """Launch ``tuned`` (an autotuner over ``kernel``), or ``kernel`` with fixed settings under
+    the interpreter / with autotuning switched off."""
     if interpret_mode():
-        _attn_fwd_kernel[grid](*args, **meta, num_warps=4, num_stages=1)
+        kernel[grid](*args, **meta, num_warps=4, num_stages=1)
+    elif os.environ.get(AUTOTUNE_ENV, "1").strip() == "0":
+        configs = tuned.configs
+        prune = getattr(tuned, "early_config_prune", None)
+        if prune is not None:
+            configs = prune(configs, dict(zip(kernel.arg_names, args)), **meta)
+        cfg = configs[0]
+        kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
-        _attn_fwd_tuned[grid](*args, **meta)
+        tuned[grid](*args, **meta)
+
+
+def _launch_fwd(grid, args, meta) -> None:
+    launch_tuned(_attn_fwd_kernel, _attn_fwd_tuned, grid, args, meta)
 
 
 def varlen_aux_4d(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -1,0 +1,209 @@
+"""Compile the Triton kernels for a GPU target on a machine without one, and report on them.
+
+CI and the CPU development machine have no GPU, and device time is scarce: this catches
+compile errors in the real (non-interpreted) kernels before a device run, and shows what the
+compiler made of them -- registers and spills (``ptxas -v``), whether the key loop's loads
+were software-pipelined (async copies inside the loop) and how many layout conversions the
+loop body pays. Usage::
+
+    python scripts/compile_check.py [--arch 90] [--workload t2|dense|per-key] [--dump DIR]
+                                    [--first-config]
+
+The workload's inputs are built on CPU at a small length (the kernels' code does not depend
+on it); every kernel launch of one forward and one backward is captured instead of run and
+compiled for each autotuning config that the launch would try.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile the real kernels
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from flash_dmattn.backends.triton import backward as bwd_mod  # noqa: E402
+from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
+
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+           torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8",
+           torch.bool: "i1"}
+
+
+def _signature(kernel, args, meta):
+    """Triton signature / constexprs / divisibility attrs for one captured launch."""
+    names = kernel.arg_names
+    params = kernel.params
+    values = dict(zip(names, args))
+    values.update(meta)
+    sig, consts, attrs = {}, {}, {}
+    for i, (name, p) in enumerate(zip(names, params)):
+        if p.is_constexpr:
+            val = values[name] if name in values else p.default
+            sig[name] = "constexpr"
+            consts[name] = val
+            continue
+        val = values[name]
+        if isinstance(val, torch.Tensor):
+            sig[name] = "*" + _DTYPES[val.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # allocations are 16-byte aligned
+        elif isinstance(val, bool):
+            sig[name] = "i1"
+        elif isinstance(val, int):
+            sig[name] = "i32" if -2**31 <= val < 2**31 else "i64"
+            if val == 1:
+                # The JIT specialises ints equal to 1 into constants.
+                sig[name] = "constexpr"
+                consts[name] = 1
+            elif val % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(val, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: cannot type {type(val)}")
+    return sig, consts, attrs
+
+
+def _configs(tuned):
+    configs = tuned.configs
+    prune = getattr(tuned, "early_config_prune", None)
+    return configs, prune
+
+
+def capture(workload: str, dtype=torch.bfloat16):
+    """Run one forward + backward on CPU with every Triton launch captured, not executed."""
+    launches = []
+
+    def grab(name, tuned):
+        def launch(grid, args, meta):
+            launches.append((name, tuned, args, meta))
+        return launch
+
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    fwd_mod._launch_fwd = grab("fwd", fwd_mod._attn_fwd_tuned)
+    bwd_mod._launch_dkdv = grab("dkdv", bwd_mod._dkdv_tuned)
+    bwd_mod._launch_dq = grab("dq", bwd_mod._dq_tuned)
+    bwd_mod._bwd_preprocess = _NoLaunch()
+    # Plans then come from torch reductions (same lists; the summary kernel needs a device).
+    fwd_mod.wants_summary = bwd_mod.wants_summary = lambda *a: False
+
+    B, H, Hkv, L, D = 1, 16, 4, 512, 128
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, L, H, D, generator=g).to(dtype)
+    k = torch.randn(B, L, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(B, L, Hkv, D, generator=g).to(dtype)
+    causal = True
+    if workload == "t2":
+        bias = torch.randn(B, Hkv, 1, L, generator=g).to(dtype)
+        mask = torch.rand(B, Hkv, L, L, generator=g) < 0.3
+    elif workload == "per-key":
+        bias = None
+        mask = (torch.rand(B, 1, 1, L, generator=g) < 0.3).repeat_interleave(1, -1)
+    elif workload == "dense":
+        bias = mask = None
+    else:
+        raise ValueError(workload)
+    scale = D ** -0.5
+    out, lse = fwd_mod.attention_forward(q, k, v, mask, bias, scale, causal, 0.0)
+    bwd_mod.attention_backward(torch.randn_like(out), q, k, v, out, lse, mask, bias, scale,
+                               causal, 0.0, False, bias is not None)
+    return launches
+
+
+_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def _ptxas_for(ptx: str) -> Path:
+    """The bundled ptxas that accepts this PTX version (newer Tritons emit PTX that only
+    their ``ptxas-blackwell`` reads, whatever the target)."""
+    m = re.search(r"^\.version (\d+)\.(\d+)", ptx, re.M)
+    newest = _BIN / "ptxas-blackwell"
+    if m and int(m.group(1)) >= 9 and newest.exists():
+        return newest
+    return _BIN / "ptxas"
+
+
+def _ptxas_report(ptx: str, arch: int) -> str:
+    path = Path("/tmp/flash_dmattn_compile_check.ptx")
+    path.write_text(ptx)
+    sm = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    res = subprocess.run([str(_ptxas_for(ptx)), "-v", f"--gpu-name={sm}", str(path), "-o", "/dev/null"],
+                         capture_output=True, text=True)
+    text = res.stdout + res.stderr
+    regs = re.findall(r"Used (\d+) registers", text)
+    spill = re.findall(r"(\d+) bytes spill stores", text)
+    return f"regs {','.join(regs) or '?'} spill-stores {','.join(spill) or '?'}"
+
+
+def _loop_report(ttgir: str) -> str:
+    """Per ``scf.for`` of the TTGIR (outermost first): async copies, synchronous loads, layout
+    conversions, branches and wgmma/mma ops in its body."""
+    keys = ("async_copy_global_to_local", "tt.load ", "convert_layout", "scf.if",
+            "warp_group_dot ", "tt.dot ")
+    short = ("async", "load", "cvt", "if", "wgmma", "mma")
+    loops, stack, depth = [], [], 0
+    for line in ttgir.splitlines():
+        if "scf.for" in line:
+            loops.append(dict.fromkeys(short, 0))
+            stack.append((len(loops) - 1, depth))
+        for key, name in zip(keys, short):
+            if key in line:
+                for idx, _ in stack:
+                    loops[idx][name] += 1
+        depth += line.count("{") - line.count("}")
+        while stack and depth <= stack[-1][1]:
+            stack.pop()
+    return " | ".join(" ".join(f"{k}={v}" for k, v in c.items() if v) for c in loops)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--workload", default="t2", choices=["t2", "dense", "per-key"])
+    ap.add_argument("--dump", type=Path, default=None, help="write each kernel's TTGIR here")
+    ap.add_argument("--first-config", action="store_true",
+                    help="compile only the first autotuning config per kernel (quick check)")
+    args = ap.parse_args()
+    target = GPUTarget("cuda", args.arch, 32)
+    failures = 0
+    for name, tuned, kargs, meta in capture(args.workload):
+        kernel = tuned.fn
+        sig, consts, attrs = _signature(kernel, kargs, meta)
+        configs, prune = _configs(tuned)
+        if prune is not None:
+            named = dict(zip(kernel.arg_names, kargs))
+            configs = prune(configs, named, **meta)
+        if args.first_config:
+            configs = configs[:1]
+        for cfg in configs:
+            opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            label = f"{name:5s} w{cfg.num_warps} s{cfg.num_stages}"
+            try:
+                src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+                ck = triton.compile(src, target=target, options=opts)
+            except Exception as exc:  # report every failing variant, then exit non-zero
+                failures += 1
+                print(f"{label}: COMPILE FAILED: {type(exc).__name__}: {str(exc)[:2000]}")
+                continue
+            print(f"{label}: {_ptxas_report(ck.asm['ptx'], args.arch)}; loop: {_loop_report(ck.asm['ttgir'])}")
+            if args.dump:
+                args.dump.mkdir(parents=True, exist_ok=True)
+                (args.dump / f"{name}-w{cfg.num_warps}-s{cfg.num_stages}.ttgir").write_text(ck.asm["ttgir"])
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

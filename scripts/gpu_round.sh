@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One short device call after a kernel change: the GPU tests of the Triton kernels (autotuning
+# off, so each specialisation compiles once), then the targets side by side with their
+# baselines (T2/T2b with flex, T1/T1b, T3/T3b), then large-Lk decode. Each step has its own
+# time limit so a slow one cannot starve the rest; logs go to $OUT (at most 8 files back).
+#   bash scripts/gpu_round.sh [pytest -k expression]
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+W=$(mktemp -d)
+K=${1:-triton or summary}
+export PYTHONUNBUFFERED=1
+python3 -m pip install --no-deps --no-build-isolation -e . >"$W/install.log" 2>&1 || { tail "$W/install.log"; exit 1; }
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$OUT/env.txt"
+
+FLASH_DMATTN_TRITON_AUTOTUNE=0 timeout "${TEST_S:-170}" python3 -m pytest -q -p no:cacheprovider -x \
+  tests/test_mask_summary.py tests/test_gpu.py -k "$K" >"$OUT/tests.log" 2>&1
+echo "tests rc=$?" >>"$OUT/tests.log"
+tail -3 "$OUT/tests.log"
+
+bench() {  # name, timeout, benchmarks.run args...
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 -m benchmarks.run --out "$W/bench" "$@" >"$OUT/bench-$name.log" 2>&1
+  grep -E "^== |^   " "$OUT/bench-$name.log" | head -40
+}
+bench dynamic "${DYN_S:-110}" --suite dynamic --backends triton,flex
+bench targets "${TGT_S:-150}" --suite dense,block_sparse --backends triton --match "L16384 D128 causal,L32768"
+bench decode "${DEC_S:-80}" --suite decode --backends triton --match "Lk131072,Lk524288"
+exit 0

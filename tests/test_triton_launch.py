@@ -1,0 +1,55 @@
+"""How the Triton kernels are launched: autotuned, fixed under the interpreter, or with
+autotuning switched off (FLASH_DMATTN_TRITON_AUTOTUNE=0, for quick GPU test runs)."""
+import pytest
+
+pytest.importorskip("triton")
+
+from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
+
+
+class _Config:
+    def __init__(self, w, s):
+        self.num_warps, self.num_stages = w, s
+
+
+class _Kernel:
+    arg_names = ["X", "n"]
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.calls.append((grid, a, kw))
+
+
+class _Tuned(_Kernel):
+    def __init__(self):
+        super().__init__()
+        self.configs = [_Config(4, 2), _Config(8, 3), _Config(8, 2)]
+        self.seen = None
+
+    def early_config_prune(self, configs, named, **meta):
+        self.seen = (named, meta)
+        return [c for c in configs if c.num_warps == 8]
+
+
+@pytest.mark.parametrize("mode", ["interpret", "autotune", "fixed"])
+def test_launch_tuned_modes(monkeypatch, mode):
+    monkeypatch.setattr(fwd_mod, "interpret_mode", lambda: mode == "interpret")
+    if mode == "fixed":
+        monkeypatch.setenv(fwd_mod.AUTOTUNE_ENV, "0")
+    else:
+        monkeypatch.delenv(fwd_mod.AUTOTUNE_ENV, raising=False)
+    kernel, tuned = _Kernel(), _Tuned()
+    fwd_mod.launch_tuned(kernel, tuned, (3,), ("x", 5), {"BLOCK": 16})
+    if mode == "autotune":
+        assert tuned.calls == [((3,), ("x", 5), {"BLOCK": 16})] and not kernel.calls
+        return
+    assert not tuned.calls and len(kernel.calls) == 1
+    _, args, kw = kernel.calls[0]
+    assert args == ("x", 5) and kw["BLOCK"] == 16
+    if mode == "interpret":
+        assert (kw["num_warps"], kw["num_stages"]) == (4, 1)
+    else:  # the first config that survives pruning, which saw the named arguments
+        assert (kw["num_warps"], kw["num_stages"]) == (8, 3)
+        assert tuned.seen == ({"X": "x", "n": 5}, {"BLOCK": 16})
