@@ -216,6 +216,14 @@ def workloads_for(suite: str, quick: bool) -> List[Workload]:
                 Workload("decode", 1, heads, kv_heads, 1, L, dim, False, "relu-per-key", True,
                          forward_only=True, cache_fill=0.5)
             )
+        if not quick:
+            # Batched decoding (the B 8 / 64): enough (batch, kv head) pairs to fill
+            # the GPU without splitting keys. Caches up to 8 GiB of K+V.
+            for B, lengths_b in ((8, (4096, 32768, 131072)), (64, (4096, 32768))):
+                for L in lengths_b:
+                    out.append(Workload("decode", B, heads, kv_heads, 1, L, dim, False, forward_only=True))
+                    out.append(Workload("decode", B, heads, kv_heads, 1, L, dim, False, "relu-per-key",
+                                        True, forward_only=True))
         return out
     if suite == "varlen":
         # Packed sequences vs padded / one by one: its own workload type and runner (varlen.py).

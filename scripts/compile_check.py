@@ -198,7 +198,9 @@ def main() -> int:
                 failures += 1
                 print(f"{label}: COMPILE FAILED: {type(exc).__name__}: {str(exc)[:2000]}")
                 continue
-            print(f"{label}: {_ptxas_report(ck.asm['ptx'], args.arch)}; loop: {_loop_report(ck.asm['ttgir'])}")
+            smem = getattr(ck.metadata, "shared", None)
+            print(f"{label}: {_ptxas_report(ck.asm['ptx'], args.arch)} smem {smem}; "
+                  f"loop: {_loop_report(ck.asm['ttgir'])}")
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
                 (args.dump / f"{name}-w{cfg.num_warps}-s{cfg.num_stages}.ttgir").write_text(ck.asm["ttgir"])

@@ -27,5 +27,5 @@ bench() {  # name, timeout, benchmarks.run args...
 }
 bench dynamic "${DYN_S:-110}" --suite dynamic --backends triton,flex
 bench targets "${TGT_S:-150}" --suite dense,block_sparse --backends triton --match "L16384 D128 causal,L32768"
-bench decode "${DEC_S:-80}" --suite decode --backends triton --match "Lk131072,Lk524288"
+bench decode "${DEC_S:-120}" --suite decode --backends triton --match "Lk131072,Lk524288,B64 "
 exit 0

@@ -179,3 +179,27 @@ def test_can_run_reports_support_and_availability(monkeypatch):
     monkeypatch.setenv("FLASH_DMATTN_DISABLE", "torch-reference")
     assert not registry.can_run("torch-reference", inputs)
     assert not registry.can_run("no-such-backend", inputs)
+
+
+def test_untuned_triton_keeps_decode_calls(monkeypatch):
+    # Short-query calls against a long cache take triton's decode kernel, measured faster than
+    # flex at every length: no preference for flex there, even when flex could run them.
+    from flash_dmattn import registry
+    from flash_dmattn.backends.triton import backend as triton_backend
+    from flash_dmattn.backends.triton import decode as decode_mod
+
+    monkeypatch.setattr(triton_backend, "TUNED", False)
+    monkeypatch.setattr(registry, "can_run", lambda name, inputs: True)
+
+    monkeypatch.setattr(AttentionInputs, "device", property(lambda self: torch.device("cuda")))
+
+    def inputs_for(Lq, Lk):
+        q = torch.randn(1, Lq, 8, 16)
+        k = torch.randn(1, Lk, 2, 16)
+        return AttentionInputs.from_args(q, k, k, None, None, None, False)
+
+    decode = inputs_for(1, 2 * decode_mod.DECODE_MIN_SEQLEN_K)
+    prefill = inputs_for(256, 256)
+    assert decode_mod.use_decode_kernel(1, 8, 2, 2 * decode_mod.DECODE_MIN_SEQLEN_K, False)
+    assert TritonBackend().auto_skip_reasons(decode) == []
+    assert TritonBackend().auto_skip_reasons(prefill) != []

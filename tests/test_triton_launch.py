@@ -53,3 +53,26 @@ def test_launch_tuned_modes(monkeypatch, mode):
     else:  # the first config that survives pruning, which saw the named arguments
         assert (kw["num_warps"], kw["num_stages"]) == (8, 3)
         assert tuned.seen == ({"X": "x", "n": 5}, {"BLOCK": 16})
+
+
+def test_fixed_launch_skips_configs_that_do_not_fit(monkeypatch):
+    import triton
+
+    monkeypatch.setattr(fwd_mod, "interpret_mode", lambda: False)
+    monkeypatch.setenv(fwd_mod.AUTOTUNE_ENV, "0")
+
+    class _Picky(_Kernel):
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                if kw["num_stages"] == 3:
+                    raise triton.runtime.errors.OutOfResources(234496, 232448, "shared memory")
+                self.calls.append((grid, a, kw))
+            return launch
+
+    kernel, tuned = _Picky(), _Tuned()
+    fwd_mod.launch_tuned(kernel, tuned, (1,), ("x", 5), {})
+    assert [(c[2]["num_warps"], c[2]["num_stages"]) for c in kernel.calls] == [(8, 2)]
+    # nothing fits: the last error propagates
+    tuned.configs = [_Config(8, 3)]
+    with pytest.raises(triton.runtime.errors.OutOfResources):
+        fwd_mod.launch_tuned(kernel, tuned, (1,), ("x", 5), {})

@@ -87,13 +87,9 @@ def unpad_input(
         raise TypeError(f"hidden_states must be a torch.Tensor, got {hidden_states.__class__.__name__}")
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a torch.Tensor, got {attention_mask.__class__.__name__}")
-    if attention_mask.is_floating_point() or attention_mask.is_complex():
-        raise TypeError(
-            f"attention_mask must be bool or integer, got dtype {attention_mask.dtype}; use `.bool()`"
-        )
     if hidden_states.dim() < 2:
         raise ValueError(f"hidden_states must be (B, L, ...), got shape {tuple(hidden_states.shape)}")
-    if attention_mask.dim() != 2 or attention_mask.shape != hidden_states.shape[:2]:
+    if attention_mask.dim() == 2 and attention_mask.shape != hidden_states.shape[:2]:
         raise ValueError(
             f"attention_mask shape {tuple(attention_mask.shape)} must be (B, L) = {tuple(hidden_states.shape[:2])}"
         )
@@ -101,11 +97,7 @@ def unpad_input(
         raise ValueError(
             f"attention_mask is on {attention_mask.device} but hidden_states is on {hidden_states.device}"
         )
-    mask = attention_mask.bool()
-    seqused = mask.sum(dim=-1, dtype=torch.int32)
-    indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
-    cu_seqlens = cu_seqlens_from_lengths(seqused)
-    max_seqlen = int(seqused.max()) if seqused.numel() > 0 else 0
+    indices, cu_seqlens, max_seqlen, seqused = unpad_indices(attention_mask)
     # index_select's backward is an index_add, so gradients reach hidden_states.
     hidden_unpadded = hidden_states.flatten(0, 1).index_select(0, indices)
     return hidden_unpadded, indices, cu_seqlens, max_seqlen, seqused

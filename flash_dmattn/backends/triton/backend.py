@@ -173,6 +173,16 @@ class TritonBackend(Backend):
             # Step aside for flex only: where flex cannot run (varlen, paged KV, ...) these
             # kernels still beat the torch-reference fallback by far.
             from ... import registry
+            from ...inputs import AttentionInputs
+            from .decode import use_decode_kernel
+
+            if isinstance(inputs, AttentionInputs) and use_decode_kernel(
+                inputs.seqlen_q, inputs.num_heads, inputs.num_kv_heads, inputs.seqlen_k,
+                inputs.cache_seqlens is not None,
+            ):
+                # Decoding: the split-KV kernel measured 1-30x faster than flex on an H200
+                # (benchmarks/results/nvidia-h200/SUMMARY.md), at every cache length tried.
+                return []
 
             if registry.can_run("flex", inputs):
                 return [

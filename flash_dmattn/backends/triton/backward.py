@@ -101,7 +101,7 @@ def _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem,
               ELEM: tl.constexpr):
     """Transposed scores (keys x queries) in log2 units, plus tanh (for the softcap chain).
 
-    ``ELEM`` as in :func:`.forward._scores`: 0 full tile, 1 partial tile, 2 ``need_elem``.
+    ``ELEM`` as in :func:`.forward._scores` (1: always masked, 2: ``need_elem`` decides).
     """
     st = _dot(k, tl.trans(q), DOT_UPCAST)
     if HAS_SOFTCAP:
@@ -114,7 +114,7 @@ def _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem,
         bv = _load_bcast(bias_base, offs_n, offs_m, stride_bn, stride_bm, seqlen_k, seqlen_q,
                          BIAS_KB, BIAS_QB, 0.0)
         st = st + bv.to(tl.float32) * 1.4426950408889634
-    if HAS_MASK and ELEM != 0:  # outside the branch so it is pipelined (see _load_mask_tile)
+    if HAS_MASK:  # outside the branch so it is pipelined (see _load_mask_tile)
         mv = _load_mask_tile(mask_base, offs_n, offs_m, stride_mn, stride_mm, seqlen_k, seqlen_q,
                              MASK_KB, MASK_QB, need_elem)
     else:
@@ -455,24 +455,17 @@ def _attn_bwd_dq_kernel(
     if VARLEN:
         n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
     if USE_LIST and not GATHER:
-        # Full tiles first, then partial ones (see the forward kernel).
-        n_full = tl.load(cnt_ptr + 1)
-        for t in range(0, n_full):
-            offs_n = (tl.load(list_row + t) >> 1) * BLOCK_N + offs_n0
+        # One loop with the partial flag per tile (see the forward kernel).
+        for t in range(0, n_iter):
+            entry = tl.load(list_row + t)
+            offs_n = (entry >> 1) * BLOCK_N + offs_n0
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
-                          offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, seqlen_k, False,
+                          offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, seqlen_k,
+                          (entry & 1) != 0,
                           stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                           seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                           HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
-                          HAS_SOFTCAP, DOT_UPCAST, 0)
-        for t in range(n_full, n_iter):
-            offs_n = (tl.load(list_row + t) >> 1) * BLOCK_N + offs_n0
-            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
-                          offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, seqlen_k, True,
-                          stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
-                          seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
-                          HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
-                          HAS_SOFTCAP, DOT_UPCAST, 1)
+                          HAS_SOFTCAP, DOT_UPCAST, 2)
     elif GATHER:
         # Gathered keys: indices by position in the row's key list, masked per element.
         n_keys = n_iter

@@ -103,19 +103,8 @@ def _tanh(x):
 def _load_bcast(base, offs_r, offs_c, stride_r, stride_c, lim_r, lim_c,
                 R_BCAST: tl.constexpr, C_BCAST: tl.constexpr, other):
     """Load a 2-D tile of a broadcastable mask/bias; a broadcast dim loads as size 1."""
-    if R_BCAST:
-        r = tl.zeros([1, 1], dtype=tl.int32)
-        r_ok = r == 0
-    else:
-        r = offs_r[:, None]
-        r_ok = r < lim_r
-    if C_BCAST:
-        c = tl.zeros([1, 1], dtype=tl.int32)
-        c_ok = c == 0
-    else:
-        c = offs_c[None, :]
-        c_ok = c < lim_c
-    return tl.load(base + r * stride_r + c * stride_c, mask=r_ok & c_ok, other=other)
+    return _load_tile(base, offs_r, offs_c, stride_r, stride_c, lim_r, lim_c, R_BCAST, C_BCAST,
+                      other, True)
 
 
 @triton.jit
@@ -129,6 +118,13 @@ def _load_mask_tile(base, offs_r, offs_c, stride_r, stride_c, lim_r, lim_c,
     full memory latency. Out-of-range and unfetched elements read as 1; callers bound the
     keys separately.
     """
+    return _load_tile(base, offs_r, offs_c, stride_r, stride_c, lim_r, lim_c, R_BCAST, C_BCAST,
+                      1, pred)
+
+
+@triton.jit
+def _load_tile(base, offs_r, offs_c, stride_r, stride_c, lim_r, lim_c,
+               R_BCAST: tl.constexpr, C_BCAST: tl.constexpr, other, pred):
     if R_BCAST:
         r = tl.zeros([1, 1], dtype=tl.int32)
         r_ok = r == 0
@@ -141,9 +137,9 @@ def _load_mask_tile(base, offs_r, offs_c, stride_r, stride_c, lim_r, lim_c,
     else:
         c = offs_c[None, :]
         c_ok = c < lim_c
-    # pred may be a Python bool (gather mode) or a scalar tensor; make it a (1, 1) int1 tile.
+    # pred may be a Python bool or a scalar tensor; make it a (1, 1) int1 tile.
     fetch = (tl.zeros([1, 1], dtype=tl.int32) + pred) != 0
-    return tl.load(base + r * stride_r + c * stride_c, mask=r_ok & c_ok & fetch, other=1)
+    return tl.load(base + r * stride_r + c * stride_c, mask=r_ok & c_ok & fetch, other=other)
 
 
 @triton.jit
@@ -195,10 +191,8 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_l
             ELEM: tl.constexpr):
     """Scores (queries x keys) in log2 units, plus tanh (for the softcap chain).
 
-    ``ELEM``: 0 -- a full tile (listed as such): no mask load, no per-element test; 1 -- a
-    partial tile: mask load and test always; 2 -- decided per tile by ``need_elem`` at run
-    time (unlisted calls: ragged edges, varlen, gather). Lists put full tiles first so the
-    kernels run two branch-free loops instead of one loop with a branch per tile.
+    ``ELEM``: 1 -- masked per element always (gather mode); 2 -- decided per tile by
+    ``need_elem`` at run time (listed, dense and varlen loops).
 
     ``mask_cols`` / ``mask_lim``: the mask's column index and bound (the key index and Lk,
     or in gather mode the position in the gathered list and its length).
@@ -214,7 +208,7 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_l
         bv = _load_bcast(bias_base, offs_m, offs_n, stride_bm, stride_bn, seqlen_q, seqlen_k,
                          BIAS_QB, BIAS_KB, 0.0)
         s = s + bv.to(tl.float32) * 1.4426950408889634
-    if HAS_MASK and ELEM != 0:  # outside the branch so it is pipelined (see _load_mask_tile)
+    if HAS_MASK:  # outside the branch so it is pipelined (see _load_mask_tile)
         mv = _load_mask_tile(mask_base, offs_m, mask_cols, stride_mm, stride_mn, seqlen_q,
                              mask_lim, MASK_QB, MASK_KB, need_elem)
     else:
@@ -360,27 +354,22 @@ def _attn_fwd_kernel(
         n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     if USE_LIST and not GATHER:
-        # Tile lists hold the full tiles first (count at cnt_ptr + 1), then the partial ones:
-        # two loops without a per-tile branch (see _scores' ELEM).
-        n_full = tl.load(cnt_ptr + 1)
-        for t in range(0, n_full):
-            offs_n = (tl.load(list_row + t) >> 1) * BLOCK_N + offs_n0
+        # One loop, the tile's partial flag deciding per-element masking at run time. Two
+        # loops (full tiles, then partial ones; the lists are ordered for it) measured slower
+        # on the H200 with triton 3.6: T1 fwd 3.10 vs 2.45 ms, T2 fwd 3.67 vs 1.65 ms. Each
+        # loop fills and drains its own pipeline and the second one's buffers cost up to
+        # 40 KB more shared memory (scripts/compile_check.py); which of these costs more is
+        # not established.
+        for t in range(0, n_iter):
+            entry = tl.load(list_row + t)
+            offs_n = (entry >> 1) * BLOCK_N + offs_n0
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
-                offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, seqlen_k, False,
+                offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, seqlen_k, (entry & 1) != 0,
                 stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
-                DOT_UPCAST, 0)
-        for t in range(n_full, n_iter):
-            offs_n = (tl.load(list_row + t) >> 1) * BLOCK_N + offs_n0
-            acc, m_i, l_i = _fwd_tile(
-                acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
-                offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, seqlen_k, True,
-                stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
-                seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
-                HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
-                DOT_UPCAST, 1)
+                DOT_UPCAST, 2)
     elif GATHER:
         # Gathered keys: indices by position in the row's key list, masked per element.
         n_keys = n_iter
@@ -573,8 +562,14 @@ def launch_tuned(kernel, tuned, grid, args, meta) -> None:
         prune = getattr(tuned, "early_config_prune", None)
         if prune is not None:
             configs = prune(configs, dict(zip(kernel.arg_names, args)), **meta)
-        cfg = configs[0]
-        kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        # Like the autotuner, skip configs this GPU cannot fit (shared memory, registers).
+        for i, cfg in enumerate(configs):
+            try:
+                kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                return
+            except triton.runtime.errors.OutOfResources:
+                if i == len(configs) - 1:
+                    raise
     else:
         tuned[grid](*args, **meta)
 
