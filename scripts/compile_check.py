@@ -6,7 +6,7 @@ compiler made of them -- registers and spills (``ptxas -v``), whether the key lo
 were software-pipelined (async copies inside the loop) and how many layout conversions the
 loop body pays. Usage::
 
-    python scripts/compile_check.py [--arch 90] [--workload t2|dense|per-key] [--dump DIR]
+    python scripts/compile_check.py [--arch 90] [--workload t2|dense|per-key|varlen] [--dump DIR]
                                     [--first-config]
 
 The workload's inputs are built on CPU at a small length (the kernels' code does not depend
@@ -114,6 +114,20 @@ def capture(workload: str, dtype=torch.bfloat16):
         mask = (torch.rand(B, 1, 1, L, generator=g) < 0.3).repeat_interleave(1, -1)
     elif workload == "dense":
         bias = mask = None
+    elif workload == "varlen":
+        # Packed sequences with a per-key (Hkv, total_k) mask and bias: the key-tile lists.
+        lens = torch.tensor([L // 2, L // 4 + 3, L // 4 - 3])
+        cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+        qv, kv, vv = q[0], k[0], v[0]
+        mask = torch.rand(Hkv, L, generator=g) < 0.3
+        bias = torch.randn(Hkv, L, generator=g).to(dtype)
+        scale = D ** -0.5
+        mx = int(lens.max())
+        out, lse = fwd_mod.attention_forward_varlen(qv, kv, vv, cu, cu, mx, mx, mask, bias, scale,
+                                                    causal, 0.0)
+        bwd_mod.attention_backward_varlen(torch.randn_like(out), qv, kv, vv, out, lse, cu, cu,
+                                          mx, mx, mask, bias, scale, causal, 0.0, True)
+        return launches
     else:
         raise ValueError(workload)
     scale = D ** -0.5
@@ -172,7 +186,7 @@ def _loop_report(ttgir: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--workload", default="t2", choices=["t2", "dense", "per-key"])
+    ap.add_argument("--workload", default="t2", choices=["t2", "dense", "per-key", "varlen"])
     ap.add_argument("--dump", type=Path, default=None, help="write each kernel's TTGIR here")
     ap.add_argument("--first-config", action="store_true",
                     help="compile only the first autotuning config per kernel (quick check)")

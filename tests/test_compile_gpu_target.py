@@ -24,7 +24,7 @@ def _nvidia_backend_available() -> bool:
 
 
 @pytest.mark.skipif(not _nvidia_backend_available(), reason="triton without its nvidia backend")
-@pytest.mark.parametrize("workload", ["t2", "dense"])
+@pytest.mark.parametrize("workload", ["t2", "dense", "varlen"])
 def test_kernels_compile_for_sm90(workload):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

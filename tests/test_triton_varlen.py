@@ -1,7 +1,8 @@
 """Triton varlen (packed sequences) kernels vs the float64 reference, through the interpreter.
 
 The packed path reuses the dense kernels with ``VARLEN=True``: each program reads its sequence's
-offsets from ``cu_seqlens`` and visits every key tile up to the causal limit (no tile lists).
+offsets from ``cu_seqlens`` and visits every key tile up to the causal limit, or with a per-key
+mask only the live tiles listed per (sequence, mask head) (the tests at the end of this file).
 Shapes are tiny (16x16 tiles under ``TRITON_INTERPRET=1``) but cover empty sequences, length
 1, odd lengths, sequences longer than a tile, ``Lq != Lk`` with causal, GQA, every per-key
 mask/bias shape and rows past ``cu_seqlens[-1]``. GPU sizes live in tests/test_gpu.py.
@@ -236,3 +237,148 @@ def test_varlen_torch_compile_fullgraph(monkeypatch):
     torch.testing.assert_close(compiled, eager)
     for a, b in zip(grads, eager_grads):
         torch.testing.assert_close(a, b)
+
+
+# ------------------------------------------------------------------------------------------
+# Per-key masks walked as live key-tile lists (tiles.build_varlen_key_lists)
+# ------------------------------------------------------------------------------------------
+
+from flash_dmattn.backends.triton.tiles import build_varlen_key_lists  # noqa: E402
+
+BN = 16  # the interpreter's key tile (fwd_blocks / bwd_blocks)
+# Length 1, odd, several tiles with a ragged end, exactly one tile (all masked: SEQ_DEAD),
+# Lq < Lk and Lq > Lk (causal alignment per sequence).
+TILE_LENS_Q = [1, 9, 40, 16, 20, 33]
+TILE_LENS_K = [1, 7, 48, 16, 37, 20]
+SEQ_DEAD = 3
+
+
+def tile_kind(head, seq, tile):
+    """'d' dead, 'f' every key live, 'p' some live: varies with head, sequence and tile."""
+    return "d" if seq == SEQ_DEAD else "fdp"[(head + 2 * seq + tile) % 3]
+
+
+def tile_mask(lens_k, hx, seed=0):
+    """Bool ``(hx, total_k)`` per-key mask following :func:`tile_kind` per 16-key tile."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for h in range(hx):
+        row = []
+        for s, n in enumerate(lens_k):
+            for t in range(-(-n // BN)):
+                m = min(BN, n - t * BN)
+                kind = tile_kind(h, s, t)
+                if kind == "p":
+                    keys = torch.rand(m, generator=g) < 0.4
+                    keys[0] = True
+                    if m > 1:
+                        keys[-1] = False  # at least one masked key: really partial
+                else:
+                    keys = torch.full((m,), kind == "f")
+                row.append(keys)
+        rows.append(torch.cat(row) if row else torch.zeros(0, dtype=torch.bool))
+    return torch.stack(rows)
+
+
+def dead_keys(mask2d, lens_k):
+    """Bool ``(hx, total_k)``: keys whose whole 16-key tile of their sequence is masked."""
+    dead = torch.zeros_like(mask2d)
+    start = 0
+    for n in lens_k:
+        for t in range(0, n, BN):
+            sl = slice(start + t, start + min(t + BN, n))
+            dead[:, sl] = ~mask2d[:, sl].any(1, keepdim=True)
+        start += n
+    return dead
+
+
+def test_varlen_key_lists_match_bruteforce():
+    g = torch.Generator().manual_seed(3)
+    lens = [0, 1, 5, 16, 17, 33, 64, 3]
+    cu = cu_seqlens_from_lengths(lens)
+    for hx in (1, 3):
+        mask = torch.rand(hx, sum(lens) + 2, generator=g) < 0.3  # 2 keys past cu[-1]
+        mask[:, 22:38] = True  # a full tile (sequence 4, tile 0 starts at key 22)
+        for bn in (4, 16):
+            lists = build_varlen_key_lists(mask, cu, max(lens), 6, bn)
+            assert lists.head_div == 6 // hx and lists.idx.shape[-1] == -(-max(lens) // bn)
+            for h in range(hx):
+                for s, n in enumerate(lens):
+                    want, n_full = [], 0
+                    for t in range(-(-n // bn)):
+                        keys = mask[h, cu[s] + t * bn: cu[s] + min(t * bn + bn, n)]
+                        if keys.any():
+                            full = bool(keys.all()) and keys.numel() == bn
+                            want.append(t * 2 + (0 if full else 1))
+                            n_full += full
+                    live, nf = lists.cnt[h, s].tolist()
+                    assert (live, nf) == (len(want), n_full), (hx, bn, h, s)
+                    assert lists.idx[h, s, :live].tolist() == want, (hx, bn, h, s)
+    assert build_varlen_key_lists(mask, cu, max(lens), 6, 16).cnt[:, 4, 1].tolist() == [1] * 3
+
+
+def run_tile_case(mask_spec, H, Hkv, causal, bias_spec):
+    """Triton vs reference on :func:`tile_mask` with the inputs of dead tiles poisoned.
+
+    K / V of keys whose tile is dead for every head of their kv group, and bias entries whose
+    tile is dead for every head sharing them, are NaN in the Triton run (the reference gets
+    the clean values): matching outputs and gradients prove those tiles were never loaded.
+    """
+    lens_q, lens_k = TILE_LENS_Q, TILE_LENS_K
+    q, k, v, _, bias, cu_q, cu_k = make_problem(lens_q, lens_k, H, Hkv, 16, bias_spec=bias_spec,
+                                                seed=5)
+    hx = {"1": 1, "K": Hkv, "H": H}[mask_spec]
+    mask2d = tile_mask(lens_k, hx)
+    mask = mask2d[0] if mask_spec == "1" else mask2d
+    max_q, max_k = max(lens_q), max(lens_k)
+    dead_q = dead_keys(mask2d, lens_k).repeat_interleave(H // hx, 0)  # (H, total_k)
+
+    def dead_for(n_heads):  # dead for every query head mapped to each of n_heads heads
+        return dead_q.reshape(n_heads, H // n_heads, -1).all(1)
+
+    kv_dead = dead_for(Hkv).T[:, :, None]  # (total_k, Hkv, 1)
+    assert kv_dead.any()
+    kp = k.masked_fill(kv_dead, float("nan"))
+    vp = v.masked_fill(kv_dead, float("nan"))
+    bp = None
+    if bias is not None:  # bias (total_k,) or (Hb, total_k)
+        b_dead = dead_for(1 if bias.dim() == 1 else bias.shape[0]).reshape(bias.shape)
+        bp = bias.masked_fill(b_dead, float("nan"))
+    out, lse, grads, dout = run_varlen(q, kp, vp, mask, bp, cu_q, cu_k, max_q, max_k, causal)
+    r_out, r_lse, r_grads = reference(q, k, v, mask, bias, cu_q, cu_k, max_q, max_k, dout,
+                                      causal)
+    tol = TOL[torch.float32]
+    assert_close("out", out, r_out, tol)  # also: no NaN anywhere
+    assert_close("lse", lse, r_lse, tol)
+    for name, got, want in zip(("dq", "dk", "dv", "dbias"), grads, r_grads):
+        if want is None:
+            assert got is None
+            continue
+        assert_close(name, got, want, tol)
+    # The all-masked sequence: zero output / dq rows, lse -inf, zero dk / dv / dbias.
+    qs = slice(sum(lens_q[:SEQ_DEAD]), sum(lens_q[:SEQ_DEAD + 1]))
+    ks = slice(sum(lens_k[:SEQ_DEAD]), sum(lens_k[:SEQ_DEAD + 1]))
+    assert torch.equal(out[qs], torch.zeros_like(out[qs])) and torch.isneginf(lse[:, qs]).all()
+    assert torch.equal(grads[0][qs], torch.zeros_like(grads[0][qs]))
+    for g_ in (grads[1], grads[2]):
+        assert torch.equal(g_[ks], torch.zeros_like(g_[ks]))
+    if grads[3] is not None:
+        assert torch.equal(grads[3][..., ks], torch.zeros_like(grads[3][..., ks]))
+
+
+# (mask_spec, H, Hkv, causal, bias_spec): every per-key mask shape, GQA / MQA / MHA, bias
+# sharing the mask's heads or not.
+TILE_CASES = [
+    ("1", 4, 2, True, "1"),
+    ("K", 4, 2, False, "K"),
+    ("H", 4, 2, True, "H"),
+    ("H", 2, 1, False, "K"),
+    ("K", 2, 2, True, None),
+]
+
+
+@pytest.mark.parametrize("case", TILE_CASES, ids=lambda c: "m{}_h{}kv{}{}_b{}".format(
+    c[0], c[1], c[2], "_causal" if c[3] else "", c[4]))
+def test_varlen_key_tiles_dead_full_partial(case):
+    # Dead, full and partial key tiles in one packed batch, per mask head; dead ones poisoned.
+    run_tile_case(*case)

@@ -26,8 +26,12 @@ d. ``Kx == 1`` (bias broadcast over keys): temporary ``(B, Hkv|H, Qx, nK)`` of p
    partial row sums (``nK`` = number of key tiles), summed with torch.
 
 Packed sequences (``VARLEN``, :func:`attention_backward_varlen`) use the same kernels with one
-``(sequence, kv head)`` pair per dK/dV program and no tile lists; their per-key dbias is case
-(a)/(b) with ``Qx == 1`` and never needs atomics.
+``(sequence, kv head)`` pair per dK/dV program; their per-key dbias is case (a)/(b) with
+``Qx == 1`` and never needs atomics. With a per-key mask they walk
+:class:`~.tiles.VarlenKeyLists` (live key tiles per (sequence, mask head)): the dQ kernel
+iterates its row up to the causal limit, the dK/dV kernel looks its own key tile up there,
+visits no query tile for a head where it is dead (zero dK/dV/dbias, no Q/dO read; K/V not
+read when dead for the whole group) and skips the mask load where it is full.
 """
 from __future__ import annotations
 
@@ -45,7 +49,10 @@ from .forward import (
     _load_mask_tile,
     _scores,
     _varlen_key_tiles,
+    _varlen_list_len,
+    _varlen_list_need_elem,
     _varlen_need_elem,
+    _varlen_tile_state,
     _varlen_seq,
     _dot,
     _tanh,
@@ -57,6 +64,7 @@ from .forward import (
     last_dim_contiguous,
     seqlen_bucket,
     varlen_aux_4d,
+    varlen_list_args,
     varlen_tail_rows,
 )
 from .gather import plan_key_gather
@@ -137,6 +145,20 @@ def _hide_t(st, mv, offs_n, offs_m, seqlen_q, seqlen_k, HAS_MASK: tl.constexpr,
     if IS_CAUSAL:
         vis = vis & (offs_n[:, None] <= offs_m[None, :] + (seqlen_k - seqlen_q))
     return tl.where(vis, st, float("-inf"))
+
+
+@triton.jit
+def _varlen_group_live(ListIdx, ListCnt, b, hk, group, list_hdiv,
+                       stride_lb, stride_lh, stride_cb, stride_ch, tile):
+    """Whether key tile ``tile`` of packed sequence ``b`` holds a live key for any query head
+    of kv head ``hk``'s group (varlen key-tile lists, one row per (sequence, mask head))."""
+    live = tile < 0
+    for g in range(0, group):
+        lh = (hk * group + g) // list_hdiv
+        n = tl.load(ListCnt + b * stride_cb + lh * stride_ch)
+        live_g, _ = _varlen_tile_state(ListIdx + b * stride_lb + lh * stride_lh, n, tile)
+        live = live | live_g
+    return live
 
 
 @triton.jit
@@ -267,10 +289,19 @@ def _attn_bwd_dkdv_kernel(
         b = slot_b + r // pair_h
         hk = slot_h + r % pair_h
         b64 = b.to(tl.int64)
+        kv_ok = n_ok
+        if VARLEN:
+            if USE_LIST:
+                # A key tile dead for every head of the group is never read (dK/dV become 0):
+                # its K/V loads get an empty key range.
+                group_live = _varlen_group_live(ListIdx, ListCnt, b, hk, group, list_hdiv,
+                                                stride_lb, stride_lh, stride_cb, stride_ch,
+                                                pid_n)
+                kv_ok = offs_n < tl.where(group_live, seqlen_k, 0)
         k = tl.load(K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         col_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -294,7 +325,14 @@ def _attn_bwd_dkdv_kernel(
                 n_iter = n_q_tiles
             t_lo = 0
             if VARLEN:
-                n_iter = tl.where(start_n < seqlen_k, tl.cdiv(seqlen_q, BLOCK_M), 0)
+                n_q_seq = tl.where(start_n < seqlen_k, tl.cdiv(seqlen_q, BLOCK_M), 0)
+                if USE_LIST:
+                    # The list is of key tiles: this program's tile is dead (no query tile
+                    # visited, no Q / dO read) or full / partial for every query tile.
+                    tile_live, tile_partial = _varlen_tile_state(list_row, n_iter, pid_n)
+                    n_iter = tl.where(tile_live, n_q_seq, 0)
+                else:
+                    n_iter = n_q_seq
                 if IS_CAUSAL:
                     # first query row that sees key start_n (bottom-right alignment)
                     t_lo = tl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M
@@ -303,7 +341,7 @@ def _attn_bwd_dkdv_kernel(
             else:
                 lse_row = Lse + bh.to(tl.int64) * seqlen_q
                 delta_row = Delta + bh.to(tl.int64) * seqlen_q
-            if USE_LIST:
+            if USE_LIST and not VARLEN:
                 # One loop with a per-tile branch, unlike the forward and dQ kernels: two loop
                 # copies push this kernel (two fp32 128x128 accumulators) into heavy spilling.
                 for t in range(0, n_iter):
@@ -322,9 +360,14 @@ def _attn_bwd_dkdv_kernel(
                     start_m = t * BLOCK_M
                     need_elem = n_edge
                     if VARLEN:
-                        need_elem = _varlen_need_elem(need_elem, start_m, start_n, seqlen_q,
-                                                      seqlen_k, BLOCK_M, BLOCK_N, HAS_MASK,
-                                                      IS_CAUSAL)
+                        if USE_LIST:
+                            need_elem = _varlen_list_need_elem(tile_partial, start_m, start_n,
+                                                               seqlen_q, seqlen_k, BLOCK_M,
+                                                               BLOCK_N, IS_CAUSAL)
+                        else:
+                            need_elem = _varlen_need_elem(need_elem, start_m, start_n,
+                                                          seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
+                                                          HAS_MASK, IS_CAUSAL)
                     dk, dv, col_acc, sc_acc = _dkdv_tile(
                         dk, dv, col_acc, sc_acc, k, v, start_m, need_elem,
                         Q, DO, DB, lse_row, delta_row, bias_base, mask_base, db_base,
@@ -453,15 +496,26 @@ def _attn_bwd_dq_kernel(
         cnt_ptr = ListCnt
         n_iter = n_k_tiles
     if VARLEN:
-        n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        if USE_LIST:
+            # The (sequence, mask head) row of live key tiles, cut at this tile's causal limit.
+            n_iter = _varlen_list_len(list_row, n_iter, pid_m * BLOCK_M, seqlen_q, seqlen_k,
+                                      BLOCK_M, BLOCK_N, IS_CAUSAL)
+        else:
+            n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
+                                       IS_CAUSAL)
     if USE_LIST and not GATHER:
         # One loop with the partial flag per tile (see the forward kernel).
         for t in range(0, n_iter):
             entry = tl.load(list_row + t)
             offs_n = (entry >> 1) * BLOCK_N + offs_n0
+            need_elem = (entry & 1) != 0
+            if VARLEN:
+                need_elem = _varlen_list_need_elem(need_elem, pid_m * BLOCK_M,
+                                                   (entry >> 1) * BLOCK_N, seqlen_q, seqlen_k,
+                                                   BLOCK_M, BLOCK_N, IS_CAUSAL)
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
                           offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, seqlen_k,
-                          (entry & 1) != 0,
+                          need_elem,
                           stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                           seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                           HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
@@ -885,7 +939,15 @@ def attention_backward_varlen(
     bias_arg = bias4 if bias4 is not None else q
     ms = broadcast_strides(mask4, H)
     bs = broadcast_strides(bias4, H)
-    no_list = (0, 0, 0, 0, 0, 0, 1)
+    # Live key-tile lists of a per-key mask, per key-tile size (dK/dV and dQ may differ),
+    # built when a kernel that walks them runs.
+    lists = {}
+
+    def list_args(bn):
+        if bn not in lists:
+            lists[bn] = varlen_list_args(mask, cu_k, max_seqlen_k, H, bn, q)
+        return lists[bn]
+
     has_softcap = softcap > 0.0
     scal = (softmax_scale, softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0,
             softcap, seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k))
@@ -893,7 +955,7 @@ def attention_backward_varlen(
         HEAD_DIM=D, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, MASK_QB=True, MASK_KB=False,
         HAS_BIAS=bias is not None, BIAS_QB=True, BIAS_KB=False,
-        IS_CAUSAL=bool(is_causal), USE_LIST=False, HAS_SOFTCAP=has_softcap,
+        IS_CAUSAL=bool(is_causal), USE_LIST=mask is not None, HAS_SOFTCAP=has_softcap,
         DOT_UPCAST=dot_upcast(q.dtype), VARLEN=True,
     )
 
@@ -916,15 +978,17 @@ def attention_backward_varlen(
             db_mode, db_group = _DB_NONE, False
         dk_arg = dk if needs_dkv else q
         dv_arg = dv if needs_dkv else q
+        idx, cnt, lst = list_args(block_n)
         args = (
-            q, k, v, dout, lse, delta, dk_arg, dv_arg, mask_arg, bias_arg, target, q, q, cu_q, cu_k,
+            q, k, v, dout, lse, delta, dk_arg, dv_arg, mask_arg, bias_arg, target, idx, cnt,
+            cu_q, cu_k,
             0, q.stride(0), q.stride(1),
             0, k.stride(0), k.stride(1),
             0, v.stride(0), v.stride(1),
             0, dout.stride(0), dout.stride(1),
             0, dk_arg.stride(0), dk_arg.stride(1),
             0, dv_arg.stride(0), dv_arg.stride(1),
-            *ms, *bs, *ts, *no_list,
+            *ms, *bs, *ts, *lst,
             H, G, max_seqlen_q, max_seqlen_k, 0, lse.stride(0),
             1, 1, Hkv,
             *scal,
@@ -942,14 +1006,15 @@ def attention_backward_varlen(
             dbias = target.to(bias.dtype)
 
     if needs_dq:
+        idx, cnt, lst = list_args(block_n2)
         args = (
-            q, k, v, dout, lse, delta, dq, mask_arg, bias_arg, q, q, cu_q, cu_k,
+            q, k, v, dout, lse, delta, dq, mask_arg, bias_arg, idx, cnt, cu_q, cu_k,
             0, q.stride(0), q.stride(1),
             0, k.stride(0), k.stride(1),
             0, v.stride(0), v.stride(1),
             0, dout.stride(0), dout.stride(1),
             0, dq.stride(0), dq.stride(1),
-            *ms, *bs, *no_list,
+            *ms, *bs, *lst,
             H, G, max_seqlen_q, max_seqlen_k, triton.cdiv(max_seqlen_k, block_n2), lse.stride(0),
             *scal,
         )

@@ -8,7 +8,9 @@ uses exp2).
 With ``VARLEN`` the same kernel runs packed sequences (:func:`attention_forward_varlen`): the
 packed ``(total, H, D)`` tensors are batch 1, the batch grid index is the sequence index, and
 each program moves its pointers to its sequence's first query / key row read from
-``cu_seqlens``; query tiles past the sequence's length do nothing.
+``cu_seqlens``; query tiles past the sequence's length do nothing. A per-key mask gets
+per-(sequence, mask head) lists of live key tiles (:class:`.tiles.VarlenKeyLists`), which the
+program walks up to its causal limit: dead key tiles cost nothing, full ones skip the mask.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import triton.language as tl
 
 from .gather import plan_key_gather
 from .mask_summary import summarize_mask, wants_summary
-from .tiles import TileLists, build_tile_lists
+from .tiles import TileLists, build_tile_lists, build_varlen_key_lists
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -155,8 +157,9 @@ def _varlen_key_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_
                       IS_CAUSAL: tl.constexpr):
     """Key tiles a query tile of one packed sequence visits (0 past the sequence's end).
 
-    Varlen calls have no tile lists (those are per (b, h) of a fixed length); every key tile up
-    to the causal limit of the tile's last row is visited and masked per element.
+    Without a mask varlen calls have no tile lists: every key tile up to the causal limit of
+    the tile's last row is visited. With a per-key mask this is the limit that
+    :func:`_varlen_list_len` applies to the sequence's list.
     """
     n = tl.cdiv(seqlen_k, BLOCK_N)
     if IS_CAUSAL:
@@ -172,11 +175,65 @@ def _varlen_need_elem(need_elem, start_m, start_n, seqlen_q, seqlen_k,
     """Whether a varlen (query tile, key tile) pair needs per-element masking.
 
     Without tile lists nothing classified the tile: a per-key mask is always applied (one
-    vector load), the causal compare only on tiles that cross the diagonal.
+    vector load), the causal compare only on tiles that cross the diagonal. (The host builds
+    lists whenever a varlen call has a mask; see :func:`_varlen_list_need_elem`.)
     """
     if HAS_MASK:
         need_elem = start_n >= 0
     elif IS_CAUSAL:
+        need_elem = need_elem | (start_n + BLOCK_N - 1 > start_m + (seqlen_k - seqlen_q))
+    return need_elem
+
+
+@triton.jit
+def _list_lower_bound(row, n, tile):
+    """How many of the first ``n`` entries of the ascending tile list ``row`` (entries
+    ``tile * 2 + partial``) lie below key tile ``tile``: a binary search of ~log2(n) scalar
+    loads, so a query tile stops at its causal limit without scanning the list."""
+    lo = n * 0
+    hi = n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        below = (tl.load(row + mid) >> 1) < tile
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+@triton.jit
+def _varlen_list_len(row, n, start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """Entries of a varlen key-tile list (``n`` live, ascending) that a query tile visits.
+
+    The list is shared by every query tile of the sequence, so the causal limit of this
+    tile is applied here; 0 past the sequence's end.
+    """
+    n_tiles = _varlen_key_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    if IS_CAUSAL:
+        n = _list_lower_bound(row, n, n_tiles)
+    else:
+        # Every listed tile lies inside the sequence: only the past-the-end check is left.
+        n = tl.where(n_tiles > 0, n, 0)
+    return n
+
+
+@triton.jit
+def _varlen_tile_state(row, n, tile):
+    """``(live, partial)`` of key tile ``tile`` in a varlen key-tile list (``n`` live)."""
+    pos = _list_lower_bound(row, n, tile)
+    entry = tl.load(row + pos, mask=pos < n, other=-1)
+    return (entry >> 1) == tile, (entry & 1) != 0
+
+
+@triton.jit
+def _varlen_list_need_elem(partial, start_m, start_n, seqlen_q, seqlen_k,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           IS_CAUSAL: tl.constexpr):
+    """Per-element masking of a listed varlen tile: the list's partial flag (mask not all
+    True, or a ragged edge), or -- the list being shared across query tiles -- a causal
+    diagonal crossing this query tile."""
+    need_elem = partial
+    if IS_CAUSAL:
         need_elem = need_elem | (start_n + BLOCK_N - 1 > start_m + (seqlen_k - seqlen_q))
     return need_elem
 
@@ -351,7 +408,13 @@ def _attn_fwd_kernel(
         cnt_ptr = ListCnt
         n_iter = n_k_tiles
     if VARLEN:
-        n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        if USE_LIST:
+            # The (sequence, mask head) row of live key tiles, cut at this tile's causal limit.
+            n_iter = _varlen_list_len(list_row, n_iter, pid_m * BLOCK_M, seqlen_q, seqlen_k,
+                                      BLOCK_M, BLOCK_N, IS_CAUSAL)
+        else:
+            n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
+                                       IS_CAUSAL)
 
     if USE_LIST and not GATHER:
         # One loop, the tile's partial flag deciding per-element masking at run time. Two
@@ -363,9 +426,14 @@ def _attn_fwd_kernel(
         for t in range(0, n_iter):
             entry = tl.load(list_row + t)
             offs_n = (entry >> 1) * BLOCK_N + offs_n0
+            need_elem = (entry & 1) != 0
+            if VARLEN:
+                need_elem = _varlen_list_need_elem(need_elem, pid_m * BLOCK_M,
+                                                   (entry >> 1) * BLOCK_N, seqlen_q, seqlen_k,
+                                                   BLOCK_M, BLOCK_N, IS_CAUSAL)
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
-                offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, seqlen_k, (entry & 1) != 0,
+                offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, seqlen_k, need_elem,
                 stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
@@ -594,6 +662,20 @@ def varlen_tail_rows(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.arange(total, device=cu_seqlens.device) >= cu_seqlens[-1]
 
 
+def varlen_list_args(mask: Optional[torch.Tensor], cu_seqlens_k: torch.Tensor,
+                     max_seqlen_k: int, num_heads: int, block_n: int, dummy: torch.Tensor):
+    """``(idx, cnt, list strides + head_div)`` kernel arguments of a varlen call.
+
+    With a per-key mask: its :class:`~.tiles.VarlenKeyLists` for ``block_n`` key tiles, so
+    the kernels skip key tiles with no live key and the mask load on all-live ones. Without
+    one: placeholders (``dummy`` is never read) and ``USE_LIST`` must be False.
+    """
+    if mask is None:
+        return dummy, dummy, (0, 0, 0, 0, 0, 0, 1)
+    lists = build_varlen_key_lists(mask, cu_seqlens_k, max_seqlen_k, num_heads, block_n)
+    return lists.idx, lists.cnt, (*lists.strides(), lists.head_div)
+
+
 def attention_forward_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -643,15 +725,16 @@ def attention_forward_varlen(
     bias_arg = bias4 if bias4 is not None else q
     cu_q = cu_seqlens_q.to(torch.int32)
     cu_k = cu_seqlens_k.to(torch.int32)
+    idx, cnt, lst = varlen_list_args(mask, cu_k, max_seqlen_k, H, block_n, q)
     has_softcap = softcap > 0.0
     # The packed tensors are batch 1 (batch strides 0); programs offset by their sequence start.
     args = (
-        q, k, v, out, lse, mask_arg, bias_arg, q, q, cu_q, cu_k,
+        q, k, v, out, lse, mask_arg, bias_arg, idx, cnt, cu_q, cu_k,
         0, q.stride(0), q.stride(1),
         0, k.stride(0), k.stride(1),
         0, v.stride(0), v.stride(1),
         0, out.stride(0), out.stride(1),
-        *broadcast_strides(mask4, H), *broadcast_strides(bias4, H), 0, 0, 0, 0, 0, 0, 1,
+        *broadcast_strides(mask4, H), *broadcast_strides(bias4, H), *lst,
         H, H // Hkv, max_seqlen_q, max_seqlen_k, triton.cdiv(max_seqlen_k, block_n), lse.stride(0),
         softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
         seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k),
@@ -660,7 +743,7 @@ def attention_forward_varlen(
         HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, MASK_QB=True, MASK_KB=False,
         HAS_BIAS=bias is not None, BIAS_QB=True, BIAS_KB=False,
-        IS_CAUSAL=bool(is_causal), USE_LIST=False, HAS_SOFTCAP=has_softcap,
+        IS_CAUSAL=bool(is_causal), USE_LIST=mask is not None, HAS_SOFTCAP=has_softcap,
         DOT_UPCAST=dot_upcast(q.dtype), GATHER=False, VARLEN=True,
     )
     grid = (triton.cdiv(max_seqlen_q, block_m), n_seqs * H)

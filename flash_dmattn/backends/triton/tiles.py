@@ -22,6 +22,10 @@ then its partial ones (each group ascending), so a kernel runs two loops without
 branch; ``cnt[..., 0]`` is the number of live entries and ``cnt[..., 1]`` how many of them are
 full (a ragged last key tile always counts as partial: only partial tiles are bound-checked). Dims of size 1 (batch, head, and for forward lists the query-tile dim) are
 broadcast by the kernels through stride 0.
+
+Packed-sequence (varlen) calls with a per-key mask get :class:`VarlenKeyLists` instead: one
+ascending list of live key tiles per (mask head, sequence), shared by every query tile (the
+mask does not depend on the query) and searched by the key-tile programs of the backward.
 """
 from __future__ import annotations
 
@@ -189,3 +193,80 @@ def _build(mask, seqlen_q, seqlen_k, num_heads, is_causal, block_m, block_n, dev
         bwd_idx=bwd_idx,
         bwd_cnt=bwd_cnt,
     )
+
+
+@dataclass(frozen=True)
+class VarlenKeyLists:
+    """Live key tiles of a packed-sequence (varlen) call with a per-key mask.
+
+    ``idx`` is ``(Hx, n_seqs, n_tiles)`` int32 and ``cnt`` ``(Hx, n_seqs, 2)`` int32
+    (live, full), for the mask's ``Hx`` heads (1, Hkv or H). Row ``[hx, b]`` lists the key
+    tiles of sequence ``b`` that hold at least one live key, **ascending** (unlike the dense
+    lists: query-tile programs binary-search the row for their causal limit), each encoded
+    ``tile * 2 + partial``; tile ``j`` covers the sequence's keys ``j*block_n ...`` (relative
+    to its first key, clipped to its end). A tile is full when all ``block_n`` keys are live;
+    a ragged last tile is always partial. Entries past ``cnt[..., 0]`` are unspecified.
+    """
+
+    block_n: int
+    head_div: int
+    idx: torch.Tensor
+    cnt: torch.Tensor
+
+    def strides(self) -> Tuple[int, int, int, int, int, int]:
+        """(idx_seq, idx_head, 0, cnt_seq, cnt_head, 0): the kernels' list-stride arguments
+        (batch = sequence, head, and a tile-row stride of 0: every query / key tile program
+        of one (sequence, head) shares the row)."""
+        def s(t, d):
+            return 0 if t.size(d) == 1 else t.stride(d)
+
+        return (s(self.idx, 1), s(self.idx, 0), 0, s(self.cnt, 1), s(self.cnt, 0), 0)
+
+
+def build_varlen_key_lists(
+    mask: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_k: int,
+    num_heads: int,
+    block_n: int,
+) -> VarlenKeyLists:
+    """Per-(mask head, sequence) live key-tile lists for a varlen per-key mask.
+
+    Args:
+        mask: bool ``(Hx, total_k)`` (Hx = 1, Hkv or H), True = attend.
+        cu_seqlens_k: ``(n_seqs + 1,)`` int key offsets on the mask's device.
+        max_seqlen_k: upper bound of the per-sequence key lengths (sizes the rows; read on the
+            host, so nothing here waits for the device).
+        num_heads: query heads (gives ``head_div = num_heads // Hx``).
+        block_n: key tile size of the kernel that walks the lists.
+
+    Vectorised over sequences and heads: one prefix sum of the mask and two gathers per tile
+    boundary; extra memory is O(Hx * total_k) for the prefix sum plus O(Hx * n_seqs * n_tiles).
+    """
+    if mask.dim() != 2 or mask.dtype != torch.bool:
+        raise ValueError(f"varlen key lists need a bool (Hx, total_k) mask, got "
+                         f"{tuple(mask.shape)} {mask.dtype}")
+    hx, total_k = mask.shape
+    device = mask.device
+    n_tiles = max(1, -(-int(max_seqlen_k) // block_n))
+    cu = cu_seqlens_k.to(device=device, dtype=torch.int64)
+    start = cu[:-1].clamp(0, total_k)
+    length = (cu[1:].clamp(0, total_k) - start).clamp_min(0)
+    # Live-key prefix sums: pre[:, i] = live keys among packed keys [0, i).
+    pre = torch.nn.functional.pad(torch.cumsum(mask, dim=1, dtype=torch.int32), (1, 0))
+    j = torch.arange(n_tiles, device=device, dtype=torch.int64) * block_n
+    lo = start[:, None] + torch.minimum(j[None, :], length[:, None])
+    hi = start[:, None] + torch.minimum(j[None, :] + block_n, length[:, None])
+    n_live = pre[:, hi] - pre[:, lo]  # (Hx, n_seqs, n_tiles)
+    live = n_live > 0
+    # Full = all block_n keys live, so a ragged tile (fewer keys) is never full.
+    partial = live & (n_live < block_n)
+    ar = torch.arange(n_tiles, device=device, dtype=torch.int32)
+    # Live tiles first, each group ascending by tile index (dead ones past the count).
+    key = (~live).to(torch.int32) * n_tiles + ar
+    order = torch.sort(key, dim=-1).values % n_tiles
+    flag = torch.gather(partial.to(torch.int32), -1, order.to(torch.int64))
+    idx = (order * 2 + flag).to(torch.int32).contiguous()
+    cnt = torch.stack([live.sum(-1, dtype=torch.int32),
+                       (live & ~partial).sum(-1, dtype=torch.int32)], -1).contiguous()
+    return VarlenKeyLists(block_n=block_n, head_div=num_heads // hx, idx=idx, cnt=cnt)
