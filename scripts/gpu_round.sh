@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One short device call after a kernel change: the GPU tests of the Triton kernels (autotuning
 # off, so each specialisation compiles once), then the issue's targets side by side with their
-# baselines (T2/T2b with flex, T1/T1b, T3/T3b), then large-Lk decode. Each step has its own
+# baselines (T2/T2b with flex, T1/T1b, T3/T3b), then large-Lk and batched decode, then a profile
+# of T2 (triton). Each step has its own
 # time limit so a slow one cannot starve the rest; logs go to $OUT (at most 8 files back).
 #   bash scripts/gpu_round.sh [pytest -k expression]
 set -uo pipefail
@@ -26,6 +27,11 @@ bench() {  # name, timeout, benchmarks.run args...
   grep -E "^== |^   " "$OUT/bench-$name.log" | head -40
 }
 bench dynamic "${DYN_S:-110}" --suite dynamic --backends triton,flex
+# gather mode in the forward too (default: dQ only) -- keep whichever T2 prefers
+FLASH_DMATTN_TRITON_GATHER=auto bench dynamic-gather "${DYNG_S:-70}" --suite dynamic --backends triton
 bench targets "${TGT_S:-150}" --suite dense,block_sparse --backends triton --match "L16384 D128 causal,L32768"
 bench decode "${DEC_S:-120}" --suite decode --backends triton --match "Lk131072,Lk524288,B64 "
+# where T2's time goes (kernels vs planning), per call
+timeout "${PROF_S:-70}" python3 -m benchmarks.profile --suite dynamic --backends triton --out "$W/prof" \
+  >"$OUT/profile.log" 2>&1 && cp "$W"/prof/profile-*.txt "$OUT/" 2>/dev/null
 exit 0

@@ -527,7 +527,7 @@ def _attn_bwd_dq_kernel(
             cols = t * BLOCK_N + offs_n0
             keys = tl.load(list_row + cols, mask=cols < n_keys, other=0)
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
-                          offs_m, keys, offs_d, d_ok, cols < n_keys, cols, n_keys, True,
+                          offs_m, keys, offs_d, d_ok, cols < n_keys, cols, stride_mm, True,
                           stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                           seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                           HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,

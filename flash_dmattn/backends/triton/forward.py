@@ -446,7 +446,7 @@ def _attn_fwd_kernel(
             keys = tl.load(list_row + cols, mask=cols < n_keys, other=0)
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
-                offs_m, keys, offs_d, d_ok, cols < n_keys, cols, n_keys, True,
+                offs_m, keys, offs_d, d_ok, cols < n_keys, cols, stride_mm, True,
                 stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,

@@ -157,22 +157,34 @@ def plan_key_gather(
                      idx=idx, cnt=cnt.contiguous(), gmask=gmask)
 
 
+# A multiple of every BLOCK_N the gathered kernels use, so a tile never reads past its row.
+GMASK_ROW_ALIGN = 64
+
+
 def _gather_mask(mask_u8: torch.Tensor, idx: torch.Tensor, seqlen_q: int, block_m: int,
                  capacity: int) -> torch.Tensor:
     """``gmask[b, h, i, c] = mask[b, h, i, idx[b, h, i // block_m, c]]``, rows padded to tiles."""
     bx, hx, _, seqlen_k = mask_u8.shape
     n_q = idx.size(2)
-    gmask = torch.empty((bx, hx, n_q, block_m, capacity), dtype=torch.uint8, device=mask_u8.device)
+    # Rows padded to a multiple of GMASK_ROW_ALIGN bytes (zeros): the kernels bound their mask
+    # reads by the row stride instead of the list length, which the compiler then knows to be
+    # a multiple of 16 -- so it reads the mask tile as 16-byte vectors and software-pipelines
+    # it (byte-wide loads are not pipelined; see scripts/compile_check.py). Positions past a
+    # tile's count are hidden by the kernels' key bound either way.
+    width = -(-capacity // GMASK_ROW_ALIGN) * GMASK_ROW_ALIGN
+    rows = torch.empty((bx, hx, n_q, block_m, width), dtype=torch.uint8, device=mask_u8.device)
+    rows[..., capacity:] = 0
+    gmask = rows[..., :capacity]
     n_full = seqlen_q // block_m
     rem = seqlen_q - n_full * block_m
     idx64 = idx.to(torch.int64)
     if n_full:
         src = mask_u8.narrow(2, 0, n_full * block_m).unflatten(2, (n_full, block_m))
         ix = idx64[:, :, :n_full, None, :].expand(bx, hx, n_full, block_m, capacity)
-        torch.gather(src, -1, ix, out=gmask[:, :, :n_full])
+        torch.gather(src, -1, ix, out=gmask[:, :, :n_full])  # strided out: written in place
     if rem:
         src = mask_u8.narrow(2, n_full * block_m, rem)
         ix = idx64[:, :, n_full, None, :].expand(bx, hx, rem, capacity)
         torch.gather(src, -1, ix, out=gmask[:, :, n_full, :rem])
         gmask[:, :, n_full, rem:] = 0
-    return gmask.view(bx, hx, n_q * block_m, capacity)
+    return rows.view(bx, hx, n_q * block_m, width)[..., :capacity]
