@@ -115,3 +115,20 @@ def test_summary_with_several_row_steps(monkeypatch):
     s = summarize_mask(mask, 16, 16)
     assert torch.equal(s.row_any, block_reduce(mask, 2, 16, "any"))
     assert torch.equal(s.tile_all, block_reduce(block_reduce(mask, 2, 16, "all"), 3, 16, "all"))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_tile_maps_from_summary_equal_torch_reductions(causal):
+    # The flex backend classifies a per-query mask with the summary kernel on CUDA; forced
+    # here (the kernel runs under the interpreter on CPU).
+    from flash_dmattn.backends import flex
+
+    Lq, Lk = 300, 260  # several 128-tiles, ragged edges
+    gen = torch.Generator().manual_seed(5)
+    mask = (torch.rand(1, 2, Lq, Lk, generator=gen) < 0.02).to(DEVICE)
+    mask[0, 0, :, :128] = True    # full tiles
+    mask[0, 1, :, 128:256] = False  # dead tiles
+    got = flex._tile_maps(mask, Lq, Lk, causal, mask.device, use_summary=True)
+    want = tile_liveness(mask, Lq, Lk, flex.BLOCK, flex.BLOCK, causal)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert (~got[0]).any() and got[1].any()  # dead and full tiles both present

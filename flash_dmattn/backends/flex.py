@@ -100,15 +100,36 @@ def _from_kv_blocks_params():
     return frozenset(inspect.signature(_flex_module().BlockMask.from_kv_blocks).parameters)
 
 
+def _tile_maps(mask, lq: int, lk: int, causal: bool, device, use_summary: Optional[bool] = None):
+    """``(live, full)`` BLOCK x BLOCK tile maps (see :func:`..block_map.tile_liveness`).
+
+    A per-query mask on CUDA is read once by the Triton backend's summary kernel instead of
+    twice (an ``any`` and an ``all`` pass) by torch reductions: on the dynamic-mask workload
+    that mask is 268 MB, and the flex path rebuilds its BlockMask on every call.
+    """
+    if use_summary is None:
+        use_summary = mask is not None and mask.is_cuda
+    if use_summary and mask is not None:
+        try:
+            from .triton.mask_summary import summarize_mask, wants_summary
+            from .triton.tiles import classify_tiles
+        except ImportError:  # no triton: the torch reductions below
+            pass
+        else:
+            if wants_summary(mask, lq, lk):
+                summary = summarize_mask(mask, BLOCK, BLOCK)
+                return classify_tiles(mask, lq, lk, causal, BLOCK, BLOCK, device, summary)
+    return tile_liveness(mask, lq, lk, BLOCK, BLOCK, causal, device)
+
+
 def _build_block_mask(inputs):
     fa = _flex_module()
     lq, lk = inputs.seqlen_q, inputs.seqlen_k
     cache = inputs.cache_seqlens
     # With a per-batch used length the causal diagonal moves per batch: classify tiles from the
     # mask alone (a superset of the live tiles) and let mask_mod decide inside them.
-    live, full = tile_liveness(
-        inputs.attn_mask, lq, lk, BLOCK, BLOCK, inputs.is_causal and cache is None, inputs.device
-    )
+    live, full = _tile_maps(inputs.attn_mask, lq, lk, inputs.is_causal and cache is None,
+                            inputs.device)
     n_q, n_k = cdiv(lq, BLOCK), cdiv(lk, BLOCK)
     if cache is not None:
         # (B, 1, 1, nK): key tiles that start before the used length; nothing is full.
