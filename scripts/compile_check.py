@@ -80,7 +80,7 @@ def _configs(tuned):
     return configs, prune
 
 
-def capture(workload: str, dtype=torch.bfloat16):
+def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
     """Run one forward + backward on CPU with every Triton launch captured, not executed."""
     launches = []
 
@@ -100,7 +100,7 @@ def capture(workload: str, dtype=torch.bfloat16):
     # Plans then come from torch reductions (same lists; the summary kernel needs a device).
     fwd_mod.wants_summary = bwd_mod.wants_summary = lambda *a: False
 
-    B, H, Hkv, L, D = 1, 16, 4, 512, 128
+    B, H, Hkv, L, D = 1, 16, 4, seqlen, 128
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, L, H, D, generator=g).to(dtype)
     k = torch.randn(B, L, Hkv, D, generator=g).to(dtype)
@@ -188,12 +188,14 @@ def main() -> int:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--workload", default="t2", choices=["t2", "dense", "per-key", "varlen"])
     ap.add_argument("--dump", type=Path, default=None, help="write each kernel's TTGIR here")
+    ap.add_argument("--seqlen", type=int, default=512,
+                    help="sequence length of the captured call (divisibility by 16 changes codegen)")
     ap.add_argument("--first-config", action="store_true",
                     help="compile only the first autotuning config per kernel (quick check)")
     args = ap.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0
-    for name, tuned, kargs, meta in capture(args.workload):
+    for name, tuned, kargs, meta in capture(args.workload, seqlen=args.seqlen):
         kernel = tuned.fn
         sig, consts, attrs = _signature(kernel, kargs, meta)
         configs, prune = _configs(tuned)

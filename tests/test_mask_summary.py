@@ -132,3 +132,27 @@ def test_flex_tile_maps_from_summary_equal_torch_reductions(causal):
     want = tile_liveness(mask, Lq, Lk, flex.BLOCK, flex.BLOCK, causal)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert (~got[0]).any() and got[1].any()  # dead and full tiles both present
+
+
+def test_aligned_mask_rows():
+    # Per-query masks with unaligned rows are copied into zero-padded 64-byte rows (same
+    # values); aligned, per-key and broadcast masks are passed through untouched.
+    from flash_dmattn.backends.triton.forward import MASK_ROW_ALIGN, aligned_mask_rows
+
+    gen = torch.Generator().manual_seed(9)
+    odd = torch.rand(2, 3, 37, 45, generator=gen) < 0.5
+    got, padded = aligned_mask_rows(odd, 37, 45)
+    assert padded and torch.equal(got, odd)
+    assert got.stride(2) % MASK_ROW_ALIGN == 0 and got.stride(3) == 1
+    rows = got.as_strided((2, 3, 37, got.stride(2)), got.stride())
+    assert not rows[..., 45:].any()  # the padding the kernels may read is False
+
+    aligned = torch.rand(1, 2, 40, 64, generator=gen) < 0.5
+    assert aligned_mask_rows(aligned, 40, 64) == (aligned, False)
+    per_key = odd[:, :, :1]
+    assert aligned_mask_rows(per_key, 37, 45) == (per_key, False)
+    # a transposed (non-contiguous) mask is copied even when its sizes are multiples of 16
+    t = (torch.rand(1, 1, 64, 32, generator=gen) < 0.5).transpose(2, 3)
+    got, padded = aligned_mask_rows(t, 32, 64)
+    assert padded and torch.equal(got, t) and got.stride(3) == 1
+    assert aligned_mask_rows(None, 4, 4) == (None, False)

@@ -45,6 +45,7 @@ from .forward import (
     LOG2E,
     _load_bcast,
     _key_tile,
+    aligned_mask_rows,
     launch_tuned,
     _load_mask_tile,
     _scores,
@@ -100,7 +101,7 @@ def _bwd_preprocess(
 
 
 @triton.jit
-def _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem,
+def _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem, mask_klim,
               stride_bm, stride_bn, stride_mm, stride_mn,
               seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
               HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
@@ -123,7 +124,7 @@ def _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem,
                          BIAS_KB, BIAS_QB, 0.0)
         st = st + bv.to(tl.float32) * 1.4426950408889634
     if HAS_MASK:  # outside the branch so it is pipelined (see _load_mask_tile)
-        mv = _load_mask_tile(mask_base, offs_n, offs_m, stride_mn, stride_mm, seqlen_k, seqlen_q,
+        mv = _load_mask_tile(mask_base, offs_n, offs_m, stride_mn, stride_mm, mask_klim, seqlen_q,
                              MASK_KB, MASK_QB, need_elem)
     else:
         mv = 1
@@ -162,7 +163,7 @@ def _varlen_group_live(ListIdx, ListCnt, b, hk, group, list_hdiv,
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, col_acc, sc_acc, k, v, start_m, need_elem,
+def _dkdv_tile(dk, dv, col_acc, sc_acc, k, v, start_m, need_elem, mask_klim,
                Q, DO, DB, lse_row, delta_row, bias_base, mask_base, db_base,
                b64, h64, offs_m0, offs_n, offs_d, d_ok, n_ok, pid_n,
                stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
@@ -186,7 +187,7 @@ def _dkdv_tile(dk, dv, col_acc, sc_acc, k, v, start_m, need_elem,
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(delta_row + offs_m, mask=m_ok, other=0.0)
 
-    st, th = _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem,
+    st, th = _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem, mask_klim,
                        stride_bm, stride_bn, stride_mm, stride_mn,
                        seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                        HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
@@ -257,8 +258,9 @@ def _attn_bwd_dkdv_kernel(
     DOT_UPCAST: tl.constexpr,
     STORE_DKV: tl.constexpr,
     DB_MODE: tl.constexpr, DB_ACC: tl.constexpr, DB_GROUP: tl.constexpr,
-    VARLEN: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, MASK_PAD: tl.constexpr = False,
 ):
+    # MASK_PAD: padded mask rows, as in the forward kernel.
     # VARLEN: packed sequences (one pair per program, slot_b = sequence index); pointers are
     # moved to the sequence's first query / key row and lengths become per sequence.
     pid_n = tl.program_id(0)
@@ -283,6 +285,10 @@ def _attn_bwd_dkdv_kernel(
     d_ok = offs_d < HEAD_DIM
     n_ok = offs_n < seqlen_k
     n_edge = start_n + BLOCK_N > seqlen_k
+    if MASK_PAD:
+        mask_klim = stride_mm
+    else:
+        mask_klim = seqlen_k
 
     # Usually one pair; several only when this program must own a bias slice shared by them.
     for r in range(0, n_pairs):
@@ -348,6 +354,7 @@ def _attn_bwd_dkdv_kernel(
                     entry = tl.load(list_row + t)
                     dk, dv, col_acc, sc_acc = _dkdv_tile(
                         dk, dv, col_acc, sc_acc, k, v, (entry >> 1) * BLOCK_M, (entry & 1) != 0,
+                        mask_klim,
                         Q, DO, DB, lse_row, delta_row, bias_base, mask_base, db_base,
                         b64, h64, offs_m0, offs_n, offs_d, d_ok, n_ok, pid_n,
                         stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
@@ -369,7 +376,7 @@ def _attn_bwd_dkdv_kernel(
                                                           seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
                                                           HAS_MASK, IS_CAUSAL)
                     dk, dv, col_acc, sc_acc = _dkdv_tile(
-                        dk, dv, col_acc, sc_acc, k, v, start_m, need_elem,
+                        dk, dv, col_acc, sc_acc, k, v, start_m, need_elem, mask_klim,
                         Q, DO, DB, lse_row, delta_row, bias_base, mask_base, db_base,
                         b64, h64, offs_m0, offs_n, offs_d, d_ok, n_ok, pid_n,
                         stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
@@ -443,7 +450,9 @@ def _attn_bwd_dq_kernel(
     HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr = False,
+    MASK_PAD: tl.constexpr = False,
 ):
+    # MASK_PAD: padded mask rows, as in the forward kernel.
     # GATHER: as in the forward kernel (key lists of a KeyGather, gathered mask).
     # VARLEN: as in the forward kernel (b is the packed sequence index).
     pid_m = tl.program_id(0)
@@ -503,6 +512,10 @@ def _attn_bwd_dq_kernel(
         else:
             n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
                                        IS_CAUSAL)
+    if MASK_PAD:
+        mask_klim = stride_mm
+    else:
+        mask_klim = seqlen_k
     if USE_LIST and not GATHER:
         # One loop with the partial flag per tile (see the forward kernel).
         for t in range(0, n_iter):
@@ -514,7 +527,7 @@ def _attn_bwd_dq_kernel(
                                                    (entry >> 1) * BLOCK_N, seqlen_q, seqlen_k,
                                                    BLOCK_M, BLOCK_N, IS_CAUSAL)
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
-                          offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, seqlen_k,
+                          offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, mask_klim,
                           need_elem,
                           stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                           seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
@@ -537,7 +550,7 @@ def _attn_bwd_dq_kernel(
             offs_n, n_ok, need_elem = _key_tile(t, offs_n0, pid_m * BLOCK_M, seqlen_q, seqlen_k,
                                                 BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL, VARLEN)
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
-                          offs_m, offs_n, offs_d, d_ok, n_ok, offs_n, seqlen_k, need_elem,
+                          offs_m, offs_n, offs_d, d_ok, n_ok, offs_n, mask_klim, need_elem,
                           stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                           seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                           HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
@@ -747,6 +760,7 @@ def attention_backward(
     run_dq_kernel = needs_dq
     # dQ is query-major like the forward: it can walk gathered key lists. (dK/dV cannot: the
     # union of a key tile's live queries is wide whenever one of its keys is popular.)
+    mask, mask_pad = aligned_mask_rows(mask, Lq, Lk)
     # A per-query mask is read once (one kernel) for the dK/dV lists, the dQ lists and the
     # dQ gather plan; torch reductions would read it once per question.
     summary = (summarize_mask(mask, *summary_blocks((block_m, block_n), (block_m2, block_n2)))
@@ -785,7 +799,7 @@ def attention_backward(
         BIAS_QB=bias is not None and bias.size(2) == 1,
         BIAS_KB=bias is not None and bias.size(3) == 1,
         IS_CAUSAL=bool(is_causal), USE_LIST=use_list, HAS_SOFTCAP=has_softcap,
-        DOT_UPCAST=dot_upcast(q.dtype),
+        DOT_UPCAST=dot_upcast(q.dtype), MASK_PAD=mask_pad,
     )
 
     dbias = None

@@ -356,7 +356,10 @@ def _attn_fwd_kernel(
     HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr = False,
+    MASK_PAD: tl.constexpr = False,
 ):
+    # MASK_PAD: the mask's rows are padded copies (aligned_mask_rows): bound its reads by the
+    # row width, a multiple of 16 the compiler can see, so they vectorise and pipeline.
     # GATHER: ListIdx/ListCnt are a KeyGather's idx/cnt (key indices, not tile entries) and
     # Mask is its gathered mask, addressed by position in the list (see .gather).
     # VARLEN: packed sequences, see _varlen_seq; b is the sequence index.
@@ -416,6 +419,10 @@ def _attn_fwd_kernel(
             n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
                                        IS_CAUSAL)
 
+    if MASK_PAD:
+        mask_klim = stride_mm
+    else:
+        mask_klim = seqlen_k
     if USE_LIST and not GATHER:
         # One loop, the tile's partial flag deciding per-element masking at run time. Two
         # loops (full tiles, then partial ones; the lists are ordered for it) measured slower
@@ -433,7 +440,7 @@ def _attn_fwd_kernel(
                                                    BLOCK_M, BLOCK_N, IS_CAUSAL)
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
-                offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, seqlen_k, need_elem,
+                offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, mask_klim, need_elem,
                 stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
@@ -457,7 +464,7 @@ def _attn_fwd_kernel(
                                                 BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL, VARLEN)
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
-                offs_m, offs_n, offs_d, d_ok, n_ok, offs_n, seqlen_k, need_elem,
+                offs_m, offs_n, offs_d, d_ok, n_ok, offs_n, mask_klim, need_elem,
                 stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
@@ -557,6 +564,7 @@ def attention_forward(
         return out, lse
 
     block_m, block_n = fwd_blocks(D)
+    mask, mask_pad = aligned_mask_rows(mask, Lq, Lk)
     gather = None
     if tiles is None:
         # A per-query mask is read once, by one kernel, for everything planned from it.
@@ -610,9 +618,43 @@ def attention_forward(
         BIAS_KB=bias is not None and bias.size(3) == 1,
         IS_CAUSAL=bool(is_causal), USE_LIST=use_list, HAS_SOFTCAP=has_softcap,
         DOT_UPCAST=dot_upcast(q.dtype), GATHER=gather is not None, VARLEN=False,
+        MASK_PAD=mask_pad and gather is None,
     )
     _launch_fwd(grid, args, meta)
     return out, lse
+
+
+# A per-query mask whose rows are not 16-byte aligned (odd Lk, or an odd row stride) is read
+# byte by byte, which Triton neither vectorises nor software-pipelines; on sm_90 that compile
+# also spills heavily (scripts/compile_check.py --seqlen 500: 780 bytes in the forward). Such a
+# mask is copied into zero-padded rows of a multiple of MASK_ROW_ALIGN bytes first.
+MASK_ROW_ALIGN = 64
+
+
+def aligned_mask_rows(mask: Optional[torch.Tensor], seqlen_q: int,
+                      seqlen_k: int) -> Tuple[Optional[torch.Tensor], bool]:
+    """``(mask, padded)``: a per-query mask with 16-byte aligned rows, copied if needed.
+
+    The copy has the same shape and values (a view of the first ``seqlen_k`` columns of
+    zero-padded rows), so kernels given ``MASK_PAD=True`` may bound their mask reads by the
+    row stride. Broadcast and per-key masks are returned as they are (their rows are small
+    or shared). Equivalent plain PyTorch::
+
+        rows = torch.zeros(*mask.shape[:3], round_up(seqlen_k, 64), dtype=torch.bool)
+        rows[..., :seqlen_k] = mask
+        mask = rows[..., :seqlen_k]
+    """
+    if mask is None or seqlen_q <= 1 or mask.size(2) != seqlen_q or mask.size(3) != seqlen_k:
+        return mask, False
+    if (mask.stride(3) == 1 and mask.stride(2) % 16 == 0 and seqlen_k % 16 == 0
+            and all(mask.stride(d) % 16 == 0 or mask.size(d) == 1 for d in (0, 1))):
+        return mask, False
+    bx, hx = mask.shape[0], mask.shape[1]
+    width = -(-seqlen_k // MASK_ROW_ALIGN) * MASK_ROW_ALIGN
+    rows = torch.empty((bx, hx, seqlen_q, width), dtype=torch.bool, device=mask.device)
+    rows[..., seqlen_k:] = False
+    rows[..., :seqlen_k] = mask
+    return rows[..., :seqlen_k], True
 
 
 # FLASH_DMATTN_TRITON_AUTOTUNE=0 launches the first (pruned) config instead of autotuning:
