@@ -112,6 +112,9 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
     elif workload == "per-key":
         bias = None
         mask = (torch.rand(B, 1, 1, L, generator=g) < 0.3).repeat_interleave(1, -1)
+    elif workload == "full-bias":
+        bias = torch.randn(B, Hkv, L, L, generator=g).to(dtype)
+        mask = None
     elif workload == "dense":
         bias = mask = None
     elif workload == "varlen":
@@ -186,7 +189,7 @@ def _loop_report(ttgir: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--workload", default="t2", choices=["t2", "dense", "per-key", "varlen"])
+    ap.add_argument("--workload", default="t2", choices=["t2", "dense", "per-key", "full-bias", "varlen"])
     ap.add_argument("--dump", type=Path, default=None, help="write each kernel's TTGIR here")
     ap.add_argument("--seqlen", type=int, default=512,
                     help="sequence length of the captured call (divisibility by 16 changes codegen)")
