@@ -134,25 +134,40 @@ def test_flex_tile_maps_from_summary_equal_torch_reductions(causal):
     assert (~got[0]).any() and got[1].any()  # dead and full tiles both present
 
 
-def test_aligned_mask_rows():
+def test_aligned_rows():
     # Per-query masks with unaligned rows are copied into zero-padded 64-byte rows (same
     # values); aligned, per-key and broadcast masks are passed through untouched.
-    from flash_dmattn.backends.triton.forward import MASK_ROW_ALIGN, aligned_mask_rows
+    from flash_dmattn.backends.triton.forward import ROW_ALIGN, aligned_rows
 
     gen = torch.Generator().manual_seed(9)
     odd = torch.rand(2, 3, 37, 45, generator=gen) < 0.5
-    got, padded = aligned_mask_rows(odd, 37, 45)
+    got, padded = aligned_rows(odd, 37, 45)
     assert padded and torch.equal(got, odd)
-    assert got.stride(2) % MASK_ROW_ALIGN == 0 and got.stride(3) == 1
+    assert got.stride(2) % ROW_ALIGN == 0 and got.stride(3) == 1
     rows = got.as_strided((2, 3, 37, got.stride(2)), got.stride())
     assert not rows[..., 45:].any()  # the padding the kernels may read is False
 
     aligned = torch.rand(1, 2, 40, 64, generator=gen) < 0.5
-    assert aligned_mask_rows(aligned, 40, 64) == (aligned, False)
+    assert aligned_rows(aligned, 40, 64) == (aligned, False)
     per_key = odd[:, :, :1]
-    assert aligned_mask_rows(per_key, 37, 45) == (per_key, False)
+    assert aligned_rows(per_key, 37, 45) == (per_key, False)
     # a transposed (non-contiguous) mask is copied even when its sizes are multiples of 16
     t = (torch.rand(1, 1, 64, 32, generator=gen) < 0.5).transpose(2, 3)
-    got, padded = aligned_mask_rows(t, 32, 64)
+    got, padded = aligned_rows(t, 32, 64)
     assert padded and torch.equal(got, t) and got.stride(3) == 1
-    assert aligned_mask_rows(None, 4, 4) == (None, False)
+    assert aligned_rows(None, 4, 4) == (None, False)
+
+
+def test_aligned_rows_bias_dtypes():
+    # Alignment is 16 bytes: 8 bf16 / 4 fp32 elements per row step.
+    from flash_dmattn.backends.triton.forward import aligned_rows
+
+    b16 = torch.randn(1, 2, 9, 40).to(torch.bfloat16)   # 80-byte rows: aligned
+    assert aligned_rows(b16, 9, 40) == (b16, False)
+    b16_odd = torch.randn(1, 2, 9, 36).to(torch.bfloat16)  # 72-byte rows: not
+    got, padded = aligned_rows(b16_odd, 9, 36)
+    assert padded and torch.equal(got, b16_odd) and (got.stride(2) * 2) % 16 == 0
+    b32 = torch.randn(1, 1, 5, 12, requires_grad=True)  # 48-byte rows: aligned
+    assert aligned_rows(b32, 5, 12)[1] is False
+    got, padded = aligned_rows(torch.randn(1, 1, 5, 13, requires_grad=True), 5, 13)
+    assert padded and not got.requires_grad  # a read-only copy, outside autograd

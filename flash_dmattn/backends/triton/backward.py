@@ -45,7 +45,7 @@ from .forward import (
     LOG2E,
     _load_bcast,
     _key_tile,
-    aligned_mask_rows,
+    aligned_rows,
     launch_tuned,
     _load_mask_tile,
     _scores,
@@ -101,7 +101,7 @@ def _bwd_preprocess(
 
 
 @triton.jit
-def _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem, mask_klim,
+def _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem, mask_klim, bias_klim,
               stride_bm, stride_bn, stride_mm, stride_mn,
               seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
               HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
@@ -120,7 +120,7 @@ def _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem, mask_klim,
         th = st
         st = st * qk_scale
     if HAS_BIAS:
-        bv = _load_bcast(bias_base, offs_n, offs_m, stride_bn, stride_bm, seqlen_k, seqlen_q,
+        bv = _load_bcast(bias_base, offs_n, offs_m, stride_bn, stride_bm, bias_klim, seqlen_q,
                          BIAS_KB, BIAS_QB, 0.0)
         st = st + bv.to(tl.float32) * 1.4426950408889634
     if HAS_MASK:  # outside the branch so it is pipelined (see _load_mask_tile)
@@ -163,7 +163,7 @@ def _varlen_group_live(ListIdx, ListCnt, b, hk, group, list_hdiv,
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, col_acc, sc_acc, k, v, start_m, need_elem, mask_klim,
+def _dkdv_tile(dk, dv, col_acc, sc_acc, k, v, start_m, need_elem, mask_klim, bias_klim,
                Q, DO, DB, lse_row, delta_row, bias_base, mask_base, db_base,
                b64, h64, offs_m0, offs_n, offs_d, d_ok, n_ok, pid_n,
                stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
@@ -187,7 +187,7 @@ def _dkdv_tile(dk, dv, col_acc, sc_acc, k, v, start_m, need_elem, mask_klim,
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(delta_row + offs_m, mask=m_ok, other=0.0)
 
-    st, th = _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem, mask_klim,
+    st, th = _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem, mask_klim, bias_klim,
                        stride_bm, stride_bn, stride_mm, stride_mn,
                        seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                        HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
@@ -258,9 +258,9 @@ def _attn_bwd_dkdv_kernel(
     DOT_UPCAST: tl.constexpr,
     STORE_DKV: tl.constexpr,
     DB_MODE: tl.constexpr, DB_ACC: tl.constexpr, DB_GROUP: tl.constexpr,
-    VARLEN: tl.constexpr = False, MASK_PAD: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
 ):
-    # MASK_PAD: padded mask rows, as in the forward kernel.
+    # MASK_PAD / BIAS_PAD: padded mask / bias rows, as in the forward kernel.
     # VARLEN: packed sequences (one pair per program, slot_b = sequence index); pointers are
     # moved to the sequence's first query / key row and lengths become per sequence.
     pid_n = tl.program_id(0)
@@ -289,6 +289,10 @@ def _attn_bwd_dkdv_kernel(
         mask_klim = stride_mm
     else:
         mask_klim = seqlen_k
+    if BIAS_PAD:
+        bias_klim = stride_bm
+    else:
+        bias_klim = seqlen_k
 
     # Usually one pair; several only when this program must own a bias slice shared by them.
     for r in range(0, n_pairs):
@@ -354,7 +358,7 @@ def _attn_bwd_dkdv_kernel(
                     entry = tl.load(list_row + t)
                     dk, dv, col_acc, sc_acc = _dkdv_tile(
                         dk, dv, col_acc, sc_acc, k, v, (entry >> 1) * BLOCK_M, (entry & 1) != 0,
-                        mask_klim,
+                        mask_klim, bias_klim,
                         Q, DO, DB, lse_row, delta_row, bias_base, mask_base, db_base,
                         b64, h64, offs_m0, offs_n, offs_d, d_ok, n_ok, pid_n,
                         stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
@@ -376,7 +380,7 @@ def _attn_bwd_dkdv_kernel(
                                                           seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
                                                           HAS_MASK, IS_CAUSAL)
                     dk, dv, col_acc, sc_acc = _dkdv_tile(
-                        dk, dv, col_acc, sc_acc, k, v, start_m, need_elem, mask_klim,
+                        dk, dv, col_acc, sc_acc, k, v, start_m, need_elem, mask_klim, bias_klim,
                         Q, DO, DB, lse_row, delta_row, bias_base, mask_base, db_base,
                         b64, h64, offs_m0, offs_n, offs_d, d_ok, n_ok, pid_n,
                         stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
@@ -405,7 +409,7 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
-             offs_m, offs_n, offs_d, d_ok, n_ok, mask_cols, mask_lim, need_elem,
+             offs_m, offs_n, offs_d, d_ok, n_ok, mask_cols, mask_lim, need_elem, bias_klim,
              stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
              seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
              HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
@@ -418,7 +422,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
     vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None],
                  mask=n_ok[None, :] & d_ok[:, None], other=0.0)
     s, th = _scores(q, tl.trans(k), bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols,
-                    mask_lim, need_elem, stride_bm, stride_bn, stride_mm, stride_mn,
+                    mask_lim, need_elem, bias_klim, stride_bm, stride_bn, stride_mm, stride_mn,
                     seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                     HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
                     IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM)
@@ -450,9 +454,9 @@ def _attn_bwd_dq_kernel(
     HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr = False,
-    MASK_PAD: tl.constexpr = False,
+    MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
 ):
-    # MASK_PAD: padded mask rows, as in the forward kernel.
+    # MASK_PAD / BIAS_PAD: padded mask / bias rows, as in the forward kernel.
     # GATHER: as in the forward kernel (key lists of a KeyGather, gathered mask).
     # VARLEN: as in the forward kernel (b is the packed sequence index).
     pid_m = tl.program_id(0)
@@ -516,6 +520,10 @@ def _attn_bwd_dq_kernel(
         mask_klim = stride_mm
     else:
         mask_klim = seqlen_k
+    if BIAS_PAD:
+        bias_klim = stride_bm
+    else:
+        bias_klim = seqlen_k
     if USE_LIST and not GATHER:
         # One loop with the partial flag per tile (see the forward kernel).
         for t in range(0, n_iter):
@@ -528,7 +536,7 @@ def _attn_bwd_dq_kernel(
                                                    BLOCK_M, BLOCK_N, IS_CAUSAL)
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
                           offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, mask_klim,
-                          need_elem,
+                          need_elem, bias_klim,
                           stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                           seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                           HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
@@ -540,7 +548,7 @@ def _attn_bwd_dq_kernel(
             cols = t * BLOCK_N + offs_n0
             keys = tl.load(list_row + cols, mask=cols < n_keys, other=0)
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
-                          offs_m, keys, offs_d, d_ok, cols < n_keys, cols, stride_mm, True,
+                          offs_m, keys, offs_d, d_ok, cols < n_keys, cols, stride_mm, True, bias_klim,
                           stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                           seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                           HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
@@ -550,7 +558,7 @@ def _attn_bwd_dq_kernel(
             offs_n, n_ok, need_elem = _key_tile(t, offs_n0, pid_m * BLOCK_M, seqlen_q, seqlen_k,
                                                 BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL, VARLEN)
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
-                          offs_m, offs_n, offs_d, d_ok, n_ok, offs_n, mask_klim, need_elem,
+                          offs_m, offs_n, offs_d, d_ok, n_ok, offs_n, mask_klim, need_elem, bias_klim,
                           stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                           seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                           HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
@@ -760,7 +768,7 @@ def attention_backward(
     run_dq_kernel = needs_dq
     # dQ is query-major like the forward: it can walk gathered key lists. (dK/dV cannot: the
     # union of a key tile's live queries is wide whenever one of its keys is popular.)
-    mask, mask_pad = aligned_mask_rows(mask, Lq, Lk)
+    mask, mask_pad = aligned_rows(mask, Lq, Lk)
     # A per-query mask is read once (one kernel) for the dK/dV lists, the dQ lists and the
     # dQ gather plan; torch reductions would read it once per question.
     summary = (summarize_mask(mask, *summary_blocks((block_m, block_n), (block_m2, block_n2)))
@@ -784,9 +792,12 @@ def attention_backward(
     use_list = mask is not None or bool(is_causal)
 
     mask_arg = mask.view(torch.uint8) if mask is not None else q
-    bias_arg = bias if bias is not None else q
+    # The bias is read through a row-aligned copy when needed; dbias keeps the bias's own
+    # shape and layout (_dbias_plan below works from ``bias`` itself).
+    bias_read, bias_pad = aligned_rows(bias, Lq, Lk)
+    bias_arg = bias_read if bias_read is not None else q
     ms = broadcast_strides(mask, H)
-    bs = broadcast_strides(bias, H)
+    bs = broadcast_strides(bias_read, H)
     has_softcap = softcap > 0.0
     scal = (softmax_scale, softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0,
             softcap, seqlen_bucket(Lq), seqlen_bucket(Lk))
@@ -799,7 +810,7 @@ def attention_backward(
         BIAS_QB=bias is not None and bias.size(2) == 1,
         BIAS_KB=bias is not None and bias.size(3) == 1,
         IS_CAUSAL=bool(is_causal), USE_LIST=use_list, HAS_SOFTCAP=has_softcap,
-        DOT_UPCAST=dot_upcast(q.dtype), MASK_PAD=mask_pad,
+        DOT_UPCAST=dot_upcast(q.dtype), MASK_PAD=mask_pad, BIAS_PAD=bias_pad,
     )
 
     dbias = None

@@ -240,6 +240,7 @@ def _varlen_list_need_elem(partial, start_m, start_n, seqlen_q, seqlen_k,
 
 @triton.jit
 def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_lim, need_elem,
+            bias_klim,
             stride_bm, stride_bn, stride_mm, stride_mn,
             seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
             HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
@@ -262,7 +263,7 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_l
         th = s
         s = s * qk_scale
     if HAS_BIAS:
-        bv = _load_bcast(bias_base, offs_m, offs_n, stride_bm, stride_bn, seqlen_q, seqlen_k,
+        bv = _load_bcast(bias_base, offs_m, offs_n, stride_bm, stride_bn, seqlen_q, bias_klim,
                          BIAS_QB, BIAS_KB, 0.0)
         s = s + bv.to(tl.float32) * 1.4426950408889634
     if HAS_MASK:  # outside the branch so it is pipelined (see _load_mask_tile)
@@ -310,7 +311,7 @@ def _key_tile(t, offs_n0, start_m, seqlen_q, seqlen_k,
 
 @triton.jit
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
-              offs_m, offs_n, offs_d, d_ok, n_ok, mask_cols, mask_lim, need_elem,
+              offs_m, offs_n, offs_d, d_ok, n_ok, mask_cols, mask_lim, need_elem, bias_klim,
               stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
               seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
               HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
@@ -321,7 +322,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
     kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None],
                  mask=n_ok[None, :] & d_ok[:, None], other=0.0)
     s, _ = _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_lim,
-                   need_elem, stride_bm, stride_bn, stride_mm, stride_mn,
+                   need_elem, bias_klim, stride_bm, stride_bn, stride_mm, stride_mn,
                    seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                    HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
                    IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM)
@@ -356,10 +357,11 @@ def _attn_fwd_kernel(
     HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr = False,
-    MASK_PAD: tl.constexpr = False,
+    MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
 ):
-    # MASK_PAD: the mask's rows are padded copies (aligned_mask_rows): bound its reads by the
-    # row width, a multiple of 16 the compiler can see, so they vectorise and pipeline.
+    # MASK_PAD / BIAS_PAD: the mask's / bias's rows are padded copies (aligned_rows): bound
+    # their reads by the row width, a multiple of 16 the compiler can see, so they vectorise
+    # and pipeline.
     # GATHER: ListIdx/ListCnt are a KeyGather's idx/cnt (key indices, not tile entries) and
     # Mask is its gathered mask, addressed by position in the list (see .gather).
     # VARLEN: packed sequences, see _varlen_seq; b is the sequence index.
@@ -423,6 +425,10 @@ def _attn_fwd_kernel(
         mask_klim = stride_mm
     else:
         mask_klim = seqlen_k
+    if BIAS_PAD:
+        bias_klim = stride_bm
+    else:
+        bias_klim = seqlen_k
     if USE_LIST and not GATHER:
         # One loop, the tile's partial flag deciding per-element masking at run time. Two
         # loops (full tiles, then partial ones; the lists are ordered for it) measured slower
@@ -440,7 +446,7 @@ def _attn_fwd_kernel(
                                                    BLOCK_M, BLOCK_N, IS_CAUSAL)
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
-                offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, mask_klim, need_elem,
+                offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, mask_klim, need_elem, bias_klim,
                 stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
@@ -453,7 +459,7 @@ def _attn_fwd_kernel(
             keys = tl.load(list_row + cols, mask=cols < n_keys, other=0)
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
-                offs_m, keys, offs_d, d_ok, cols < n_keys, cols, stride_mm, True,
+                offs_m, keys, offs_d, d_ok, cols < n_keys, cols, stride_mm, True, bias_klim,
                 stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
@@ -464,7 +470,7 @@ def _attn_fwd_kernel(
                                                 BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL, VARLEN)
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
-                offs_m, offs_n, offs_d, d_ok, n_ok, offs_n, mask_klim, need_elem,
+                offs_m, offs_n, offs_d, d_ok, n_ok, offs_n, mask_klim, need_elem, bias_klim,
                 stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
@@ -564,7 +570,8 @@ def attention_forward(
         return out, lse
 
     block_m, block_n = fwd_blocks(D)
-    mask, mask_pad = aligned_mask_rows(mask, Lq, Lk)
+    mask, mask_pad = aligned_rows(mask, Lq, Lk)
+    bias, bias_pad = aligned_rows(bias, Lq, Lk)  # read only: the forward has no dbias
     gather = None
     if tiles is None:
         # A per-query mask is read once, by one kernel, for everything planned from it.
@@ -618,42 +625,44 @@ def attention_forward(
         BIAS_KB=bias is not None and bias.size(3) == 1,
         IS_CAUSAL=bool(is_causal), USE_LIST=use_list, HAS_SOFTCAP=has_softcap,
         DOT_UPCAST=dot_upcast(q.dtype), GATHER=gather is not None, VARLEN=False,
-        MASK_PAD=mask_pad and gather is None,
+        MASK_PAD=mask_pad and gather is None, BIAS_PAD=bias_pad,
     )
     _launch_fwd(grid, args, meta)
     return out, lse
 
 
-# A per-query mask whose rows are not 16-byte aligned (odd Lk, or an odd row stride) is read
-# byte by byte, which Triton neither vectorises nor software-pipelines; on sm_90 that compile
-# also spills heavily (scripts/compile_check.py --seqlen 500: 780 bytes in the forward). Such a
-# mask is copied into zero-padded rows of a multiple of MASK_ROW_ALIGN bytes first.
-MASK_ROW_ALIGN = 64
+# A per-query mask or bias whose rows are not 16-byte aligned (odd Lk, or an odd row stride)
+# is read element by element, which Triton neither vectorises nor software-pipelines; on sm_90
+# that compile also spills heavily (scripts/compile_check.py --seqlen 500: 780 bytes in the
+# forward with a mask, 584 with a full bias). Such a tensor is copied into zero-padded rows of
+# a multiple of ROW_ALIGN elements first, for reading only (gradients keep the input's shape).
+ROW_ALIGN = 64
 
 
-def aligned_mask_rows(mask: Optional[torch.Tensor], seqlen_q: int,
-                      seqlen_k: int) -> Tuple[Optional[torch.Tensor], bool]:
-    """``(mask, padded)``: a per-query mask with 16-byte aligned rows, copied if needed.
+def aligned_rows(t: Optional[torch.Tensor], seqlen_q: int,
+                 seqlen_k: int) -> Tuple[Optional[torch.Tensor], bool]:
+    """``(t, padded)``: a per-query mask / bias with 16-byte aligned rows, copied if needed.
 
     The copy has the same shape and values (a view of the first ``seqlen_k`` columns of
-    zero-padded rows), so kernels given ``MASK_PAD=True`` may bound their mask reads by the
-    row stride. Broadcast and per-key masks are returned as they are (their rows are small
-    or shared). Equivalent plain PyTorch::
+    zero-padded rows), so kernels given ``MASK_PAD`` / ``BIAS_PAD`` may bound their reads by
+    the row stride. Broadcast and per-key tensors are returned as they are (their rows are
+    small or shared). Equivalent plain PyTorch::
 
-        rows = torch.zeros(*mask.shape[:3], round_up(seqlen_k, 64), dtype=torch.bool)
-        rows[..., :seqlen_k] = mask
-        mask = rows[..., :seqlen_k]
+        rows = torch.zeros(*t.shape[:3], round_up(seqlen_k, 64), dtype=t.dtype)
+        rows[..., :seqlen_k] = t
+        t = rows[..., :seqlen_k]
     """
-    if mask is None or seqlen_q <= 1 or mask.size(2) != seqlen_q or mask.size(3) != seqlen_k:
-        return mask, False
-    if (mask.stride(3) == 1 and mask.stride(2) % 16 == 0 and seqlen_k % 16 == 0
-            and all(mask.stride(d) % 16 == 0 or mask.size(d) == 1 for d in (0, 1))):
-        return mask, False
-    bx, hx = mask.shape[0], mask.shape[1]
-    width = -(-seqlen_k // MASK_ROW_ALIGN) * MASK_ROW_ALIGN
-    rows = torch.empty((bx, hx, seqlen_q, width), dtype=torch.bool, device=mask.device)
-    rows[..., seqlen_k:] = False
-    rows[..., :seqlen_k] = mask
+    if t is None or seqlen_q <= 1 or t.size(2) != seqlen_q or t.size(3) != seqlen_k:
+        return t, False
+    vec = max(1, 16 // t.element_size())  # elements per 16 bytes
+    if (t.stride(3) == 1 and t.stride(2) % vec == 0 and seqlen_k % vec == 0
+            and all(t.stride(d) % vec == 0 or t.size(d) == 1 for d in (0, 1))):
+        return t, False
+    bx, hx = t.shape[0], t.shape[1]
+    width = -(-seqlen_k // ROW_ALIGN) * ROW_ALIGN
+    rows = torch.empty((bx, hx, seqlen_q, width), dtype=t.dtype, device=t.device)
+    rows[..., seqlen_k:] = 0
+    rows[..., :seqlen_k] = t.detach()
     return rows[..., :seqlen_k], True
 
 
