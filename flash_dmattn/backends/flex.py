@@ -109,17 +109,17 @@ def _tile_maps(mask, lq: int, lk: int, causal: bool, device, use_summary: Option
     """
     if use_summary is None:
         use_summary = mask is not None and mask.is_cuda
-    if use_summary and mask is not None:
-        try:
-            from .triton.mask_summary import summarize_mask, wants_summary
-            from .triton.tiles import classify_tiles
-        except ImportError:  # no triton: the torch reductions below
-            pass
-        else:
-            if wants_summary(mask, lq, lk):
-                summary = summarize_mask(mask, BLOCK, BLOCK)
-                return classify_tiles(mask, lq, lk, causal, BLOCK, BLOCK, device, summary)
-    return tile_liveness(mask, lq, lk, BLOCK, BLOCK, causal, device)
+    if not (use_summary and mask is not None):
+        return tile_liveness(mask, lq, lk, BLOCK, BLOCK, causal, device)
+    try:
+        from .triton.mask_summary import summarize_mask, wants_summary
+        from .triton.tiles import classify_tiles
+    except ImportError:  # no triton: torch reductions
+        return tile_liveness(mask, lq, lk, BLOCK, BLOCK, causal, device)
+    if not wants_summary(mask, lq, lk):
+        return tile_liveness(mask, lq, lk, BLOCK, BLOCK, causal, device)
+    summary = summarize_mask(mask, BLOCK, BLOCK)
+    return classify_tiles(mask, lq, lk, causal, BLOCK, BLOCK, device, summary)
 
 
 def _build_block_mask(inputs):

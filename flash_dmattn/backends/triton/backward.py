@@ -44,6 +44,7 @@ import triton.language as tl
 from .forward import (
     LOG2E,
     _load_bcast,
+    _key_bounds,
     _key_tile,
     aligned_rows,
     launch_tuned,
@@ -285,14 +286,7 @@ def _attn_bwd_dkdv_kernel(
     d_ok = offs_d < HEAD_DIM
     n_ok = offs_n < seqlen_k
     n_edge = start_n + BLOCK_N > seqlen_k
-    if MASK_PAD:
-        mask_klim = stride_mm
-    else:
-        mask_klim = seqlen_k
-    if BIAS_PAD:
-        bias_klim = stride_bm
-    else:
-        bias_klim = seqlen_k
+    mask_klim, bias_klim = _key_bounds(stride_mm, stride_bm, seqlen_k, MASK_PAD, BIAS_PAD)
 
     # Usually one pair; several only when this program must own a bias slice shared by them.
     for r in range(0, n_pairs):
@@ -516,14 +510,7 @@ def _attn_bwd_dq_kernel(
         else:
             n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
                                        IS_CAUSAL)
-    if MASK_PAD:
-        mask_klim = stride_mm
-    else:
-        mask_klim = seqlen_k
-    if BIAS_PAD:
-        bias_klim = stride_bm
-    else:
-        bias_klim = seqlen_k
+    mask_klim, bias_klim = _key_bounds(stride_mm, stride_bm, seqlen_k, MASK_PAD, BIAS_PAD)
     if USE_LIST and not GATHER:
         # One loop with the partial flag per tile (see the forward kernel).
         for t in range(0, n_iter):

@@ -310,6 +310,19 @@ def _key_tile(t, offs_n0, start_m, seqlen_q, seqlen_k,
 
 
 @triton.jit
+def _key_bounds(stride_mm, stride_bm, seqlen_k, MASK_PAD: tl.constexpr, BIAS_PAD: tl.constexpr):
+    """Key bounds of the mask and bias reads: the row stride for padded row copies
+    (:func:`aligned_rows`, a multiple of 16 the compiler can see), else ``seqlen_k``."""
+    mask_klim = seqlen_k
+    bias_klim = seqlen_k
+    if MASK_PAD:
+        mask_klim = stride_mm
+    if BIAS_PAD:
+        bias_klim = stride_bm
+    return mask_klim, bias_klim
+
+
+@triton.jit
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
               offs_m, offs_n, offs_d, d_ok, n_ok, mask_cols, mask_lim, need_elem, bias_klim,
               stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
@@ -421,14 +434,7 @@ def _attn_fwd_kernel(
             n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
                                        IS_CAUSAL)
 
-    if MASK_PAD:
-        mask_klim = stride_mm
-    else:
-        mask_klim = seqlen_k
-    if BIAS_PAD:
-        bias_klim = stride_bm
-    else:
-        bias_klim = seqlen_k
+    mask_klim, bias_klim = _key_bounds(stride_mm, stride_bm, seqlen_k, MASK_PAD, BIAS_PAD)
     if USE_LIST and not GATHER:
         # One loop, the tile's partial flag deciding per-element masking at run time. Two
         # loops (full tiles, then partial ones; the lists are ordered for it) measured slower
