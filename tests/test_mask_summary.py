@@ -101,22 +101,6 @@ def test_blocks_must_be_multiples():
         s.row_union(8)
 
 
-def test_summary_with_several_row_steps(monkeypatch):
-    # Under the interpreter a program reads its row block in one step; on a GPU in steps of
-    # SUMMARY_ROWS rows. Force the stepped path here (the kernel stays interpreted on CPU).
-    from flash_dmattn.backends.triton import mask_summary
-
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(mask_summary, "SUMMARY_ROWS", 4)
-    monkeypatch.setattr(mask_summary, "SUMMARY_KEYS", 32)
-    gen = torch.Generator().manual_seed(11)
-    mask = (torch.rand(1, 2, 37, 75, generator=gen) < 0.4).to(DEVICE)
-    mask[0, 1, :, 16:32] = True
-    s = summarize_mask(mask, 16, 16)
-    assert torch.equal(s.row_any, block_reduce(mask, 2, 16, "any"))
-    assert torch.equal(s.tile_all, block_reduce(block_reduce(mask, 2, 16, "all"), 3, 16, "all"))
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_flex_tile_maps_from_summary_equal_torch_reductions(causal):
     # The flex backend classifies a per-query mask with the summary kernel on CUDA; forced
