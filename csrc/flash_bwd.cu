@@ -1,0 +1,544 @@
+// Backward kernels. No atomics anywhere, so gradients are bitwise reproducible
+// (deterministic=True costs nothing):
+//
+// * delta_kernel:  delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d]
+// * dq_kernel:     one CTA per (query tile, b * H + h); walks the live key tiles, recomputes
+//                  P = exp(S - lse), dP = dO V^T, dS = P (dP - delta); dQ += dS K. Writes the
+//                  gradient of a full per-element bias (dbias = dS) on the way.
+// * dkdv_kernel:   one CTA per (key tile, b * Hkv + hkv); loops over the query heads of its
+//                  group and their live query tiles with keys as the MMA rows:
+//                  S^T = K Q^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q. Row sums of dS^T
+//                  are the gradient of a bias broadcast over queries (per key), written per
+//                  (b, h) for the host to reduce into the bias's own shape.
+// Both main kernels stream their tiles through two shared-memory buffers: the loads of step
+// i + 1 are issued before step i computes.
+#include "flash_dmattn/kernel_common.cuh"
+
+namespace flash_dmattn {
+
+template <int kHeadDim>
+struct BwdConfig {
+  static constexpr int kBlockM = 64;  // queries per tile
+  static constexpr int kBlockN = 64;  // keys per tile
+  // dQ kernel: queries are the MMA rows, one warp per 16.
+  using TrQ = Traits<kHeadDim, kBlockM, kBlockN, 4, 1>;
+  // dK/dV kernel: keys are the MMA rows; wide heads split the columns over two warp columns
+  // so the dK and dV accumulators stay in registers.
+  static constexpr int kWarpsN = kHeadDim > 128 ? 2 : 1;
+  using TrKV = Traits<kHeadDim, kBlockN, kBlockM, 4, kWarpsN>;
+  static constexpr int kTileBytes = 64 * kHeadDim * 2;  // one 64-row operand tile
+};
+
+template <int kThreads>
+using MaskTile64 = BcastTile<uint8_t, 64, 64, kThreads>;
+template <int kThreads>
+using BiasTile64 = BcastTile<Elem, 64, 64, kThreads>;
+
+// ---------------------------------------------------------------------------------------------
+// delta = rowsum(dO * O), one warp per row
+// ---------------------------------------------------------------------------------------------
+__global__ void delta_kernel(const BwdParams p) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  const int rows = p.B * p.H * p.Lq;
+  if (warp >= rows) return;
+  const int i = warp % p.Lq;
+  const int bh = warp / p.Lq;
+  const int b = bh / p.H, h = bh % p.H;
+  const Elem* o = reinterpret_cast<const Elem*>(p.out) + int64_t(b) * p.o_sb +
+                  int64_t(i) * p.o_sl + int64_t(h) * p.o_sh;
+  const Elem* d = reinterpret_cast<const Elem*>(p.dout) + int64_t(b) * p.do_sb +
+                  int64_t(i) * p.do_sl + int64_t(h) * p.do_sh;
+  float acc = 0.f;
+  for (int c = lane; c < p.D; c += 32) acc += float(o[c]) * float(d[c]);
+  CUTE_UNROLL
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffff, acc, off);
+  if (lane == 0) p.delta[int64_t(bh) * p.Lq + i] = acc;
+}
+
+// Scores of one tile, in natural-log units, for element (row r, col c) of the MMA tile whose
+// query is qi and key kj. Returns -inf where invisible; `dtanh` gets 1 - tanh^2 (softcap).
+template <bool kSoftcap>
+__device__ __forceinline__ float score(float acc, const FwdParams& p, float& dtanh) {
+  if constexpr (kSoftcap) {
+    const float t = tanhf(acc * (p.scale / p.softcap));
+    dtanh = 1.f - t * t;
+    return p.softcap * t;
+  } else {
+    dtanh = 1.f;
+    return acc * p.scale;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dQ (+ full dbias)
+// ---------------------------------------------------------------------------------------------
+template <bool kSoftcap>
+__global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
+    dq_kernel(const BwdParams p) {
+  using Cfg = BwdConfig<kHeadDimBucket>;
+  using Tr = typename Cfg::TrQ;
+  constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kD = kHeadDimBucket;
+  constexpr int kT = Cfg::kTileBytes;
+  using MaskT = MaskTile64<Tr::kThreads>;
+  using BiasT = BiasTile64<Tr::kThreads>;
+  extern __shared__ __align__(128) char smem[];
+  // [Q][dO][K0][V0][K1][V1][mask0][mask1][bias0][bias1]
+  char* mask_smem = smem + 6 * kT;
+  char* bias_smem = mask_smem + (kHasMask ? 2 * MaskT::kBytes : 0);
+
+  const int tid = threadIdx.x;
+  const int m_block = blockIdx.x;
+  const int b = blockIdx.y / p.H, h = blockIdx.y % p.H;
+  const int hkv = h / (p.H / p.Hkv);
+  const int q0 = m_block * kBM;
+
+  const int n_tiles = (p.Lk + kBN - 1) / kBN;
+  int n_steps = n_tiles;
+  const int32_t* list = nullptr;
+  if (p.use_list) {
+    list = list_row(p.list, b, h, m_block, n_steps);
+  } else if (p.causal) {
+    const int last_key = min(q0 + kBM - 1, p.Lq - 1) + (p.Lk - p.Lq);
+    n_steps = last_key < 0 ? 0 : min(n_tiles, last_key / kBN + 1);
+  }
+
+  typename Tr::TiledMma mma;
+  auto thr_mma = mma.get_thread_slice(tid);
+  Tensor acc_dq = partition_fragment_C(mma, Shape<Int<kBM>, Int<kD>>{});
+  clear(acc_dq);
+  Tensor cQ = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kD>>{}));
+
+  if (n_steps > 0) {
+    using SL = typename Tr::template SmemTile<64>;
+    using SLT = typename Tr::template SmemTileTNoSwizzle<64>;
+    auto elem_at = [&](int off) { return reinterpret_cast<Elem*>(smem + off); };
+    Tensor sQ = make_tensor(make_smem_ptr(elem_at(0)), SL{});
+    Tensor sdO = make_tensor(make_smem_ptr(elem_at(kT)), SL{});
+
+    const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb +
+                     int64_t(q0) * p.q_sl + int64_t(h) * p.q_sh;
+    const Elem* dog = reinterpret_cast<const Elem*>(p.dout) + int64_t(b) * p.do_sb +
+                      int64_t(q0) * p.do_sl + int64_t(h) * p.do_sh;
+    const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb + int64_t(hkv) * p.k_sh;
+    const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb + int64_t(hkv) * p.v_sh;
+    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h) : nullptr;
+    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h) : nullptr;
+    const float* lse_g = p.lse + (int64_t(b) * p.H + h) * p.Lq;
+    const float* delta_g = p.delta + (int64_t(b) * p.H + h) * p.Lq;
+
+    auto tile_of = [&](int i) { return list ? (list[i] >> 1) : i; };
+    auto partial_of = [&](int i) { return list ? (list[i] & 1) != 0 : p.causal; };
+    auto issue = [&](int i) {
+      const int n = tile_of(i), k0 = n * kBN, buf = i & 1;
+      Tensor sK = make_tensor(make_smem_ptr(elem_at((2 + 2 * buf) * kT)), SL{});
+      Tensor sV = make_tensor(make_smem_ptr(elem_at((3 + 2 * buf) * kT)), SL{});
+      load_rows<Tr, 64>(kg + int64_t(k0) * p.k_sl, p.k_sl, p.Lk - k0, p.D, sK, tid);
+      load_rows<Tr, 64>(vg + int64_t(k0) * p.v_sl, p.v_sl, p.Lk - k0, p.D, sV, tid);
+      if constexpr (kHasMask) {
+        if (partial_of(i))
+          MaskT::load(mask_smem + buf * MaskT::kBytes, p.mask, mask_base, q0, k0, p.Lq, p.Lk, tid);
+      }
+      if constexpr (kHasBias) {
+        BiasT::load(bias_smem + buf * BiasT::kBytes, p.bias, bias_base, q0, k0, p.Lq, p.Lk, tid);
+      }
+    };
+
+    load_rows<Tr, 64>(qg, p.q_sl, p.Lq - q0, p.D, sQ, tid);
+    load_rows<Tr, 64>(dog, p.do_sl, p.Lq - q0, p.D, sdO, tid);
+    issue(0);
+    cp_async_fence();
+
+    Tensor rQ = thr_mma.partition_fragment_A(sQ);
+    Tensor rdO = thr_mma.partition_fragment_A(sdO);
+    Tensor rK = thr_mma.partition_fragment_B(make_tensor(make_smem_ptr(elem_at(2 * kT)), SL{}));
+    Tensor rKt = thr_mma.partition_fragment_B(make_tensor(make_smem_ptr(elem_at(2 * kT)), SLT{}));
+    auto ldsm_a = make_tiled_copy_A(typename Tr::LdsmA{}, mma);
+    auto ldsm_b = make_tiled_copy_B(typename Tr::LdsmB{}, mma);
+    auto ldsm_bt = make_tiled_copy_B(typename Tr::LdsmBT{}, mma);
+    Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
+
+    // lse / delta of this thread's rows (rows beyond Lq: lse = +inf so P = 0).
+    constexpr int kRows = 2 * decltype(size<1>(acc_dq))::value;
+    float row_lse[kRows], row_delta[kRows];
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows / 2; ++mi) {
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        const int qi = q0 + get<0>(cQ(half * 2, mi, 0));
+        float l = qi < p.Lq ? lse_g[qi] : INFINITY;
+        row_lse[mi * 2 + half] = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
+        row_delta[mi * 2 + half] = qi < p.Lq ? delta_g[qi] : 0.f;
+      }
+    }
+    const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
+
+    for (int i = 0; i < n_steps; ++i) {
+      const int buf = i & 1;
+      const int n = tile_of(i), k0 = n * kBN;
+      const bool partial = partial_of(i);
+      cp_async_wait<0>();
+      __syncthreads();  // step i's tiles landed; everyone is done with step i - 1's buffer
+      if (i + 1 < n_steps) issue(i + 1);
+      cp_async_fence();
+
+      Tensor sK = make_tensor(make_smem_ptr(elem_at((2 + 2 * buf) * kT)), SL{});
+      Tensor sV = make_tensor(make_smem_ptr(elem_at((3 + 2 * buf) * kT)), SL{});
+      Tensor sKt = make_tensor(make_smem_ptr(elem_at((2 + 2 * buf) * kT)), SLT{});
+      const char* mtile = mask_smem + buf * MaskT::kBytes;
+      const char* btile = bias_smem + buf * BiasT::kBytes;
+
+      Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
+      Tensor acc_dp = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
+      clear(acc_s);
+      clear(acc_dp);
+      gemm_ss(mma, acc_s, rQ, rK, sQ, sK, ldsm_a, ldsm_b, tid);
+      gemm_ss(mma, acc_dp, rdO, rK, sdO, sV, ldsm_a, ldsm_b, tid);
+
+      const bool check = partial || (k0 + kBN > p.Lk);
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_s); ++e) {
+        const int r = get<0>(cS(e)), c = get<1>(cS(e));
+        const int slot = (e / 4 % size<1>(acc_s)) * 2 + (e % 4) / 2;
+        float dt;
+        float s = score<kSoftcap>(acc_s(e), p, dt);
+        if constexpr (kHasBias) s += float(BiasT::read(btile, bias_rows, r, c));
+        bool visible = true;
+        if (check) {
+          const int qi = q0 + r, kj = k0 + c;
+          visible = kj < p.Lk;
+          if (p.causal) visible = visible && (kj <= qi + p.Lk - p.Lq);
+          if constexpr (kHasMask) {
+            if (partial) visible = visible && MaskT::read(mtile, mask_rows, r, c);
+          }
+        }
+        const float pr = visible ? __expf(s - row_lse[slot]) : 0.f;
+        const float ds = pr * (acc_dp(e) - row_delta[slot]);
+        if constexpr (kHasBias) {
+          if (p.dbias_full != nullptr) {
+            const int qi = q0 + r, kj = k0 + c;
+            if (qi < p.Lq && kj < p.Lk) {
+              Elem* db = reinterpret_cast<Elem*>(p.dbias_full) + int64_t(b) * p.dbf_sb +
+                         int64_t(h) * p.dbf_sh + int64_t(qi) * p.dbf_sq + kj;
+              *db = Elem(ds);
+            }
+          }
+        }
+        acc_s(e) = ds * dt;
+      }
+      Tensor rdS = to_type<Elem>(acc_s);
+      Tensor rdSa = make_tensor(rdS.data(), acc_as_a_layout(rdS.layout()));
+      gemm_rs(mma, acc_dq, rdSa, rKt, sKt, ldsm_bt, tid);
+    }
+  }
+
+  if (!p.need_dq) return;
+  Elem* dq = reinterpret_cast<Elem*>(p.dq) + int64_t(b) * p.dq_sb + int64_t(h) * p.dq_sh;
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<1>(acc_dq); ++mi) {
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int row = q0 + get<0>(cQ(half * 2, mi, 0));
+      if (row >= p.Lq) continue;
+      Elem* drow = dq + int64_t(row) * p.dq_sl;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<2>(acc_dq); ++ni) {
+        const int col = get<1>(cQ(half * 2, mi, ni));
+        if (col < p.D) {
+          __align__(4) Elem pair[2] = {Elem(acc_dq(half * 2, mi, ni) * p.scale),
+                                       Elem(acc_dq(half * 2 + 1, mi, ni) * p.scale)};
+          *reinterpret_cast<uint32_t*>(drow + col) = *reinterpret_cast<uint32_t*>(pair);
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dK, dV (+ per-key dbias partials)
+// ---------------------------------------------------------------------------------------------
+template <typename Acc, typename Coord>
+__device__ __forceinline__ void store_rows(Elem* base, int64_t row_stride, int k0, int Lk, int D,
+                                           float mul, Acc const& acc, Coord const& c) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<1>(acc); ++mi) {
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int row = k0 + get<0>(c(half * 2, mi, 0));
+      if (row >= Lk) continue;
+      Elem* drow = base + int64_t(row) * row_stride;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<2>(acc); ++ni) {
+        const int col = get<1>(c(half * 2, mi, ni));
+        if (col < D) {
+          __align__(4) Elem pair[2] = {Elem(acc(half * 2, mi, ni) * mul),
+                                       Elem(acc(half * 2 + 1, mi, ni) * mul)};
+          *reinterpret_cast<uint32_t*>(drow + col) = *reinterpret_cast<uint32_t*>(pair);
+        }
+      }
+    }
+  }
+}
+
+template <bool kSoftcap>
+__global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
+    dkdv_kernel(const BwdParams p) {
+  using Cfg = BwdConfig<kHeadDimBucket>;
+  using Tr = typename Cfg::TrKV;
+  constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kD = kHeadDimBucket;
+  constexpr int kT = Cfg::kTileBytes;
+  constexpr int kThreads = Tr::kThreads;
+  using MaskT = MaskTile64<kThreads>;
+  using BiasT = BiasTile64<kThreads>;
+  extern __shared__ __align__(128) char smem[];
+  // [K][V][Q0][dO0][Q1][dO1][lse0][lse1][delta0][delta1][rowsum scratch][mask0/1][bias0/1]
+  float* lse_s = reinterpret_cast<float*>(smem + 6 * kT);
+  float* delta_s = lse_s + 2 * kBM;
+  float* red_s = delta_s + 2 * kBM;  // (kWarpsN, kBN) partial row sums for dbias
+  char* mask_smem = reinterpret_cast<char*>(red_s + Tr::kWarpsN * kBN);
+  char* bias_smem = mask_smem + (kHasMask ? 2 * MaskT::kBytes : 0);
+
+  const int tid = threadIdx.x;
+  const int n_block = blockIdx.x;
+  const int group = p.H / p.Hkv;
+  const int b = blockIdx.y / p.Hkv, hkv = blockIdx.y % p.Hkv;
+  const int k0 = n_block * kBN;
+  const int m_tiles = (p.Lq + kBM - 1) / kBM;
+
+  using SL = typename Tr::template SmemTile<64>;
+  using SLT = typename Tr::template SmemTileTNoSwizzle<64>;
+  auto elem_at = [&](int off) { return reinterpret_cast<Elem*>(smem + off); };
+  Tensor sK = make_tensor(make_smem_ptr(elem_at(0)), SL{});
+  Tensor sV = make_tensor(make_smem_ptr(elem_at(kT)), SL{});
+
+  typename Tr::TiledMma mma;
+  auto thr_mma = mma.get_thread_slice(tid);
+  Tensor acc_dk = partition_fragment_C(mma, Shape<Int<kBN>, Int<kD>>{});
+  Tensor acc_dv = partition_fragment_C(mma, Shape<Int<kBN>, Int<kD>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+  Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBN>, Int<kBM>>{}));
+  Tensor cKV = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBN>, Int<kD>>{}));
+  auto ldsm_a = make_tiled_copy_A(typename Tr::LdsmA{}, mma);
+  auto ldsm_b = make_tiled_copy_B(typename Tr::LdsmB{}, mma);
+  auto ldsm_bt = make_tiled_copy_B(typename Tr::LdsmBT{}, mma);
+
+  const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb +
+                   int64_t(k0) * p.k_sl + int64_t(hkv) * p.k_sh;
+  const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb +
+                   int64_t(k0) * p.v_sl + int64_t(hkv) * p.v_sh;
+  load_rows<Tr, 64>(kg, p.k_sl, p.Lk - k0, p.D, sK, tid);
+  load_rows<Tr, 64>(vg, p.v_sl, p.Lk - k0, p.D, sV, tid);
+  cp_async_fence();
+
+  Tensor rK = thr_mma.partition_fragment_A(sK);
+  Tensor rV = thr_mma.partition_fragment_A(sV);
+  Tensor rQ = thr_mma.partition_fragment_B(make_tensor(make_smem_ptr(elem_at(2 * kT)), SL{}));
+  Tensor rQt = thr_mma.partition_fragment_B(make_tensor(make_smem_ptr(elem_at(2 * kT)), SLT{}));
+  const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
+  const bool keys_dbias = kHasBias && p.dbias_keys != nullptr;
+  constexpr int kRowSlots = 2 * decltype(size<1>(acc_dk))::value;
+
+  for (int hh = 0; hh < group; ++hh) {
+    const int h = hkv * group + hh;
+    int m_steps = m_tiles, m_first = 0;
+    const int32_t* list = nullptr;
+    if (p.use_list) {
+      list = list_row(p.bwd_list, b, h, n_block, m_steps);
+    } else if (p.causal) {
+      // First query that sees key k0: k0 - (Lk - Lq).
+      m_first = max(0, k0 - (p.Lk - p.Lq)) / kBM;
+      m_steps = max(0, m_tiles - m_first);
+    }
+    float key_dbias[kRowSlots];
+    CUTE_UNROLL
+    for (int r = 0; r < kRowSlots; ++r) key_dbias[r] = 0.f;
+
+    const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb + int64_t(h) * p.q_sh;
+    const Elem* dog = reinterpret_cast<const Elem*>(p.dout) + int64_t(b) * p.do_sb +
+                      int64_t(h) * p.do_sh;
+    const float* lse_g = p.lse + (int64_t(b) * p.H + h) * p.Lq;
+    const float* delta_g = p.delta + (int64_t(b) * p.H + h) * p.Lq;
+    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h) : nullptr;
+    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h) : nullptr;
+    auto tile_of = [&](int i) { return list ? (list[i] >> 1) : m_first + i; };
+    auto partial_of = [&](int i) { return list ? (list[i] & 1) != 0 : p.causal; };
+    auto issue = [&](int i) {
+      const int m = tile_of(i), q0 = m * kBM, buf = i & 1;
+      Tensor sQ = make_tensor(make_smem_ptr(elem_at((2 + 2 * buf) * kT)), SL{});
+      Tensor sdO = make_tensor(make_smem_ptr(elem_at((3 + 2 * buf) * kT)), SL{});
+      load_rows<Tr, 64>(qg + int64_t(q0) * p.q_sl, p.q_sl, p.Lq - q0, p.D, sQ, tid);
+      load_rows<Tr, 64>(dog + int64_t(q0) * p.do_sl, p.do_sl, p.Lq - q0, p.D, sdO, tid);
+      load_floats<kBM>(lse_s + buf * kBM, lse_g + q0, p.Lq - q0, tid, kThreads);
+      load_floats<kBM>(delta_s + buf * kBM, delta_g + q0, p.Lq - q0, tid, kThreads);
+      if constexpr (kHasMask) {
+        if (partial_of(i))
+          MaskT::load(mask_smem + buf * MaskT::kBytes, p.mask, mask_base, q0, k0, p.Lq, p.Lk, tid);
+      }
+      if constexpr (kHasBias) {
+        BiasT::load(bias_smem + buf * BiasT::kBytes, p.bias, bias_base, q0, k0, p.Lq, p.Lk, tid);
+      }
+    };
+
+    if (m_steps > 0) {
+      __syncthreads();  // the previous head's last step is done with buffer 0
+      issue(0);
+      cp_async_fence();
+    }
+    for (int i = 0; i < m_steps; ++i) {
+      const int buf = i & 1;
+      const int m = tile_of(i), q0 = m * kBM;
+      const bool partial = partial_of(i);
+      cp_async_wait<0>();
+      __syncthreads();
+      if (i + 1 < m_steps) issue(i + 1);
+      cp_async_fence();
+
+      Tensor sQ = make_tensor(make_smem_ptr(elem_at((2 + 2 * buf) * kT)), SL{});
+      Tensor sdO = make_tensor(make_smem_ptr(elem_at((3 + 2 * buf) * kT)), SL{});
+      Tensor sQt = make_tensor(make_smem_ptr(elem_at((2 + 2 * buf) * kT)), SLT{});
+      Tensor sdOt = make_tensor(make_smem_ptr(elem_at((3 + 2 * buf) * kT)), SLT{});
+      const float* lse_t = lse_s + buf * kBM;
+      const float* delta_t = delta_s + buf * kBM;
+      const char* mtile = mask_smem + buf * MaskT::kBytes;
+      const char* btile = bias_smem + buf * BiasT::kBytes;
+
+      Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBN>, Int<kBM>>{});  // S^T
+      clear(acc_s);
+      gemm_ss(mma, acc_s, rK, rQ, sK, sQ, ldsm_a, ldsm_b, tid);
+
+      const bool check = partial || (q0 + kBM > p.Lq) || (k0 + kBN > p.Lk);
+      Tensor dts = make_tensor_like(acc_s);
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_s); ++e) {
+        const int r = get<0>(cS(e)), c = get<1>(cS(e));  // r: key, c: query
+        float dt;
+        float s = score<kSoftcap>(acc_s(e), p, dt);
+        dts(e) = dt;
+        if constexpr (kHasBias) s += float(BiasT::read(btile, bias_rows, c, r));
+        bool visible = true;
+        if (check) {
+          const int qi = q0 + c, kj = k0 + r;
+          visible = qi < p.Lq && kj < p.Lk;
+          if (p.causal) visible = visible && (kj <= qi + p.Lk - p.Lq);
+          if constexpr (kHasMask) {
+            if (partial) visible = visible && MaskT::read(mtile, mask_rows, c, r);
+          }
+        }
+        float l = lse_t[c];
+        l = l == -INFINITY ? INFINITY : l;
+        acc_s(e) = visible ? __expf(s - l) : 0.f;  // P^T
+      }
+      {
+        Tensor rP = to_type<Elem>(acc_s);
+        Tensor rPa = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
+        gemm_rs(mma, acc_dv, rPa, rQt, sdOt, ldsm_bt, tid);
+      }
+      Tensor acc_dp = partition_fragment_C(mma, Shape<Int<kBN>, Int<kBM>>{});  // dP^T
+      clear(acc_dp);
+      gemm_ss(mma, acc_dp, rV, rQ, sV, sdO, ldsm_a, ldsm_b, tid);
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_s); ++e) {
+        const int c = get<1>(cS(e));
+        const float ds = acc_s(e) * (acc_dp(e) - delta_t[c]);
+        if (keys_dbias) key_dbias[(e / 4 % size<1>(acc_s)) * 2 + (e % 4) / 2] += ds;
+        acc_s(e) = ds * dts(e);
+      }
+      Tensor rdS = to_type<Elem>(acc_s);
+      Tensor rdSa = make_tensor(rdS.data(), acc_as_a_layout(rdS.layout()));
+      gemm_rs(mma, acc_dk, rdSa, rQt, sQt, ldsm_bt, tid);
+    }
+
+    if (keys_dbias) {
+      // Per-key sum over this head's queries: quad shuffle, then across warp columns in a
+      // fixed order (deterministic).
+      const int warp_n = (tid / 32) / Tr::kWarpsM;
+      const int lane = tid % 32;
+      __syncthreads();
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRowSlots / 2; ++mi) {
+        CUTE_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          const float v = quad_sum(key_dbias[mi * 2 + half]);
+          const int r = get<0>(cS(half * 2, mi, 0));
+          if (lane % 4 == 0) red_s[warp_n * kBN + r] = v;
+        }
+      }
+      __syncthreads();
+      for (int r = tid; r < kBN; r += kThreads) {
+        if (k0 + r < p.Lk) {
+          float v = 0.f;
+          for (int w = 0; w < Tr::kWarpsN; ++w) v += red_s[w * kBN + r];
+          p.dbias_keys[(int64_t(b) * p.H + h) * p.Lk + k0 + r] = v;
+        }
+      }
+    }
+  }
+
+  if (!p.need_dkv) return;
+  Elem* dk = reinterpret_cast<Elem*>(p.dk) + int64_t(b) * p.dk_sb + int64_t(hkv) * p.dk_sh;
+  Elem* dv = reinterpret_cast<Elem*>(p.dv) + int64_t(b) * p.dv_sb + int64_t(hkv) * p.dv_sh;
+  store_rows(dk, p.dk_sl, k0, p.Lk, p.D, p.scale, acc_dk, cKV);
+  store_rows(dv, p.dv_sl, k0, p.Lk, p.D, 1.f, acc_dv, cKV);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch
+// ---------------------------------------------------------------------------------------------
+static int dq_smem() {
+  using Cfg = BwdConfig<kHeadDimBucket>;
+  constexpr int kThreads = Cfg::TrQ::kThreads;
+  return 6 * Cfg::kTileBytes + (kHasMask ? 2 * MaskTile64<kThreads>::kBytes : 0) +
+         (kHasBias ? 2 * BiasTile64<kThreads>::kBytes : 0);
+}
+
+static int dkdv_smem() {
+  using Cfg = BwdConfig<kHeadDimBucket>;
+  constexpr int kThreads = Cfg::TrKV::kThreads;
+  return 6 * Cfg::kTileBytes + (4 * Cfg::kBlockM + Cfg::TrKV::kWarpsN * Cfg::kBlockN) * 4 +
+         (kHasMask ? 2 * MaskTile64<kThreads>::kBytes : 0) +
+         (kHasBias ? 2 * BiasTile64<kThreads>::kBytes : 0);
+}
+
+template <typename Kernel>
+static cudaError_t prepare(Kernel kernel, int smem) {
+  if (smem > 48 * 1024) {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  }
+  return cudaSuccess;
+}
+
+template <bool kSoftcap>
+static cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
+  using Cfg = BwdConfig<kHeadDimBucket>;
+  {
+    const int rows = p.B * p.H * p.Lq;
+    const int threads = 256;
+    const int blocks = (rows * 32 + threads - 1) / threads;
+    delta_kernel<<<blocks, threads, 0, stream>>>(p);
+  }
+  if (p.need_dq || p.dbias_full != nullptr) {
+    auto kernel = &dq_kernel<kSoftcap>;
+    cudaError_t err = prepare(kernel, dq_smem());
+    if (err != cudaSuccess) return err;
+    dim3 grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B * p.H);
+    kernel<<<grid, Cfg::TrQ::kThreads, dq_smem(), stream>>>(p);
+  }
+  if (p.need_dkv || p.dbias_keys != nullptr) {
+    auto kernel = &dkdv_kernel<kSoftcap>;
+    cudaError_t err = prepare(kernel, dkdv_smem());
+    if (err != cudaSuccess) return err;
+    dim3 grid((p.Lk + Cfg::kBlockN - 1) / Cfg::kBlockN, p.B * p.Hkv);
+    kernel<<<grid, Cfg::TrKV::kThreads, dkdv_smem(), stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream) {
+  return p.softcap > 0.f ? launch_bwd<true>(p, stream) : launch_bwd<false>(p, stream);
+}
+
+int bwd_block_m() { return BwdConfig<kHeadDimBucket>::kBlockM; }
+int bwd_block_n() { return BwdConfig<kHeadDimBucket>::kBlockN; }
+
+}  // namespace flash_dmattn

@@ -1,0 +1,261 @@
+// Building blocks shared by the forward and backward kernels: tile shapes and CuTe layouts,
+// predicated global->shared copies, the mask / bias tile loader, and small fragment helpers.
+//
+// Design (sm80 instructions, so it runs on Ampere, Ada and Hopper): each CTA owns one tile of
+// rows (queries in the forward and dQ kernels, keys in the dK/dV kernel) and walks the live
+// tiles of the other side. Q/K/V tiles are staged in swizzled shared memory with cp.async, the
+// products use mma.sync m16n8k16 through a CuTe TiledMMA with warps stacked along the rows, and
+// the mask / bias tile of a live, partial tile is copied asynchronously next to the K or V tile
+// so its latency hides behind the first matrix product.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+#include <cutlass/numeric_conversion.h>
+
+#include "params.h"
+
+namespace flash_dmattn {
+
+using namespace cute;
+
+#ifndef FLASH_DMATTN_HEADDIM
+#define FLASH_DMATTN_HEADDIM 128
+#endif
+#ifndef FLASH_DMATTN_IS_BF16
+#define FLASH_DMATTN_IS_BF16 1
+#endif
+#ifndef FLASH_DMATTN_HAS_MASK
+#define FLASH_DMATTN_HAS_MASK 1
+#endif
+#ifndef FLASH_DMATTN_HAS_BIAS
+#define FLASH_DMATTN_HAS_BIAS 1
+#endif
+
+constexpr int kHeadDimBucket = FLASH_DMATTN_HEADDIM;
+constexpr bool kHasMask = FLASH_DMATTN_HAS_MASK;
+constexpr bool kHasBias = FLASH_DMATTN_HAS_BIAS;
+#if FLASH_DMATTN_IS_BF16
+using Elem = cutlass::bfloat16_t;
+#else
+using Elem = cutlass::half_t;
+#endif
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Shared-memory layouts and copies for a tile of `Rows` x `kHeadDim` elements and the MMA
+// with `WarpsM` x `WarpsN` warps.
+template <int kHeadDim_, int kRows_, int kCols_, int kWarpsM_, int kWarpsN_>
+struct Traits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kRows = kRows_;  // rows owned by the CTA (MMA M)
+  static constexpr int kCols = kCols_;  // columns walked per step (MMA N of the score tile)
+  static constexpr int kWarpsM = kWarpsM_;
+  static constexpr int kWarpsN = kWarpsN_;
+  static constexpr int kThreads = 32 * kWarpsM * kWarpsN;
+
+  using MmaAtom = std::conditional_t<std::is_same_v<Elem, cutlass::half_t>,
+                                     MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
+                                     MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
+  using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kWarpsM>, Int<kWarpsN>, _1>>,
+                            Tile<Int<16 * kWarpsM>, Int<16 * kWarpsN>, _16>>;
+
+  // 64-element (128-byte) rows of the swizzle atom when the head dim allows, else 32.
+  static constexpr int kSmemK = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzle = kSmemK == 32 ? 2 : 3;
+  using SmemAtom = decltype(composition(
+      Swizzle<kSwizzle, 3, 3>{}, Layout<Shape<_8, Int<kSmemK>>, Stride<Int<kSmemK>, _1>>{}));
+  template <int R>
+  using SmemTile = decltype(tile_to_shape(SmemAtom{}, Shape<Int<R>, Int<kHeadDim>>{}));
+  // The same tile read as its transpose (kHeadDim x R): the B operand of P.V, dS.K, dS^T.Q.
+  template <int R>
+  using SmemTileT = decltype(composition(
+      SmemTile<R>{}, make_layout(Shape<Int<kHeadDim>, Int<R>>{}, GenRowMajor{})));
+  template <int R>
+  using SmemTileTNoSwizzle = decltype(get_nonswizzle_portion(SmemTileT<R>{}));
+
+  using LdsmA = Copy_Atom<SM75_U32x4_LDSM_N, Elem>;
+  using LdsmB = Copy_Atom<SM75_U32x4_LDSM_N, Elem>;
+  using LdsmBT = Copy_Atom<SM75_U16x8_LDSM_T, Elem>;
+
+  // 16-byte cp.async rows for Q/K/V/dO tiles.
+  static constexpr int kVec = 8;
+  static constexpr int kThreadsPerRow = kSmemK / kVec;
+  using GmemThreads = Layout<Shape<Int<kThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
+                             Stride<Int<kThreadsPerRow>, _1>>;
+  using GmemCopy = decltype(make_tiled_copy(
+      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Elem>{}, GmemThreads{},
+      Layout<Shape<_1, _8>>{}));
+};
+
+// ---------------------------------------------------------------------------------------------
+// Global -> shared copies
+// ---------------------------------------------------------------------------------------------
+
+// Copy a (R x kHeadDim) tile whose rows start at `gptr` (row stride `row_stride` elements),
+// zero-filling rows >= rows_valid and columns >= cols_valid (cols_valid is a multiple of 8).
+template <typename Tr, int R, typename SmemTensor>
+__device__ __forceinline__ void load_rows(const Elem* gptr, int64_t row_stride, int rows_valid,
+                                          int cols_valid, SmemTensor& s, int tid) {
+  typename Tr::GmemCopy gcopy;
+  auto thr = gcopy.get_thread_slice(tid);
+  Tensor g = make_tensor(make_gmem_ptr(gptr),
+                         make_layout(Shape<Int<R>, Int<Tr::kHeadDim>>{}, make_stride(row_stride, _1{})));
+  Tensor tg = thr.partition_S(g);
+  Tensor ts = thr.partition_D(s);
+  Tensor tc = thr.partition_S(make_identity_tensor(Shape<Int<R>, Int<Tr::kHeadDim>>{}));
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(ts); ++m) {
+    const bool row_ok = get<0>(tc(0, m, 0)) < rows_valid;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(ts); ++k) {
+      if (row_ok && get<1>(tc(0, m, k)) < cols_valid) {
+        copy(gcopy, tg(_, m, k), ts(_, m, k));
+      } else {
+        clear(ts(_, m, k));
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, int src_bytes) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(src_bytes));
+}
+
+// kN floats of a row vector (lse, delta) at [i0, i0 + kN), zero beyond `valid`.
+template <int kN>
+__device__ __forceinline__ void load_floats(float* smem, const float* g, int valid, int tid,
+                                            int nthreads) {
+  for (int i = tid; i < kN; i += nthreads) {
+    cp_async_4(smem + i, i < valid ? g + i : g, i < valid ? 4 : 0);
+  }
+}
+
+// One tile of a broadcastable (B, H, Lq, Lk) operand: kTileQ x kTileK elements of `T` at
+// (q0, k0), stored row-major in shared memory with a padded row (kPitch bytes) so that the
+// eight rows an MMA fragment touches fall in different banks. A tensor broadcast over queries
+// (sq == 0) is loaded as a single row and read back with row index 0. Out-of-range elements
+// read as 0 (mask False / bias 0); callers bound-check the key range separately.
+template <typename T, int kTileQ, int kTileK, int kThreads>
+struct BcastTile {
+  static constexpr int kPitch = kTileK * int(sizeof(T)) + 16;
+  static constexpr int kBytes = kTileQ * kPitch;
+
+  __device__ static void load(char* smem, const Bcast& p, const char* base, int q0, int k0,
+                              int Lq, int Lk, int tid) {
+    const int rows = p.sq == 0 ? 1 : min(kTileQ, Lq - q0);
+    const int cols = min(kTileK, Lk - k0);
+    const char* g = base + (int64_t(q0) * p.sq + int64_t(k0) * p.sk) * int64_t(sizeof(T));
+    if (p.vec) {
+      constexpr int kChunks = kTileK * int(sizeof(T)) / 16;
+      const int total = rows * kChunks;
+      for (int c = tid; c < total; c += kThreads) {
+        const int r = c / kChunks, ch = c % kChunks;
+        const int valid = max(0, min(16, (cols * int(sizeof(T))) - ch * 16));
+        const char* src = g + int64_t(r) * p.sq * int64_t(sizeof(T)) + ch * 16;
+        cp_async_16(smem + r * kPitch + ch * 16, valid > 0 ? src : base, valid);
+      }
+    } else {
+      const T* gt = reinterpret_cast<const T*>(g);
+      for (int e = tid; e < rows * kTileK; e += kThreads) {
+        const int r = e / kTileK, c = e % kTileK;
+        T val = T(0);
+        if (c < cols) val = gt[int64_t(r) * p.sq + int64_t(c) * p.sk];
+        *reinterpret_cast<T*>(smem + r * kPitch + c * int(sizeof(T))) = val;
+      }
+    }
+  }
+
+  __device__ static T read(const char* smem, bool per_query, int r, int c) {
+    return *reinterpret_cast<const T*>(smem + (per_query ? r : 0) * kPitch + c * int(sizeof(T)));
+  }
+};
+
+// Base pointer (as bytes) of the (b, h) slice of a broadcastable operand.
+template <typename T>
+__device__ __forceinline__ const char* bcast_base(const Bcast& p, int b, int h) {
+  return reinterpret_cast<const char*>(p.ptr) +
+         (int64_t(b) * p.sb + int64_t(h / p.hdiv) * p.sh) * int64_t(sizeof(T));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fragments
+// ---------------------------------------------------------------------------------------------
+
+// Reinterpret an accumulator ((2,2), M, N) as the A operand ((2,2,2), M, N/2) of the next
+// m16n8k16 product: two neighbouring n8 accumulator tiles hold exactly one k16 A fragment.
+template <typename Layout>
+__device__ __forceinline__ auto acc_as_a_layout(Layout acc) {
+  auto n = logical_divide(get<2>(acc), Int<2>{});
+  return make_layout(make_layout(get<0>(acc), get<0>(n)), get<1>(acc), get<1>(n));
+}
+
+template <typename To, typename TensorIn>
+__device__ __forceinline__ auto to_type(TensorIn const& t) {
+  auto out = make_tensor_like<To>(t);
+  CUTE_UNROLL
+  for (int i = 0; i < size(t); ++i) out(i) = To(t(i));
+  return out;
+}
+
+// acc += A (smem) * B (smem)^T over the K dim, staging fragments through ldmatrix.
+template <typename TiledMma, typename Acc, typename RA, typename RB, typename SA, typename SB,
+          typename CopyA, typename CopyB>
+__device__ __forceinline__ void gemm_ss(TiledMma& mma, Acc& acc, RA& rA, RB& rB, SA const& sA,
+                                        SB const& sB, CopyA& copyA, CopyB& copyB, int tid) {
+  auto thrA = copyA.get_thread_slice(tid);
+  auto thrB = copyB.get_thread_slice(tid);
+  Tensor tsA = thrA.partition_S(sA);
+  Tensor trA = thrA.retile_D(rA);
+  Tensor tsB = thrB.partition_S(sB);
+  Tensor trB = thrB.retile_D(rB);
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rA); ++k) {
+    copy(copyA, tsA(_, _, k), trA(_, _, k));
+    copy(copyB, tsB(_, _, k), trB(_, _, k));
+    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+// acc += A (registers) * B (smem)^T.
+template <typename TiledMma, typename Acc, typename RA, typename RB, typename SB, typename CopyB>
+__device__ __forceinline__ void gemm_rs(TiledMma& mma, Acc& acc, RA const& rA, RB& rB,
+                                        SB const& sB, CopyB& copyB, int tid) {
+  auto thrB = copyB.get_thread_slice(tid);
+  Tensor tsB = thrB.partition_S(sB);
+  Tensor trB = thrB.retile_D(rB);
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rA); ++k) {
+    copy(copyB, tsB(_, _, k), trB(_, _, k));
+    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// Row of the live-tile list of (b, h, tile): pointer to its entries and the live count.
+__device__ __forceinline__ const int32_t* list_row(const TileList& l, int b, int h, int t,
+                                                   int& count) {
+  const int hm = h / l.hdiv;
+  count = l.cnt[int64_t(b) * l.cnt_sb + int64_t(hm) * l.cnt_sh + int64_t(t) * l.cnt_st];
+  return l.idx + int64_t(b) * l.idx_sb + int64_t(hm) * l.idx_sh + int64_t(t) * l.idx_st;
+}
+
+}  // namespace flash_dmattn

@@ -1,0 +1,74 @@
+// Argument blocks of the CUDA kernels. Plain C++ (no CuTe, no torch) so that the torch binding
+// (flash_dmattn_api.cpp) and the kernels (flash_fwd.cu, flash_bwd.cu) share them.
+//
+// Layouts follow the public API: q (B, Lq, H, D), k/v (B, Lk, Hkv, D), out like q, lse (B, H, Lq)
+// fp32. Strides are in elements. A mask (bool, read as bytes) or bias (q's dtype) is a 4-D view
+// broadcastable to (B, H, Lq, Lk): a broadcast dim has stride 0 and the mask head of query head
+// h is h / *_hdiv. Nothing of size (B, H, Lq, Lk) is ever expanded.
+#pragma once
+#include <cstdint>
+
+namespace flash_dmattn {
+
+// Live-tile lists built on the host (flash_dmattn/backends/triton/tiles.py, shared with the
+// Triton kernels): per row (b, h / hdiv, tile), `cnt[0]` entries of `idx`, each
+// `tile * 2 + partial`. Broadcast dims have stride 0.
+struct TileList {
+  const int32_t* idx = nullptr;
+  const int32_t* cnt = nullptr;
+  int64_t idx_sb = 0, idx_sh = 0, idx_st = 0;
+  int64_t cnt_sb = 0, cnt_sh = 0, cnt_st = 0;
+  int hdiv = 1;
+};
+
+// A broadcastable (B, H, Lq, Lk) operand read through strides.
+struct Bcast {
+  const void* ptr = nullptr;
+  int64_t sb = 0, sh = 0, sq = 0, sk = 0;
+  int hdiv = 1;
+  // Rows can be read in aligned 16-byte chunks (sk == 1, base and row strides 16-byte aligned).
+  bool vec = false;
+};
+
+struct FwdParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;
+  int64_t q_sb, q_sl, q_sh;
+  int64_t k_sb, k_sl, k_sh;
+  int64_t v_sb, v_sl, v_sh;
+  int64_t o_sb, o_sl, o_sh;
+  Bcast mask, bias;
+  int B, H, Hkv, Lq, Lk, D;
+  float scale = 1.f;
+  float softcap = 0.f;  // 0 = off
+  bool causal = false;
+  bool use_list = false;
+  TileList list;  // per (b, h, query tile): live key tiles
+};
+
+struct BwdParams : FwdParams {
+  const void* dout = nullptr;
+  int64_t do_sb, do_sl, do_sh;
+  float* delta = nullptr;  // (B, H, Lq) fp32: rowsum(dout * out)
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  int64_t dq_sb, dq_sl, dq_sh;
+  int64_t dk_sb, dk_sl, dk_sh;
+  int64_t dv_sb, dv_sl, dv_sh;
+  // dbias of a full per-element bias whose head dim is H (written by the dQ kernel, in the
+  // bias dtype, same strides as the bias)...
+  void* dbias_full = nullptr;
+  int64_t dbf_sb = 0, dbf_sh = 0, dbf_sq = 0;
+  // ...or per-key partial sums (B, H, Lk) fp32 of a bias broadcast over queries, written by
+  // the dK/dV kernel (the host sums them into the bias's own shape).
+  float* dbias_keys = nullptr;
+  bool need_dq = true;
+  bool need_dkv = true;
+  TileList bwd_list;  // per (b, h, key tile): live query tiles
+};
+
+}  // namespace flash_dmattn

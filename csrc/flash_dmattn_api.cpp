@@ -1,0 +1,244 @@
+// Torch binding of one kernel specialisation (head-dim bucket, dtype, mask / bias presence are
+// fixed at compile time, see flash_dmattn/backends/cuda/spec.py). The Python backend
+// (flash_dmattn/backends/cuda/kernels.py) validates inputs and builds the live-tile lists;
+// these functions only check what would make a kernel read out of bounds.
+//
+//   fwd(q, k, v, mask, bias, out, softmax_scale, is_causal, softcap, tiles...) -> [out, lse]
+//   bwd(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, ...)
+//       -> [dq, dk, dv, dbias]
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+#include "flash_dmattn/params.h"
+
+namespace flash_dmattn {
+cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream);
+cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream);
+int fwd_block_m();
+int fwd_block_n();
+int bwd_block_m();
+int bwd_block_n();
+}  // namespace flash_dmattn
+
+namespace {
+
+using flash_dmattn::Bcast;
+using flash_dmattn::BwdParams;
+using flash_dmattn::FwdParams;
+using flash_dmattn::TileList;
+using OptT = std::optional<at::Tensor>;
+
+#ifndef FLASH_DMATTN_HEADDIM
+#define FLASH_DMATTN_HEADDIM 128
+#endif
+#ifndef FLASH_DMATTN_IS_BF16
+#define FLASH_DMATTN_IS_BF16 1
+#endif
+#ifndef FLASH_DMATTN_HAS_MASK
+#define FLASH_DMATTN_HAS_MASK 1
+#endif
+#ifndef FLASH_DMATTN_HAS_BIAS
+#define FLASH_DMATTN_HAS_BIAS 1
+#endif
+
+constexpr int kBucket = FLASH_DMATTN_HEADDIM;
+const at::ScalarType kDtype = FLASH_DMATTN_IS_BF16 ? at::kBFloat16 : at::kHalf;
+
+int64_t bstride(const at::Tensor& t, int d) { return t.size(d) == 1 ? 0 : t.stride(d); }
+
+bool aligned16(int64_t elems, int64_t elem_size) { return (elems * elem_size) % 16 == 0; }
+
+void check_qkv(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == kDtype, name, " has dtype ", t.scalar_type(),
+              "; this kernel module was built for ", kDtype);
+  TORCH_CHECK(t.dim() == 4, name, " must be 4-D (B, L, H, D)");
+  TORCH_CHECK(t.stride(3) == 1, name, " must have a contiguous last dim");
+  TORCH_CHECK(t.size(3) <= kBucket && t.size(3) % 8 == 0, name, " head dim ", t.size(3),
+              " does not fit bucket ", kBucket, " (needs a multiple of 8)");
+  for (int d = 0; d < 3; ++d) {
+    TORCH_CHECK(t.size(d) == 1 || t.stride(d) % 8 == 0, name,
+                " strides must be multiples of 8 elements (16-byte rows)");
+  }
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+              " must be 16-byte aligned");
+}
+
+Bcast make_bcast(const OptT& t, int64_t H, bool expected, const char* name,
+                 at::ScalarType dtype) {
+  Bcast p;
+  TORCH_CHECK(t.has_value() == expected, "this kernel module was built ",
+              expected ? "with " : "without ", "a ", name);
+  if (!t.has_value()) return p;
+  const at::Tensor& x = *t;
+  TORCH_CHECK(x.is_cuda() && x.dim() == 4, name, " must be a 4-D CUDA tensor");
+  TORCH_CHECK(x.scalar_type() == dtype, name, " has dtype ", x.scalar_type(), ", expected ",
+              dtype);
+  TORCH_CHECK(H % x.size(1) == 0, name, " heads must divide the query heads");
+  p.ptr = x.data_ptr();
+  p.sb = bstride(x, 0);
+  p.sh = bstride(x, 1);
+  p.sq = bstride(x, 2);
+  p.sk = bstride(x, 3);
+  p.hdiv = static_cast<int>(H / x.size(1));
+  const int64_t es = x.element_size();
+  p.vec = p.sk == 1 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+          aligned16(p.sb, es) && aligned16(p.sh, es) && aligned16(p.sq, es);
+  return p;
+}
+
+TileList make_list(const OptT& idx, const OptT& cnt, int64_t hdiv) {
+  TileList l;
+  if (!idx.has_value()) return l;
+  TORCH_CHECK(cnt.has_value(), "tile list counts missing");
+  const at::Tensor& i = *idx;
+  const at::Tensor& c = *cnt;
+  TORCH_CHECK(i.scalar_type() == at::kInt && c.scalar_type() == at::kInt && i.dim() == 4 &&
+                  c.dim() == 4 && c.size(3) == 2 && c.stride(3) == 1 && i.stride(3) == 1,
+              "tile lists must be int32 (B, H, T, n) / (B, H, T, 2)");
+  l.idx = i.data_ptr<int32_t>();
+  l.cnt = c.data_ptr<int32_t>();
+  l.idx_sb = bstride(i, 0);
+  l.idx_sh = bstride(i, 1);
+  l.idx_st = bstride(i, 2);
+  l.cnt_sb = bstride(c, 0);
+  l.cnt_sh = bstride(c, 1);
+  l.cnt_st = bstride(c, 2);
+  l.hdiv = static_cast<int>(hdiv);
+  return l;
+}
+
+void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const OptT& mask, const OptT& bias, double scale, bool causal, double softcap) {
+  check_qkv(q, "q");
+  check_qkv(k, "k");
+  check_qkv(v, "v");
+  TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have the same shape");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "q/k batch or head dim differ");
+  TORCH_CHECK(q.size(2) % k.size(2) == 0, "kv heads must divide query heads");
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_sb = q.stride(0), p.q_sl = q.stride(1), p.q_sh = q.stride(2);
+  p.k_sb = k.stride(0), p.k_sl = k.stride(1), p.k_sh = k.stride(2);
+  p.v_sb = v.stride(0), p.v_sl = v.stride(1), p.v_sh = v.stride(2);
+  p.B = q.size(0);
+  p.Lq = q.size(1);
+  p.H = q.size(2);
+  p.D = q.size(3);
+  p.Lk = k.size(1);
+  p.Hkv = k.size(2);
+  p.mask = make_bcast(mask, p.H, FLASH_DMATTN_HAS_MASK, "mask", at::kBool);
+  p.bias = make_bcast(bias, p.H, FLASH_DMATTN_HAS_BIAS, "bias", kDtype);
+  p.scale = static_cast<float>(scale);
+  p.softcap = static_cast<float>(softcap);
+  p.causal = causal;
+}
+
+std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const OptT& mask, const OptT& bias, const OptT& out_,
+                            double softmax_scale, bool is_causal, double softcap,
+                            const OptT& list_idx, const OptT& list_cnt, int64_t list_hdiv) {
+  c10::cuda::CUDAGuard guard(q.device());
+  FwdParams p;
+  fill_common(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap);
+  at::Tensor out = out_.has_value() ? *out_ : at::empty_like(q, at::MemoryFormat::Contiguous);
+  check_qkv(out, "out");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  p.out = out.data_ptr();
+  p.o_sb = out.stride(0), p.o_sl = out.stride(1), p.o_sh = out.stride(2);
+  p.lse = lse.data_ptr<float>();
+  p.use_list = list_idx.has_value();
+  p.list = make_list(list_idx, list_cnt, list_hdiv);
+  if (p.B * p.H * p.Lq == 0) return {out, lse};
+  if (p.Lk == 0) {
+    out.zero_();
+    lse.fill_(-INFINITY);
+    return {out, lse};
+  }
+  cudaError_t err = flash_dmattn::run_fwd(p, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda fwd: ", cudaGetErrorString(err));
+  return {out, lse};
+}
+
+// dbias_mode: 0 none, 1 full (bias has every dim except possibly none broadcast: written as
+// dS), 2 per-key partials (B, H, Lk) fp32 for a bias broadcast over queries.
+std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const OptT& mask, const OptT& bias,
+                            const at::Tensor& out, const at::Tensor& lse, double softmax_scale,
+                            bool is_causal, double softcap, bool need_dq, bool need_dkv,
+                            int64_t dbias_mode, const OptT& fwd_idx, const OptT& fwd_cnt,
+                            const OptT& bwd_idx, const OptT& bwd_cnt, int64_t list_hdiv) {
+  c10::cuda::CUDAGuard guard(q.device());
+  BwdParams p;
+  fill_common(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap);
+  check_qkv(dout, "dout");
+  check_qkv(out, "out");
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "dout/out shape");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 3,
+              "lse must be contiguous fp32 (B, H, Lq)");
+  p.out = out.data_ptr();
+  p.o_sb = out.stride(0), p.o_sl = out.stride(1), p.o_sh = out.stride(2);
+  p.lse = lse.data_ptr<float>();
+  p.dout = dout.data_ptr();
+  p.do_sb = dout.stride(0), p.do_sl = dout.stride(1), p.do_sh = dout.stride(2);
+  at::Tensor delta = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  p.delta = delta.data_ptr<float>();
+  at::Tensor dq = at::empty_like(q, at::MemoryFormat::Contiguous);
+  at::Tensor dk = at::empty_like(k, at::MemoryFormat::Contiguous);
+  at::Tensor dv = at::empty_like(v, at::MemoryFormat::Contiguous);
+  p.dq = dq.data_ptr();
+  p.dq_sb = dq.stride(0), p.dq_sl = dq.stride(1), p.dq_sh = dq.stride(2);
+  p.dk = dk.data_ptr();
+  p.dk_sb = dk.stride(0), p.dk_sl = dk.stride(1), p.dk_sh = dk.stride(2);
+  p.dv = dv.data_ptr();
+  p.dv_sb = dv.stride(0), p.dv_sl = dv.stride(1), p.dv_sh = dv.stride(2);
+  p.need_dq = need_dq;
+  p.need_dkv = need_dkv;
+  at::Tensor dbias;
+  if (dbias_mode == 1) {
+    TORCH_CHECK(bias.has_value() && bias->size(0) == p.B && bias->size(1) == p.H &&
+                    bias->size(2) == p.Lq && bias->size(3) == p.Lk,
+                "full dbias needs a (B, H, Lq, Lk) bias");
+    dbias = at::empty({p.B, p.H, p.Lq, p.Lk}, q.options());
+    p.dbias_full = dbias.data_ptr();
+    p.dbf_sb = dbias.stride(0), p.dbf_sh = dbias.stride(1), p.dbf_sq = dbias.stride(2);
+  } else if (dbias_mode == 2) {
+    TORCH_CHECK(bias.has_value() && bias->size(2) == 1, "per-key dbias needs a (.., 1, ..) bias");
+    dbias = at::empty({p.B, p.H, p.Lk}, q.options().dtype(at::kFloat));
+    p.dbias_keys = dbias.data_ptr<float>();
+  }
+  p.use_list = fwd_idx.has_value();
+  TORCH_CHECK(p.use_list == bwd_idx.has_value(), "pass both tile lists or neither");
+  p.list = make_list(fwd_idx, fwd_cnt, list_hdiv);
+  p.bwd_list = make_list(bwd_idx, bwd_cnt, list_hdiv);
+  if (p.B * p.H == 0 || p.Lq == 0 || p.Lk == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    if (dbias.defined()) dbias.zero_();
+    return {dq, dk, dv, dbias};
+  }
+  cudaError_t err = flash_dmattn::run_bwd(p, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda bwd: ", cudaGetErrorString(err));
+  return {dq, dk, dv, dbias};
+}
+
+std::vector<int64_t> block_sizes() {
+  return {flash_dmattn::fwd_block_m(), flash_dmattn::fwd_block_n(),
+          flash_dmattn::bwd_block_m(), flash_dmattn::bwd_block_n()};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "flash_dmattn CUDA kernels (one head-dim / dtype / mask / bias specialisation)";
+  m.def("fwd", &fwd, "attention forward -> [out, lse]");
+  m.def("bwd", &bwd, "attention backward -> [dq, dk, dv, dbias]");
+  m.def("block_sizes", &block_sizes, "(fwd_block_m, fwd_block_n, bwd_block_m, bwd_block_n)");
+}

@@ -1,0 +1,259 @@
+// Forward kernel: one CTA per (query tile, b * H + h); online softmax over the live key tiles.
+//
+// Per key tile n (in list order when the host built live-tile lists, else every tile up to the
+// causal limit):  wait K(n) -> issue V(n) (+ mask/bias tile) -> S = Q K^T -> scale, softcap,
+// + bias, mask, causal and ragged bounds -> online softmax -> wait V(n) -> issue K(next) ->
+// O += P V. Full tiles (every element visible) skip the mask tile and the element checks.
+#include "flash_dmattn/kernel_common.cuh"
+
+namespace flash_dmattn {
+
+template <int kHeadDim>
+struct FwdConfig {
+  static constexpr int kBlockM = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kBlockN = 64;
+  // One warp per 16 query rows keeps the fp32 accumulators (O and S) in registers.
+  using Tr = Traits<kHeadDim, kBlockM, kBlockN, kBlockM / 16, 1>;
+  using MaskTile = BcastTile<uint8_t, kBlockM, kBlockN, Tr::kThreads>;
+  using BiasTile = BcastTile<Elem, kBlockM, kBlockN, Tr::kThreads>;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kMaskOff = kQBytes + 2 * kKVBytes;
+  static constexpr int kBiasOff = kMaskOff + (kHasMask ? MaskTile::kBytes : 0);
+  static constexpr int kSmem = kBiasOff + (kHasBias ? BiasTile::kBytes : 0);
+};
+
+template <bool kSoftcap>
+__global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
+    fwd_kernel(const FwdParams p) {
+  using Cfg = FwdConfig<kHeadDimBucket>;
+  using Tr = typename Cfg::Tr;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kD = kHeadDimBucket;
+  extern __shared__ __align__(128) char smem[];
+
+  const int tid = threadIdx.x;
+  const int m_block = blockIdx.x;
+  const int bh = blockIdx.y;
+  const int b = bh / p.H, h = bh % p.H;
+  const int hkv = h / (p.H / p.Hkv);
+  const int q0 = m_block * kBlockM;
+
+  // Key tiles this query tile visits: the host's list, or [0, n_end) clipped by causality.
+  const int n_tiles = (p.Lk + kBlockN - 1) / kBlockN;
+  int n_steps = n_tiles;
+  const int32_t* list = nullptr;
+  if (p.use_list) {
+    list = list_row(p.list, b, h, m_block, n_steps);
+  } else if (p.causal) {
+    // Last visible key of this tile's last row: q0 + kBlockM - 1 + (Lk - Lq).
+    const int last_key = min(q0 + kBlockM - 1, p.Lq - 1) + (p.Lk - p.Lq);
+    n_steps = last_key < 0 ? 0 : min(n_tiles, last_key / kBlockN + 1);
+  }
+
+  Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_sb + int64_t(h) * p.o_sh;
+  float* lse = p.lse + (int64_t(b) * p.H + h) * p.Lq;
+
+  typename Tr::TiledMma mma;
+  auto thr_mma = mma.get_thread_slice(tid);
+  Tensor acc_o = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kD>>{});
+  clear(acc_o);
+  Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));
+  constexpr int kRowsPerThread = 2 * decltype(size<1>(acc_o))::value;
+  float row_max[kRowsPerThread], row_sum[kRowsPerThread];
+  CUTE_UNROLL
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.f;
+  }
+
+  if (n_steps > 0) {
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)),
+                            typename Tr::template SmemTile<kBlockM>{});
+    Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Cfg::kQBytes)),
+                            typename Tr::template SmemTile<kBlockN>{});
+    Elem* v_smem = reinterpret_cast<Elem*>(smem + Cfg::kQBytes + Cfg::kKVBytes);
+    Tensor sV = make_tensor(make_smem_ptr(v_smem), typename Tr::template SmemTile<kBlockN>{});
+    Tensor sVt = make_tensor(make_smem_ptr(v_smem),
+                             typename Tr::template SmemTileTNoSwizzle<kBlockN>{});
+    char* mask_smem = smem + Cfg::kMaskOff;
+    char* bias_smem = smem + Cfg::kBiasOff;
+
+    const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb +
+                     int64_t(q0) * p.q_sl + int64_t(h) * p.q_sh;
+    const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb + int64_t(hkv) * p.k_sh;
+    const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb + int64_t(hkv) * p.v_sh;
+    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h) : nullptr;
+    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h) : nullptr;
+
+    auto tile_of = [&](int i) { return list ? (list[i] >> 1) : i; };
+    auto partial_of = [&](int i) {
+      if (list) return (list[i] & 1) != 0;
+      return p.causal;  // no list (no mask): only causality needs element checks
+    };
+
+    load_rows<Tr, kBlockM>(qg, p.q_sl, p.Lq - q0, p.D, sQ, tid);
+    {
+      const int n0 = tile_of(0);
+      load_rows<Tr, kBlockN>(kg + int64_t(n0) * kBlockN * p.k_sl, p.k_sl, p.Lk - n0 * kBlockN,
+                             p.D, sK, tid);
+    }
+    cp_async_fence();
+
+    Tensor rQ = thr_mma.partition_fragment_A(sQ);
+    Tensor rK = thr_mma.partition_fragment_B(sK);
+    Tensor rVt = thr_mma.partition_fragment_B(sVt);
+    auto ldsm_q = make_tiled_copy_A(typename Tr::LdsmA{}, mma);
+    auto ldsm_k = make_tiled_copy_B(typename Tr::LdsmB{}, mma);
+    auto ldsm_vt = make_tiled_copy_B(typename Tr::LdsmBT{}, mma);
+    Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
+
+    for (int i = 0; i < n_steps; ++i) {
+      const int n = tile_of(i);
+      const int k0 = n * kBlockN;
+      const bool partial = partial_of(i);
+      Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      cp_async_wait<0>();
+      __syncthreads();  // K(n) (and Q) landed; every thread is done with V(n-1) and tile smem
+      load_rows<Tr, kBlockN>(vg + int64_t(k0) * p.v_sl, p.v_sl, p.Lk - k0, p.D, sV, tid);
+      const bool need_mask = kHasMask && partial;
+      if constexpr (kHasMask) {
+        if (need_mask) Cfg::MaskTile::load(mask_smem, p.mask, mask_base, q0, k0, p.Lq, p.Lk, tid);
+      }
+      if constexpr (kHasBias) {
+        Cfg::BiasTile::load(bias_smem, p.bias, bias_base, q0, k0, p.Lq, p.Lk, tid);
+      }
+      cp_async_fence();
+
+      gemm_ss(mma, acc_s, rQ, rK, sQ, sK, ldsm_q, ldsm_k, tid);
+
+      if constexpr (kHasBias || kHasMask) {
+        // The bias / mask tile was issued with V; wait for all but nothing newer (V too).
+        cp_async_wait<0>();
+        __syncthreads();
+      }
+      // Scores in natural-log units, invisible elements at -inf.
+      const bool check = partial || (k0 + kBlockN > p.Lk);
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_s); ++e) {
+        float s = acc_s(e);
+        if constexpr (kSoftcap) {
+          s = p.softcap * tanhf(s * (p.scale / p.softcap));
+        } else {
+          s *= p.scale;
+        }
+        const int r = get<0>(cS(e)), c = get<1>(cS(e));
+        if constexpr (kHasBias) {
+          s += float(Cfg::BiasTile::read(bias_smem, bias_rows, r, c));
+        }
+        if (check) {
+          const int qi = q0 + r, kj = k0 + c;
+          bool visible = kj < p.Lk;
+          if (p.causal) visible = visible && (kj <= qi + p.Lk - p.Lq);
+          if constexpr (kHasMask) {
+            if (need_mask) visible = visible && Cfg::MaskTile::read(mask_smem, mask_rows, r, c);
+          }
+          if (!visible) s = -INFINITY;
+        }
+        acc_s(e) = s;
+      }
+
+      // Online softmax. Thread-local row slot of element (v, mi, ni) is mi * 2 + v / 2.
+      CUTE_UNROLL
+      for (int mi = 0; mi < size<1>(acc_s); ++mi) {
+        CUTE_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          const int r = mi * 2 + half;
+          float mx = row_max[r];
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<2>(acc_s); ++ni) {
+            mx = fmaxf(mx, fmaxf(acc_s(half * 2, mi, ni), acc_s(half * 2 + 1, mi, ni)));
+          }
+          mx = quad_max(mx);
+          const float base = mx == -INFINITY ? 0.f : mx * kLog2e;
+          const float alpha = exp2f(row_max[r] * kLog2e - base);
+          row_max[r] = mx;
+          float sum = 0.f;
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<2>(acc_s); ++ni) {
+            CUTE_UNROLL
+            for (int j = 0; j < 2; ++j) {
+              const float pv = exp2f(acc_s(half * 2 + j, mi, ni) * kLog2e - base);
+              acc_s(half * 2 + j, mi, ni) = pv;
+              sum += pv;
+            }
+          }
+          row_sum[r] = row_sum[r] * alpha + sum;  // quad-reduced once, at the end
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<2>(acc_o); ++ni) {
+            acc_o(half * 2, mi, ni) *= alpha;
+            acc_o(half * 2 + 1, mi, ni) *= alpha;
+          }
+        }
+      }
+      Tensor rP = to_type<Elem>(acc_s);
+      Tensor rPa = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
+
+      cp_async_wait<0>();
+      __syncthreads();  // V(n) landed; every thread is done reading K(n)
+      if (i + 1 < n_steps) {
+        const int nn = tile_of(i + 1);
+        load_rows<Tr, kBlockN>(kg + int64_t(nn) * kBlockN * p.k_sl, p.k_sl,
+                               p.Lk - nn * kBlockN, p.D, sK, tid);
+      }
+      cp_async_fence();
+      gemm_rs(mma, acc_o, rPa, rVt, sVt, ldsm_vt, tid);
+    }
+  }
+
+  // Epilogue: normalise, write lse (natural log; -inf and zero output for rows with no key).
+  const int lane = tid % 32;
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<1>(acc_o); ++mi) {
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int r = mi * 2 + half;
+      const float sum = quad_sum(row_sum[r]);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const int row = q0 + get<0>(cO(half * 2, mi, 0));
+      if (row < p.Lq) {
+        if (lane % 4 == 0) lse[row] = sum > 0.f ? row_max[r] + logf(sum) : -INFINITY;
+        Elem* orow = out + int64_t(row) * p.o_sl;
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<2>(acc_o); ++ni) {
+          const int col = get<1>(cO(half * 2, mi, ni));
+          if (col < p.D) {
+            // col is even and D a multiple of 8: the pair is in range and 4-byte aligned.
+            __align__(4) Elem pair[2] = {Elem(acc_o(half * 2, mi, ni) * inv),
+                                         Elem(acc_o(half * 2 + 1, mi, ni) * inv)};
+            *reinterpret_cast<uint32_t*>(orow + col) = *reinterpret_cast<uint32_t*>(pair);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <bool kSoftcap>
+static cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = FwdConfig<kHeadDimBucket>;
+  auto kernel = &fwd_kernel<kSoftcap>;
+  if (Cfg::kSmem > 48 * 1024) {
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
+    if (err != cudaSuccess) return err;
+  }
+  dim3 grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B * p.H);
+  kernel<<<grid, Cfg::Tr::kThreads, Cfg::kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream) {
+  return p.softcap > 0.f ? launch_fwd<true>(p, stream) : launch_fwd<false>(p, stream);
+}
+
+int fwd_block_m() { return FwdConfig<kHeadDimBucket>::kBlockM; }
+int fwd_block_n() { return FwdConfig<kHeadDimBucket>::kBlockN; }
+
+}  // namespace flash_dmattn

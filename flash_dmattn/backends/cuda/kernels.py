@@ -1,0 +1,149 @@
+"""Host side of the ``cuda`` backend: pick the compiled specialisation, build live-tile lists,
+call the extension's ``fwd`` / ``bwd``, and reduce per-key dbias partials to the bias's shape.
+
+The live-tile lists are the ones the Triton kernels use (:mod:`..triton.tiles`), built at the
+CUDA kernels' own tile sizes (the extension reports them), so dead tiles cost no loads and no
+matrix products and full tiles no element checks.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import jit, toolchain
+from .spec import HEAD_DIM_BUCKETS, DTYPES, KernelSpec
+
+MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+
+
+def dbias_mode(bias: Optional[torch.Tensor], batch: int, heads: int, seqlen_q: int,
+               seqlen_k: int) -> Optional[int]:
+    """How the kernels produce dbias for ``bias``: 1 = written whole (a (B, H, Lq, Lk) bias),
+    2 = per-key sums reduced on the host (any bias broadcast over queries), None = not
+    supported (a per-query bias shared by several heads or batches)."""
+    if bias is None:
+        return 0
+    if tuple(bias.shape) == (batch, heads, seqlen_q, seqlen_k):
+        return 1
+    if bias.size(2) == 1:
+        return 2
+    return None
+
+
+def input_reasons(q, k, v, mask, bias, bias_needs_grad: bool) -> List[str]:
+    """Why the kernels cannot take these tensors (beyond device and option checks)."""
+    reasons = []
+    if q.dtype not in DTYPES.values():
+        reasons.append(f"dtype {q.dtype} is not supported (float16, bfloat16)")
+    d = q.shape[-1]
+    if d > MAX_HEAD_DIM:
+        reasons.append(f"head_dim {d} > {MAX_HEAD_DIM}")
+    elif d % 8:
+        reasons.append(f"head_dim {d} is not a multiple of 8 (rows are read as 16-byte vectors)")
+    if v.shape[-1] != d:
+        reasons.append("value head dim differs from the query's")
+    if bias is not None and bias.dtype != q.dtype:
+        reasons.append(f"bias dtype {bias.dtype} differs from q's {q.dtype} (a float32 bias "
+                       f"is not supported by the cuda kernels yet)")
+    if bias_needs_grad:
+        B, Lq, H, _ = q.shape
+        if dbias_mode(bias, B, H, Lq, k.shape[1]) is None:
+            reasons.append(f"dbias for a bias of shape {tuple(bias.shape)} (per-query rows "
+                           f"shared by several heads or batches) is not supported yet")
+    return reasons
+
+
+def kernel_module(q: torch.Tensor, has_mask: bool, has_bias: bool):
+    """The compiled extension for this call's specialisation (built on first use)."""
+    d = q.shape[-1]
+    bucket = next(b for b in HEAD_DIM_BUCKETS if b >= d)
+    names = {v: k for k, v in DTYPES.items()}
+    spec = KernelSpec(bucket, names[q.dtype], has_mask, has_bias)
+    return jit.load_kernel(spec, toolchain.detect(q.device))
+
+
+def _vector_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a contiguous last dim and 16-byte aligned rows (copied only if needed)."""
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
+        t.size(d) == 1 or t.stride(d) % 8 == 0 for d in range(t.dim() - 1))
+    return t if ok else t.contiguous()
+
+
+def _lists(mask, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n, device, need_bwd):
+    if mask is None and not is_causal:
+        return None
+    from ..triton.tiles import build_tile_lists
+
+    return build_tile_lists(mask, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n, device,
+                            need_fwd=True, need_bwd=need_bwd)
+
+
+def _read_ready(mask, bias, seqlen_q, seqlen_k):
+    """Per-query masks / biases with unaligned rows get zero-padded aligned copies (read only)
+    so the kernels can copy their tiles as 16-byte vectors."""
+    from ..triton.forward import aligned_rows
+
+    mask, _ = aligned_rows(mask, seqlen_q, seqlen_k)
+    bias, _ = aligned_rows(bias, seqlen_q, seqlen_k)
+    return mask, bias
+
+
+def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(out (B, Lq, H, D), lse (B, H, Lq) fp32)`` through the compiled kernels."""
+    q, k, v = _vector_ready(q), _vector_ready(k), _vector_ready(v)
+    B, Lq, H, _ = q.shape
+    Lk = k.shape[1]
+    mod = kernel_module(q, mask is not None, bias is not None)
+    block_m, block_n, _, _ = mod.block_sizes()
+    mask, bias = _read_ready(mask, bias, Lq, Lk)
+    lists = _lists(mask, Lq, Lk, H, is_causal, block_m, block_n, q.device, need_bwd=False)
+    idx = cnt = None
+    hdiv = 1
+    if lists is not None:
+        idx, cnt, hdiv = lists.fwd_idx, lists.fwd_cnt, lists.head_div
+    out, lse = mod.fwd(q, k, v, mask, bias, None, float(scale), bool(is_causal), float(softcap),
+                       idx, cnt, hdiv)
+    return out, lse
+
+
+def _reduce_key_partials(partial: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """(B, H, Lk) fp32 per-(batch, head) key sums -> the bias's own shape and dtype."""
+    B, H, Lk = partial.shape
+    bb, hb, _, kb = bias.shape
+    x = partial.view(B, hb, H // hb, Lk).sum(2)
+    if bb == 1 and B > 1:
+        x = x.sum(0, keepdim=True)
+    if kb == 1 and Lk > 1:
+        x = x.sum(-1, keepdim=True)
+    return x.unsqueeze(2).to(bias.dtype)
+
+
+def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
+                  needs):
+    """``(dq, dk, dv, dbias)`` with None where ``needs`` did not ask. Always deterministic: the
+    kernels use no atomics."""
+    need_dq, need_dk, need_dv, need_dbias = needs
+    dout, q, k, v, out = (_vector_ready(t) for t in (dout, q, k, v, out))
+    B, Lq, H, _ = q.shape
+    Lk = k.shape[1]
+    mod = kernel_module(q, mask is not None, bias is not None)
+    _, _, block_m, block_n = mod.block_sizes()
+    orig_bias = bias
+    mode = dbias_mode(bias, B, H, Lq, Lk) if need_dbias else 0
+    if mode is None:
+        raise NotImplementedError(f"cuda backend: dbias for bias shape {tuple(bias.shape)}")
+    mask, bias = _read_ready(mask, bias, Lq, Lk)
+    lists = _lists(mask, Lq, Lk, H, is_causal, block_m, block_n, q.device, need_bwd=True)
+    args = (None, None, None, None, 1)
+    if lists is not None:
+        args = (lists.fwd_idx, lists.fwd_cnt, lists.bwd_idx, lists.bwd_cnt, lists.head_div)
+    dq, dk, dv, db = mod.bwd(dout, q, k, v, mask, bias, out, lse.contiguous(), float(scale),
+                             bool(is_causal), float(softcap), bool(need_dq),
+                             bool(need_dk or need_dv), int(mode), *args)
+    dbias = None
+    if mode == 1:
+        dbias = db
+    elif mode == 2:
+        dbias = _reduce_key_partials(db, orig_bias)
+    return (dq if need_dq else None, dk if need_dk else None, dv if need_dv else None, dbias)

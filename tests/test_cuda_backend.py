@@ -1,0 +1,132 @@
+"""The cuda backend's compiled kernels against the reference (GPU only; builds on first use).
+
+Same problems as tests/test_gpu.py (outputs and every gradient in float64 on the reference
+side), plus what is specific to the compiled path: head-dim buckets with padding (96 for
+D=80), poisoned outputs, bitwise-deterministic backward, the second load coming from the disk
+cache, and clear reasons for what the kernels do not take yet.
+"""
+import pytest
+import torch
+
+from flash_dmattn import registry
+from flash_dmattn.inputs import AttentionInputs
+from flash_dmattn.reference import reference_attention
+
+from test_gpu import make_problem, rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    backend = registry.get_backend("cuda")  # raises with the reasons when unavailable
+    return backend
+
+
+def run_and_compare(problem, causal, softcap=0.0, bias_grad=True, tol_scale=1.0):
+    backend = _cuda()
+    q, k, v, mask, bias = problem
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    if bias is not None:
+        bias = bias.detach().requires_grad_(bias_grad)
+    inputs = AttentionInputs.from_args(*leaves, mask, bias, None, causal, softcap)
+    assert backend.not_supported_reasons(inputs) == []
+    out = backend.attention(inputs)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref_bias = None
+    if bias is not None:
+        ref_bias = bias.detach().double().requires_grad_(bias_grad)
+    ref, _ = reference_attention(*ref_leaves, mask, ref_bias, inputs.softmax_scale, causal,
+                                 softcap)
+    assert not out.isnan().any()
+    tol = (1.5e-2 if q.dtype == torch.bfloat16 else 3e-3) * tol_scale
+    assert rel_err(out, ref) < tol, rel_err(out, ref)
+    gout = torch.randn_like(ref)
+    want_leaves = ref_leaves + ([ref_bias] if bias is not None and bias_grad else [])
+    got_leaves = leaves + ([bias] if bias is not None and bias_grad else [])
+    got = torch.autograd.grad(out, got_leaves, gout.to(out.dtype))
+    want = torch.autograd.grad(ref, want_leaves, gout)
+    for name, a, b, leaf in zip(["dq", "dk", "dv", "dbias"], got, want, got_leaves):
+        assert a.shape == leaf.shape and a.dtype == leaf.dtype, name
+        assert not a.isnan().any(), name
+        assert rel_err(a, b) < 2 * tol, (name, rel_err(a, b))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1024, 1024, 8, 2, 64), (2, 511, 1537, 4, 4, 128), (1, 2048, 777, 4, 1, 64),
+     (1, 300, 333, 4, 2, 80), (1, 257, 190, 2, 1, 256), (2, 65, 129, 2, 2, 32)],
+    ids=["square", "lq<lk", "lq>lk", "d80", "d256", "d32"],
+)
+@pytest.mark.parametrize("mask_kind,bias_kind", [
+    (None, None), ("topk", "per_key"), ("block_sparse", "full"), ("padding", None),
+    (None, "per_key"), ("topk", None),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_matches_reference(shape, mask_kind, bias_kind, causal):
+    run_and_compare(make_problem(*shape, torch.bfloat16, mask_kind, bias_kind), causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_long_sequence_and_softcap(dtype):
+    problem = make_problem(1, 4096, 4096, 4, 2, 128, dtype, "topk", "per_key", seed=3)
+    run_and_compare(problem, causal=True, softcap=30.0)
+
+
+def test_cuda_neg_inf_bias_rows_give_zero():
+    # -inf biases on whole rows and columns (bias in q's dtype, no grad: shared by all heads).
+    q, k, v, mask, _ = make_problem(1, 300, 400, 4, 2, 64, torch.bfloat16, "padding", None)
+    bias = torch.randn(1, 1, 300, 400, device="cuda").to(torch.bfloat16)
+    bias[..., ::7, :] = float("-inf")
+    bias[..., :, ::3] = float("-inf")
+    run_and_compare((q, k, v, mask, bias), causal=False, bias_grad=False)
+    backend = _cuda()
+    inputs = AttentionInputs.from_args(q, k, v, mask, bias, None, False)
+    out = backend.attention(inputs)
+    assert torch.count_nonzero(out[0, ::7].float()) == 0
+
+
+def test_cuda_poisoned_output_is_fully_written():
+    from flash_dmattn.backends.cuda.kernels import kernel_module
+
+    _cuda()
+    q, k, v, mask, bias = make_problem(1, 333, 200, 4, 2, 80, torch.bfloat16, "topk", "per_key")
+    mask = mask.clone()
+    mask[0, 0, 7] = False  # a fully masked row
+    mod = kernel_module(q, True, True)
+    poison = torch.full_like(q, float("nan"))
+    from flash_dmattn.backends.triton.tiles import build_tile_lists
+
+    bm, bn, _, _ = mod.block_sizes()
+    lists = build_tile_lists(mask, 333, 200, 4, False, bm, bn, q.device)
+    out, lse = mod.fwd(q, k, v, mask, bias, poison, q.shape[-1] ** -0.5, False, 0.0,
+                       lists.fwd_idx, lists.fwd_cnt, lists.head_div)
+    assert out.data_ptr() == poison.data_ptr()
+    assert not out.isnan().any()
+    assert lse[0, 0, 7] == float("-inf") and torch.count_nonzero(out[0, 7, 0].float()) == 0
+
+
+def test_cuda_backward_is_bitwise_deterministic():
+    backend = _cuda()
+    q, k, v, mask, bias = make_problem(1, 1024, 1024, 8, 2, 128, torch.bfloat16, "topk", "per_key")
+    grads = []
+    for _ in range(2):
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v, bias)]
+        inputs = AttentionInputs.from_args(*leaves[:3], mask, leaves[3], None, True,
+                                           deterministic=True)
+        out = backend.attention(inputs)
+        grads.append(torch.autograd.grad(out.float().square().sum(), leaves))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_cuda_reasons_for_what_it_does_not_take():
+    backend = _cuda()
+    q, k, v, mask, _ = make_problem(1, 128, 128, 4, 2, 64, torch.bfloat16, "topk", None)
+    bias32 = torch.randn(1, 4, 128, 128, device="cuda")
+    reasons = backend.not_supported_reasons(AttentionInputs.from_args(q, k, v, mask, bias32))
+    assert any("float32 bias" in r for r in reasons)
+    shared = torch.randn(1, 1, 128, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    reasons = backend.not_supported_reasons(AttentionInputs.from_args(q, k, v, mask, shared))
+    assert any("dbias" in r for r in reasons)
