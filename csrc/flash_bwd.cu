@@ -22,9 +22,12 @@ struct BwdConfig {
   static constexpr int kBlockN = 64;  // keys per tile
   // dQ kernel: queries are the MMA rows, one warp per 16.
   using TrQ = Traits<kHeadDim, kBlockM, kBlockN, 4, 1>;
-  // dK/dV kernel: keys are the MMA rows; wide heads split the columns over two warp columns
-  // so the dK and dV accumulators stay in registers.
-  static constexpr int kWarpsN = kHeadDim > 128 ? 2 : 1;
+  // dK/dV kernel: keys are the MMA rows, warps stacked along them only. P^T and dS^T are fed
+  // from registers as the A operand of the next product, which needs each thread's two
+  // neighbouring n8 tiles to form one k16 block: true only without warps along N. (Heads
+  // above 128 therefore hold 2 x 128 accumulator registers per thread and spill; an smem
+  // round trip for P / dS would lift that.)
+  static constexpr int kWarpsN = 1;
   using TrKV = Traits<kHeadDim, kBlockN, kBlockM, 4, kWarpsN>;
   static constexpr int kTileBytes = 64 * kHeadDim * 2;  // one 64-row operand tile
 };
@@ -111,7 +114,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
 
   if (n_steps > 0) {
     using SL = typename Tr::template SmemTile<64>;
-    using SLT = typename Tr::template SmemTileTNoSwizzle<64>;
+    using SLT = typename Tr::template SmemTileT<64>;  // swizzled: what ldmatrix reads
+    using SLTn = typename Tr::template SmemTileTNoSwizzle<64>;  // fragment shapes only
     auto elem_at = [&](int off) { return reinterpret_cast<Elem*>(smem + off); };
     Tensor sQ = make_tensor(make_smem_ptr(elem_at(0)), SL{});
     Tensor sdO = make_tensor(make_smem_ptr(elem_at(kT)), SL{});
@@ -152,7 +156,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
     Tensor rQ = thr_mma.partition_fragment_A(sQ);
     Tensor rdO = thr_mma.partition_fragment_A(sdO);
     Tensor rK = thr_mma.partition_fragment_B(make_tensor(make_smem_ptr(elem_at(2 * kT)), SL{}));
-    Tensor rKt = thr_mma.partition_fragment_B(make_tensor(make_smem_ptr(elem_at(2 * kT)), SLT{}));
+    Tensor rKt = thr_mma.partition_fragment_B(make_tensor(make_smem_ptr(elem_at(2 * kT)), SLTn{}));
     auto ldsm_a = make_tiled_copy_A(typename Tr::LdsmA{}, mma);
     auto ldsm_b = make_tiled_copy_B(typename Tr::LdsmB{}, mma);
     auto ldsm_bt = make_tiled_copy_B(typename Tr::LdsmBT{}, mma);
@@ -306,7 +310,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
   const int m_tiles = (p.Lq + kBM - 1) / kBM;
 
   using SL = typename Tr::template SmemTile<64>;
-  using SLT = typename Tr::template SmemTileTNoSwizzle<64>;
+  using SLT = typename Tr::template SmemTileT<64>;  // swizzled: what ldmatrix reads
+  using SLTn = typename Tr::template SmemTileTNoSwizzle<64>;  // fragment shapes only
   auto elem_at = [&](int off) { return reinterpret_cast<Elem*>(smem + off); };
   Tensor sK = make_tensor(make_smem_ptr(elem_at(0)), SL{});
   Tensor sV = make_tensor(make_smem_ptr(elem_at(kT)), SL{});
@@ -334,7 +339,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
   Tensor rK = thr_mma.partition_fragment_A(sK);
   Tensor rV = thr_mma.partition_fragment_A(sV);
   Tensor rQ = thr_mma.partition_fragment_B(make_tensor(make_smem_ptr(elem_at(2 * kT)), SL{}));
-  Tensor rQt = thr_mma.partition_fragment_B(make_tensor(make_smem_ptr(elem_at(2 * kT)), SLT{}));
+  Tensor rQt = thr_mma.partition_fragment_B(make_tensor(make_smem_ptr(elem_at(2 * kT)), SLTn{}));
   const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
   const bool keys_dbias = kHasBias && p.dbias_keys != nullptr;
   constexpr int kRowSlots = 2 * decltype(size<1>(acc_dk))::value;

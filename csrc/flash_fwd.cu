@@ -73,8 +73,10 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
                             typename Tr::template SmemTile<kBlockN>{});
     Elem* v_smem = reinterpret_cast<Elem*>(smem + Cfg::kQBytes + Cfg::kKVBytes);
     Tensor sV = make_tensor(make_smem_ptr(v_smem), typename Tr::template SmemTile<kBlockN>{});
-    Tensor sVt = make_tensor(make_smem_ptr(v_smem),
-                             typename Tr::template SmemTileTNoSwizzle<kBlockN>{});
+    // ldmatrix.trans reads the swizzled layout; the unswizzled one only shapes fragments.
+    Tensor sVt = make_tensor(make_smem_ptr(v_smem), typename Tr::template SmemTileT<kBlockN>{});
+    Tensor sVtShape = make_tensor(make_smem_ptr(v_smem),
+                                  typename Tr::template SmemTileTNoSwizzle<kBlockN>{});
     char* mask_smem = smem + Cfg::kMaskOff;
     char* bias_smem = smem + Cfg::kBiasOff;
 
@@ -101,7 +103,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
 
     Tensor rQ = thr_mma.partition_fragment_A(sQ);
     Tensor rK = thr_mma.partition_fragment_B(sK);
-    Tensor rVt = thr_mma.partition_fragment_B(sVt);
+    Tensor rVt = thr_mma.partition_fragment_B(sVtShape);
     auto ldsm_q = make_tiled_copy_A(typename Tr::LdsmA{}, mma);
     auto ldsm_k = make_tiled_copy_B(typename Tr::LdsmB{}, mma);
     auto ldsm_vt = make_tiled_copy_B(typename Tr::LdsmBT{}, mma);
