@@ -205,7 +205,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     TORCH_CHECK(bias.has_value() && bias->size(0) == p.B && bias->size(1) == p.H &&
                     bias->size(2) == p.Lq && bias->size(3) == p.Lk,
                 "full dbias needs a (B, H, Lq, Lk) bias");
-    dbias = at::empty({p.B, p.H, p.Lq, p.Lk}, q.options());
+    // Zeroed: the dQ kernel writes dS only on live tiles; dead tiles' gradient is 0.
+    dbias = at::zeros({p.B, p.H, p.Lq, p.Lk}, q.options());
     p.dbias_full = dbias.data_ptr();
     p.dbf_sb = dbias.stride(0), p.dbf_sh = dbias.stride(1), p.dbf_sq = dbias.stride(2);
   } else if (dbias_mode == 2) {

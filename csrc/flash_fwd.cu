@@ -10,7 +10,11 @@ namespace flash_dmattn {
 
 template <int kHeadDim>
 struct FwdConfig {
+#ifdef FLASH_DMATTN_FWD_BLOCK_M
+  static constexpr int kBlockM = FLASH_DMATTN_FWD_BLOCK_M;
+#else
   static constexpr int kBlockM = kHeadDim <= 128 ? 128 : 64;
+#endif
   static constexpr int kBlockN = 64;
   // One warp per 16 query rows keeps the fp32 accumulators (O and S) in registers.
   using Tr = Traits<kHeadDim, kBlockM, kBlockN, kBlockM / 16, 1>;
