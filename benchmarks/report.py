@@ -74,7 +74,8 @@ def _pair(a: Optional[float], b: Optional[float], fmt: str, suffix: str = "") ->
     return f"{left} / {right}"
 
 
-def _err(row: Row) -> str:
+def fmt_err(row: Row) -> str:
+    """The row's relative error against the float32 reference, or why there is none."""
     if row.rel_err is None:
         return row.rel_err_note
     return f"{row.rel_err:.1e}"
@@ -125,7 +126,7 @@ def markdown(rows: List[Row], env: dict, suites: List[str]) -> str:
             if varlen:
                 cells += [_pair(r.ratios.get(f"packed/{o} fwd"), r.ratios.get(f"packed/{o} fwd+bwd"), "ratio", "×")
                           for o in ("sequential", "padded")]
-            cells += [_num(r.peak_extra_mib, ".0f"), _err(r), _cell("; ".join(r.notes))]
+            cells += [_num(r.peak_extra_mib, ".0f"), fmt_err(r), _cell("; ".join(r.notes))]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     out += [

@@ -328,7 +328,8 @@ def run_workload(w: Workload, ctx: RunContext, backends: List[str]) -> List[Row]
         rows.append(row)
         print(
             f"   {row.impl:<36} fwd {report.fmt_ms(row.fwd_ms):>9} ms  fwd+bwd {report.fmt_ms(row.fwd_bwd_ms):>9} ms"
-            f"  {row.status}{'  ' + '; '.join(row.notes) if row.notes else ''}",
+            f"  {row.status}  err {report.fmt_err(row)}"
+            f"{'  ' + '; '.join(row.notes) if row.notes else ''}",
             flush=True,
         )
         del impl
