@@ -32,19 +32,6 @@ using flash_dmattn::FwdParams;
 using flash_dmattn::TileList;
 using OptT = std::optional<at::Tensor>;
 
-#ifndef FLASH_DMATTN_HEADDIM
-#define FLASH_DMATTN_HEADDIM 128
-#endif
-#ifndef FLASH_DMATTN_IS_BF16
-#define FLASH_DMATTN_IS_BF16 1
-#endif
-#ifndef FLASH_DMATTN_HAS_MASK
-#define FLASH_DMATTN_HAS_MASK 1
-#endif
-#ifndef FLASH_DMATTN_HAS_BIAS
-#define FLASH_DMATTN_HAS_BIAS 1
-#endif
-
 constexpr int kBucket = FLASH_DMATTN_HEADDIM;
 const at::ScalarType kDtype = FLASH_DMATTN_IS_BF16 ? at::kBFloat16 : at::kHalf;
 

@@ -45,17 +45,8 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
   const int hkv = h / (p.H / p.Hkv);
   const int q0 = m_block * kBlockM;
 
-  // Key tiles this query tile visits: the host's list, or [0, n_end) clipped by causality.
-  const int n_tiles = (p.Lk + kBlockN - 1) / kBlockN;
-  int n_steps = n_tiles;
-  const int32_t* list = nullptr;
-  if (p.use_list) {
-    list = list_row(p.list, b, h, m_block, n_steps);
-  } else if (p.causal) {
-    // Last visible key of this tile's last row: q0 + kBlockM - 1 + (Lk - Lq).
-    const int last_key = min(q0 + kBlockM - 1, p.Lq - 1) + (p.Lk - p.Lq);
-    n_steps = last_key < 0 ? 0 : min(n_tiles, last_key / kBlockN + 1);
-  }
+  const int32_t* list;
+  const int n_steps = key_tiles_of<kBlockM, kBlockN>(p, b, h, m_block, q0, list);
 
   Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_sb + int64_t(h) * p.o_sh;
   float* lse = p.lse + (int64_t(b) * p.H + h) * p.Lq;

@@ -20,19 +20,6 @@ namespace flash_dmattn {
 
 using namespace cute;
 
-#ifndef FLASH_DMATTN_HEADDIM
-#define FLASH_DMATTN_HEADDIM 128
-#endif
-#ifndef FLASH_DMATTN_IS_BF16
-#define FLASH_DMATTN_IS_BF16 1
-#endif
-#ifndef FLASH_DMATTN_HAS_MASK
-#define FLASH_DMATTN_HAS_MASK 1
-#endif
-#ifndef FLASH_DMATTN_HAS_BIAS
-#define FLASH_DMATTN_HAS_BIAS 1
-#endif
-
 constexpr int kHeadDimBucket = FLASH_DMATTN_HEADDIM;
 constexpr bool kHasMask = FLASH_DMATTN_HAS_MASK;
 constexpr bool kHasBias = FLASH_DMATTN_HAS_BIAS;
@@ -256,6 +243,50 @@ __device__ __forceinline__ const int32_t* list_row(const TileList& l, int b, int
   const int hm = h / l.hdiv;
   count = l.cnt[int64_t(b) * l.cnt_sb + int64_t(hm) * l.cnt_sh + int64_t(t) * l.cnt_st];
   return l.idx + int64_t(b) * l.idx_sb + int64_t(hm) * l.idx_sh + int64_t(t) * l.idx_st;
+}
+
+// The key tiles that query tile `m_block` (rows from q0) visits: the count, with `list` set to
+// its row of the host's live-tile list, or (no list) every tile up to the causal limit.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ int key_tiles_of(const FwdParams& p, int b, int h, int m_block,
+                                            int q0, const int32_t*& list) {
+  const int n_tiles = (p.Lk + kBlockN - 1) / kBlockN;
+  int n_steps = n_tiles;
+  list = nullptr;
+  if (p.use_list) {
+    list = list_row(p.list, b, h, m_block, n_steps);
+  } else if (p.causal) {
+    // Last visible key of this tile's last row: q0 + kBlockM - 1 + (Lk - Lq).
+    const int last_key = min(q0 + kBlockM - 1, p.Lq - 1) + (p.Lk - p.Lq);
+    n_steps = last_key < 0 ? 0 : min(n_tiles, last_key / kBlockN + 1);
+  }
+  return n_steps;
+}
+
+// Store an fp32 accumulator tile (rows from row0, `rows` valid, D valid columns) times `mul`
+// into rows of `base` (row stride in elements). Columns come in even pairs and D is a multiple
+// of 8, so each pair is in range and stored as one 4-byte word.
+template <typename Acc, typename Coord>
+__device__ __forceinline__ void store_rows(Elem* base, int64_t row_stride, int row0, int rows,
+                                           int D, float mul, Acc const& acc, Coord const& c) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<1>(acc); ++mi) {
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + get<0>(c(half * 2, mi, 0));
+      if (row >= rows) continue;
+      Elem* drow = base + int64_t(row) * row_stride;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<2>(acc); ++ni) {
+        const int col = get<1>(c(half * 2, mi, ni));
+        if (col < D) {
+          __align__(4) Elem pair[2] = {Elem(acc(half * 2, mi, ni) * mul),
+                                       Elem(acc(half * 2 + 1, mi, ni) * mul)};
+          *reinterpret_cast<uint32_t*>(drow + col) = *reinterpret_cast<uint32_t*>(pair);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace flash_dmattn

@@ -8,6 +8,21 @@
 #pragma once
 #include <cstdint>
 
+// The specialisation (spec.py's KernelSpec.defines() passes these); defaults for editors and
+// stand-alone compiles.
+#ifndef FLASH_DMATTN_HEADDIM
+#define FLASH_DMATTN_HEADDIM 128
+#endif
+#ifndef FLASH_DMATTN_IS_BF16
+#define FLASH_DMATTN_IS_BF16 1
+#endif
+#ifndef FLASH_DMATTN_HAS_MASK
+#define FLASH_DMATTN_HAS_MASK 1
+#endif
+#ifndef FLASH_DMATTN_HAS_BIAS
+#define FLASH_DMATTN_HAS_BIAS 1
+#endif
+
 namespace flash_dmattn {
 
 // Live-tile lists built on the host (flash_dmattn/backends/triton/tiles.py, shared with the

@@ -12,7 +12,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import jit, toolchain
-from .spec import HEAD_DIM_BUCKETS, DTYPES, KernelSpec
+from .spec import DTYPES, HEAD_DIM_BUCKETS, KernelSpec
 
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 
@@ -56,10 +56,7 @@ def input_reasons(q, k, v, mask, bias, bias_needs_grad: bool) -> List[str]:
 
 def kernel_module(q: torch.Tensor, has_mask: bool, has_bias: bool):
     """The compiled extension for this call's specialisation (built on first use)."""
-    d = q.shape[-1]
-    bucket = next(b for b in HEAD_DIM_BUCKETS if b >= d)
-    names = {v: k for k, v in DTYPES.items()}
-    spec = KernelSpec(bucket, names[q.dtype], has_mask, has_bias)
+    spec = KernelSpec.for_call(q.shape[-1], q.dtype, has_mask, has_bias)
     return jit.load_kernel(spec, toolchain.detect(q.device))
 
 
@@ -71,12 +68,16 @@ def _vector_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 def _lists(mask, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n, device, need_bwd):
-    if mask is None and not is_causal:
-        return None
+    """Live-tile lists at the kernels' tile sizes (None: no mask, not causal). A per-query mask
+    is classified by the one-pass summary kernel, as in the Triton backend, instead of
+    several torch reductions over the whole mask."""
+    from ..triton.mask_summary import summarize_mask, wants_summary
     from ..triton.tiles import build_tile_lists
 
+    summary = (summarize_mask(mask, block_m, block_n)
+               if wants_summary(mask, seqlen_q, seqlen_k) else None)
     return build_tile_lists(mask, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n, device,
-                            need_fwd=True, need_bwd=need_bwd)
+                            need_fwd=True, need_bwd=need_bwd, summary=summary)
 
 
 def _read_ready(mask, bias, seqlen_q, seqlen_k):
@@ -132,7 +133,9 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     orig_bias = bias
     mode = dbias_mode(bias, B, H, Lq, Lk) if need_dbias else 0
     if mode is None:
-        raise NotImplementedError(f"cuda backend: dbias for bias shape {tuple(bias.shape)}")
+        # Unreachable through dispatch: not_supported_reasons declines these (input_reasons).
+        raise ValueError(f"cuda backend: no dbias for a bias of shape {tuple(bias.shape)} "
+                         f"(per-query rows shared by several heads or batches)")
     mask, bias = _read_ready(mask, bias, Lq, Lk)
     lists = _lists(mask, Lq, Lk, H, is_causal, block_m, block_n, q.device, need_bwd=True)
     args = (None, None, None, None, 1)

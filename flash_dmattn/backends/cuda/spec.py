@@ -105,15 +105,20 @@ class KernelSpec:
         Raises ``ValueError`` when no spec can: head dim above the largest bucket, or a dtype
         other than float16 / bfloat16.
         """
-        head_dim = inputs.head_dim
+        return cls.for_call(inputs.head_dim, inputs.dtype, inputs.attn_mask is not None,
+                            inputs.attn_bias is not None)
+
+    @classmethod
+    def for_call(cls, head_dim: int, dtype: torch.dtype, has_mask: bool,
+                 has_bias: bool) -> "KernelSpec":
+        """The spec for a call with these properties: the smallest bucket >= ``head_dim``."""
         bucket = next((b for b in HEAD_DIM_BUCKETS if b >= head_dim), None)
         if bucket is None:
             raise ValueError(f"head_dim {head_dim} > {HEAD_DIM_BUCKETS[-1]}")
         names = {v: k for k, v in DTYPES.items()}
-        if inputs.dtype not in names:
-            raise ValueError(f"dtype {inputs.dtype} is not supported (float16, bfloat16)")
-        return cls(bucket, names[inputs.dtype], inputs.attn_mask is not None,
-                   inputs.attn_bias is not None)
+        if dtype not in names:
+            raise ValueError(f"dtype {dtype} is not supported (float16, bfloat16)")
+        return cls(bucket, names[dtype], has_mask, has_bias)
 
     def defines(self) -> List[str]:
         """Preprocessor definitions that select this specialisation in ``csrc``."""
