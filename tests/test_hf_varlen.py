@@ -28,11 +28,10 @@ def _clean_mode(monkeypatch):
     hf_varlen.set_varlen_mode(None)
 
 
-@pytest.fixture
-def varlen_spy(monkeypatch):
-    """Records every packed call the integration makes (proves the route was taken)."""
+def _spy_on(monkeypatch, module, getter):
+    """Wrap the kernel ``module.<getter>()`` returns so every call's kwargs are recorded."""
     calls = []
-    real = hf_varlen._get_varlen_kernel
+    real = getattr(module, getter)
 
     def spy_get():
         fn = real()
@@ -43,27 +42,20 @@ def varlen_spy(monkeypatch):
 
         return run
 
-    monkeypatch.setattr(hf_varlen, "_get_varlen_kernel", spy_get)
+    monkeypatch.setattr(module, getter, spy_get)
     return calls
+
+
+@pytest.fixture
+def varlen_spy(monkeypatch):
+    """Records every packed call the integration makes (proves the route was taken)."""
+    return _spy_on(monkeypatch, hf_varlen, "_get_varlen_kernel")
 
 
 @pytest.fixture
 def dense_spy(monkeypatch):
     """Records every dense library call."""
-    calls = []
-    real = hf_transformers._get_kernel
-
-    def spy_get():
-        fn = real()
-
-        def run(**kw):
-            calls.append(kw)
-            return fn(**kw)
-
-        return run
-
-    monkeypatch.setattr(hf_transformers, "_get_kernel", spy_get)
-    return calls
+    return _spy_on(monkeypatch, hf_transformers, "_get_kernel")
 
 
 class _Module(torch.nn.Module):
