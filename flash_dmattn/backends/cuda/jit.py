@@ -122,7 +122,7 @@ def source_digest(csrc_dir: Path) -> str:
 
 def cuda_flags(spec: KernelSpec, tc: Toolchain) -> List[str]:
     """nvcc flags for ``spec`` on ``tc``'s arch, plus ``$FLASH_DMATTN_CUDA_FLAGS`` (for tuning
-    experiments such as ``-DFLASH_DMATTN_FWD_BLOCK_M=64``; part of the cache key)."""
+    experiments such as ``-DFLASH_DMATTN_FWD_BLOCK_M=128``; part of the cache key)."""
     extra = os.environ.get("FLASH_DMATTN_CUDA_FLAGS", "").split()
     return NVCC_FLAGS + tc.gencode_flags() + spec.defines() + extra
 
