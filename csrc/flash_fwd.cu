@@ -85,9 +85,11 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
     const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h) : nullptr;
 
     auto tile_of = [&](int i) { return list ? (list[i] >> 1) : i; };
-    auto partial_of = [&](int i) {
+    // Without a list (no mask) only tiles crossing the causal diagonal need element checks:
+    // key k0 + kBlockN - 1 is visible to every row of the tile iff it is to the first row.
+    auto partial_of = [&](int i, int k0) {
       if (list) return (list[i] & 1) != 0;
-      return p.causal;  // no list (no mask): only causality needs element checks
+      return p.causal && (k0 + kBlockN - 1 > q0 + p.Lk - p.Lq);
     };
 
     load_rows<Tr, kBlockM>(qg, p.q_sl, p.Lq - q0, p.D, sQ, tid);
@@ -110,7 +112,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
     for (int i = 0; i < n_steps; ++i) {
       const int n = tile_of(i);
       const int k0 = n * kBlockN;
-      const bool partial = partial_of(i);
+      const bool partial = partial_of(i, k0);
       Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       cp_async_wait<0>();
@@ -248,11 +250,20 @@ static cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+#if FLASH_DMATTN_SM90 && !FLASH_DMATTN_NO_SM90
+// flash_fwd_sm90.cu: the wgmma forward, used whenever the module is built for sm_90a.
+cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream);
+int fwd_sm90_block_m();
+int fwd_sm90_block_n();
+cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream) { return run_fwd_sm90(p, stream); }
+int fwd_block_m() { return fwd_sm90_block_m(); }
+int fwd_block_n() { return fwd_sm90_block_n(); }
+#else
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream) {
   return p.softcap > 0.f ? launch_fwd<true>(p, stream) : launch_fwd<false>(p, stream);
 }
-
 int fwd_block_m() { return FwdConfig<kHeadDimBucket>::kBlockM; }
 int fwd_block_n() { return FwdConfig<kHeadDimBucket>::kBlockN; }
+#endif
 
 }  // namespace flash_dmattn

@@ -146,7 +146,7 @@ def test_build_flags():
               "-DFLASH_DMATTN_IS_BF16=1", "-DFLASH_DMATTN_HAS_MASK=1", "-DFLASH_DMATTN_HAS_BIAS=1"):
         assert f in flags
     i = flags.index("-gencode")
-    assert flags[i + 1] == "arch=compute_90,code=sm_90"
+    assert flags[i + 1] == "arch=compute_90a,code=sm_90a" and "-DFLASH_DMATTN_SM90=1" in flags
 
 
 # Build on first use (fake builder) ------------------------------------------------------------
@@ -345,7 +345,9 @@ def test_probe_reasons_one_at_a_time(full_toolchain):
 
 def test_toolchain_detect_errors(full_toolchain):
     tc = toolchain.detect()
-    assert tc.arch == "sm_90" and tc.gencode_flags() == ["-gencode", "arch=compute_90,code=sm_90"]
+    assert tc.arch == "sm_90" and tc.gencode_flags() == [
+        "-gencode", "arch=compute_90a,code=sm_90a", "-DFLASH_DMATTN_SM90=1"]
+    assert toolchain.gencode_flags((8, 0)) == ["-gencode", "arch=compute_80,code=sm_80"]
     full_toolchain.setattr(toolchain, "find_cutlass_include", lambda: None)
     with pytest.raises(toolchain.ToolchainError, match="CUTLASS"):
         toolchain.detect()

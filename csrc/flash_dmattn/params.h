@@ -22,6 +22,13 @@
 #ifndef FLASH_DMATTN_HAS_BIAS
 #define FLASH_DMATTN_HAS_BIAS 1
 #endif
+// Built for sm_90a (wgmma forward in flash_fwd_sm90.cu); NO_SM90 keeps the sm80 forward there.
+#ifndef FLASH_DMATTN_SM90
+#define FLASH_DMATTN_SM90 0
+#endif
+#ifndef FLASH_DMATTN_NO_SM90
+#define FLASH_DMATTN_NO_SM90 0
+#endif
 
 namespace flash_dmattn {
 

@@ -110,8 +110,15 @@ def arch_name(capability: Tuple[int, int]) -> str:
 
 
 def gencode_flags(capability: Tuple[int, int]) -> List[str]:
-    """nvcc flags that compile for exactly this arch (SASS only: the cache is per arch)."""
+    """nvcc flags that compile for exactly this arch (SASS only: the cache is per arch).
+
+    Hopper (9.0) builds for ``sm_90a``, the arch-specific target whose wgmma instructions the
+    Hopper forward kernel (csrc/flash_fwd_sm90.cu) needs, and tells the sources so with
+    ``FLASH_DMATTN_SM90=1``.
+    """
     cc = f"{capability[0]}{capability[1]}"
+    if tuple(capability) == (9, 0):
+        return ["-gencode", "arch=compute_90a,code=sm_90a", "-DFLASH_DMATTN_SM90=1"]
     return ["-gencode", f"arch=compute_{cc},code=sm_{cc}"]
 
 

@@ -1,0 +1,323 @@
+// Hopper forward kernel (sm_90a): the same algorithm and tile skipping as flash_fwd.cu, with
+// both products on warpgroup MMAs (wgmma) instead of mma.sync.
+//
+// One CTA per (128-row query tile, b * H + h), two warpgroups of 64 rows each. Q, K and V are
+// staged with cp.async into the GMMA-canonical swizzled shared-memory layouts; S = Q K^T reads
+// both operands from shared memory, O += P V takes P from registers (the S accumulator
+// converted in place: an m64nN fp32 accumulator holds exactly the A fragments of the next
+// k16 products) and V from shared memory read as its transpose (MN-major B).
+//
+// Per key tile n:  wait K(n) -> issue V(n) (+ mask/bias tile) -> S = Q K^T -> scale, softcap,
+// + bias, mask, causal and ragged bounds -> online softmax -> wait V(n) -> issue K(next) ->
+// O += P V. The loads of one operand overlap the product on the other.
+//
+// Built only when the module targets sm_90a (the JIT passes -DFLASH_DMATTN_SM90=1 there);
+// -DFLASH_DMATTN_NO_SM90=1 keeps the sm80 kernel on Hopper for comparisons.
+#include "flash_dmattn/kernel_common.cuh"
+
+#if FLASH_DMATTN_SM90 && !FLASH_DMATTN_NO_SM90
+
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+namespace flash_dmattn {
+
+template <int kHD>
+struct Sm90FwdConfig {
+  static constexpr int kHeadDim = kHD;
+  static constexpr int kWarpGroups = 2;
+  static constexpr int kBlockM = 64 * kWarpGroups;
+  // S (kBlockN) and O (kHeadDim) accumulators share the registers: 128 + 128 fp32 values of a
+  // 64-row warpgroup tile is 128 registers a thread, the most that leaves room for the rest.
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kThreads = 128 * kWarpGroups;
+
+  // Widest swizzle whose 8-row atom tiles the head dim (128-byte rows for 64, 128, 192, 256;
+  // 64-byte rows for 32 and 96).
+  using SmemAtom = std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Elem>,
+                                      GMMA::Layout_K_SW64_Atom<Elem>>;
+  static constexpr int kAtomK = kHeadDim % 64 == 0 ? 64 : 32;
+  using SmemQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // V (keys x head dim, K-major) read as its transpose: the MN-major B operand of P V.
+  using SmemVt = decltype(composition(
+      SmemK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+
+  using MmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+  using MmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+
+  // What load_rows needs: 16-byte cp.async, rows of the swizzle atom per thread group.
+  static constexpr int kThreadsPerRow = kAtomK / 8;
+  using GmemCopy = decltype(make_tiled_copy(
+      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Elem>{},
+      Layout<Shape<Int<kThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
+             Stride<Int<kThreadsPerRow>, _1>>{},
+      Layout<Shape<_1, _8>>{}));
+
+  using MaskTile = BcastTile<uint8_t, kBlockM, kBlockN, kThreads>;
+  using BiasTile = BcastTile<Elem, kBlockM, kBlockN, kThreads>;
+  // The swizzle pattern repeats every 1024 bytes and is applied to address bits: every GMMA
+  // operand starts on a 1024-byte boundary.
+  static constexpr int align1k(int x) { return (x + 1023) / 1024 * 1024; }
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kKOff = align1k(kQBytes);
+  static constexpr int kVOff = kKOff + align1k(kKVBytes);
+  static constexpr int kMaskOff = kVOff + align1k(kKVBytes);
+  static constexpr int kBiasOff = kMaskOff + (kHasMask ? MaskTile::kBytes : 0);
+  static constexpr int kSmem = kBiasOff + (kHasBias ? BiasTile::kBytes : 0);
+  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 limit");
+};
+
+// Shared-memory writes by this thread (cp.async data, zero fill) become visible to the
+// tensor cores' async proxy; pair with a barrier.
+__device__ __forceinline__ void fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// acc (+)= A * B over the K mode with warpgroup MMAs; waits for completion. `zero` starts
+// from zero instead of accumulating; kRegA: A is a register fragment (else smem descriptors).
+template <bool kRegA, typename TiledMma, typename TA, typename TB, typename TC>
+__device__ __forceinline__ void wgmma_gemm(TiledMma& mma, TA& a, TB const& b, TC& c, bool zero) {
+  if constexpr (kRegA) warpgroup_fence_operand(a);
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  mma.accumulate_ = zero ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegA) warpgroup_fence_operand(a);
+}
+
+// An m64nN accumulator ((2, 2, N/8), M, 1) read as the A operand ((2, 2, 2), M, N/16) of the
+// next product: value (c, r, 2 k + j) of the accumulator is value (c, r, j) of k-block k.
+template <typename Layout>
+__device__ __forceinline__ auto acc_as_gmma_a_layout(Layout acc) {
+  auto groups = logical_divide(get<0, 2>(acc), Int<2>{});
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0>(groups)), get<1>(acc),
+                     get<1>(groups));
+}
+
+template <bool kSoftcap>
+__global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
+    fwd_kernel_sm90(const FwdParams p) {
+  using Cfg = Sm90FwdConfig<kHeadDimBucket>;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kD = kHeadDimBucket;
+  extern __shared__ __align__(1024) char smem[];
+
+  const int tid = threadIdx.x;
+  const int m_block = blockIdx.x;
+  const int bh = blockIdx.y;
+  const int b = bh / p.H, h = bh % p.H;
+  const int hkv = h / (p.H / p.Hkv);
+  const int q0 = m_block * kBlockM;
+
+  const int32_t* list;
+  const int n_steps = key_tiles_of<kBlockM, kBlockN>(p, b, h, m_block, q0, list);
+
+  Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_sb + int64_t(h) * p.o_sh;
+  float* lse = p.lse + (int64_t(b) * p.H + h) * p.Lq;
+
+  typename Cfg::MmaQK mma_qk;
+  typename Cfg::MmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  Tensor acc_o = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kD>>{});
+  clear(acc_o);
+  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+  if (n_steps > 0) {
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)), typename Cfg::SmemQ{});
+    Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Cfg::kKOff)),
+                            typename Cfg::SmemK{});
+    Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Cfg::kVOff)),
+                            typename Cfg::SmemK{});
+    Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Cfg::kVOff)),
+                             typename Cfg::SmemVt{});
+    char* mask_smem = smem + Cfg::kMaskOff;
+    char* bias_smem = smem + Cfg::kBiasOff;
+
+    const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb +
+                     int64_t(q0) * p.q_sl + int64_t(h) * p.q_sh;
+    const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb + int64_t(hkv) * p.k_sh;
+    const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb + int64_t(hkv) * p.v_sh;
+    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h) : nullptr;
+    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h) : nullptr;
+
+    auto tile_of = [&](int i) { return list ? (list[i] >> 1) : i; };
+    // Without a list (no mask) only tiles crossing the causal diagonal need element checks:
+    // key k0 + kBlockN - 1 is visible to every row of the tile iff it is to the first row.
+    auto partial_of = [&](int i, int k0) {
+      if (list) return (list[i] & 1) != 0;
+      return p.causal && (k0 + kBlockN - 1 > q0 + p.Lk - p.Lq);
+    };
+
+    load_rows<Cfg, kBlockM>(qg, p.q_sl, p.Lq - q0, p.D, sQ, tid);
+    {
+      const int n0 = tile_of(0);
+      load_rows<Cfg, kBlockN>(kg + int64_t(n0) * kBlockN * p.k_sl, p.k_sl, p.Lk - n0 * kBlockN,
+                              p.D, sK, tid);
+    }
+    cp_async_fence();
+
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);
+    Tensor tOrVt = thr_pv.partition_fragment_B(sVt);
+    Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
+
+    for (int i = 0; i < n_steps; ++i) {
+      const int n = tile_of(i);
+      const int k0 = n * kBlockN;
+      const bool partial = partial_of(i, k0);
+      cp_async_wait<0>();
+      fence_async_shared();
+      __syncthreads();  // K(n) (and Q) landed; every warpgroup is done with V(n-1), tile smem
+      load_rows<Cfg, kBlockN>(vg + int64_t(k0) * p.v_sl, p.v_sl, p.Lk - k0, p.D, sV, tid);
+      const bool need_mask = kHasMask && partial;
+      if constexpr (kHasMask) {
+        if (need_mask) Cfg::MaskTile::load(mask_smem, p.mask, mask_base, q0, k0, p.Lq, p.Lk, tid);
+      }
+      if constexpr (kHasBias) {
+        Cfg::BiasTile::load(bias_smem, p.bias, bias_base, q0, k0, p.Lq, p.Lk, tid);
+      }
+      cp_async_fence();
+
+      Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      wgmma_gemm<false>(mma_qk, tSrQ, tSrK, acc_s, /*zero=*/true);
+
+      if constexpr (kHasBias || kHasMask) {
+        cp_async_wait<0>();  // the tile was issued with V: this waits for V too
+        __syncthreads();
+      }
+      const bool check = partial || (k0 + kBlockN > p.Lk);
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_s); ++e) {
+        float s = acc_s(e);
+        if constexpr (kSoftcap) {
+          s = p.softcap * tanhf(s * (p.scale / p.softcap));
+        } else {
+          s *= p.scale;
+        }
+        const int r = get<0>(cS(e)), c = get<1>(cS(e));
+        if constexpr (kHasBias) {
+          s += float(Cfg::BiasTile::read(bias_smem, bias_rows, r, c));
+        }
+        if (check) {
+          const int qi = q0 + r, kj = k0 + c;
+          bool visible = kj < p.Lk;
+          if (p.causal) visible = visible && (kj <= qi + p.Lk - p.Lq);
+          if constexpr (kHasMask) {
+            if (need_mask) visible = visible && Cfg::MaskTile::read(mask_smem, mask_rows, r, c);
+          }
+          if (!visible) s = -INFINITY;
+        }
+        acc_s(e) = s;
+      }
+
+      // Online softmax. Accumulator value (c, r, g) is column 8 g + c, row 8 r of this
+      // thread's quad; the four threads of a quad share rows.
+      constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
+      constexpr int kGroupsO = decltype(size<0, 2>(acc_o))::value;
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[r];
+        CUTE_UNROLL
+        for (int g = 0; g < kGroupsS; ++g) {
+          mx = fmaxf(mx, fmaxf(acc_s(make_coord(0, r, g), 0, 0), acc_s(make_coord(1, r, g), 0, 0)));
+        }
+        mx = quad_max(mx);
+        const float base = mx == -INFINITY ? 0.f : mx * kLog2e;
+        const float alpha = exp2f(row_max[r] * kLog2e - base);
+        row_max[r] = mx;
+        float sum = 0.f;
+        CUTE_UNROLL
+        for (int g = 0; g < kGroupsS; ++g) {
+          CUTE_UNROLL
+          for (int c = 0; c < 2; ++c) {
+            const float pv = exp2f(acc_s(make_coord(c, r, g), 0, 0) * kLog2e - base);
+            acc_s(make_coord(c, r, g), 0, 0) = pv;
+            sum += pv;
+          }
+        }
+        row_sum[r] = row_sum[r] * alpha + sum;  // quad-reduced once, at the end
+        CUTE_UNROLL
+        for (int g = 0; g < kGroupsO; ++g) {
+          acc_o(make_coord(0, r, g), 0, 0) *= alpha;
+          acc_o(make_coord(1, r, g), 0, 0) *= alpha;
+        }
+      }
+      Tensor rP = to_type<Elem>(acc_s);
+      Tensor tOrP = make_tensor(rP.data(), acc_as_gmma_a_layout(rP.layout()));
+
+      cp_async_wait<0>();
+      fence_async_shared();
+      __syncthreads();  // V(n) landed; every warpgroup is done reading K(n)
+      if (i + 1 < n_steps) {
+        const int nn = tile_of(i + 1);
+        load_rows<Cfg, kBlockN>(kg + int64_t(nn) * kBlockN * p.k_sl, p.k_sl,
+                                p.Lk - nn * kBlockN, p.D, sK, tid);
+      }
+      cp_async_fence();
+      wgmma_gemm<true>(mma_pv, tOrP, tOrVt, acc_o, /*zero=*/false);
+    }
+  }
+
+  // Epilogue: normalise, write lse (natural log; -inf and zero output for rows with no key).
+  const int lane = tid % 32;
+  constexpr int kGroupsO = decltype(size<0, 2>(acc_o))::value;
+  CUTE_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const float sum = quad_sum(row_sum[r]);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int row = q0 + get<0>(cO(make_coord(0, r, 0), 0, 0));
+    if (row < p.Lq) {
+      if (lane % 4 == 0) lse[row] = sum > 0.f ? row_max[r] + logf(sum) : -INFINITY;
+      Elem* orow = out + int64_t(row) * p.o_sl;
+      CUTE_UNROLL
+      for (int g = 0; g < kGroupsO; ++g) {
+        const int col = get<1>(cO(make_coord(0, r, g), 0, 0));
+        if (col < p.D) {
+          // col is even and D a multiple of 8: the pair is in range and 4-byte aligned.
+          __align__(4) Elem pair[2] = {Elem(acc_o(make_coord(0, r, g), 0, 0) * inv),
+                                       Elem(acc_o(make_coord(1, r, g), 0, 0) * inv)};
+          *reinterpret_cast<uint32_t*>(orow + col) = *reinterpret_cast<uint32_t*>(pair);
+        }
+      }
+    }
+  }
+}
+
+template <bool kSoftcap>
+static cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = Sm90FwdConfig<kHeadDimBucket>;
+  auto kernel = &fwd_kernel_sm90<kSoftcap>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
+  if (err != cudaSuccess) return err;
+  dim3 grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B * p.H);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+  return p.softcap > 0.f ? launch_fwd_sm90<true>(p, stream) : launch_fwd_sm90<false>(p, stream);
+}
+
+int fwd_sm90_block_m() { return Sm90FwdConfig<kHeadDimBucket>::kBlockM; }
+int fwd_sm90_block_n() { return Sm90FwdConfig<kHeadDimBucket>::kBlockN; }
+
+}  // namespace flash_dmattn
+
+#endif  // FLASH_DMATTN_SM90 && !FLASH_DMATTN_NO_SM90
