@@ -1,0 +1,63 @@
+"""Which cuda forward kernel runs, and how fast, on the T1 / T2 shapes (one device call).
+
+    python3 scripts/cuda_probe.py            (FLASH_DMATTN_CUDA_FLAGS selects a build variant)
+
+Prints the module's block sizes, the kernel names a profiled forward launches with their GPU
+times, and the median forward time next to cuDNN SDPA on the same inputs.
+"""
+import os
+import sys
+
+import torch
+import triton.testing
+
+from flash_dmattn import flash_dmattn_func
+from flash_dmattn.backends.cuda.kernels import kernel_module
+
+
+def time_ms(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def main():
+    torch.manual_seed(0)
+    dev = "cuda"
+    flags = os.environ.get("FLASH_DMATTN_CUDA_FLAGS", "")
+    print(f"== variant flags={flags!r} gpu={torch.cuda.get_device_name()}")
+    B, H, L, D = 1, 16, 16384, 128
+    q = torch.randn(B, L, H, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, L, H, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(B, L, H, D, device=dev, dtype=torch.bfloat16)
+    mod = kernel_module(q, False, False)
+    print("block_sizes", mod.block_sizes())
+    run = lambda: flash_dmattn_func(q, k, v, is_causal=True, backend="cuda")
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            print(f"  kernel {evt.key[:70]:70s} {evt.device_time_total / 1e3:.3f} ms")
+    qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+
+    ref = cudnn().transpose(1, 2).float()
+    out = run().float()
+    err = ((out - ref).norm() / ref.norm()).item()
+    t_c, t_d = time_ms(run), time_ms(cudnn)
+    flops = 4 * B * H * L * L * D / 2
+    print(f"T1 fwd cuda {t_c:.3f} ms ({flops / t_c / 1e9:.0f} TFLOP/s)  cudnn {t_d:.3f} ms "
+          f"({flops / t_d / 1e9:.0f} TFLOP/s)  ratio {t_d / t_c:.2f}x throughput  rel err {err:.1e}")
+    nc = run_noncausal = lambda: flash_dmattn_func(q, k, v, is_causal=False, backend="cuda")
+    t_n = time_ms(nc)
+    print(f"T1 non-causal fwd cuda {t_n:.3f} ms ({2 * flops / t_n / 1e9:.0f} TFLOP/s)")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
