@@ -11,7 +11,7 @@ import sys
 import torch
 import triton.testing
 
-from flash_dmattn import flash_dmattn_func
+from flash_dmattn import flash_dmattn_func_auto
 from flash_dmattn.backends.cuda.kernels import kernel_module
 
 
@@ -30,7 +30,8 @@ def main():
     v = torch.randn(B, L, H, D, device=dev, dtype=torch.bfloat16)
     mod = kernel_module(q, False, False)
     print("block_sizes", mod.block_sizes())
-    run = lambda: flash_dmattn_func(q, k, v, is_causal=True, backend="cuda")
+    attn = flash_dmattn_func_auto("cuda")
+    run = lambda: attn(q, k, v, is_causal=True)
     run()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -53,7 +54,7 @@ def main():
     flops = 4 * B * H * L * L * D / 2
     print(f"T1 fwd cuda {t_c:.3f} ms ({flops / t_c / 1e9:.0f} TFLOP/s)  cudnn {t_d:.3f} ms "
           f"({flops / t_d / 1e9:.0f} TFLOP/s)  ratio {t_d / t_c:.2f}x throughput  rel err {err:.1e}")
-    nc = run_noncausal = lambda: flash_dmattn_func(q, k, v, is_causal=False, backend="cuda")
+    nc = lambda: attn(q, k, v, is_causal=False)
     t_n = time_ms(nc)
     print(f"T1 non-causal fwd cuda {t_n:.3f} ms ({2 * flops / t_n / 1e9:.0f} TFLOP/s)")
     sys.stdout.flush()
