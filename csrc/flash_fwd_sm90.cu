@@ -7,9 +7,10 @@
 // converted in place: an m64nN fp32 accumulator holds exactly the A fragments of the next
 // k16 products) and V from shared memory read as its transpose (MN-major B).
 //
-// Per key tile n:  wait K(n) -> issue V(n) (+ mask/bias tile) -> S = Q K^T -> scale, softcap,
-// + bias, mask, causal and ragged bounds -> online softmax -> wait V(n) -> issue K(next) ->
-// O += P V. The loads of one operand overlap the product on the other.
+// Per live key tile i (stage i % 2):  wait for K(i), V(i) and its mask/bias tile -> issue K,V(i+1)
+// into the other stage -> S = Q K^T -> scale, softcap, + bias, mask, causal and ragged bounds
+// -> online softmax -> (barrier) issue the mask/bias tile of i + 1 -> O += P V. The K/V loads
+// of the next tile overlap all of this tile's work, its mask/bias tile the P V product.
 //
 // Built only when the module targets sm_90a (the JIT passes -DFLASH_DMATTN_SM90=1 there);
 // -DFLASH_DMATTN_NO_SM90=1 keeps the sm80 kernel on Hopper for comparisons.
@@ -38,10 +39,11 @@ struct Sm90FwdConfig {
                                       GMMA::Layout_K_SW64_Atom<Elem>>;
   static constexpr int kAtomK = kHeadDim % 64 == 0 ? 64 : 32;
   using SmemQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // K and V have two stages each: the loads of tile i + 1 run under the products of tile i.
+  using SmemK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, _2>{}));
   // V (keys x head dim, K-major) read as its transpose: the MN-major B operand of P V.
   using SmemVt = decltype(composition(
-      SmemK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+      SmemK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, _2>{}, Step<_2, _1, _3>{})));
 
   using MmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
@@ -65,7 +67,7 @@ struct Sm90FwdConfig {
   // operand starts on a 1024-byte boundary.
   static constexpr int align1k(int x) { return (x + 1023) / 1024 * 1024; }
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kKVBytes = 2 * kBlockN * kHeadDim * 2;  // both stages
   static constexpr int kKOff = align1k(kQBytes);
   static constexpr int kVOff = kKOff + align1k(kKVBytes);
   static constexpr int kMaskOff = kVOff + align1k(kKVBytes);
@@ -163,44 +165,53 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       return p.causal && (k0 + kBlockN - 1 > q0 + p.Lk - p.Lq);
     };
 
-    load_rows<Cfg, kBlockM>(qg, p.q_sl, p.Lq - q0, p.D, sQ, tid);
-    {
-      const int n0 = tile_of(0);
-      load_rows<Cfg, kBlockN>(kg + int64_t(n0) * kBlockN * p.k_sl, p.k_sl, p.Lk - n0 * kBlockN,
-                              p.D, sK, tid);
-    }
-    cp_async_fence();
-
-    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
-    Tensor tSrK = thr_qk.partition_fragment_B(sK);
-    Tensor tOrVt = thr_pv.partition_fragment_B(sVt);
-    Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-    const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
-
-    for (int i = 0; i < n_steps; ++i) {
-      const int n = tile_of(i);
-      const int k0 = n * kBlockN;
-      const bool partial = partial_of(i, k0);
-      cp_async_wait<0>();
-      fence_async_shared();
-      __syncthreads();  // K(n) (and Q) landed; every warpgroup is done with V(n-1), tile smem
-      load_rows<Cfg, kBlockN>(vg + int64_t(k0) * p.v_sl, p.v_sl, p.Lk - k0, p.D, sV, tid);
-      const bool need_mask = kHasMask && partial;
+    auto load_kv = [&](int i, int stage) {
+      const int k0 = tile_of(i) * kBlockN;
+      auto sKs = sK(_, _, stage);
+      auto sVs = sV(_, _, stage);
+      load_rows<Cfg, kBlockN>(kg + int64_t(k0) * p.k_sl, p.k_sl, p.Lk - k0, p.D, sKs, tid);
+      load_rows<Cfg, kBlockN>(vg + int64_t(k0) * p.v_sl, p.v_sl, p.Lk - k0, p.D, sVs, tid);
+    };
+    auto load_mask_bias = [&](int i) {
+      const int k0 = tile_of(i) * kBlockN;
       if constexpr (kHasMask) {
-        if (need_mask) Cfg::MaskTile::load(mask_smem, p.mask, mask_base, q0, k0, p.Lq, p.Lk, tid);
+        if (partial_of(i, k0)) {
+          Cfg::MaskTile::load(mask_smem, p.mask, mask_base, q0, k0, p.Lq, p.Lk, tid);
+        }
       }
       if constexpr (kHasBias) {
         Cfg::BiasTile::load(bias_smem, p.bias, bias_base, q0, k0, p.Lq, p.Lk, tid);
       }
+    };
+
+    load_rows<Cfg, kBlockM>(qg, p.q_sl, p.Lq - q0, p.D, sQ, tid);
+    load_kv(0, 0);
+    load_mask_bias(0);
+    cp_async_fence();
+
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);    // (..., stage)
+    Tensor tOrVt = thr_pv.partition_fragment_B(sVt);  // (..., stage)
+    Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
+
+    for (int i = 0; i < n_steps; ++i) {
+      const int stage = i & 1;
+      const int k0 = tile_of(i) * kBlockN;
+      const bool partial = partial_of(i, k0);
+      cp_async_wait<0>();
+      fence_async_shared();
+      // K(i), V(i) and the mask/bias tile landed; every warpgroup is done with tile i - 1, so
+      // its K/V stage can be refilled.
+      __syncthreads();
+      if (i + 1 < n_steps) load_kv(i + 1, stage ^ 1);
       cp_async_fence();
 
       Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      wgmma_gemm<false>(mma_qk, tSrQ, tSrK, acc_s, /*zero=*/true);
+      Tensor tSrKs = tSrK(_, _, _, stage);
+      wgmma_gemm<false>(mma_qk, tSrQ, tSrKs, acc_s, /*zero=*/true);
 
-      if constexpr (kHasBias || kHasMask) {
-        cp_async_wait<0>();  // the tile was issued with V: this waits for V too
-        __syncthreads();
-      }
+      const bool need_mask = kHasMask && partial;
       const bool check = partial || (k0 + kBlockN > p.Lk);
       CUTE_UNROLL
       for (int e = 0; e < size(acc_s); ++e) {
@@ -261,16 +272,13 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       Tensor rP = to_type<Elem>(acc_s);
       Tensor tOrP = make_tensor(rP.data(), acc_as_gmma_a_layout(rP.layout()));
 
-      cp_async_wait<0>();
-      fence_async_shared();
-      __syncthreads();  // V(n) landed; every warpgroup is done reading K(n)
-      if (i + 1 < n_steps) {
-        const int nn = tile_of(i + 1);
-        load_rows<Cfg, kBlockN>(kg + int64_t(nn) * kBlockN * p.k_sl, p.k_sl,
-                                p.Lk - nn * kBlockN, p.D, sK, tid);
+      if constexpr (kHasMask || kHasBias) {
+        __syncthreads();  // every thread is done reading this tile's mask / bias
+        if (i + 1 < n_steps) load_mask_bias(i + 1);
+        cp_async_fence();
       }
-      cp_async_fence();
-      wgmma_gemm<true>(mma_pv, tOrP, tOrVt, acc_o, /*zero=*/false);
+      Tensor tOrVts = tOrVt(_, _, _, stage);
+      wgmma_gemm<true>(mma_pv, tOrP, tOrVts, acc_o, /*zero=*/false);
     }
   }
 
