@@ -53,14 +53,6 @@ struct Sm90FwdConfig {
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
 
-  // What load_rows needs: 16-byte cp.async, rows of the swizzle atom per thread group.
-  static constexpr int kThreadsPerRow = kAtomK / 8;
-  using GmemCopy = decltype(make_tiled_copy(
-      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Elem>{},
-      Layout<Shape<Int<kThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
-             Stride<Int<kThreadsPerRow>, _1>>{},
-      Layout<Shape<_1, _8>>{}));
-
   using MaskTile = BcastTile<uint8_t, kBlockM, kBlockN, kThreads>;
   using BiasTile = BcastTile<Elem, kBlockM, kBlockN, kThreads>;
   // The swizzle pattern repeats every 1024 bytes and is applied to address bits: every GMMA
@@ -80,6 +72,45 @@ struct Sm90FwdConfig {
 // tensor cores' async proxy; pair with a barrier.
 __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Copy a (R x kHeadDim) tile whose rows start at `gptr` (row stride in elements) into the
+// GMMA K-major layout of Cfg (SmemAtom tiled over rows first, then over 64/32-column blocks),
+// zero-filling rows >= rows_valid and columns >= cols_valid (a multiple of 8).
+//
+// The layout is written out here rather than through CuTe's swizzled-pointer copies, which
+// recompute the full address and swizzle of every 16-byte chunk (about 20 instructions each,
+// plus a separate zero-fill path): a thread's chunks lie at one per-thread offset plus
+// compile-time strides, and the swizzle only depends on the row within the 8-row atom, which is
+// the same for all of them. Byte offset of (r, 16-byte chunk c of column block b):
+//   b * R * kRowBytes + (r / 8) * 8 * kRowBytes + (r % 8) * kRowBytes + ((c ^ f(r % 8)) * 16)
+// with kRowBytes = 128 (f = identity) or 64 (f = r % 8 / 2): the 128B / 64B swizzles.
+template <typename Cfg, int R>
+__device__ __forceinline__ void load_tile_gmma(const Elem* gptr, int64_t row_stride,
+                                               int rows_valid, int cols_valid, char* smem,
+                                               int tid) {
+  constexpr int kRowBytes = Cfg::kAtomK * 2;
+  constexpr int kChunksPerRow = kRowBytes / 16;  // per column block
+  constexpr int kRowsPerPass = Cfg::kThreads / kChunksPerRow;
+  constexpr int kPasses = R / kRowsPerPass;
+  constexpr int kBlocks = Cfg::kHeadDim / Cfg::kAtomK;
+  static_assert(R % kRowsPerPass == 0 && kRowsPerPass % 8 == 0, "tile rows");
+  const int r0 = tid / kChunksPerRow, c = tid % kChunksPerRow;
+  const int swz = kRowBytes == 128 ? (r0 % 8) : ((r0 % 8) >> 1);
+  char* s0 = smem + (r0 / 8) * 8 * kRowBytes + (r0 % 8) * kRowBytes + ((c ^ swz) * 16);
+  const Elem* g0 = gptr + int64_t(r0) * row_stride + c * 8;
+  CUTE_UNROLL
+  for (int b = 0; b < kBlocks; ++b) {
+    const bool col_ok = b * Cfg::kAtomK + c * 8 < cols_valid;
+    CUTE_UNROLL
+    for (int j = 0; j < kPasses; ++j) {
+      const int r = r0 + j * kRowsPerPass;
+      const bool ok = col_ok && r < rows_valid;
+      const Elem* src = g0 + int64_t(j * kRowsPerPass) * row_stride + b * Cfg::kAtomK;
+      cp_async_16(s0 + b * R * kRowBytes + j * kRowsPerPass * kRowBytes, ok ? src : gptr,
+                  ok ? 16 : 0);
+    }
+  }
 }
 
 // acc (+)= A * B over the K mode with warpgroup MMAs; waits for completion. `zero` starts
@@ -143,8 +174,6 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)), typename Cfg::SmemQ{});
     Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Cfg::kKOff)),
                             typename Cfg::SmemK{});
-    Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Cfg::kVOff)),
-                            typename Cfg::SmemK{});
     Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Cfg::kVOff)),
                              typename Cfg::SmemVt{});
     char* mask_smem = smem + Cfg::kMaskOff;
@@ -167,10 +196,11 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
 
     auto load_kv = [&](int i, int stage) {
       const int k0 = tile_of(i) * kBlockN;
-      auto sKs = sK(_, _, stage);
-      auto sVs = sV(_, _, stage);
-      load_rows<Cfg, kBlockN>(kg + int64_t(k0) * p.k_sl, p.k_sl, p.Lk - k0, p.D, sKs, tid);
-      load_rows<Cfg, kBlockN>(vg + int64_t(k0) * p.v_sl, p.v_sl, p.Lk - k0, p.D, sVs, tid);
+      constexpr int kStageBytes = kBlockN * kD * 2;
+      load_tile_gmma<Cfg, kBlockN>(kg + int64_t(k0) * p.k_sl, p.k_sl, p.Lk - k0, p.D,
+                                   smem + Cfg::kKOff + stage * kStageBytes, tid);
+      load_tile_gmma<Cfg, kBlockN>(vg + int64_t(k0) * p.v_sl, p.v_sl, p.Lk - k0, p.D,
+                                   smem + Cfg::kVOff + stage * kStageBytes, tid);
     };
     auto load_mask_bias = [&](int i) {
       const int k0 = tile_of(i) * kBlockN;
@@ -184,7 +214,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       }
     };
 
-    load_rows<Cfg, kBlockM>(qg, p.q_sl, p.Lq - q0, p.D, sQ, tid);
+    load_tile_gmma<Cfg, kBlockM>(qg, p.q_sl, p.Lq - q0, p.D, smem, tid);
     load_kv(0, 0);
     load_mask_bias(0);
     cp_async_fence();
@@ -212,7 +242,6 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       wgmma_gemm<false>(mma_qk, tSrQ, tSrKs, acc_s, /*zero=*/true);
 
       const bool need_mask = kHasMask && partial;
-      const bool check = partial || (k0 + kBlockN > p.Lk);
       CUTE_UNROLL
       for (int e = 0; e < size(acc_s); ++e) {
         float s = acc_s(e);
@@ -221,20 +250,24 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
         } else {
           s *= p.scale;
         }
-        const int r = get<0>(cS(e)), c = get<1>(cS(e));
         if constexpr (kHasBias) {
-          s += float(Cfg::BiasTile::read(bias_smem, bias_rows, r, c));
+          s += float(Cfg::BiasTile::read(bias_smem, bias_rows, get<0>(cS(e)), get<1>(cS(e))));
         }
-        if (check) {
+        acc_s(e) = s;
+      }
+      // Element checks only on partial tiles and the ragged last tile (one branch per tile).
+      if (partial || (k0 + kBlockN > p.Lk)) {
+        CUTE_UNROLL
+        for (int e = 0; e < size(acc_s); ++e) {
+          const int r = get<0>(cS(e)), c = get<1>(cS(e));
           const int qi = q0 + r, kj = k0 + c;
           bool visible = kj < p.Lk;
           if (p.causal) visible = visible && (kj <= qi + p.Lk - p.Lq);
           if constexpr (kHasMask) {
             if (need_mask) visible = visible && Cfg::MaskTile::read(mask_smem, mask_rows, r, c);
           }
-          if (!visible) s = -INFINITY;
+          if (!visible) acc_s(e) = -INFINITY;
         }
-        acc_s(e) = s;
       }
 
       // Online softmax. Accumulator value (c, r, g) is column 8 g + c, row 8 r of this
