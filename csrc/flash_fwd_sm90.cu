@@ -74,45 +74,6 @@ __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// Copy a (R x kHeadDim) tile whose rows start at `gptr` (row stride in elements) into the
-// GMMA K-major layout of Cfg (SmemAtom tiled over rows first, then over 64/32-column blocks),
-// zero-filling rows >= rows_valid and columns >= cols_valid (a multiple of 8).
-//
-// The layout is written out here rather than through CuTe's swizzled-pointer copies, which
-// recompute the full address and swizzle of every 16-byte chunk (about 20 instructions each,
-// plus a separate zero-fill path): a thread's chunks lie at one per-thread offset plus
-// compile-time strides, and the swizzle only depends on the row within the 8-row atom, which is
-// the same for all of them. Byte offset of (r, 16-byte chunk c of column block b):
-//   b * R * kRowBytes + (r / 8) * 8 * kRowBytes + (r % 8) * kRowBytes + ((c ^ f(r % 8)) * 16)
-// with kRowBytes = 128 (f = identity) or 64 (f = r % 8 / 2): the 128B / 64B swizzles.
-template <typename Cfg, int R>
-__device__ __forceinline__ void load_tile_gmma(const Elem* gptr, int64_t row_stride,
-                                               int rows_valid, int cols_valid, char* smem,
-                                               int tid) {
-  constexpr int kRowBytes = Cfg::kAtomK * 2;
-  constexpr int kChunksPerRow = kRowBytes / 16;  // per column block
-  constexpr int kRowsPerPass = Cfg::kThreads / kChunksPerRow;
-  constexpr int kPasses = R / kRowsPerPass;
-  constexpr int kBlocks = Cfg::kHeadDim / Cfg::kAtomK;
-  static_assert(R % kRowsPerPass == 0 && kRowsPerPass % 8 == 0, "tile rows");
-  const int r0 = tid / kChunksPerRow, c = tid % kChunksPerRow;
-  const int swz = kRowBytes == 128 ? (r0 % 8) : ((r0 % 8) >> 1);
-  char* s0 = smem + (r0 / 8) * 8 * kRowBytes + (r0 % 8) * kRowBytes + ((c ^ swz) * 16);
-  const Elem* g0 = gptr + int64_t(r0) * row_stride + c * 8;
-  CUTE_UNROLL
-  for (int b = 0; b < kBlocks; ++b) {
-    const bool col_ok = b * Cfg::kAtomK + c * 8 < cols_valid;
-    CUTE_UNROLL
-    for (int j = 0; j < kPasses; ++j) {
-      const int r = r0 + j * kRowsPerPass;
-      const bool ok = col_ok && r < rows_valid;
-      const Elem* src = g0 + int64_t(j * kRowsPerPass) * row_stride + b * Cfg::kAtomK;
-      cp_async_16(s0 + b * R * kRowBytes + j * kRowsPerPass * kRowBytes, ok ? src : gptr,
-                  ok ? 16 : 0);
-    }
-  }
-}
-
 // acc (+)= A * B over the K mode with warpgroup MMAs; waits for completion. `zero` starts
 // from zero instead of accumulating; kRegA: A is a register fragment (else smem descriptors).
 template <bool kRegA, typename TiledMma, typename TA, typename TB, typename TC>
@@ -197,10 +158,12 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     auto load_kv = [&](int i, int stage) {
       const int k0 = tile_of(i) * kBlockN;
       constexpr int kStageBytes = kBlockN * kD * 2;
-      load_tile_gmma<Cfg, kBlockN>(kg + int64_t(k0) * p.k_sl, p.k_sl, p.Lk - k0, p.D,
-                                   smem + Cfg::kKOff + stage * kStageBytes, tid);
-      load_tile_gmma<Cfg, kBlockN>(vg + int64_t(k0) * p.v_sl, p.v_sl, p.Lk - k0, p.D,
-                                   smem + Cfg::kVOff + stage * kStageBytes, tid);
+      load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kThreads, kBlockN>(
+          kg + int64_t(k0) * p.k_sl, p.k_sl, p.Lk - k0, p.D, smem + Cfg::kKOff + stage * kStageBytes,
+          tid);
+      load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kThreads, kBlockN>(
+          vg + int64_t(k0) * p.v_sl, p.v_sl, p.Lk - k0, p.D, smem + Cfg::kVOff + stage * kStageBytes,
+          tid);
     };
     auto load_mask_bias = [&](int i) {
       const int k0 = tile_of(i) * kBlockN;
@@ -214,7 +177,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       }
     };
 
-    load_tile_gmma<Cfg, kBlockM>(qg, p.q_sl, p.Lq - q0, p.D, smem, tid);
+    load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kThreads, kBlockM>(qg, p.q_sl, p.Lq - q0, p.D, smem, tid);
     load_kv(0, 0);
     load_mask_bias(0);
     cp_async_fence();

@@ -65,51 +65,65 @@ struct Traits {
   using LdsmA = Copy_Atom<SM75_U32x4_LDSM_N, Elem>;
   using LdsmB = Copy_Atom<SM75_U32x4_LDSM_N, Elem>;
   using LdsmBT = Copy_Atom<SM75_U16x8_LDSM_T, Elem>;
-
-  // 16-byte cp.async rows for Q/K/V/dO tiles.
-  static constexpr int kVec = 8;
-  static constexpr int kThreadsPerRow = kSmemK / kVec;
-  using GmemThreads = Layout<Shape<Int<kThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
-                             Stride<Int<kThreadsPerRow>, _1>>;
-  using GmemCopy = decltype(make_tiled_copy(
-      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Elem>{}, GmemThreads{},
-      Layout<Shape<_1, _8>>{}));
 };
 
 // ---------------------------------------------------------------------------------------------
 // Global -> shared copies
 // ---------------------------------------------------------------------------------------------
 
-// Copy a (R x kHeadDim) tile whose rows start at `gptr` (row stride `row_stride` elements),
-// zero-filling rows >= rows_valid and columns >= cols_valid (cols_valid is a multiple of 8).
-template <typename Tr, int R, typename SmemTensor>
-__device__ __forceinline__ void load_rows(const Elem* gptr, int64_t row_stride, int rows_valid,
-                                          int cols_valid, SmemTensor& s, int tid) {
-  typename Tr::GmemCopy gcopy;
-  auto thr = gcopy.get_thread_slice(tid);
-  Tensor g = make_tensor(make_gmem_ptr(gptr),
-                         make_layout(Shape<Int<R>, Int<Tr::kHeadDim>>{}, make_stride(row_stride, _1{})));
-  Tensor tg = thr.partition_S(g);
-  Tensor ts = thr.partition_D(s);
-  Tensor tc = thr.partition_S(make_identity_tensor(Shape<Int<R>, Int<Tr::kHeadDim>>{}));
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(ts); ++m) {
-    const bool row_ok = get<0>(tc(0, m, 0)) < rows_valid;
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(ts); ++k) {
-      if (row_ok && get<1>(tc(0, m, k)) < cols_valid) {
-        copy(gcopy, tg(_, m, k), ts(_, m, k));
-      } else {
-        clear(ts(_, m, k));
-      }
-    }
-  }
-}
-
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
                "r"(src_bytes));
+}
+
+// Copy a (R x kHeadDim) tile whose rows start at `gptr` (row stride in elements) into shared
+// memory laid out as tile_to_shape(8 x kAtomK swizzled atom, (R, kHeadDim)) -- the sm80
+// SmemTile of Traits and the GMMA K-major layouts of the Hopper kernel alike -- zero-filling
+// rows >= rows_valid and columns >= cols_valid (a multiple of 8).
+//
+// The layout is written out here rather than through CuTe's partitioned copies, which
+// recompute the address and swizzle of every 16-byte chunk (about 20 instructions each, plus a
+// separate zero-fill path): a thread's chunks lie at one per-thread offset plus compile-time
+// strides, and the swizzle only depends on the row within the 8-row atom, the same for all of
+// them. Byte offset of (row r, 16-byte chunk c of column block b):
+//   b * R * kRowBytes + (r / 8) * 8 * kRowBytes + (r % 8) * kRowBytes + ((c ^ f(r % 8)) * 16)
+// with kRowBytes = 128, f = identity (128-byte swizzle) or 64, f = r % 8 / 2 (64-byte).
+template <int kHeadDim, int kAtomK, int kThreads, int R>
+__device__ __forceinline__ void load_tile_swizzled(const Elem* gptr, int64_t row_stride,
+                                                   int rows_valid, int cols_valid, char* smem,
+                                                   int tid) {
+  constexpr int kRowBytes = kAtomK * 2;
+  constexpr int kChunksPerRow = kRowBytes / 16;  // per column block
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  constexpr int kPasses = R / kRowsPerPass;
+  constexpr int kBlocks = kHeadDim / kAtomK;
+  static_assert(kAtomK == 64 || kAtomK == 32, "128- or 64-byte swizzle rows");
+  static_assert(R % kRowsPerPass == 0 && kRowsPerPass % 8 == 0, "tile rows");
+  const int r0 = tid / kChunksPerRow, c = tid % kChunksPerRow;
+  const int swz = kRowBytes == 128 ? (r0 % 8) : ((r0 % 8) >> 1);
+  char* s0 = smem + (r0 / 8) * 8 * kRowBytes + (r0 % 8) * kRowBytes + ((c ^ swz) * 16);
+  const Elem* g0 = gptr + int64_t(r0) * row_stride + c * 8;
+  CUTE_UNROLL
+  for (int b = 0; b < kBlocks; ++b) {
+    const bool col_ok = b * kAtomK + c * 8 < cols_valid;
+    CUTE_UNROLL
+    for (int j = 0; j < kPasses; ++j) {
+      const bool ok = col_ok && r0 + j * kRowsPerPass < rows_valid;
+      const Elem* src = g0 + int64_t(j * kRowsPerPass) * row_stride + b * kAtomK;
+      cp_async_16(s0 + b * R * kRowBytes + j * kRowsPerPass * kRowBytes, ok ? src : gptr,
+                  ok ? 16 : 0);
+    }
+  }
+}
+
+// load_tile_swizzled into a Traits SmemTile<R> tensor.
+template <typename Tr, int R, typename SmemTensor>
+__device__ __forceinline__ void load_rows(const Elem* gptr, int64_t row_stride, int rows_valid,
+                                          int cols_valid, SmemTensor& s, int tid) {
+  load_tile_swizzled<Tr::kHeadDim, Tr::kSmemK, Tr::kThreads, R>(
+      gptr, row_stride, rows_valid, cols_valid,
+      reinterpret_cast<char*>(raw_pointer_cast(s.data())), tid);
 }
 
 __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, int src_bytes) {
