@@ -74,10 +74,11 @@ __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// acc (+)= A * B over the K mode with warpgroup MMAs; waits for completion. `zero` starts
-// from zero instead of accumulating; kRegA: A is a register fragment (else smem descriptors).
+// Issue acc (+)= A * B over the K mode as one batch of warpgroup MMAs (no wait). `zero` starts
+// from zero instead of accumulating; kRegA: A is a register fragment (else smem descriptors),
+// whose registers must stay untouched until the batch is waited for.
 template <bool kRegA, typename TiledMma, typename TA, typename TB, typename TC>
-__device__ __forceinline__ void wgmma_gemm(TiledMma& mma, TA& a, TB const& b, TC& c, bool zero) {
+__device__ __forceinline__ void wgmma_issue(TiledMma& mma, TA& a, TB const& b, TC& c, bool zero) {
   if constexpr (kRegA) warpgroup_fence_operand(a);
   warpgroup_fence_operand(c);
   warpgroup_arrive();
@@ -88,8 +89,20 @@ __device__ __forceinline__ void wgmma_gemm(TiledMma& mma, TA& a, TB const& b, TC
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
-  warpgroup_wait<0>();
+}
+
+// Wait until at most kPending of this warpgroup's batches are in flight; `c` (the accumulator
+// of a finished batch) is then safe to read.
+template <int kPending, typename TC>
+__device__ __forceinline__ void wgmma_wait(TC& c) {
+  warpgroup_wait<kPending>();
   warpgroup_fence_operand(c);
+}
+
+template <bool kRegA, typename TiledMma, typename TA, typename TB, typename TC>
+__device__ __forceinline__ void wgmma_gemm(TiledMma& mma, TA& a, TB const& b, TC& c, bool zero) {
+  wgmma_issue<kRegA>(mma, a, b, c, zero);
+  wgmma_wait<0>(c);
   if constexpr (kRegA) warpgroup_fence_operand(a);
 }
 
@@ -110,7 +123,13 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
   extern __shared__ __align__(1024) char smem[];
 
   const int tid = threadIdx.x;
+#if FLASH_DMATTN_HEAVY_FIRST
+  // Causal rows near the end visit the most key tiles: start those first, so the last wave of
+  // CTAs is made of short ones.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+#else
   const int m_block = blockIdx.x;
+#endif
   const int bh = blockIdx.y;
   const int b = bh / p.H, h = bh % p.H;
   const int hkv = h / (p.H / p.Hkv);
@@ -155,12 +174,15 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       return p.causal && (k0 + kBlockN - 1 > q0 + p.Lk - p.Lq);
     };
 
-    auto load_kv = [&](int i, int stage) {
+    constexpr int kStageBytes = kBlockN * kD * 2;
+    auto load_k = [&](int i, int stage) {
       const int k0 = tile_of(i) * kBlockN;
-      constexpr int kStageBytes = kBlockN * kD * 2;
       load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kThreads, kBlockN>(
           kg + int64_t(k0) * p.k_sl, p.k_sl, p.Lk - k0, p.D, smem + Cfg::kKOff + stage * kStageBytes,
           tid);
+    };
+    auto load_v = [&](int i, int stage) {
+      const int k0 = tile_of(i) * kBlockN;
       load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kThreads, kBlockN>(
           vg + int64_t(k0) * p.v_sl, p.v_sl, p.Lk - k0, p.D, smem + Cfg::kVOff + stage * kStageBytes,
           tid);
@@ -177,34 +199,16 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       }
     };
 
-    load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kThreads, kBlockM>(qg, p.q_sl, p.Lq - q0, p.D, smem, tid);
-    load_kv(0, 0);
-    load_mask_bias(0);
-    cp_async_fence();
-
     Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
     Tensor tSrK = thr_qk.partition_fragment_B(sK);    // (..., stage)
     Tensor tOrVt = thr_pv.partition_fragment_B(sVt);  // (..., stage)
     Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
     const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
 
-    for (int i = 0; i < n_steps; ++i) {
-      const int stage = i & 1;
+    // Raw scores of tile i -> scaled (softcapped) logits + bias, -inf where invisible.
+    auto to_logits = [&](auto& acc_s, int i) {
       const int k0 = tile_of(i) * kBlockN;
       const bool partial = partial_of(i, k0);
-      cp_async_wait<0>();
-      fence_async_shared();
-      // K(i), V(i) and the mask/bias tile landed; every warpgroup is done with tile i - 1, so
-      // its K/V stage can be refilled.
-      __syncthreads();
-      if (i + 1 < n_steps) load_kv(i + 1, stage ^ 1);
-      cp_async_fence();
-
-      Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      Tensor tSrKs = tSrK(_, _, _, stage);
-      wgmma_gemm<false>(mma_qk, tSrQ, tSrKs, acc_s, /*zero=*/true);
-
-      const bool need_mask = kHasMask && partial;
       CUTE_UNROLL
       for (int e = 0; e < size(acc_s); ++e) {
         float s = acc_s(e);
@@ -220,6 +224,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       }
       // Element checks only on partial tiles and the ragged last tile (one branch per tile).
       if (partial || (k0 + kBlockN > p.Lk)) {
+        [[maybe_unused]] const bool need_mask = kHasMask && partial;
         CUTE_UNROLL
         for (int e = 0; e < size(acc_s); ++e) {
           const int r = get<0>(cS(e)), c = get<1>(cS(e));
@@ -232,11 +237,14 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
           if (!visible) acc_s(e) = -INFINITY;
         }
       }
+    };
 
-      // Online softmax. Accumulator value (c, r, g) is column 8 g + c, row 8 r of this
-      // thread's quad; the four threads of a quad share rows.
+    // Online softmax: logits -> unnormalised probabilities in place, running max and sum
+    // updated; alpha[r] is the factor the accumulated output rows must be rescaled by.
+    // Accumulator value (c, r, g) is column 8 g + c, row 8 r of this thread's quad; the four
+    // threads of a quad share rows.
+    auto softmax_step = [&](auto& acc_s, float (&alpha)[2]) {
       constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
-      constexpr int kGroupsO = decltype(size<0, 2>(acc_o))::value;
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
         float mx = row_max[r];
@@ -246,7 +254,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
         }
         mx = quad_max(mx);
         const float base = mx == -INFINITY ? 0.f : mx * kLog2e;
-        const float alpha = exp2f(row_max[r] * kLog2e - base);
+        alpha[r] = exp2f(row_max[r] * kLog2e - base);
         row_max[r] = mx;
         float sum = 0.f;
         CUTE_UNROLL
@@ -258,13 +266,49 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
             sum += pv;
           }
         }
-        row_sum[r] = row_sum[r] * alpha + sum;  // quad-reduced once, at the end
+        row_sum[r] = row_sum[r] * alpha[r] + sum;  // quad-reduced once, at the end
+      }
+    };
+    auto rescale_o = [&](const float (&alpha)[2]) {
+      constexpr int kGroupsO = decltype(size<0, 2>(acc_o))::value;
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
         CUTE_UNROLL
         for (int g = 0; g < kGroupsO; ++g) {
-          acc_o(make_coord(0, r, g), 0, 0) *= alpha;
-          acc_o(make_coord(1, r, g), 0, 0) *= alpha;
+          acc_o(make_coord(0, r, g), 0, 0) *= alpha[r];
+          acc_o(make_coord(1, r, g), 0, 0) *= alpha[r];
         }
       }
+    };
+
+    load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kThreads, kBlockM>(qg, p.q_sl, p.Lq - q0, p.D, smem,
+                                                                tid);
+    load_k(0, 0);
+    load_v(0, 0);
+    load_mask_bias(0);
+    cp_async_fence();
+
+#if !FLASH_DMATTN_FWD_OVERLAP
+    for (int i = 0; i < n_steps; ++i) {
+      const int stage = i & 1;
+      cp_async_wait<0>();
+      fence_async_shared();
+      // K(i), V(i) and the mask/bias tile landed; every warpgroup is done with tile i - 1, so
+      // its K/V stage can be refilled.
+      __syncthreads();
+      if (i + 1 < n_steps) {
+        load_k(i + 1, stage ^ 1);
+        load_v(i + 1, stage ^ 1);
+      }
+      cp_async_fence();
+
+      Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      Tensor tSrKs = tSrK(_, _, _, stage);
+      wgmma_gemm<false>(mma_qk, tSrQ, tSrKs, acc_s, /*zero=*/true);
+      to_logits(acc_s, i);
+      float alpha[2];
+      softmax_step(acc_s, alpha);
+      rescale_o(alpha);
       Tensor rP = to_type<Elem>(acc_s);
       Tensor tOrP = make_tensor(rP.data(), acc_as_gmma_a_layout(rP.layout()));
 
@@ -276,6 +320,73 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       Tensor tOrVts = tOrVt(_, _, _, stage);
       wgmma_gemm<true>(mma_pv, tOrP, tOrVts, acc_o, /*zero=*/false);
     }
+#else
+    // Software-pipelined (not yet run on a GPU; build with -DFLASH_DMATTN_FWD_OVERLAP=1): the
+    // P V product of tile i - 1 runs on the tensor cores while this warpgroup turns the scores
+    // of tile i into probabilities. K(i + 1) is loaded at the top of iteration i; V(i + 1) and
+    // the mask/bias tile of i + 1 once P V(i - 1) has released V's stage and every thread has
+    // read tile i's mask/bias.
+    Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor rP = make_tensor_like<Elem>(acc_s);
+    Tensor tOrP = make_tensor(rP.data(), acc_as_gmma_a_layout(rP.layout()));
+    {
+      cp_async_wait<0>();
+      fence_async_shared();
+      __syncthreads();  // Q, K(0), V(0) and the mask/bias tile of tile 0 landed
+      if (n_steps > 1) {
+        load_k(1, 1);
+        load_v(1, 1);
+      }
+      cp_async_fence();
+      Tensor tSrKs = tSrK(_, _, _, 0);
+      wgmma_gemm<false>(mma_qk, tSrQ, tSrKs, acc_s, /*zero=*/true);
+      to_logits(acc_s, 0);
+      float alpha[2];
+      softmax_step(acc_s, alpha);  // acc_o is still zero: no rescale
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_s); ++e) rP(e) = Elem(acc_s(e));
+      if constexpr (kHasMask || kHasBias) {
+        __syncthreads();
+        if (n_steps > 1) load_mask_bias(1);
+        cp_async_fence();
+      }
+    }
+    for (int i = 1; i < n_steps; ++i) {
+      const int stage = i & 1;
+      cp_async_wait<0>();
+      fence_async_shared();
+      // K(i), V(i) and tile i's mask/bias landed; every warpgroup is done with iteration i - 1
+      // (its Q K(i - 1) product, so K's other stage is free).
+      __syncthreads();
+      if (i + 1 < n_steps) load_k(i + 1, stage ^ 1);
+      cp_async_fence();
+
+      Tensor tSrKs = tSrK(_, _, _, stage);
+      Tensor tOrVprev = tOrVt(_, _, _, stage ^ 1);
+      wgmma_issue<false>(mma_qk, tSrQ, tSrKs, acc_s, /*zero=*/true);
+      wgmma_issue<true>(mma_pv, tOrP, tOrVprev, acc_o, /*zero=*/false);
+      wgmma_wait<1>(acc_s);  // S(i) done; P V(i - 1) may still run
+      to_logits(acc_s, i);
+      float alpha[2];
+      softmax_step(acc_s, alpha);
+      wgmma_wait<0>(acc_o);  // P V(i - 1) done: O and P(i - 1) free
+      warpgroup_fence_operand(rP);
+      rescale_o(alpha);
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_s); ++e) rP(e) = Elem(acc_s(e));
+      __syncthreads();  // every warpgroup is done with V(i - 1) and tile i's mask/bias
+      if (i + 1 < n_steps) {
+        load_v(i + 1, stage ^ 1);
+        load_mask_bias(i + 1);
+      }
+      cp_async_fence();
+    }
+    {
+      cp_async_wait<0>();  // nothing pending that the last product needs, V(n-1) landed above
+      Tensor tOrVlast = tOrVt(_, _, _, (n_steps - 1) & 1);
+      wgmma_gemm<true>(mma_pv, tOrP, tOrVlast, acc_o, /*zero=*/false);
+    }
+#endif
   }
 
   // Epilogue: normalise, write lse (natural log; -inf and zero output for rows with no key).
