@@ -217,10 +217,14 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
         } else {
           s *= p.scale;
         }
-        if constexpr (kHasBias) {
-          s += float(Cfg::BiasTile::read(bias_smem, bias_rows, get<0>(cS(e)), get<1>(cS(e))));
-        }
         acc_s(e) = s;
+      }
+#if !FLASH_DMATTN_PAIR_READS
+      if constexpr (kHasBias) {
+        CUTE_UNROLL
+        for (int e = 0; e < size(acc_s); ++e) {
+          acc_s(e) += float(Cfg::BiasTile::read(bias_smem, bias_rows, get<0>(cS(e)), get<1>(cS(e))));
+        }
       }
       // Element checks only on partial tiles and the ragged last tile (one branch per tile).
       if (partial || (k0 + kBlockN > p.Lk)) {
@@ -237,6 +241,67 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
           if (!visible) acc_s(e) = -INFINITY;
         }
       }
+#else
+      // Not yet run on a GPU (-DFLASH_DMATTN_PAIR_READS=1). A thread's accumulator values come
+      // in pairs of adjacent columns (c, c + 1), c even: read their bias / mask as one 4-byte /
+      // 2-byte word, and a bias or mask broadcast over queries once for both of the thread's
+      // rows; the causal / ragged bound becomes one column limit per row.
+      constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
+      if constexpr (kHasBias) {
+        CUTE_UNROLL
+        for (int g = 0; g < kGroupsS; ++g) {
+          const int c = get<1>(cS(make_coord(0, 0, g), 0, 0));
+          if (!bias_rows) {
+            const float2 b2 = Cfg::BiasTile::read_pair(bias_smem, 0, c);
+            CUTE_UNROLL
+            for (int r = 0; r < 2; ++r) {
+              acc_s(make_coord(0, r, g), 0, 0) += b2.x;
+              acc_s(make_coord(1, r, g), 0, 0) += b2.y;
+            }
+          } else {
+            CUTE_UNROLL
+            for (int r = 0; r < 2; ++r) {
+              const float2 b2 =
+                  Cfg::BiasTile::read_pair(bias_smem, get<0>(cS(make_coord(0, r, g), 0, 0)), c);
+              acc_s(make_coord(0, r, g), 0, 0) += b2.x;
+              acc_s(make_coord(1, r, g), 0, 0) += b2.y;
+            }
+          }
+        }
+      }
+      if (partial || (k0 + kBlockN > p.Lk)) {
+        // Branch-free: every element gets a select, the mask word is read unconditionally
+        // (bitwise &, not &&, so the compiler does not guard the load with a branch).
+        auto apply = [&](auto with_mask) {
+          CUTE_UNROLL
+          for (int r = 0; r < 2; ++r) {
+            const int row = get<0>(cS(make_coord(0, r, 0), 0, 0));
+            // Columns < limit are in range and causally visible to this row.
+            int limit = p.Lk - k0;
+            if (p.causal) limit = min(limit, q0 + row + p.Lk - p.Lq - k0 + 1);
+            CUTE_UNROLL
+            for (int g = 0; g < kGroupsS; ++g) {
+              const int c = get<1>(cS(make_coord(0, r, g), 0, 0));
+              bool v0 = c < limit, v1 = c + 1 < limit;
+              if constexpr (decltype(with_mask)::value) {
+                const uint32_t m2 = Cfg::MaskTile::read_pair(mask_smem, mask_rows ? row : 0, c);
+                v0 = v0 & ((m2 & 0xffu) != 0u);
+                v1 = v1 & ((m2 >> 8) != 0u);
+              }
+              float& s0 = acc_s(make_coord(0, r, g), 0, 0);
+              float& s1 = acc_s(make_coord(1, r, g), 0, 0);
+              s0 = v0 ? s0 : -INFINITY;
+              s1 = v1 ? s1 : -INFINITY;
+            }
+          }
+        };
+        if (kHasMask && partial) {
+          apply(cute::true_type{});
+        } else {
+          apply(cute::false_type{});
+        }
+      }
+#endif
     };
 
     // Online softmax: logits -> unnormalised probabilities in place, running max and sum

@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1 FLASH_DMATTN_CACHE_DIR="$W/cache" MAX_JOBS=16
 { python3 -m pip install --no-deps --no-build-isolation -e . &&
   python3 -m pip install --no-deps .wheels/nvidia_cutlass-*.whl; } >"$W/install.log" 2>&1 ||
   { tail -20 "$W/install.log"; exit 1; }
-VARIANTS=${VARIANTS:-"default|-DFLASH_DMATTN_FWD_OVERLAP=1|-DFLASH_DMATTN_HEAVY_FIRST=1|-DFLASH_DMATTN_FWD_OVERLAP=1 -DFLASH_DMATTN_HEAVY_FIRST=1"}
+VARIANTS=${VARIANTS:-"default|-DFLASH_DMATTN_FWD_OVERLAP=1|-DFLASH_DMATTN_HEAVY_FIRST=1|-DFLASH_DMATTN_PAIR_READS=1|-DFLASH_DMATTN_FWD_OVERLAP=1 -DFLASH_DMATTN_HEAVY_FIRST=1 -DFLASH_DMATTN_PAIR_READS=1"}
 IFS='|' read -ra VS <<<"$VARIANTS"
 for v in "${VS[@]}"; do
   flags=$([ "$v" = default ] && echo "" || echo "$v")

@@ -179,6 +179,19 @@ struct BcastTile {
   __device__ static T read(const char* smem, bool per_query, int r, int c) {
     return *reinterpret_cast<const T*>(smem + (per_query ? r : 0) * kPitch + c * int(sizeof(T)));
   }
+
+  // Elements (r, c) and (r, c + 1), c even (rows start 16-byte aligned, so the pair is aligned):
+  // the raw 2 x sizeof(T) bytes as an integer (masks) or as two floats (biases).
+  __device__ static auto read_pair(const char* smem, int r, int c) {
+    const char* at = smem + r * kPitch + c * int(sizeof(T));
+    if constexpr (sizeof(T) == 1) {
+      return uint32_t(*reinterpret_cast<const uint16_t*>(at));
+    } else {
+      __align__(4) T two[2];
+      *reinterpret_cast<uint32_t*>(two) = *reinterpret_cast<const uint32_t*>(at);
+      return make_float2(float(two[0]), float(two[1]));
+    }
+  }
 };
 
 // Base pointer (as bytes) of the (b, h) slice of a broadcastable operand.

@@ -37,6 +37,10 @@
 #ifndef FLASH_DMATTN_HEAVY_FIRST
 #define FLASH_DMATTN_HEAVY_FIRST 0
 #endif
+// ...and pairwise mask / bias reads from the tile (one word for two adjacent columns).
+#ifndef FLASH_DMATTN_PAIR_READS
+#define FLASH_DMATTN_PAIR_READS 0
+#endif
 
 namespace flash_dmattn {
 
