@@ -41,7 +41,6 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
   const int m_block = blockIdx.x;
   const int bh = blockIdx.y;
   const int b = bh / p.H, h = bh % p.H;
-  const int hkv = h / (p.H / p.Hkv);
   const int q0 = m_block * kBlockM;
 
   const int32_t* list;
@@ -77,20 +76,11 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
     char* mask_smem = smem + Cfg::kMaskOff;
     char* bias_smem = smem + Cfg::kBiasOff;
 
-    const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb +
-                     int64_t(q0) * p.q_sl + int64_t(h) * p.q_sh;
-    const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb + int64_t(hkv) * p.k_sh;
-    const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb + int64_t(hkv) * p.v_sh;
-    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h) : nullptr;
-    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h) : nullptr;
-
-    auto tile_of = [&](int i) { return list ? (list[i] >> 1) : i; };
-    // Without a list (no mask) only tiles crossing the causal diagonal need element checks:
-    // key k0 + kBlockN - 1 is visible to every row of the tile iff it is to the first row.
-    auto partial_of = [&](int i, int k0) {
-      if (list) return (list[i] & 1) != 0;
-      return p.causal && (k0 + kBlockN - 1 > q0 + p.Lk - p.Lq);
-    };
+    const FwdTileWalk<kBlockN> walk(p, b, h, q0, list);
+    const Elem *qg = walk.q, *kg = walk.k, *vg = walk.v;
+    const char *mask_base = walk.mask, *bias_base = walk.bias;
+    auto tile_of = [&](int i) { return walk.tile(i); };
+    auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0); };
 
     load_rows<Tr, kBlockM>(qg, p.q_sl, p.Lq - q0, p.D, sQ, tid);
     {

@@ -290,6 +290,42 @@ __device__ __forceinline__ int key_tiles_of(const FwdParams& p, int b, int h, in
   return n_steps;
 }
 
+// What a forward CTA of query tile q0 of (b, h) reads: Q / K / V at that tile's origin and the
+// (b, h) slices of the mask and bias, and which key tiles it walks (`list` from key_tiles_of,
+// or every tile in order) and which of those need element checks.
+template <int kBlockN>
+struct FwdTileWalk {
+  const Elem* q;
+  const Elem* k;
+  const Elem* v;
+  const char* mask;
+  const char* bias;
+  const int32_t* list;
+  int q0;
+
+  __device__ FwdTileWalk(const FwdParams& p, int b, int h, int q0_, const int32_t* list_)
+      : list(list_), q0(q0_) {
+    const int hkv = h / (p.H / p.Hkv);
+    q = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb + int64_t(q0) * p.q_sl +
+        int64_t(h) * p.q_sh;
+    k = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb + int64_t(hkv) * p.k_sh;
+    v = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb + int64_t(hkv) * p.v_sh;
+    mask = kHasMask ? bcast_base<uint8_t>(p.mask, b, h) : nullptr;
+    bias = kHasBias ? bcast_base<Elem>(p.bias, b, h) : nullptr;
+  }
+
+  // Key tile index of step i.
+  __device__ int tile(int i) const { return list ? (list[i] >> 1) : i; }
+
+  // Whether step i (key tile starting at k0) needs element checks. Without a list (no mask)
+  // only tiles crossing the causal diagonal do: key k0 + kBlockN - 1 is visible to every row
+  // of the tile iff it is to the first row.
+  __device__ bool partial(const FwdParams& p, int i, int k0) const {
+    if (list) return (list[i] & 1) != 0;
+    return p.causal && (k0 + kBlockN - 1 > q0 + p.Lk - p.Lq);
+  }
+};
+
 // Store an fp32 accumulator tile (rows from row0, `rows` valid, D valid columns) times `mul`
 // into rows of `base` (row stride in elements). Columns come in even pairs and D is a multiple
 // of 8, so each pair is in range and stored as one 4-byte word.
