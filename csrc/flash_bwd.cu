@@ -204,9 +204,11 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
         if (check) {
           const int qi = q0 + r, kj = k0 + c;
           visible = kj < p.Lk;
-          if (p.causal) visible = visible && (kj <= qi + p.Lk - p.Lq);
+          // Bitwise, not short-circuit: no per-element branches (the mask tile read is in
+          // bounds either way and ignored when !partial).
+          visible &= !p.causal | (kj <= qi + p.Lk - p.Lq);
           if constexpr (kHasMask) {
-            if (partial) visible = visible && MaskT::read(mtile, mask_rows, r, c);
+            visible &= !partial | (MaskT::read(mtile, mask_rows, r, c) != 0);
           }
         }
         const float pr = visible ? __expf(s - row_lse[slot]) : 0.f;
@@ -397,9 +399,9 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
         if (check) {
           const int qi = q0 + c, kj = k0 + r;
           visible = qi < p.Lq && kj < p.Lk;
-          if (p.causal) visible = visible && (kj <= qi + p.Lk - p.Lq);
+          visible &= !p.causal | (kj <= qi + p.Lk - p.Lq);  // bitwise: branch-free
           if constexpr (kHasMask) {
-            if (partial) visible = visible && MaskT::read(mtile, mask_rows, c, r);
+            visible &= !partial | (MaskT::read(mtile, mask_rows, c, r) != 0);
           }
         }
         float l = lse_t[c];

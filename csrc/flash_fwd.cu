@@ -141,9 +141,11 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
         if (check) {
           const int qi = q0 + r, kj = k0 + c;
           bool visible = kj < p.Lk;
-          if (p.causal) visible = visible && (kj <= qi + p.Lk - p.Lq);
+          // Bitwise, not short-circuit: no per-element branches (the mask tile read is in
+          // bounds either way and ignored when !need_mask).
+          visible &= !p.causal | (kj <= qi + p.Lk - p.Lq);
           if constexpr (kHasMask) {
-            if (need_mask) visible = visible && Cfg::MaskTile::read(mask_smem, mask_rows, r, c);
+            visible &= !need_mask | (Cfg::MaskTile::read(mask_smem, mask_rows, r, c) != 0);
           }
           if (!visible) s = -INFINITY;
         }
