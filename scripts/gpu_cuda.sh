@@ -4,16 +4,10 @@
 # first-use build of the T2 specialisation, run the cuda GPU tests, then benchmark cuda next to
 # triton and the baselines on T2 and T1. Logs go to $OUT.
 #   bash scripts/gpu_cuda.sh            (run with carry: [".wheels"])
-set -uo pipefail
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-W=$(mktemp -d)
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR="$W/cache"
 export MAX_JOBS=16
-{ python3 -m pip install --no-deps --no-build-isolation -e . &&
-  python3 -m pip install --no-deps .wheels/nvidia_cutlass-*.whl; } >"$W/install.log" 2>&1 ||
-  { tail -20 "$W/install.log"; exit 1; }
+device_install cutlass
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -2;
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)';
   python3 -m flash_dmattn info 2>&1 | grep -E "^cuda|^triton"; } >"$OUT/env.txt" 2>&1
@@ -37,12 +31,6 @@ timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider --maxfail=6 -r
 echo "tests rc=$?" >>"$OUT/tests.log"
 tail -15 "$OUT/tests.log"
 
-bench() {  # name, timeout, benchmarks.run args...
-  local name=$1 limit=$2
-  shift 2
-  timeout "$limit" python3 -m benchmarks.run --out "$W/bench" "$@" >"$OUT/bench-$name.log" 2>&1
-  grep -E "^== |^   " "$OUT/bench-$name.log" | head -40
-}
 bench dynamic "${DYN_S:-100}" --suite dynamic --backends cuda,triton
 bench dense "${DENSE_S:-100}" --suite dense --backends cuda,triton --match "L16384 D128 causal"
 exit 0

@@ -2,14 +2,9 @@
 # Quick device check of the cuda forward: build d128-bf16 for each variant of
 # FLASH_DMATTN_CUDA_FLAGS (in parallel), count the wgmma (HGMMA) instructions in each module and
 # run scripts/cuda_probe.py (kernel names, T1 forward vs cuDNN). Run with carry: [".wheels"].
-set -uo pipefail
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-W=$(mktemp -d)
-export PYTHONUNBUFFERED=1 MAX_JOBS=16
-{ python3 -m pip install --no-deps --no-build-isolation -e . &&
-  python3 -m pip install --no-deps .wheels/nvidia_cutlass-*.whl; } >"$W/install.log" 2>&1 ||
-  { tail -20 "$W/install.log"; exit 1; }
+source "$(dirname "$0")/device_common.sh"
+export MAX_JOBS=16
+device_install cutlass
 VARIANTS=${VARIANTS:-"default|-DFLASH_DMATTN_NO_SM90=1"}
 IFS='|' read -ra VS <<<"$VARIANTS"
 i=0

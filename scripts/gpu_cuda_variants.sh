@@ -2,14 +2,9 @@
 # Forward variant experiment for the cuda backend (tile shapes, FWD_OVERLAP, HEAVY_FIRST, ...): T2 and T1 with the default tiles and with
 # FLASH_DMATTN_CUDA_FLAGS variants, side by side with triton and the baselines; plus the cuda
 # tests named by CUDA_K. Run with carry [".wheels"]; logs to $OUT.
-set -uo pipefail
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-W=$(mktemp -d)
-export PYTHONUNBUFFERED=1 FLASH_DMATTN_CACHE_DIR="$W/cache" MAX_JOBS=16
-{ python3 -m pip install --no-deps --no-build-isolation -e . &&
-  python3 -m pip install --no-deps .wheels/nvidia_cutlass-*.whl; } >"$W/install.log" 2>&1 ||
-  { tail -20 "$W/install.log"; exit 1; }
+source "$(dirname "$0")/device_common.sh"
+export FLASH_DMATTN_CACHE_DIR="$W/cache" MAX_JOBS=16
+device_install cutlass
 VARIANTS=${VARIANTS:-"default|-DFLASH_DMATTN_FWD_OVERLAP=1|-DFLASH_DMATTN_HEAVY_FIRST=1|-DFLASH_DMATTN_PAIR_READS=1|-DFLASH_DMATTN_FWD_OVERLAP=1 -DFLASH_DMATTN_HEAVY_FIRST=1 -DFLASH_DMATTN_PAIR_READS=1"}
 IFS='|' read -ra VS <<<"$VARIANTS"
 for v in "${VS[@]}"; do

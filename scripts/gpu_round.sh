@@ -5,13 +5,9 @@
 # of T2 (triton). Each step has its own
 # time limit so a slow one cannot starve the rest; logs go to $OUT (at most 8 files back).
 #   bash scripts/gpu_round.sh [pytest -k expression]
-set -uo pipefail
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-W=$(mktemp -d)
+source "$(dirname "$0")/device_common.sh"
 K=${1:-triton or summary}
-export PYTHONUNBUFFERED=1
-python3 -m pip install --no-deps --no-build-isolation -e . >"$W/install.log" 2>&1 || { tail "$W/install.log"; exit 1; }
+device_install
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$OUT/env.txt"
 
@@ -20,12 +16,6 @@ FLASH_DMATTN_TRITON_AUTOTUNE=0 timeout "${TEST_S:-170}" python3 -m pytest -q -p 
 echo "tests rc=$?" >>"$OUT/tests.log"
 tail -3 "$OUT/tests.log"
 
-bench() {  # name, timeout, benchmarks.run args...
-  local name=$1 limit=$2
-  shift 2
-  timeout "$limit" python3 -m benchmarks.run --out "$W/bench" "$@" >"$OUT/bench-$name.log" 2>&1
-  grep -E "^== |^   " "$OUT/bench-$name.log" | head -40
-}
 bench dynamic "${DYN_S:-110}" --suite dynamic --backends triton,flex
 # gather mode in the forward too (default: dQ only) -- keep whichever T2 prefers
 FLASH_DMATTN_TRITON_GATHER=auto bench dynamic-gather "${DYNG_S:-70}" --suite dynamic --backends triton
