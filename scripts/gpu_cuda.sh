@@ -30,6 +30,11 @@ timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider --maxfail=6 -r
   ${CUDA_K:+-k "$CUDA_K"} >"$OUT/tests.log" 2>&1
 echo "tests rc=$?" >>"$OUT/tests.log"
 tail -15 "$OUT/tests.log"
+# The shared GPU equivalence tests (tests/test_gpu.py) with the cuda backend.
+timeout "${GPU_TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider --maxfail=6 -rs tests/test_gpu.py \
+  -k "${GPU_K:-cuda}" >"$OUT/tests-gpu.log" 2>&1
+echo "tests rc=$?" >>"$OUT/tests-gpu.log"
+tail -8 "$OUT/tests-gpu.log"
 
 bench dynamic "${DYN_S:-100}" --suite dynamic --backends cuda,triton
 bench dense "${DENSE_S:-100}" --suite dense --backends cuda,triton --match "L16384 D128 causal"
