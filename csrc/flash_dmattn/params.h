@@ -29,18 +29,6 @@
 #ifndef FLASH_DMATTN_NO_SM90
 #define FLASH_DMATTN_NO_SM90 0
 #endif
-// Hopper forward variants not yet measured on a GPU (A/B through FLASH_DMATTN_CUDA_FLAGS):
-// software-pipelined P V / softmax overlap, and heaviest (last) query tiles launched first.
-#ifndef FLASH_DMATTN_FWD_OVERLAP
-#define FLASH_DMATTN_FWD_OVERLAP 0
-#endif
-#ifndef FLASH_DMATTN_HEAVY_FIRST
-#define FLASH_DMATTN_HEAVY_FIRST 0
-#endif
-// ...and pairwise mask / bias reads from the tile (one word for two adjacent columns).
-#ifndef FLASH_DMATTN_PAIR_READS
-#define FLASH_DMATTN_PAIR_READS 0
-#endif
 
 namespace flash_dmattn {
 
