@@ -59,19 +59,14 @@ __global__ void delta_kernel(const BwdParams p) {
   if (lane == 0) p.delta[int64_t(bh) * p.Lq + i] = acc;
 }
 
-// Scores of one tile, in natural-log units, for element (row r, col c) of the MMA tile whose
-// query is qi and key kj. Returns -inf where invisible; `dtanh` gets 1 - tanh^2 (softcap).
-template <bool kSoftcap>
-__device__ __forceinline__ float score(float acc, const FwdParams& p, float& dtanh) {
-  if constexpr (kSoftcap) {
-    const float t = tanhf(acc * (p.scale / p.softcap));
-    dtanh = 1.f - t * t;
-    return p.softcap * t;
-  } else {
-    dtanh = 1.f;
-    return acc * p.scale;
-  }
+void launch_delta(const BwdParams& p, cudaStream_t stream) {
+  const int rows = p.B * p.H * p.Lq;
+  const int threads = 256;
+  const int blocks = (rows * 32 + threads - 1) / threads;
+  delta_kernel<<<blocks, threads, 0, stream>>>(p);
 }
+
+#if !FLASH_DMATTN_SM90_BWD
 
 // ---------------------------------------------------------------------------------------------
 // dQ (+ full dbias)
@@ -490,12 +485,7 @@ static cudaError_t prepare(Kernel kernel, int smem) {
 template <bool kSoftcap>
 static cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   using Cfg = BwdConfig<kHeadDimBucket>;
-  {
-    const int rows = p.B * p.H * p.Lq;
-    const int threads = 256;
-    const int blocks = (rows * 32 + threads - 1) / threads;
-    delta_kernel<<<blocks, threads, 0, stream>>>(p);
-  }
+  launch_delta(p, stream);
   if (p.need_dq || p.dbias_full != nullptr) {
     auto kernel = &dq_kernel<kSoftcap>;
     cudaError_t err = prepare(kernel, dq_smem());
@@ -519,5 +509,16 @@ cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream) {
 
 int bwd_block_m() { return BwdConfig<kHeadDimBucket>::kBlockM; }
 int bwd_block_n() { return BwdConfig<kHeadDimBucket>::kBlockN; }
+
+#else  // FLASH_DMATTN_SM90_BWD
+// flash_bwd_sm90.cu: the wgmma backward, used whenever the module is built for sm_90a and the
+// head dim is at most 128.
+cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream);
+int bwd_sm90_block_m();
+int bwd_sm90_block_n();
+cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream) { return run_bwd_sm90(p, stream); }
+int bwd_block_m() { return bwd_sm90_block_m(); }
+int bwd_block_n() { return bwd_sm90_block_n(); }
+#endif  // FLASH_DMATTN_SM90_BWD
 
 }  // namespace flash_dmattn

@@ -18,8 +18,7 @@
 
 #if FLASH_DMATTN_SM90 && !FLASH_DMATTN_NO_SM90
 
-#include <cute/arch/mma_sm90.hpp>
-#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include "flash_dmattn/wgmma.cuh"
 
 namespace flash_dmattn {
 
@@ -33,11 +32,8 @@ struct Sm90FwdConfig {
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kThreads = 128 * kWarpGroups;
 
-  // Widest swizzle whose 8-row atom tiles the head dim (128-byte rows for 64, 128, 192, 256;
-  // 64-byte rows for 32 and 96).
-  using SmemAtom = std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Elem>,
-                                      GMMA::Layout_K_SW64_Atom<Elem>>;
-  static constexpr int kAtomK = kHeadDim % 64 == 0 ? 64 : 32;
+  using SmemAtom = typename GmmaTiles<kHD>::Atom;
+  static constexpr int kAtomK = GmmaTiles<kHD>::kAtomK;
   using SmemQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   // K and V have two stages each: the loads of tile i + 1 run under the products of tile i.
   using SmemK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, _2>{}));
@@ -67,53 +63,6 @@ struct Sm90FwdConfig {
   static constexpr int kSmem = kBiasOff + (kHasBias ? BiasTile::kBytes : 0);
   static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 limit");
 };
-
-// Shared-memory writes by this thread (cp.async data, zero fill) become visible to the
-// tensor cores' async proxy; pair with a barrier.
-__device__ __forceinline__ void fence_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// Issue acc (+)= A * B over the K mode as one batch of warpgroup MMAs (no wait). `zero` starts
-// from zero instead of accumulating; kRegA: A is a register fragment (else smem descriptors),
-// whose registers must stay untouched until the batch is waited for.
-template <bool kRegA, typename TiledMma, typename TA, typename TB, typename TC>
-__device__ __forceinline__ void wgmma_issue(TiledMma& mma, TA& a, TB const& b, TC& c, bool zero) {
-  if constexpr (kRegA) warpgroup_fence_operand(a);
-  warpgroup_fence_operand(c);
-  warpgroup_arrive();
-  mma.accumulate_ = zero ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(a); ++k) {
-    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-}
-
-// Wait until at most kPending of this warpgroup's batches are in flight; `c` (the accumulator
-// of a finished batch) is then safe to read.
-template <int kPending, typename TC>
-__device__ __forceinline__ void wgmma_wait(TC& c) {
-  warpgroup_wait<kPending>();
-  warpgroup_fence_operand(c);
-}
-
-template <bool kRegA, typename TiledMma, typename TA, typename TB, typename TC>
-__device__ __forceinline__ void wgmma_gemm(TiledMma& mma, TA& a, TB const& b, TC& c, bool zero) {
-  wgmma_issue<kRegA>(mma, a, b, c, zero);
-  wgmma_wait<0>(c);
-  if constexpr (kRegA) warpgroup_fence_operand(a);
-}
-
-// An m64nN accumulator ((2, 2, N/8), M, 1) read as the A operand ((2, 2, 2), M, N/16) of the
-// next product: value (c, r, 2 k + j) of the accumulator is value (c, r, j) of k-block k.
-template <typename Layout>
-__device__ __forceinline__ auto acc_as_gmma_a_layout(Layout acc) {
-  auto groups = logical_divide(get<0, 2>(acc), Int<2>{});
-  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0>(groups)), get<1>(acc),
-                     get<1>(groups));
-}
 
 template <bool kSoftcap>
 __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)

@@ -255,6 +255,20 @@ __device__ __forceinline__ void gemm_rs(TiledMma& mma, Acc& acc, RA const& rA, R
   }
 }
 
+// Scores of one tile, in natural-log units, for element (row r, col c) of the MMA tile whose
+// query is qi and key kj. Returns -inf where invisible; `dtanh` gets 1 - tanh^2 (softcap).
+template <bool kSoftcap>
+__device__ __forceinline__ float score(float acc, const FwdParams& p, float& dtanh) {
+  if constexpr (kSoftcap) {
+    const float t = tanhf(acc * (p.scale / p.softcap));
+    dtanh = 1.f - t * t;
+    return p.softcap * t;
+  } else {
+    dtanh = 1.f;
+    return acc * p.scale;
+  }
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));

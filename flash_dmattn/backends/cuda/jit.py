@@ -38,7 +38,9 @@ logger = logging.getLogger("flash_dmattn")
 # ``flash_dmattn_api.cpp`` binds ``fwd(q, k, v, mask, bias, out, softmax_scale, is_causal,
 # softcap, ...) -> [out, lse]`` and ``bwd(...)`` as module ``TORCH_EXTENSION_NAME``; the spec is
 # selected with the macros of :meth:`KernelSpec.defines`.
-KERNEL_SOURCES = ("flash_dmattn_api.cpp", "flash_fwd.cu", "flash_fwd_sm90.cu", "flash_bwd.cu")
+KERNEL_SOURCES = (
+    "flash_dmattn_api.cpp", "flash_fwd.cu", "flash_fwd_sm90.cu", "flash_bwd.cu", "flash_bwd_sm90.cu",
+)
 # Headers may be included by any source, so all of them are hashed into the key.
 _HASHED_SUFFIXES = {".cpp", ".cu", ".cuh", ".h", ".hpp", ".inl"}
 

@@ -1,0 +1,459 @@
+// Hopper backward kernels (sm_90a, head dims up to 128): the split of flash_bwd.cu -- no
+// atomics, so gradients are bitwise reproducible and deterministic=True costs nothing -- with
+// every product on warpgroup MMAs.
+//
+// * dkdv_kernel_sm90: one CTA per (128-key tile, b * Hkv + hkv), two warpgroups of 64 keys. For
+//   each query head of the group and each of its live 64-query tiles:
+//     S^T = K Q^T and dP^T = V dO^T       both operands in shared memory, issued as one batch
+//     P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta)   (+ per-key dbias: row sums of dS^T)
+//     dV += P^T dO and dK += dS^T Q       P^T, dS^T from registers; dO, Q read as transposes
+// * dq_kernel_sm90: one CTA per (64-query tile, b * H + h). Of each live 128-key tile the two
+//   warpgroups take 64 keys each: S = Q K^T, dP = dO V^T, dS, dQ += dS K. At the end warpgroup
+//   1's partial dQ is added to warpgroup 0's through shared memory, in a fixed order. Writes the
+//   gradient of a full per-element bias (dS) on the way.
+// The next step's tiles (Q/dO/lse/delta, or K/V) and its mask/bias tile are loaded with
+// cp.async into the other of two stages while this step computes. Both kernels walk the
+// host's live-tile lists, built at 64 queries x 128 keys (bwd_block_m / bwd_block_n).
+#include "flash_dmattn/kernel_common.cuh"
+
+#if FLASH_DMATTN_SM90_BWD
+
+#include "flash_dmattn/wgmma.cuh"
+
+namespace flash_dmattn {
+
+void launch_delta(const BwdParams& p, cudaStream_t stream);  // flash_bwd.cu
+
+template <int kHD>
+struct Sm90BwdConfig {
+  static constexpr int kBlockM = 64;   // queries per tile
+  static constexpr int kBlockN = 128;  // keys per tile: 64 per warpgroup
+  static constexpr int kThreads = 256;
+  using Tiles = GmmaTiles<kHD>;
+  static constexpr int kAtomK = Tiles::kAtomK;
+  // Every operand is a 64-row tile (Q, dO, or one warpgroup's half of K, V); 64 * kHD * 2
+  // bytes is a multiple of 1024, so consecutive tiles keep the swizzle's 1024-byte alignment.
+  using Tile = typename Tiles::template Rows<64>;
+  using TileT = typename Tiles::template RowsT<64>;
+  static constexpr int kT = 64 * kHD * 2;
+  using One = Layout<Shape<_1, _1, _1>>;
+  // (64 x 64) = (64 x kHD) (64 x kHD)^T: S, dP and their transposes.
+  using MmaScores = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, _64, Int<kHD>>>(), One{}));
+  // (64 x kHD) += (64 x 64, registers) (64 x kHD): dV, dK, dQ.
+  using MmaGrad = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, Int<kHD>, _64>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      One{}));
+  using MaskTile = BcastTile<uint8_t, kBlockM, kBlockN, kThreads>;
+  using BiasTile = BcastTile<Elem, kBlockM, kBlockN, kThreads>;
+
+  // dK/dV: [K0][K1][V0][V1] [Q][dO] x 2 stages, lse / delta x 2 stages, mask / bias x 2 stages.
+  static constexpr int kKvLseOff = 8 * kT;
+  static constexpr int kKvMaskOff = kKvLseOff + 4 * kBlockM * 4;
+  static constexpr int kKvBiasOff = kKvMaskOff + (kHasMask ? 2 * MaskTile::kBytes : 0);
+  static constexpr int kKvSmem = kKvBiasOff + (kHasBias ? 2 * BiasTile::kBytes : 0);
+  // dQ: [Q][dO] [K0][K1][V0][V1] x 2 stages, mask / bias x 2 stages.
+  static constexpr int kQMaskOff = 10 * kT;
+  static constexpr int kQBiasOff = kQMaskOff + (kHasMask ? 2 * MaskTile::kBytes : 0);
+  static constexpr int kQSmem = kQBiasOff + (kHasBias ? 2 * BiasTile::kBytes : 0);
+  static_assert(kKvSmem <= 227 * 1024 && kQSmem <= 227 * 1024, "shared memory over the sm_90 limit");
+};
+
+// Copy a 64-row tile (rows from `g`, `rows_valid` of them) into the GMMA layout at `dst`.
+template <typename Cfg>
+__device__ __forceinline__ void load_tile64(const Elem* g, int64_t row_stride, int rows_valid,
+                                            int cols_valid, char* dst, int tid) {
+  load_tile_swizzled<kHeadDimBucket, Cfg::kAtomK, Cfg::kThreads, 64>(g, row_stride, rows_valid,
+                                                                     cols_valid, dst, tid);
+}
+
+// ---------------------------------------------------------------------------------------------
+// dK, dV (+ per-key dbias partials)
+// ---------------------------------------------------------------------------------------------
+template <bool kSoftcap>
+__global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
+  using Cfg = Sm90BwdConfig<kHeadDimBucket>;
+  constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kD = kHeadDimBucket, kT = Cfg::kT;
+  using MaskT = typename Cfg::MaskTile;
+  using BiasT = typename Cfg::BiasTile;
+  extern __shared__ __align__(1024) char smem[];
+  float* lse_s = reinterpret_cast<float*>(smem + Cfg::kKvLseOff);
+  float* delta_s = lse_s + 2 * kBM;
+  char* mask_smem = smem + Cfg::kKvMaskOff;
+  char* bias_smem = smem + Cfg::kKvBiasOff;
+
+  const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
+  const int n_block = blockIdx.x;
+  const int group = p.H / p.Hkv;
+  const int b = blockIdx.y / p.Hkv, hkv = blockIdx.y % p.Hkv;
+  const int k0 = n_block * kBN;
+  const int kw = 64 * wg;  // this warpgroup's keys: k0 + kw + [0, 64)
+  const int m_tiles = (p.Lq + kBM - 1) / kBM;
+  auto at = [&](int off) { return make_smem_ptr(reinterpret_cast<Elem*>(smem + off)); };
+
+  const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb +
+                   int64_t(k0) * p.k_sl + int64_t(hkv) * p.k_sh;
+  const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb +
+                   int64_t(k0) * p.v_sl + int64_t(hkv) * p.v_sh;
+  CUTE_UNROLL
+  for (int w = 0; w < 2; ++w) {
+    load_tile64<Cfg>(kg + int64_t(64 * w) * p.k_sl, p.k_sl, p.Lk - k0 - 64 * w, p.D,
+                     smem + w * kT, tid);
+    load_tile64<Cfg>(vg + int64_t(64 * w) * p.v_sl, p.v_sl, p.Lk - k0 - 64 * w, p.D,
+                     smem + (2 + w) * kT, tid);
+  }
+  cp_async_fence();
+
+  typename Cfg::MmaScores mma_s;
+  typename Cfg::MmaGrad mma_g;
+  auto thr_s = mma_s.get_thread_slice(tid % 128);
+  auto thr_g = mma_g.get_thread_slice(tid % 128);
+  Tensor tSrK = thr_s.partition_fragment_A(make_tensor(at(wg * kT), typename Cfg::Tile{}));
+  Tensor tSrV = thr_s.partition_fragment_A(make_tensor(at((2 + wg) * kT), typename Cfg::Tile{}));
+  Tensor acc_dk = partition_fragment_C(mma_g, Shape<_64, Int<kD>>{});
+  Tensor acc_dv = partition_fragment_C(mma_g, Shape<_64, Int<kD>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+  // (key, query) of each S^T accumulator value, within this warpgroup's 64 x 64 tile.
+  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<_64, _64>{}));
+  constexpr int kGroups = decltype(size<0, 2>(cS))::value;
+  const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
+  const bool keys_dbias = kHasBias && p.dbias_keys != nullptr;
+
+  for (int hh = 0; hh < group; ++hh) {
+    const int h = hkv * group + hh;
+    int m_steps = m_tiles, m_first = 0;
+    const int32_t* list = nullptr;
+    if (p.use_list) {
+      list = list_row(p.bwd_list, b, h, n_block, m_steps);
+    } else if (p.causal) {
+      // First query that sees key k0: k0 - (Lk - Lq).
+      m_first = max(0, k0 - (p.Lk - p.Lq)) / kBM;
+      m_steps = max(0, m_tiles - m_first);
+    }
+    float key_dbias[2] = {0.f, 0.f};
+
+    const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb + int64_t(h) * p.q_sh;
+    const Elem* dog = reinterpret_cast<const Elem*>(p.dout) + int64_t(b) * p.do_sb +
+                      int64_t(h) * p.do_sh;
+    const float* lse_g = p.lse + (int64_t(b) * p.H + h) * p.Lq;
+    const float* delta_g = p.delta + (int64_t(b) * p.H + h) * p.Lq;
+    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h) : nullptr;
+    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h) : nullptr;
+    auto tile_of = [&](int i) { return list ? (list[i] >> 1) : m_first + i; };
+    auto partial_of = [&](int i) { return list ? (list[i] & 1) != 0 : p.causal; };
+    auto issue = [&](int i) {
+      const int q0 = tile_of(i) * kBM, st = i & 1;
+      load_tile64<Cfg>(qg + int64_t(q0) * p.q_sl, p.q_sl, p.Lq - q0, p.D, smem + (4 + 2 * st) * kT, tid);
+      load_tile64<Cfg>(dog + int64_t(q0) * p.do_sl, p.do_sl, p.Lq - q0, p.D,
+                       smem + (5 + 2 * st) * kT, tid);
+      load_floats<kBM>(lse_s + st * kBM, lse_g + q0, p.Lq - q0, tid, Cfg::kThreads);
+      load_floats<kBM>(delta_s + st * kBM, delta_g + q0, p.Lq - q0, tid, Cfg::kThreads);
+      if constexpr (kHasMask) {
+        if (partial_of(i))
+          MaskT::load(mask_smem + st * MaskT::kBytes, p.mask, mask_base, q0, k0, p.Lq, p.Lk, tid);
+      }
+      if constexpr (kHasBias) {
+        BiasT::load(bias_smem + st * BiasT::kBytes, p.bias, bias_base, q0, k0, p.Lq, p.Lk, tid);
+      }
+    };
+
+    if (m_steps > 0) {
+      __syncthreads();  // the previous head's last step is done with stage 0
+      issue(0);
+      cp_async_fence();
+    }
+    for (int i = 0; i < m_steps; ++i) {
+      const int st = i & 1, q0 = tile_of(i) * kBM;
+      const bool partial = partial_of(i);
+      cp_async_wait<0>();
+      fence_async_shared();
+      // Step i's tiles landed; both warpgroups are done with step i - 1's stage.
+      __syncthreads();
+      if (i + 1 < m_steps) issue(i + 1);
+      cp_async_fence();
+
+      Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, _64>{});   // S^T
+      Tensor acc_dp = partition_fragment_C(mma_s, Shape<_64, _64>{});  // dP^T
+      {
+        Tensor tSrQ = thr_s.partition_fragment_B(make_tensor(at((4 + 2 * st) * kT), typename Cfg::Tile{}));
+        Tensor tSrdO = thr_s.partition_fragment_B(make_tensor(at((5 + 2 * st) * kT), typename Cfg::Tile{}));
+        wgmma_issue<false>(mma_s, tSrK, tSrQ, acc_s, /*zero=*/true);
+        wgmma_issue<false>(mma_s, tSrV, tSrdO, acc_dp, /*zero=*/true);
+        wgmma_wait<0>(acc_s);
+        warpgroup_fence_operand(acc_dp);
+      }
+
+      const float* lse_t = lse_s + st * kBM;
+      const float* delta_t = delta_s + st * kBM;
+      const char* mtile = mask_smem + st * MaskT::kBytes;
+      const char* btile = bias_smem + st * BiasT::kBytes;
+      const bool check = partial || (q0 + kBM > p.Lq) || (k0 + kw + 64 > p.Lk);
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        CUTE_UNROLL
+        for (int g = 0; g < kGroups; ++g) {
+          CUTE_UNROLL
+          for (int c2 = 0; c2 < 2; ++c2) {
+            const auto e = make_coord(make_coord(c2, r, g), 0, 0);
+            const int kr = kw + get<0>(cS(e)), qc = get<1>(cS(e));  // key in the CTA tile, query
+            float dt;
+            float s = score<kSoftcap>(acc_s(e), p, dt);
+            if constexpr (kHasBias) s += float(BiasT::read(btile, bias_rows, qc, kr));
+            bool visible = true;
+            if (check) {
+              const int qi = q0 + qc, kj = k0 + kr;
+              // Bitwise, not short-circuit: no per-element branches.
+              visible = (qi < p.Lq) & (kj < p.Lk);
+              visible &= !p.causal | (kj <= qi + p.Lk - p.Lq);
+              if constexpr (kHasMask) {
+                visible &= !partial | (MaskT::read(mtile, mask_rows, qc, kr) != 0);
+              }
+            }
+            float l = lse_t[qc];
+            l = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
+            const float pr = visible ? __expf(s - l) : 0.f;
+            const float ds = pr * (acc_dp(e) - delta_t[qc]);
+            if (keys_dbias) key_dbias[r] += ds;
+            acc_s(e) = pr;
+            acc_dp(e) = ds * dt;
+          }
+        }
+      }
+      Tensor rP = to_type<Elem>(acc_s);
+      Tensor rdS = to_type<Elem>(acc_dp);
+      Tensor tOrP = make_tensor(rP.data(), acc_as_gmma_a_layout(rP.layout()));
+      Tensor tOrdS = make_tensor(rdS.data(), acc_as_gmma_a_layout(rdS.layout()));
+      Tensor tBdOt = thr_g.partition_fragment_B(make_tensor(at((5 + 2 * st) * kT), typename Cfg::TileT{}));
+      Tensor tBQt = thr_g.partition_fragment_B(make_tensor(at((4 + 2 * st) * kT), typename Cfg::TileT{}));
+      wgmma_issue<true>(mma_g, tOrP, tBdOt, acc_dv, /*zero=*/false);
+      wgmma_issue<true>(mma_g, tOrdS, tBQt, acc_dk, /*zero=*/false);
+      wgmma_wait<0>(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      warpgroup_fence_operand(tOrP);
+      warpgroup_fence_operand(tOrdS);
+    }
+
+    if (keys_dbias) {
+      // Each key's row of S^T lies in one quad of one warpgroup: its sum over this head's
+      // queries is a quad reduction, written once (no atomics).
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        const float v = quad_sum(key_dbias[r]);
+        const int kj = k0 + kw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
+        if (lane % 4 == 0 && kj < p.Lk) p.dbias_keys[(int64_t(b) * p.H + h) * p.Lk + kj] = v;
+      }
+    }
+  }
+
+  if (!p.need_dkv) return;
+  Tensor cKV = thr_g.partition_C(make_identity_tensor(Shape<_64, Int<kD>>{}));
+  Elem* dk = reinterpret_cast<Elem*>(p.dk) + int64_t(b) * p.dk_sb + int64_t(hkv) * p.dk_sh;
+  Elem* dv = reinterpret_cast<Elem*>(p.dv) + int64_t(b) * p.dv_sb + int64_t(hkv) * p.dv_sh;
+  store_wg_rows(dk, p.dk_sl, k0 + kw, p.Lk, p.D, p.scale, acc_dk, cKV);
+  store_wg_rows(dv, p.dv_sl, k0 + kw, p.Lk, p.D, 1.f, acc_dv, cKV);
+}
+
+// ---------------------------------------------------------------------------------------------
+// dQ (+ full dbias)
+// ---------------------------------------------------------------------------------------------
+template <bool kSoftcap>
+__global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
+  using Cfg = Sm90BwdConfig<kHeadDimBucket>;
+  constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kD = kHeadDimBucket, kT = Cfg::kT;
+  using MaskT = typename Cfg::MaskTile;
+  using BiasT = typename Cfg::BiasTile;
+  extern __shared__ __align__(1024) char smem[];
+  char* mask_smem = smem + Cfg::kQMaskOff;
+  char* bias_smem = smem + Cfg::kQBiasOff;
+
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int m_block = blockIdx.x;
+  const int b = blockIdx.y / p.H, h = blockIdx.y % p.H;
+  const int q0 = m_block * kBM;
+  const int kw = 64 * wg;  // this warpgroup's keys of each tile: k0 + kw + [0, 64)
+  auto at = [&](int off) { return make_smem_ptr(reinterpret_cast<Elem*>(smem + off)); };
+
+  const int32_t* list;
+  const int n_steps = key_tiles_of<kBM, kBN>(p, b, h, m_block, q0, list);
+
+  typename Cfg::MmaScores mma_s;
+  typename Cfg::MmaGrad mma_g;
+  auto thr_s = mma_s.get_thread_slice(tid % 128);
+  auto thr_g = mma_g.get_thread_slice(tid % 128);
+  Tensor acc_dq = partition_fragment_C(mma_g, Shape<_64, Int<kD>>{});
+  clear(acc_dq);
+  // (query, key) of each S accumulator value, within this warpgroup's 64 x 64 tile.
+  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<_64, _64>{}));
+  constexpr int kGroups = decltype(size<0, 2>(cS))::value;
+
+  if (n_steps > 0) {
+    const FwdTileWalk<kBN> walk(p, b, h, q0, list);
+    const float* lse_g = p.lse + (int64_t(b) * p.H + h) * p.Lq;
+    const float* delta_g = p.delta + (int64_t(b) * p.H + h) * p.Lq;
+    const Elem* dog = reinterpret_cast<const Elem*>(p.dout) + int64_t(b) * p.do_sb +
+                      int64_t(q0) * p.do_sl + int64_t(h) * p.do_sh;
+    // K(s, w) at (2 + 4 s + w) tiles, V(s, w) at (4 + 4 s + w).
+    auto issue = [&](int i) {
+      const int k0 = walk.tile(i) * kBN, st = i & 1;
+      CUTE_UNROLL
+      for (int w = 0; w < 2; ++w) {
+        const int kk = k0 + 64 * w;
+        load_tile64<Cfg>(walk.k + int64_t(kk) * p.k_sl, p.k_sl, p.Lk - kk, p.D,
+                         smem + (2 + 4 * st + w) * kT, tid);
+        load_tile64<Cfg>(walk.v + int64_t(kk) * p.v_sl, p.v_sl, p.Lk - kk, p.D,
+                         smem + (4 + 4 * st + w) * kT, tid);
+      }
+      if constexpr (kHasMask) {
+        if (walk.partial(p, i, k0))
+          MaskT::load(mask_smem + st * MaskT::kBytes, p.mask, walk.mask, q0, k0, p.Lq, p.Lk, tid);
+      }
+      if constexpr (kHasBias) {
+        BiasT::load(bias_smem + st * BiasT::kBytes, p.bias, walk.bias, q0, k0, p.Lq, p.Lk, tid);
+      }
+    };
+
+    load_tile64<Cfg>(walk.q, p.q_sl, p.Lq - q0, p.D, smem, tid);
+    load_tile64<Cfg>(dog, p.do_sl, p.Lq - q0, p.D, smem + kT, tid);
+    issue(0);
+    cp_async_fence();
+
+    // lse / delta of this thread's two rows (rows beyond Lq: lse = +inf so P = 0).
+    float row_lse[2], row_delta[2];
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int qi = q0 + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
+      const float l = qi < p.Lq ? lse_g[qi] : INFINITY;
+      row_lse[r] = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
+      row_delta[r] = qi < p.Lq ? delta_g[qi] : 0.f;
+    }
+    Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(at(0), typename Cfg::Tile{}));
+    Tensor tSrdO = thr_s.partition_fragment_A(make_tensor(at(kT), typename Cfg::Tile{}));
+    const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
+
+    for (int i = 0; i < n_steps; ++i) {
+      const int st = i & 1, k0 = walk.tile(i) * kBN;
+      const bool partial = walk.partial(p, i, k0);
+      cp_async_wait<0>();
+      fence_async_shared();
+      __syncthreads();  // step i's tiles landed; both warpgroups are done with step i - 1's stage
+      if (i + 1 < n_steps) issue(i + 1);
+      cp_async_fence();
+
+      const int k_off = (2 + 4 * st + wg) * kT, v_off = (4 + 4 * st + wg) * kT;
+      Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, _64>{});
+      Tensor acc_dp = partition_fragment_C(mma_s, Shape<_64, _64>{});
+      {
+        Tensor tSrK = thr_s.partition_fragment_B(make_tensor(at(k_off), typename Cfg::Tile{}));
+        Tensor tSrV = thr_s.partition_fragment_B(make_tensor(at(v_off), typename Cfg::Tile{}));
+        wgmma_issue<false>(mma_s, tSrQ, tSrK, acc_s, /*zero=*/true);
+        wgmma_issue<false>(mma_s, tSrdO, tSrV, acc_dp, /*zero=*/true);
+        wgmma_wait<0>(acc_s);
+        warpgroup_fence_operand(acc_dp);
+      }
+
+      const char* mtile = mask_smem + st * MaskT::kBytes;
+      const char* btile = bias_smem + st * BiasT::kBytes;
+      const bool check = partial || (k0 + kw + 64 > p.Lk);
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        CUTE_UNROLL
+        for (int g = 0; g < kGroups; ++g) {
+          CUTE_UNROLL
+          for (int c2 = 0; c2 < 2; ++c2) {
+            const auto e = make_coord(make_coord(c2, r, g), 0, 0);
+            const int qr = get<0>(cS(e)), kc = kw + get<1>(cS(e));  // query, key in the CTA tile
+            float dt;
+            float s = score<kSoftcap>(acc_s(e), p, dt);
+            if constexpr (kHasBias) s += float(BiasT::read(btile, bias_rows, qr, kc));
+            bool visible = true;
+            if (check) {
+              const int qi = q0 + qr, kj = k0 + kc;
+              visible = kj < p.Lk;
+              visible &= !p.causal | (kj <= qi + p.Lk - p.Lq);  // bitwise: branch-free
+              if constexpr (kHasMask) {
+                visible &= !partial | (MaskT::read(mtile, mask_rows, qr, kc) != 0);
+              }
+            }
+            const float pr = visible ? __expf(s - row_lse[r]) : 0.f;
+            const float ds = pr * (acc_dp(e) - row_delta[r]);
+            if constexpr (kHasBias) {
+              if (p.dbias_full != nullptr) {
+                const int qi = q0 + qr, kj = k0 + kc;
+                if (qi < p.Lq && kj < p.Lk) {
+                  Elem* db = reinterpret_cast<Elem*>(p.dbias_full) + int64_t(b) * p.dbf_sb +
+                             int64_t(h) * p.dbf_sh + int64_t(qi) * p.dbf_sq + kj;
+                  *db = Elem(ds);
+                }
+              }
+            }
+            acc_s(e) = ds * dt;
+          }
+        }
+      }
+      Tensor rdS = to_type<Elem>(acc_s);
+      Tensor tOrdS = make_tensor(rdS.data(), acc_as_gmma_a_layout(rdS.layout()));
+      Tensor tBKt = thr_g.partition_fragment_B(make_tensor(at(k_off), typename Cfg::TileT{}));
+      wgmma_issue<true>(mma_g, tOrdS, tBKt, acc_dq, /*zero=*/false);
+      wgmma_wait<0>(acc_dq);
+      warpgroup_fence_operand(tOrdS);
+    }
+  }
+
+  if (!p.need_dq) return;
+  // Warpgroup 1's partial dQ (its half of every key tile) joins warpgroup 0's through the K/V
+  // stages, free now: same fragment layout in both, so thread t adds thread t + 128's values.
+  float* red = reinterpret_cast<float*>(smem + 2 * kT);
+  constexpr int kVals = decltype(size(acc_dq))::value;
+  static_assert(kVals * 128 * 4 <= 8 * kT, "dQ reduction scratch");
+  __syncthreads();
+  if (wg == 1) {
+    CUTE_UNROLL
+    for (int e = 0; e < kVals; ++e) red[e * 128 + tid % 128] = acc_dq(e);
+  }
+  __syncthreads();
+  if (wg == 1) return;
+  CUTE_UNROLL
+  for (int e = 0; e < kVals; ++e) acc_dq(e) += red[e * 128 + tid];
+  Tensor cQ = thr_g.partition_C(make_identity_tensor(Shape<_64, Int<kD>>{}));
+  Elem* dq = reinterpret_cast<Elem*>(p.dq) + int64_t(b) * p.dq_sb + int64_t(h) * p.dq_sh;
+  store_wg_rows(dq, p.dq_sl, q0, p.Lq, p.D, p.scale, acc_dq, cQ);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch
+// ---------------------------------------------------------------------------------------------
+template <bool kSoftcap>
+static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
+  using Cfg = Sm90BwdConfig<kHeadDimBucket>;
+  launch_delta(p, stream);
+  if (p.need_dq || p.dbias_full != nullptr) {
+    auto kernel = &dq_kernel_sm90<kSoftcap>;
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kQSmem);
+    if (err != cudaSuccess) return err;
+    dim3 grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B * p.H);
+    kernel<<<grid, Cfg::kThreads, Cfg::kQSmem, stream>>>(p);
+  }
+  if (p.need_dkv || p.dbias_keys != nullptr) {
+    auto kernel = &dkdv_kernel_sm90<kSoftcap>;
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kKvSmem);
+    if (err != cudaSuccess) return err;
+    dim3 grid((p.Lk + Cfg::kBlockN - 1) / Cfg::kBlockN, p.B * p.Hkv);
+    kernel<<<grid, Cfg::kThreads, Cfg::kKvSmem, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
+  return p.softcap > 0.f ? launch_bwd_sm90<true>(p, stream) : launch_bwd_sm90<false>(p, stream);
+}
+
+int bwd_sm90_block_m() { return Sm90BwdConfig<kHeadDimBucket>::kBlockM; }
+int bwd_sm90_block_n() { return Sm90BwdConfig<kHeadDimBucket>::kBlockN; }
+
+}  // namespace flash_dmattn
+
+#endif  // FLASH_DMATTN_SM90_BWD
