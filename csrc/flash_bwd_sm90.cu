@@ -269,8 +269,8 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
   char* bias_smem = smem + Cfg::kQBiasOff;
 
   const int tid = threadIdx.x, wg = tid / 128;
-  const int m_block = blockIdx.x;
-  const int b = blockIdx.y / p.H, h = blockIdx.y % p.H;
+  const QTileCoord coord = q_tile_coord(p.H);
+  const int m_block = coord.m_block, b = coord.b, h = coord.h;
   const int q0 = m_block * kBM;
   const int kw = 64 * wg;  // this warpgroup's keys of each tile: k0 + kw + [0, 64)
   auto at = [&](int off) { return make_smem_ptr(reinterpret_cast<Elem*>(smem + off)); };
@@ -356,31 +356,37 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
       const char* mtile = mask_smem + st * MaskT::kBytes;
       const char* btile = bias_smem + st * BiasT::kBytes;
       const bool check = partial || (k0 + kw + 64 > p.Lk);
+      const bool use_mask = kHasMask && partial;
+      // A thread's values come in pairs of adjacent keys (c, c + 1), c even: their mask / bias
+      // are read as one 2- / 4-byte word; the causal / ragged bound is one key limit per row.
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
+        const int qr = get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
+        int limit = p.Lk - k0;  // keys k0 + kc with kc < limit are visible to this row
+        if (p.causal) limit = min(limit, q0 + qr + p.Lk - p.Lq - k0 + 1);
+        if (!check) limit = kBN;
         CUTE_UNROLL
         for (int g = 0; g < kGroups; ++g) {
+          const int kc = kw + get<1>(cS(make_coord(make_coord(0, r, g), 0, 0)));
+          float2 b2 = make_float2(0.f, 0.f);
+          if constexpr (kHasBias) b2 = BiasT::read_pair(btile, bias_rows ? qr : 0, kc);
+          uint32_t m2 = 0x0101u;
+          if constexpr (kHasMask) {
+            // Read unconditionally (in bounds either way), used only on partial tiles.
+            const uint32_t raw = MaskT::read_pair(mtile, mask_rows ? qr : 0, kc);
+            m2 = use_mask ? raw : 0x0101u;
+          }
           CUTE_UNROLL
           for (int c2 = 0; c2 < 2; ++c2) {
             const auto e = make_coord(make_coord(c2, r, g), 0, 0);
-            const int qr = get<0>(cS(e)), kc = kw + get<1>(cS(e));  // query, key in the CTA tile
             float dt;
-            float s = score<kSoftcap>(acc_s(e), p, dt);
-            if constexpr (kHasBias) s += float(BiasT::read(btile, bias_rows, qr, kc));
-            bool visible = true;
-            if (check) {
-              const int qi = q0 + qr, kj = k0 + kc;
-              visible = kj < p.Lk;
-              visible &= !p.causal | (kj <= qi + p.Lk - p.Lq);  // bitwise: branch-free
-              if constexpr (kHasMask) {
-                visible &= !partial | (MaskT::read(mtile, mask_rows, qr, kc) != 0);
-              }
-            }
+            const float s = score<kSoftcap>(acc_s(e), p, dt) + (c2 == 0 ? b2.x : b2.y);
+            const bool visible = (kc + c2 < limit) & (((m2 >> (8 * c2)) & 0xffu) != 0u);
             const float pr = visible ? __expf(s - row_lse[r]) : 0.f;
             const float ds = pr * (acc_dp(e) - row_delta[r]);
             if constexpr (kHasBias) {
               if (p.dbias_full != nullptr) {
-                const int qi = q0 + qr, kj = k0 + kc;
+                const int qi = q0 + qr, kj = k0 + kc + c2;
                 if (qi < p.Lq && kj < p.Lk) {
                   Elem* db = reinterpret_cast<Elem*>(p.dbias_full) + int64_t(b) * p.dbf_sb +
                              int64_t(h) * p.dbf_sh + int64_t(qi) * p.dbf_sq + kj;
@@ -433,7 +439,7 @@ static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kQSmem);
     if (err != cudaSuccess) return err;
-    dim3 grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B * p.H);
+    const dim3 grid = q_tile_grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B, p.H);
     kernel<<<grid, Cfg::kThreads, Cfg::kQSmem, stream>>>(p);
   }
   if (p.need_dkv || p.dbias_keys != nullptr) {

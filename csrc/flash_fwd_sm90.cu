@@ -72,11 +72,8 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
   extern __shared__ __align__(1024) char smem[];
 
   const int tid = threadIdx.x;
-  // Causal rows near the end visit the most key tiles: start those first, so the last wave of
-  // CTAs is made of short ones (T1 fwd 2.77 -> 2.59 ms on an H200).
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int bh = blockIdx.y;
-  const int b = bh / p.H, h = bh % p.H;
+  const QTileCoord coord = q_tile_coord(p.H);
+  const int m_block = coord.m_block, b = coord.b, h = coord.h;
   const int q0 = m_block * kBlockM;
 
   const int32_t* list;
@@ -329,7 +326,7 @@ static cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
   if (err != cudaSuccess) return err;
-  dim3 grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B * p.H);
+  const dim3 grid = q_tile_grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B, p.H);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(p);
   return cudaGetLastError();
 }

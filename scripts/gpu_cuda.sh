@@ -5,7 +5,7 @@
 # triton and the baselines on T2 and T1. Logs go to $OUT.
 #   bash scripts/gpu_cuda.sh            (run with carry: [".wheels"])
 source "$(dirname "$0")/device_common.sh"
-export FLASH_DMATTN_CACHE_DIR="$W/cache"
+export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}
 export MAX_JOBS=16
 device_install cutlass
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -2;

@@ -73,6 +73,32 @@ struct GmmaTiles {
       Rows<R>{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<R>>{}, Step<_2, _1>{})));
 };
 
+// Launch order of the Hopper kernels with one CTA per (query tile, b, h). The heaviest query
+// tiles (the last ones, under causal masking) go first so the final wave is made of short CTAs,
+// and -- default -- the heads of one query tile are launched next to each other, so the query
+// heads of a GQA group read their shared K / V and mask / bias tiles while they are in L2.
+// FLASH_DMATTN_GRID_ORDER=1: query tiles fastest (heaviest first), =2: query tiles fastest in
+// order (A/B comparisons on the GPU).
+#ifndef FLASH_DMATTN_GRID_ORDER
+#define FLASH_DMATTN_GRID_ORDER 0
+#endif
+struct QTileCoord {
+  int m_block, b, h;
+};
+inline dim3 q_tile_grid(int m_blocks, int B, int H) {
+  return FLASH_DMATTN_GRID_ORDER == 0 ? dim3(m_blocks * H, B) : dim3(m_blocks, B * H);
+}
+__device__ __forceinline__ QTileCoord q_tile_coord(int H) {
+#if FLASH_DMATTN_GRID_ORDER == 0
+  const int m_blocks = gridDim.x / H;
+  return {m_blocks - 1 - int(blockIdx.x) / H, int(blockIdx.y), int(blockIdx.x) % H};
+#elif FLASH_DMATTN_GRID_ORDER == 1
+  return {int(gridDim.x - 1 - blockIdx.x), int(blockIdx.y) / H, int(blockIdx.y) % H};
+#else
+  return {int(blockIdx.x), int(blockIdx.y) / H, int(blockIdx.y) % H};
+#endif
+}
+
 // Store a warpgroup's m64 fp32 accumulator (its value (c, r, g) is row 8 r + lane / 4 (+ 16 per
 // warp), column 8 g + 2 (lane % 4) + c, as `coord` gives them) times `mul` into rows row0 + row of
 // `base` (row stride in elements), rows < `rows` and columns < D only. A thread's columns come in
