@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
   char* bias_smem = smem + Cfg::kQBiasOff;
 
   const int tid = threadIdx.x, wg = tid / 128;
-  const QTileCoord coord = q_tile_coord(p.H);
+  const QTileCoord coord = q_tile_coord(p.H, p.Hkv);
   const int m_block = coord.m_block, b = coord.b, h = coord.h;
   const int q0 = m_block * kBM;
   const int kw = 64 * wg;  // this warpgroup's keys of each tile: k0 + kw + [0, 64)
@@ -439,7 +439,7 @@ static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kQSmem);
     if (err != cudaSuccess) return err;
-    const dim3 grid = q_tile_grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B, p.H);
+    const dim3 grid = q_tile_grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B, p.H, p.Hkv);
     kernel<<<grid, Cfg::kThreads, Cfg::kQSmem, stream>>>(p);
   }
   if (p.need_dkv || p.dbias_keys != nullptr) {

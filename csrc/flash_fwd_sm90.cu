@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
   extern __shared__ __align__(1024) char smem[];
 
   const int tid = threadIdx.x;
-  const QTileCoord coord = q_tile_coord(p.H);
+  const QTileCoord coord = q_tile_coord(p.H, p.Hkv);
   const int m_block = coord.m_block, b = coord.b, h = coord.h;
   const int q0 = m_block * kBlockM;
 
@@ -326,7 +326,7 @@ static cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
   if (err != cudaSuccess) return err;
-  const dim3 grid = q_tile_grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B, p.H);
+  const dim3 grid = q_tile_grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B, p.H, p.Hkv);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(p);
   return cudaGetLastError();
 }
