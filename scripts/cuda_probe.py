@@ -3,7 +3,8 @@
     python3 scripts/cuda_probe.py            (FLASH_DMATTN_CUDA_FLAGS selects a build variant)
 
 Prints the module's block sizes, the kernel names a profiled forward launches with their GPU
-times, and the median forward time next to cuDNN SDPA on the same inputs.
+times, the median forward time next to cuDNN SDPA on the same inputs, and the per-kernel GPU
+times of one forward + backward.
 """
 import os
 import sys
@@ -57,6 +58,18 @@ def main():
     nc = lambda: attn(q, k, v, is_causal=False)
     t_n = time_ms(nc)
     print(f"T1 non-causal fwd cuda {t_n:.3f} ms ({2 * flops / t_n / 1e9:.0f} TFLOP/s)")
+    # Where the backward's time goes: per-kernel GPU times of one causal fwd + bwd.
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    gout = torch.randn_like(q)
+    step = lambda: torch.autograd.grad(attn(qg, kg, vg, is_causal=True), (qg, kg, vg), gout)
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            print(f"  fwd+bwd kernel {evt.key[:62]:62s} {evt.device_time_total / 1e3:.3f} ms")
     sys.stdout.flush()
 
 
