@@ -11,24 +11,27 @@ Sequence layout (``L = seq_len``, ``N = num_pairs``, ``Q = num_queries``, defaul
 
     position  0 .. 2N-1        k_1 v_1 k_2 v_2 ... k_N v_N     the key-value pairs
     position  2N .. L-2Q-1     f f f ... f                     filler / noise tokens
-    position  L-2Q .. L-1      k_a v_a k_b v_b ...             Q queries: keys seen above,
-                                                               each followed by its value
+    position  L-2Q .. L-1      k_a f k_b f ...                 Q queries: keys seen above,
+                                                               each followed by a filler token
 
 Token ids come from three disjoint ranges: keys ``[0, key_vocab)``, values
 ``[key_vocab, key_vocab + value_vocab)``, filler after that. The keys of one sequence are
 distinct (so every query has one answer); values are drawn with replacement; the queried
 keys are a random subset (in random order) of the sequence's keys.
 
-Targets follow the language-modelling convention: the position holding a query key is
-trained to predict the next token, which is the value paired with that key. Every other
-position has target ``-100`` (ignored), so the loss and the accuracy only cover the ``Q``
-query positions. Accuracy is the fraction of those positions whose argmax prediction is
-exactly the paired value.
+As in Zoology, the answers are labels only: the position holding a query key is trained to
+predict the value paired with that key, and that value does not appear in the query part of
+the input (the token after each query key is filler). Every other position has target
+``-100`` (ignored), so the loss and the accuracy only cover the ``Q`` query positions.
+Accuracy is the fraction of those positions whose argmax prediction is exactly the paired
+value. (An earlier version put each answer after its query as the next token; that let a
+model score ~H_N / N, 0.34 for 8 pairs, without any recall, by guessing among the pair values
+not yet given in the query part, and models with MLPs stayed on that shortcut.)
 
 The model is a small pre-norm transformer: token embedding, rotary positions (passed to
-the attention layer as ``position_embeddings=(cos, sin)``), 2 blocks of
-``RMSNorm -> attention -> residual -> RMSNorm -> MLP -> residual``, a final RMSNorm and an
-LM head. The attention is :class:`flash_dmattn.modules.DynamicMaskAttention` (causal, GQA
+the attention layer as ``position_embeddings=(cos, sin)``), 2 attention-only blocks
+``RMSNorm -> attention -> residual`` (Zoology's MQAR models have no MLP either;
+``--mlp-ratio`` adds ``RMSNorm -> MLP -> residual``), a final RMSNorm and an LM head. The attention is :class:`flash_dmattn.modules.DynamicMaskAttention` (causal, GQA
 optional) with the chosen ``window_size``; ``full`` uses ``window_size = seq_len`` (DMA bias,
 no key selection) and ``dense`` swaps in plain causal attention through
 ``torch.nn.functional.scaled_dot_product_attention`` (same projections and rotary, no DMA
@@ -37,8 +40,8 @@ bias) as the time-per-step baseline.
 Run::
 
     python -m examples.mqar --smoke --device cpu --out /tmp/mqar        # seconds, on CPU
-    python -m examples.mqar --device cuda --seq-len 1024 --num-pairs 64 \\
-        --windows 32,64,128,256,512,full,dense --steps 2000 --batch-size 64 --lr 1e-3
+    python -m examples.mqar --device cpu --seq-len 64 --num-pairs 8 --d-model 64 --num-heads 2 \\
+        --windows dense --steps 1500 --batch-size 64 --eval-every 250     # solves it: ~1.0
 
 One model is trained per window setting, from the same initialisation (same seed) on the
 same stream of batches; the script reports the final eval accuracy and the median training
@@ -213,9 +216,9 @@ def generate_batch(
     query_values = values.gather(1, picked)
     start = cfg.query_start
     tokens[:, start::2] = query_keys
-    # The value follows its query key as the next token (as in text); a causal model cannot
-    # see it from the query position, so it does not leak the answer.
-    tokens[:, start + 1 :: 2] = query_values
+    # The answers are labels only (as in Zoology): the token after each query key stays
+    # filler. Writing the value there, as text would, lets later queries be guessed by
+    # elimination among the pair values not yet given, a shortcut that needs no recall.
 
     targets = torch.full_like(tokens, IGNORE_INDEX)
     targets[:, start::2] = query_values
@@ -228,7 +231,13 @@ def generate_batch(
 @dataclass
 class ModelConfig:
     """Model shape. ``window`` is an int (DMA ``window_size``), ``"full"`` (DMA with
-    ``window_size = seq_len``) or ``"dense"`` (plain SDPA attention)."""
+    ``window_size = seq_len``) or ``"dense"`` (plain SDPA attention).
+
+    ``mlp_ratio = 0`` (the default) builds attention-only blocks, as Zoology's MQAR models
+    (``state_mixer = Identity``); ``> 0`` adds an MLP of width ``mlp_ratio * d_model``.
+    ``qk_init_std`` is the init std of the q/k projections (``None``: ``d_model ** -0.5``);
+    see :meth:`MQARModel._init_weights` for why it is not the 0.02 of the other weights.
+    """
 
     vocab_size: int
     seq_len: int
@@ -236,10 +245,11 @@ class ModelConfig:
     num_heads: int = 4
     num_kv_heads: Optional[int] = None
     num_layers: int = 2
-    mlp_ratio: int = 4
+    mlp_ratio: int = 0
     window: object = "full"
     backend: Optional[str] = None
     rope_base: float = 10000.0
+    qk_init_std: Optional[float] = None
 
 
 def rotary_tables(
@@ -292,7 +302,8 @@ class DenseAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then (``mlp_ratio > 0``)
+    ``x + mlp(norm(x))``."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -309,28 +320,36 @@ class Block(nn.Module):
                 is_causal=True,
                 backend=cfg.backend,
             )
-        self.mlp_norm = nn.RMSNorm(cfg.d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=False),
-            nn.GELU(),
-            nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=False),
-        )
+        self.mlp_norm = self.mlp = None
+        if cfg.mlp_ratio:
+            self.mlp_norm = nn.RMSNorm(cfg.d_model)
+            self.mlp = nn.Sequential(
+                nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=False),
+                nn.GELU(),
+                nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=False),
+            )
 
     def forward(self, x: torch.Tensor, rope: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), position_embeddings=rope)
+        if self.mlp is None:
+            return x
         return x + self.mlp(self.mlp_norm(x))
 
 
 class MQARModel(nn.Module):
     """Token embedding + rotary positions -> ``num_layers`` blocks -> RMSNorm -> LM head.
 
-    ``forward(tokens (B, L) int64) -> logits (B, L, vocab_size)``.
+    ``forward(tokens (B, L) int64) -> logits (B, L, vocab_size)``;
+    ``forward(tokens, positions (P,) int64) -> logits (B, P, vocab_size)`` only at ``positions``
+    (training and evaluation only need the query positions; this skips the LM head elsewhere).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.d_model % cfg.num_heads != 0:
             raise ValueError(f"d_model ({cfg.d_model}) must be divisible by num_heads ({cfg.num_heads})")
+        if isinstance(cfg.mlp_ratio, bool) or not isinstance(cfg.mlp_ratio, int) or cfg.mlp_ratio < 0:
+            raise ValueError(f"mlp_ratio must be an int >= 0, got {cfg.mlp_ratio!r}")
         self.cfg = cfg
         self.head_dim = cfg.d_model // cfg.num_heads
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -342,17 +361,30 @@ class MQARModel(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
+        # The q/k projections are re-initialised with std d_model ** -0.5 (PyTorch's default
+        # Linear scale). With GPT-2's 0.02 at these small widths (tuned for d_model >= 768) the
+        # attention logits start near 0.03: every head is uniform, and the gradient that would
+        # grow the bilinear q.k form is itself scaled by the tiny weights. The 2-layer recall
+        # circuit (a previous-token head in layer 1, a key-matching head in layer 2) then does
+        # not form: on CPU (seq 64, 8 pairs, d_model 64) the dense baseline sat at the
+        # "copy a value that has not been answered yet" plateau (accuracy ~0.32) for 4000 steps
+        # with 0.02, and reached 1.0 by step 500 with std 0.125 (examples/README.md).
+        qk_std = cfg.d_model ** -0.5 if cfg.qk_init_std is None else cfg.qk_init_std
+        for block in self.blocks:
+            for proj in (block.attn.q_proj, block.attn.k_proj):
+                nn.init.normal_(proj.weight, std=qk_std)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
-        # GPT-2-style small init; PyTorch's default Embedding init (std 1) makes the
-        # residual stream large relative to the blocks' outputs and slows early training.
+        # GPT-2-style small init for everything but q/k (see __init__); PyTorch's default
+        # Embedding init (std 1) makes the residual stream large relative to the blocks'
+        # outputs and slows early training.
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         length = tokens.shape[1]
         if length > self.cfg.seq_len:
             raise ValueError(f"sequence length {length} exceeds the model's seq_len {self.cfg.seq_len}")
@@ -360,6 +392,8 @@ class MQARModel(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, rope)
+        if positions is not None:
+            x = x[:, positions]
         return self.lm_head(self.norm(x))
 
 
@@ -429,11 +463,12 @@ def _lr_factor(step: int, total: int, warmup_frac: float) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _loss(logits: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    # Only the query positions carry targets; slicing them first keeps the float32
-    # cross-entropy small (Q positions instead of L).
-    sel_logits = logits[:, positions].float()
-    sel_targets = targets[:, positions]
+def _loss(sel_logits: torch.Tensor, sel_targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``(B, Q, V)`` logits at the query positions against their ``(B, Q)`` targets.
+
+    Only the query positions carry targets, so the model computes logits there only (the LM
+    head and the float32 cross-entropy over Q positions instead of L)."""
+    sel_logits = sel_logits.float()
     return F.cross_entropy(sel_logits.reshape(-1, sel_logits.shape[-1]), sel_targets.reshape(-1))
 
 
@@ -462,10 +497,11 @@ def evaluate(
         b = min(batch_size, eval_size - done)
         tokens, targets = generate_batch(task, b, gen, device)
         with _autocast(device, dtype):
-            logits = model(tokens)
-        loss_sum += _loss(logits, targets, positions).item() * b
-        pred = logits[:, positions].argmax(-1)
-        correct += (pred == targets[:, positions]).sum().item()
+            logits = model(tokens, positions)
+        sel_targets = targets[:, positions]
+        loss_sum += _loss(logits, sel_targets).item() * b
+        pred = logits.argmax(-1)
+        correct += (pred == sel_targets).sum().item()
         total += pred.numel()
         done += b
     model.train(was_training)
@@ -529,8 +565,8 @@ def train_model(
         _sync(device)
         t0 = time.perf_counter()
         with _autocast(device, train_cfg.dtype):
-            logits = model(tokens)
-        loss = _loss(logits, targets, positions)
+            logits = model(tokens, positions)
+        loss = _loss(logits, targets[:, positions])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         # Clipping keeps the occasional large early step (before the recall circuit forms)
@@ -637,7 +673,8 @@ def _markdown(doc: Dict[str, object]) -> str:
         f"- task: seq_len {cfg['task']['seq_len']}, {cfg['task']['num_pairs']} pairs, "
         f"{cfg['task']['num_queries']} queries, vocab {cfg['vocab_size']}",
         f"- model: d_model {cfg['model']['d_model']}, {cfg['model']['num_layers']} layers, "
-        f"{cfg['model']['num_heads']} heads / {cfg['model']['num_kv_heads'] or cfg['model']['num_heads']} kv heads",
+        f"{cfg['model']['num_heads']} heads / {cfg['model']['num_kv_heads'] or cfg['model']['num_heads']} kv heads, "
+        + (f"MLP ratio {cfg['model']['mlp_ratio']}" if cfg["model"].get("mlp_ratio") else "attention-only (no MLP)"),
         f"- training: {cfg['train']['steps']} steps, batch {cfg['train']['batch_size']}, lr {cfg['train']['lr']}, "
         f"{cfg['train']['dtype']}; eval on {cfg['train']['eval_size']} sequences",
         "- ms/step: median forward+backward+optimizer time after "
@@ -716,6 +753,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=None, help="GQA: fewer kv heads (default: --num-heads)")
     p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--mlp-ratio", type=int, default=0,
+                   help="MLP width / d_model per block; 0 (default): attention-only blocks, as Zoology's MQAR models")
+    p.add_argument("--rope-base", type=float, default=10000.0, help="rotary base (theta)")
+    p.add_argument("--qk-init-std", type=float, default=None,
+                   help="init std of the q/k projections (default: d_model ** -0.5; the other weights use 0.02)")
     p.add_argument("--windows", default="32,64,128,256,512,full",
                    help="comma list of DMA window sizes, 'full' (window = seq_len) and/or 'dense' (SDPA)")
     p.add_argument("--window-size", type=int, default=None, help="train a single DMA window (overrides --windows)")
@@ -765,6 +807,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             windows = parse_windows(args.windows)
         for name in ("steps", "batch_size", "eval_size", "d_model", "num_heads", "num_layers"):
             _check_positive(name.replace("_", "-"), getattr(args, name))
+        if args.mlp_ratio < 0:
+            raise ValueError(f"mlp-ratio must be >= 0, got {args.mlp_ratio}")
+        if not args.rope_base > 1:
+            raise ValueError(f"rope-base must be > 1, got {args.rope_base}")
+        if args.qk_init_std is not None and not args.qk_init_std > 0:
+            raise ValueError(f"qk-init-std must be > 0, got {args.qk_init_std}")
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
 
@@ -779,7 +827,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     model_template = ModelConfig(
         vocab_size=task.vocab_size, seq_len=task.seq_len, d_model=args.d_model, num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads, num_layers=args.num_layers, backend=args.backend,
+        num_kv_heads=args.num_kv_heads, num_layers=args.num_layers, mlp_ratio=args.mlp_ratio,
+        qk_init_std=args.qk_init_std, rope_base=args.rope_base, backend=args.backend,
     )
     config = {
         "task": asdict(task),
