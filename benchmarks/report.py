@@ -30,6 +30,10 @@ class Row:
     speedup_fwd: Optional[float] = None
     speedup_fwd_bwd: Optional[float] = None
     tb_per_s: Optional[float] = None
+    # Forward-only (decode) workloads on CUDA: one replay of the call captured in a CUDA graph
+    # (the kernels' time without the host's launch overhead) and its bandwidth.
+    fwd_graph_ms: Optional[float] = None
+    tb_per_s_graph: Optional[float] = None
     peak_extra_mib: Optional[float] = None
     peak_phase: Optional[str] = None
     rel_err: Optional[float] = None
@@ -106,7 +110,7 @@ def markdown(rows: List[Row], env: dict, suites: List[str]) -> str:
         decode = suite == "decode"
         cols = ["workload", "impl", "fwd ms", "fwd+bwd ms", "TFLOP/s fwd / fwd+bwd", "speedup fwd / fwd+bwd"]
         if decode:
-            cols = ["workload", "impl", "fwd ms", "TFLOP/s", "TB/s", "speedup"]
+            cols = ["workload", "impl", "fwd ms", "TB/s", "speedup", "graph fwd ms", "graph TB/s"]
         varlen = suite == "varlen"
         if varlen:
             cols += ["packed/sequential fwd / fwd+bwd", "packed/padded fwd / fwd+bwd"]
@@ -117,8 +121,9 @@ def markdown(rows: List[Row], env: dict, suites: List[str]) -> str:
             label = r.workload if r.workload != previous else ""
             previous = r.workload
             if decode:
-                cells = [label, r.impl, fmt_ms(r.fwd_ms), _num(r.tflops_fwd, "rate"), _num(r.tb_per_s, "rate"),
-                         _num(r.speedup_fwd, "ratio") + ("×" if r.speedup_fwd is not None else "")]
+                cells = [label, r.impl, fmt_ms(r.fwd_ms), _num(r.tb_per_s, "rate"),
+                         _num(r.speedup_fwd, "ratio") + ("×" if r.speedup_fwd is not None else ""),
+                         fmt_ms(r.fwd_graph_ms), _num(r.tb_per_s_graph, "rate")]
             else:
                 cells = [label, r.impl, fmt_ms(r.fwd_ms), fmt_ms(r.fwd_bwd_ms),
                          _pair(r.tflops_fwd, r.tflops_fwd_bwd, "rate"),
@@ -134,7 +139,7 @@ def markdown(rows: List[Row], env: dict, suites: List[str]) -> str:
         "causal, backward = 2.5× forward) whatever the sparsity, so a sparse kernel can exceed the "
         "hardware peak. Speedup = time of the row marked as the workload's dense SDPA baseline "
         "(cuDNN on CUDA, PyTorch's default on CPU; dense causal for masked workloads) / this row's "
-        "time. TB/s (decode) = bytes of K+V (+ per-key mask and bias) / forward time, counting only the used keys of a part-filled cache (flash_dmattn gets cache_seqlens; the baselines K/V sliced to the used length). Peak extra = "
+        "time. TB/s (decode) = bytes of K+V (+ per-key mask and bias) / forward time, counting only the used keys of a part-filled cache (flash_dmattn gets cache_seqlens; the baselines K/V sliced to the used length). graph fwd ms / graph TB/s (decode, CUDA): the same call captured once in a CUDA graph and replayed, i.e. the kernels' time without the host's launch overhead, which dominates eager decode steps of a few microseconds. Peak extra = "
         "max_memory_allocated during one call minus what was allocated before it (inputs excluded). "
         "rel err = max over out, dq, dk, dv (and dbias) of ‖x−ref‖/‖ref‖ against the torch-reference "
         "backend in float32 on the same inputs, computed where Lq·Lk ≤ 8192². flex-direct's "

@@ -29,7 +29,7 @@ from flash_dmattn.registry import PRIORITY
 from . import report
 from .impls import Declined, Impl, RunContext, Skipped, implementations
 from .report import DECLINED, ERROR, OK, PARTIAL, SKIPPED, Row
-from .timing import peak_extra_mib, time_ms, timing_method
+from .timing import graph_time_ms, peak_extra_mib, time_ms, timing_method
 from .workloads import SUITES, Case, Workload, build_case, workloads_for
 
 # The float32 oracle is O(Lq·Lk) work per call: affordable up to 8192², not beyond.
@@ -231,6 +231,10 @@ def run_impl(case: Case, impl: Impl, ctx: RunContext, ref: Optional[Dict[str, to
         if not backward:
             row.peak_extra_mib, row.peak_phase = peak_extra_mib(fwd, device), "fwd"
         row.fwd_ms = time_ms(fwd, device, CPU_REPEATS)
+        if w.forward_only and device.type == "cuda":
+            row.fwd_graph_ms, why = graph_time_ms(fwd, device)
+            if why:
+                row.notes.append(why)
 
     def forward_backward():
         reason = impl.backward_skip_reason(ctx)
@@ -273,6 +277,8 @@ def _derive_rates(row: Row, w: Workload, dtype: torch.dtype) -> None:
         row.tflops_fwd = w.flops_fwd() / (row.fwd_ms * 1e-3) / 1e12
         if w.forward_only:
             row.tb_per_s = w.io_bytes(dtype) / (row.fwd_ms * 1e-3) / 1e12
+    if row.fwd_graph_ms:
+        row.tb_per_s_graph = w.io_bytes(dtype) / (row.fwd_graph_ms * 1e-3) / 1e12
     if row.fwd_bwd_ms:
         row.tflops_fwd_bwd = w.flops_fwd_bwd() / (row.fwd_bwd_ms * 1e-3) / 1e12
 
@@ -328,7 +334,8 @@ def run_workload(w: Workload, ctx: RunContext, backends: List[str]) -> List[Row]
         rows.append(row)
         print(
             f"   {row.impl:<36} fwd {report.fmt_ms(row.fwd_ms):>9} ms  fwd+bwd {report.fmt_ms(row.fwd_bwd_ms):>9} ms"
-            f"  {row.status}  err {report.fmt_err(row)}"
+            + (f"  graph {report.fmt_ms(row.fwd_graph_ms)} ms" if row.fwd_graph_ms else "")
+            + f"  {row.status}  err {report.fmt_err(row)}"
             f"{'  ' + '; '.join(row.notes) if row.notes else ''}",
             flush=True,
         )

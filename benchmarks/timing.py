@@ -4,7 +4,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -38,6 +38,36 @@ def time_ms(fn: Callable[[], object], device: torch.device, cpu_repeats: int = 3
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
+
+
+def graph_time_ms(fn: Callable[[], object], device: torch.device) -> Tuple[Optional[float], str]:
+    """Median milliseconds of one replay of ``fn`` captured in a CUDA graph, or (None, why).
+
+    A decode step is a few microseconds of GPU work behind tens of microseconds of Python and
+    launch overhead, so an eager timing measures the host; servers replay captured graphs, and
+    the replay time is what the kernels cost (the bandwidth the decode target is about).
+    ``fn`` must have run once already (autotuning and compiles happen outside the capture).
+    """
+    if device.type != "cuda":
+        return None, "no CUDA graphs off CUDA"
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up on a side stream, as torch.cuda.graphs asks
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001  (an implementation that cannot be captured)
+        torch.cuda.synchronize()
+        return None, f"CUDA graph capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    try:
+        return time_ms(graph.replay, device), ""
+    finally:
+        del graph
 
 
 def _cuda_event_median(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:

@@ -11,9 +11,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from .intmath import cdiv
 
 
 def block_reduce(t: Tensor, dim: int, block: int, op: str) -> Tensor:

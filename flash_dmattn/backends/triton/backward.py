@@ -72,6 +72,7 @@ from .forward import (
 from .gather import plan_key_gather
 from .mask_summary import summarize_mask, summary_blocks, wants_summary
 from .tiles import build_tile_lists
+from ...intmath import cdiv
 
 # dbias modes of the dK/dV kernel.
 _DB_NONE, _DB_TILE, _DB_QRED, _DB_KRED, _DB_SCALAR = 0, 1, 2, 3, 4
@@ -737,14 +738,14 @@ def attention_backward(
         return dq, dk, dv, (torch.zeros_like(bias) if want_db else None)
 
     (block_m, block_n), (block_m2, block_n2) = bwd_blocks(D)
-    n_q_tiles = triton.cdiv(Lq, block_m)
-    n_k_tiles = triton.cdiv(Lk, block_n)
+    n_q_tiles = cdiv(Lq, block_m)
+    n_k_tiles = cdiv(Lk, block_n)
     bd = head_block(D)
     interp = interpret_mode()
 
     delta = torch.empty((B, H, Lq), dtype=torch.float32, device=device)
     pre_bm = 16 if interp else 64
-    _bwd_preprocess[(triton.cdiv(Lq, pre_bm), B * H)](
+    _bwd_preprocess[(cdiv(Lq, pre_bm), B * H)](
         out, dout, delta,
         out.stride(0), out.stride(1), out.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
@@ -858,10 +859,10 @@ def attention_backward(
             dout.stride(0), dout.stride(1), dout.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
             *dq_ms, *bs, *lst, lhd,
-            H, G, Lq, Lk, triton.cdiv(Lk, block_n2), 0,
+            H, G, Lq, Lk, cdiv(Lk, block_n2), 0,
             *scal,
         )
-        grid = (triton.cdiv(Lq, block_m2), B * H)
+        grid = (cdiv(Lq, block_m2), B * H)
         _launch_dq(grid, args, dict(flags, VARLEN=False))
 
     return dq, dk, dv, dbias
@@ -939,7 +940,7 @@ def attention_backward_varlen(
     # delta = rowsum(dout * out) in lse's (H, total_q) layout: the packed rows are batch 1.
     delta = torch.empty((H, total_q), dtype=torch.float32, device=device)
     pre_bm = 16 if interpret_mode() else 64
-    _bwd_preprocess[(triton.cdiv(total_q, pre_bm), H)](
+    _bwd_preprocess[(cdiv(total_q, pre_bm), H)](
         out, dout, delta,
         0, out.stride(0), out.stride(1),
         0, dout.stride(0), dout.stride(1),
@@ -1007,7 +1008,7 @@ def attention_backward_varlen(
         )
         meta = dict(flags, STORE_DKV=needs_dkv, DB_MODE=db_mode, DB_ACC=_ACC_STORE,
                     DB_GROUP=db_group)
-        _launch_dkdv((triton.cdiv(max_seqlen_k, block_n), n_seqs * Hkv), args, meta)
+        _launch_dkdv((cdiv(max_seqlen_k, block_n), n_seqs * Hkv), args, meta)
         if needs_dkv:
             tail_k = varlen_tail_rows(cu_k, total_k)[:, None, None]
             dk.masked_fill_(tail_k, 0.0)
@@ -1027,11 +1028,11 @@ def attention_backward_varlen(
             0, dout.stride(0), dout.stride(1),
             0, dq.stride(0), dq.stride(1),
             *ms, *bs, *lst,
-            H, G, max_seqlen_q, max_seqlen_k, triton.cdiv(max_seqlen_k, block_n2), lse.stride(0),
+            H, G, max_seqlen_q, max_seqlen_k, cdiv(max_seqlen_k, block_n2), lse.stride(0),
             *scal,
         )
         meta = dict(flags, BLOCK_M=block_m2, BLOCK_N=block_n2, GATHER=False)
-        _launch_dq((triton.cdiv(max_seqlen_q, block_m2), n_seqs * H), args, meta)
+        _launch_dq((cdiv(max_seqlen_q, block_m2), n_seqs * H), args, meta)
         dq.masked_fill_(varlen_tail_rows(cu_q, total_q)[:, None, None], 0.0)
 
     return dq, dk, dv, dbias

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...intmath import cdiv, next_power_of_2
 from .forward import (
     LOG2E,
     _dot,
@@ -205,7 +206,8 @@ def _decode_tile(q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok,
                  DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """One key tile of the online softmax (log2 domain); returns the updated acc, m, l.
 
-    ``PAGE_SIZE > 0``: paged K/V; each key's page comes from the block table (loaded only for
+    ``n_ok``: the keys whose K, V (and page id, bias) are loaded; the others read as zeros and
+    must be hidden by ``vis``. ``PAGE_SIZE > 0``: paged K/V; each key's page comes from the block table (loaded only for
     keys in range, so unused table entries past the used length are never read).
     """
     if PAGE_SIZE > 0:
@@ -334,14 +336,16 @@ def _decode_split_kernel(
         if IS_CAUSAL:
             vis = vis & (offs_n[None, :] <= qi[:, None] + (kv_len - seqlen_q))
         if HAS_MASK:
-            # A tile the mask hides entirely is never loaded: block skipping for sparse dynamic
-            # masks. Without a mask the loop stays branch-free (pipelined loads).
-            if tl.sum(vis.to(tl.int32)) > 0:
-                acc, m_i, l_i = _decode_tile(
-                    q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok, row_ok,
-                    offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
-                    bt_base, num_pages, stride_kb, stride_vb,
-                    HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST, PAGE_SIZE)
+            # Loads are predicated on the keys some row can see, instead of branching over
+            # fully hidden tiles: a branch around the loads stops Triton from pipelining them
+            # (the masked step ran at 2.8x the dense time on an H200), while a key that no row
+            # sees now costs no K/V/bias bytes at all, so the step reads only what it must.
+            key_live = tl.max(vis.to(tl.int32), 0) > 0
+            acc, m_i, l_i = _decode_tile(
+                q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, key_live, row_ok,
+                offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
+                bt_base, num_pages, stride_kb, stride_vb,
+                HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST, PAGE_SIZE)
         else:
             acc, m_i, l_i = _decode_tile(
                 q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok, row_ok,
@@ -451,9 +455,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torc
     if seqlen_k <= 0:
         return 1
     if device.type != "cuda":
-        return max(1, min(3, triton.cdiv(seqlen_k, 16)))
-    want = triton.cdiv(4 * _sm_count(device), max(1, batch * num_kv_heads))
-    cap = max(1, min(MAX_SPLITS, triton.cdiv(seqlen_k, MIN_KEYS_PER_SPLIT)))
+        return max(1, min(3, cdiv(seqlen_k, 16)))
+    want = cdiv(4 * _sm_count(device), max(1, batch * num_kv_heads))
+    cap = max(1, min(MAX_SPLITS, cdiv(seqlen_k, MIN_KEYS_PER_SPLIT)))
     return max(1, min(want, cap))
 
 
@@ -524,8 +528,8 @@ def decode_forward(
     if num_splits is None:
         num_splits = choose_num_splits(B, Hkv, Lk, device)
     align = 16 if interp else SPLIT_ALIGN
-    keys_per_split = triton.cdiv(triton.cdiv(Lk, max(1, num_splits)), align) * align
-    num_splits = triton.cdiv(Lk, keys_per_split)  # no split that starts past the capacity
+    keys_per_split = cdiv(cdiv(Lk, max(1, num_splits)), align) * align
+    num_splits = cdiv(Lk, keys_per_split)  # no split that starts past the capacity
 
     split_rows = B * H * Lq
     o_part = alloc_output((num_splits, split_rows, D), torch.float32, device)
@@ -542,7 +546,7 @@ def decode_forward(
         return t is not None and (t.size(2) == 1 or Lq == 1) and (t.size(1) != H or G == 1)
 
     has_softcap = softcap > 0.0
-    block_m = max(16, triton.next_power_of_2(rows))
+    block_m = max(16, next_power_of_2(rows))
     cache_arg = cache_seqlens if cache_seqlens is not None else q
     table_arg = block_table if block_table is not None else q
     args = (
@@ -574,7 +578,7 @@ def decode_forward(
         o_part, l_part, out, lse,
         num_splits, split_rows, H, Lq,
         out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_S=max(2, next_power_of_2(num_splits)),
         num_warps=1 if head_block(D) <= 64 else 2,
     )
     return out, lse

@@ -24,6 +24,7 @@ import triton.language as tl
 from .gather import plan_key_gather
 from .mask_summary import summarize_mask, wants_summary
 from .tiles import TileLists, build_tile_lists, build_varlen_key_lists
+from ...intmath import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -51,7 +52,7 @@ def dot_upcast(dtype: torch.dtype) -> bool:
 
 def head_block(head_dim: int) -> int:
     """Padded head dim: next power of two, at least 16 (tl.dot's minimum K)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +61,7 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def seqlen_bucket(n: int) -> int:
     """Autotune key bucket: sequence lengths within a power of two share tuned configs."""
-    return triton.next_power_of_2(max(n, 1))
+    return next_power_of_2(max(n, 1))
 
 
 def broadcast_strides(t: Optional[torch.Tensor], num_heads: int):
@@ -607,8 +608,8 @@ def attention_forward(
         ms = broadcast_strides(mask, H)
     bias_arg = bias if bias is not None else q
     bs = broadcast_strides(bias, H)
-    n_k_tiles = triton.cdiv(Lk, block_n)
-    grid = (triton.cdiv(Lq, block_m), B * H)
+    n_k_tiles = cdiv(Lk, block_n)
+    grid = (cdiv(Lq, block_m), B * H)
     has_softcap = softcap > 0.0
     args = (
         q, k, v, out, lse, mask_arg, bias_arg, idx, cnt, q, q,
@@ -792,7 +793,7 @@ def attention_forward_varlen(
         0, v.stride(0), v.stride(1),
         0, out.stride(0), out.stride(1),
         *broadcast_strides(mask4, H), *broadcast_strides(bias4, H), *lst,
-        H, H // Hkv, max_seqlen_q, max_seqlen_k, triton.cdiv(max_seqlen_k, block_n), lse.stride(0),
+        H, H // Hkv, max_seqlen_q, max_seqlen_k, cdiv(max_seqlen_k, block_n), lse.stride(0),
         softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
         seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k),
     )
@@ -803,7 +804,7 @@ def attention_forward_varlen(
         IS_CAUSAL=bool(is_causal), USE_LIST=mask is not None, HAS_SOFTCAP=has_softcap,
         DOT_UPCAST=dot_upcast(q.dtype), GATHER=False, VARLEN=True,
     )
-    grid = (triton.cdiv(max_seqlen_q, block_m), n_seqs * H)
+    grid = (cdiv(max_seqlen_q, block_m), n_seqs * H)
     _launch_fwd(grid, args, meta)
     tail = varlen_tail_rows(cu_q, total_q)
     out.masked_fill_(tail[:, None, None], 0.0)

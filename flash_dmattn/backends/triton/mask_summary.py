@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ...block_map import block_reduce
+from ...intmath import cdiv
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,8 @@ def _mask_summary_kernel(
 def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int) -> MaskSummary:
     """Read a 4-D bool mask ``(Bx, Hx, Lq, Lk)`` (any strides) once into a :class:`MaskSummary`."""
     bx, hx, seqlen_q, seqlen_k = mask.shape
-    n_q = triton.cdiv(seqlen_q, row_block)
-    n_k = triton.cdiv(seqlen_k, key_block)
+    n_q = cdiv(seqlen_q, row_block)
+    n_k = cdiv(seqlen_k, key_block)
     device = mask.device
     row_any = torch.empty((bx, hx, n_q, seqlen_k), dtype=torch.uint8, device=device)
     tile_all = torch.empty((bx, hx, n_q, n_k), dtype=torch.uint8, device=device)
