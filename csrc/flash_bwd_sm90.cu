@@ -11,6 +11,11 @@
 //   warpgroups take 64 keys each: S = Q K^T, dP = dO V^T, dS, dQ += dS K. At the end warpgroup
 //   1's partial dQ is added to warpgroup 0's through shared memory, in a fixed order. Writes the
 //   gradient of a full per-element bias (dS) on the way.
+// * Fused dQ (p.dq_accum set: deterministic=False and no full per-element dbias): the dK/dV
+//   kernel also computes dQ_partial = dS K of each step from its dS^T, staged in shared memory,
+//   and adds it to an fp32 dQ accumulator with one bulk asynchronous reduction per warpgroup
+//   and step; dq_kernel_sm90 is skipped and a conversion kernel writes dQ. Five products per step instead of 4 + 3 across two kernels,
+//   at the price of run-to-run bitwise reproducibility (the order of the additions varies).
 // The next step's tiles (Q/dO/lse/delta, or K/V) and its mask/bias tile are loaded with
 // cp.async into the other of two stages while this step computes. Both kernels walk the
 // host's live-tile lists, built at 64 queries x 128 keys (bwd_block_m / bwd_block_n).
@@ -48,11 +53,38 @@ struct Sm90BwdConfig {
   using MaskTile = BcastTile<uint8_t, kBlockM, kBlockN, kThreads>;
   using BiasTile = BcastTile<Elem, kBlockM, kBlockN, kThreads>;
 
-  // dK/dV: [K0][K1][V0][V1] [Q][dO] x 2 stages, lse / delta x 2 stages, mask / bias x 2 stages.
-  static constexpr int kKvLseOff = 8 * kT;
+  // Fused dQ. Each warpgroup stages its dS^T (64 keys x 64 queries, K-major over queries) as a
+  // 64-column GMMA tile and reads it back as an MN-major A operand (64 queries x 64 keys).
+  // kHD = 128: warpgroup w computes dQ columns [64 w, 64 w + 64) over all 128 keys of the tile
+  // (K's column block w is itself a 64-column tile, 8 KB into the K tile); an m64n64
+  // accumulator keeps the register budget of the kernel. Other head dims: each warpgroup
+  // computes all kHD columns over its own 64 keys.
+  static constexpr bool kSplitD = kHD == 128;
+  static constexpr int kDqN = kSplitD ? 64 : kHD;
+  using DsTiles = GmmaTiles<64>;
+  using DsTile = typename DsTiles::template Rows<64>;
+  using DsTileT = typename DsTiles::template RowsT<64>;
+  static constexpr int kDsT = 64 * 64 * 2;
+  using KtTile = std::conditional_t<kSplitD, DsTileT, TileT>;  // (kDqN x 64 keys) of K^T
+  using MmaDq = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kDqN>, _64>, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      One{}));
+
+  // dK/dV: [K0][K1][V0][V1] [Q][dO] x 2 stages, dS^T x 2 warpgroups, lse / delta x 2 stages,
+  // mask / bias x 2 stages.
+  static constexpr int kKvDsOff = 8 * kT;
+  static constexpr int kKvLseOff = kKvDsOff + 2 * kDsT;
   static constexpr int kKvMaskOff = kKvLseOff + 4 * kBlockM * 4;
   static constexpr int kKvBiasOff = kKvMaskOff + (kHasMask ? 2 * MaskTile::kBytes : 0);
-  static constexpr int kKvSmem = kKvBiasOff + (kHasBias ? 2 * BiasTile::kBytes : 0);
+  static constexpr int kKvSmemBase = kKvBiasOff + (kHasBias ? 2 * BiasTile::kBytes : 0);
+  // Fused dQ: each warpgroup's fp32 partial (64 x kDqN) is staged here 32 columns at a time
+  // (8 KB: a 64 x kDqN stage does not fit next to d128's mask and bias tiles) and each piece is
+  // added to the accumulator by one bulk asynchronous reduction (cp.reduce.async.bulk).
+  static constexpr int kDqCols = 32;
+  static constexpr int kDqStage = 64 * kDqCols * 4;
+  static constexpr int kKvDqOff = (kKvSmemBase + 127) / 128 * 128;
+  static constexpr int kKvSmem = kKvDqOff + 2 * kDqStage;
   // dQ: [Q][dO] [K0][K1][V0][V1] x 2 stages, mask / bias x 2 stages.
   static constexpr int kQMaskOff = 10 * kT;
   static constexpr int kQBiasOff = kQMaskOff + (kHasMask ? 2 * MaskTile::kBytes : 0);
@@ -120,6 +152,9 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
   constexpr int kGroups = decltype(size<0, 2>(cS))::value;
   const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
   const bool keys_dbias = kHasBias && p.dbias_keys != nullptr;
+  const bool fused_dq = p.dq_accum != nullptr;
+  typename Cfg::MmaDq mma_q;
+  auto thr_q = mma_q.get_thread_slice(tid % 128);
 
   for (int hh = 0; hh < group; ++hh) {
     const int h = hkv * group + hh;
@@ -223,16 +258,99 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
       }
       Tensor rP = to_type<Elem>(acc_s);
       Tensor rdS = to_type<Elem>(acc_dp);
+      if (fused_dq) {
+        // Stage this warpgroup's dS^T as a 64 x 64 K-major tile with the 128-byte swizzle
+        // (GmmaTiles<64>::Rows<64>). Thread (warp w, lane) holds keys 16 w + 8 r + lane / 4
+        // and queries 8 g + 2 (lane % 4) + {0, 1}: byte offset (2 w + r) * 1024 +
+        // (lane / 4) * 128 + ((g ^ lane / 4) * 16) + (lane % 4) * 4, each pair one 4-byte
+        // store. Written out rather than through the layout so no per-value addresses are kept
+        // live across the loop.
+        {
+          const int wq = (tid % 128) / 32, row8 = lane / 4;
+          char* ds_base = smem + Cfg::kKvDsOff + wg * Cfg::kDsT + wq * 2048 + row8 * 128 +
+                          (lane % 4) * 4;
+          CUTE_UNROLL
+          for (int r = 0; r < 2; ++r) {
+            CUTE_UNROLL
+            for (int g = 0; g < kGroups; ++g) {
+              __align__(4) Elem pair[2] = {rdS(make_coord(make_coord(0, r, g), 0, 0)),
+                                           rdS(make_coord(make_coord(1, r, g), 0, 0))};
+              *reinterpret_cast<uint32_t*>(ds_base + r * 1024 + ((g ^ row8) * 16)) =
+                  *reinterpret_cast<uint32_t*>(pair);
+            }
+          }
+        }
+        fence_async_shared();
+        if constexpr (Cfg::kSplitD) {
+          __syncthreads();  // both halves of dS feed each warpgroup's dQ columns
+        } else {
+          named_barrier_sync(1 + wg, 128);  // this warpgroup's four warps wrote its dS
+        }
+      }
       Tensor tOrP = make_tensor(rP.data(), acc_as_gmma_a_layout(rP.layout()));
       Tensor tOrdS = make_tensor(rdS.data(), acc_as_gmma_a_layout(rdS.layout()));
       Tensor tBdOt = thr_g.partition_fragment_B(make_tensor(at((5 + 2 * st) * kT), typename Cfg::TileT{}));
       Tensor tBQt = thr_g.partition_fragment_B(make_tensor(at((4 + 2 * st) * kT), typename Cfg::TileT{}));
       wgmma_issue<true>(mma_g, tOrP, tBdOt, acc_dv, /*zero=*/false);
       wgmma_issue<true>(mma_g, tOrdS, tBQt, acc_dk, /*zero=*/false);
-      wgmma_wait<0>(acc_dv);
-      warpgroup_fence_operand(acc_dk);
-      warpgroup_fence_operand(tOrP);
-      warpgroup_fence_operand(tOrdS);
+      if (fused_dq) {
+        Tensor acc_dq = partition_fragment_C(mma_q, Shape<_64, Int<Cfg::kDqN>>{});
+        if constexpr (Cfg::kSplitD) {
+          CUTE_UNROLL
+          for (int c = 0; c < 2; ++c) {  // key chunk c: warpgroup c's dS^T and K rows
+            Tensor tArdS = thr_q.partition_fragment_A(
+                make_tensor(at(Cfg::kKvDsOff + c * Cfg::kDsT), typename Cfg::DsTileT{}));
+            Tensor tBrK = thr_q.partition_fragment_B(
+                make_tensor(at(c * kT + wg * Cfg::kDsT), typename Cfg::KtTile{}));
+            wgmma_issue<false>(mma_q, tArdS, tBrK, acc_dq, /*zero=*/c == 0);
+          }
+        } else {
+          Tensor tArdS = thr_q.partition_fragment_A(
+              make_tensor(at(Cfg::kKvDsOff + wg * Cfg::kDsT), typename Cfg::DsTileT{}));
+          Tensor tBrK = thr_q.partition_fragment_B(make_tensor(at(wg * kT), typename Cfg::KtTile{}));
+          wgmma_issue<false>(mma_q, tArdS, tBrK, acc_dq, /*zero=*/true);
+        }
+        wgmma_wait<0>(acc_dq);
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(acc_dk);
+        warpgroup_fence_operand(tOrP);
+        warpgroup_fence_operand(tOrdS);
+        // Stage the partial 32 columns at a time and hand each piece to one bulk reduction
+        // into its block of the accumulator; the last one runs while the next step computes.
+        // The leader first waits until the previous reduction has read the stage. Within a
+        // piece, (row, col) sits at row * 32 + (col ^ 4 (row % 8)): the swizzle spreads a
+        // warp's 8-byte stores over the banks (the conversion kernel undoes it).
+        float* stage = reinterpret_cast<float*>(smem + Cfg::kKvDqOff + wg * Cfg::kDqStage);
+        const bool leader = tid % 128 == 0;
+        const int row0 = ((tid % 128) / 32) * 16 + lane / 4;
+        const int col0 = (2 * (lane % 4)) ^ (4 * (lane / 4));  // row0 % 8 == lane / 4
+        // Accumulator layout (B, H, query tile, kHD / 32 column blocks, 64, 32).
+        float* dst = p.dq_accum + ((int64_t(b) * p.H + h) * m_tiles + q0 / kBM) * (64 * kD) +
+                     (Cfg::kSplitD ? wg * 64 * 64 : 0);
+        CUTE_UNROLL
+        for (int cb = 0; cb < Cfg::kDqN / Cfg::kDqCols; ++cb) {
+          if (leader) bulk_wait_read<0>();
+          named_barrier_sync(1 + wg, 128);
+          CUTE_UNROLL
+          for (int r = 0; r < 2; ++r) {
+            CUTE_UNROLL
+            for (int g4 = 0; g4 < 4; ++g4) {
+              const int g = cb * 4 + g4;
+              *reinterpret_cast<float2*>(stage + (row0 + 8 * r) * 32 + (col0 ^ (8 * g4))) =
+                  make_float2(acc_dq(make_coord(make_coord(0, r, g), 0, 0)),
+                              acc_dq(make_coord(make_coord(1, r, g), 0, 0)));
+            }
+          }
+          fence_async_shared();
+          named_barrier_sync(1 + wg, 128);
+          if (leader) bulk_reduce_add_f32(dst + cb * (64 * 32), stage, Cfg::kDqStage);
+        }
+      } else {
+        wgmma_wait<0>(acc_dv);
+        warpgroup_fence_operand(acc_dk);
+        warpgroup_fence_operand(tOrP);
+        warpgroup_fence_operand(tOrdS);
+      }
     }
 
     if (keys_dbias) {
@@ -247,6 +365,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
     }
   }
 
+  // The stage must stay allocated until the last reduction has completed.
+  if (fused_dq && tid % 128 == 0) bulk_wait_all<0>();
   if (!p.need_dkv) return;
   Tensor cKV = thr_g.partition_C(make_identity_tensor(Shape<_64, Int<kD>>{}));
   Elem* dk = reinterpret_cast<Elem*>(p.dk) + int64_t(b) * p.dk_sb + int64_t(hkv) * p.dk_sh;
@@ -428,13 +548,42 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Fused dQ: fp32 accumulator (B, Lq, H, D) -> dQ * scale in the input dtype
+// ---------------------------------------------------------------------------------------------
+__global__ void dq_accum_to_dq_kernel(const BwdParams p) {
+  constexpr int kHD = kHeadDimBucket;
+  const int half_d = p.D / 2;  // D is even (a multiple of 8): pairs of columns
+  const int m_tiles = (p.Lq + 63) / 64;
+  const int64_t n = int64_t(p.B) * p.Lq * p.H * half_d;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int c = int(i % half_d) * 2;
+    int64_t rest = i / half_d;
+    const int h = int(rest % p.H);
+    rest /= p.H;
+    const int l = int(rest % p.Lq);
+    const int b = int(rest / p.Lq);
+    // (B, H, query tile, kHD / 32 column blocks, 64, 32), swizzled within a block.
+    const int row = l % 64;
+    const float2 v = *reinterpret_cast<const float2*>(
+        p.dq_accum + ((int64_t(b) * p.H + h) * m_tiles + l / 64) * (64 * kHD) +
+        (c / 32) * (64 * 32) + row * 32 + ((c % 32) ^ (4 * (row % 8))));
+    __align__(4) Elem pair[2] = {Elem(v.x * p.scale), Elem(v.y * p.scale)};
+    Elem* dst = reinterpret_cast<Elem*>(p.dq) + int64_t(b) * p.dq_sb + int64_t(l) * p.dq_sl +
+                int64_t(h) * p.dq_sh + c;
+    *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<uint32_t*>(pair);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Launch
 // ---------------------------------------------------------------------------------------------
 template <bool kSoftcap>
 static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using Cfg = Sm90BwdConfig<kHeadDimBucket>;
   launch_delta(p, stream);
-  if (p.need_dq || p.dbias_full != nullptr) {
+  const bool fused_dq = p.dq_accum != nullptr;
+  if ((p.need_dq && !fused_dq) || p.dbias_full != nullptr) {
     auto kernel = &dq_kernel_sm90<kSoftcap>;
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kQSmem);
@@ -442,13 +591,19 @@ static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
     const dim3 grid = q_tile_grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B, p.H, p.Hkv);
     kernel<<<grid, Cfg::kThreads, Cfg::kQSmem, stream>>>(p);
   }
-  if (p.need_dkv || p.dbias_keys != nullptr) {
+  if (p.need_dkv || p.dbias_keys != nullptr || fused_dq) {
     auto kernel = &dkdv_kernel_sm90<kSoftcap>;
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kKvSmem);
     if (err != cudaSuccess) return err;
     dim3 grid((p.Lk + Cfg::kBlockN - 1) / Cfg::kBlockN, p.B * p.Hkv);
     kernel<<<grid, Cfg::kThreads, Cfg::kKvSmem, stream>>>(p);
+  }
+  if (fused_dq && p.need_dq) {
+    const int64_t n = int64_t(p.B) * p.Lq * p.H * (p.D / 2);
+    const int threads = 256;
+    const int blocks = int(std::min<int64_t>((n + threads - 1) / threads, 65535LL * 8));
+    dq_accum_to_dq_kernel<<<blocks, threads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
@@ -459,6 +614,7 @@ cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
 
 int bwd_sm90_block_m() { return Sm90BwdConfig<kHeadDimBucket>::kBlockM; }
 int bwd_sm90_block_n() { return Sm90BwdConfig<kHeadDimBucket>::kBlockN; }
+bool bwd_sm90_fused_dq() { return true; }
 
 }  // namespace flash_dmattn
 

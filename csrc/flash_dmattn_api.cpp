@@ -22,6 +22,7 @@ int fwd_block_m();
 int fwd_block_n();
 int bwd_block_m();
 int bwd_block_n();
+bool bwd_fused_dq();
 }  // namespace flash_dmattn
 
 namespace {
@@ -160,7 +161,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
                             const at::Tensor& out, const at::Tensor& lse, double softmax_scale,
                             bool is_causal, double softcap, bool need_dq, bool need_dkv,
                             int64_t dbias_mode, const OptT& fwd_idx, const OptT& fwd_cnt,
-                            const OptT& bwd_idx, const OptT& bwd_cnt, int64_t list_hdiv) {
+                            const OptT& bwd_idx, const OptT& bwd_cnt, int64_t list_hdiv,
+                            bool allow_fused_dq) {
   c10::cuda::CUDAGuard guard(q.device());
   BwdParams p;
   fill_common(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap);
@@ -201,6 +203,15 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     dbias = at::empty({p.B, p.H, p.Lk}, q.options().dtype(at::kFloat));
     p.dbias_keys = dbias.data_ptr<float>();
   }
+  at::Tensor dq_accum;
+  // Fused dQ: the dK/dV kernel adds dS K into a zeroed fp32 accumulator with atomics (not
+  // bitwise reproducible, so only when the caller allows it); a full per-element dbias still
+  // needs the dQ kernel, which writes it.
+  if (allow_fused_dq && need_dq && dbias_mode != 1 && flash_dmattn::bwd_fused_dq()) {
+    const int64_t q_rows = (p.Lq + 63) / 64 * 64;
+    dq_accum = at::zeros({p.B, p.H, q_rows, FLASH_DMATTN_HEADDIM}, q.options().dtype(at::kFloat));
+    p.dq_accum = dq_accum.data_ptr<float>();
+  }
   p.use_list = fwd_idx.has_value();
   TORCH_CHECK(p.use_list == bwd_idx.has_value(), "pass both tile lists or neither");
   p.list = make_list(fwd_idx, fwd_cnt, list_hdiv);
@@ -228,5 +239,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flash_dmattn CUDA kernels (one head-dim / dtype / mask / bias specialisation)";
   m.def("fwd", &fwd, "attention forward -> [out, lse]");
   m.def("bwd", &bwd, "attention backward -> [dq, dk, dv, dbias]");
+  m.def("fused_dq", &flash_dmattn::bwd_fused_dq,
+        "whether bwd(..., allow_fused_dq=True) computes dQ inside the dK/dV kernel (atomics)");
   m.def("block_sizes", &block_sizes, "(fwd_block_m, fwd_block_n, bwd_block_m, bwd_block_n)");
 }

@@ -95,6 +95,10 @@ struct BwdParams : FwdParams {
   // ...or per-key partial sums (B, H, Lk) fp32 of a bias broadcast over queries, written by
   // the dK/dV kernel (the host sums them into the bias's own shape).
   float* dbias_keys = nullptr;
+  // Fused dQ (Hopper backward, deterministic=False): zeroed fp32 accumulator of
+  // B * H * ceil(Lq / 64) * 64 * head-dim-bucket floats (tiled, see flash_bwd_sm90.cu) the dK/dV
+  // kernel adds dS K into; nullptr runs the separate dQ kernel.
+  float* dq_accum = nullptr;
   bool need_dq = true;
   bool need_dkv = true;
   TileList bwd_list;  // per (b, h, key tile): live query tiles

@@ -16,6 +16,32 @@ __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Barrier `id` (1..15; 0 is __syncthreads) over `threads` threads, e.g. one warpgroup.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// dst[0, bytes / 4) += src[...] (fp32) as one bulk asynchronous reduction from shared to global
+// memory (sm_90; 16-byte aligned, bytes a multiple of 16), committed as its own bulk group.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, int bytes) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(src));
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+      "cp.async.bulk.commit_group;\n" ::"l"(dst),
+      "r"(s), "r"(bytes)
+      : "memory");
+}
+// Wait until at most kPending of this thread's bulk groups still read their shared source...
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+// ...or are still incomplete (their global writes included).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
 // Issue acc (+)= A * B over the K mode as one batch of warpgroup MMAs (no wait). `zero` starts
 // from zero instead of accumulating; kRegA: A is a register fragment (else smem descriptors),
 // whose registers must stay untouched until the batch is waited for.

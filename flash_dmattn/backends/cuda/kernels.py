@@ -7,6 +7,8 @@ matrix products and full tiles no element checks.
 """
 from __future__ import annotations
 
+import os
+
 from typing import List, Optional, Tuple
 
 import torch
@@ -120,10 +122,24 @@ def _reduce_key_partials(partial: torch.Tensor, bias: torch.Tensor) -> torch.Ten
     return x.unsqueeze(2).to(bias.dtype)
 
 
+FUSED_DQ_ENV = "FLASH_DMATTN_CUDA_FUSED_DQ"
+
+
+def fused_dq_allowed() -> bool:
+    """Whether a non-deterministic backward may use the fused (atomic) dQ; the environment
+    variable ``FLASH_DMATTN_CUDA_FUSED_DQ=0`` turns it off (A/B timing, debugging)."""
+    return os.environ.get(FUSED_DQ_ENV, "1").strip() != "0"
+
+
 def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
                   needs):
-    """``(dq, dk, dv, dbias)`` with None where ``needs`` did not ask. Always deterministic: the
-    kernels use no atomics."""
+    """``(dq, dk, dv, dbias)`` with None where ``needs`` did not ask.
+
+    ``deterministic=False`` lets the Hopper backward compute dQ inside the dK/dV kernel, adding
+    each key tile's ``dS K`` into an fp32 accumulator with atomics (one kernel and 5 products
+    per tile instead of 7 across two; the summation order, hence the last bits, vary between
+    runs). ``deterministic=True`` (or ``FLASH_DMATTN_CUDA_FUSED_DQ=0``) keeps the separate dQ
+    kernel, which uses no atomics: bitwise-identical gradients across runs."""
     need_dq, need_dk, need_dv, need_dbias = needs
     dout, q, k, v, out = (_vector_ready(t) for t in (dout, q, k, v, out))
     B, Lq, H, _ = q.shape
@@ -143,7 +159,8 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
         args = (lists.fwd_idx, lists.fwd_cnt, lists.bwd_idx, lists.bwd_cnt, lists.head_div)
     dq, dk, dv, db = mod.bwd(dout, q, k, v, mask, bias, out, lse.contiguous(), float(scale),
                              bool(is_causal), float(softcap), bool(need_dq),
-                             bool(need_dk or need_dv), int(mode), *args)
+                             bool(need_dk or need_dv), int(mode), *args,
+                             bool(not deterministic and fused_dq_allowed()))
     dbias = None
     if mode == 1:
         dbias = db

@@ -259,7 +259,7 @@ def _decode_split_kernel(
     batch, num_heads, group, seqlen_q, seqlen_k, keys_per_split,
     qk_scale, cap_scale, softcap,
     stride_btb, num_pages,
-    lk_bucket,
+    lk_bucket, split_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWB: tl.constexpr,
@@ -406,7 +406,10 @@ def _decode_combine_kernel(
 # ------------------------------------------------------------------------------------------
 
 _DECODE_KEY = ["HEAD_DIM", "BLOCK_M", "HAS_MASK", "MASK_ROWB", "HAS_BIAS", "BIAS_ROWB",
-               "IS_CAUSAL", "HAS_SOFTCAP", "HAS_CACHE", "PAGE_SIZE", "lk_bucket"]
+               "IS_CAUSAL", "HAS_SOFTCAP", "HAS_CACHE", "PAGE_SIZE", "lk_bucket",
+               # Keys per program: the loop length the pipeline depth and tile are tuned for
+               # (B1 and B8 at one Lk split very differently and wanted different configs).
+               "split_bucket"]
 
 
 def _decode_configs():
@@ -443,20 +446,23 @@ def _sm_count(device: torch.device) -> int:
     return _sm_count_cache[idx]
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torch.device) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torch.device,
+                      has_cache: bool = False) -> int:
     """Key splits per (batch, kv head).
 
     On a GPU: enough programs for about four per SM (``B * Hkv`` alone rarely fills one wave
     when decoding), but at least ``MIN_KEYS_PER_SPLIT`` keys each and at most ``MAX_SPLITS``.
     The capacity ``Lk`` is used even with ``cache_seqlens`` (the used lengths live on the
-    device; splits past a batch's length exit at once). Under the CPU interpreter: a few
+    device; splits past a batch's length exit at once), so ``has_cache`` aims at twice as many
+    programs: a half-full cache then still has about four working programs per SM. Under the CPU interpreter: a few
     splits, so the combine step is always exercised.
     """
     if seqlen_k <= 0:
         return 1
     if device.type != "cuda":
         return max(1, min(3, cdiv(seqlen_k, 16)))
-    want = cdiv(4 * _sm_count(device), max(1, batch * num_kv_heads))
+    per_sm = 8 if has_cache else 4
+    want = cdiv(per_sm * _sm_count(device), max(1, batch * num_kv_heads))
     cap = max(1, min(MAX_SPLITS, cdiv(seqlen_k, MIN_KEYS_PER_SPLIT)))
     return max(1, min(want, cap))
 
@@ -526,7 +532,7 @@ def decode_forward(
 
     interp = interpret_mode()
     if num_splits is None:
-        num_splits = choose_num_splits(B, Hkv, Lk, device)
+        num_splits = choose_num_splits(B, Hkv, Lk, device, cache_seqlens is not None)
     align = 16 if interp else SPLIT_ALIGN
     keys_per_split = cdiv(cdiv(Lk, max(1, num_splits)), align) * align
     num_splits = cdiv(Lk, keys_per_split)  # no split that starts past the capacity
@@ -558,7 +564,7 @@ def decode_forward(
         B, H, G, Lq, Lk, keys_per_split,
         softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
         block_table.stride(0) if block_table is not None else 0, num_pages,
-        seqlen_bucket(Lk),
+        seqlen_bucket(Lk), seqlen_bucket(keys_per_split),
     )
     meta = dict(
         HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_M=block_m,
