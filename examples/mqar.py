@@ -31,11 +31,25 @@ not yet given in the query part, and models with MLPs stayed on that shortcut.)
 The model is a small pre-norm transformer: token embedding, rotary positions (passed to
 the attention layer as ``position_embeddings=(cos, sin)``), 2 attention-only blocks
 ``RMSNorm -> attention -> residual`` (Zoology's MQAR models have no MLP either;
-``--mlp-ratio`` adds ``RMSNorm -> MLP -> residual``), a final RMSNorm and an LM head. The attention is :class:`flash_dmattn.modules.DynamicMaskAttention` (causal, GQA
-optional) with the chosen ``window_size``; ``full`` uses ``window_size = seq_len`` (DMA bias,
+``--mlp-ratio`` adds ``RMSNorm -> MLP -> residual``), a final RMSNorm and an LM head. The
+q/k projections start at std ``d_model ** -0.5`` (not GPT-2's 0.02) and the rotary base is
+1e6 (not 10000); examples/README.md ("CPU checks") has the measurements behind both. The
+attention is :class:`flash_dmattn.modules.DynamicMaskAttention` (causal, GQA optional) with the chosen ``window_size``; ``full`` uses ``window_size = seq_len`` (DMA bias,
 no key selection) and ``dense`` swaps in plain causal attention through
 ``torch.nn.functional.scaled_dot_product_attention`` (same projections and rotary, no DMA
 bias) as the time-per-step baseline.
+
+Window warm-up (``--window-warmup FRAC``, default 0.2; 0 disables it): a fixed window smaller
+than the sequence must select the needed keys before the recall circuit exists, yet the bias
+that ranks the keys learns to favour the pair values only once recall works (it gets gradient
+only through the keys it selected), so a fixed small window learns in some seeds and stays at
+chance in others. With the warm-up every DMA layer trains the first ``FRAC`` of the steps with
+the full window (``window_size = seq_len``: bias on, no key dropped), then the window shrinks
+geometrically to its target over the next ``--window-decay`` of the steps (default ``FRAC``),
+then stays there. Evaluations always use the target window; the JSON history records the
+window each step trained with, and :func:`window_coverage` (the ``coverage`` columns) measures
+how often a layer's selection holds the queried pair's value. ``full`` and ``dense`` are not
+affected. Measurements: examples/README.md, "Window warm-up".
 
 Run::
 
@@ -68,6 +82,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flash_dmattn.modules import DynamicMaskAttention, apply_rotary_pos_emb
+from flash_dmattn.utils.dynamic import dynamic_mask_bias
+from flash_dmattn.utils.mask import causal_topk_mask
 
 __all__ = [
     "IGNORE_INDEX",
@@ -80,6 +96,10 @@ __all__ = [
     "query_positions",
     "rotary_tables",
     "parse_windows",
+    "window_schedule",
+    "window_warmup_steps",
+    "check_window_warmup",
+    "window_coverage",
     "train_model",
     "evaluate",
     "main",
@@ -236,7 +256,13 @@ class ModelConfig:
     ``mlp_ratio = 0`` (the default) builds attention-only blocks, as Zoology's MQAR models
     (``state_mixer = Identity``); ``> 0`` adds an MLP of width ``mlp_ratio * d_model``.
     ``qk_init_std`` is the init std of the q/k projections (``None``: ``d_model ** -0.5``);
-    see :meth:`MQARModel._init_weights` for why it is not the 0.02 of the other weights.
+    see ``MQARModel.__init__`` for why it is not the 0.02 of the other weights.
+    ``rope_base`` defaults to 1e6: with 10000 most rotary frequencies turn the q.k product
+    several times over a few hundred positions, leaving few head dims for matching a key far
+    back by content; on CPU, seq 128 / 16 pairs / d_model 64 stalled at 0.07 accuracy for
+    2000 steps with 10000 and solved it (1.0) by step 750 with 1e6.
+    ``dma_a_init`` (``None``: the library's ``A_INIT``) re-initialises every DMA layer's ``A``,
+    the per-head scale of the bias ``exp(A * softplus(dt_proj(v)))``; nonzero.
     """
 
     vocab_size: int
@@ -248,8 +274,9 @@ class ModelConfig:
     mlp_ratio: int = 0
     window: object = "full"
     backend: Optional[str] = None
-    rope_base: float = 10000.0
+    rope_base: float = 1e6
     qk_init_std: Optional[float] = None
+    dma_a_init: Optional[float] = None
 
 
 def rotary_tables(
@@ -373,6 +400,16 @@ class MQARModel(nn.Module):
         for block in self.blocks:
             for proj in (block.attn.q_proj, block.attn.k_proj):
                 nn.init.normal_(proj.weight, std=qk_std)
+        if cfg.dma_a_init is not None:
+            a = cfg.dma_a_init
+            if isinstance(a, bool) or not isinstance(a, (int, float)):
+                raise TypeError(f"dma_a_init must be a number or None, got {type(a).__name__}")
+            if not math.isfinite(a) or a == 0:
+                # A == 0 makes the bias the constant 1: no key ranking and no gradient to dt_proj.
+                raise ValueError(f"dma_a_init must be finite and nonzero, got {a}")
+            for block in self.blocks:
+                if isinstance(block.attn, DynamicMaskAttention):
+                    nn.init.constant_(block.attn.A, float(a))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -414,6 +451,14 @@ class TrainConfig:
     timing_warmup: int = 20  # steps excluded from the ms/step median (compile, autotune, caches)
     seed: int = 0
     dtype: str = "fp32"  # "bf16": autocast (CUDA); "fp32": no autocast
+    # DMA window warm-up (see window_schedule): the fraction of the steps trained with the
+    # full window (window_size = seq_len), then the fraction over which the window shrinks
+    # geometrically to its target (None: the same as window_warmup). 0: no warm-up.
+    window_warmup: float = 0.0
+    window_decay: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        check_window_warmup(self.window_warmup, self.window_decay)
 
 
 def parse_windows(text: str) -> List[object]:
@@ -441,6 +486,83 @@ def parse_windows(text: str) -> List[object]:
     if len(set(map(str, out))) != len(out):
         raise ValueError(f"duplicate window settings in {text!r}")
     return out
+
+
+def check_window_warmup(warmup_frac, decay_frac=None) -> Tuple[float, float]:
+    """Validate a window warm-up schedule; returns ``(warmup_frac, decay_frac)`` with the
+    default ``decay_frac = warmup_frac`` filled in.
+
+    Both fractions must be real numbers ``>= 0`` with ``warmup_frac + decay_frac < 1``, so
+    that the last steps train at the target window (the one the final evaluation uses).
+    Raises ``TypeError`` for non-numbers (and bools) and ``ValueError`` for bad values.
+    """
+    if decay_frac is None:
+        decay_frac = warmup_frac
+    for name, value in (("window_warmup", warmup_frac), ("window_decay", decay_frac)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite fraction >= 0, got {value}")
+    if warmup_frac + decay_frac >= 1:
+        raise ValueError(
+            f"window_warmup + window_decay must be < 1 so the last steps train at the target "
+            f"window, got {warmup_frac} + {decay_frac}"
+        )
+    return float(warmup_frac), float(decay_frac)
+
+
+def window_warmup_steps(total_steps: int, warmup_frac: float, decay_frac: Optional[float] = None) -> Tuple[int, int]:
+    """``(full_steps, decay_steps)`` of a window warm-up over ``total_steps``: the fractions
+    rounded down (the step counts are stated in logs and reports), so at least the last step
+    trains at the target window."""
+    _check_positive("total_steps", total_steps)
+    warmup_frac, decay_frac = check_window_warmup(warmup_frac, decay_frac)
+    # The 1e-9 keeps e.g. 0.29 * 100 = 28.999999999999996 from rounding down to 28.
+    full_steps = min(total_steps - 1, int(warmup_frac * total_steps + 1e-9))
+    decay_steps = min(total_steps - 1 - full_steps, int(decay_frac * total_steps + 1e-9))
+    return full_steps, decay_steps
+
+
+def window_schedule(
+    step: int,
+    total_steps: int,
+    target: int,
+    seq_len: int,
+    warmup_frac: float,
+    decay_frac: Optional[float] = None,
+) -> int:
+    """The DMA ``window_size`` for training step ``step`` (0-based) of ``total_steps``.
+
+    The window warm-up: for the first ``full_steps`` steps the layer attends with the full
+    window ``seq_len`` (the DMA bias is on, no key is dropped), so the recall circuit can form
+    with every key visible; over the next ``decay_steps`` steps the window shrinks
+    geometrically from ``seq_len`` to ``target`` (a constant ratio per step, so the selection
+    tightens as gently at small windows as at large ones); after that it is ``target``.
+    ``(full_steps, decay_steps)`` are the fractions ``warmup_frac`` and ``decay_frac`` (default
+    ``warmup_frac``) of ``total_steps``, rounded down (:func:`window_warmup_steps`).
+
+    The result is non-increasing in ``step``, is ``seq_len`` at step 0 when ``full_steps > 0``
+    and ``target`` on the last step. ``warmup_frac = decay_frac = 0`` (and any
+    ``target >= seq_len``) gives ``target`` throughout. Raises ``TypeError`` / ``ValueError``
+    for non-int or out-of-range arguments (see :func:`check_window_warmup` for the fractions).
+    """
+    for name, value in (("step", step), ("total_steps", total_steps), ("target", target), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if step < 0 or step >= total_steps:
+        raise ValueError(f"step must be in [0, total_steps={total_steps}), got {step}")
+    _check_positive("target", target)
+    _check_positive("seq_len", seq_len)
+    warmup_frac, decay_frac = check_window_warmup(warmup_frac, decay_frac)
+    if target >= seq_len:
+        return target
+    full_steps, decay_steps = window_warmup_steps(total_steps, warmup_frac, decay_frac)
+    if step < full_steps:
+        return seq_len
+    if step < full_steps + decay_steps:
+        t = (step - full_steps + 1) / decay_steps  # in (0, 1]: reaches the target on its last step
+        return max(target, min(seq_len, int(round(seq_len * (target / seq_len) ** t))))
+    return target
 
 
 def _autocast(device: torch.device, dtype: str):
@@ -472,6 +594,81 @@ def _loss(sel_logits: torch.Tensor, sel_targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(sel_logits.reshape(-1, sel_logits.shape[-1]), sel_targets.reshape(-1))
 
 
+def _dma_layers(model: nn.Module) -> List[DynamicMaskAttention]:
+    return [m for m in model.modules() if isinstance(m, DynamicMaskAttention)]
+
+
+def _set_window(model: nn.Module, window_size: int) -> None:
+    # window_size is a plain attribute read by every DynamicMaskAttention.forward.
+    for layer in _dma_layers(model):
+        layer.window_size = window_size
+
+
+@torch.no_grad()
+def window_coverage(model: nn.Module, task: MQARConfig, tokens: torch.Tensor) -> Dict[str, List[float]]:
+    """How often each DMA layer's key selection holds what recall needs, on one batch.
+
+    For every query of ``tokens`` (``(B, L)``, laid out as :func:`generate_batch` makes them)
+    the needed key is the position of the queried pair's *value* (``2 * i + 1`` for pair
+    ``i``): there the value token sits and, through a previous-token head of an earlier
+    layer, its key. The selection is recomputed exactly as ``DynamicMaskAttention`` does it
+    (the bias ``exp(A * softplus(dt_proj(v)))`` of the layer's input in this forward pass, the
+    causal top-``window_size`` by :func:`flash_dmattn.utils.mask.causal_topk_mask`, at each
+    layer's current ``window_size``).
+
+    For the 2-layer recall circuit the last layer's numbers are the ones that matter. They
+    are a lower bound on what recall can use: an earlier layer can also copy a pair into the
+    token after its value, which the last layer may read instead (on CPU some windowed models
+    scored above their last layer's ``coverage_any``).
+
+    Returns ``{"coverage": [...], "coverage_any": [...]}`` with one entry per DMA layer (in
+    model order): the fraction of (query, kv head) pairs whose window holds the needed value
+    position, and the fraction of queries for which at least one kv head's window does. Both
+    are 1.0 for a layer whose window is at least the sequence length (no key is dropped).
+    Call it under the same autocast as the model's forward so the bias dtype matches.
+    """
+    return _forward_with_coverage(model, task, tokens)[1]
+
+
+def _forward_with_coverage(
+    model: nn.Module, task: MQARConfig, tokens: torch.Tensor
+) -> Tuple[torch.Tensor, Dict[str, List[float]]]:
+    # One forward pass gives both the logits at the query positions and (through hooks that
+    # keep each DMA layer's input) the coverage of window_coverage.
+    positions = query_positions(task, tokens.device)
+    layers = _dma_layers(model)
+    inputs: Dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0]))
+        for i, layer in enumerate(layers)
+    ]
+    try:
+        logits = model(tokens, positions)
+    finally:
+        for h in hooks:
+            h.remove()
+    keys = tokens[:, 0 : 2 * task.num_pairs : 2]  # (B, N)
+    pair = (tokens[:, positions, None] == keys[:, None, :]).float().argmax(-1)  # (B, Q)
+    needed = 2 * pair + 1
+    cov, cov_any = [], []
+    for i, layer in enumerate(layers):
+        hidden = inputs[i]
+        b, length, _ = hidden.shape
+        if length <= layer.window_size:
+            cov.append(1.0)
+            cov_any.append(1.0)
+            continue
+        v = layer.v_proj(hidden).view(b, length, layer.num_kv_heads, layer.head_dim)
+        bias = dynamic_mask_bias(v, layer.dt_proj, layer.A)  # (B, Hkv, 1, L)
+        mask = causal_topk_mask(bias, None, layer.window_size, torch.finfo(bias.dtype).min)
+        rows = mask[:, :, positions, :]  # (B, Hkv, Q, L)
+        idx = needed[:, None, :, None].expand(-1, rows.shape[1], -1, 1)
+        held = rows.gather(-1, idx)[..., 0]  # (B, Hkv, Q)
+        cov.append(held.float().mean().item())
+        cov_any.append(held.any(1).float().mean().item())
+    return logits, {"coverage": cov, "coverage_any": cov_any}
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -481,23 +678,36 @@ def evaluate(
     seed: int,
     device: torch.device,
     dtype: str = "fp32",
-) -> Dict[str, float]:
-    """Accuracy and loss on ``eval_size`` fresh sequences drawn with ``seed``.
+    coverage: bool = False,
+) -> Dict[str, object]:
+    """Accuracy and loss on ``eval_size`` fresh sequences drawn with ``seed``, at the DMA
+    layers' current ``window_size``.
 
-    Returns ``{"accuracy": correct / (eval_size * Q), "loss": mean cross-entropy}``.
+    Returns ``{"accuracy": correct / (eval_size * Q), "loss": mean cross-entropy}``; with
+    ``coverage=True`` and DMA layers in the model, also ``"coverage"`` and ``"coverage_any"``
+    (see :func:`window_coverage`), averaged over the evaluation batches.
     """
     was_training = model.training
     model.eval()
     gen = torch.Generator(device=device).manual_seed(seed)
     positions = query_positions(task, device)
+    coverage = coverage and bool(_dma_layers(model))
     correct = total = 0
     loss_sum = 0.0
     done = 0
+    cov_sums: Dict[str, List[float]] = {}
     while done < eval_size:
         b = min(batch_size, eval_size - done)
         tokens, targets = generate_batch(task, b, gen, device)
         with _autocast(device, dtype):
-            logits = model(tokens, positions)
+            if coverage:
+                logits, cov = _forward_with_coverage(model, task, tokens)
+                for key, vals in cov.items():
+                    acc = cov_sums.setdefault(key, [0.0] * len(vals))
+                    for j, val in enumerate(vals):
+                        acc[j] += val * b
+            else:
+                logits = model(tokens, positions)
         sel_targets = targets[:, positions]
         loss_sum += _loss(logits, sel_targets).item() * b
         pred = logits.argmax(-1)
@@ -505,7 +715,10 @@ def evaluate(
         total += pred.numel()
         done += b
     model.train(was_training)
-    return {"accuracy": correct / total, "loss": loss_sum / eval_size}
+    out: Dict[str, object] = {"accuracy": correct / total, "loss": loss_sum / eval_size}
+    for key, sums in cov_sums.items():
+        out[key] = [x / eval_size for x in sums]
+    return out
 
 
 def train_model(
@@ -523,9 +736,21 @@ def train_model(
     differ only in the attention setting see identical data. The evaluation set uses
     ``seed + 1``: a stream of its own, not the training one.
 
-    Returns a dict with ``accuracy``, ``eval_loss``, ``ms_per_step`` (median over the steps
-    after ``timing_warmup``; the step is forward + backward + optimizer, not data
-    generation), ``losses`` (per step), ``history`` (periodic evals) and ``params``.
+    With ``train_cfg.window_warmup`` / ``window_decay`` (see :func:`window_schedule`) every
+    DMA layer's ``window_size`` is set before each step: the full sequence first, then a
+    geometric shrink to the model's window, then that window. ``full``/``dense`` models and
+    windows ``>= seq_len`` are unaffected. Every evaluation (interim and final) that gives
+    ``accuracy`` uses the model's own (target) window; during the warm-up an interim eval also
+    reports the accuracy at the window training used at that step.
+
+    Returns a dict with ``accuracy``, ``eval_loss``, ``coverage`` / ``coverage_any`` (DMA
+    models, final eval; see :func:`window_coverage`), ``ms_per_step`` (median over the steps
+    after ``timing_warmup`` that trained at the target window, or over all of them if none
+    did; the step is forward + backward + optimizer, not data generation), ``losses`` (per
+    step), ``history`` (periodic evals: ``step``, ``window`` (the target window the eval
+    used), ``train_window`` (the window of that training step), ``accuracy``, ``loss``,
+    coverage, and during the warm-up ``train_window_accuracy`` / ``train_window_loss``),
+    ``window_schedule`` (``None`` without a warm-up) and ``params``.
     """
     device = torch.device(device)
     torch.manual_seed(train_cfg.seed)
@@ -546,6 +771,26 @@ def train_model(
     gen = torch.Generator(device=device).manual_seed(train_cfg.seed)
     positions = query_positions(task, device)
     timing_warmup = min(train_cfg.timing_warmup, max(0, train_cfg.steps - 1))
+    layers = _dma_layers(model)
+    target = layers[0].window_size if layers else None
+    schedule = None
+    if layers and target < task.seq_len:
+        full_steps, decay_steps = window_warmup_steps(train_cfg.steps, train_cfg.window_warmup, train_cfg.window_decay)
+        if full_steps + decay_steps:
+            schedule = {
+                "start": task.seq_len, "target": target, "full_steps": full_steps, "decay_steps": decay_steps,
+                "shape": "geometric",
+            }
+            msg = (f"[{label}] window warm-up: window {task.seq_len} for steps 1-{full_steps}, "
+                   f"geometric shrink to {target} over steps {full_steps + 1}-{full_steps + decay_steps}, "
+                   f"then {target}")
+            print(msg, flush=True)
+
+    def window_at(step: int) -> Optional[int]:
+        if schedule is None:
+            return target
+        return window_schedule(step, train_cfg.steps, target, task.seq_len,
+                               train_cfg.window_warmup, train_cfg.window_decay)
 
     bar = None
     if progress:
@@ -559,8 +804,12 @@ def train_model(
 
     losses: List[float] = []
     step_ms: List[float] = []
-    history: List[Dict[str, float]] = []
+    target_ms: List[float] = []
+    history: List[Dict[str, object]] = []
     for step in range(train_cfg.steps):
+        window = window_at(step)
+        if schedule is not None:
+            _set_window(model, window)
         tokens, targets = generate_batch(task, train_cfg.batch_size, gen, device)
         _sync(device)
         t0 = time.perf_counter()
@@ -578,15 +827,33 @@ def train_model(
         elapsed = (time.perf_counter() - t0) * 1e3
         if step >= timing_warmup:
             step_ms.append(elapsed)
+            if window == target:
+                target_ms.append(elapsed)
         loss_value = loss.item()
         losses.append(loss_value)
 
         if train_cfg.eval_every and (step + 1) % train_cfg.eval_every == 0 and step + 1 < train_cfg.steps:
-            ev = evaluate(model, task, min(train_cfg.eval_size, 256), train_cfg.batch_size,
-                          train_cfg.seed + 1, device, train_cfg.dtype)
-            history.append({"step": step + 1, "accuracy": ev["accuracy"], "loss": ev["loss"]})
+            def interim() -> Dict[str, object]:
+                return evaluate(model, task, min(train_cfg.eval_size, 256), train_cfg.batch_size,
+                                train_cfg.seed + 1, device, train_cfg.dtype, coverage=True)
+
+            entry: Dict[str, object] = {"step": step + 1, "window": target, "train_window": window}
+            if window != target:
+                train_ev = interim()
+                entry["train_window_accuracy"], entry["train_window_loss"] = train_ev["accuracy"], train_ev["loss"]
+                _set_window(model, target)
+            ev = interim()
+            if window != target:
+                _set_window(model, window)
+            entry.update(ev)
+            history.append(entry)
             # Printed even without progress bars: interim evals are asked for explicitly.
             msg = f"[{label}] step {step + 1}: eval accuracy {ev['accuracy']:.4f}, eval loss {ev['loss']:.4f}"
+            if ev.get("coverage"):
+                msg += f", coverage {_coverage_text(ev)}"
+            if window != target:
+                msg += (f" (at window {target}; training window {window}: accuracy "
+                        f"{entry['train_window_accuracy']:.4f})")
             (bar.write if bar is not None else print)(msg)
         if bar is not None:
             bar.update(1)
@@ -596,17 +863,25 @@ def train_model(
     if bar is not None:
         bar.close()
 
-    final = evaluate(model, task, train_cfg.eval_size, train_cfg.batch_size, train_cfg.seed + 1, device, train_cfg.dtype)
-    history.append({"step": train_cfg.steps, "accuracy": final["accuracy"], "loss": final["loss"]})
+    if layers:
+        _set_window(model, target)  # the schedule always ends there; this makes it explicit
+    final = evaluate(model, task, train_cfg.eval_size, train_cfg.batch_size, train_cfg.seed + 1, device,
+                     train_cfg.dtype, coverage=True)
+    history.append({"step": train_cfg.steps, "window": target, "train_window": window_at(train_cfg.steps - 1),
+                    **final})
     tail = losses[-max(1, len(losses) // 10):]
+    timed = target_ms or step_ms
     return {
         "accuracy": final["accuracy"],
         "eval_loss": final["loss"],
+        "coverage": final.get("coverage"),
+        "coverage_any": final.get("coverage_any"),
         "final_train_loss": sum(tail) / len(tail),
-        "ms_per_step": statistics.median(step_ms) if step_ms else None,
-        "timed_steps": len(step_ms),
+        "ms_per_step": statistics.median(timed) if timed else None,
+        "timed_steps": len(timed),
         "losses": losses,
         "history": history,
+        "window_schedule": schedule,
         "params": sum(p.numel() for p in model.parameters()),
     }
 
@@ -678,17 +953,46 @@ def _markdown(doc: Dict[str, object]) -> str:
         f"- training: {cfg['train']['steps']} steps, batch {cfg['train']['batch_size']}, lr {cfg['train']['lr']}, "
         f"{cfg['train']['dtype']}; eval on {cfg['train']['eval_size']} sequences",
         "- ms/step: median forward+backward+optimizer time after "
-        f"{cfg['train']['timing_warmup']} warm-up steps",
+        f"{cfg['train']['timing_warmup']} warm-up steps (with a window warm-up: of the steps at the target window)",
+        "- window schedule: `full N → W` trains the first N steps at window seq_len, then shrinks "
+        "the window geometrically to W; the accuracy is always measured at the target window W",
+        "- coverage: per DMA layer (`layer 1/layer 2/...`), the fraction of (query, kv head) whose "
+        "window holds the queried pair's value position, and in brackets the fraction of queries "
+        "for which some kv head's window holds it (recall needs it in the last layer)",
         "",
-        "| window | attention | accuracy | eval loss | ms/step | params |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| window | attention | window schedule | accuracy | eval loss | coverage | ms/step | params |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in doc["results"]:
         ms = "-" if r["ms_per_step"] is None else f"{r['ms_per_step']:.2f}"
+        cov = _coverage_text(r) if r.get("coverage") else "-"
         lines.append(
-            f"| {r['window']} | {r['attention']} | {r['accuracy']:.4f} | {r['eval_loss']:.4f} | {ms} | {r['params']:,} |"
+            f"| {r['window']} | {r['attention']} | {_schedule_text(r.get('window_schedule'))} | "
+            f"{r['accuracy']:.4f} | {r['eval_loss']:.4f} | {cov} | {ms} | {r['params']:,} |"
         )
+    if any(len(r.get("history", [])) > 1 for r in doc["results"]):
+        lines += ["", "Accuracy by step (at the target window; `w` = the window training used at that step):", ""]
+        for r in doc["results"]:
+            parts = []
+            for h in r.get("history", []):
+                tw = h.get("train_window")
+                note = f" (w {tw})" if tw is not None and tw != h.get("window") else ""
+                parts.append(f"{h['accuracy']:.3f} @{h['step']}{note}")
+            lines.append(f"- {r['window']}: " + ", ".join(parts))
     return "\n".join(lines) + "\n"
+
+
+def _coverage_text(res: Dict[str, object]) -> str:
+    cov = "/".join(f"{c:.2f}" for c in res["coverage"])
+    any_head = res.get("coverage_any")
+    return cov + (f" (any head {'/'.join(f'{c:.2f}' for c in any_head)})" if any_head else "")
+
+
+def _schedule_text(schedule: Optional[dict]) -> str:
+    if not schedule:
+        return "fixed"
+    return (f"full {schedule['full_steps']} → {schedule['target']} "
+            f"(shrink over {schedule['decay_steps']})")
 
 
 def _plot(doc: Dict[str, object], path: Path) -> Optional[str]:
@@ -728,6 +1032,9 @@ def _plot(doc: Dict[str, object], path: Path) -> Optional[str]:
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
+# The window warm-up default (see window_schedule and examples/README.md, "Window warm-up").
+DEFAULT_WINDOW_WARMUP = 0.2
+
 SMOKE = dict(
     seq_len=64, num_pairs=4, key_vocab=16, value_vocab=16, filler_vocab=8, d_model=32, num_heads=2,
     num_kv_heads=None, steps=3, windows="8,full", batch_size=4, eval_size=8, timing_warmup=1,
@@ -755,15 +1062,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--mlp-ratio", type=int, default=0,
                    help="MLP width / d_model per block; 0 (default): attention-only blocks, as Zoology's MQAR models")
-    p.add_argument("--rope-base", type=float, default=10000.0, help="rotary base (theta)")
+    p.add_argument("--rope-base", type=float, default=1e6,
+                   help="rotary base (theta); the default 1e6 keeps more of the head dims slowly rotating, "
+                   "which long-distance key matching needs (10000 stalled recall at seq 128 on CPU)")
     p.add_argument("--qk-init-std", type=float, default=None,
                    help="init std of the q/k projections (default: d_model ** -0.5; the other weights use 0.02)")
+    p.add_argument("--dma-a-init", type=float, default=None,
+                   help="initial value of every DMA layer's A (default: the library's A_INIT, -0.1)")
     p.add_argument("--windows", default="32,64,128,256,512,full",
                    help="comma list of DMA window sizes, 'full' (window = seq_len) and/or 'dense' (SDPA)")
     p.add_argument("--window-size", type=int, default=None, help="train a single DMA window (overrides --windows)")
     p.add_argument("--attention", choices=("dma", "dense"), default="dma",
                    help="dense: a single run with plain SDPA attention (overrides --windows)")
     p.add_argument("--backend", default=None, help="flash_dmattn backend for DMA (default: auto-dispatch)")
+    p.add_argument("--window-warmup", type=float, default=DEFAULT_WINDOW_WARMUP, metavar="FRAC",
+                   help="DMA window warm-up: train the first FRAC of the steps with the full window "
+                   "(window_size = seq_len), then shrink it geometrically to the target over the next "
+                   "--window-decay of the steps; 0 disables it (unless --window-decay is given). Evaluation always "
+                   f"uses the target window; full and dense are unaffected (default {DEFAULT_WINDOW_WARMUP})")
+    p.add_argument("--window-decay", type=float, default=None, metavar="FRAC",
+                   help="fraction of the steps over which the window shrinks after the warm-up "
+                   "(default: the same as --window-warmup)")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -813,13 +1132,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ValueError(f"rope-base must be > 1, got {args.rope_base}")
         if args.qk_init_std is not None and not args.qk_init_std > 0:
             raise ValueError(f"qk-init-std must be > 0, got {args.qk_init_std}")
+        if args.dma_a_init is not None and not (math.isfinite(args.dma_a_init) and args.dma_a_init != 0):
+            raise ValueError(f"dma-a-init must be finite and nonzero, got {args.dma_a_init}")
+        try:
+            check_window_warmup(args.window_warmup, args.window_decay)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(str(exc).replace("window_warmup", "window-warmup").replace("window_decay", "window-decay")) from None
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
 
     train_cfg = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
         eval_size=args.eval_size, eval_every=args.eval_every, timing_warmup=args.timing_warmup,
-        seed=args.seed, dtype=dtype,
+        seed=args.seed, dtype=dtype, window_warmup=args.window_warmup, window_decay=args.window_decay,
     )
     env = _environment(device)
     out_dir = Path(args.out) if args.out else DEFAULT_RESULTS / (_slug(env["gpu_name"]) if env["gpu_name"] else "cpu")
@@ -829,6 +1154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         vocab_size=task.vocab_size, seq_len=task.seq_len, d_model=args.d_model, num_heads=args.num_heads,
         num_kv_heads=args.num_kv_heads, num_layers=args.num_layers, mlp_ratio=args.mlp_ratio,
         qk_init_std=args.qk_init_std, rope_base=args.rope_base, backend=args.backend,
+        dma_a_init=args.dma_a_init,
     )
     config = {
         "task": asdict(task),
@@ -859,7 +1185,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         row = {"window": _window_label(window), "attention": attention, "window_size": window_size, **res}
         results.append(row)
         ms = "-" if row["ms_per_step"] is None else f"{row['ms_per_step']:.2f}"
-        print(f"{label}: accuracy {row['accuracy']:.4f}, eval loss {row['eval_loss']:.4f}, {ms} ms/step", flush=True)
+        cov = f", coverage {_coverage_text(row)}" if row.get("coverage") else ""
+        print(f"{label}: accuracy {row['accuracy']:.4f}, eval loss {row['eval_loss']:.4f}{cov}, {ms} ms/step",
+              flush=True)
 
     if args.merge:
         # A window run again replaces its earlier row; the others are kept in their order.

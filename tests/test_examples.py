@@ -19,9 +19,13 @@ from examples.mqar import (  # noqa: E402
     ModelConfig,
     TrainConfig,
     generate_batch,
+    main,
     parse_windows,
     query_positions,
     train_model,
+    window_coverage,
+    window_schedule,
+    window_warmup_steps,
 )
 
 
@@ -30,7 +34,10 @@ def test_smoke_cli_writes_reports(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.pop("FLASH_DMATTN_BACKEND", None)
     env.pop("FLASH_DMATTN_DISABLE", None)
-    cmd = [sys.executable, "-m", "examples.mqar", "--smoke", "--device", "cpu", "--out", str(tmp_path)]
+    # --smoke trains 3 steps; a window warm-up of 0.34 (+ the same shrink) gives window 64 at
+    # step 1 and the target 8 from step 2 on, so the CLI path of the schedule runs too.
+    cmd = [sys.executable, "-m", "examples.mqar", "--smoke", "--device", "cpu", "--out", str(tmp_path),
+           "--window-warmup", "0.34", "--eval-every", "1"]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
 
@@ -42,8 +49,15 @@ def test_smoke_cli_writes_reports(tmp_path):
         assert r["ms_per_step"] is not None and r["ms_per_step"] > 0
         assert r["params"] > 0
     assert doc["config"]["task"]["seq_len"] == 64 and doc["config"]["train"]["steps"] == 3
+    assert doc["config"]["train"]["window_warmup"] == 0.34
+    windowed, full = rows
+    assert windowed["window_schedule"] == {"start": 64, "target": 8, "full_steps": 1, "decay_steps": 1,
+                                           "shape": "geometric"}
+    assert [(h["step"], h["window"], h["train_window"]) for h in windowed["history"]] == [(1, 8, 64), (2, 8, 8), (3, 8, 8)]
+    assert full["window_schedule"] is None and {h["train_window"] for h in full["history"]} == {64}
     md = (tmp_path / "mqar.md").read_text()
-    assert "| window | attention | accuracy |" in md
+    assert "| window | attention | window schedule | accuracy |" in md
+    assert "| 8 | dma | full 1 → 8 (shrink over 1) |" in md
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -112,3 +126,77 @@ def test_loss_decreases_on_a_tiny_problem(window):
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.7 * first, (first, last)
     assert 0.0 <= res["accuracy"] <= 1.0 and res["ms_per_step"] > 0
+
+
+def test_window_schedule_values():
+    total, seq_len, target = 100, 64, 16
+    ws = [window_schedule(s, total, target, seq_len, 0.2) for s in range(total)]
+    assert window_warmup_steps(total, 0.2) == (20, 20)
+    assert ws[:20] == [seq_len] * 20  # full window first
+    assert all(target < w < seq_len for w in ws[20:39]) and ws[39] == target  # geometric shrink
+    assert ws[40:] == [target] * 60
+    assert all(a >= b for a, b in zip(ws, ws[1:]))  # never grows back
+    # a separate shrink length; warm-up off; targets at or above seq_len are left alone
+    assert window_warmup_steps(100, 0.1, 0.5) == (10, 50)
+    assert [window_schedule(s, 10, 8, 64, 0.0) for s in range(10)] == [8] * 10
+    assert [window_schedule(s, 10, 64, 64, 0.3) for s in range(10)] == [64] * 10
+    assert window_schedule(9, 10, 8, 64, 0.49, 0.49) == 8  # the last step is always at the target
+    for frac, decay, exc in ((-0.1, None, ValueError), (0.5, None, ValueError), (0.3, 0.7, ValueError),
+                             (float("nan"), None, ValueError), (True, None, TypeError), ("0.2", None, TypeError)):
+        with pytest.raises(exc):
+            window_schedule(0, 10, 8, 64, frac, decay)
+    with pytest.raises(ValueError):
+        window_schedule(10, 10, 8, 64, 0.2)  # step out of range
+
+
+def test_window_warmup_training_and_coverage():
+    task = MQARConfig(seq_len=32, num_pairs=4, key_vocab=8, value_vocab=8, filler_vocab=4)
+    model_cfg = ModelConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, d_model=32, num_heads=2,
+                            window=8, backend="torch-reference")
+    train_cfg = TrainConfig(steps=10, batch_size=4, eval_size=8, eval_every=2, timing_warmup=0,
+                            window_warmup=0.3, window_decay=0.3)
+    res = train_model(task, model_cfg, train_cfg, "cpu")
+    assert res["window_schedule"] == {"start": 32, "target": 8, "full_steps": 3, "decay_steps": 3, "shape": "geometric"}
+    hist = res["history"]
+    assert [h["step"] for h in hist] == [2, 4, 6, 8, 10]
+    assert all(h["window"] == 8 for h in hist)  # every recorded accuracy is at the target window
+    trained = [h["train_window"] for h in hist]
+    assert trained[0] == 32 and trained[-2:] == [8, 8] and all(a >= b for a, b in zip(trained, trained[1:]))
+    assert "train_window_accuracy" in hist[0] and "train_window_accuracy" not in hist[-1]
+    assert len(res["coverage"]) == 2 and all(0.0 <= c <= 1.0 for c in res["coverage"] + res["coverage_any"])
+
+    # coverage counts exactly the queries whose paired value position the top-w selection keeps
+    import examples.mqar as mqar
+
+    torch.manual_seed(0)
+    model = mqar.MQARModel(model_cfg)
+    tokens, _ = _batch(task, seed=5, batch_size=3)
+    mqar._set_window(model, 32)
+    assert window_coverage(model, task, tokens) == {"coverage": [1.0, 1.0], "coverage_any": [1.0, 1.0]}
+    mqar._set_window(model, 8)
+    cov = window_coverage(model, task, tokens)
+    # brute force for layer 1 (its input is attn_norm(embed(tokens))): rank the visible keys
+    # by bias, ties to the lower index, and check the paired value's rank against the window
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        v = attn.v_proj(model.blocks[0].attn_norm(model.embed(tokens)))
+        bias = torch.exp(attn.A * torch.nn.functional.softplus(attn.dt_proj(v)))  # (B, L, Hkv)
+    held = []
+    for b in range(tokens.shape[0]):
+        keys = tokens[b, 0:8:2].tolist()
+        for p in query_positions(task).tolist():
+            j = 2 * keys.index(tokens[b, p].item()) + 1
+            for h in range(2):
+                col = bias[b, : p + 1, h].tolist()
+                rank = sum(1 for k, x in enumerate(col) if x > col[j] or (x == col[j] and k < j))
+                held.append(rank < 8)
+    assert cov["coverage"][0] == pytest.approx(sum(held) / len(held))
+
+
+@pytest.mark.parametrize("args", [["--window-warmup", "0.6"], ["--window-warmup", "-1"],
+                                  ["--window-warmup", "0.3", "--window-decay", "0.8"]])
+def test_window_warmup_cli_errors(args, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--smoke", "--device", "cpu", *args])
+    assert info.value.code == 2
+    assert "window-warmup" in capsys.readouterr().err
