@@ -101,6 +101,94 @@ __device__ __forceinline__ void load_tile64(const Elem* g, int64_t row_stride, i
 }
 
 // ---------------------------------------------------------------------------------------------
+// Fused dQ steps of the dK/dV kernel
+// ---------------------------------------------------------------------------------------------
+// 1. Stage this warpgroup's dS^T as a 64 x 64 K-major tile with the 128-byte swizzle
+// (GmmaTiles<64>::Rows<64>) and make it visible to the MMAs of the warpgroups that read it.
+// Thread (warp w, lane) holds keys 16 w + 8 r + lane / 4 and queries 8 g + 2 (lane % 4) +
+// {0, 1}: byte offset (2 w + r) * 1024 + (lane / 4) * 128 + ((g ^ lane / 4) * 16) +
+// (lane % 4) * 4, each pair one 4-byte store. Written out rather than through the layout so no
+// per-value addresses stay live across the loop (that spilled 644 bytes at d128).
+template <typename Cfg, typename Frag>
+__device__ __forceinline__ void stage_ds_t(char* smem, int wg, int tid, Frag const& rdS) {
+  constexpr int kGroups = decltype(size<0, 2>(rdS))::value;
+  const int lane = tid % 32, wq = (tid % 128) / 32, row8 = lane / 4;
+  char* ds_base = smem + Cfg::kKvDsOff + wg * Cfg::kDsT + wq * 2048 + row8 * 128 + (lane % 4) * 4;
+  CUTE_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    CUTE_UNROLL
+    for (int g = 0; g < kGroups; ++g) {
+      __align__(4) Elem pair[2] = {rdS(make_coord(make_coord(0, r, g), 0, 0)),
+                                   rdS(make_coord(make_coord(1, r, g), 0, 0))};
+      *reinterpret_cast<uint32_t*>(ds_base + r * 1024 + ((g ^ row8) * 16)) =
+          *reinterpret_cast<uint32_t*>(pair);
+    }
+  }
+  fence_async_shared();
+  if constexpr (Cfg::kSplitD) {
+    __syncthreads();  // both halves of dS feed each warpgroup's dQ columns
+  } else {
+    named_barrier_sync(1 + wg, 128);  // this warpgroup's four warps wrote its dS
+  }
+}
+
+// 2. Issue dQ_partial = dS K from shared memory (no wait): kHD = 128, this warpgroup's 64
+// columns over both 64-key chunks; otherwise all columns over its own keys.
+template <typename Cfg, typename Mma, typename Thr, typename Acc>
+__device__ __forceinline__ void issue_fused_dq(Mma& mma_q, Thr& thr_q, char* smem, int wg,
+                                               Acc& acc_dq) {
+  auto at = [&](int off) { return make_smem_ptr(reinterpret_cast<Elem*>(smem + off)); };
+  if constexpr (Cfg::kSplitD) {
+    CUTE_UNROLL
+    for (int c = 0; c < 2; ++c) {  // key chunk c: warpgroup c's dS^T and K rows
+      Tensor tArdS = thr_q.partition_fragment_A(
+          make_tensor(at(Cfg::kKvDsOff + c * Cfg::kDsT), typename Cfg::DsTileT{}));
+      Tensor tBrK = thr_q.partition_fragment_B(
+          make_tensor(at(c * Cfg::kT + wg * Cfg::kDsT), typename Cfg::KtTile{}));
+      wgmma_issue<false>(mma_q, tArdS, tBrK, acc_dq, /*zero=*/c == 0);
+    }
+  } else {
+    Tensor tArdS = thr_q.partition_fragment_A(
+        make_tensor(at(Cfg::kKvDsOff + wg * Cfg::kDsT), typename Cfg::DsTileT{}));
+    Tensor tBrK = thr_q.partition_fragment_B(make_tensor(at(wg * Cfg::kT), typename Cfg::KtTile{}));
+    wgmma_issue<false>(mma_q, tArdS, tBrK, acc_dq, /*zero=*/true);
+  }
+}
+
+// 3. Add the finished partial to its block `dst` of the fp32 accumulator: staged 32 columns at
+// a time, each piece one bulk reduction (the last runs while the next step computes). The
+// leader first waits until the previous reduction has read the stage. Within a piece,
+// (row, col) sits at row * 32 + (col ^ 4 (row % 8)): the swizzle spreads a warp's 8-byte
+// stores over the banks (dq_accum_to_dq_kernel undoes it).
+template <typename Cfg, typename Acc>
+__device__ __forceinline__ void reduce_dq_partial(char* smem, float* dst, int wg, int tid,
+                                                  Acc const& acc_dq) {
+  float* stage = reinterpret_cast<float*>(smem + Cfg::kKvDqOff + wg * Cfg::kDqStage);
+  const int lane = tid % 32;
+  const bool leader = tid % 128 == 0;
+  const int row0 = ((tid % 128) / 32) * 16 + lane / 4;
+  const int col0 = (2 * (lane % 4)) ^ (4 * (lane / 4));  // row0 % 8 == lane / 4
+  CUTE_UNROLL
+  for (int cb = 0; cb < Cfg::kDqN / Cfg::kDqCols; ++cb) {
+    if (leader) bulk_wait_read<0>();
+    named_barrier_sync(1 + wg, 128);
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      CUTE_UNROLL
+      for (int g4 = 0; g4 < 4; ++g4) {
+        const int g = cb * 4 + g4;
+        *reinterpret_cast<float2*>(stage + (row0 + 8 * r) * 32 + (col0 ^ (8 * g4))) =
+            make_float2(acc_dq(make_coord(make_coord(0, r, g), 0, 0)),
+                        acc_dq(make_coord(make_coord(1, r, g), 0, 0)));
+      }
+    }
+    fence_async_shared();
+    named_barrier_sync(1 + wg, 128);
+    if (leader) bulk_reduce_add_f32(dst + cb * (64 * 32), stage, Cfg::kDqStage);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // dK, dV (+ per-key dbias partials)
 // ---------------------------------------------------------------------------------------------
 template <bool kSoftcap>
@@ -258,98 +346,25 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
       }
       Tensor rP = to_type<Elem>(acc_s);
       Tensor rdS = to_type<Elem>(acc_dp);
-      if (fused_dq) {
-        // Stage this warpgroup's dS^T as a 64 x 64 K-major tile with the 128-byte swizzle
-        // (GmmaTiles<64>::Rows<64>). Thread (warp w, lane) holds keys 16 w + 8 r + lane / 4
-        // and queries 8 g + 2 (lane % 4) + {0, 1}: byte offset (2 w + r) * 1024 +
-        // (lane / 4) * 128 + ((g ^ lane / 4) * 16) + (lane % 4) * 4, each pair one 4-byte
-        // store. Written out rather than through the layout so no per-value addresses are kept
-        // live across the loop.
-        {
-          const int wq = (tid % 128) / 32, row8 = lane / 4;
-          char* ds_base = smem + Cfg::kKvDsOff + wg * Cfg::kDsT + wq * 2048 + row8 * 128 +
-                          (lane % 4) * 4;
-          CUTE_UNROLL
-          for (int r = 0; r < 2; ++r) {
-            CUTE_UNROLL
-            for (int g = 0; g < kGroups; ++g) {
-              __align__(4) Elem pair[2] = {rdS(make_coord(make_coord(0, r, g), 0, 0)),
-                                           rdS(make_coord(make_coord(1, r, g), 0, 0))};
-              *reinterpret_cast<uint32_t*>(ds_base + r * 1024 + ((g ^ row8) * 16)) =
-                  *reinterpret_cast<uint32_t*>(pair);
-            }
-          }
-        }
-        fence_async_shared();
-        if constexpr (Cfg::kSplitD) {
-          __syncthreads();  // both halves of dS feed each warpgroup's dQ columns
-        } else {
-          named_barrier_sync(1 + wg, 128);  // this warpgroup's four warps wrote its dS
-        }
-      }
+      if (fused_dq) stage_ds_t<Cfg>(smem, wg, tid, rdS);
       Tensor tOrP = make_tensor(rP.data(), acc_as_gmma_a_layout(rP.layout()));
       Tensor tOrdS = make_tensor(rdS.data(), acc_as_gmma_a_layout(rdS.layout()));
       Tensor tBdOt = thr_g.partition_fragment_B(make_tensor(at((5 + 2 * st) * kT), typename Cfg::TileT{}));
       Tensor tBQt = thr_g.partition_fragment_B(make_tensor(at((4 + 2 * st) * kT), typename Cfg::TileT{}));
       wgmma_issue<true>(mma_g, tOrP, tBdOt, acc_dv, /*zero=*/false);
       wgmma_issue<true>(mma_g, tOrdS, tBQt, acc_dk, /*zero=*/false);
+      Tensor acc_dq = partition_fragment_C(mma_q, Shape<_64, Int<Cfg::kDqN>>{});
+      if (fused_dq) issue_fused_dq<Cfg>(mma_q, thr_q, smem, wg, acc_dq);
+      wgmma_wait<0>(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      warpgroup_fence_operand(tOrP);
+      warpgroup_fence_operand(tOrdS);
       if (fused_dq) {
-        Tensor acc_dq = partition_fragment_C(mma_q, Shape<_64, Int<Cfg::kDqN>>{});
-        if constexpr (Cfg::kSplitD) {
-          CUTE_UNROLL
-          for (int c = 0; c < 2; ++c) {  // key chunk c: warpgroup c's dS^T and K rows
-            Tensor tArdS = thr_q.partition_fragment_A(
-                make_tensor(at(Cfg::kKvDsOff + c * Cfg::kDsT), typename Cfg::DsTileT{}));
-            Tensor tBrK = thr_q.partition_fragment_B(
-                make_tensor(at(c * kT + wg * Cfg::kDsT), typename Cfg::KtTile{}));
-            wgmma_issue<false>(mma_q, tArdS, tBrK, acc_dq, /*zero=*/c == 0);
-          }
-        } else {
-          Tensor tArdS = thr_q.partition_fragment_A(
-              make_tensor(at(Cfg::kKvDsOff + wg * Cfg::kDsT), typename Cfg::DsTileT{}));
-          Tensor tBrK = thr_q.partition_fragment_B(make_tensor(at(wg * kT), typename Cfg::KtTile{}));
-          wgmma_issue<false>(mma_q, tArdS, tBrK, acc_dq, /*zero=*/true);
-        }
-        wgmma_wait<0>(acc_dq);
-        warpgroup_fence_operand(acc_dv);
-        warpgroup_fence_operand(acc_dk);
-        warpgroup_fence_operand(tOrP);
-        warpgroup_fence_operand(tOrdS);
-        // Stage the partial 32 columns at a time and hand each piece to one bulk reduction
-        // into its block of the accumulator; the last one runs while the next step computes.
-        // The leader first waits until the previous reduction has read the stage. Within a
-        // piece, (row, col) sits at row * 32 + (col ^ 4 (row % 8)): the swizzle spreads a
-        // warp's 8-byte stores over the banks (the conversion kernel undoes it).
-        float* stage = reinterpret_cast<float*>(smem + Cfg::kKvDqOff + wg * Cfg::kDqStage);
-        const bool leader = tid % 128 == 0;
-        const int row0 = ((tid % 128) / 32) * 16 + lane / 4;
-        const int col0 = (2 * (lane % 4)) ^ (4 * (lane / 4));  // row0 % 8 == lane / 4
+        warpgroup_fence_operand(acc_dq);
         // Accumulator layout (B, H, query tile, kHD / 32 column blocks, 64, 32).
         float* dst = p.dq_accum + ((int64_t(b) * p.H + h) * m_tiles + q0 / kBM) * (64 * kD) +
                      (Cfg::kSplitD ? wg * 64 * 64 : 0);
-        CUTE_UNROLL
-        for (int cb = 0; cb < Cfg::kDqN / Cfg::kDqCols; ++cb) {
-          if (leader) bulk_wait_read<0>();
-          named_barrier_sync(1 + wg, 128);
-          CUTE_UNROLL
-          for (int r = 0; r < 2; ++r) {
-            CUTE_UNROLL
-            for (int g4 = 0; g4 < 4; ++g4) {
-              const int g = cb * 4 + g4;
-              *reinterpret_cast<float2*>(stage + (row0 + 8 * r) * 32 + (col0 ^ (8 * g4))) =
-                  make_float2(acc_dq(make_coord(make_coord(0, r, g), 0, 0)),
-                              acc_dq(make_coord(make_coord(1, r, g), 0, 0)));
-            }
-          }
-          fence_async_shared();
-          named_barrier_sync(1 + wg, 128);
-          if (leader) bulk_reduce_add_f32(dst + cb * (64 * 32), stage, Cfg::kDqStage);
-        }
-      } else {
-        wgmma_wait<0>(acc_dv);
-        warpgroup_fence_operand(acc_dk);
-        warpgroup_fence_operand(tOrP);
-        warpgroup_fence_operand(tOrdS);
+        reduce_dq_partial<Cfg>(smem, dst, wg, tid, acc_dq);
       }
     }
 
@@ -553,7 +568,8 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
 __global__ void dq_accum_to_dq_kernel(const BwdParams p) {
   constexpr int kHD = kHeadDimBucket;
   const int half_d = p.D / 2;  // D is even (a multiple of 8): pairs of columns
-  const int m_tiles = (p.Lq + 63) / 64;
+  constexpr int kBM = Sm90BwdConfig<kHD>::kBlockM;
+  const int m_tiles = (p.Lq + kBM - 1) / kBM;
   const int64_t n = int64_t(p.B) * p.Lq * p.H * half_d;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -564,10 +580,10 @@ __global__ void dq_accum_to_dq_kernel(const BwdParams p) {
     const int l = int(rest % p.Lq);
     const int b = int(rest / p.Lq);
     // (B, H, query tile, kHD / 32 column blocks, 64, 32), swizzled within a block.
-    const int row = l % 64;
+    const int row = l % kBM;
     const float2 v = *reinterpret_cast<const float2*>(
-        p.dq_accum + ((int64_t(b) * p.H + h) * m_tiles + l / 64) * (64 * kHD) +
-        (c / 32) * (64 * 32) + row * 32 + ((c % 32) ^ (4 * (row % 8))));
+        p.dq_accum + ((int64_t(b) * p.H + h) * m_tiles + l / kBM) * (kBM * kHD) +
+        (c / 32) * (kBM * 32) + row * 32 + ((c % 32) ^ (4 * (row % 8))));
     __align__(4) Elem pair[2] = {Elem(v.x * p.scale), Elem(v.y * p.scale)};
     Elem* dst = reinterpret_cast<Elem*>(p.dq) + int64_t(b) * p.dq_sb + int64_t(l) * p.dq_sl +
                 int64_t(h) * p.dq_sh + c;

@@ -20,6 +20,19 @@ def time_ms(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
+def print_kernel_times(fn, label: str) -> None:
+    """GPU time per kernel of one call of ``fn`` (after a warm-up call), one line each."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    width = 78 - len(label)
+    for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            print(f"  {label} {evt.key[:width]:{width}s} {evt.device_time_total / 1e3:.3f} ms")
+
+
 def main():
     torch.manual_seed(0)
     dev = "cuda"
@@ -33,14 +46,7 @@ def main():
     print("block_sizes", mod.block_sizes())
     attn = flash_dmattn_func_auto("cuda")
     run = lambda: attn(q, k, v, is_causal=True)
-    run()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    for evt in prof.key_averages():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            print(f"  kernel {evt.key[:70]:70s} {evt.device_time_total / 1e3:.3f} ms")
+    print_kernel_times(run, "kernel")
     qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -62,14 +68,7 @@ def main():
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     gout = torch.randn_like(q)
     step = lambda: torch.autograd.grad(attn(qg, kg, vg, is_causal=True), (qg, kg, vg), gout)
-    step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    for evt in prof.key_averages():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            print(f"  fwd+bwd kernel {evt.key[:62]:62s} {evt.device_time_total / 1e3:.3f} ms")
+    print_kernel_times(step, "fwd+bwd kernel")
     sys.stdout.flush()
 
 
