@@ -155,3 +155,57 @@ def test_aligned_rows_bias_dtypes():
     assert aligned_rows(b32, 5, 12)[1] is False
     got, padded = aligned_rows(torch.randn(1, 1, 5, 13, requires_grad=True), 5, 13)
     assert padded and not got.requires_grad  # a read-only copy, outside autograd
+
+
+@pytest.mark.parametrize("Lq,Lk", [(129, 63), (40, 100)])
+def test_causal_summary_skips_only_invisible_tiles(Lq, Lk):
+    # A causal summary leaves tiles no row can see unread (dead, not full) and agrees with the
+    # full summary everywhere else, so causal tile maps built from either are identical.
+    gen = torch.Generator().manual_seed(Lq + Lk)
+    for name, mask in _masks(Lq, Lk, gen):
+        mask = mask.to(DEVICE)
+        full_s = summarize_mask(mask, 16, 16)
+        causal_s = summarize_mask(mask, 16, 16, causal=True)
+        q_last = torch.clamp(torch.arange(0, Lq, 16) + 16, max=Lq) - 1
+        k_start = torch.arange(0, Lk, 16)
+        seen = (k_start[None, :] <= (q_last + Lk - Lq)[:, None]).to(DEVICE)  # (nQ, nK)
+        key_seen = seen.repeat_interleave(16, dim=1)[:, :Lk]
+        assert torch.equal(causal_s.row_any, full_s.row_any & key_seen), name
+        assert torch.equal(causal_s.tile_all, full_s.tile_all & seen), name
+        for coarse in ((16, 16), (32, 16), (48, 32)):
+            a = classify_tiles(mask, Lq, Lk, True, *coarse, mask.device, summary=causal_s)
+            b = tile_liveness(mask, Lq, Lk, *coarse, True)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (name, coarse)
+
+
+@pytest.mark.parametrize("Lq,Lk,block_m,causal", [(100, 90, 32, False), (129, 63, 16, True),
+                                                    (40, 100, 16, True)])
+def test_gather_plan_kernel_matches_torch(Lq, Lk, block_m, causal):
+    # The compact-and-gather kernel against the plain PyTorch definition of idx / gmask.
+    gen = torch.Generator().manual_seed(11 * Lq + Lk)
+    for name, mask in _masks(Lq, Lk, gen):
+        mask = mask.to(DEVICE)
+        g = plan_key_gather(mask, None, Lq, Lk, 6, causal, block_m, 16, policy="always",
+                            summary=summarize_mask(mask, 16, 16, causal=causal))
+        union = block_reduce(mask, 2, block_m, "any")
+        n_q = union.size(2)
+        if causal:
+            q_last = torch.clamp(torch.arange(n_q) * block_m + block_m, max=Lq) - 1
+            vis = torch.arange(Lk)[None, :] <= (q_last + Lk - Lq)[:, None]
+            union = union & vis.to(DEVICE)
+        assert torch.equal(g.cnt, union.sum(-1, dtype=torch.int32)), name
+        assert g.capacity == max(int(g.cnt.max()), 1)
+        for b in range(mask.size(0)):
+            for h in range(mask.size(1)):
+                for m in range(n_q):
+                    keys = union[b, h, m].nonzero().flatten()
+                    n = keys.numel()
+                    assert torch.equal(g.idx[b, h, m, :n].long(), keys), (name, b, h, m)
+                    assert torch.all(g.idx[b, h, m, n:] == 0), (name, b, h, m)
+                    rows = slice(m * block_m, min(m * block_m + block_m, Lq))
+                    want = mask[b, h, rows][:, keys].to(torch.uint8)
+                    got = g.gmask[b, h, m * block_m:m * block_m + block_m, :n]
+                    assert torch.equal(got[:want.size(0)], want), (name, b, h, m)
+                    assert torch.all(got[want.size(0):] == 0), (name, b, h, m)
+                    tail = g.gmask[b, h, m * block_m:m * block_m + block_m, n:]
+                    assert torch.all(tail == 0), (name, b, h, m)

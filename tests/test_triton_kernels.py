@@ -441,7 +441,7 @@ def test_gather_policy_defaults_and_env(monkeypatch):
     from flash_dmattn.backends.triton.gather import DEFAULT_POLICY, gather_policy
 
     monkeypatch.delenv("FLASH_DMATTN_TRITON_GATHER", raising=False)
-    assert gather_policy("forward") == DEFAULT_POLICY["forward"] == "never"
+    assert gather_policy("forward") == DEFAULT_POLICY["forward"] == "auto"
     assert gather_policy("dq") == DEFAULT_POLICY["dq"] == "auto"
     monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", "Always")
     assert gather_policy("forward") == gather_policy("dq") == "always"

@@ -76,7 +76,7 @@ def _lists(mask, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n, device,
     from ..triton.mask_summary import summarize_mask, wants_summary
     from ..triton.tiles import build_tile_lists
 
-    summary = (summarize_mask(mask, block_m, block_n)
+    summary = (summarize_mask(mask, block_m, block_n, is_causal)
                if wants_summary(mask, seqlen_q, seqlen_k) else None)
     return build_tile_lists(mask, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n, device,
                             need_fwd=True, need_bwd=need_bwd, summary=summary)

@@ -759,7 +759,8 @@ def attention_backward(
     mask, mask_pad = aligned_rows(mask, Lq, Lk)
     # A per-query mask is read once (one kernel) for the dK/dV lists, the dQ lists and the
     # dQ gather plan; torch reductions would read it once per question.
-    summary = (summarize_mask(mask, *summary_blocks((block_m, block_n), (block_m2, block_n2)))
+    summary = (summarize_mask(mask, *summary_blocks((block_m, block_n), (block_m2, block_n2)),
+                              causal=is_causal)
                if wants_summary(mask, Lq, Lk) else None)
     gather = (plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m2, block_n2, kernel="dq",
                               summary=summary)

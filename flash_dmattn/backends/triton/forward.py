@@ -15,13 +15,13 @@ program walks up to its causal limit: dead key tiles cost nothing, full ones ski
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from .gather import plan_key_gather
+from .gather import KeyGather, plan_key_gather
 from .mask_summary import summarize_mask, wants_summary
 from .tiles import TileLists, build_tile_lists, build_varlen_key_lists
 from ...intmath import cdiv, next_power_of_2
@@ -548,7 +548,7 @@ def attention_forward(
     softmax_scale: float,
     is_causal: bool,
     softcap: float,
-    tiles: Optional[TileLists] = None,
+    tiles: Optional[Union[TileLists, KeyGather]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention forward.
 
@@ -559,7 +559,8 @@ def attention_forward(
         bias: None or float ``(Bx, Hx, Qx, Kx)`` view (q's dtype or fp32), added after softcap.
         softmax_scale: multiplies q.k (0.0 allowed). is_causal: bottom-right aligned causal.
         softcap: 0.0 = off, else ``softcap * tanh(s / softcap)``.
-        tiles: optional prebuilt forward tile lists for :func:`fwd_blocks` (built if None).
+        tiles: optional prebuilt forward tile lists for :func:`fwd_blocks`, or a prebuilt
+            :class:`KeyGather` for its ``block_m`` (planned here if None).
 
     Returns:
         ``out`` ``(B, Lq, H, D)`` in q's dtype (contiguous) and ``lse`` ``(B, H, Lq)`` fp32
@@ -580,9 +581,11 @@ def attention_forward(
     mask, mask_pad = aligned_rows(mask, Lq, Lk)
     bias, bias_pad = aligned_rows(bias, Lq, Lk)  # read only: the forward has no dbias
     gather = None
-    if tiles is None:
+    if isinstance(tiles, KeyGather):
+        gather, tiles = tiles, None
+    elif tiles is None:
         # A per-query mask is read once, by one kernel, for everything planned from it.
-        summary = (summarize_mask(mask, block_m, block_n)
+        summary = (summarize_mask(mask, block_m, block_n, is_causal)
                    if wants_summary(mask, Lq, Lk) else None)
         gather = plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m, block_n,
                                  summary=summary)

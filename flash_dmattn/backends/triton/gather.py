@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+import triton
+import triton.language as tl
 
 from ...block_map import block_reduce, cdiv
 from .mask_summary import MaskSummary
@@ -38,12 +40,11 @@ from .mask_summary import MaskSummary
 GATHER_MAX_RATIO = 0.75
 _POLICIES = ("auto", "always", "never")
 
-# Default policy per kernel, from the H200 run of 2026-11-21 on the dynamic-mask workload
-# (B1 H16/Hkv4 L8192 D128, top-2048 per query, causal; auto chose gather for both kernels):
-# the gathered forward took 3.09 ms against 2.25 ms for tile skipping, while the backward
-# (where only dQ gathers) took 5.91 ms against 6.43 ms. The forward's gathered loads are not
-# hidden by the software pipeline yet; until they are, only dQ gathers by default.
-DEFAULT_POLICY = {"forward": "never", "dq": "auto"}
+# Default policy per kernel. On the H200 run of 2026-11-22 (B1 H16/Hkv4 L8192 D128, top-2048
+# per query, causal) the gathered forward kernel took 0.795 ms against 1.365 ms for tile
+# skipping; what had kept the forward on "never" since 2026-11-21 (3.09 vs 2.25 ms) was the
+# torch-built plan (sort + gather, 0.72 ms), now one compact-and-gather kernel.
+DEFAULT_POLICY = {"forward": "auto", "dq": "auto"}
 
 
 def gather_policy(kernel: str = "forward") -> str:
@@ -147,12 +148,8 @@ def plan_key_gather(
         capacity = int(cnt.max().item())
     capacity = max(int(capacity), 1)
 
-    # Live keys first, ascending (the index breaks ties), then cut to the largest union.
-    ar = torch.arange(seqlen_k, device=device, dtype=torch.int32)
-    order = torch.sort((~union).to(torch.int32) * seqlen_k + ar, dim=-1).values
-    idx = (order[..., :capacity] % seqlen_k).contiguous()
-
-    gmask = _gather_mask(mask.view(torch.uint8), idx, seqlen_q, block_m, capacity)
+    idx, gmask = _compact_and_gather(mask.view(torch.uint8), union, seqlen_q, seqlen_k,
+                                     is_causal, block_m, capacity)
     return KeyGather(block_m=block_m, capacity=capacity, head_div=num_heads // hx,
                      idx=idx, cnt=cnt.contiguous(), gmask=gmask)
 
@@ -161,30 +158,82 @@ def plan_key_gather(
 GMASK_ROW_ALIGN = 64
 
 
-def _gather_mask(mask_u8: torch.Tensor, idx: torch.Tensor, seqlen_q: int, block_m: int,
-                 capacity: int) -> torch.Tensor:
-    """``gmask[b, h, i, c] = mask[b, h, i, idx[b, h, i // block_m, c]]``, rows padded to tiles."""
-    bx, hx, _, seqlen_k = mask_u8.shape
-    n_q = idx.size(2)
-    # Rows padded to a multiple of GMASK_ROW_ALIGN bytes (zeros): the kernels bound their mask
-    # reads by the row stride instead of the list length, which the compiler then knows to be
-    # a multiple of 16 -- so it reads the mask tile as 16-byte vectors and software-pipelines
-    # it (byte-wide loads are not pipelined; see scripts/compile_check.py). Positions past a
-    # tile's count are hidden by the kernels' key bound either way.
+def _compact_and_gather(mask_u8: torch.Tensor, union: torch.Tensor, seqlen_q: int,
+                        seqlen_k: int, is_causal: bool, block_m: int,
+                        capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(idx, gmask)`` of the module docstring from ``union`` (causal-cut or not: each tile
+    stops at its causal limit).
+
+    One Triton program per (mask batch/head, query tile) reads the union row and the tile's
+    mask rows once, up to the tile's causal limit, and writes both outputs. Equivalent plain
+    PyTorch (with ``union`` already cut to the causal limit)::
+
+        order = torch.sort((~union).int() * Lk + torch.arange(Lk), dim=-1).values
+        idx = order[..., :capacity] % Lk                     # live keys first, ascending
+        gmask[b, h, i, c] = mask[b, h, i, idx[b, h, i // block_m, c]]
+
+    Entries past a tile's count are 0 in ``idx`` and ``gmask`` (the kernels bound gathered keys
+    by the count anyway), as are rows past ``Lq`` in the last tile.
+    """
+    bx, hx, n_q, _ = union.shape
+    device = mask_u8.device
+    # Rows padded to a multiple of GMASK_ROW_ALIGN bytes: the kernels bound their mask reads by
+    # the row stride instead of the list length, which the compiler then knows to be a multiple
+    # of 16 -- so it reads the mask tile as 16-byte vectors and software-pipelines it (byte-wide
+    # loads are not pipelined; see scripts/compile_check.py).
     width = -(-capacity // GMASK_ROW_ALIGN) * GMASK_ROW_ALIGN
-    rows = torch.empty((bx, hx, n_q, block_m, width), dtype=torch.uint8, device=mask_u8.device)
-    rows[..., capacity:] = 0
-    gmask = rows[..., :capacity]
-    n_full = seqlen_q // block_m
-    rem = seqlen_q - n_full * block_m
-    idx64 = idx.to(torch.int64)
-    if n_full:
-        src = mask_u8.narrow(2, 0, n_full * block_m).unflatten(2, (n_full, block_m))
-        ix = idx64[:, :, :n_full, None, :].expand(bx, hx, n_full, block_m, capacity)
-        torch.gather(src, -1, ix, out=gmask[:, :, :n_full])  # strided out: written in place
-    if rem:
-        src = mask_u8.narrow(2, n_full * block_m, rem)
-        ix = idx64[:, :, n_full, None, :].expand(bx, hx, rem, capacity)
-        torch.gather(src, -1, ix, out=gmask[:, :, n_full, :rem])
-        gmask[:, :, n_full, rem:] = 0
-    return rows.view(bx, hx, n_q * block_m, width)[..., :capacity]
+    rows = torch.empty((bx, hx, n_q * block_m, width), dtype=torch.uint8, device=device)
+    idx = torch.empty((bx, hx, n_q, capacity), dtype=torch.int32, device=device)
+    union_u8 = union.contiguous().view(torch.uint8)
+    # Short chunks on the CPU interpreter, so small test shapes cover several of them.
+    block_k = 32 if device.type == "cpu" else 256
+    _compact_gather_kernel[(n_q, bx * hx)](
+        mask_u8, union_u8, idx, rows,
+        mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2), mask_u8.stride(3),
+        hx, seqlen_q, seqlen_k, n_q, capacity, width,
+        IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return idx, rows[..., :capacity]
+
+
+@triton.jit
+def _compact_gather_kernel(
+    Mask, Union, Idx, GMask,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    num_heads_m, seqlen_q, seqlen_k, n_q, capacity, gmask_width,
+    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // num_heads_m).to(tl.int64)
+    h = (bh % num_heads_m).to(tl.int64)
+    row = bh.to(tl.int64) * n_q + m
+    union_row = Union + row * seqlen_k
+    idx_row = Idx + row * capacity
+    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < seqlen_q
+    mask_rows = Mask + b * stride_mb + h * stride_mh + offs_m[:, None].to(tl.int64) * stride_mm
+    g_rows = GMask + (row * BLOCK_M + tl.arange(0, BLOCK_M))[:, None].to(tl.int64) * gmask_width
+    key_end = seqlen_k
+    if IS_CAUSAL:
+        # Bottom-right aligned: the tile's last row sees keys up to last_row + Lk - Lq.
+        last_row = tl.minimum(m * BLOCK_M + BLOCK_M, seqlen_q) - 1
+        key_end = tl.maximum(tl.minimum(last_row + (seqlen_k - seqlen_q) + 1, seqlen_k), 0)
+    base = 0
+    for start in range(0, key_end, BLOCK_K):
+        keys = start + tl.arange(0, BLOCK_K)
+        live = tl.load(union_row + keys, mask=keys < key_end, other=0) != 0
+        live_i = live.to(tl.int32)
+        pos = base + tl.cumsum(live_i, 0) - 1
+        tl.store(idx_row + pos, keys, mask=live)
+        tile = tl.load(mask_rows + keys[None, :] * stride_mn, mask=m_ok[:, None] & live[None, :],
+                       other=0)
+        tl.store(g_rows + pos[None, :], tile, mask=live[None, :])
+        base += tl.sum(live_i, 0)
+    # Zeros past the count (to the padded row end), so the plan is fully defined.
+    for start in range(base, gmask_width, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        tl.store(idx_row + cols, tl.zeros([BLOCK_K], dtype=tl.int32), mask=cols < capacity)
+        tl.store(g_rows + cols[None, :], tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.uint8),
+                 mask=cols[None, :] < gmask_width)

@@ -88,8 +88,10 @@ def _mask_summary_kernel(
     Mask, RowAny, TileAll,
     stride_mb, stride_mh, stride_mm, stride_mn,
     num_heads_m, seqlen_q, seqlen_k, n_row_blocks, n_key_blocks,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, IS_CAUSAL: tl.constexpr,
 ):
+    # IS_CAUSAL: a tile no row of which can see any key (bottom-right aligned) is not read and
+    # summarised as dead; causal callers discard it anyway, and it is half of a square mask.
     pid_k = tl.program_id(0)
     pid_q = tl.program_id(1)
     pid_bh = tl.program_id(2)
@@ -100,8 +102,13 @@ def _mask_summary_kernel(
     m_ok = offs_m < seqlen_q
     n_ok = offs_n < seqlen_k
     ok = m_ok[:, None] & n_ok[None, :]
+    fetch = ok
+    if IS_CAUSAL:
+        last_row = tl.minimum(pid_q * BLOCK_Q + BLOCK_Q, seqlen_q) - 1
+        seen = (pid_k * BLOCK_K <= last_row + (seqlen_k - seqlen_q)).to(tl.int32)
+        fetch = fetch & ((tl.zeros([1, 1], dtype=tl.int32) + seen) != 0)
     ptrs = Mask + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
-    live = (tl.load(ptrs, mask=ok, other=0) != 0).to(tl.int32)
+    live = (tl.load(ptrs, mask=fetch, other=0) != 0).to(tl.int32)
     row = pid_bh.to(tl.int64) * n_row_blocks + pid_q
     tl.store(RowAny + row * seqlen_k + offs_n, tl.max(live, 0).to(tl.uint8), mask=n_ok)
     # Out-of-range elements do not make a ragged edge tile partial.
@@ -109,8 +116,14 @@ def _mask_summary_kernel(
     tl.store(TileAll + row * n_key_blocks + pid_k, full.to(tl.uint8))
 
 
-def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int) -> MaskSummary:
-    """Read a 4-D bool mask ``(Bx, Hx, Lq, Lk)`` (any strides) once into a :class:`MaskSummary`."""
+def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int,
+                   causal: bool = False) -> MaskSummary:
+    """Read a 4-D bool mask ``(Bx, Hx, Lq, Lk)`` (any strides) once into a :class:`MaskSummary`.
+
+    ``causal``: the summary is only used together with bottom-right causal masking, so tiles
+    that no query of theirs can see are not read (they summarise as dead: no live key, not
+    full).
+    """
     bx, hx, seqlen_q, seqlen_k = mask.shape
     n_q = cdiv(seqlen_q, row_block)
     n_k = cdiv(seqlen_k, key_block)
@@ -123,7 +136,7 @@ def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int) -> MaskSu
             mask_u8, row_any, tile_all,
             mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2), mask_u8.stride(3),
             hx, seqlen_q, seqlen_k, n_q, n_k,
-            BLOCK_Q=row_block, BLOCK_K=key_block,
+            BLOCK_Q=row_block, BLOCK_K=key_block, IS_CAUSAL=bool(causal),
             num_warps=4,
         )
     return MaskSummary(row_block=row_block, key_block=key_block, seqlen_q=seqlen_q,
