@@ -98,7 +98,7 @@ def main():
         ("triton gather plan (summary + lists + gathered mask)", plan),
         ("triton summary kernel only (causal)", lambda: summarize_mask(mask, bm, bn, causal=True)),
         ("triton summary + lists", lambda: lists(mask)),
-        ("triton full call (lists built inside)", lambda: fwd(mask, bias, None)),
+        ("triton full call (plan built inside, auto)", lambda: fwd(mask, bias, None)),
     ]
     base = None
     for name, fn in rows:
