@@ -95,6 +95,7 @@ def main():
         ("triton kernel: top-2048 mask, no bias", lambda: fwd(mask, None, tiles_mask)),
         ("triton kernel: top-2048 mask + bias (T2)", lambda: fwd(mask, bias, tiles_mask)),
         ("triton gathered kernel: top-2048 mask + bias", lambda: fwd(mask, bias, gathered)),
+        ("triton gathered kernel: top-2048 mask, no bias", lambda: fwd(mask, None, gathered)),
         ("triton gather plan (summary + lists + gathered mask)", plan),
         ("triton summary kernel only (causal)", lambda: summarize_mask(mask, bm, bn, causal=True)),
         ("triton summary + lists", lambda: lists(mask)),
@@ -105,6 +106,9 @@ def main():
         t = time_ms(fn)
         base = base or t
         print(f"  {name:52s} {t:7.3f} ms  {t / base:5.2f}x cuDNN")
+    from flash_dmattn.backends.triton.forward import _attn_fwd_tuned
+    for key, cfg in getattr(_attn_fwd_tuned, "cache", {}).items():
+        print(f"  tuned forward config {cfg} for {key}")
     sys.stdout.flush()
 
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))

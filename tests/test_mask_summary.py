@@ -209,3 +209,21 @@ def test_gather_plan_kernel_matches_torch(Lq, Lk, block_m, causal):
                     assert torch.all(got[want.size(0):] == 0), (name, b, h, m)
                     tail = g.gmask[b, h, m * block_m:m * block_m + block_m, n:]
                     assert torch.all(tail == 0), (name, b, h, m)
+
+
+def test_gather_plan_kernels_match_torch_reference():
+    from flash_dmattn.backends.triton import gather
+
+    Lq, Lk, block_m = 70, 90, 16
+    gen = torch.Generator().manual_seed(5)
+    for name, mask in _masks(Lq, Lk, gen):
+        mask = mask.to(DEVICE)
+        for causal in (False, True):
+            g = plan_key_gather(mask, None, Lq, Lk, 6, causal, block_m, 16, policy="always")
+            union = block_reduce(mask, 2, block_m, "any")
+            if causal:
+                q_last = torch.clamp(torch.arange(union.size(2)) * block_m + block_m, max=Lq) - 1
+                union = union & (torch.arange(Lk)[None, :] <= (q_last + Lk - Lq)[:, None]).to(DEVICE)
+            idx, gmask = gather.compact_and_gather_reference(
+                mask.view(torch.uint8), union, g.cnt, Lq, Lk, causal, block_m, g.capacity)
+            assert torch.equal(idx, g.idx) and torch.equal(gmask, g.gmask), (name, causal)

@@ -528,7 +528,9 @@ def _prune_fwd(configs, named_args, **kwargs):
             continue  # 128 rows on one warpgroup spill heavily on sm_90
         if bd >= 256 and c.num_stages > 2:
             continue  # shared memory: q + 2 stages of K/V tiles already ~170 KB
-        if bd >= 128 and c.num_stages > 3:
+        if bd >= 128 and c.num_stages > 3 and not kwargs.get("GATHER", False):
+            # Gathered K/V addresses come from an index load one stage earlier, so the
+            # gathered loop gets a fourth stage to keep one tile of loads in flight.
             continue
         out.append(c)
     return out or configs[:1]

@@ -205,6 +205,29 @@ def _compact_and_gather(mask_u8: torch.Tensor, union: torch.Tensor, cnt: torch.T
     return idx, rows[..., :capacity]
 
 
+def compact_and_gather_reference(mask_u8: torch.Tensor, union: torch.Tensor, cnt: torch.Tensor,
+                                 seqlen_q: int, seqlen_k: int, is_causal: bool, block_m: int,
+                                 capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch :func:`_compact_and_gather` (same outputs; for tools without a device).
+
+    ``union`` must already be causal-cut; ``cnt`` and ``is_causal`` are then implied.
+    """
+    bx, hx, n_q, _ = union.shape
+    ar = torch.arange(seqlen_k, device=union.device, dtype=torch.int32)
+    order = torch.sort((~union).to(torch.int32) * seqlen_k + ar, dim=-1).values
+    idx = (order[..., :capacity] % seqlen_k).contiguous()
+    pos = torch.arange(capacity, device=union.device)
+    idx = torch.where(pos < cnt[..., None], idx, 0).to(torch.int32)
+    width = -(-capacity // GMASK_ROW_ALIGN) * GMASK_ROW_ALIGN
+    rows = torch.zeros((bx, hx, n_q, block_m, width), dtype=torch.uint8, device=union.device)
+    for m in range(n_q):
+        r0, r1 = m * block_m, min(m * block_m + block_m, seqlen_q)
+        src = mask_u8[:, :, r0:r1].expand(bx, hx, r1 - r0, seqlen_k)
+        got = torch.gather(src, -1, idx[:, :, m, None, :].long().expand(bx, hx, r1 - r0, capacity))
+        rows[:, :, m, :r1 - r0, :capacity] = torch.where(pos < cnt[:, :, m, None, None], got, 0)
+    return idx, rows.view(bx, hx, n_q * block_m, width)[..., :capacity]
+
+
 @triton.jit
 def _compact_keys_kernel(
     Union, Idx, seqlen_q, seqlen_k, n_q, capacity,

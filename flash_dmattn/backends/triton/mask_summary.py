@@ -130,7 +130,16 @@ def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int,
     device = mask.device
     row_any = torch.empty((bx, hx, n_q, seqlen_k), dtype=torch.uint8, device=device)
     tile_all = torch.empty((bx, hx, n_q, n_k), dtype=torch.uint8, device=device)
-    if row_any.numel():
+    words = _as_words(mask, key_block)
+    if row_any.numel() and words is not None:
+        _mask_summary_words_kernel[(n_k, n_q, bx * hx)](
+            words, row_any.view(torch.int32), tile_all,
+            words.stride(0), words.stride(1), words.stride(2),
+            hx, seqlen_q, seqlen_k, n_q, n_k,
+            BLOCK_Q=row_block, BLOCK_W=key_block // 4, IS_CAUSAL=bool(causal),
+            num_warps=4,
+        )
+    elif row_any.numel():
         mask_u8 = mask.view(torch.uint8)
         _mask_summary_kernel[(n_k, n_q, bx * hx)](
             mask_u8, row_any, tile_all,
@@ -142,3 +151,60 @@ def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int,
     return MaskSummary(row_block=row_block, key_block=key_block, seqlen_q=seqlen_q,
                        seqlen_k=seqlen_k, row_any=row_any.view(torch.bool),
                        tile_all=tile_all.view(torch.bool))
+
+
+def _as_words(mask: torch.Tensor, key_block: int) -> Optional[torch.Tensor]:
+    """The mask as int32 words of 4 keys each, when its layout allows (else None).
+
+    A bool is one byte holding 0 or 1, so OR-ing the words of a tile's rows gives every key's
+    "any row" as a byte of the result, and AND-ing them its "all rows": the reductions run on
+    a quarter of the elements.
+    """
+    if mask.size(3) % 4 or key_block % 4 or mask.stride(3) != 1 or mask.data_ptr() % 4:
+        return None
+    if any(mask.stride(d) % 4 for d in range(3)):
+        return None
+    return mask.view(torch.uint8).view(torch.int32)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _and(a, b):
+    return a & b
+
+
+@triton.jit
+def _mask_summary_words_kernel(
+    Words, RowAnyW, TileAll,
+    stride_wb, stride_wh, stride_wm,
+    num_heads_m, seqlen_q, seqlen_k, n_row_blocks, n_key_blocks,
+    BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr, IS_CAUSAL: tl.constexpr,
+):
+    """``_mask_summary_kernel`` on 4-key words (see :func:`_as_words`); Lk % 4 == 0."""
+    pid_k = tl.program_id(0)
+    pid_q = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = (pid_bh // num_heads_m).to(tl.int64)
+    h = (pid_bh % num_heads_m).to(tl.int64)
+    n_words = seqlen_k // 4
+    offs_m = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_w = pid_k * BLOCK_W + tl.arange(0, BLOCK_W)
+    m_ok = offs_m < seqlen_q
+    w_ok = offs_w < n_words
+    fetch = m_ok[:, None] & w_ok[None, :]
+    if IS_CAUSAL:
+        last_row = tl.minimum(pid_q * BLOCK_Q + BLOCK_Q, seqlen_q) - 1
+        seen = (pid_k * BLOCK_W * 4 <= last_row + (seqlen_k - seqlen_q)).to(tl.int32)
+        fetch = fetch & ((tl.zeros([1, 1], dtype=tl.int32) + seen) != 0)
+    ptrs = Words + b * stride_wb + h * stride_wh + offs_m[:, None] * stride_wm + offs_w[None, :]
+    w = tl.load(ptrs, mask=fetch, other=0)
+    row = pid_bh.to(tl.int64) * n_row_blocks + pid_q
+    tl.store(RowAnyW + row * n_words + offs_w, tl.reduce(w, 0, _or), mask=w_ok)
+    # Rows past Lq do not make a ragged edge tile partial; every key of a word is in range.
+    all_w = tl.reduce(tl.where(m_ok[:, None], w, 0x01010101), 0, _and)
+    full = tl.min(tl.where(w_ok, (all_w == 0x01010101).to(tl.int32), 1), 0)
+    tl.store(TileAll + row * n_key_blocks + pid_k, full.to(tl.uint8))
