@@ -52,6 +52,38 @@ def _fake_grads(inputs, needs) -> Tuple[Tensor, ...]:
     )
 
 
+def eager_inference(*tensors: Optional[Tensor]) -> bool:
+    """Whether a call may run its implementation directly instead of through the custom op.
+
+    The op exists for autograd and for ``torch.compile``; an eager call that wants no gradient
+    gets nothing from it but its dispatch cost (tens of microseconds: autograd wrapper, the
+    dispatcher, dynamo's disable guard), which dominates a decode step. Anything the op is
+    there for keeps it: compiling or tracing, a gradient to record, tensor subclasses (fake,
+    functorch, DTensor), meta tensors, and active torch-function or dispatch modes.
+    """
+    try:
+        if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
+            return False
+        if torch._C._len_torch_function_stack() > 0:
+            return False
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if _get_current_dispatch_mode() is not None:
+            return False
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    except AttributeError:  # a torch without one of these probes: keep the op
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not Tensor or t.device.type == "meta" or wrapped(t):
+            return False
+        if grad and t.requires_grad:
+            return False
+    return True
+
+
 class AttentionOp:
     """A forward/backward pair registered as ``flash_dmattn::<name>_fwd`` / ``_bwd``."""
 
@@ -63,6 +95,17 @@ class AttentionOp:
         lse_dtype: Callable[[torch.dtype], torch.dtype] = lambda dtype: torch.float32,
     ) -> None:
         self.name = name
+
+        def run_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
+                        block_table):
+            extra = {} if cache_seqlens is None else {"cache_seqlens": cache_seqlens}
+            if block_table is not None:
+                extra["block_table"] = block_table
+            out, lse = forward(q, k, v, mask, bias, scale, is_causal, softcap, **extra)
+            # the fake promises contiguous outputs; .contiguous() is free when already so
+            return out.contiguous(), lse.contiguous()
+
+        self._run_forward = run_forward
 
         @torch.library.custom_op(f"flash_dmattn::{name}_fwd", mutates_args=())
         def fwd_op(
@@ -78,12 +121,8 @@ class AttentionOp:
             cache_seqlens: Optional[Tensor] = None,
             block_table: Optional[Tensor] = None,
         ) -> Tuple[Tensor, Tensor]:
-            extra = {} if cache_seqlens is None else {"cache_seqlens": cache_seqlens}
-            if block_table is not None:
-                extra["block_table"] = block_table
-            out, lse = forward(q, k, v, mask, bias, scale, is_causal, softcap, **extra)
-            # the fake promises contiguous outputs; .contiguous() is free when already so
-            return out.contiguous(), lse.contiguous()
+            return run_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
+                               block_table)
 
         @fwd_op.register_fake
         def _(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, cache_seqlens=None,
@@ -162,11 +201,18 @@ class AttentionOp:
         ``cache_seqlens``: optional int32 ``(B,)`` used KV-cache lengths (KV-cache decoding).
         ``block_table``: optional int32 ``(B, P)`` page ids; k/v are then page pools
         (forward only).
+
+        Eager calls that need no gradient run the implementation without the custom op
+        (:func:`eager_inference`); the results are the same.
         """
-        out, lse = self._fwd(
-            q, k, v, mask, bias, float(scale), bool(is_causal), float(softcap), bool(deterministic),
-            cache_seqlens, block_table,
-        )
+        if eager_inference(q, k, v, mask, bias, cache_seqlens, block_table):
+            out, lse = self._run_forward(q, k, v, mask, bias, float(scale), bool(is_causal),
+                                         float(softcap), cache_seqlens, block_table)
+        else:
+            out, lse = self._fwd(
+                q, k, v, mask, bias, float(scale), bool(is_causal), float(softcap),
+                bool(deterministic), cache_seqlens, block_table,
+            )
         return out, lse.to(torch.float32)
 
 
@@ -186,6 +232,14 @@ class VarlenAttentionOp:
     def __init__(self, name: str, forward: Callable, backward: Callable) -> None:
         self.name = name
 
+        def run_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
+                        softcap):
+            out, lse = forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
+                               softcap)
+            return out.contiguous(), lse.contiguous()
+
+        self._run_forward = run_forward
+
         @torch.library.custom_op(f"flash_dmattn::{name}_fwd", mutates_args=())
         def fwd_op(
             q: Tensor,
@@ -202,9 +256,8 @@ class VarlenAttentionOp:
             softcap: float,
             deterministic: bool,
         ) -> Tuple[Tensor, Tensor]:
-            out, lse = forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
+            return run_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
                                softcap)
-            return out.contiguous(), lse.contiguous()
 
         @fwd_op.register_fake
         def _(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
@@ -271,7 +324,13 @@ class VarlenAttentionOp:
 
     def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
                  deterministic=False):
-        """``(out (total_q, H, D), lse (H, total_q) fp32)``; differentiable in q, k, v, bias."""
+        """``(out (total_q, H, D), lse (H, total_q) fp32)``; differentiable in q, k, v, bias.
+
+        Eager calls that need no gradient skip the custom op (:func:`eager_inference`).
+        """
+        if eager_inference(q, k, v, cu_q, cu_k, mask, bias):
+            return self._run_forward(q, k, v, cu_q, cu_k, int(max_q), int(max_k), mask, bias,
+                                     float(scale), bool(is_causal), float(softcap))
         return self._fwd(
             q, k, v, cu_q, cu_k, int(max_q), int(max_k), mask, bias, float(scale),
             bool(is_causal), float(softcap), bool(deterministic),
