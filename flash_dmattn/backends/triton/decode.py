@@ -447,21 +447,27 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torch.device,
-                      has_cache: bool = False) -> int:
+                      has_cache: bool = False, has_mask: bool = False) -> int:
     """Key splits per (batch, kv head).
 
     On a GPU: enough programs for about four per SM (``B * Hkv`` alone rarely fills one wave
     when decoding), but at least ``MIN_KEYS_PER_SPLIT`` keys each and at most ``MAX_SPLITS``.
-    The capacity ``Lk`` is used even with ``cache_seqlens`` (the used lengths live on the
-    device; splits past a batch's length exit at once), so ``has_cache`` aims at twice as many
-    programs: a half-full cache then still has about four working programs per SM. Under the CPU interpreter: a few
-    splits, so the combine step is always exercised.
+    A mask (without ``cache_seqlens``) aims at eight per SM: a program skips the loads of hidden
+    keys but not the loop steps, so it keeps fewer bytes in flight and more programs are needed
+    to saturate memory. Swept on an H200 (``scripts/decode_splits.py``, 2026-11-22; graph
+    replay, half the keys live): B8 Lk 32K 0.324 ms at 9 splits, 0.266 at 18, 0.250 at 36
+    (cuDNN dense 0.257); B8 Lk 128K 1.206 / 0.944 ms at 9 / 18 (cuDNN 0.974); B1 Lk 32K 0.065 /
+    0.048 ms at 33 / 66; without a mask the split count mattered by under 10 %. With
+    ``cache_seqlens`` the capacity ``Lk`` is split (the used lengths live on the device; splits
+    past a batch's length exit at once) and fewer splits measured faster (B1 Lk 128K half used:
+    0.090 / 0.095 / 0.115 ms at 64 / 128 / 256). Under the CPU interpreter: a few splits, so
+    the combine step is always exercised.
     """
     if seqlen_k <= 0:
         return 1
     if device.type != "cuda":
         return max(1, min(3, cdiv(seqlen_k, 16)))
-    per_sm = 8 if has_cache else 4
+    per_sm = 8 if has_mask and not has_cache else 4
     want = cdiv(per_sm * _sm_count(device), max(1, batch * num_kv_heads))
     cap = max(1, min(MAX_SPLITS, cdiv(seqlen_k, MIN_KEYS_PER_SPLIT)))
     return max(1, min(want, cap))
@@ -532,7 +538,8 @@ def decode_forward(
 
     interp = interpret_mode()
     if num_splits is None:
-        num_splits = choose_num_splits(B, Hkv, Lk, device, cache_seqlens is not None)
+        num_splits = choose_num_splits(B, Hkv, Lk, device, cache_seqlens is not None,
+                                       mask is not None)
     align = 16 if interp else SPLIT_ALIGN
     keys_per_split = cdiv(cdiv(Lk, max(1, num_splits)), align) * align
     num_splits = cdiv(Lk, keys_per_split)  # no split that starts past the capacity
