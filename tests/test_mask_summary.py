@@ -227,3 +227,27 @@ def test_gather_plan_kernels_match_torch_reference():
             idx, gmask = gather.compact_and_gather_reference(
                 mask.view(torch.uint8), union, g.cnt, Lq, Lk, causal, block_m, g.capacity)
             assert torch.equal(idx, g.idx) and torch.equal(gmask, g.gmask), (name, causal)
+
+
+@pytest.mark.parametrize("mask_heads,bias_shape", [(2, (1, 4, 1, 50)), (4, (2, 2, 1, 50)),
+                                                   (1, (2, 1, 1, 50))])
+def test_gather_plan_gathers_a_per_key_bias(mask_heads, bias_shape):
+    # gbias[b, h, m, c] == bias[b, h, 0, idx[b, h', m, c]] with broadcast batch/head dims.
+    Lq, Lk, H = 37, 50, 4
+    gen = torch.Generator().manual_seed(9)
+    mask = (torch.rand(2, mask_heads, Lq, Lk, generator=gen) < 0.3).to(DEVICE)
+    bias = torch.randn(*bias_shape, generator=gen).to(DEVICE)
+    g = plan_key_gather(mask, bias, Lq, Lk, H, True, 16, 16, policy="always")
+    assert g.gbias is not None and g.gbias.shape[-1] % 64 == 0
+    bg, hg = g.gbias.shape[:2]
+    assert (bg, hg) == (2, max(mask_heads, bias_shape[1]))
+    for b in range(bg):
+        for h in range(hg):
+            hm = h // (hg // mask_heads)
+            hb = h // (hg // bias_shape[1])
+            bb = b if bias_shape[0] > 1 else 0
+            want = bias[bb, hb, 0][g.idx[b, hm].long()]
+            assert torch.equal(g.gbias[b, h, :, :g.capacity], want), (b, h)
+            assert torch.all(g.gbias[b, h, :, g.capacity:] == 0)
+    # Per-query or scalar biases are read as they are, not gathered.
+    assert plan_key_gather(mask, bias[..., :1], Lq, Lk, H, True, 16, 16, "always").gbias is None

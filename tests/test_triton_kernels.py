@@ -368,6 +368,9 @@ GATHER_CASES = [
     (1, 2, 2, 33, 33, "1", False, None),     # mask broadcast over heads, ragged last tile
     (2, 4, 1, 50, 37, "H", True, "1H1L"),    # Lq > Lk: first rows causally empty
     (1, 4, 2, 17, 65, "K", False, "BKQ1"),   # bias broadcast over keys
+    # Gathered per-key bias with more bias heads than mask heads, and fewer:
+    (2, 4, 2, 33, 70, "K", True, "1H1L"),
+    (1, 4, 2, 40, 49, "H", False, "BK1L"),
 ]
 
 

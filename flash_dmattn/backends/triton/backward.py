@@ -410,7 +410,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
              HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
              HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
              IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr,
-             ELEM: tl.constexpr):
+             ELEM: tl.constexpr, BIAS_GATHERED: tl.constexpr = False):
     """One key tile of the dQ kernel: returns ``dq`` plus this tile's ``dS @ K``."""
     k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
                 mask=n_ok[:, None] & d_ok[None, :], other=0.0)
@@ -420,7 +420,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
                     mask_lim, need_elem, bias_klim, stride_bm, stride_bn, stride_mm, stride_mn,
                     seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                     HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
-                    IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM)
+                    IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM, BIAS_GATHERED)
     p = tl.exp2(s - lse2[:, None])
     dp = _dot(do, vt, DOT_UPCAST)
     ds = p * (dp - delta[:, None])
@@ -450,9 +450,11 @@ def _attn_bwd_dq_kernel(
     IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr = False,
     MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
+    BIAS_GATHERED: tl.constexpr = False,
 ):
     # MASK_PAD / BIAS_PAD: padded mask / bias rows, as in the forward kernel.
-    # GATHER: as in the forward kernel (key lists of a KeyGather, gathered mask).
+    # GATHER, BIAS_GATHERED: as in the forward kernel (key lists of a KeyGather, gathered
+    # mask, gathered per-key bias).
     # VARLEN: as in the forward kernel (b is the packed sequence index).
     pid_m = tl.program_id(0)
     if IS_CAUSAL:
@@ -492,6 +494,8 @@ def _attn_bwd_dq_kernel(
     v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     mask_base = Mask + b64 * stride_mb + (h // mask_hdiv).to(tl.int64) * stride_mh
     bias_base = Bias + b64 * stride_bb + (h // bias_hdiv).to(tl.int64) * stride_bh
+    if BIAS_GATHERED:
+        bias_base += pid_m.to(tl.int64) * stride_bm
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     if USE_LIST:
@@ -540,7 +544,7 @@ def _attn_bwd_dq_kernel(
                           stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                           seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                           HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
-                          HAS_SOFTCAP, DOT_UPCAST, 1)
+                          HAS_SOFTCAP, DOT_UPCAST, 1, BIAS_GATHERED)
     else:
         for t in range(0, n_iter):
             offs_n, n_ok, need_elem = _key_tile(t, offs_n0, pid_m * BLOCK_M, seqlen_q, seqlen_k,
@@ -843,23 +847,27 @@ def attention_backward(
     if run_dq_kernel:
         flags = dict(flags, BLOCK_M=block_m2, BLOCK_N=block_n2, GATHER=gather is not None)
         dq_mask, dq_ms = mask_arg, ms
+        dq_bias, dq_bs = bias_arg, bs
         if gather is not None:
             idx, cnt, lst, lhd = gather.idx, gather.cnt, gather.list_strides(), gather.head_div
             dq_mask, dq_ms = gather.gmask, gather.mask_strides(H)
             flags.update(USE_LIST=True)
+            if gather.gbias is not None:
+                dq_bias, dq_bs = gather.gbias, gather.bias_strides(H)
+                flags.update(BIAS_PAD=True, BIAS_GATHERED=True)
         elif use_list:
             idx, cnt = tiles_q.fwd_idx, tiles_q.fwd_cnt
             lst, lhd = tiles_q.fwd_strides(), tiles_q.head_div
         else:
             idx, cnt, lst, lhd = q, q, (0, 0, 0, 0, 0, 0), 1
         args = (
-            q, k, v, dout, lse, delta, dq, dq_mask, bias_arg, idx, cnt, q, q,
+            q, k, v, dout, lse, delta, dq, dq_mask, dq_bias, idx, cnt, q, q,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             dout.stride(0), dout.stride(1), dout.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            *dq_ms, *bs, *lst, lhd,
+            *dq_ms, *dq_bs, *lst, lhd,
             H, G, Lq, Lk, cdiv(Lk, block_n2), 0,
             *scal,
         )

@@ -247,7 +247,7 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_l
             HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
             HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
             IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr,
-            ELEM: tl.constexpr):
+            ELEM: tl.constexpr, BIAS_GATHERED: tl.constexpr = False):
     """Scores (queries x keys) in log2 units, plus tanh (for the softcap chain).
 
     ``ELEM``: 1 -- masked per element always (gather mode); 2 -- decided per tile by
@@ -255,6 +255,7 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_l
 
     ``mask_cols`` / ``mask_lim``: the mask's column index and bound (the key index and Lk,
     or in gather mode the position in the gathered list and its length).
+    ``BIAS_GATHERED``: the bias is a KeyGather's ``gbias`` row, read at ``mask_cols`` too.
     """
     s = _dot(q, kt, DOT_UPCAST)
     if HAS_SOFTCAP:
@@ -264,8 +265,12 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_l
         th = s
         s = s * qk_scale
     if HAS_BIAS:
-        bv = _load_bcast(bias_base, offs_m, offs_n, stride_bm, stride_bn, seqlen_q, bias_klim,
-                         BIAS_QB, BIAS_KB, 0.0)
+        if BIAS_GATHERED:
+            bias_cols = mask_cols
+        else:
+            bias_cols = offs_n
+        bv = _load_bcast(bias_base, offs_m, bias_cols, stride_bm, stride_bn, seqlen_q,
+                         bias_klim, BIAS_QB, BIAS_KB, 0.0)
         s = s + bv.to(tl.float32) * 1.4426950408889634
     if HAS_MASK:  # outside the branch so it is pipelined (see _load_mask_tile)
         mv = _load_mask_tile(mask_base, offs_m, mask_cols, stride_mm, stride_mn, seqlen_q,
@@ -331,7 +336,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
               HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
               HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
               IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr,
-              ELEM: tl.constexpr):
+              ELEM: tl.constexpr, BIAS_GATHERED: tl.constexpr = False):
     """One key tile of the online softmax: returns the updated ``(acc, m_i, l_i)``."""
     kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None],
                  mask=n_ok[None, :] & d_ok[:, None], other=0.0)
@@ -339,7 +344,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
                    need_elem, bias_klim, stride_bm, stride_bn, stride_mm, stride_mn,
                    seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                    HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
-                   IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM)
+                   IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM, BIAS_GATHERED)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -372,7 +377,10 @@ def _attn_fwd_kernel(
     IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr = False,
     MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
+    BIAS_GATHERED: tl.constexpr = False,
 ):
+    # BIAS_GATHERED (with GATHER): Bias is the KeyGather's gbias, one padded row per query
+    # tile (stride_bm is the tile stride), read at the same list positions as the mask.
     # MASK_PAD / BIAS_PAD: the mask's / bias's rows are padded copies (aligned_rows): bound
     # their reads by the row width, a multiple of 16 the compiler can see, so they vectorise
     # and pipeline.
@@ -412,6 +420,8 @@ def _attn_fwd_kernel(
     v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     mask_base = Mask + b64 * stride_mb + (h // mask_hdiv).to(tl.int64) * stride_mh
     bias_base = Bias + b64 * stride_bb + (h // bias_hdiv).to(tl.int64) * stride_bh
+    if BIAS_GATHERED:
+        bias_base += pid_m.to(tl.int64) * stride_bm
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -470,7 +480,7 @@ def _attn_fwd_kernel(
                 stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
-                DOT_UPCAST, 1)
+                DOT_UPCAST, 1, BIAS_GATHERED)
     else:
         for t in range(0, n_iter):
             offs_n, n_ok, need_elem = _key_tile(t, offs_n0, pid_m * BLOCK_M, seqlen_q, seqlen_k,
@@ -611,8 +621,12 @@ def attention_forward(
     else:
         mask_arg = mask.view(torch.uint8) if mask is not None else q
         ms = broadcast_strides(mask, H)
-    bias_arg = bias if bias is not None else q
-    bs = broadcast_strides(bias, H)
+    bias_gathered = gather is not None and gather.gbias is not None
+    if bias_gathered:
+        bias_arg, bs = gather.gbias, gather.bias_strides(H)
+    else:
+        bias_arg = bias if bias is not None else q
+        bs = broadcast_strides(bias, H)
     n_k_tiles = cdiv(Lk, block_n)
     grid = (cdiv(Lq, block_m), B * H)
     has_softcap = softcap > 0.0
@@ -637,7 +651,8 @@ def attention_forward(
         BIAS_KB=bias is not None and bias.size(3) == 1,
         IS_CAUSAL=bool(is_causal), USE_LIST=use_list, HAS_SOFTCAP=has_softcap,
         DOT_UPCAST=dot_upcast(q.dtype), GATHER=gather is not None, VARLEN=False,
-        MASK_PAD=mask_pad and gather is None, BIAS_PAD=bias_pad,
+        MASK_PAD=mask_pad and gather is None, BIAS_PAD=bias_pad or bias_gathered,
+        BIAS_GATHERED=bias_gathered,
     )
     _launch_fwd(grid, args, meta)
     return out, lse
