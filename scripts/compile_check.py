@@ -101,6 +101,7 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
     fwd_mod.wants_summary = bwd_mod.wants_summary = lambda *a: False
     from flash_dmattn.backends.triton import gather as gather_mod
     gather_mod._compact_and_gather = gather_mod.compact_and_gather_reference
+    gather_mod._gather_bias = gather_mod.gather_bias_reference
 
     B, H, Hkv, L, D = 1, 16, 4, seqlen, 128
     g = torch.Generator().manual_seed(0)

@@ -249,5 +249,8 @@ def test_gather_plan_gathers_a_per_key_bias(mask_heads, bias_shape):
             want = bias[bb, hb, 0][g.idx[b, hm].long()]
             assert torch.equal(g.gbias[b, h, :, :g.capacity], want), (b, h)
             assert torch.all(g.gbias[b, h, :, g.capacity:] == 0)
+    from flash_dmattn.backends.triton.gather import gather_bias_reference
+
+    assert torch.equal(gather_bias_reference(bias, g.idx, Lk), g.gbias)
     # Per-query or scalar biases are read as they are, not gathered.
     assert plan_key_gather(mask, bias[..., :1], Lq, Lk, H, True, 16, 16, "always").gbias is None
