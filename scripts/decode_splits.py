@@ -19,7 +19,6 @@ from flash_dmattn.backends.triton.decode import choose_num_splits, decode_forwar
 
 def main():
     dev = torch.device("cuda")
-    rows = []
     for B, L, fill in ((1, 131072, 0.5), (8, 32768, None), (8, 131072, None), (1, 32768, None),
                        (64, 32768, None)):
         for masked in (False, True):
@@ -36,17 +35,18 @@ def main():
 
             def sdpa():
                 with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                    return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        qs, ks, vs, enable_gqa=True)
 
             sdpa()
             t_ref, _ = graph_time_ms(sdpa, dev)
-            line = f"B{B} Lk{L} {'mask+bias' if masked else 'no mask'}{' cache50%' if fill else ''}: " \
-                   f"cuDNN {t_ref:.3f} ms |"
+            label = ("mask+bias" if masked else "no mask") + (" cache50%" if fill else "")
+            line = f"B{B} Lk{L} {label}: cuDNN {t_ref:.3f} ms |"
             for mult in (0.5, 1, 2, 4):
                 n = max(1, int(base * mult))
-                fn = lambda n=n: decode_forward(case.q, case.k, case.v, case.mask, case.bias, scale,
-                                                False, 0.0, cache_seqlens=case.cache_seqlens,
-                                                num_splits=n)
+                fn = lambda n=n, c=case: decode_forward(c.q, c.k, c.v, c.mask, c.bias, scale,
+                                                        False, 0.0, cache_seqlens=c.cache_seqlens,
+                                                        num_splits=n)
                 fn()
                 t, why = graph_time_ms(fn, dev)
                 line += f" splits {n}: {t:.3f}" if t is not None else f" splits {n}: {why}"

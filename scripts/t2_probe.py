@@ -51,8 +51,9 @@ def main():
     tiles_mask = lists(mask)
     fwd = lambda m, b, t: attention_forward(q, k, v, m, b, scale, True, 0.0, tiles=t)
     if args.ncu:
-        plans = {"t2": tiles_mask, "t2g": plan_key_gather(
-            mask, bias, L, L, H, True, bm, bn, policy="always", summary=summarize_mask(mask, bm, bn, causal=True))}
+        summ = summarize_mask(mask, bm, bn, causal=True)
+        plans = {"t2": tiles_mask, "t2g": plan_key_gather(mask, bias, L, L, H, True, bm, bn,
+                                                          policy="always", summary=summ)}
         for name, plan in plans.items():
             for _ in range(3):
                 fwd(mask, bias, plan)
@@ -91,7 +92,8 @@ def main():
         ("cuDNN dense causal", cudnn),
         ("triton kernel: causal, no mask, no bias", lambda: fwd(None, None, tiles_causal)),
         ("triton kernel: causal + bias", lambda: fwd(None, bias, tiles_causal)),
-        ("triton kernel: all-True mask (full tiles) + bias", lambda: fwd(all_true, bias, tiles_true)),
+        ("triton kernel: all-True mask (full tiles) + bias",
+         lambda: fwd(all_true, bias, tiles_true)),
         ("triton kernel: top-2048 mask, no bias", lambda: fwd(mask, None, tiles_mask)),
         ("triton kernel: top-2048 mask + bias (T2)", lambda: fwd(mask, bias, tiles_mask)),
         ("triton gathered kernel: top-2048 mask + bias", lambda: fwd(mask, bias, gathered)),

@@ -223,7 +223,8 @@ def test_gather_plan_kernels_match_torch_reference():
             union = block_reduce(mask, 2, block_m, "any")
             if causal:
                 q_last = torch.clamp(torch.arange(union.size(2)) * block_m + block_m, max=Lq) - 1
-                union = union & (torch.arange(Lk)[None, :] <= (q_last + Lk - Lq)[:, None]).to(DEVICE)
+                seen = torch.arange(Lk)[None, :] <= (q_last + Lk - Lq)[:, None]
+                union = union & seen.to(DEVICE)
             idx, gmask = gather.compact_and_gather_reference(
                 mask.view(torch.uint8), union, g.cnt, Lq, Lk, causal, block_m, g.capacity)
             assert torch.equal(idx, g.idx) and torch.equal(gmask, g.gmask), (name, causal)

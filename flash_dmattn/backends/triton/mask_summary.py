@@ -80,6 +80,16 @@ def wants_summary(mask: Optional[torch.Tensor], seqlen_q: int, seqlen_k: int) ->
             and mask.size(2) == seqlen_q and mask.size(3) == seqlen_k)
 
 
+@triton.jit
+def _where_seen(fetch, first_row, BLOCK_Q: tl.constexpr, first_key, seqlen_q, seqlen_k):
+    """``fetch`` where some row of the tile sees its first key (bottom-right causal), else
+    all False. The tile-wide predicate is widened to a (1, 1) tile: the interpreter rejects
+    a scalar predicate in a tensor mask."""
+    last_row = tl.minimum(first_row + BLOCK_Q, seqlen_q) - 1
+    seen = (first_key <= last_row + (seqlen_k - seqlen_q)).to(tl.int32)
+    return fetch & ((tl.zeros([1, 1], dtype=tl.int32) + seen) != 0)
+
+
 # One program per fine tile (row_block x key_block), one load of the whole tile. A variant that
 # streamed 8 x 512 strips per program (fewer, longer programs) measured 2.3 ms per pass on the
 # H200 for the T2 mask against 0.22 ms for this one (round 2026-11-21e), so it was reverted.
@@ -104,9 +114,7 @@ def _mask_summary_kernel(
     ok = m_ok[:, None] & n_ok[None, :]
     fetch = ok
     if IS_CAUSAL:
-        last_row = tl.minimum(pid_q * BLOCK_Q + BLOCK_Q, seqlen_q) - 1
-        seen = (pid_k * BLOCK_K <= last_row + (seqlen_k - seqlen_q)).to(tl.int32)
-        fetch = fetch & ((tl.zeros([1, 1], dtype=tl.int32) + seen) != 0)
+        fetch = _where_seen(fetch, pid_q * BLOCK_Q, BLOCK_Q, pid_k * BLOCK_K, seqlen_q, seqlen_k)
     ptrs = Mask + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
     live = (tl.load(ptrs, mask=fetch, other=0) != 0).to(tl.int32)
     row = pid_bh.to(tl.int64) * n_row_blocks + pid_q
@@ -197,9 +205,8 @@ def _mask_summary_words_kernel(
     w_ok = offs_w < n_words
     fetch = m_ok[:, None] & w_ok[None, :]
     if IS_CAUSAL:
-        last_row = tl.minimum(pid_q * BLOCK_Q + BLOCK_Q, seqlen_q) - 1
-        seen = (pid_k * BLOCK_W * 4 <= last_row + (seqlen_k - seqlen_q)).to(tl.int32)
-        fetch = fetch & ((tl.zeros([1, 1], dtype=tl.int32) + seen) != 0)
+        fetch = _where_seen(fetch, pid_q * BLOCK_Q, BLOCK_Q, pid_k * BLOCK_W * 4, seqlen_q,
+                            seqlen_k)
     ptrs = Words + b * stride_wb + h * stride_wh + offs_m[:, None] * stride_wm + offs_w[None, :]
     w = tl.load(ptrs, mask=fetch, other=0)
     row = pid_bh.to(tl.int64) * n_row_blocks + pid_q
