@@ -71,9 +71,12 @@ def test_public_api_same_results_with_and_without_grad(backend):
     if backend not in get_available_backends():
         pytest.skip(f"{backend} unavailable here")
     fn = flash_dmattn_func_auto(backend)
-    q, k, v = _inputs()
-    mask = torch.rand(1, 2, 9, 11, generator=torch.Generator().manual_seed(1)) > 0.4
-    bias = torch.randn(1, 2, 1, 11)
+    # CPU tensors under the interpreter (CI); on a GPU machine Triton takes CUDA bf16 tensors.
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" and backend == "triton" else torch.float32
+    q, k, v = (t.to(dev, dtype) for t in _inputs())
+    mask = (torch.rand(1, 2, 9, 11, generator=torch.Generator().manual_seed(1)) > 0.4).to(dev)
+    bias = torch.randn(1, 2, 1, 11).to(dev, dtype)
     with torch.no_grad():
         direct = fn(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=True)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
