@@ -255,3 +255,22 @@ def test_gather_plan_gathers_a_per_key_bias(mask_heads, bias_shape):
     assert torch.equal(gather_bias_reference(bias, g.idx, Lk), g.gbias)
     # Per-query or scalar biases are read as they are, not gathered.
     assert plan_key_gather(mask, bias[..., :1], Lq, Lk, H, True, 16, 16, "always").gbias is None
+
+
+def test_word_reads_only_for_aligned_layouts():
+    from flash_dmattn.backends.triton.mask_summary import _as_words
+
+    m = torch.zeros(2, 3, 8, 64, dtype=torch.bool)
+    assert _as_words(m, 16) is not None
+    assert _as_words(m[:, :1].expand(2, 3, 8, 64), 16) is not None     # broadcast heads
+    assert _as_words(m[..., 4:], 16) is not None                        # starts a word later
+    assert _as_words(m[..., 1:61], 16) is None                          # misaligned start
+    assert _as_words(m[..., :62], 16) is None                           # Lk not a multiple of 4
+    assert _as_words(m.transpose(2, 3), 16) is None                     # keys not contiguous
+    assert _as_words(m, 6) is None                                      # key block not in words
+    # Same summaries either way (the byte kernel on a copy that words cannot read).
+    gen = torch.Generator().manual_seed(4)
+    mask = (torch.rand(1, 2, 40, 96, generator=gen) < 0.3).to(DEVICE)
+    by_words = summarize_mask(mask, 16, 32, causal=True)
+    by_bytes = summarize_mask(mask[..., :95].contiguous(), 16, 32, causal=True)
+    assert torch.equal(by_words.row_any[..., :95], by_bytes.row_any)
