@@ -17,8 +17,8 @@ echo "tests rc=$?" >>"$OUT/tests.log"
 tail -3 "$OUT/tests.log"
 
 bench dynamic "${DYN_S:-110}" --suite dynamic --backends triton,flex
-# gather mode in the forward too (default: dQ only) -- keep whichever T2 prefers
-FLASH_DMATTN_TRITON_GATHER=auto bench dynamic-gather "${DYNG_S:-70}" --suite dynamic --backends triton
+# tile lists instead of gathered keys (the default since 2026-11-22 is auto in both kernels)
+FLASH_DMATTN_TRITON_GATHER=never bench dynamic-listed "${DYNG_S:-70}" --suite dynamic --backends triton
 bench targets "${TGT_S:-150}" --suite dense,block_sparse --backends triton --match "L16384 D128 causal,L32768"
 bench decode "${DEC_S:-120}" --suite decode --backends triton --match "Lk131072,Lk524288,B64 "
 # where T2's time goes (kernels vs planning), per call
