@@ -172,14 +172,14 @@ def test_causal_summary_skips_only_invisible_tiles(Lq, Lk):
         key_seen = seen.repeat_interleave(16, dim=1)[:, :Lk]
         assert torch.equal(causal_s.row_any, full_s.row_any & key_seen), name
         assert torch.equal(causal_s.tile_all, full_s.tile_all & seen), name
-        for coarse in ((16, 16), (32, 16), (48, 32)):
+        for coarse in ((16, 16), (48, 32)):
             a = classify_tiles(mask, Lq, Lk, True, *coarse, mask.device, summary=causal_s)
             b = tile_liveness(mask, Lq, Lk, *coarse, True)
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (name, coarse)
 
 
-@pytest.mark.parametrize("Lq,Lk,block_m,causal", [(100, 90, 32, False), (129, 63, 16, True),
-                                                    (40, 100, 16, True)])
+# (Lq < Lk causal is covered by test_gather_plan_kernels_match_torch_reference.)
+@pytest.mark.parametrize("Lq,Lk,block_m,causal", [(100, 90, 32, False), (129, 63, 16, True)])
 def test_gather_plan_kernel_matches_torch(Lq, Lk, block_m, causal):
     # The compact-and-gather kernel against the plain PyTorch definition of idx / gmask.
     gen = torch.Generator().manual_seed(11 * Lq + Lk)
