@@ -272,9 +272,10 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
   char* bias_smem = mask_smem + (kHasMask ? 2 * MaskT::kBytes : 0);
 
   const int tid = threadIdx.x;
-  const int n_block = blockIdx.x;
+  int n_block, slot;
+  dkdv_block_of(p.causal, n_block, slot);
   const int group = p.H / p.Hkv;
-  const int b = blockIdx.y / p.Hkv, hkv = blockIdx.y % p.Hkv;
+  const int b = slot / p.Hkv, hkv = slot % p.Hkv;
   const int k0 = n_block * kBN;
   const int m_tiles = (p.Lq + kBM - 1) / kBM;
 

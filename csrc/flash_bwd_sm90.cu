@@ -204,9 +204,10 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
   char* bias_smem = smem + Cfg::kKvBiasOff;
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
-  const int n_block = blockIdx.x;
+  int n_block, slot;
+  dkdv_block_of(p.causal, n_block, slot);
   const int group = p.H / p.Hkv;
-  const int b = blockIdx.y / p.Hkv, hkv = blockIdx.y % p.Hkv;
+  const int b = slot / p.Hkv, hkv = slot % p.Hkv;
   const int k0 = n_block * kBN;
   const int kw = 64 * wg;  // this warpgroup's keys: k0 + kw + [0, 64)
   const int m_tiles = (p.Lq + kBM - 1) / kBM;

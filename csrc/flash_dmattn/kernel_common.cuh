@@ -279,6 +279,20 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// (key tile, (batch, kv head) slot) of a dK/dV block. Causal key tile n is seen by fewer query
+// tiles as n grows, so a causal call launches every slot's tile 0, then every tile 1, ...:
+// heaviest blocks first. With GQA the grid is small (64 key tiles x 4 kv heads for an 8K
+// sequence) and the plain order leaves the last slots' heavy tiles for the tail.
+__device__ __forceinline__ void dkdv_block_of(bool causal, int& n_block, int& slot) {
+  n_block = blockIdx.x;
+  slot = blockIdx.y;
+  if (causal) {
+    const int lin = blockIdx.x + blockIdx.y * gridDim.x;
+    n_block = lin / gridDim.y;
+    slot = lin % gridDim.y;
+  }
+}
+
 // Row of the live-tile list of (b, h, tile): pointer to its entries and the live count.
 __device__ __forceinline__ const int32_t* list_row(const TileList& l, int b, int h, int t,
                                                    int& count) {

@@ -453,8 +453,13 @@ def _attn_fwd_kernel(
         # loop fills and drains its own pipeline and the second one's buffers cost up to
         # 40 KB more shared memory (scripts/compile_check.py); which of these costs more is
         # not established.
+        # The entry is loaded one iteration ahead: the software pipeliner issues the next
+        # tile's K/V copies right after the entry load, so an entry loaded in the same
+        # iteration puts a global-load latency in front of every prefetch.
+        entry_next = tl.load(list_row, mask=n_iter > 0, other=0)
         for t in range(0, n_iter):
-            entry = tl.load(list_row + t)
+            entry = entry_next
+            entry_next = tl.load(list_row + t + 1, mask=t + 1 < n_iter, other=0)
             offs_n = (entry >> 1) * BLOCK_N + offs_n0
             need_elem = (entry & 1) != 0
             if VARLEN:
