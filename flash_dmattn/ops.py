@@ -61,6 +61,13 @@ def eager_inference(*tensors: Optional[Tensor]) -> bool:
     there for keeps it: compiling or tracing, a gradient to record, tensor subclasses (fake,
     functorch, DTensor), meta tensors, and active torch-function or dispatch modes.
     """
+    return plain_eager(*tensors, allow_grad=False)
+
+
+def plain_eager(*tensors: Optional[Tensor], allow_grad: bool = True) -> bool:
+    """Whether a call is plain eager PyTorch: not compiling or tracing, no tensor subclasses,
+    meta tensors or active torch-function / dispatch modes (and, unless ``allow_grad``, no
+    gradient to record). See :func:`eager_inference`."""
     try:
         if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
             return False
@@ -73,7 +80,7 @@ def eager_inference(*tensors: Optional[Tensor]) -> bool:
         wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     except AttributeError:  # a torch without one of these probes: keep the op
         return False
-    grad = torch.is_grad_enabled()
+    grad = torch.is_grad_enabled() and not allow_grad
     for t in tensors:
         if t is None:
             continue
@@ -93,8 +100,11 @@ class AttentionOp:
         forward: Callable,
         backward: Callable,
         lse_dtype: Callable[[torch.dtype], torch.dtype] = lambda dtype: torch.float32,
+        planned_forward: Optional[Callable] = None,
     ) -> None:
         self.name = name
+        self._backward = backward
+        self._planned_forward = planned_forward
 
         def run_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
                         block_table):
@@ -203,17 +213,65 @@ class AttentionOp:
         (forward only).
 
         Eager calls that need no gradient run the implementation without the custom op
-        (:func:`eager_inference`); the results are the same.
+        (:func:`eager_inference`); eager calls that do, with an implementation that plans its
+        backward in the forward (``planned_forward``), run as a :class:`_PlannedAttention`.
+        The results are the same.
         """
-        if eager_inference(q, k, v, mask, bias, cache_seqlens, block_table):
+        tensors = (q, k, v, mask, bias, cache_seqlens, block_table)
+        if eager_inference(*tensors):
             out, lse = self._run_forward(q, k, v, mask, bias, float(scale), bool(is_causal),
                                          float(softcap), cache_seqlens, block_table)
+        elif (self._planned_forward is not None and block_table is None
+              and plain_eager(*tensors)):
+            out, lse = _PlannedAttention.apply(
+                self, q, k, v, mask, bias, float(scale), bool(is_causal), float(softcap),
+                bool(deterministic), cache_seqlens,
+            )
         else:
             out, lse = self._fwd(
                 q, k, v, mask, bias, float(scale), bool(is_causal), float(softcap),
                 bool(deterministic), cache_seqlens, block_table,
             )
         return out, lse.to(torch.float32)
+
+
+class _PlannedAttention(torch.autograd.Function):
+    """Eager autograd for an :class:`AttentionOp` whose forward also plans its backward.
+
+    ``planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=...)``
+    returns ``(out, lse, plan)``; the plan (any Python object, e.g. tile lists worked out from
+    the mask) stays on the autograd node and reaches ``backward(..., plan=plan)``, so a
+    training step does not plan twice. Compiled and traced calls take the custom ops, whose
+    tensors-only interface has no room for it: there the backward plans again.
+    """
+
+    @staticmethod
+    def forward(ctx, op, q, k, v, mask, bias, scale, is_causal, softcap, deterministic,
+                cache_seqlens):
+        extra = {} if cache_seqlens is None else {"cache_seqlens": cache_seqlens}
+        out, lse, plan = op._planned_forward(q, k, v, mask, bias, scale, is_causal, softcap,
+                                             **extra)
+        out, lse = out.contiguous(), lse.contiguous()
+        ctx.save_for_backward(q, k, v, mask, bias, out, lse, cache_seqlens)
+        ctx.op, ctx.plan = op, plan
+        ctx.config = (scale, is_causal, softcap, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, mask, bias, out, lse, cache_seqlens = ctx.saved_tensors
+        needs = (ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3],
+                 bias is not None and ctx.needs_input_grad[5])
+        extra = {} if cache_seqlens is None else {"cache_seqlens": cache_seqlens}
+        if ctx.plan is not None:
+            extra["plan"] = ctx.plan
+        dq, dk, dv, dbias = ctx.op._backward(dout.contiguous(), q, k, v, mask, bias, out, lse,
+                                             *ctx.config, needs, **extra)
+        ctx.plan = None  # the lists are not needed again (retain_graph plans anew)
+        grads = [None if not n else g for g, n in zip((dq, dk, dv, dbias), needs)]
+        return (None, grads[0], grads[1], grads[2], None, grads[3], None, None, None, None,
+                None)
 
 
 class VarlenAttentionOp:

@@ -98,8 +98,10 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
     bwd_mod._launch_dq = grab("dq", bwd_mod._dq_tuned)
     bwd_mod._bwd_preprocess = _NoLaunch()
     # Plans then come from torch reductions (same lists; the summary kernel needs a device).
-    fwd_mod.wants_summary = bwd_mod.wants_summary = lambda *a: False
     from flash_dmattn.backends.triton import gather as gather_mod
+    from flash_dmattn.backends.triton import plan as plan_mod
+
+    fwd_mod.wants_summary = plan_mod.wants_summary = lambda *a: False
     gather_mod._compact_and_gather = gather_mod.compact_and_gather_reference
     gather_mod._gather_bias = gather_mod.gather_bias_reference
 

@@ -45,8 +45,17 @@ def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
     return attention_forward(q, k, v, mask, bias, scale, is_causal, softcap)
 
 
+def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None):
+    """``_forward`` plus the backward's plan (see :mod:`.plan`); None where it has none."""
+    from .decode import use_decode_kernel
+    if use_decode_kernel(q.shape[1], q.shape[2], k.shape[2], k.shape[1], cache_seqlens is not None):
+        return (*_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens), None)
+    from .forward import attention_forward
+    return attention_forward(q, k, v, mask, bias, scale, is_causal, softcap, keep_plan=True)
+
+
 def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs,
-              cache_seqlens=None):
+              cache_seqlens=None, plan=None):
     from .backward import attention_backward
 
     if cache_seqlens is not None:
@@ -56,10 +65,11 @@ def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, de
 
         mask = fold_cache_seqlens(mask, cache_seqlens, q.shape[1], k.shape[1], is_causal)
         is_causal = False
+        plan = None  # planned for the unfolded mask
     need_dq, need_dk, need_dv, need_dbias = needs
     return attention_backward(
         dout, q, k, v, out, lse, mask, bias, scale, is_causal, softcap, deterministic,
-        bias_needs_grad=need_dbias, needs_dq=need_dq, needs_dkv=need_dk or need_dv,
+        bias_needs_grad=need_dbias, needs_dq=need_dq, needs_dkv=need_dk or need_dv, plan=plan,
     )
 
 
@@ -69,7 +79,7 @@ def triton_op():
     if _op is None:
         from ...ops import AttentionOp
 
-        _op = AttentionOp("triton", _forward, _backward)
+        _op = AttentionOp("triton", _forward, _backward, planned_forward=_planned_forward)
     return _op
 
 

@@ -69,9 +69,8 @@ from .forward import (
     varlen_list_args,
     varlen_tail_rows,
 )
-from .gather import plan_key_gather
-from .mask_summary import summarize_mask, summary_blocks, wants_summary
-from .tiles import build_tile_lists
+from .gather import gather_policy
+from .plan import BackwardPlan, plan_backward
 from ...intmath import cdiv
 
 # dbias modes of the dK/dV kernel.
@@ -724,6 +723,7 @@ def attention_backward(
     bias_needs_grad: bool,
     needs_dq: bool = True,
     needs_dkv: bool = True,
+    plan: Optional[BackwardPlan] = None,
 ):
     """Attention backward.
 
@@ -735,6 +735,8 @@ def attention_backward(
             heads ever uses atomics; this serialises those programs instead).
         bias_needs_grad: compute dbias (requires ``bias``).
         needs_dq / needs_dkv: skip work for gradients nobody wants.
+        plan: the lists and gather plan the forward of this call worked out for the backward
+            (:func:`.forward.attention_forward` with ``keep_plan``); planned here if None.
 
     Returns:
         ``(dq, dk, dv, dbias)``; dq/dk/dv in q/k/v's dtype (None when not requested), dbias of
@@ -775,31 +777,14 @@ def attention_backward(
 
     run_dkdv = needs_dkv or want_db
     run_dq_kernel = needs_dq
-    # dQ is query-major like the forward: it can walk gathered key lists. (dK/dV cannot: the
-    # union of a key tile's live queries is wide whenever one of its keys is popular.)
-    mask, mask_pad = aligned_rows(mask, Lq, Lk)
-    # A per-query mask is read once (one kernel) for the dK/dV lists, the dQ lists and the
-    # dQ gather plan; torch reductions would read it once per question.
-    summary = (summarize_mask(mask, *summary_blocks((block_m, block_n), (block_m2, block_n2)),
-                              causal=is_causal)
-               if wants_summary(mask, Lq, Lk) else None)
-    gather = (plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m2, block_n2, kernel="dq",
-                              summary=summary)
-              if run_dq_kernel else None)
-    same_blocks = (block_m, block_n) == (block_m2, block_n2) and gather is None
-    tiles = None
-    if run_dkdv or same_blocks:
-        tiles = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m, block_n, device,
-                                 need_fwd=run_dq_kernel and same_blocks, need_bwd=run_dkdv,
-                                 summary=summary)
-    if same_blocks:
-        tiles_q = tiles
-    elif run_dq_kernel and gather is None:
-        tiles_q = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m2, block_n2, device,
-                                   need_fwd=True, need_bwd=False, summary=summary)
-    else:
-        tiles_q = None
     use_list = mask is not None or bool(is_causal)
+    mask, mask_pad = aligned_rows(mask, Lq, Lk)
+    if plan is None or plan.policy != gather_policy("dq"):
+        plan = plan_backward(mask, bias, Lq, Lk, H, is_causal, ((block_m, block_n),
+                             (block_m2, block_n2)), device, run_dq=run_dq_kernel,
+                             run_dkdv=run_dkdv)
+    gather = plan.gather.with_mask(mask) if run_dq_kernel and plan.gather is not None else None
+    tiles, tiles_q = plan.tiles, plan.tiles_q
 
     mask_arg = mask.view(torch.uint8) if mask is not None else q
     # The bias is read through a row-aligned copy when needed; dbias keeps the bias's own

@@ -14,6 +14,7 @@ program walks up to its causal limit: dead key tiles cost nothing, full ones ski
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional, Tuple, Union
 
@@ -21,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .gather import KeyGather, plan_key_gather
-from .mask_summary import summarize_mask, wants_summary
+from .gather import KeyGather, gather_policy, plan_key_gather
+from .mask_summary import summarize_mask, summary_blocks, wants_summary
+from .plan import NOT_PLANNED, plan_backward
 from .tiles import TileLists, build_tile_lists, build_varlen_key_lists
 from ...intmath import cdiv, next_power_of_2
 
@@ -566,7 +568,8 @@ def attention_forward(
     is_causal: bool,
     softcap: float,
     tiles: Optional[Union[TileLists, KeyGather]] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    keep_plan: bool = False,
+):
     """Attention forward.
 
     Args:
@@ -578,10 +581,13 @@ def attention_forward(
         softcap: 0.0 = off, else ``softcap * tanh(s / softcap)``.
         tiles: optional prebuilt forward tile lists for :func:`fwd_blocks`, or a prebuilt
             :class:`KeyGather` for its ``block_m`` (planned here if None).
+        keep_plan: also plan the backward of this call (after launching the kernel, so the
+            host work overlaps it) and return that :class:`.plan.BackwardPlan` third.
 
     Returns:
         ``out`` ``(B, Lq, H, D)`` in q's dtype (contiguous) and ``lse`` ``(B, H, Lq)`` fp32
-        (natural log; -inf and zero output for rows with no visible key).
+        (natural log; -inf and zero output for rows with no visible key); with ``keep_plan``
+        also the backward plan (None for an empty call).
     """
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     B, Lq, H, D = q.shape
@@ -592,18 +598,23 @@ def attention_forward(
     if B * H * Lq == 0 or Lk == 0:
         out.zero_()
         lse.fill_(float("-inf"))
-        return out, lse
+        return (out, lse, None) if keep_plan else (out, lse)
 
     block_m, block_n = fwd_blocks(D)
     mask, mask_pad = aligned_rows(mask, Lq, Lk)
+    bias_in = bias
     bias, bias_pad = aligned_rows(bias, Lq, Lk)  # read only: the forward has no dbias
     gather = None
+    summary = None
+    planned_here = tiles is None
     if isinstance(tiles, KeyGather):
         gather, tiles = tiles, None
     elif tiles is None:
-        # A per-query mask is read once, by one kernel, for everything planned from it.
-        summary = (summarize_mask(mask, block_m, block_n, is_causal)
-                   if wants_summary(mask, Lq, Lk) else None)
+        # A per-query mask is read once, by one kernel, for everything planned from it (with
+        # keep_plan at a granularity that also serves the backward's block shapes).
+        if wants_summary(mask, Lq, Lk):
+            blocks = [(block_m, block_n)] + (list(_bwd_blocks(D)) if keep_plan else [])
+            summary = summarize_mask(mask, *summary_blocks(*blocks), is_causal)
         gather = plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m, block_n,
                                  summary=summary)
         if gather is None:
@@ -660,7 +671,24 @@ def attention_forward(
         BIAS_GATHERED=bias_gathered,
     )
     _launch_fwd(grid, args, meta)
-    return out, lse
+    if not keep_plan:
+        return out, lse
+    bwd = _bwd_blocks(D)
+    # The dQ kernel plans the same gather as this forward when it has the same block shape
+    # and policy: hand over this one (None included: "tile lists").
+    reuse = (planned_here and bwd[1] == (block_m, block_n)
+             and gather_policy("dq") == gather_policy("forward"))
+    plan = plan_backward(mask, bias_in, Lq, Lk, H, is_causal, bwd, device, summary=summary,
+                         fwd_gather=gather if reuse else NOT_PLANNED)
+    if plan.gather is not None:
+        plan = dataclasses.replace(plan, gather=plan.gather.without_mask())
+    return out, lse, plan
+
+
+def _bwd_blocks(head_dim: int):
+    from .backward import bwd_blocks  # backward imports this module
+
+    return bwd_blocks(head_dim)
 
 
 # A per-query mask or bias whose rows are not 16-byte aligned (odd Lk, or an odd row stride)

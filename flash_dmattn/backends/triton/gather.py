@@ -27,6 +27,7 @@ the largest is ``gmask``, at most the mask's own size and usually a fraction of 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -71,8 +72,22 @@ class KeyGather:
     head_div: int
     idx: torch.Tensor
     cnt: torch.Tensor
-    gmask: torch.Tensor
+    gmask: Optional[torch.Tensor]
     gbias: Optional[torch.Tensor] = None
+    seqlen_q: int = 0
+
+    def without_mask(self) -> "KeyGather":
+        """This plan less ``gmask``, its one large tensor (what a forward keeps for the
+        backward of the same call; :meth:`with_mask` rebuilds it in one kernel)."""
+        return dataclasses.replace(self, gmask=None)
+
+    def with_mask(self, mask: torch.Tensor) -> "KeyGather":
+        """This plan with ``gmask`` gathered from ``mask`` (the planned mask) if it has none."""
+        if self.gmask is not None:
+            return self
+        gmask = _gather_mask(mask.view(torch.uint8), self.idx, self.cnt, self.seqlen_q,
+                             self.block_m, self.capacity)
+        return dataclasses.replace(self, gmask=gmask)
 
     def list_strides(self) -> Tuple[int, int, int, int, int, int]:
         """(idx_b, idx_h, idx_m, cnt_b, cnt_h, cnt_m) with 0 for broadcast dims."""
@@ -166,7 +181,7 @@ def plan_key_gather(
                                      is_causal, block_m, capacity)
     gbias = _gather_bias(bias, idx, seqlen_k) if _bias_per_key(bias, seqlen_k) else None
     return KeyGather(block_m=block_m, capacity=capacity, head_div=num_heads // hx,
-                     idx=idx, cnt=cnt, gmask=gmask, gbias=gbias)
+                     idx=idx, cnt=cnt, gmask=gmask, gbias=gbias, seqlen_q=seqlen_q)
 
 
 def _bias_per_key(bias: Optional[torch.Tensor], seqlen_k: int) -> bool:
@@ -224,12 +239,6 @@ def _compact_and_gather(mask_u8: torch.Tensor, union: torch.Tensor, cnt: torch.T
     """
     bx, hx, n_q, _ = union.shape
     device = mask_u8.device
-    # Rows padded to a multiple of GMASK_ROW_ALIGN bytes: the kernels bound their mask reads by
-    # the row stride instead of the list length, which the compiler then knows to be a multiple
-    # of 16 -- so it reads the mask tile as 16-byte vectors and software-pipelines it (byte-wide
-    # loads are not pipelined; see scripts/compile_check.py).
-    width = -(-capacity // GMASK_ROW_ALIGN) * GMASK_ROW_ALIGN
-    rows = torch.empty((bx, hx, n_q * block_m, width), dtype=torch.uint8, device=device)
     idx = torch.empty((bx, hx, n_q, capacity), dtype=torch.int32, device=device)
     union_u8 = union.contiguous().view(torch.uint8)
     on_cpu = device.type == "cpu"  # short chunks on the interpreter: tests cover several
@@ -238,10 +247,23 @@ def _compact_and_gather(mask_u8: torch.Tensor, union: torch.Tensor, cnt: torch.T
         IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, BLOCK_K=32 if on_cpu else 1024,
         num_warps=4,
     )
-    # The mask is copied by a second kernel that walks the output columns, so its stores are
-    # contiguous; scattering the mask tiles to their compacted positions as they were read
-    # (one kernel for both) issued a partial-sector store per byte: 0.79 ms on T2 (H200)
-    # against 0.16 ms for this copy.
+    return idx, _gather_mask(mask_u8, idx, cnt, seqlen_q, block_m, capacity)
+
+
+def _gather_mask(mask_u8: torch.Tensor, idx: torch.Tensor, cnt: torch.Tensor, seqlen_q: int,
+                 block_m: int, capacity: int) -> torch.Tensor:
+    """``gmask`` of the module docstring from the key lists ``idx`` / ``cnt``."""
+    bx, hx, n_q, _ = idx.shape
+    on_cpu = mask_u8.device.type == "cpu"
+    # Rows padded to a multiple of GMASK_ROW_ALIGN bytes: the kernels bound their mask reads by
+    # the row stride instead of the list length, which the compiler then knows to be a multiple
+    # of 16 -- so it reads the mask tile as 16-byte vectors and software-pipelines it (byte-wide
+    # loads are not pipelined; see scripts/compile_check.py).
+    width = -(-capacity // GMASK_ROW_ALIGN) * GMASK_ROW_ALIGN
+    rows = torch.empty((bx, hx, n_q * block_m, width), dtype=torch.uint8, device=mask_u8.device)
+    # This kernel walks the output columns, so its stores are contiguous; scattering the mask
+    # tiles to their compacted positions as they were read (one kernel for the lists and the
+    # copy) issued a partial-sector store per byte: 0.79 ms on T2 (H200) against 0.16 ms.
     block_r = min(block_m, 8 if on_cpu else 16)
     _gather_mask_kernel[(n_q * (block_m // block_r), bx * hx)](
         mask_u8, idx, cnt, rows,
@@ -250,7 +272,7 @@ def _compact_and_gather(mask_u8: torch.Tensor, union: torch.Tensor, cnt: torch.T
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_C=32 if on_cpu else 256,
         num_warps=4,
     )
-    return idx, rows[..., :capacity]
+    return rows[..., :capacity]
 
 
 def compact_and_gather_reference(mask_u8: torch.Tensor, union: torch.Tensor, cnt: torch.Tensor,
