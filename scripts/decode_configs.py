@@ -1,11 +1,12 @@
 """Time every launch config of the Triton decode kernel on the decode rows (GPU only).
 
-    python3 scripts/decode_configs.py
+    python3 scripts/decode_configs.py            # every config at the default split count
+    python3 scripts/decode_configs.py --splits   # a few configs x half / default / double splits
 
-The decode kernel is autotuned over a few configs whose times lie within a few percent of
-each other, so which one wins (and the row's time) changed from one process to the next. This
-sweep pins each config in turn (CUDA-graph replay, the benchmark's timing) so a fixed choice
-can be made from the whole table instead of from one noisy autotuning pass.
+The decode kernel used to be autotuned over these configs; some lie within a few percent of
+each other and which one won (and the row's time) changed from one process to the next. This
+sweep pins each config in turn (CUDA-graph replay, the benchmark's timing); its tables chose
+the fixed :func:`flash_dmattn.backends.triton.decode.decode_config`.
 """
 import sys
 
@@ -17,10 +18,17 @@ from benchmarks.workloads import Workload, build_case  # noqa: E402
 from flash_dmattn.backends.triton import decode as dec  # noqa: E402
 
 
+# (BLOCK_N, num_warps, num_stages): what the autotuner used to choose from.
+CONFIGS = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3), (32, 4, 4), (64, 8, 3))
+
+
 def main():
     dev = torch.device("cuda")
-    tuned = dec._decode_split_tuned
-    all_configs = list(tuned.configs)
+    fixed = dec.decode_config
+    sweep_splits = "--splits" in sys.argv[1:]
+    configs = CONFIGS
+    if sweep_splits:
+        configs = [c for c in CONFIGS if c in {(64, 4, 2), (128, 4, 2), (64, 4, 4)}]
     rows = ((1, 32768, None), (1, 131072, None), (1, 131072, 0.5), (1, 524288, None),
             (8, 32768, None), (8, 131072, None), (64, 32768, None), (1, 4096, None))
     for B, L, fill in rows:
@@ -35,23 +43,25 @@ def main():
             splits = dec.choose_num_splits(B, 8, L, dev, case.cache_seqlens is not None,
                                            case.mask is not None)
             line = f"B{B} Lk{L} {label} (splits {splits}):"
-            for cfg in all_configs:
-                tuned.configs = [cfg]
-                tuned.cache = {}
-                fn = lambda c=case: dec.decode_forward(c.q, c.k, c.v, c.mask, c.bias,
-                                                       128 ** -0.5, False, 0.0,
-                                                       cache_seqlens=c.cache_seqlens)
-                try:
-                    fn()
-                    t, why = graph_time_ms(fn, dev)
-                except Exception as exc:  # a config this shape cannot fit
-                    t, why = None, type(exc).__name__
-                name = f"n{cfg.kwargs['BLOCK_N']}w{cfg.num_warps}s{cfg.num_stages}"
-                line += f" {name} {t:.4f}" if t is not None else f" {name} {why}"
+            for n_splits in ((max(1, splits // 2), splits, 2 * splits) if sweep_splits
+                             else (splits,)):
+                for cfg in configs:
+                    dec.decode_config = lambda *a, cfg=cfg: cfg
+                    fn = lambda c=case, n=n_splits: dec.decode_forward(
+                        c.q, c.k, c.v, c.mask, c.bias, 128 ** -0.5, False, 0.0,
+                        cache_seqlens=c.cache_seqlens, num_splits=n)
+                    try:
+                        fn()
+                        t, why = graph_time_ms(fn, dev)
+                    except Exception as exc:  # a config this shape cannot fit
+                        t, why = None, type(exc).__name__
+                    name = "n{}w{}s{}".format(*cfg)
+                    if sweep_splits:
+                        name = f"x{n_splits}:{name}"
+                    line += f" {name} {t:.4f}" if t is not None else f" {name} {why}"
             print(line, flush=True)
             del case
-    tuned.configs = all_configs
-    tuned.cache = {}
+    dec.decode_config = fixed
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ from .forward import (
     head_block,
     interpret_mode,
     last_dim_contiguous,
-    seqlen_bucket,
 )
 
 # Rows of the packed (query head, query) tile: 64 keeps the fp32 accumulator of a 128-dim head
@@ -59,7 +58,7 @@ DECODE_MIN_SEQLEN_K = 128
 # at least this many keys per split so a split amortises its q load and partial write.
 MAX_SPLITS = 128
 MIN_KEYS_PER_SPLIT = 256
-# Split boundaries are multiples of this, so every autotuned BLOCK_N tiles a split exactly.
+# Split boundaries are multiples of this, so every BLOCK_N (decode_config) tiles a split exactly.
 SPLIT_ALIGN = 128
 # Key tile under the CPU interpreter (small, so tiny test shapes have several tiles; tests raise
 # it to make tiles span several 16-key pages).
@@ -259,7 +258,6 @@ def _decode_split_kernel(
     batch, num_heads, group, seqlen_q, seqlen_k, keys_per_split,
     qk_scale, cap_scale, softcap,
     stride_btb, num_pages,
-    lk_bucket, split_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWB: tl.constexpr,
@@ -405,36 +403,24 @@ def _decode_combine_kernel(
 # Launch configuration
 # ------------------------------------------------------------------------------------------
 
-_DECODE_KEY = ["HEAD_DIM", "BLOCK_M", "HAS_MASK", "MASK_ROWB", "HAS_BIAS", "BIAS_ROWB",
-               "IS_CAUSAL", "HAS_SOFTCAP", "HAS_CACHE", "PAGE_SIZE", "lk_bucket",
-               # Keys per program: the loop length the pipeline depth and tile are tuned for
-               # (B1 and B8 at one Lk split very differently and wanted different configs).
-               "split_bucket"]
+def decode_config(block_d: int, has_cache: bool) -> Tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` of the split kernel: fixed, not autotuned.
 
+    The autotuner chose among configs whose times lie within a few percent on some rows and
+    up to 1.7x apart on others (a 64-key tile with 4 stages costs 1.35x with a mask), and its
+    choice changed between processes, and with it the benchmark's decode rows. Every config
+    was timed at half, once and twice the split count on the decode rows of the benchmark
+    (``scripts/decode_configs.py``, H200, 2026-11-22, logs
+    ``decode-2026-11-22c-*configs.log``): a 64-key tile, 4 warps, 2 stages was the fastest or
+    within ~5 % of it on every row but one, and by far the best with a mask; with
+    ``cache_seqlens`` (half the capacity used) 128-key tiles measured 0.090 ms against 0.142
+    (the live splits are fewer, so each must keep more bytes in flight). Head dims above 128
+    keep 64-key tiles (two stages of 128-key K/V tiles would not fit in shared memory).
+    """
+    if has_cache and block_d <= 128:
+        return 128, 4, 2
+    return 64, 4, 2
 
-def _decode_configs():
-    # BLOCK_N varies: every value divides SPLIT_ALIGN, so split boundaries stay tile-aligned.
-    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
-            for n, w, s in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3),
-                            (32, 4, 4), (64, 8, 3))]
-
-
-def _prune_decode(configs, named_args, **kwargs):
-    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 128))
-    out = []
-    for c in configs:
-        n = c.kwargs["BLOCK_N"]
-        # K and V tiles per pipeline stage (2-byte elements); keep below ~160 KB of smem.
-        if c.num_stages * 2 * n * bd * 2 > 160 * 1024:
-            continue
-        out.append(c)
-    return out or configs[:1]
-
-
-_decode_split_tuned = triton.autotune(
-    configs=_decode_configs(), key=_DECODE_KEY,
-    prune_configs_by={"early_config_prune": _prune_decode},
-)(_decode_split_kernel)
 
 _sm_count_cache = {}
 
@@ -452,23 +438,21 @@ def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torc
 
     On a GPU: enough programs for about four per SM (``B * Hkv`` alone rarely fills one wave
     when decoding), but at least ``MIN_KEYS_PER_SPLIT`` keys each and at most ``MAX_SPLITS``.
-    A mask (without ``cache_seqlens``) aims at eight per SM: a program skips the loads of hidden
-    keys but not the loop steps, so it keeps fewer bytes in flight and more programs are needed
-    to saturate memory. Swept on an H200 (``scripts/decode_splits.py``, 2026-11-22; graph
-    replay, half the keys live): B8 Lk 32K 0.324 ms at 9 splits, 0.266 at 18, 0.250 at 36
-    (cuDNN dense 0.257); B8 Lk 128K 1.206 / 0.944 ms at 9 / 18 (cuDNN 0.974); B1 Lk 32K 0.065 /
-    0.048 ms at 33 / 66; without a mask the split count mattered by under 10 %. With
-    ``cache_seqlens`` the capacity ``Lk`` is split (the used lengths live on the device; splits
-    past a batch's length exit at once) and fewer splits measured faster (B1 Lk 128K half used:
-    0.090 / 0.095 / 0.115 ms at 64 / 128 / 256). Under the CPU interpreter: a few splits, so
-    the combine step is always exercised.
+    With the fixed launch config of :func:`decode_config` this was the best or within a few
+    percent of it at half and twice the count on every decode row of the benchmark, with and
+    without a mask (H200, ``scripts/decode_configs.py --splits``, 2026-11-22: B1 Lk 32K with a
+    mask 0.048 ms at 64 splits against 0.057 at 128). An earlier sweep under the autotuner had
+    favoured twice the splits with a mask; that was the autotuner picking slow configs at the
+    lower count. With ``cache_seqlens`` the capacity ``Lk`` is split (the used lengths live on
+    the device; splits past a batch's length exit at once). Under the CPU interpreter: a few
+    splits, so the combine step is always exercised. ``has_mask`` no longer changes the count
+    (kept for callers).
     """
     if seqlen_k <= 0:
         return 1
     if device.type != "cuda":
         return max(1, min(3, cdiv(seqlen_k, 16)))
-    per_sm = 8 if has_mask and not has_cache else 4
-    want = cdiv(per_sm * _sm_count(device), max(1, batch * num_kv_heads))
+    want = cdiv(4 * _sm_count(device), max(1, batch * num_kv_heads))
     cap = max(1, min(MAX_SPLITS, cdiv(seqlen_k, MIN_KEYS_PER_SPLIT)))
     return max(1, min(want, cap))
 
@@ -571,7 +555,6 @@ def decode_forward(
         B, H, G, Lq, Lk, keys_per_split,
         softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
         block_table.stride(0) if block_table is not None else 0, num_pages,
-        seqlen_bucket(Lk), seqlen_bucket(keys_per_split),
     )
     meta = dict(
         HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_M=block_m,
@@ -585,7 +568,9 @@ def decode_forward(
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=INTERPRET_BLOCK_N, num_warps=4,
                                    num_stages=1)
     else:
-        _decode_split_tuned[grid](*args, **meta)
+        block_n, warps, stages = decode_config(head_block(D), cache_seqlens is not None)
+        _decode_split_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
+                                   num_stages=stages)
 
     _decode_combine_kernel[(split_rows,)](
         o_part, l_part, out, lse,
