@@ -11,8 +11,6 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .intmath import cdiv
-
 
 def block_reduce(t: Tensor, dim: int, block: int, op: str) -> Tensor:
     """``any`` / ``all`` over consecutive blocks of ``block`` along ``dim`` (last may be short).

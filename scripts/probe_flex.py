@@ -1,5 +1,4 @@
 """Where does the flex backend's time go? Block-mask build vs kernel vs recompiles."""
-import time
 
 import torch
 import torch._dynamo.utils as dyn_utils

@@ -3,7 +3,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from flash_dmattn import flex_dmattn_func, reference_dmattn_func
+from flash_dmattn import flex_dmattn_func
 from flash_dmattn.block_map import tile_liveness
 
 from cases import FIXED, cases

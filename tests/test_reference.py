@@ -94,7 +94,6 @@ def test_dbias_is_reduced_to_bias_shape():
     b, h, hkv, l = 2, 4, 2, 12
     q = torch.randn(b, l, h, 8, dtype=torch.float64)
     k, v = (torch.randn(b, l, hkv, 8, dtype=torch.float64) for _ in range(2))
-    full = torch.randn(b, h, l, l, dtype=torch.float64)
     for shape in [(b, hkv, 1, l), (1, 1, l, l), (b, 1, 1, l), (l,), (1, h, 1, 1), (hkv, l, l)]:
         # the same values as a full bias, so the reduced gradient must be the full one summed
         small = torch.randn(*shape, dtype=torch.float64, requires_grad=True)

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from flash_dmattn import flash_dmattn_func, get_available_backends, triton_dmattn_func
+from flash_dmattn import get_available_backends, triton_dmattn_func
 
 from cases import FIXED
 from naive import naive_attention

@@ -24,7 +24,8 @@ from typing import List, Optional
 
 import torch
 
-from ..block_map import cdiv, tile_liveness
+from ..block_map import tile_liveness
+from ..intmath import cdiv
 from .base import Backend
 
 BLOCK = 128  # Flex's default tile; its kernels' tiles divide it.

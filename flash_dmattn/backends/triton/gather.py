@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...block_map import block_reduce, cdiv
+from ...block_map import block_reduce
+from ...intmath import cdiv
 from .mask_summary import MaskSummary
 
 # Use gather mode when it visits at most this fraction of the key tiles that tile skipping
