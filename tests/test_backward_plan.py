@@ -116,3 +116,32 @@ def test_eager_autograd_hands_the_plan_over_and_the_op_path_still_plans(monkeypa
     assert isinstance(seen[0], BackwardPlan) and seen[1] is None
     for a, b in zip((results[0][0], *results[0][1]), (results[1][0], *results[1][1])):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_planned_path_with_retain_graph_and_checkpoint(monkeypatch):
+    """A second backward through the same graph (retain_graph) and activation checkpointing
+    (the forward re-run inside the backward) give the gradients of a plain call."""
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", "always")
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, L, D = 1, 2, 1, 40, 16
+    base = [torch.randn(B, L, h, D, generator=g) for h in (H, Hkv, Hkv)]
+    mask = _topk_mask(B, Hkv, L, L, 7, True, g)
+    op = triton_op()
+
+    def attn(q, k, v):
+        return op(q, k, v, mask, None, D ** -0.5, True, 0.0, True)[0]
+
+    def grads(run):
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        return run(q, k, v), (q, k, v)
+
+    out, leaves = grads(attn)
+    first = torch.autograd.grad(out.sum(), leaves, retain_graph=True)
+    second = torch.autograd.grad(out.sum(), leaves)
+    out_ck, leaves_ck = grads(lambda q, k, v: checkpoint(attn, q, k, v, use_reentrant=False))
+    ck = torch.autograd.grad(out_ck.sum(), leaves_ck)
+    for a, b, c in zip(first, second, ck):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+        torch.testing.assert_close(a, c, atol=0, rtol=0)
