@@ -436,8 +436,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torc
                       has_cache: bool = False, has_mask: bool = False) -> int:
     """Key splits per (batch, kv head).
 
-    On a GPU: enough programs for about four per SM (``B * Hkv`` alone rarely fills one wave
-    when decoding), but at least ``MIN_KEYS_PER_SPLIT`` keys each and at most ``MAX_SPLITS``.
+    On a GPU: as many programs as fit four per SM, not more (``B * Hkv`` alone rarely fills
+    one wave when decoding), but at least ``MIN_KEYS_PER_SPLIT`` keys each and at most
+    ``MAX_SPLITS``.
     With the fixed launch config of :func:`decode_config` this was the best or within a few
     percent of it at half and twice the count on every decode row of the benchmark, with and
     without a mask (H200, ``scripts/decode_configs.py --splits``, 2026-11-22: B1 Lk 32K with a
@@ -452,7 +453,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torc
         return 1
     if device.type != "cuda":
         return max(1, min(3, cdiv(seqlen_k, 16)))
-    want = cdiv(4 * _sm_count(device), max(1, batch * num_kv_heads))
+    # Rounded down: programs past one wave of four per SM (the residency of the decode_config
+    # tiles) run as a second, nearly empty wave. B8 Hkv8 Lk 32K with a mask took 0.354 ms at
+    # 9 splits (576 programs) against 0.243 at 8 (512), 1.41 against 0.91 ms at Lk 128K.
+    want = max(1, (4 * _sm_count(device)) // max(1, batch * num_kv_heads))
     cap = max(1, min(MAX_SPLITS, cdiv(seqlen_k, MIN_KEYS_PER_SPLIT)))
     return max(1, min(want, cap))
 
