@@ -90,6 +90,30 @@ def _where_seen(fetch, first_row, BLOCK_Q: tl.constexpr, first_key, seqlen_q, se
     return fetch & ((tl.zeros([1, 1], dtype=tl.int32) + seen) != 0)
 
 
+@triton.jit
+def _tile_setup(num_heads_m, seqlen_q, seqlen_k, n_cols, n_row_blocks, KEYS_PER_COL: tl.constexpr,
+                BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """Where a summary program works: ``(pid_k, pid_q, b, h, row, offs_m, offs_c, m_ok, c_ok,
+    fetch)`` for the tile ``(pid_q, pid_k)`` of mask head ``pid_bh``; columns are keys
+    (``KEYS_PER_COL`` 1) or 4-key words (4), ``n_cols`` of them; ``row`` indexes the summary
+    rows; ``fetch`` is what to load (in range, and with ``IS_CAUSAL`` seen by some row)."""
+    pid_k = tl.program_id(0)
+    pid_q = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = (pid_bh // num_heads_m).to(tl.int64)
+    h = (pid_bh % num_heads_m).to(tl.int64)
+    offs_m = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_c = pid_k * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_ok = offs_m < seqlen_q
+    c_ok = offs_c < n_cols
+    fetch = m_ok[:, None] & c_ok[None, :]
+    if IS_CAUSAL:
+        fetch = _where_seen(fetch, pid_q * BLOCK_Q, BLOCK_Q, pid_k * BLOCK_C * KEYS_PER_COL,
+                            seqlen_q, seqlen_k)
+    row = pid_bh.to(tl.int64) * n_row_blocks + pid_q
+    return pid_k, pid_q, b, h, row, offs_m, offs_c, m_ok, c_ok, fetch
+
+
 # One program per fine tile (row_block x key_block), one load of the whole tile. A variant that
 # streamed 8 x 512 strips per program (fewer, longer programs) measured 2.3 ms per pass on the
 # H200 for the T2 mask against 0.22 ms for this one (round 2026-11-21e), so it was reverted.
@@ -102,22 +126,11 @@ def _mask_summary_kernel(
 ):
     # IS_CAUSAL: a tile no row of which can see any key (bottom-right aligned) is not read and
     # summarised as dead; causal callers discard it anyway, and it is half of a square mask.
-    pid_k = tl.program_id(0)
-    pid_q = tl.program_id(1)
-    pid_bh = tl.program_id(2)
-    b = (pid_bh // num_heads_m).to(tl.int64)
-    h = (pid_bh % num_heads_m).to(tl.int64)
-    offs_m = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    offs_n = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    m_ok = offs_m < seqlen_q
-    n_ok = offs_n < seqlen_k
+    pid_k, pid_q, b, h, row, offs_m, offs_n, m_ok, n_ok, fetch = _tile_setup(
+        num_heads_m, seqlen_q, seqlen_k, seqlen_k, n_row_blocks, 1, BLOCK_Q, BLOCK_K, IS_CAUSAL)
     ok = m_ok[:, None] & n_ok[None, :]
-    fetch = ok
-    if IS_CAUSAL:
-        fetch = _where_seen(fetch, pid_q * BLOCK_Q, BLOCK_Q, pid_k * BLOCK_K, seqlen_q, seqlen_k)
     ptrs = Mask + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
     live = (tl.load(ptrs, mask=fetch, other=0) != 0).to(tl.int32)
-    row = pid_bh.to(tl.int64) * n_row_blocks + pid_q
     tl.store(RowAny + row * seqlen_k + offs_n, tl.max(live, 0).to(tl.uint8), mask=n_ok)
     # Out-of-range elements do not make a ragged edge tile partial.
     full = tl.min(tl.min(tl.where(ok, live, 1), 1), 0)
@@ -193,23 +206,11 @@ def _mask_summary_words_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr, IS_CAUSAL: tl.constexpr,
 ):
     """``_mask_summary_kernel`` on 4-key words (see :func:`_as_words`); Lk % 4 == 0."""
-    pid_k = tl.program_id(0)
-    pid_q = tl.program_id(1)
-    pid_bh = tl.program_id(2)
-    b = (pid_bh // num_heads_m).to(tl.int64)
-    h = (pid_bh % num_heads_m).to(tl.int64)
     n_words = seqlen_k // 4
-    offs_m = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    offs_w = pid_k * BLOCK_W + tl.arange(0, BLOCK_W)
-    m_ok = offs_m < seqlen_q
-    w_ok = offs_w < n_words
-    fetch = m_ok[:, None] & w_ok[None, :]
-    if IS_CAUSAL:
-        fetch = _where_seen(fetch, pid_q * BLOCK_Q, BLOCK_Q, pid_k * BLOCK_W * 4, seqlen_q,
-                            seqlen_k)
+    pid_k, pid_q, b, h, row, offs_m, offs_w, m_ok, w_ok, fetch = _tile_setup(
+        num_heads_m, seqlen_q, seqlen_k, n_words, n_row_blocks, 4, BLOCK_Q, BLOCK_W, IS_CAUSAL)
     ptrs = Words + b * stride_wb + h * stride_wh + offs_m[:, None] * stride_wm + offs_w[None, :]
     w = tl.load(ptrs, mask=fetch, other=0)
-    row = pid_bh.to(tl.int64) * n_row_blocks + pid_q
     tl.store(RowAnyW + row * n_words + offs_w, tl.reduce(w, 0, _or), mask=w_ok)
     # Rows past Lq do not make a ragged edge tile partial; every key of a word is in range.
     all_w = tl.reduce(tl.where(m_ok[:, None], w, 0x01010101), 0, _and)
