@@ -1,20 +1,13 @@
 """The forward plans the backward (tile lists, dQ gather) and hands the plan over on the eager
 autograd path; the backward must give bit-for-bit what it gives when it plans itself, and the
 custom-op path (compile / tracing) must still plan for itself."""
-import os
 
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    pytest.skip("interpreter tests: run on a CPU-only machine (GPU: tests/test_gpu.py)",
-                allow_module_level=True)
-try:
-    import triton  # noqa: F401
-except ModuleNotFoundError as exc:
-    if exc.name != "triton":
-        raise
-    pytest.skip("the Triton kernels need the triton package", allow_module_level=True)
+from interpreter_only import require_triton_interpreter
+
+require_triton_interpreter()
 
 from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
 from flash_dmattn.backends.triton.backend import triton_op  # noqa: E402

@@ -1,18 +1,11 @@
 """The one-launch tile-list compaction against its plain-PyTorch version (interpreter)."""
-import os
 
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    pytest.skip("interpreter tests: run on a CPU-only machine (GPU: tests/test_gpu.py)",
-                allow_module_level=True)
-try:
-    import triton  # noqa: F401
-except ModuleNotFoundError as exc:
-    if exc.name != "triton":
-        raise
-    pytest.skip("the Triton kernels need the triton package", allow_module_level=True)
+from interpreter_only import require_triton_interpreter
+
+require_triton_interpreter()
 
 from flash_dmattn.backends.triton.tile_compact import compact_tiles  # noqa: E402
 from flash_dmattn.backends.triton.tiles import compact_reference  # noqa: E402

@@ -4,24 +4,14 @@ Shapes are tiny and the kernels run with 16x16 tiles under TRITON_INTERPRET=1, s
 tile skipping and every broadcast path are exercised in a few minutes on two cores.
 """
 import math
-import os
 
 import pytest
 import torch
 
+from interpreter_only import require_triton_interpreter
 from naive import assert_close
 
-if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    # conftest.py turns the interpreter on for CPU-only machines; on a GPU machine the same
-    # kernels are compiled and covered by tests/test_gpu.py at realistic sizes.
-    pytest.skip("interpreter tests: run on a CPU-only machine", allow_module_level=True)
-
-try:
-    import triton  # noqa: F401
-except ModuleNotFoundError as exc:
-    if exc.name != "triton":  # triton installed but broken (e.g. numpy missing): fail loudly
-        raise
-    pytest.skip("the Triton kernels need the triton package", allow_module_level=True)
+require_triton_interpreter()
 
 from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
 from flash_dmattn.backends.triton.backward import attention_backward  # noqa: E402

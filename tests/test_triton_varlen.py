@@ -7,22 +7,14 @@ Shapes are tiny (16x16 tiles under ``TRITON_INTERPRET=1``) but cover empty seque
 1, odd lengths, sequences longer than a tile, ``Lq != Lk`` with causal, GQA, every per-key
 mask/bias shape and rows past ``cu_seqlens[-1]``. GPU sizes live in tests/test_gpu.py.
 """
-import os
 
 import pytest
 import torch
 
+from interpreter_only import require_triton_interpreter
 from naive import assert_close
 
-if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    pytest.skip("interpreter tests: run on a CPU-only machine", allow_module_level=True)
-
-try:
-    import triton  # noqa: F401
-except ModuleNotFoundError as exc:
-    if exc.name != "triton":  # triton installed but broken: fail loudly
-        raise
-    pytest.skip("the Triton kernels need the triton package", allow_module_level=True)
+require_triton_interpreter()
 
 from flash_dmattn import flash_dmattn_varlen_func, registry  # noqa: E402
 from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
