@@ -40,8 +40,7 @@ def main():
                          cache_fill=fill)
             case = build_case(w, dev, torch.bfloat16)
             label = ("mask+bias" if masked else "no mask") + (" cache50%" if fill else "")
-            splits = dec.choose_num_splits(B, 8, L, dev, case.cache_seqlens is not None,
-                                           case.mask is not None)
+            splits = dec.choose_num_splits(B, 8, L, dev)
             line = f"B{B} Lk{L} {label} (splits {splits}):"
             for n_splits in ((max(1, splits // 2), splits, 2 * splits) if sweep_splits
                              else (splits,)):

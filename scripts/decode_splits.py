@@ -26,7 +26,7 @@ def main():
                          "relu-per-key" if masked else "none", masked, forward_only=True,
                          cache_fill=fill)
             case = build_case(w, dev, torch.bfloat16)
-            base = choose_num_splits(B, 8, L, dev, case.cache_seqlens is not None)
+            base = choose_num_splits(B, 8, L, dev)
             scale = 128 ** -0.5
             used = case.used_prefix()
             qs = used.q.transpose(1, 2)

@@ -432,8 +432,7 @@ def _sm_count(device: torch.device) -> int:
     return _sm_count_cache[idx]
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torch.device,
-                      has_cache: bool = False, has_mask: bool = False) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torch.device) -> int:
     """Key splits per (batch, kv head).
 
     On a GPU: as many programs as fit four per SM, not more (``B * Hkv`` alone rarely fills
@@ -446,8 +445,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torc
     favoured twice the splits with a mask; that was the autotuner picking slow configs at the
     lower count. With ``cache_seqlens`` the capacity ``Lk`` is split (the used lengths live on
     the device; splits past a batch's length exit at once). Under the CPU interpreter: a few
-    splits, so the combine step is always exercised. ``has_mask`` no longer changes the count
-    (kept for callers).
+    splits, so the combine step is always exercised.
     """
     if seqlen_k <= 0:
         return 1
@@ -526,8 +524,7 @@ def decode_forward(
 
     interp = interpret_mode()
     if num_splits is None:
-        num_splits = choose_num_splits(B, Hkv, Lk, device, cache_seqlens is not None,
-                                       mask is not None)
+        num_splits = choose_num_splits(B, Hkv, Lk, device)
     align = 16 if interp else SPLIT_ALIGN
     keys_per_split = cdiv(cdiv(Lk, max(1, num_splits)), align) * align
     num_splits = cdiv(Lk, keys_per_split)  # no split that starts past the capacity

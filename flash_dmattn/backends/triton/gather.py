@@ -71,11 +71,11 @@ class KeyGather:
     block_m: int
     capacity: int
     head_div: int
+    seqlen_q: int
     idx: torch.Tensor
     cnt: torch.Tensor
     gmask: Optional[torch.Tensor]
     gbias: Optional[torch.Tensor] = None
-    seqlen_q: int = 0
 
     def without_mask(self) -> "KeyGather":
         """This plan less ``gmask``, its one large tensor (what a forward keeps for the

@@ -3,7 +3,7 @@
 Equivalent plain PyTorch (:func:`.tiles.compact_reference`), per row of the last dim::
 
     full = live & ~partial
-    idx = cat([nonzero(full) * 2, nonzero(partial) * 2 + 1])   # then unspecified entries
+    idx = cat([nonzero(full) * 2, nonzero(partial) * 2 + 1])   # then zeros
     cnt = (live.sum(), full.sum())
 """
 from __future__ import annotations

@@ -110,21 +110,12 @@ def _compact(live: torch.Tensor, partial: torch.Tensor) -> Tuple[torch.Tensor, t
     does it; the torch version (:func:`compact_reference`) took about ten small launches per
     list, most of a per-key mask's list-building time.
     """
-    if live.device.type == "cuda" or (live.device.type == "cpu" and _interpreting()):
-        return _compact_kernel_launch(live, partial)
-    return compact_reference(live, partial)
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
-def _compact_kernel_launch(live: torch.Tensor, partial: torch.Tensor):
+    from .forward import interpret_mode  # forward imports this module
     from .tile_compact import compact_tiles
 
-    return compact_tiles(live, partial)
+    if live.device.type == "cuda" or (live.device.type == "cpu" and interpret_mode()):
+        return compact_tiles(live, partial)
+    return compact_reference(live, partial)
 
 
 def compact_reference(live: torch.Tensor,
