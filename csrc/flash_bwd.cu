@@ -41,12 +41,15 @@ using BiasTile64 = BcastTile<Elem, 64, 64, kThreads>;
 // delta = rowsum(dO * O), one warp per row
 // ---------------------------------------------------------------------------------------------
 __global__ void delta_kernel(const BwdParams p) {
+  // A packed call is one batch of total_q rows (batch strides 0; delta laid out like lse).
+  const int L = p.cu_q != nullptr ? p.total_q : p.Lq;
+  const int nb = p.cu_q != nullptr ? 1 : p.B;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  const int rows = p.B * p.H * p.Lq;
+  const int rows = nb * p.H * L;
   if (warp >= rows) return;
-  const int i = warp % p.Lq;
-  const int bh = warp / p.Lq;
+  const int i = warp % L;
+  const int bh = warp / L;
   const int b = bh / p.H, h = bh % p.H;
   const Elem* o = reinterpret_cast<const Elem*>(p.out) + int64_t(b) * p.o_sb +
                   int64_t(i) * p.o_sl + int64_t(h) * p.o_sh;
@@ -56,11 +59,11 @@ __global__ void delta_kernel(const BwdParams p) {
   for (int c = lane; c < p.D; c += 32) acc += float(o[c]) * float(d[c]);
   CUTE_UNROLL
   for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffff, acc, off);
-  if (lane == 0) p.delta[int64_t(bh) * p.Lq + i] = acc;
+  if (lane == 0) p.delta[int64_t(b) * p.lse_sb + int64_t(h) * p.lse_sh + i] = acc;
 }
 
 void launch_delta(const BwdParams& p, cudaStream_t stream) {
-  const int rows = p.B * p.H * p.Lq;
+  const int rows = (p.cu_q != nullptr ? p.total_q : p.B * p.Lq) * p.H;
   const int threads = 256;
   const int blocks = (rows * 32 + threads - 1) / threads;
   delta_kernel<<<blocks, threads, 0, stream>>>(p);
@@ -91,8 +94,10 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
   const int hkv = h / (p.H / p.Hkv);
   const int q0 = m_block * kBM;
 
+  const SeqRows sr = seq_rows(p, b);
+  const int Lq = sr.Lq, Lk = sr.Lk;
   const int32_t* list;
-  const int n_steps = key_tiles_of<kBM, kBN>(p, b, h, m_block, q0, list);
+  const int n_steps = key_tiles_of<kBM, kBN>(p, sr, b, h, m_block, q0, list);
 
   typename Tr::TiledMma mma;
   auto thr_mma = mma.get_thread_slice(tid);
@@ -109,35 +114,43 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
     Tensor sdO = make_tensor(make_smem_ptr(elem_at(kT)), SL{});
 
     const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb +
-                     int64_t(q0) * p.q_sl + int64_t(h) * p.q_sh;
+                     (sr.q_row0 + q0) * p.q_sl + int64_t(h) * p.q_sh;
     const Elem* dog = reinterpret_cast<const Elem*>(p.dout) + int64_t(b) * p.do_sb +
-                      int64_t(q0) * p.do_sl + int64_t(h) * p.do_sh;
-    const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb + int64_t(hkv) * p.k_sh;
-    const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb + int64_t(hkv) * p.v_sh;
-    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h) : nullptr;
-    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h) : nullptr;
-    const float* lse_g = p.lse + (int64_t(b) * p.H + h) * p.Lq;
-    const float* delta_g = p.delta + (int64_t(b) * p.H + h) * p.Lq;
+                      (sr.q_row0 + q0) * p.do_sl + int64_t(h) * p.do_sh;
+    const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb +
+                     sr.k_row0 * p.k_sl + int64_t(hkv) * p.k_sh;
+    const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb +
+                     sr.k_row0 * p.v_sl + int64_t(hkv) * p.v_sh;
+    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.k_row0) : nullptr;
+    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.k_row0) : nullptr;
+    const float* lse_g = p.lse + lse_offset(p, sr, b, h);
+    const float* delta_g = p.delta + lse_offset(p, sr, b, h);
 
     auto tile_of = [&](int i) { return list ? (list[i] >> 1) : i; };
-    auto partial_of = [&](int i) { return list ? (list[i] & 1) != 0 : p.causal; };
+    // Element checks: the list's flag or a tile crossing the causal diagonal (a dense list's
+    // flag includes that already; a packed call's is shared by the query tiles and cannot).
+    const int diag = p.causal ? q0 + Lk - Lq : INT_MAX;
+    auto partial_of = [&](int i) {
+      const bool crosses = tile_of(i) * kBN + kBN - 1 > diag;
+      return list ? ((list[i] & 1) != 0) | crosses : crosses;
+    };
     auto issue = [&](int i) {
       const int n = tile_of(i), k0 = n * kBN, buf = i & 1;
       Tensor sK = make_tensor(make_smem_ptr(elem_at((2 + 2 * buf) * kT)), SL{});
       Tensor sV = make_tensor(make_smem_ptr(elem_at((3 + 2 * buf) * kT)), SL{});
-      load_rows<Tr, 64>(kg + int64_t(k0) * p.k_sl, p.k_sl, p.Lk - k0, p.D, sK, tid);
-      load_rows<Tr, 64>(vg + int64_t(k0) * p.v_sl, p.v_sl, p.Lk - k0, p.D, sV, tid);
+      load_rows<Tr, 64>(kg + int64_t(k0) * p.k_sl, p.k_sl, Lk - k0, p.D, sK, tid);
+      load_rows<Tr, 64>(vg + int64_t(k0) * p.v_sl, p.v_sl, Lk - k0, p.D, sV, tid);
       if constexpr (kHasMask) {
         if (partial_of(i))
-          MaskT::load(mask_smem + buf * MaskT::kBytes, p.mask, mask_base, q0, k0, p.Lq, p.Lk, tid);
+          MaskT::load(mask_smem + buf * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq, Lk, tid);
       }
       if constexpr (kHasBias) {
-        BiasT::load(bias_smem + buf * BiasT::kBytes, p.bias, bias_base, q0, k0, p.Lq, p.Lk, tid);
+        BiasT::load(bias_smem + buf * BiasT::kBytes, p.bias, bias_base, q0, k0, Lq, Lk, tid);
       }
     };
 
-    load_rows<Tr, 64>(qg, p.q_sl, p.Lq - q0, p.D, sQ, tid);
-    load_rows<Tr, 64>(dog, p.do_sl, p.Lq - q0, p.D, sdO, tid);
+    load_rows<Tr, 64>(qg, p.q_sl, Lq - q0, p.D, sQ, tid);
+    load_rows<Tr, 64>(dog, p.do_sl, Lq - q0, p.D, sdO, tid);
     issue(0);
     cp_async_fence();
 
@@ -158,9 +171,9 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
       CUTE_UNROLL
       for (int half = 0; half < 2; ++half) {
         const int qi = q0 + get<0>(cQ(half * 2, mi, 0));
-        float l = qi < p.Lq ? lse_g[qi] : INFINITY;
+        float l = qi < Lq ? lse_g[qi] : INFINITY;
         row_lse[mi * 2 + half] = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
-        row_delta[mi * 2 + half] = qi < p.Lq ? delta_g[qi] : 0.f;
+        row_delta[mi * 2 + half] = qi < Lq ? delta_g[qi] : 0.f;
       }
     }
     const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
@@ -187,7 +200,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
       gemm_ss(mma, acc_s, rQ, rK, sQ, sK, ldsm_a, ldsm_b, tid);
       gemm_ss(mma, acc_dp, rdO, rK, sdO, sV, ldsm_a, ldsm_b, tid);
 
-      const bool check = partial || (k0 + kBN > p.Lk);
+      const bool check = partial || (k0 + kBN > Lk);
       CUTE_UNROLL
       for (int e = 0; e < size(acc_s); ++e) {
         const int r = get<0>(cS(e)), c = get<1>(cS(e));
@@ -198,10 +211,10 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
         bool visible = true;
         if (check) {
           const int qi = q0 + r, kj = k0 + c;
-          visible = kj < p.Lk;
+          visible = kj < Lk;
           // Bitwise, not short-circuit: no per-element branches (the mask tile read is in
           // bounds either way and ignored when !partial).
-          visible &= !p.causal | (kj <= qi + p.Lk - p.Lq);
+          visible &= !p.causal | (kj <= qi + Lk - Lq);
           if constexpr (kHasMask) {
             visible &= !partial | (MaskT::read(mtile, mask_rows, r, c) != 0);
           }
@@ -211,7 +224,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
         if constexpr (kHasBias) {
           if (p.dbias_full != nullptr) {
             const int qi = q0 + r, kj = k0 + c;
-            if (qi < p.Lq && kj < p.Lk) {
+            if (qi < Lq && kj < Lk) {
               Elem* db = reinterpret_cast<Elem*>(p.dbias_full) + int64_t(b) * p.dbf_sb +
                          int64_t(h) * p.dbf_sh + int64_t(qi) * p.dbf_sq + kj;
               *db = Elem(ds);
@@ -229,13 +242,14 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
   if (!p.need_dq) return;
   // Written out rather than through store_rows: that call compiled the dQ kernel to ~700 more
   // instructions (sm_90, nvcc 13.0) and this loop is the one the GPU tests validated.
-  Elem* dq = reinterpret_cast<Elem*>(p.dq) + int64_t(b) * p.dq_sb + int64_t(h) * p.dq_sh;
+  Elem* dq = reinterpret_cast<Elem*>(p.dq) + int64_t(b) * p.dq_sb + sr.q_row0 * p.dq_sl +
+             int64_t(h) * p.dq_sh;
   CUTE_UNROLL
   for (int mi = 0; mi < size<1>(acc_dq); ++mi) {
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
       const int row = q0 + get<0>(cQ(half * 2, mi, 0));
-      if (row >= p.Lq) continue;
+      if (row >= Lq) continue;
       Elem* drow = dq + int64_t(row) * p.dq_sl;
       CUTE_UNROLL
       for (int ni = 0; ni < size<2>(acc_dq); ++ni) {
@@ -277,7 +291,11 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
   const int group = p.H / p.Hkv;
   const int b = slot / p.Hkv, hkv = slot % p.Hkv;
   const int k0 = n_block * kBN;
-  const int m_tiles = (p.Lq + kBM - 1) / kBM;
+  const SeqRows sr = seq_rows(p, b);
+  const int Lq = sr.Lq, Lk = sr.Lk;
+  // Packed calls size the grid by the longest sequence: tiles past this one's end do nothing.
+  if (k0 >= Lk) return;
+  const int m_tiles = (Lq + kBM - 1) / kBM;
 
   using SL = typename Tr::template SmemTile<64>;
   using SLT = typename Tr::template SmemTileT<64>;  // swizzled: what ldmatrix reads
@@ -299,11 +317,11 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
   auto ldsm_bt = make_tiled_copy_B(typename Tr::LdsmBT{}, mma);
 
   const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb +
-                   int64_t(k0) * p.k_sl + int64_t(hkv) * p.k_sh;
+                   (sr.k_row0 + k0) * p.k_sl + int64_t(hkv) * p.k_sh;
   const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb +
-                   int64_t(k0) * p.v_sl + int64_t(hkv) * p.v_sh;
-  load_rows<Tr, 64>(kg, p.k_sl, p.Lk - k0, p.D, sK, tid);
-  load_rows<Tr, 64>(vg, p.v_sl, p.Lk - k0, p.D, sV, tid);
+                   (sr.k_row0 + k0) * p.v_sl + int64_t(hkv) * p.v_sh;
+  load_rows<Tr, 64>(kg, p.k_sl, Lk - k0, p.D, sK, tid);
+  load_rows<Tr, 64>(vg, p.v_sl, Lk - k0, p.D, sV, tid);
   cp_async_fence();
 
   Tensor rK = thr_mma.partition_fragment_A(sK);
@@ -316,42 +334,38 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
 
   for (int hh = 0; hh < group; ++hh) {
     const int h = hkv * group + hh;
-    int m_steps = m_tiles, m_first = 0;
-    const int32_t* list = nullptr;
-    if (p.use_list) {
-      list = list_row(p.bwd_list, b, h, n_block, m_steps);
-    } else if (p.causal) {
-      // First query that sees key k0: k0 - (Lk - Lq).
-      m_first = max(0, k0 - (p.Lk - p.Lq)) / kBM;
-      m_steps = max(0, m_tiles - m_first);
-    }
+    int m_steps, m_first;
+    bool key_partial;
+    const int32_t* list = dkdv_query_tiles<kBM, kBN>(p, sr, b, h, n_block, m_tiles, m_steps,
+                                                     m_first, key_partial);
     float key_dbias[kRowSlots];
     CUTE_UNROLL
     for (int r = 0; r < kRowSlots; ++r) key_dbias[r] = 0.f;
 
-    const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb + int64_t(h) * p.q_sh;
+    const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb +
+                     sr.q_row0 * p.q_sl + int64_t(h) * p.q_sh;
     const Elem* dog = reinterpret_cast<const Elem*>(p.dout) + int64_t(b) * p.do_sb +
-                      int64_t(h) * p.do_sh;
-    const float* lse_g = p.lse + (int64_t(b) * p.H + h) * p.Lq;
-    const float* delta_g = p.delta + (int64_t(b) * p.H + h) * p.Lq;
-    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h) : nullptr;
-    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h) : nullptr;
+                      sr.q_row0 * p.do_sl + int64_t(h) * p.do_sh;
+    const float* lse_g = p.lse + lse_offset(p, sr, b, h);
+    const float* delta_g = p.delta + lse_offset(p, sr, b, h);
+    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.k_row0) : nullptr;
+    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.k_row0) : nullptr;
     auto tile_of = [&](int i) { return list ? (list[i] >> 1) : m_first + i; };
-    auto partial_of = [&](int i) { return list ? (list[i] & 1) != 0 : p.causal; };
+    auto partial_of = [&](int i) { return list ? (list[i] & 1) != 0 : key_partial; };
     auto issue = [&](int i) {
       const int m = tile_of(i), q0 = m * kBM, buf = i & 1;
       Tensor sQ = make_tensor(make_smem_ptr(elem_at((2 + 2 * buf) * kT)), SL{});
       Tensor sdO = make_tensor(make_smem_ptr(elem_at((3 + 2 * buf) * kT)), SL{});
-      load_rows<Tr, 64>(qg + int64_t(q0) * p.q_sl, p.q_sl, p.Lq - q0, p.D, sQ, tid);
-      load_rows<Tr, 64>(dog + int64_t(q0) * p.do_sl, p.do_sl, p.Lq - q0, p.D, sdO, tid);
-      load_floats<kBM>(lse_s + buf * kBM, lse_g + q0, p.Lq - q0, tid, kThreads);
-      load_floats<kBM>(delta_s + buf * kBM, delta_g + q0, p.Lq - q0, tid, kThreads);
+      load_rows<Tr, 64>(qg + int64_t(q0) * p.q_sl, p.q_sl, Lq - q0, p.D, sQ, tid);
+      load_rows<Tr, 64>(dog + int64_t(q0) * p.do_sl, p.do_sl, Lq - q0, p.D, sdO, tid);
+      load_floats<kBM>(lse_s + buf * kBM, lse_g + q0, Lq - q0, tid, kThreads);
+      load_floats<kBM>(delta_s + buf * kBM, delta_g + q0, Lq - q0, tid, kThreads);
       if constexpr (kHasMask) {
         if (partial_of(i))
-          MaskT::load(mask_smem + buf * MaskT::kBytes, p.mask, mask_base, q0, k0, p.Lq, p.Lk, tid);
+          MaskT::load(mask_smem + buf * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq, Lk, tid);
       }
       if constexpr (kHasBias) {
-        BiasT::load(bias_smem + buf * BiasT::kBytes, p.bias, bias_base, q0, k0, p.Lq, p.Lk, tid);
+        BiasT::load(bias_smem + buf * BiasT::kBytes, p.bias, bias_base, q0, k0, Lq, Lk, tid);
       }
     };
 
@@ -382,7 +396,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
       clear(acc_s);
       gemm_ss(mma, acc_s, rK, rQ, sK, sQ, ldsm_a, ldsm_b, tid);
 
-      const bool check = partial || (q0 + kBM > p.Lq) || (k0 + kBN > p.Lk);
+      const bool check = partial || (q0 + kBM > Lq) || (k0 + kBN > Lk);
       Tensor dts = make_tensor_like(acc_s);
       CUTE_UNROLL
       for (int e = 0; e < size(acc_s); ++e) {
@@ -394,8 +408,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
         bool visible = true;
         if (check) {
           const int qi = q0 + c, kj = k0 + r;
-          visible = qi < p.Lq && kj < p.Lk;
-          visible &= !p.causal | (kj <= qi + p.Lk - p.Lq);  // bitwise: branch-free
+          visible = qi < Lq && kj < Lk;
+          visible &= !p.causal | (kj <= qi + Lk - Lq);  // bitwise: branch-free
           if constexpr (kHasMask) {
             visible &= !partial | (MaskT::read(mtile, mask_rows, c, r) != 0);
           }
@@ -441,20 +455,22 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
       }
       __syncthreads();
       for (int r = tid; r < kBN; r += kThreads) {
-        if (k0 + r < p.Lk) {
+        if (k0 + r < Lk) {
           float v = 0.f;
           for (int w = 0; w < Tr::kWarpsN; ++w) v += red_s[w * kBN + r];
-          p.dbias_keys[(int64_t(b) * p.H + h) * p.Lk + k0 + r] = v;
+          p.dbias_keys[int64_t(b) * p.dbk_sb + int64_t(h) * p.dbk_sh + sr.k_row0 + k0 + r] = v;
         }
       }
     }
   }
 
   if (!p.need_dkv) return;
-  Elem* dk = reinterpret_cast<Elem*>(p.dk) + int64_t(b) * p.dk_sb + int64_t(hkv) * p.dk_sh;
-  Elem* dv = reinterpret_cast<Elem*>(p.dv) + int64_t(b) * p.dv_sb + int64_t(hkv) * p.dv_sh;
-  store_rows(dk, p.dk_sl, k0, p.Lk, p.D, p.scale, acc_dk, cKV);
-  store_rows(dv, p.dv_sl, k0, p.Lk, p.D, 1.f, acc_dv, cKV);
+  Elem* dk = reinterpret_cast<Elem*>(p.dk) + int64_t(b) * p.dk_sb + sr.k_row0 * p.dk_sl +
+             int64_t(hkv) * p.dk_sh;
+  Elem* dv = reinterpret_cast<Elem*>(p.dv) + int64_t(b) * p.dv_sb + sr.k_row0 * p.dv_sl +
+             int64_t(hkv) * p.dv_sh;
+  store_rows(dk, p.dk_sl, k0, Lk, p.D, p.scale, acc_dk, cKV);
+  store_rows(dv, p.dv_sl, k0, Lk, p.D, 1.f, acc_dv, cKV);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -210,18 +210,24 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
   const int b = slot / p.Hkv, hkv = slot % p.Hkv;
   const int k0 = n_block * kBN;
   const int kw = 64 * wg;  // this warpgroup's keys: k0 + kw + [0, 64)
-  const int m_tiles = (p.Lq + kBM - 1) / kBM;
+  const SeqRows sr = seq_rows(p, b);
+  const int Lq = sr.Lq, Lk = sr.Lk;
+  // Packed calls size the grid by the longest sequence: tiles past this one's end do nothing.
+  if (k0 >= Lk) return;
+  const int m_tiles = (Lq + kBM - 1) / kBM;
+  // Query tiles per (b, h) of the fused-dQ accumulator (dense calls only).
+  const int accum_m_tiles = (p.Lq + kBM - 1) / kBM;
   auto at = [&](int off) { return make_smem_ptr(reinterpret_cast<Elem*>(smem + off)); };
 
   const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb +
-                   int64_t(k0) * p.k_sl + int64_t(hkv) * p.k_sh;
+                   (sr.k_row0 + k0) * p.k_sl + int64_t(hkv) * p.k_sh;
   const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb +
-                   int64_t(k0) * p.v_sl + int64_t(hkv) * p.v_sh;
+                   (sr.k_row0 + k0) * p.v_sl + int64_t(hkv) * p.v_sh;
   CUTE_UNROLL
   for (int w = 0; w < 2; ++w) {
-    load_tile64<Cfg>(kg + int64_t(64 * w) * p.k_sl, p.k_sl, p.Lk - k0 - 64 * w, p.D,
+    load_tile64<Cfg>(kg + int64_t(64 * w) * p.k_sl, p.k_sl, Lk - k0 - 64 * w, p.D,
                      smem + w * kT, tid);
-    load_tile64<Cfg>(vg + int64_t(64 * w) * p.v_sl, p.v_sl, p.Lk - k0 - 64 * w, p.D,
+    load_tile64<Cfg>(vg + int64_t(64 * w) * p.v_sl, p.v_sl, Lk - k0 - 64 * w, p.D,
                      smem + (2 + w) * kT, tid);
   }
   cp_async_fence();
@@ -247,39 +253,35 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
 
   for (int hh = 0; hh < group; ++hh) {
     const int h = hkv * group + hh;
-    int m_steps = m_tiles, m_first = 0;
-    const int32_t* list = nullptr;
-    if (p.use_list) {
-      list = list_row(p.bwd_list, b, h, n_block, m_steps);
-    } else if (p.causal) {
-      // First query that sees key k0: k0 - (Lk - Lq).
-      m_first = max(0, k0 - (p.Lk - p.Lq)) / kBM;
-      m_steps = max(0, m_tiles - m_first);
-    }
+    int m_steps, m_first;
+    bool key_partial;
+    const int32_t* list = dkdv_query_tiles<kBM, kBN>(p, sr, b, h, n_block, m_tiles, m_steps,
+                                                     m_first, key_partial);
     float key_dbias[2] = {0.f, 0.f};
 
-    const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb + int64_t(h) * p.q_sh;
+    const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb +
+                     sr.q_row0 * p.q_sl + int64_t(h) * p.q_sh;
     const Elem* dog = reinterpret_cast<const Elem*>(p.dout) + int64_t(b) * p.do_sb +
-                      int64_t(h) * p.do_sh;
-    const float* lse_g = p.lse + (int64_t(b) * p.H + h) * p.Lq;
-    const float* delta_g = p.delta + (int64_t(b) * p.H + h) * p.Lq;
-    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h) : nullptr;
-    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h) : nullptr;
+                      sr.q_row0 * p.do_sl + int64_t(h) * p.do_sh;
+    const float* lse_g = p.lse + lse_offset(p, sr, b, h);
+    const float* delta_g = p.delta + lse_offset(p, sr, b, h);
+    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.k_row0) : nullptr;
+    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.k_row0) : nullptr;
     auto tile_of = [&](int i) { return list ? (list[i] >> 1) : m_first + i; };
-    auto partial_of = [&](int i) { return list ? (list[i] & 1) != 0 : p.causal; };
+    auto partial_of = [&](int i) { return list ? (list[i] & 1) != 0 : key_partial; };
     auto issue = [&](int i) {
       const int q0 = tile_of(i) * kBM, st = i & 1;
-      load_tile64<Cfg>(qg + int64_t(q0) * p.q_sl, p.q_sl, p.Lq - q0, p.D, smem + (4 + 2 * st) * kT, tid);
-      load_tile64<Cfg>(dog + int64_t(q0) * p.do_sl, p.do_sl, p.Lq - q0, p.D,
+      load_tile64<Cfg>(qg + int64_t(q0) * p.q_sl, p.q_sl, Lq - q0, p.D, smem + (4 + 2 * st) * kT, tid);
+      load_tile64<Cfg>(dog + int64_t(q0) * p.do_sl, p.do_sl, Lq - q0, p.D,
                        smem + (5 + 2 * st) * kT, tid);
-      load_floats<kBM>(lse_s + st * kBM, lse_g + q0, p.Lq - q0, tid, Cfg::kThreads);
-      load_floats<kBM>(delta_s + st * kBM, delta_g + q0, p.Lq - q0, tid, Cfg::kThreads);
+      load_floats<kBM>(lse_s + st * kBM, lse_g + q0, Lq - q0, tid, Cfg::kThreads);
+      load_floats<kBM>(delta_s + st * kBM, delta_g + q0, Lq - q0, tid, Cfg::kThreads);
       if constexpr (kHasMask) {
         if (partial_of(i))
-          MaskT::load(mask_smem + st * MaskT::kBytes, p.mask, mask_base, q0, k0, p.Lq, p.Lk, tid);
+          MaskT::load(mask_smem + st * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq, Lk, tid);
       }
       if constexpr (kHasBias) {
-        BiasT::load(bias_smem + st * BiasT::kBytes, p.bias, bias_base, q0, k0, p.Lq, p.Lk, tid);
+        BiasT::load(bias_smem + st * BiasT::kBytes, p.bias, bias_base, q0, k0, Lq, Lk, tid);
       }
     };
 
@@ -313,7 +315,7 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
       const float* delta_t = delta_s + st * kBM;
       const char* mtile = mask_smem + st * MaskT::kBytes;
       const char* btile = bias_smem + st * BiasT::kBytes;
-      const bool check = partial || (q0 + kBM > p.Lq) || (k0 + kw + 64 > p.Lk);
+      const bool check = partial || (q0 + kBM > Lq) || (k0 + kw + 64 > Lk);
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
         CUTE_UNROLL
@@ -329,8 +331,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
             if (check) {
               const int qi = q0 + qc, kj = k0 + kr;
               // Bitwise, not short-circuit: no per-element branches.
-              visible = (qi < p.Lq) & (kj < p.Lk);
-              visible &= !p.causal | (kj <= qi + p.Lk - p.Lq);
+              visible = (qi < Lq) & (kj < Lk);
+              visible &= !p.causal | (kj <= qi + Lk - Lq);
               if constexpr (kHasMask) {
                 visible &= !partial | (MaskT::read(mtile, mask_rows, qc, kr) != 0);
               }
@@ -363,7 +365,7 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
       if (fused_dq) {
         warpgroup_fence_operand(acc_dq);
         // Accumulator layout (B, H, query tile, kHD / 32 column blocks, 64, 32).
-        float* dst = p.dq_accum + ((int64_t(b) * p.H + h) * m_tiles + q0 / kBM) * (64 * kD) +
+        float* dst = p.dq_accum + ((int64_t(b) * p.H + h) * accum_m_tiles + q0 / kBM) * (64 * kD) +
                      (Cfg::kSplitD ? wg * 64 * 64 : 0);
         reduce_dq_partial<Cfg>(smem, dst, wg, tid, acc_dq);
       }
@@ -376,7 +378,9 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
       for (int r = 0; r < 2; ++r) {
         const float v = quad_sum(key_dbias[r]);
         const int kj = k0 + kw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
-        if (lane % 4 == 0 && kj < p.Lk) p.dbias_keys[(int64_t(b) * p.H + h) * p.Lk + kj] = v;
+        if (lane % 4 == 0 && kj < Lk) {
+          p.dbias_keys[int64_t(b) * p.dbk_sb + int64_t(h) * p.dbk_sh + sr.k_row0 + kj] = v;
+        }
       }
     }
   }
@@ -385,10 +389,12 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
   if (fused_dq && tid % 128 == 0) bulk_wait_all<0>();
   if (!p.need_dkv) return;
   Tensor cKV = thr_g.partition_C(make_identity_tensor(Shape<_64, Int<kD>>{}));
-  Elem* dk = reinterpret_cast<Elem*>(p.dk) + int64_t(b) * p.dk_sb + int64_t(hkv) * p.dk_sh;
-  Elem* dv = reinterpret_cast<Elem*>(p.dv) + int64_t(b) * p.dv_sb + int64_t(hkv) * p.dv_sh;
-  store_wg_rows(dk, p.dk_sl, k0 + kw, p.Lk, p.D, p.scale, acc_dk, cKV);
-  store_wg_rows(dv, p.dv_sl, k0 + kw, p.Lk, p.D, 1.f, acc_dv, cKV);
+  Elem* dk = reinterpret_cast<Elem*>(p.dk) + int64_t(b) * p.dk_sb + sr.k_row0 * p.dk_sl +
+             int64_t(hkv) * p.dk_sh;
+  Elem* dv = reinterpret_cast<Elem*>(p.dv) + int64_t(b) * p.dv_sb + sr.k_row0 * p.dv_sl +
+             int64_t(hkv) * p.dv_sh;
+  store_wg_rows(dk, p.dk_sl, k0 + kw, Lk, p.D, p.scale, acc_dk, cKV);
+  store_wg_rows(dv, p.dv_sl, k0 + kw, Lk, p.D, 1.f, acc_dv, cKV);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -411,8 +417,10 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
   const int kw = 64 * wg;  // this warpgroup's keys of each tile: k0 + kw + [0, 64)
   auto at = [&](int off) { return make_smem_ptr(reinterpret_cast<Elem*>(smem + off)); };
 
+  const SeqRows sr = seq_rows(p, b);
+  const int Lq = sr.Lq, Lk = sr.Lk;
   const int32_t* list;
-  const int n_steps = key_tiles_of<kBM, kBN>(p, b, h, m_block, q0, list);
+  const int n_steps = key_tiles_of<kBM, kBN>(p, sr, b, h, m_block, q0, list);
 
   typename Cfg::MmaScores mma_s;
   typename Cfg::MmaGrad mma_g;
@@ -425,33 +433,33 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
   constexpr int kGroups = decltype(size<0, 2>(cS))::value;
 
   if (n_steps > 0) {
-    const FwdTileWalk<kBN> walk(p, b, h, q0, list);
-    const float* lse_g = p.lse + (int64_t(b) * p.H + h) * p.Lq;
-    const float* delta_g = p.delta + (int64_t(b) * p.H + h) * p.Lq;
+    const FwdTileWalk<kBN> walk(p, sr, b, h, q0, list);
+    const float* lse_g = p.lse + lse_offset(p, sr, b, h);
+    const float* delta_g = p.delta + lse_offset(p, sr, b, h);
     const Elem* dog = reinterpret_cast<const Elem*>(p.dout) + int64_t(b) * p.do_sb +
-                      int64_t(q0) * p.do_sl + int64_t(h) * p.do_sh;
+                      (sr.q_row0 + q0) * p.do_sl + int64_t(h) * p.do_sh;
     // K(s, w) at (2 + 4 s + w) tiles, V(s, w) at (4 + 4 s + w).
     auto issue = [&](int i) {
       const int k0 = walk.tile(i) * kBN, st = i & 1;
       CUTE_UNROLL
       for (int w = 0; w < 2; ++w) {
         const int kk = k0 + 64 * w;
-        load_tile64<Cfg>(walk.k + int64_t(kk) * p.k_sl, p.k_sl, p.Lk - kk, p.D,
+        load_tile64<Cfg>(walk.k + int64_t(kk) * p.k_sl, p.k_sl, Lk - kk, p.D,
                          smem + (2 + 4 * st + w) * kT, tid);
-        load_tile64<Cfg>(walk.v + int64_t(kk) * p.v_sl, p.v_sl, p.Lk - kk, p.D,
+        load_tile64<Cfg>(walk.v + int64_t(kk) * p.v_sl, p.v_sl, Lk - kk, p.D,
                          smem + (4 + 4 * st + w) * kT, tid);
       }
       if constexpr (kHasMask) {
-        if (walk.partial(p, i, k0))
-          MaskT::load(mask_smem + st * MaskT::kBytes, p.mask, walk.mask, q0, k0, p.Lq, p.Lk, tid);
+        if (walk.partial(i, k0))
+          MaskT::load(mask_smem + st * MaskT::kBytes, p.mask, walk.mask, q0, k0, Lq, Lk, tid);
       }
       if constexpr (kHasBias) {
-        BiasT::load(bias_smem + st * BiasT::kBytes, p.bias, walk.bias, q0, k0, p.Lq, p.Lk, tid);
+        BiasT::load(bias_smem + st * BiasT::kBytes, p.bias, walk.bias, q0, k0, Lq, Lk, tid);
       }
     };
 
-    load_tile64<Cfg>(walk.q, p.q_sl, p.Lq - q0, p.D, smem, tid);
-    load_tile64<Cfg>(dog, p.do_sl, p.Lq - q0, p.D, smem + kT, tid);
+    load_tile64<Cfg>(walk.q, p.q_sl, Lq - q0, p.D, smem, tid);
+    load_tile64<Cfg>(dog, p.do_sl, Lq - q0, p.D, smem + kT, tid);
     issue(0);
     cp_async_fence();
 
@@ -460,9 +468,9 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       const int qi = q0 + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
-      const float l = qi < p.Lq ? lse_g[qi] : INFINITY;
+      const float l = qi < Lq ? lse_g[qi] : INFINITY;
       row_lse[r] = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
-      row_delta[r] = qi < p.Lq ? delta_g[qi] : 0.f;
+      row_delta[r] = qi < Lq ? delta_g[qi] : 0.f;
     }
     Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(at(0), typename Cfg::Tile{}));
     Tensor tSrdO = thr_s.partition_fragment_A(make_tensor(at(kT), typename Cfg::Tile{}));
@@ -470,7 +478,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
 
     for (int i = 0; i < n_steps; ++i) {
       const int st = i & 1, k0 = walk.tile(i) * kBN;
-      const bool partial = walk.partial(p, i, k0);
+      const bool partial = walk.partial(i, k0);
       cp_async_wait<0>();
       fence_async_shared();
       __syncthreads();  // step i's tiles landed; both warpgroups are done with step i - 1's stage
@@ -491,15 +499,15 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
 
       const char* mtile = mask_smem + st * MaskT::kBytes;
       const char* btile = bias_smem + st * BiasT::kBytes;
-      const bool check = partial || (k0 + kw + 64 > p.Lk);
+      const bool check = partial || (k0 + kw + 64 > Lk);
       const bool use_mask = kHasMask && partial;
       // A thread's values come in pairs of adjacent keys (c, c + 1), c even: their mask / bias
       // are read as one 2- / 4-byte word; the causal / ragged bound is one key limit per row.
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
         const int qr = get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
-        int limit = p.Lk - k0;  // keys k0 + kc with kc < limit are visible to this row
-        if (p.causal) limit = min(limit, q0 + qr + p.Lk - p.Lq - k0 + 1);
+        int limit = Lk - k0;  // keys k0 + kc with kc < limit are visible to this row
+        if (p.causal) limit = min(limit, q0 + qr + Lk - Lq - k0 + 1);
         if (!check) limit = kBN;
         CUTE_UNROLL
         for (int g = 0; g < kGroups; ++g) {
@@ -523,7 +531,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
             if constexpr (kHasBias) {
               if (p.dbias_full != nullptr) {
                 const int qi = q0 + qr, kj = k0 + kc + c2;
-                if (qi < p.Lq && kj < p.Lk) {
+                if (qi < Lq && kj < Lk) {
                   Elem* db = reinterpret_cast<Elem*>(p.dbias_full) + int64_t(b) * p.dbf_sb +
                              int64_t(h) * p.dbf_sh + int64_t(qi) * p.dbf_sq + kj;
                   *db = Elem(ds);
@@ -559,8 +567,9 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
   CUTE_UNROLL
   for (int e = 0; e < kVals; ++e) acc_dq(e) += red[e * 128 + tid];
   Tensor cQ = thr_g.partition_C(make_identity_tensor(Shape<_64, Int<kD>>{}));
-  Elem* dq = reinterpret_cast<Elem*>(p.dq) + int64_t(b) * p.dq_sb + int64_t(h) * p.dq_sh;
-  store_wg_rows(dq, p.dq_sl, q0, p.Lq, p.D, p.scale, acc_dq, cQ);
+  Elem* dq = reinterpret_cast<Elem*>(p.dq) + int64_t(b) * p.dq_sb + sr.q_row0 * p.dq_sl +
+             int64_t(h) * p.dq_sh;
+  store_wg_rows(dq, p.dq_sl, q0, Lq, p.D, p.scale, acc_dq, cQ);
 }
 
 // ---------------------------------------------------------------------------------------------

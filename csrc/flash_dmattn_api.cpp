@@ -3,9 +3,13 @@
 // (flash_dmattn/backends/cuda/kernels.py) validates inputs and builds the live-tile lists;
 // these functions only check what would make a kernel read out of bounds.
 //
-//   fwd(q, k, v, mask, bias, out, softmax_scale, is_causal, softcap, tiles...) -> [out, lse]
-//   bwd(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, ...)
+//   fwd(q, k, v, mask, bias, out, softmax_scale, is_causal, softcap, tiles..., packed...)
+//       -> [out, lse]
+//   bwd(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, ..., packed...)
 //       -> [dq, dk, dv, dbias]
+// Packed sequences (cu_seqlens_q / cu_seqlens_k given): q / k / v are the packed
+// (total, heads, D) tensors viewed as batch 1, a mask / bias is per key (1, Hm, 1, total_k),
+// lse is (H, total_q) and per-key dbias partials (H, total_k).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -100,6 +104,36 @@ TileList make_list(const OptT& idx, const OptT& cnt, int64_t hdiv) {
   return l;
 }
 
+// A packed call: B becomes the number of sequences with batch strides 0, Lq / Lk the longest
+// lengths (they size the grid; the kernels read each sequence's rows from cu_q / cu_k).
+void fill_packed(FwdParams& p, const OptT& cu_q, const OptT& cu_k, int64_t max_q, int64_t max_k) {
+  TORCH_CHECK(cu_q.has_value() == cu_k.has_value(), "pass both cu_seqlens or neither");
+  p.lse_sb = int64_t(p.H) * p.Lq;
+  p.lse_sh = p.Lq;
+  if (!cu_q.has_value()) return;
+  const at::Tensor& cq = *cu_q;
+  const at::Tensor& ck = *cu_k;
+  for (const at::Tensor* c : {&cq, &ck}) {
+    TORCH_CHECK(c->is_cuda() && c->scalar_type() == at::kInt && c->dim() == 1 &&
+                    c->is_contiguous(),
+                "cu_seqlens must be contiguous int32 CUDA vectors");
+  }
+  TORCH_CHECK(cq.numel() == ck.numel() && cq.numel() >= 1, "cu_seqlens_q / _k lengths differ");
+  TORCH_CHECK(p.B == 1, "packed q / k / v are passed as batch 1");
+  p.cu_q = cq.data_ptr<int32_t>();
+  p.cu_k = ck.data_ptr<int32_t>();
+  p.total_q = p.Lq;
+  p.lse_sb = 0;
+  p.lse_sh = p.Lq;  // (H, total_q)
+  p.B = static_cast<int>(cq.numel() - 1);
+  p.Lq = static_cast<int>(max_q);
+  p.Lk = static_cast<int>(max_k);
+  p.q_sb = p.k_sb = p.v_sb = 0;
+  // Sequences start at arbitrary keys: per-key rows are read element by element.
+  p.mask.vec = false;
+  p.bias.vec = false;
+}
+
 void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const OptT& mask, const OptT& bias, double scale, bool causal, double softcap) {
   check_qkv(q, "q");
@@ -130,16 +164,24 @@ void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const a
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const OptT& mask, const OptT& bias, const OptT& out_,
                             double softmax_scale, bool is_causal, double softcap,
-                            const OptT& list_idx, const OptT& list_cnt, int64_t list_hdiv) {
+                            const OptT& list_idx, const OptT& list_cnt, int64_t list_hdiv,
+                            const OptT& cu_q, const OptT& cu_k, int64_t max_q, int64_t max_k) {
   c10::cuda::CUDAGuard guard(q.device());
   FwdParams p;
   fill_common(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap);
-  at::Tensor out = out_.has_value() ? *out_ : at::empty_like(q, at::MemoryFormat::Contiguous);
+  const bool packed = cu_q.has_value();
+  // Packed rows past cu_seqlens_q[-1] belong to no sequence: zero output, lse -inf.
+  at::Tensor out = out_.has_value() ? *out_
+                   : packed       ? at::zeros_like(q, at::MemoryFormat::Contiguous)
+                                  : at::empty_like(q, at::MemoryFormat::Contiguous);
   check_qkv(out, "out");
   TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
-  at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  at::Tensor lse = packed ? at::full({p.H, p.Lq}, -INFINITY, q.options().dtype(at::kFloat))
+                          : at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
   p.out = out.data_ptr();
   p.o_sb = out.stride(0), p.o_sl = out.stride(1), p.o_sh = out.stride(2);
+  fill_packed(p, cu_q, cu_k, max_q, max_k);
+  if (packed) p.o_sb = 0;
   p.lse = lse.data_ptr<float>();
   p.use_list = list_idx.has_value();
   p.list = make_list(list_idx, list_cnt, list_hdiv);
@@ -162,25 +204,35 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
                             bool is_causal, double softcap, bool need_dq, bool need_dkv,
                             int64_t dbias_mode, const OptT& fwd_idx, const OptT& fwd_cnt,
                             const OptT& bwd_idx, const OptT& bwd_cnt, int64_t list_hdiv,
-                            bool allow_fused_dq) {
+                            bool allow_fused_dq, const OptT& cu_q, const OptT& cu_k,
+                            int64_t max_q, int64_t max_k) {
   c10::cuda::CUDAGuard guard(q.device());
   BwdParams p;
   fill_common(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap);
   check_qkv(dout, "dout");
   check_qkv(out, "out");
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "dout/out shape");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 3,
-              "lse must be contiguous fp32 (B, H, Lq)");
+  const bool packed = cu_q.has_value();
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                  lse.dim() == (packed ? 2 : 3),
+              "lse must be contiguous fp32 (B, H, Lq), or (H, total_q) for packed sequences");
+  const int64_t total_k = k.size(1);
   p.out = out.data_ptr();
   p.o_sb = out.stride(0), p.o_sl = out.stride(1), p.o_sh = out.stride(2);
   p.lse = lse.data_ptr<float>();
   p.dout = dout.data_ptr();
   p.do_sb = dout.stride(0), p.do_sl = dout.stride(1), p.do_sh = dout.stride(2);
-  at::Tensor delta = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  at::Tensor delta = packed ? at::empty({p.H, p.Lq}, q.options().dtype(at::kFloat))
+                            : at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
   p.delta = delta.data_ptr<float>();
-  at::Tensor dq = at::empty_like(q, at::MemoryFormat::Contiguous);
-  at::Tensor dk = at::empty_like(k, at::MemoryFormat::Contiguous);
-  at::Tensor dv = at::empty_like(v, at::MemoryFormat::Contiguous);
+  // Packed rows past cu_seqlens[-1] belong to no sequence and are never written: zeros.
+  auto grad_like = [&](const at::Tensor& t) {
+    return packed ? at::zeros_like(t, at::MemoryFormat::Contiguous)
+                  : at::empty_like(t, at::MemoryFormat::Contiguous);
+  };
+  at::Tensor dq = grad_like(q);
+  at::Tensor dk = grad_like(k);
+  at::Tensor dv = grad_like(v);
   p.dq = dq.data_ptr();
   p.dq_sb = dq.stride(0), p.dq_sl = dq.stride(1), p.dq_sh = dq.stride(2);
   p.dk = dk.data_ptr();
@@ -200,22 +252,31 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     p.dbf_sb = dbias.stride(0), p.dbf_sh = dbias.stride(1), p.dbf_sq = dbias.stride(2);
   } else if (dbias_mode == 2) {
     TORCH_CHECK(bias.has_value() && bias->size(2) == 1, "per-key dbias needs a (.., 1, ..) bias");
-    dbias = at::empty({p.B, p.H, p.Lk}, q.options().dtype(at::kFloat));
+    dbias = packed ? at::zeros({p.H, total_k}, q.options().dtype(at::kFloat))
+                   : at::empty({p.B, p.H, p.Lk}, q.options().dtype(at::kFloat));
     p.dbias_keys = dbias.data_ptr<float>();
+    p.dbk_sb = packed ? 0 : int64_t(p.H) * p.Lk;
+    p.dbk_sh = packed ? total_k : p.Lk;
   }
+  TORCH_CHECK(!packed || dbias_mode != 1, "packed sequences take per-key biases only");
   at::Tensor dq_accum;
   // Fused dQ: the dK/dV kernel adds dS K into a zeroed fp32 accumulator with atomics (not
   // bitwise reproducible, so only when the caller allows it); a full per-element dbias still
   // needs the dQ kernel, which writes it.
-  if (allow_fused_dq && need_dq && dbias_mode != 1 && flash_dmattn::bwd_fused_dq()) {
+  // Not for packed calls: the accumulator would be padded to the longest sequence.
+  if (allow_fused_dq && need_dq && dbias_mode != 1 && !packed && flash_dmattn::bwd_fused_dq()) {
     const int64_t q_rows = (p.Lq + 63) / 64 * 64;
     dq_accum = at::zeros({p.B, p.H, q_rows, FLASH_DMATTN_HEADDIM}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();
   }
   p.use_list = fwd_idx.has_value();
-  TORCH_CHECK(p.use_list == bwd_idx.has_value(), "pass both tile lists or neither");
+  // A packed call passes its sequences' key-tile lists once (both kernels walk them).
+  TORCH_CHECK(packed ? !bwd_idx.has_value() : p.use_list == bwd_idx.has_value(),
+              "pass both tile lists or neither (packed calls: the key-tile lists only)");
   p.list = make_list(fwd_idx, fwd_cnt, list_hdiv);
   p.bwd_list = make_list(bwd_idx, bwd_cnt, list_hdiv);
+  fill_packed(p, cu_q, cu_k, max_q, max_k);
+  if (packed) p.o_sb = p.do_sb = p.dq_sb = p.dk_sb = p.dv_sb = 0;
   if (p.B * p.H == 0 || p.Lq == 0 || p.Lk == 0) {
     dq.zero_();
     dk.zero_();

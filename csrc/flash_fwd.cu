@@ -43,11 +43,14 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
   const int b = bh / p.H, h = bh % p.H;
   const int q0 = m_block * kBlockM;
 
+  const SeqRows sr = seq_rows(p, b);
+  const int Lq = sr.Lq, Lk = sr.Lk;
   const int32_t* list;
-  const int n_steps = key_tiles_of<kBlockM, kBlockN>(p, b, h, m_block, q0, list);
+  const int n_steps = key_tiles_of<kBlockM, kBlockN>(p, sr, b, h, m_block, q0, list);
 
-  Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_sb + int64_t(h) * p.o_sh;
-  float* lse = p.lse + (int64_t(b) * p.H + h) * p.Lq;
+  Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_sb + sr.q_row0 * p.o_sl +
+              int64_t(h) * p.o_sh;
+  float* lse = p.lse + lse_offset(p, sr, b, h);
 
   typename Tr::TiledMma mma;
   auto thr_mma = mma.get_thread_slice(tid);
@@ -76,16 +79,16 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
     char* mask_smem = smem + Cfg::kMaskOff;
     char* bias_smem = smem + Cfg::kBiasOff;
 
-    const FwdTileWalk<kBlockN> walk(p, b, h, q0, list);
+    const FwdTileWalk<kBlockN> walk(p, sr, b, h, q0, list);
     const Elem *qg = walk.q, *kg = walk.k, *vg = walk.v;
     const char *mask_base = walk.mask, *bias_base = walk.bias;
     auto tile_of = [&](int i) { return walk.tile(i); };
-    auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0); };
+    auto partial_of = [&](int i, int k0) { return walk.partial(i, k0); };
 
-    load_rows<Tr, kBlockM>(qg, p.q_sl, p.Lq - q0, p.D, sQ, tid);
+    load_rows<Tr, kBlockM>(qg, p.q_sl, Lq - q0, p.D, sQ, tid);
     {
       const int n0 = tile_of(0);
-      load_rows<Tr, kBlockN>(kg + int64_t(n0) * kBlockN * p.k_sl, p.k_sl, p.Lk - n0 * kBlockN,
+      load_rows<Tr, kBlockN>(kg + int64_t(n0) * kBlockN * p.k_sl, p.k_sl, Lk - n0 * kBlockN,
                              p.D, sK, tid);
     }
     cp_async_fence();
@@ -107,13 +110,13 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
       clear(acc_s);
       cp_async_wait<0>();
       __syncthreads();  // K(n) (and Q) landed; every thread is done with V(n-1) and tile smem
-      load_rows<Tr, kBlockN>(vg + int64_t(k0) * p.v_sl, p.v_sl, p.Lk - k0, p.D, sV, tid);
+      load_rows<Tr, kBlockN>(vg + int64_t(k0) * p.v_sl, p.v_sl, Lk - k0, p.D, sV, tid);
       const bool need_mask = kHasMask && partial;
       if constexpr (kHasMask) {
-        if (need_mask) Cfg::MaskTile::load(mask_smem, p.mask, mask_base, q0, k0, p.Lq, p.Lk, tid);
+        if (need_mask) Cfg::MaskTile::load(mask_smem, p.mask, mask_base, q0, k0, Lq, Lk, tid);
       }
       if constexpr (kHasBias) {
-        Cfg::BiasTile::load(bias_smem, p.bias, bias_base, q0, k0, p.Lq, p.Lk, tid);
+        Cfg::BiasTile::load(bias_smem, p.bias, bias_base, q0, k0, Lq, Lk, tid);
       }
       cp_async_fence();
 
@@ -125,7 +128,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
         __syncthreads();
       }
       // Scores in natural-log units, invisible elements at -inf.
-      const bool check = partial || (k0 + kBlockN > p.Lk);
+      const bool check = partial || (k0 + kBlockN > Lk);
       CUTE_UNROLL
       for (int e = 0; e < size(acc_s); ++e) {
         float s = acc_s(e);
@@ -140,10 +143,10 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
         }
         if (check) {
           const int qi = q0 + r, kj = k0 + c;
-          bool visible = kj < p.Lk;
+          bool visible = kj < Lk;
           // Bitwise, not short-circuit: no per-element branches (the mask tile read is in
           // bounds either way and ignored when !need_mask).
-          visible &= !p.causal | (kj <= qi + p.Lk - p.Lq);
+          visible &= !p.causal | (kj <= qi + Lk - Lq);
           if constexpr (kHasMask) {
             visible &= !need_mask | (Cfg::MaskTile::read(mask_smem, mask_rows, r, c) != 0);
           }
@@ -193,7 +196,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
       if (i + 1 < n_steps) {
         const int nn = tile_of(i + 1);
         load_rows<Tr, kBlockN>(kg + int64_t(nn) * kBlockN * p.k_sl, p.k_sl,
-                               p.Lk - nn * kBlockN, p.D, sK, tid);
+                               Lk - nn * kBlockN, p.D, sK, tid);
       }
       cp_async_fence();
       gemm_rs(mma, acc_o, rPa, rVt, sVt, ldsm_vt, tid);
@@ -210,7 +213,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
       const float sum = quad_sum(row_sum[r]);
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
       const int row = q0 + get<0>(cO(half * 2, mi, 0));
-      if (row < p.Lq) {
+      if (row < Lq) {
         if (lane % 4 == 0) lse[row] = sum > 0.f ? row_max[r] + logf(sum) : -INFINITY;
         Elem* orow = out + int64_t(row) * p.o_sl;
         CUTE_UNROLL

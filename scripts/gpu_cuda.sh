@@ -2,8 +2,8 @@
 # One device call for the cuda backend: install the package and the CUTLASS headers (the
 # nvidia-cutlass wheel, carried in .wheels/ because the GPU machine has no network), time the
 # first-use build of the T2 specialisation, run the cuda GPU tests, then benchmark cuda next to
-# triton and the baselines on T2 and T1 (and T3 with SPARSE_S=seconds, a per-kernel profile
-# with PROBE_S=seconds). Logs go to $OUT.
+# triton and the baselines on T2 and T1 (and T3 with SPARSE_S=seconds, the varlen suite with
+# VARLEN_S=seconds, a per-kernel profile with PROBE_S=seconds). Logs go to $OUT.
 #   bash scripts/gpu_cuda.sh            (run with carry: [".wheels"])
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}
@@ -40,6 +40,8 @@ tail -8 "$OUT/tests-gpu.log"
 bench dynamic "${DYN_S:-100}" --suite dynamic --backends cuda,triton
 bench dense "${DENSE_S:-100}" --suite dense --backends cuda,triton --match "L16384 D128 causal"
 [ -n "${SPARSE_S:-}" ] && bench block-sparse "$SPARSE_S" --suite block_sparse --backends cuda,triton --match "L32768"
+# Packed sequences (issue 6): 16 random lengths up to 8K, packed vs sequential vs padded.
+[ -n "${VARLEN_S:-}" ] && bench varlen "$VARLEN_S" --suite varlen --backends cuda,triton
 # Per-kernel GPU times of one T1 forward and forward + backward (where the time goes).
 [ -n "${PROBE_S:-}" ] && timeout "$PROBE_S" python3 scripts/cuda_probe.py >"$OUT/probe.log" 2>&1
 exit 0

@@ -101,7 +101,7 @@ def test_cuda_poisoned_output_is_fully_written():
     bm, bn, _, _ = mod.block_sizes()
     lists = build_tile_lists(mask, 333, 200, 4, False, bm, bn, q.device)
     out, lse = mod.fwd(q, k, v, mask, bias, poison, q.shape[-1] ** -0.5, False, 0.0,
-                       lists.fwd_idx, lists.fwd_cnt, lists.head_div)
+                       lists.fwd_idx, lists.fwd_cnt, lists.head_div, None, None, 0, 0)
     assert out.data_ptr() == poison.data_ptr()
     assert not out.isnan().any()
     assert lse[0, 0, 7] == float("-inf") and torch.count_nonzero(out[0, 7, 0].float()) == 0
@@ -159,3 +159,54 @@ def test_cuda_reasons_for_what_it_does_not_take():
     shared = torch.randn(1, 1, 128, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     reasons = backend.not_supported_reasons(AttentionInputs.from_args(q, k, v, mask, shared))
     assert any("dbias" in r for r in reasons)
+
+
+@pytest.mark.parametrize("d,causal", [(256, True), (32, False), (64, True)])
+def test_cuda_varlen_per_sequence_with_tail_rows(d, causal):
+    """Packed sequences against the dense reference run sequence by sequence, with packed rows
+    past cu_seqlens[-1] (owned by no sequence: zero output and gradients) and causal with
+    Lq != Lk inside sequences; d256 runs the sm80 backward on Hopper, d32 the smallest bucket."""
+    backend = _cuda()
+    from flash_dmattn.inputs import VarlenInputs
+    from flash_dmattn.utils.padding import cu_seqlens_from_lengths
+
+    g = torch.Generator().manual_seed(d)
+    h, hkv = 4, 2
+    lens_q = torch.tensor([1, 70, 200, 129, 5])
+    lens_k = torch.tensor([3, 64, 333, 128, 5])
+    tail = 7
+    cu_q, cu_k = cu_seqlens_from_lengths(lens_q).cuda(), cu_seqlens_from_lengths(lens_k).cuda()
+    tq, tk = int(lens_q.sum()) + tail, int(lens_k.sum()) + tail
+    q, k, v = (torch.randn(t, hh, d, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+               for t, hh in ((tq, h), (tk, hkv), (tk, hkv)))
+    mask = (torch.rand(hkv, tk, generator=g) > 0.4).cuda()
+    bias = torch.randn(1, tk, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    inputs = VarlenInputs.from_args(q, k, v, cu_q, cu_k, int(lens_q.max()), int(lens_k.max()),
+                                    mask, bias, None, causal)
+    assert backend.varlen_not_supported_reasons(inputs) == []
+    out = backend.varlen_attention(inputs)
+    gout = torch.randn(out.shape, generator=g).to(out)
+    got = torch.autograd.grad(out, (q, k, v, bias), gout)
+    assert not out.isnan().any() and torch.count_nonzero(out[-tail:]) == 0
+    for name, a in zip(["dq", "dk", "dv", "dbias"], got):
+        rows = a[-tail:] if a.dim() == 3 else a[:, -tail:]
+        assert not a.isnan().any() and torch.count_nonzero(rows) == 0, name
+
+    want = [torch.zeros(t.shape, dtype=torch.float64, device="cuda") for t in (q, k, v, bias)]
+    for i in range(len(lens_q)):
+        sq = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        sk = slice(int(cu_k[i]), int(cu_k[i + 1]))
+        leaves = [t[s].detach().double().requires_grad_() for t, s in ((q, sq), (k, sk), (v, sk))]
+        b = bias[:, sk].detach().double().requires_grad_()
+        m4 = mask[:, sk][None, :, None, :].repeat_interleave(h // hkv, 1)
+        ref, _ = reference_attention(*(t[None] for t in leaves), m4, b[None, :, None, :],
+                                     inputs.softmax_scale, causal, 0.0)
+        assert rel_err(out[sq], ref[0]) < 1.5e-2, (i, rel_err(out[sq], ref[0]))
+        grads = torch.autograd.grad(ref, leaves + [b], gout[sq][None].double())
+        for w, s, gr in zip(want, (sq, sk, sk, sk), grads):
+            if w.dim() == 2:
+                w[:, s] = gr
+            else:
+                w[s] = gr
+    for name, a, b in zip(["dq", "dk", "dv", "dbias"], got, want):
+        assert rel_err(a, b) < 3e-2, (name, rel_err(a, b))

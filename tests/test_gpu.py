@@ -150,14 +150,18 @@ def test_triton_gather_mode_dynamic_mask(policy, d, monkeypatch):
     check("triton", (q, k, v, mask, bias), causal=True)
 
 
-@pytest.mark.parametrize("d,mask_heads,bias_heads", [(64, "1", "K"), (128, "K", "H"), (128, "H", "1")])
+@pytest.mark.parametrize("d,mask_heads,bias_heads",
+                         [(64, "1", "K"), (128, "K", "H"), (128, "H", "1"), (128, "-", "-"),
+                          (64, "-", "H")])
 @pytest.mark.parametrize("causal", [False, True])
-def test_triton_varlen_matches_reference(d, mask_heads, bias_heads, causal):
-    """Packed sequences on the Triton kernels (bf16) vs the fp32 per-sequence reference:
-    16 sequences of random lengths 1..2048 (Lq != Lk for half), GQA 8/2, per-key mask + bias,
-    one fully masked sequence; gradients incl. dbias, and a bitwise-deterministic backward."""
-    if "triton" not in get_available_backends():
-        pytest.skip("triton unavailable here")
+@pytest.mark.parametrize("backend_name", ["triton", "cuda"])
+def test_varlen_kernels_match_reference(backend_name, d, mask_heads, bias_heads, causal):
+    """Packed sequences on the Triton / CUDA kernels (bf16) vs the fp32 per-sequence reference:
+    16 sequences of random lengths 1..2048 (Lq != Lk for half; lengths 1, 1 and 129 among
+    them), GQA 8/2, per-key mask + bias ("-": none), one fully masked sequence; gradients incl.
+    dbias, and a bitwise-deterministic backward."""
+    if backend_name not in get_available_backends():
+        pytest.skip(f"{backend_name} unavailable here")
     from flash_dmattn.inputs import VarlenInputs
     from flash_dmattn.reference import reference_varlen_attention
     from flash_dmattn.utils.padding import cu_seqlens_from_lengths
@@ -166,23 +170,28 @@ def test_triton_varlen_matches_reference(d, mask_heads, bias_heads, causal):
     n, h, hkv = 16, 8, 2
     lens_q = torch.randint(1, 2049, (n,), generator=g)
     lens_k = torch.where(torch.arange(n) % 2 == 0, lens_q, torch.randint(1, 2049, (n,), generator=g))
+    lens_q[1], lens_k[1], lens_q[2] = 1, 1, 129  # one-token sequence; odd, just over a tile
     cu_q, cu_k = cu_seqlens_from_lengths(lens_q).cuda(), cu_seqlens_from_lengths(lens_k).cuda()
     tq, tk = int(lens_q.sum()), int(lens_k.sum())
     q, k, v = (torch.randn(t, hh, d, generator=g).to("cuda", torch.bfloat16)
                for t, hh in ((tq, h), (tk, hkv), (tk, hkv)))
     heads = {"1": (), "K": (hkv,), "H": (h,)}
-    mask = torch.rand(*heads[mask_heads], tk, generator=g) > 0.3
-    mask[..., int(cu_k[3]):int(cu_k[4])] = False  # sequence 3: every key masked
-    mask = mask.cuda()
-    bias = torch.randn(*heads[bias_heads], tk, generator=g).to("cuda", torch.bfloat16)
+    mask = bias = None
+    if mask_heads != "-":
+        mask = torch.rand(*heads[mask_heads], tk, generator=g) > 0.3
+        mask[..., int(cu_k[3]):int(cu_k[4])] = False  # sequence 3: every key masked
+        mask = mask.cuda()
+    if bias_heads != "-":
+        bias = torch.randn(*heads[bias_heads], tk, generator=g).to("cuda", torch.bfloat16)
     max_q, max_k = int(lens_q.max()), int(lens_k.max())
 
-    backend = registry.get_backend("triton")
-    leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
+    backend = registry.get_backend(backend_name)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, bias) if t is not None]
     grads = []
     for _ in range(2):
-        inputs = VarlenInputs.from_args(*leaves[:3], cu_q, cu_k, max_q, max_k, mask, leaves[3],
-                                        None, causal, deterministic=True)
+        inputs = VarlenInputs.from_args(*leaves[:3], cu_q, cu_k, max_q, max_k, mask,
+                                        leaves[3] if bias is not None else None, None, causal,
+                                        deterministic=True)
         assert not backend.varlen_not_supported_reasons(inputs)
         out = backend.varlen_attention(inputs)
         gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
@@ -192,10 +201,12 @@ def test_triton_varlen_matches_reference(d, mask_heads, bias_heads, causal):
 
     ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
     ref_inputs = VarlenInputs.from_args(*ref_leaves[:3], cu_q, cu_k, max_q, max_k, mask,
-                                        ref_leaves[3], None, causal)
+                                        ref_leaves[3] if bias is not None else None, None, causal)
     ref, _, _ = reference_varlen_attention(ref_inputs)
     assert not out.isnan().any()
-    assert torch.equal(out[int(cu_q[3]):int(cu_q[4])].float(), torch.zeros_like(ref[int(cu_q[3]):int(cu_q[4])]))
+    if mask is not None:
+        seq3 = slice(int(cu_q[3]), int(cu_q[4]))
+        assert torch.equal(out[seq3].float(), torch.zeros_like(ref[seq3]))
     tol = 1.5e-2
     assert rel_err(out, ref) < tol
     want = torch.autograd.grad(ref, ref_leaves, gout.float())

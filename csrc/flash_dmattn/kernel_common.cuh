@@ -10,6 +10,7 @@
 // keeps this structure and these loaders but runs its products on warpgroup MMAs.
 #pragma once
 
+#include <climits>
 #include <cuda_runtime.h>
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
@@ -195,11 +196,32 @@ struct BcastTile {
   }
 };
 
-// Base pointer (as bytes) of the (b, h) slice of a broadcastable operand.
+// Base pointer (as bytes) of the (b, h) slice of a broadcastable operand whose keys start at
+// packed key row k_row0 (0 for dense calls).
 template <typename T>
-__device__ __forceinline__ const char* bcast_base(const Bcast& p, int b, int h) {
+__device__ __forceinline__ const char* bcast_base(const Bcast& p, int b, int h,
+                                                  int64_t k_row0) {
   return reinterpret_cast<const char*>(p.ptr) +
-         (int64_t(b) * p.sb + int64_t(h / p.hdiv) * p.sh) * int64_t(sizeof(T));
+         (int64_t(b) * p.sb + int64_t(h / p.hdiv) * p.sh + k_row0 * p.sk) * int64_t(sizeof(T));
+}
+
+// Where batch entry b's rows are. Dense calls index batches by their strides: no row offset,
+// the call's lengths. Packed (varlen) calls have batch strides 0 and take sequence b's first
+// rows and lengths from cu_q / cu_k.
+struct SeqRows {
+  int64_t q_row0, k_row0;
+  int Lq, Lk;
+};
+
+__device__ __forceinline__ SeqRows seq_rows(const FwdParams& p, int b) {
+  if (p.cu_q == nullptr) return {0, 0, p.Lq, p.Lk};
+  const int qs = p.cu_q[b], ks = p.cu_k[b];
+  return {qs, ks, p.cu_q[b + 1] - qs, p.cu_k[b + 1] - ks};
+}
+
+// lse (or delta, same layout) of (b, h) from the sequence's first row.
+__device__ __forceinline__ int64_t lse_offset(const FwdParams& p, const SeqRows& s, int b, int h) {
+  return int64_t(b) * p.lse_sb + int64_t(h) * p.lse_sh + s.q_row0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -301,22 +323,76 @@ __device__ __forceinline__ const int32_t* list_row(const TileList& l, int b, int
   return l.idx + int64_t(b) * l.idx_sb + int64_t(hm) * l.idx_sh + int64_t(t) * l.idx_st;
 }
 
-// The key tiles that query tile `m_block` (rows from q0) visits: the count, with `list` set to
-// its row of the host's live-tile list, or (no list) every tile up to the causal limit.
+// First of the `n` ascending entries of a live-tile list row whose tile is >= `tile`.
+__device__ __forceinline__ int list_lower_bound(const int32_t* row, int n, int tile) {
+  int lo = 0;
+  while (n > 0) {
+    const int half = n / 2;
+    if ((row[lo + half] >> 1) < tile) {
+      lo += half + 1;
+      n -= half + 1;
+    } else {
+      n = half;
+    }
+  }
+  return lo;
+}
+
+// The key tiles that query tile `m_block` (rows from q0) of sequence / batch entry `s` visits:
+// the count, with `list` set to its row of the host's live-tile list, or (no list) every tile
+// up to the causal limit. A packed call's list is shared by the sequence's query tiles, so it
+// is cut at this tile's causal limit here.
 template <int kBlockM, int kBlockN>
-__device__ __forceinline__ int key_tiles_of(const FwdParams& p, int b, int h, int m_block,
-                                            int q0, const int32_t*& list) {
-  const int n_tiles = (p.Lk + kBlockN - 1) / kBlockN;
-  int n_steps = n_tiles;
+__device__ __forceinline__ int key_tiles_of(const FwdParams& p, const SeqRows& s, int b, int h,
+                                            int m_block, int q0, const int32_t*& list) {
   list = nullptr;
-  if (p.use_list) {
-    list = list_row(p.list, b, h, m_block, n_steps);
-  } else if (p.causal) {
+  // Packed calls size the grid by the longest sequence: tiles past this one's end do nothing.
+  if (q0 >= s.Lq) return 0;
+  const int n_tiles = (s.Lk + kBlockN - 1) / kBlockN;
+  int n_steps = n_tiles;
+  if (p.causal) {
     // Last visible key of this tile's last row: q0 + kBlockM - 1 + (Lk - Lq).
-    const int last_key = min(q0 + kBlockM - 1, p.Lq - 1) + (p.Lk - p.Lq);
+    const int last_key = min(q0 + kBlockM - 1, s.Lq - 1) + (s.Lk - s.Lq);
     n_steps = last_key < 0 ? 0 : min(n_tiles, last_key / kBlockN + 1);
   }
+  if (p.use_list) {
+    int n;
+    list = list_row(p.list, b, h, m_block, n);
+    // A dense list row is this tile's own, already cut at its causal limit.
+    return (p.cu_q != nullptr && p.causal) ? list_lower_bound(list, n, n_steps) : n;
+  }
   return n_steps;
+}
+
+// The query tiles a dK/dV CTA of key tile n_block walks for query head h: a dense call's list
+// row of live query tiles (m_steps entries), or nullptr and the tiles m_first ..
+// m_first + m_steps - 1 (every tile up to the causal limit). A packed call's list is its
+// sequence's per-key-mask key tiles: whether this key tile has a live key at all, and whether
+// all of its keys are (key_partial false: no mask tile to load). key_partial: the walked tiles
+// need element checks.
+template <int kBM, int kBN>
+__device__ __forceinline__ const int32_t* dkdv_query_tiles(const BwdParams& p, const SeqRows& s,
+                                                           int b, int h, int n_block, int m_tiles,
+                                                           int& m_steps, int& m_first,
+                                                           bool& key_partial) {
+  m_first = 0;
+  m_steps = m_tiles;
+  key_partial = p.causal;
+  if (p.use_list && p.cu_q == nullptr) return list_row(p.bwd_list, b, h, n_block, m_steps);
+  if (p.causal) {
+    // First query that sees key k0: k0 - (Lk - Lq).
+    m_first = max(0, n_block * kBN - (s.Lk - s.Lq)) / kBM;
+    m_steps = max(0, m_tiles - m_first);
+  }
+  if (p.use_list) {
+    int n;
+    const int32_t* row = list_row(p.list, b, h, 0, n);
+    const int pos = list_lower_bound(row, n, n_block);
+    const int entry = pos < n ? row[pos] : -1;
+    if ((entry >> 1) != n_block) m_steps = 0;
+    key_partial = p.causal | ((entry & 1) != 0);
+  }
+  return nullptr;
 }
 
 // What a forward CTA of query tile q0 of (b, h) reads: Q / K / V at that tile's origin and the
@@ -331,27 +407,33 @@ struct FwdTileWalk {
   const char* bias;
   const int32_t* list;
   int q0;
+  int diag;  // key tiles starting past k0 = diag - kBlockN + 1 cross the causal diagonal
 
-  __device__ FwdTileWalk(const FwdParams& p, int b, int h, int q0_, const int32_t* list_)
+  __device__ FwdTileWalk(const FwdParams& p, const SeqRows& s, int b, int h, int q0_,
+                         const int32_t* list_)
       : list(list_), q0(q0_) {
     const int hkv = h / (p.H / p.Hkv);
-    q = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb + int64_t(q0) * p.q_sl +
+    q = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb + (s.q_row0 + q0) * p.q_sl +
         int64_t(h) * p.q_sh;
-    k = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb + int64_t(hkv) * p.k_sh;
-    v = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb + int64_t(hkv) * p.v_sh;
-    mask = kHasMask ? bcast_base<uint8_t>(p.mask, b, h) : nullptr;
-    bias = kHasBias ? bcast_base<Elem>(p.bias, b, h) : nullptr;
+    k = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb + s.k_row0 * p.k_sl +
+        int64_t(hkv) * p.k_sh;
+    v = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb + s.k_row0 * p.v_sl +
+        int64_t(hkv) * p.v_sh;
+    mask = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, s.k_row0) : nullptr;
+    bias = kHasBias ? bcast_base<Elem>(p.bias, b, h, s.k_row0) : nullptr;
+    diag = p.causal ? q0 + s.Lk - s.Lq : INT_MAX;
   }
 
   // Key tile index of step i.
   __device__ int tile(int i) const { return list ? (list[i] >> 1) : i; }
 
-  // Whether step i (key tile starting at k0) needs element checks. Without a list (no mask)
-  // only tiles crossing the causal diagonal do: key k0 + kBlockN - 1 is visible to every row
-  // of the tile iff it is to the first row.
-  __device__ bool partial(const FwdParams& p, int i, int k0) const {
-    if (list) return (list[i] & 1) != 0;
-    return p.causal && (k0 + kBlockN - 1 > q0 + p.Lk - p.Lq);
+  // Whether step i (key tile starting at k0) needs element checks: the list's flag, or a tile
+  // crossing the causal diagonal (key k0 + kBlockN - 1 is visible to every row of the tile iff
+  // it is to the first row). Dense lists carry the causal part in their flag already; a packed
+  // call's list is shared by the sequence's query tiles and cannot.
+  __device__ bool partial(int i, int k0) const {
+    const bool crosses = k0 + kBlockN - 1 > diag;
+    return list ? (((list[i] & 1) != 0) | crosses) : crosses;
   }
 };
 

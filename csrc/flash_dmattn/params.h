@@ -75,7 +75,18 @@ struct FwdParams {
   float softcap = 0.f;  // 0 = off
   bool causal = false;
   bool use_list = false;
-  TileList list;  // per (b, h, query tile): live key tiles
+  // Per (b, h, query tile): live key tiles. A packed call's list is per (sequence, mask head)
+  // (tile stride 0), shared by every query tile of the sequence and cut at each tile's causal
+  // limit on the device.
+  TileList list;
+  // lse (and the backward's delta) strides: dense calls (B, H, Lq), packed calls (H, total_q).
+  int64_t lse_sb = 0, lse_sh = 0;
+  // Packed sequences (varlen): batch entry b is sequence b, query rows cu_q[b] .. cu_q[b + 1]
+  // of the packed q / out (batch strides 0) and key rows cu_k[b] .. of k / v; Lq and Lk are
+  // then the longest lengths (they size the grid). nullptr: a dense batch.
+  const int32_t* cu_q = nullptr;
+  const int32_t* cu_k = nullptr;
+  int total_q = 0;  // packed query rows (the delta kernel walks them all)
 };
 
 struct BwdParams : FwdParams {
@@ -95,6 +106,7 @@ struct BwdParams : FwdParams {
   // ...or per-key partial sums (B, H, Lk) fp32 of a bias broadcast over queries, written by
   // the dK/dV kernel (the host sums them into the bias's own shape).
   float* dbias_keys = nullptr;
+  int64_t dbk_sb = 0, dbk_sh = 0;  // dense (B, H, Lk), packed (H, total_k)
   // Fused dQ (Hopper backward, deterministic=False): zeroed fp32 accumulator of
   // B * H * ceil(Lq / 64) * 64 * head-dim-bucket floats (tiled, see flash_bwd_sm90.cu) the dK/dV
   // kernel adds dS K into; nullptr runs the separate dQ kernel.

@@ -87,6 +87,32 @@ class CudaBackend(Backend):
             reasons.append("no paged-KV path (block_table)")
         return reasons
 
+    def varlen_not_supported_reasons(self, inputs) -> List[str]:
+        """Why the kernels cannot run packed sequences ``inputs`` (a VarlenInputs)."""
+        reasons = []
+        if inputs.device.type != "cuda":
+            reasons.append(f"tensors on {inputs.device.type} (needs CUDA)")
+        try:
+            KernelSpec.from_inputs(inputs)
+        except ValueError as exc:
+            reasons.append(str(exc))
+        if inputs.return_attn_probs:
+            reasons.append("return_attn_probs is not supported (use torch-reference)")
+        from .kernels import varlen_input_reasons
+
+        reasons.extend(r for r in varlen_input_reasons(
+            inputs.query, inputs.value, inputs.attn_mask, inputs.attn_bias) if r not in reasons)
+        return reasons
+
+    def varlen_attention(self, inputs):
+        """Packed-sequence attention (SPEC §4) through the ``cuda_varlen`` custom ops."""
+        out, _ = cuda_varlen_op()(
+            inputs.query, inputs.key, inputs.value, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
+            inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.attn_mask, inputs.attn_bias,
+            inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
+        )
+        return out
+
     def auto_skip_reasons(self, inputs) -> List[str]:
         # Auto-dispatch passes over these kernels until the benchmark measures them at least as
         # fast as triton on the issue's workloads. On an H200 (2026-11-21) the Hopper forward is
@@ -122,3 +148,18 @@ def cuda_op():
 
         _op = AttentionOp("cuda", cuda_forward, cuda_backward)
     return _op
+
+
+_varlen_op = None
+
+
+def cuda_varlen_op():
+    """The registered packed-sequence custom-op pair ``flash_dmattn::cuda_varlen_fwd`` /
+    ``_bwd`` (created on first use)."""
+    global _varlen_op
+    if _varlen_op is None:
+        from ...ops import VarlenAttentionOp
+        from .kernels import cuda_varlen_backward, cuda_varlen_forward
+
+        _varlen_op = VarlenAttentionOp("cuda_varlen", cuda_varlen_forward, cuda_varlen_backward)
+    return _varlen_op

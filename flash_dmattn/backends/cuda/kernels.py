@@ -106,7 +106,7 @@ def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap) -> Tuple[torch.
     if lists is not None:
         idx, cnt, hdiv = lists.fwd_idx, lists.fwd_cnt, lists.head_div
     out, lse = mod.fwd(q, k, v, mask, bias, None, float(scale), bool(is_causal), float(softcap),
-                       idx, cnt, hdiv)
+                       idx, cnt, hdiv, None, None, 0, 0)
     return out, lse
 
 
@@ -160,10 +160,81 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     dq, dk, dv, db = mod.bwd(dout, q, k, v, mask, bias, out, lse.contiguous(), float(scale),
                              bool(is_causal), float(softcap), bool(need_dq),
                              bool(need_dk or need_dv), int(mode), *args,
-                             bool(not deterministic and fused_dq_allowed()))
+                             bool(not deterministic and fused_dq_allowed()), None, None, 0, 0)
     dbias = None
     if mode == 1:
         dbias = db
     elif mode == 2:
         dbias = _reduce_key_partials(db, orig_bias)
     return (dq if need_dq else None, dk if need_dk else None, dv if need_dv else None, dbias)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed sequences (varlen)
+# ---------------------------------------------------------------------------------------------
+
+def varlen_input_reasons(q, v, mask, bias) -> List[str]:
+    """Why the kernels cannot take these packed ``(total, heads, D)`` tensors."""
+    reasons = input_reasons(q, q, v, None, bias, False)
+    if mask is not None and mask.dtype != torch.bool:
+        reasons.append(f"mask dtype {mask.dtype} is not bool")
+    return reasons
+
+
+def _packed_lists(mask, cu_k, max_k, heads, block_n):
+    """``(idx, cnt, head_div)`` of the sequences' live key tiles at ``block_n`` (a per-key mask),
+    as the extension's 4-D (sequence, mask head, 1, n) lists: one row per (sequence, mask
+    head), shared by every tile of the sequence (tile stride 0)."""
+    if mask is None:
+        return None, None, 1
+    from ..triton.tiles import build_varlen_key_lists
+
+    lists = build_varlen_key_lists(mask, cu_k, max_k, heads, block_n)
+    return (lists.idx.transpose(0, 1).unsqueeze(2), lists.cnt.transpose(0, 1).unsqueeze(2),
+            lists.head_div)
+
+
+def _packed_aux(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A per-key ``(Hx, total_k)`` mask / bias as the kernels' (1, Hx, 1, total_k) view."""
+    return None if t is None else t[None, :, None, :]
+
+
+def cuda_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
+                        softcap) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences: ``(out (total_q, H, D), lse (H, total_q) fp32)``; rows no sequence
+    owns (past ``cu_q[-1]``) give 0 / -inf."""
+    q, k, v = _vector_ready(q), _vector_ready(k), _vector_ready(v)
+    H = q.shape[1]
+    mod = kernel_module(q, mask is not None, bias is not None)
+    _, block_n, _, _ = mod.block_sizes()
+    cu_q, cu_k = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
+    idx, cnt, hdiv = _packed_lists(mask, cu_k, max_k, H, block_n)
+    out, lse = mod.fwd(q[None], k[None], v[None], _packed_aux(mask), _packed_aux(bias), None,
+                       float(scale), bool(is_causal), float(softcap), idx, cnt, hdiv,
+                       cu_q, cu_k, int(max_q), int(max_k))
+    return out[0], lse
+
+
+def cuda_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, out, lse, scale,
+                         is_causal, softcap, deterministic, needs):
+    """``(dq, dk, dv, dbias)`` of packed sequences, None where ``needs`` did not ask; dbias in
+    the per-key bias's ``(Hx, total_k)`` shape. Never uses atomics (``deterministic`` is free)."""
+    need_dq, need_dk, need_dv, need_dbias = needs
+    dout, q, k, v, out = (_vector_ready(t) for t in (dout, q, k, v, out))
+    H = q.shape[1]
+    mod = kernel_module(q, mask is not None, bias is not None)
+    _, _, _, block_n = mod.block_sizes()
+    cu_q, cu_k = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
+    idx, cnt, hdiv = _packed_lists(mask, cu_k, max_k, H, block_n)
+    mode = 2 if (need_dbias and bias is not None) else 0
+    dq, dk, dv, db = mod.bwd(dout[None], q[None], k[None], v[None], _packed_aux(mask),
+                             _packed_aux(bias), out[None], lse.contiguous(), float(scale),
+                             bool(is_causal), float(softcap), bool(need_dq),
+                             bool(need_dk or need_dv), mode, idx, cnt, None, None, hdiv, False,
+                             cu_q, cu_k, int(max_q), int(max_k))
+    dbias = None
+    if mode == 2:
+        hx, total_k = bias.shape
+        dbias = db.view(hx, H // hx, total_k).sum(1).to(bias.dtype)
+    return (dq[0] if need_dq else None, dk[0] if need_dk else None,
+            dv[0] if need_dv else None, dbias)
