@@ -42,8 +42,8 @@ using BiasTile64 = BcastTile<Elem, 64, 64, kThreads>;
 // ---------------------------------------------------------------------------------------------
 __global__ void delta_kernel(const BwdParams p) {
   // A packed call is one batch of total_q rows (batch strides 0; delta laid out like lse).
-  const int L = p.cu_q != nullptr ? p.total_q : p.Lq;
-  const int nb = p.cu_q != nullptr ? 1 : p.B;
+  const int L = kPacked ? p.total_q : p.Lq;
+  const int nb = kPacked ? 1 : p.B;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   const int rows = nb * p.H * L;
@@ -63,7 +63,7 @@ __global__ void delta_kernel(const BwdParams p) {
 }
 
 void launch_delta(const BwdParams& p, cudaStream_t stream) {
-  const int rows = (p.cu_q != nullptr ? p.total_q : p.B * p.Lq) * p.H;
+  const int rows = (kPacked ? p.total_q : p.B * p.Lq) * p.H;
   const int threads = 256;
   const int blocks = (rows * 32 + threads - 1) / threads;
   delta_kernel<<<blocks, threads, 0, stream>>>(p);
@@ -121,8 +121,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
                      sr.k_row0 * p.k_sl + int64_t(hkv) * p.k_sh;
     const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb +
                      sr.k_row0 * p.v_sl + int64_t(hkv) * p.v_sh;
-    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.k_row0) : nullptr;
-    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.k_row0) : nullptr;
+    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.aux_row0) : nullptr;
+    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.aux_row0) : nullptr;
     const float* lse_g = p.lse + lse_offset(p, sr, b, h);
     const float* delta_g = p.delta + lse_offset(p, sr, b, h);
 
@@ -132,6 +132,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
     const int diag = p.causal ? q0 + Lk - Lq : INT_MAX;
     auto partial_of = [&](int i) {
       const bool crosses = tile_of(i) * kBN + kBN - 1 > diag;
+      if constexpr (!kPacked) return list ? (list[i] & 1) != 0 : crosses;
       return list ? ((list[i] & 1) != 0) | crosses : crosses;
     };
     auto issue = [&](int i) {
@@ -294,7 +295,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
   const SeqRows sr = seq_rows(p, b);
   const int Lq = sr.Lq, Lk = sr.Lk;
   // Packed calls size the grid by the longest sequence: tiles past this one's end do nothing.
-  if (k0 >= Lk) return;
+  if (kPacked && k0 >= Lk) return;
   const int m_tiles = (Lq + kBM - 1) / kBM;
 
   using SL = typename Tr::template SmemTile<64>;
@@ -348,8 +349,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
                       sr.q_row0 * p.do_sl + int64_t(h) * p.do_sh;
     const float* lse_g = p.lse + lse_offset(p, sr, b, h);
     const float* delta_g = p.delta + lse_offset(p, sr, b, h);
-    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.k_row0) : nullptr;
-    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.k_row0) : nullptr;
+    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.aux_row0) : nullptr;
+    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.aux_row0) : nullptr;
     auto tile_of = [&](int i) { return list ? (list[i] >> 1) : m_first + i; };
     auto partial_of = [&](int i) { return list ? (list[i] & 1) != 0 : key_partial; };
     auto issue = [&](int i) {
@@ -458,7 +459,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
         if (k0 + r < Lk) {
           float v = 0.f;
           for (int w = 0; w < Tr::kWarpsN; ++w) v += red_s[w * kBN + r];
-          p.dbias_keys[int64_t(b) * p.dbk_sb + int64_t(h) * p.dbk_sh + sr.k_row0 + k0 + r] = v;
+          p.dbias_keys[dbias_key_offset(p, sr, b, h) + k0 + r] = v;
         }
       }
     }

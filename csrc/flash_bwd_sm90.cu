@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
   const SeqRows sr = seq_rows(p, b);
   const int Lq = sr.Lq, Lk = sr.Lk;
   // Packed calls size the grid by the longest sequence: tiles past this one's end do nothing.
-  if (k0 >= Lk) return;
+  if (kPacked && k0 >= Lk) return;
   const int m_tiles = (Lq + kBM - 1) / kBM;
   // Query tiles per (b, h) of the fused-dQ accumulator (dense calls only).
   const int accum_m_tiles = (p.Lq + kBM - 1) / kBM;
@@ -247,7 +247,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
   constexpr int kGroups = decltype(size<0, 2>(cS))::value;
   const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
   const bool keys_dbias = kHasBias && p.dbias_keys != nullptr;
-  const bool fused_dq = p.dq_accum != nullptr;
+  // Packed modules never fuse dQ (the host runs the dQ kernel): compiled out, its registers too.
+  const bool fused_dq = !kPacked && p.dq_accum != nullptr;
   typename Cfg::MmaDq mma_q;
   auto thr_q = mma_q.get_thread_slice(tid % 128);
 
@@ -265,8 +266,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
                       sr.q_row0 * p.do_sl + int64_t(h) * p.do_sh;
     const float* lse_g = p.lse + lse_offset(p, sr, b, h);
     const float* delta_g = p.delta + lse_offset(p, sr, b, h);
-    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.k_row0) : nullptr;
-    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.k_row0) : nullptr;
+    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.aux_row0) : nullptr;
+    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.aux_row0) : nullptr;
     auto tile_of = [&](int i) { return list ? (list[i] >> 1) : m_first + i; };
     auto partial_of = [&](int i) { return list ? (list[i] & 1) != 0 : key_partial; };
     auto issue = [&](int i) {
@@ -379,7 +380,7 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
         const float v = quad_sum(key_dbias[r]);
         const int kj = k0 + kw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
         if (lane % 4 == 0 && kj < Lk) {
-          p.dbias_keys[int64_t(b) * p.dbk_sb + int64_t(h) * p.dbk_sh + sr.k_row0 + kj] = v;
+          p.dbias_keys[dbias_key_offset(p, sr, b, h) + kj] = v;
         }
       }
     }
@@ -450,7 +451,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
                          smem + (4 + 4 * st + w) * kT, tid);
       }
       if constexpr (kHasMask) {
-        if (walk.partial(i, k0))
+        if (walk.partial(p, i, k0))
           MaskT::load(mask_smem + st * MaskT::kBytes, p.mask, walk.mask, q0, k0, Lq, Lk, tid);
       }
       if constexpr (kHasBias) {
@@ -478,7 +479,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
 
     for (int i = 0; i < n_steps; ++i) {
       const int st = i & 1, k0 = walk.tile(i) * kBN;
-      const bool partial = walk.partial(i, k0);
+      const bool partial = walk.partial(p, i, k0);
       cp_async_wait<0>();
       fence_async_shared();
       __syncthreads();  // step i's tiles landed; both warpgroups are done with step i - 1's stage

@@ -8,8 +8,9 @@
 //   bwd(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, ..., packed...)
 //       -> [dq, dk, dv, dbias]
 // Packed sequences (cu_seqlens_q / cu_seqlens_k given): q / k / v are the packed
-// (total, heads, D) tensors viewed as batch 1, a mask / bias is per key (1, Hm, 1, total_k),
-// lse is (H, total_q) and per-key dbias partials (H, total_k).
+// (total, heads, D) tensors viewed as batch 1, a mask / bias is per key (1, Hm, 1, width)
+// with sequence b's keys from cu_aux[b] (or cu_seqlens_k[b] without cu_aux), lse is
+// (H, total_q) and per-key dbias partials (H, total_k).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -106,19 +107,23 @@ TileList make_list(const OptT& idx, const OptT& cnt, int64_t hdiv) {
 
 // A packed call: B becomes the number of sequences with batch strides 0, Lq / Lk the longest
 // lengths (they size the grid; the kernels read each sequence's rows from cu_q / cu_k).
-void fill_packed(FwdParams& p, const OptT& cu_q, const OptT& cu_k, int64_t max_q, int64_t max_k) {
+void fill_packed(FwdParams& p, const OptT& cu_q, const OptT& cu_k, const OptT& cu_aux,
+                 int64_t max_q, int64_t max_k) {
   TORCH_CHECK(cu_q.has_value() == cu_k.has_value(), "pass both cu_seqlens or neither");
   p.lse_sb = int64_t(p.H) * p.Lq;
   p.lse_sh = p.Lq;
+  TORCH_CHECK(cu_q.has_value() == bool(FLASH_DMATTN_PACKED), "this kernel module was built for ",
+              FLASH_DMATTN_PACKED ? "packed sequences (cu_seqlens)" : "dense batches");
   if (!cu_q.has_value()) return;
   const at::Tensor& cq = *cu_q;
   const at::Tensor& ck = *cu_k;
-  for (const at::Tensor* c : {&cq, &ck}) {
+  for (const at::Tensor* c : {&cq, &ck, cu_aux.has_value() ? &*cu_aux : &ck}) {
     TORCH_CHECK(c->is_cuda() && c->scalar_type() == at::kInt && c->dim() == 1 &&
                     c->is_contiguous(),
                 "cu_seqlens must be contiguous int32 CUDA vectors");
   }
   TORCH_CHECK(cq.numel() == ck.numel() && cq.numel() >= 1, "cu_seqlens_q / _k lengths differ");
+  TORCH_CHECK(!cu_aux.has_value() || cu_aux->numel() >= cq.numel(), "cu_aux too short");
   TORCH_CHECK(p.B == 1, "packed q / k / v are passed as batch 1");
   p.cu_q = cq.data_ptr<int32_t>();
   p.cu_k = ck.data_ptr<int32_t>();
@@ -129,9 +134,13 @@ void fill_packed(FwdParams& p, const OptT& cu_q, const OptT& cu_k, int64_t max_q
   p.Lq = static_cast<int>(max_q);
   p.Lk = static_cast<int>(max_k);
   p.q_sb = p.k_sb = p.v_sb = 0;
-  // Sequences start at arbitrary keys: per-key rows are read element by element.
-  p.mask.vec = false;
-  p.bias.vec = false;
+  if (cu_aux.has_value()) {
+    p.cu_aux = cu_aux->data_ptr<int32_t>();
+  } else {
+    // Sequences start at arbitrary keys: per-key rows are read element by element.
+    p.mask.vec = false;
+    p.bias.vec = false;
+  }
 }
 
 void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -165,7 +174,8 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
                             const OptT& mask, const OptT& bias, const OptT& out_,
                             double softmax_scale, bool is_causal, double softcap,
                             const OptT& list_idx, const OptT& list_cnt, int64_t list_hdiv,
-                            const OptT& cu_q, const OptT& cu_k, int64_t max_q, int64_t max_k) {
+                            const OptT& cu_q, const OptT& cu_k, const OptT& cu_aux,
+                            int64_t max_q, int64_t max_k) {
   c10::cuda::CUDAGuard guard(q.device());
   FwdParams p;
   fill_common(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap);
@@ -180,7 +190,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
                           : at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
   p.out = out.data_ptr();
   p.o_sb = out.stride(0), p.o_sl = out.stride(1), p.o_sh = out.stride(2);
-  fill_packed(p, cu_q, cu_k, max_q, max_k);
+  fill_packed(p, cu_q, cu_k, cu_aux, max_q, max_k);
   if (packed) p.o_sb = 0;
   p.lse = lse.data_ptr<float>();
   p.use_list = list_idx.has_value();
@@ -205,7 +215,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
                             int64_t dbias_mode, const OptT& fwd_idx, const OptT& fwd_cnt,
                             const OptT& bwd_idx, const OptT& bwd_cnt, int64_t list_hdiv,
                             bool allow_fused_dq, const OptT& cu_q, const OptT& cu_k,
-                            int64_t max_q, int64_t max_k) {
+                            const OptT& cu_aux, int64_t max_q, int64_t max_k) {
   c10::cuda::CUDAGuard guard(q.device());
   BwdParams p;
   fill_common(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap);
@@ -275,7 +285,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
               "pass both tile lists or neither (packed calls: the key-tile lists only)");
   p.list = make_list(fwd_idx, fwd_cnt, list_hdiv);
   p.bwd_list = make_list(bwd_idx, bwd_cnt, list_hdiv);
-  fill_packed(p, cu_q, cu_k, max_q, max_k);
+  fill_packed(p, cu_q, cu_k, cu_aux, max_q, max_k);
   if (packed) p.o_sb = p.do_sb = p.dq_sb = p.dk_sb = p.dv_sb = 0;
   if (p.B * p.H == 0 || p.Lq == 0 || p.Lk == 0) {
     dq.zero_();

@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
     const Elem *qg = walk.q, *kg = walk.k, *vg = walk.v;
     const char *mask_base = walk.mask, *bias_base = walk.bias;
     auto tile_of = [&](int i) { return walk.tile(i); };
-    auto partial_of = [&](int i, int k0) { return walk.partial(i, k0); };
+    auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0); };
 
     load_rows<Tr, kBlockM>(qg, p.q_sl, Lq - q0, p.D, sQ, tid);
     {

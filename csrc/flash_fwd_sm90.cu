@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     const Elem *qg = walk.q, *kg = walk.k, *vg = walk.v;
     const char *mask_base = walk.mask, *bias_base = walk.bias;
     auto tile_of = [&](int i) { return walk.tile(i); };
-    auto partial_of = [&](int i, int k0) { return walk.partial(i, k0); };
+    auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0); };
 
     constexpr int kStageBytes = kBlockN * kD * 2;
     auto load_k = [&](int i, int stage) {

@@ -20,6 +20,9 @@ echo "build rc=$?" >>"$OUT/build.log"
 # Every other specialisation the cuda tests use, built side by side (16 cores, ~2.5 min).
 ALL_SPECS=""
 for d in 32 64 96 128 256; do for f in "" -mask -bias -mask-bias; do ALL_SPECS="$ALL_SPECS d$d-bf16$f"; done; done
+# Packed-sequence (varlen) modules of the varlen tests and benchmark.
+for spec in d32-bf16-mask-bias d64-bf16-mask-bias d64-bf16-bias d128-bf16 d128-bf16-mask-bias \
+    d256-bf16-mask-bias; do ALL_SPECS="$ALL_SPECS $spec-varlen"; done
 for spec in ${PREBUILD:-$ALL_SPECS d128-fp16-mask-bias}; do
   timeout "${BUILD_S:-300}" python3 -m flash_dmattn build "$spec" >"$W/build-$spec.log" 2>&1 &
 done

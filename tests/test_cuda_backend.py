@@ -101,7 +101,7 @@ def test_cuda_poisoned_output_is_fully_written():
     bm, bn, _, _ = mod.block_sizes()
     lists = build_tile_lists(mask, 333, 200, 4, False, bm, bn, q.device)
     out, lse = mod.fwd(q, k, v, mask, bias, poison, q.shape[-1] ** -0.5, False, 0.0,
-                       lists.fwd_idx, lists.fwd_cnt, lists.head_div, None, None, 0, 0)
+                       lists.fwd_idx, lists.fwd_cnt, lists.head_div, None, None, None, 0, 0)
     assert out.data_ptr() == poison.data_ptr()
     assert not out.isnan().any()
     assert lse[0, 0, 7] == float("-inf") and torch.count_nonzero(out[0, 7, 0].float()) == 0

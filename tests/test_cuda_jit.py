@@ -51,13 +51,14 @@ def _fresh_jit(monkeypatch):
 # Specs --------------------------------------------------------------------------------------
 def test_spec_names_round_trip():
     specs = all_specs()
-    assert len(specs) == len(HEAD_DIM_BUCKETS) * 2 * 4
+    assert len(specs) == len(HEAD_DIM_BUCKETS) * 2 * 4 * 2  # x2: dense and packed (varlen)
     assert len({s.name for s in specs}) == len(specs)
     for spec in specs:
         assert KernelSpec.parse(spec.name) == spec
         assert str(spec) == spec.name
     assert SPEC.name == "d64-bf16-mask-bias"
     assert KernelSpec(256, "fp16").name == "d256-fp16"
+    assert KernelSpec(64, "bf16", False, True, packed=True).name == "d64-bf16-bias-varlen"
     # Flags in any order and any case parse to the canonical name.
     assert KernelSpec.parse(" D64-BF16-bias-mask ").name == "d64-bf16-mask-bias"
 
@@ -88,6 +89,10 @@ def test_spec_from_inputs():
     assert KernelSpec.from_inputs(inputs).name == "d96-fp16-mask-bias"
     with pytest.raises(ValueError, match="dtype"):
         KernelSpec.from_inputs(AttentionInputs.from_args(q.float(), k.float(), k.float()))
+    from flash_dmattn.inputs import VarlenInputs
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    packed = VarlenInputs.from_args(q[0], k[0], k[0], cu, cu, 4, 4, attn_bias=bias[0, 0, 0])
+    assert KernelSpec.from_inputs(packed).name == "d96-fp16-bias-varlen"
     big_q, big_k = torch.zeros(1, 2, 1, 300, dtype=torch.bfloat16), torch.zeros(1, 2, 1, 300, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head_dim 300"):
         KernelSpec.from_inputs(AttentionInputs.from_args(big_q, big_k, big_k))
@@ -104,6 +109,7 @@ def test_cache_key_tracks_what_the_binary_depends_on(csrc):
     changed = {
         "spec": jit.cache_key(KernelSpec(64, "bf16", True), TC, csrc),
         "dtype": jit.cache_key(KernelSpec(64, "fp16", True, True), TC, csrc),
+        "packed": jit.cache_key(KernelSpec(64, "bf16", True, True, True), TC, csrc),
         "nvcc": jit.cache_key(SPEC, Toolchain(TC.nvcc, "12.6.20", TC.cutlass_include,
                                               TC.capability, TC.torch_version), csrc),
         "torch": jit.cache_key(SPEC, Toolchain(TC.nvcc, TC.nvcc_version, TC.cutlass_include,
@@ -444,3 +450,24 @@ def test_toolchain_discovery_on_a_gpu():
     if nvcc is None:
         pytest.skip("no nvcc on this CUDA machine (the probe reports it)")
     assert re.fullmatch(r"\d+\.\d+(\.\d+)*", toolchain.nvcc_version(nvcc) or "")
+
+
+def test_packed_mask_bias_copies_start_each_sequence_aligned():
+    # The cuda varlen path copies per-key masks / biases so that every sequence starts on a
+    # 16-element boundary (tiles then load as 16-byte vectors); keys past cu_seqlens[-1] drop.
+    from flash_dmattn.backends.cuda.kernels import AUX_ALIGN, _aligned_aux
+
+    cu = torch.tensor([0, 5, 5, 38, 39], dtype=torch.int32)
+    total_k = 42  # 3 keys past the last sequence
+    mask = torch.rand(2, total_k) > 0.5
+    bias = torch.randn(1, total_k, dtype=torch.bfloat16)
+    mask_a, bias_a, cu_aux = _aligned_aux(mask, bias, cu)
+    assert cu_aux.dtype == torch.int32 and cu_aux.tolist() == [0, 16, 16, 64, 80]
+    assert mask_a.shape[:3] == (1, 2, 1) and bias_a.shape[:3] == (1, 1, 1)
+    assert mask_a.stride(1) % AUX_ALIGN == 0 and bias_a.stride(1) % AUX_ALIGN == 0
+    for b in range(4):
+        s, e, a = int(cu[b]), int(cu[b + 1]), int(cu_aux[b])
+        assert torch.equal(mask_a[0, :, 0, a:a + e - s], mask[:, s:e])
+        assert torch.equal(bias_a[0, :, 0, a:a + e - s], bias[:, s:e])
+    assert int(mask_a[0, :, 0, :80].sum()) == int(mask[:, :39].sum())  # padding is False
+    assert _aligned_aux(None, None, cu) == (None, None, None)

@@ -25,6 +25,7 @@ using namespace cute;
 constexpr int kHeadDimBucket = FLASH_DMATTN_HEADDIM;
 constexpr bool kHasMask = FLASH_DMATTN_HAS_MASK;
 constexpr bool kHasBias = FLASH_DMATTN_HAS_BIAS;
+constexpr bool kPacked = FLASH_DMATTN_PACKED;
 #if FLASH_DMATTN_IS_BF16
 using Elem = cutlass::bfloat16_t;
 #else
@@ -210,18 +211,28 @@ __device__ __forceinline__ const char* bcast_base(const Bcast& p, int b, int h,
 // rows and lengths from cu_q / cu_k.
 struct SeqRows {
   int64_t q_row0, k_row0;
+  int64_t aux_row0;  // first key in the mask / bias
   int Lq, Lk;
 };
 
 __device__ __forceinline__ SeqRows seq_rows(const FwdParams& p, int b) {
-  if (p.cu_q == nullptr) return {0, 0, p.Lq, p.Lk};
+  if constexpr (!kPacked) return {0, 0, 0, p.Lq, p.Lk};
   const int qs = p.cu_q[b], ks = p.cu_k[b];
-  return {qs, ks, p.cu_q[b + 1] - qs, p.cu_k[b + 1] - ks};
+  return {qs, ks, p.cu_aux != nullptr ? p.cu_aux[b] : ks, p.cu_q[b + 1] - qs, p.cu_k[b + 1] - ks};
 }
 
 // lse (or delta, same layout) of (b, h) from the sequence's first row.
 __device__ __forceinline__ int64_t lse_offset(const FwdParams& p, const SeqRows& s, int b, int h) {
+  if constexpr (!kPacked) return (int64_t(b) * p.H + h) * p.Lq;
   return int64_t(b) * p.lse_sb + int64_t(h) * p.lse_sh + s.q_row0;
+}
+
+// Per-key dbias partials of (b, h) from the sequence's first key: dense (B, H, Lk), packed
+// (H, total_k).
+__device__ __forceinline__ int64_t dbias_key_offset(const BwdParams& p, const SeqRows& s, int b,
+                                                    int h) {
+  if constexpr (!kPacked) return (int64_t(b) * p.H + h) * p.Lk;
+  return int64_t(b) * p.dbk_sb + int64_t(h) * p.dbk_sh + s.k_row0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -359,7 +370,7 @@ __device__ __forceinline__ int key_tiles_of(const FwdParams& p, const SeqRows& s
     int n;
     list = list_row(p.list, b, h, m_block, n);
     // A dense list row is this tile's own, already cut at its causal limit.
-    return (p.cu_q != nullptr && p.causal) ? list_lower_bound(list, n, n_steps) : n;
+    return (kPacked && p.causal) ? list_lower_bound(list, n, n_steps) : n;
   }
   return n_steps;
 }
@@ -378,7 +389,16 @@ __device__ __forceinline__ const int32_t* dkdv_query_tiles(const BwdParams& p, c
   m_first = 0;
   m_steps = m_tiles;
   key_partial = p.causal;
-  if (p.use_list && p.cu_q == nullptr) return list_row(p.bwd_list, b, h, n_block, m_steps);
+  if constexpr (!kPacked) {
+    const int32_t* list = nullptr;
+    if (p.use_list) {
+      list = list_row(p.bwd_list, b, h, n_block, m_steps);
+    } else if (p.causal) {
+      m_first = max(0, n_block * kBN - (p.Lk - p.Lq)) / kBM;
+      m_steps = max(0, m_tiles - m_first);
+    }
+    return list;
+  }
   if (p.causal) {
     // First query that sees key k0: k0 - (Lk - Lq).
     m_first = max(0, n_block * kBN - (s.Lk - s.Lq)) / kBM;
@@ -407,7 +427,7 @@ struct FwdTileWalk {
   const char* bias;
   const int32_t* list;
   int q0;
-  int diag;  // key tiles starting past k0 = diag - kBlockN + 1 cross the causal diagonal
+  int diag;  // packed calls: the causal diagonal's key offset from q0 (INT_MAX: not causal)
 
   __device__ FwdTileWalk(const FwdParams& p, const SeqRows& s, int b, int h, int q0_,
                          const int32_t* list_)
@@ -419,21 +439,25 @@ struct FwdTileWalk {
         int64_t(hkv) * p.k_sh;
     v = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb + s.k_row0 * p.v_sl +
         int64_t(hkv) * p.v_sh;
-    mask = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, s.k_row0) : nullptr;
-    bias = kHasBias ? bcast_base<Elem>(p.bias, b, h, s.k_row0) : nullptr;
+    mask = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, s.aux_row0) : nullptr;
+    bias = kHasBias ? bcast_base<Elem>(p.bias, b, h, s.aux_row0) : nullptr;
     diag = p.causal ? q0 + s.Lk - s.Lq : INT_MAX;
   }
 
   // Key tile index of step i.
   __device__ int tile(int i) const { return list ? (list[i] >> 1) : i; }
 
-  // Whether step i (key tile starting at k0) needs element checks: the list's flag, or a tile
-  // crossing the causal diagonal (key k0 + kBlockN - 1 is visible to every row of the tile iff
-  // it is to the first row). Dense lists carry the causal part in their flag already; a packed
-  // call's list is shared by the sequence's query tiles and cannot.
-  __device__ bool partial(int i, int k0) const {
+  // Whether step i (key tile starting at k0) needs element checks: the list's flag, or (no list)
+  // a tile crossing the causal diagonal -- key k0 + kBlockN - 1 is visible to every row of the
+  // tile iff it is to the first row. A packed call's list is shared by the sequence's query
+  // tiles, so its flag lacks the causal part and the crossing is added here.
+  __device__ bool partial(const FwdParams& p, int i, int k0) const {
+    if constexpr (!kPacked) {
+      if (list) return (list[i] & 1) != 0;
+      return p.causal && (k0 + kBlockN - 1 > q0 + p.Lk - p.Lq);
+    }
     const bool crosses = k0 + kBlockN - 1 > diag;
-    return list ? (((list[i] & 1) != 0) | crosses) : crosses;
+    return list ? ((list[i] & 1) != 0) | crosses : crosses;
   }
 };
 

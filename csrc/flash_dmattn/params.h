@@ -22,6 +22,11 @@
 #ifndef FLASH_DMATTN_HAS_BIAS
 #define FLASH_DMATTN_HAS_BIAS 1
 #endif
+// Packed sequences (varlen): a module of its own, so that dense calls keep sequence lengths in
+// the constant bank instead of registers (spec.py says what a runtime switch cost).
+#ifndef FLASH_DMATTN_PACKED
+#define FLASH_DMATTN_PACKED 0
+#endif
 // Built for sm_90a (wgmma forward in flash_fwd_sm90.cu); NO_SM90 keeps the sm80 forward there.
 #ifndef FLASH_DMATTN_SM90
 #define FLASH_DMATTN_SM90 0
@@ -86,6 +91,10 @@ struct FwdParams {
   // then the longest lengths (they size the grid). nullptr: a dense batch.
   const int32_t* cu_q = nullptr;
   const int32_t* cu_k = nullptr;
+  // Packed: where sequence b's keys start in the per-key mask / bias, when the host gave
+  // copies whose sequences start on 16-element boundaries (rows read as 16-byte vectors);
+  // nullptr: at cu_k[b], read element by element.
+  const int32_t* cu_aux = nullptr;
   int total_q = 0;  // packed query rows (the delta kernel walks them all)
 };
 

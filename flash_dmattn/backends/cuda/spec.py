@@ -11,6 +11,10 @@ forward and backward kernels takes minutes):
 * ``has_mask`` / ``has_bias``: whether the kernels load a mask / bias tile per block (and
   compute dbias in backward). Compiling the loads out saves global traffic, shared memory and
   registers on the common no-mask / mask-only paths.
+* ``packed``: packed sequences (``flash_dmattn_varlen_func``). Every tile then reads its
+  sequence's offsets and lengths, which held in registers made the Hopper dK/dV kernel spill
+  four times as much (88 -> 346 bytes) and T2's backward 30 % slower on an H200 when it was a
+  runtime switch; dense calls never pay for it in a module of their own.
 
 Deliberately *not* keyed (runtime arguments of ``fwd`` / ``bwd``, switched inside one module):
 ``is_causal`` (changes a loop bound and a predicate on diagonal tiles), ``softcap``,
@@ -26,7 +30,7 @@ import torch
 
 HEAD_DIM_BUCKETS: Tuple[int, ...] = (32, 64, 96, 128, 192, 256)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_FLAGS = ("mask", "bias")
+_FLAGS = ("mask", "bias", "varlen")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class KernelSpec:
     dtype: str
     has_mask: bool = False
     has_bias: bool = False
+    packed: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int):
@@ -48,19 +53,22 @@ class KernelSpec:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        for flag in ("has_mask", "has_bias"):
+        for flag in ("has_mask", "has_bias", "packed"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
 
     # Names ---------------------------------------------------------------------------------
     @property
     def name(self) -> str:
-        """Stable, canonical name, e.g. ``d128-bf16-mask-bias`` or ``d64-fp16``."""
+        """Stable, canonical name, e.g. ``d128-bf16-mask-bias``, ``d64-fp16`` or
+        ``d128-bf16-bias-varlen`` (packed sequences)."""
         parts = [f"d{self.head_dim}", self.dtype]
         if self.has_mask:
             parts.append("mask")
         if self.has_bias:
             parts.append("bias")
+        if self.packed:
+            parts.append("varlen")
         return "-".join(parts)
 
     @property
@@ -83,7 +91,8 @@ class KernelSpec:
         """
         if not isinstance(text, str):
             raise ValueError(f"a kernel spec must be a string, got {type(text).__name__}")
-        usage = "expected d<head_dim>-<fp16|bf16>[-mask][-bias], e.g. d128-bf16-mask-bias"
+        usage = ("expected d<head_dim>-<fp16|bf16>[-mask][-bias][-varlen], e.g. "
+                 "d128-bf16-mask-bias")
         parts = text.strip().lower().split("-")
         if len(parts) < 2 or not parts[0].startswith("d") or not parts[0][1:].isdigit():
             raise ValueError(f"bad kernel spec {text!r}: {usage}")
@@ -94,7 +103,7 @@ class KernelSpec:
         if len(set(flags)) != len(flags):
             raise ValueError(f"bad kernel spec {text!r}: repeated flag; {usage}")
         try:
-            return cls(head_dim, dtype, "mask" in flags, "bias" in flags)
+            return cls(head_dim, dtype, "mask" in flags, "bias" in flags, "varlen" in flags)
         except ValueError as exc:
             raise ValueError(f"bad kernel spec {text!r}: {exc}") from None
 
@@ -106,11 +115,12 @@ class KernelSpec:
         other than float16 / bfloat16.
         """
         return cls.for_call(inputs.head_dim, inputs.dtype, inputs.attn_mask is not None,
-                            inputs.attn_bias is not None)
+                            inputs.attn_bias is not None,
+                            packed=hasattr(inputs, "cu_seqlens_q"))
 
     @classmethod
     def for_call(cls, head_dim: int, dtype: torch.dtype, has_mask: bool,
-                 has_bias: bool) -> "KernelSpec":
+                 has_bias: bool, packed: bool = False) -> "KernelSpec":
         """The spec for a call with these properties: the smallest bucket >= ``head_dim``."""
         bucket = next((b for b in HEAD_DIM_BUCKETS if b >= head_dim), None)
         if bucket is None:
@@ -118,7 +128,7 @@ class KernelSpec:
         names = {v: k for k, v in DTYPES.items()}
         if dtype not in names:
             raise ValueError(f"dtype {dtype} is not supported (float16, bfloat16)")
-        return cls(bucket, names[dtype], has_mask, has_bias)
+        return cls(bucket, names[dtype], has_mask, has_bias, packed)
 
     def defines(self) -> List[str]:
         """Preprocessor definitions that select this specialisation in ``csrc``."""
@@ -127,13 +137,15 @@ class KernelSpec:
             f"-DFLASH_DMATTN_IS_BF16={int(self.dtype == 'bf16')}",
             f"-DFLASH_DMATTN_HAS_MASK={int(self.has_mask)}",
             f"-DFLASH_DMATTN_HAS_BIAS={int(self.has_bias)}",
+            f"-DFLASH_DMATTN_PACKED={int(self.packed)}",
         ]
 
 
 def all_specs() -> List[KernelSpec]:
     """Every specialisation (what ``python -m flash_dmattn build --all`` builds)."""
     return [
-        KernelSpec(d, dt, m, b)
+        KernelSpec(d, dt, m, b, packed)
+        for packed in (False, True)
         for d in HEAD_DIM_BUCKETS
         for dt in DTYPES
         for m in (False, True)
