@@ -95,7 +95,9 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
   const int q0 = m_block * kBM;
 
   const SeqRows sr = seq_rows(p, b);
-  const int Lq = sr.Lq, Lk = sr.Lk;
+  // Lengths read where used: dense calls straight from the parameters (kept uniform).
+  const auto Lq = [&] { return seq_lq(p, sr); };
+  const auto Lk = [&] { return seq_lk(p, sr); };
   const int32_t* list;
   const int n_steps = key_tiles_of<kBM, kBN>(p, sr, b, h, m_block, q0, list);
 
@@ -129,29 +131,29 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
     auto tile_of = [&](int i) { return list ? (list[i] >> 1) : i; };
     // Element checks: the list's flag or a tile crossing the causal diagonal (a dense list's
     // flag includes that already; a packed call's is shared by the query tiles and cannot).
-    const int diag = p.causal ? q0 + Lk - Lq : INT_MAX;
-    auto partial_of = [&](int i) {
+    const int diag = p.causal ? q0 + Lk() - Lq() : INT_MAX;
+    auto partial_of = [&](int i) -> bool {
       const bool crosses = tile_of(i) * kBN + kBN - 1 > diag;
       if constexpr (!kPacked) return list ? (list[i] & 1) != 0 : crosses;
-      return list ? ((list[i] & 1) != 0) | crosses : crosses;
+      return list ? ((list[i] & 1) != 0) || crosses : crosses;
     };
     auto issue = [&](int i) {
       const int n = tile_of(i), k0 = n * kBN, buf = i & 1;
       Tensor sK = make_tensor(make_smem_ptr(elem_at((2 + 2 * buf) * kT)), SL{});
       Tensor sV = make_tensor(make_smem_ptr(elem_at((3 + 2 * buf) * kT)), SL{});
-      load_rows<Tr, 64>(kg + int64_t(k0) * p.k_sl, p.k_sl, Lk - k0, p.D, sK, tid);
-      load_rows<Tr, 64>(vg + int64_t(k0) * p.v_sl, p.v_sl, Lk - k0, p.D, sV, tid);
+      load_rows<Tr, 64>(kg + int64_t(k0) * p.k_sl, p.k_sl, Lk() - k0, p.D, sK, tid);
+      load_rows<Tr, 64>(vg + int64_t(k0) * p.v_sl, p.v_sl, Lk() - k0, p.D, sV, tid);
       if constexpr (kHasMask) {
         if (partial_of(i))
-          MaskT::load(mask_smem + buf * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq, Lk, tid);
+          MaskT::load(mask_smem + buf * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq(), Lk(), tid);
       }
       if constexpr (kHasBias) {
-        BiasT::load(bias_smem + buf * BiasT::kBytes, p.bias, bias_base, q0, k0, Lq, Lk, tid);
+        BiasT::load(bias_smem + buf * BiasT::kBytes, p.bias, bias_base, q0, k0, Lq(), Lk(), tid);
       }
     };
 
-    load_rows<Tr, 64>(qg, p.q_sl, Lq - q0, p.D, sQ, tid);
-    load_rows<Tr, 64>(dog, p.do_sl, Lq - q0, p.D, sdO, tid);
+    load_rows<Tr, 64>(qg, p.q_sl, Lq() - q0, p.D, sQ, tid);
+    load_rows<Tr, 64>(dog, p.do_sl, Lq() - q0, p.D, sdO, tid);
     issue(0);
     cp_async_fence();
 
@@ -172,9 +174,9 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
       CUTE_UNROLL
       for (int half = 0; half < 2; ++half) {
         const int qi = q0 + get<0>(cQ(half * 2, mi, 0));
-        float l = qi < Lq ? lse_g[qi] : INFINITY;
+        float l = qi < Lq() ? lse_g[qi] : INFINITY;
         row_lse[mi * 2 + half] = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
-        row_delta[mi * 2 + half] = qi < Lq ? delta_g[qi] : 0.f;
+        row_delta[mi * 2 + half] = qi < Lq() ? delta_g[qi] : 0.f;
       }
     }
     const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
       gemm_ss(mma, acc_s, rQ, rK, sQ, sK, ldsm_a, ldsm_b, tid);
       gemm_ss(mma, acc_dp, rdO, rK, sdO, sV, ldsm_a, ldsm_b, tid);
 
-      const bool check = partial || (k0 + kBN > Lk);
+      const bool check = partial || (k0 + kBN > Lk());
       CUTE_UNROLL
       for (int e = 0; e < size(acc_s); ++e) {
         const int r = get<0>(cS(e)), c = get<1>(cS(e));
@@ -212,10 +214,10 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
         bool visible = true;
         if (check) {
           const int qi = q0 + r, kj = k0 + c;
-          visible = kj < Lk;
+          visible = kj < Lk();
           // Bitwise, not short-circuit: no per-element branches (the mask tile read is in
           // bounds either way and ignored when !partial).
-          visible &= !p.causal | (kj <= qi + Lk - Lq);
+          visible &= !p.causal | (kj <= qi + Lk() - Lq());
           if constexpr (kHasMask) {
             visible &= !partial | (MaskT::read(mtile, mask_rows, r, c) != 0);
           }
@@ -225,7 +227,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
         if constexpr (kHasBias) {
           if (p.dbias_full != nullptr) {
             const int qi = q0 + r, kj = k0 + c;
-            if (qi < Lq && kj < Lk) {
+            if (qi < Lq() && kj < Lk()) {
               Elem* db = reinterpret_cast<Elem*>(p.dbias_full) + int64_t(b) * p.dbf_sb +
                          int64_t(h) * p.dbf_sh + int64_t(qi) * p.dbf_sq + kj;
               *db = Elem(ds);
@@ -250,7 +252,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
       const int row = q0 + get<0>(cQ(half * 2, mi, 0));
-      if (row >= Lq) continue;
+      if (row >= Lq()) continue;
       Elem* drow = dq + int64_t(row) * p.dq_sl;
       CUTE_UNROLL
       for (int ni = 0; ni < size<2>(acc_dq); ++ni) {
@@ -293,10 +295,12 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
   const int b = slot / p.Hkv, hkv = slot % p.Hkv;
   const int k0 = n_block * kBN;
   const SeqRows sr = seq_rows(p, b);
-  const int Lq = sr.Lq, Lk = sr.Lk;
+  // Lengths read where used: dense calls straight from the parameters (kept uniform).
+  const auto Lq = [&] { return seq_lq(p, sr); };
+  const auto Lk = [&] { return seq_lk(p, sr); };
   // Packed calls size the grid by the longest sequence: tiles past this one's end do nothing.
-  if (kPacked && k0 >= Lk) return;
-  const int m_tiles = (Lq + kBM - 1) / kBM;
+  if (kPacked && k0 >= Lk()) return;
+  const int m_tiles = (Lq() + kBM - 1) / kBM;
 
   using SL = typename Tr::template SmemTile<64>;
   using SLT = typename Tr::template SmemTileT<64>;  // swizzled: what ldmatrix reads
@@ -321,8 +325,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
                    (sr.k_row0 + k0) * p.k_sl + int64_t(hkv) * p.k_sh;
   const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb +
                    (sr.k_row0 + k0) * p.v_sl + int64_t(hkv) * p.v_sh;
-  load_rows<Tr, 64>(kg, p.k_sl, Lk - k0, p.D, sK, tid);
-  load_rows<Tr, 64>(vg, p.v_sl, Lk - k0, p.D, sV, tid);
+  load_rows<Tr, 64>(kg, p.k_sl, Lk() - k0, p.D, sK, tid);
+  load_rows<Tr, 64>(vg, p.v_sl, Lk() - k0, p.D, sV, tid);
   cp_async_fence();
 
   Tensor rK = thr_mma.partition_fragment_A(sK);
@@ -357,16 +361,16 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
       const int m = tile_of(i), q0 = m * kBM, buf = i & 1;
       Tensor sQ = make_tensor(make_smem_ptr(elem_at((2 + 2 * buf) * kT)), SL{});
       Tensor sdO = make_tensor(make_smem_ptr(elem_at((3 + 2 * buf) * kT)), SL{});
-      load_rows<Tr, 64>(qg + int64_t(q0) * p.q_sl, p.q_sl, Lq - q0, p.D, sQ, tid);
-      load_rows<Tr, 64>(dog + int64_t(q0) * p.do_sl, p.do_sl, Lq - q0, p.D, sdO, tid);
-      load_floats<kBM>(lse_s + buf * kBM, lse_g + q0, Lq - q0, tid, kThreads);
-      load_floats<kBM>(delta_s + buf * kBM, delta_g + q0, Lq - q0, tid, kThreads);
+      load_rows<Tr, 64>(qg + int64_t(q0) * p.q_sl, p.q_sl, Lq() - q0, p.D, sQ, tid);
+      load_rows<Tr, 64>(dog + int64_t(q0) * p.do_sl, p.do_sl, Lq() - q0, p.D, sdO, tid);
+      load_floats<kBM>(lse_s + buf * kBM, lse_g + q0, Lq() - q0, tid, kThreads);
+      load_floats<kBM>(delta_s + buf * kBM, delta_g + q0, Lq() - q0, tid, kThreads);
       if constexpr (kHasMask) {
         if (partial_of(i))
-          MaskT::load(mask_smem + buf * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq, Lk, tid);
+          MaskT::load(mask_smem + buf * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq(), Lk(), tid);
       }
       if constexpr (kHasBias) {
-        BiasT::load(bias_smem + buf * BiasT::kBytes, p.bias, bias_base, q0, k0, Lq, Lk, tid);
+        BiasT::load(bias_smem + buf * BiasT::kBytes, p.bias, bias_base, q0, k0, Lq(), Lk(), tid);
       }
     };
 
@@ -397,7 +401,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
       clear(acc_s);
       gemm_ss(mma, acc_s, rK, rQ, sK, sQ, ldsm_a, ldsm_b, tid);
 
-      const bool check = partial || (q0 + kBM > Lq) || (k0 + kBN > Lk);
+      const bool check = partial || (q0 + kBM > Lq()) || (k0 + kBN > Lk());
       Tensor dts = make_tensor_like(acc_s);
       CUTE_UNROLL
       for (int e = 0; e < size(acc_s); ++e) {
@@ -409,8 +413,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
         bool visible = true;
         if (check) {
           const int qi = q0 + c, kj = k0 + r;
-          visible = qi < Lq && kj < Lk;
-          visible &= !p.causal | (kj <= qi + Lk - Lq);  // bitwise: branch-free
+          visible = qi < Lq() && kj < Lk();
+          visible &= !p.causal | (kj <= qi + Lk() - Lq());  // bitwise: branch-free
           if constexpr (kHasMask) {
             visible &= !partial | (MaskT::read(mtile, mask_rows, c, r) != 0);
           }
@@ -456,7 +460,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
       }
       __syncthreads();
       for (int r = tid; r < kBN; r += kThreads) {
-        if (k0 + r < Lk) {
+        if (k0 + r < Lk()) {
           float v = 0.f;
           for (int w = 0; w < Tr::kWarpsN; ++w) v += red_s[w * kBN + r];
           p.dbias_keys[dbias_key_offset(p, sr, b, h) + k0 + r] = v;
@@ -470,8 +474,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
              int64_t(hkv) * p.dk_sh;
   Elem* dv = reinterpret_cast<Elem*>(p.dv) + int64_t(b) * p.dv_sb + sr.k_row0 * p.dv_sl +
              int64_t(hkv) * p.dv_sh;
-  store_rows(dk, p.dk_sl, k0, Lk, p.D, p.scale, acc_dk, cKV);
-  store_rows(dv, p.dv_sl, k0, Lk, p.D, 1.f, acc_dv, cKV);
+  store_rows(dk, p.dk_sl, k0, Lk(), p.D, p.scale, acc_dk, cKV);
+  store_rows(dv, p.dv_sl, k0, Lk(), p.D, 1.f, acc_dv, cKV);
 }
 
 // ---------------------------------------------------------------------------------------------

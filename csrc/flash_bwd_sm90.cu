@@ -211,10 +211,12 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
   const int k0 = n_block * kBN;
   const int kw = 64 * wg;  // this warpgroup's keys: k0 + kw + [0, 64)
   const SeqRows sr = seq_rows(p, b);
-  const int Lq = sr.Lq, Lk = sr.Lk;
+  // Lengths read where used: dense calls straight from the parameters (kept uniform).
+  const auto Lq = [&] { return seq_lq(p, sr); };
+  const auto Lk = [&] { return seq_lk(p, sr); };
   // Packed calls size the grid by the longest sequence: tiles past this one's end do nothing.
-  if (kPacked && k0 >= Lk) return;
-  const int m_tiles = (Lq + kBM - 1) / kBM;
+  if (kPacked && k0 >= Lk()) return;
+  const int m_tiles = (Lq() + kBM - 1) / kBM;
   // Query tiles per (b, h) of the fused-dQ accumulator (dense calls only).
   const int accum_m_tiles = (p.Lq + kBM - 1) / kBM;
   auto at = [&](int off) { return make_smem_ptr(reinterpret_cast<Elem*>(smem + off)); };
@@ -225,9 +227,9 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
                    (sr.k_row0 + k0) * p.v_sl + int64_t(hkv) * p.v_sh;
   CUTE_UNROLL
   for (int w = 0; w < 2; ++w) {
-    load_tile64<Cfg>(kg + int64_t(64 * w) * p.k_sl, p.k_sl, Lk - k0 - 64 * w, p.D,
+    load_tile64<Cfg>(kg + int64_t(64 * w) * p.k_sl, p.k_sl, Lk() - k0 - 64 * w, p.D,
                      smem + w * kT, tid);
-    load_tile64<Cfg>(vg + int64_t(64 * w) * p.v_sl, p.v_sl, Lk - k0 - 64 * w, p.D,
+    load_tile64<Cfg>(vg + int64_t(64 * w) * p.v_sl, p.v_sl, Lk() - k0 - 64 * w, p.D,
                      smem + (2 + w) * kT, tid);
   }
   cp_async_fence();
@@ -272,17 +274,17 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
     auto partial_of = [&](int i) { return list ? (list[i] & 1) != 0 : key_partial; };
     auto issue = [&](int i) {
       const int q0 = tile_of(i) * kBM, st = i & 1;
-      load_tile64<Cfg>(qg + int64_t(q0) * p.q_sl, p.q_sl, Lq - q0, p.D, smem + (4 + 2 * st) * kT, tid);
-      load_tile64<Cfg>(dog + int64_t(q0) * p.do_sl, p.do_sl, Lq - q0, p.D,
+      load_tile64<Cfg>(qg + int64_t(q0) * p.q_sl, p.q_sl, Lq() - q0, p.D, smem + (4 + 2 * st) * kT, tid);
+      load_tile64<Cfg>(dog + int64_t(q0) * p.do_sl, p.do_sl, Lq() - q0, p.D,
                        smem + (5 + 2 * st) * kT, tid);
-      load_floats<kBM>(lse_s + st * kBM, lse_g + q0, Lq - q0, tid, Cfg::kThreads);
-      load_floats<kBM>(delta_s + st * kBM, delta_g + q0, Lq - q0, tid, Cfg::kThreads);
+      load_floats<kBM>(lse_s + st * kBM, lse_g + q0, Lq() - q0, tid, Cfg::kThreads);
+      load_floats<kBM>(delta_s + st * kBM, delta_g + q0, Lq() - q0, tid, Cfg::kThreads);
       if constexpr (kHasMask) {
         if (partial_of(i))
-          MaskT::load(mask_smem + st * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq, Lk, tid);
+          MaskT::load(mask_smem + st * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq(), Lk(), tid);
       }
       if constexpr (kHasBias) {
-        BiasT::load(bias_smem + st * BiasT::kBytes, p.bias, bias_base, q0, k0, Lq, Lk, tid);
+        BiasT::load(bias_smem + st * BiasT::kBytes, p.bias, bias_base, q0, k0, Lq(), Lk(), tid);
       }
     };
 
@@ -316,7 +318,7 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
       const float* delta_t = delta_s + st * kBM;
       const char* mtile = mask_smem + st * MaskT::kBytes;
       const char* btile = bias_smem + st * BiasT::kBytes;
-      const bool check = partial || (q0 + kBM > Lq) || (k0 + kw + 64 > Lk);
+      const bool check = partial || (q0 + kBM > Lq()) || (k0 + kw + 64 > Lk());
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
         CUTE_UNROLL
@@ -332,8 +334,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
             if (check) {
               const int qi = q0 + qc, kj = k0 + kr;
               // Bitwise, not short-circuit: no per-element branches.
-              visible = (qi < Lq) & (kj < Lk);
-              visible &= !p.causal | (kj <= qi + Lk - Lq);
+              visible = (qi < Lq()) & (kj < Lk());
+              visible &= !p.causal | (kj <= qi + Lk() - Lq());
               if constexpr (kHasMask) {
                 visible &= !partial | (MaskT::read(mtile, mask_rows, qc, kr) != 0);
               }
@@ -379,7 +381,7 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
       for (int r = 0; r < 2; ++r) {
         const float v = quad_sum(key_dbias[r]);
         const int kj = k0 + kw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
-        if (lane % 4 == 0 && kj < Lk) {
+        if (lane % 4 == 0 && kj < Lk()) {
           p.dbias_keys[dbias_key_offset(p, sr, b, h) + kj] = v;
         }
       }
@@ -394,8 +396,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
              int64_t(hkv) * p.dk_sh;
   Elem* dv = reinterpret_cast<Elem*>(p.dv) + int64_t(b) * p.dv_sb + sr.k_row0 * p.dv_sl +
              int64_t(hkv) * p.dv_sh;
-  store_wg_rows(dk, p.dk_sl, k0 + kw, Lk, p.D, p.scale, acc_dk, cKV);
-  store_wg_rows(dv, p.dv_sl, k0 + kw, Lk, p.D, 1.f, acc_dv, cKV);
+  store_wg_rows(dk, p.dk_sl, k0 + kw, Lk(), p.D, p.scale, acc_dk, cKV);
+  store_wg_rows(dv, p.dv_sl, k0 + kw, Lk(), p.D, 1.f, acc_dv, cKV);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -419,7 +421,9 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
   auto at = [&](int off) { return make_smem_ptr(reinterpret_cast<Elem*>(smem + off)); };
 
   const SeqRows sr = seq_rows(p, b);
-  const int Lq = sr.Lq, Lk = sr.Lk;
+  // Lengths read where used: dense calls straight from the parameters (kept uniform).
+  const auto Lq = [&] { return seq_lq(p, sr); };
+  const auto Lk = [&] { return seq_lk(p, sr); };
   const int32_t* list;
   const int n_steps = key_tiles_of<kBM, kBN>(p, sr, b, h, m_block, q0, list);
 
@@ -445,22 +449,22 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
       CUTE_UNROLL
       for (int w = 0; w < 2; ++w) {
         const int kk = k0 + 64 * w;
-        load_tile64<Cfg>(walk.k + int64_t(kk) * p.k_sl, p.k_sl, Lk - kk, p.D,
+        load_tile64<Cfg>(walk.k + int64_t(kk) * p.k_sl, p.k_sl, Lk() - kk, p.D,
                          smem + (2 + 4 * st + w) * kT, tid);
-        load_tile64<Cfg>(walk.v + int64_t(kk) * p.v_sl, p.v_sl, Lk - kk, p.D,
+        load_tile64<Cfg>(walk.v + int64_t(kk) * p.v_sl, p.v_sl, Lk() - kk, p.D,
                          smem + (4 + 4 * st + w) * kT, tid);
       }
       if constexpr (kHasMask) {
-        if (walk.partial(p, i, k0))
-          MaskT::load(mask_smem + st * MaskT::kBytes, p.mask, walk.mask, q0, k0, Lq, Lk, tid);
+        if (walk.partial(p, i, k0, Lq(), Lk()))
+          MaskT::load(mask_smem + st * MaskT::kBytes, p.mask, walk.mask, q0, k0, Lq(), Lk(), tid);
       }
       if constexpr (kHasBias) {
-        BiasT::load(bias_smem + st * BiasT::kBytes, p.bias, walk.bias, q0, k0, Lq, Lk, tid);
+        BiasT::load(bias_smem + st * BiasT::kBytes, p.bias, walk.bias, q0, k0, Lq(), Lk(), tid);
       }
     };
 
-    load_tile64<Cfg>(walk.q, p.q_sl, Lq - q0, p.D, smem, tid);
-    load_tile64<Cfg>(dog, p.do_sl, Lq - q0, p.D, smem + kT, tid);
+    load_tile64<Cfg>(walk.q, p.q_sl, Lq() - q0, p.D, smem, tid);
+    load_tile64<Cfg>(dog, p.do_sl, Lq() - q0, p.D, smem + kT, tid);
     issue(0);
     cp_async_fence();
 
@@ -469,9 +473,9 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       const int qi = q0 + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
-      const float l = qi < Lq ? lse_g[qi] : INFINITY;
+      const float l = qi < Lq() ? lse_g[qi] : INFINITY;
       row_lse[r] = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
-      row_delta[r] = qi < Lq ? delta_g[qi] : 0.f;
+      row_delta[r] = qi < Lq() ? delta_g[qi] : 0.f;
     }
     Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(at(0), typename Cfg::Tile{}));
     Tensor tSrdO = thr_s.partition_fragment_A(make_tensor(at(kT), typename Cfg::Tile{}));
@@ -479,7 +483,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
 
     for (int i = 0; i < n_steps; ++i) {
       const int st = i & 1, k0 = walk.tile(i) * kBN;
-      const bool partial = walk.partial(p, i, k0);
+      const bool partial = walk.partial(p, i, k0, Lq(), Lk());
       cp_async_wait<0>();
       fence_async_shared();
       __syncthreads();  // step i's tiles landed; both warpgroups are done with step i - 1's stage
@@ -500,15 +504,15 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
 
       const char* mtile = mask_smem + st * MaskT::kBytes;
       const char* btile = bias_smem + st * BiasT::kBytes;
-      const bool check = partial || (k0 + kw + 64 > Lk);
+      const bool check = partial || (k0 + kw + 64 > Lk());
       const bool use_mask = kHasMask && partial;
       // A thread's values come in pairs of adjacent keys (c, c + 1), c even: their mask / bias
       // are read as one 2- / 4-byte word; the causal / ragged bound is one key limit per row.
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
         const int qr = get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
-        int limit = Lk - k0;  // keys k0 + kc with kc < limit are visible to this row
-        if (p.causal) limit = min(limit, q0 + qr + Lk - Lq - k0 + 1);
+        int limit = Lk() - k0;  // keys k0 + kc with kc < limit are visible to this row
+        if (p.causal) limit = min(limit, q0 + qr + Lk() - Lq() - k0 + 1);
         if (!check) limit = kBN;
         CUTE_UNROLL
         for (int g = 0; g < kGroups; ++g) {
@@ -532,7 +536,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
             if constexpr (kHasBias) {
               if (p.dbias_full != nullptr) {
                 const int qi = q0 + qr, kj = k0 + kc + c2;
-                if (qi < Lq && kj < Lk) {
+                if (qi < Lq() && kj < Lk()) {
                   Elem* db = reinterpret_cast<Elem*>(p.dbias_full) + int64_t(b) * p.dbf_sb +
                              int64_t(h) * p.dbf_sh + int64_t(qi) * p.dbf_sq + kj;
                   *db = Elem(ds);
@@ -570,7 +574,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
   Tensor cQ = thr_g.partition_C(make_identity_tensor(Shape<_64, Int<kD>>{}));
   Elem* dq = reinterpret_cast<Elem*>(p.dq) + int64_t(b) * p.dq_sb + sr.q_row0 * p.dq_sl +
              int64_t(h) * p.dq_sh;
-  store_wg_rows(dq, p.dq_sl, q0, Lq, p.D, p.scale, acc_dq, cQ);
+  store_wg_rows(dq, p.dq_sl, q0, Lq(), p.D, p.scale, acc_dq, cQ);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -44,7 +44,9 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
   const int q0 = m_block * kBlockM;
 
   const SeqRows sr = seq_rows(p, b);
-  const int Lq = sr.Lq, Lk = sr.Lk;
+  // Lengths read where used: dense calls straight from the parameters (kept uniform).
+  const auto Lq = [&] { return seq_lq(p, sr); };
+  const auto Lk = [&] { return seq_lk(p, sr); };
   const int32_t* list;
   const int n_steps = key_tiles_of<kBlockM, kBlockN>(p, sr, b, h, m_block, q0, list);
 
@@ -83,12 +85,12 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
     const Elem *qg = walk.q, *kg = walk.k, *vg = walk.v;
     const char *mask_base = walk.mask, *bias_base = walk.bias;
     auto tile_of = [&](int i) { return walk.tile(i); };
-    auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0); };
+    auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0, Lq(), Lk()); };
 
-    load_rows<Tr, kBlockM>(qg, p.q_sl, Lq - q0, p.D, sQ, tid);
+    load_rows<Tr, kBlockM>(qg, p.q_sl, Lq() - q0, p.D, sQ, tid);
     {
       const int n0 = tile_of(0);
-      load_rows<Tr, kBlockN>(kg + int64_t(n0) * kBlockN * p.k_sl, p.k_sl, Lk - n0 * kBlockN,
+      load_rows<Tr, kBlockN>(kg + int64_t(n0) * kBlockN * p.k_sl, p.k_sl, Lk() - n0 * kBlockN,
                              p.D, sK, tid);
     }
     cp_async_fence();
@@ -110,13 +112,13 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
       clear(acc_s);
       cp_async_wait<0>();
       __syncthreads();  // K(n) (and Q) landed; every thread is done with V(n-1) and tile smem
-      load_rows<Tr, kBlockN>(vg + int64_t(k0) * p.v_sl, p.v_sl, Lk - k0, p.D, sV, tid);
+      load_rows<Tr, kBlockN>(vg + int64_t(k0) * p.v_sl, p.v_sl, Lk() - k0, p.D, sV, tid);
       const bool need_mask = kHasMask && partial;
       if constexpr (kHasMask) {
-        if (need_mask) Cfg::MaskTile::load(mask_smem, p.mask, mask_base, q0, k0, Lq, Lk, tid);
+        if (need_mask) Cfg::MaskTile::load(mask_smem, p.mask, mask_base, q0, k0, Lq(), Lk(), tid);
       }
       if constexpr (kHasBias) {
-        Cfg::BiasTile::load(bias_smem, p.bias, bias_base, q0, k0, Lq, Lk, tid);
+        Cfg::BiasTile::load(bias_smem, p.bias, bias_base, q0, k0, Lq(), Lk(), tid);
       }
       cp_async_fence();
 
@@ -128,7 +130,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
         __syncthreads();
       }
       // Scores in natural-log units, invisible elements at -inf.
-      const bool check = partial || (k0 + kBlockN > Lk);
+      const bool check = partial || (k0 + kBlockN > Lk());
       CUTE_UNROLL
       for (int e = 0; e < size(acc_s); ++e) {
         float s = acc_s(e);
@@ -143,10 +145,10 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
         }
         if (check) {
           const int qi = q0 + r, kj = k0 + c;
-          bool visible = kj < Lk;
+          bool visible = kj < Lk();
           // Bitwise, not short-circuit: no per-element branches (the mask tile read is in
           // bounds either way and ignored when !need_mask).
-          visible &= !p.causal | (kj <= qi + Lk - Lq);
+          visible &= !p.causal | (kj <= qi + Lk() - Lq());
           if constexpr (kHasMask) {
             visible &= !need_mask | (Cfg::MaskTile::read(mask_smem, mask_rows, r, c) != 0);
           }
@@ -196,7 +198,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
       if (i + 1 < n_steps) {
         const int nn = tile_of(i + 1);
         load_rows<Tr, kBlockN>(kg + int64_t(nn) * kBlockN * p.k_sl, p.k_sl,
-                               Lk - nn * kBlockN, p.D, sK, tid);
+                               Lk() - nn * kBlockN, p.D, sK, tid);
       }
       cp_async_fence();
       gemm_rs(mma, acc_o, rPa, rVt, sVt, ldsm_vt, tid);
@@ -213,7 +215,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
       const float sum = quad_sum(row_sum[r]);
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
       const int row = q0 + get<0>(cO(half * 2, mi, 0));
-      if (row < Lq) {
+      if (row < Lq()) {
         if (lane % 4 == 0) lse[row] = sum > 0.f ? row_max[r] + logf(sum) : -INFINITY;
         Elem* orow = out + int64_t(row) * p.o_sl;
         CUTE_UNROLL

@@ -77,7 +77,9 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
   const int q0 = m_block * kBlockM;
 
   const SeqRows sr = seq_rows(p, b);
-  const int Lq = sr.Lq, Lk = sr.Lk;
+  // Lengths read where used: dense calls straight from the parameters (kept uniform).
+  const auto Lq = [&] { return seq_lq(p, sr); };
+  const auto Lk = [&] { return seq_lk(p, sr); };
   const int32_t* list;
   const int n_steps = key_tiles_of<kBlockM, kBlockN>(p, sr, b, h, m_block, q0, list);
 
@@ -107,30 +109,30 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     const Elem *qg = walk.q, *kg = walk.k, *vg = walk.v;
     const char *mask_base = walk.mask, *bias_base = walk.bias;
     auto tile_of = [&](int i) { return walk.tile(i); };
-    auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0); };
+    auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0, Lq(), Lk()); };
 
     constexpr int kStageBytes = kBlockN * kD * 2;
     auto load_k = [&](int i, int stage) {
       const int k0 = tile_of(i) * kBlockN;
       load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kThreads, kBlockN>(
-          kg + int64_t(k0) * p.k_sl, p.k_sl, Lk - k0, p.D, smem + Cfg::kKOff + stage * kStageBytes,
+          kg + int64_t(k0) * p.k_sl, p.k_sl, Lk() - k0, p.D, smem + Cfg::kKOff + stage * kStageBytes,
           tid);
     };
     auto load_v = [&](int i, int stage) {
       const int k0 = tile_of(i) * kBlockN;
       load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kThreads, kBlockN>(
-          vg + int64_t(k0) * p.v_sl, p.v_sl, Lk - k0, p.D, smem + Cfg::kVOff + stage * kStageBytes,
+          vg + int64_t(k0) * p.v_sl, p.v_sl, Lk() - k0, p.D, smem + Cfg::kVOff + stage * kStageBytes,
           tid);
     };
     auto load_mask_bias = [&](int i) {
       const int k0 = tile_of(i) * kBlockN;
       if constexpr (kHasMask) {
         if (partial_of(i, k0)) {
-          Cfg::MaskTile::load(mask_smem, p.mask, mask_base, q0, k0, Lq, Lk, tid);
+          Cfg::MaskTile::load(mask_smem, p.mask, mask_base, q0, k0, Lq(), Lk(), tid);
         }
       }
       if constexpr (kHasBias) {
-        Cfg::BiasTile::load(bias_smem, p.bias, bias_base, q0, k0, Lq, Lk, tid);
+        Cfg::BiasTile::load(bias_smem, p.bias, bias_base, q0, k0, Lq(), Lk(), tid);
       }
     };
 
@@ -181,7 +183,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
           }
         }
       }
-      if (partial || (k0 + kBlockN > Lk)) {
+      if (partial || (k0 + kBlockN > Lk())) {
         // Branch-free: every element gets a select, the mask word is read unconditionally
         // (bitwise &, not &&, so the compiler does not guard the load with a branch).
         auto apply = [&](auto with_mask) {
@@ -189,8 +191,8 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
           for (int r = 0; r < 2; ++r) {
             const int row = get<0>(cS(make_coord(0, r, 0), 0, 0));
             // Columns < limit are in range and causally visible to this row.
-            int limit = Lk - k0;
-            if (p.causal) limit = min(limit, q0 + row + Lk - Lq - k0 + 1);
+            int limit = Lk() - k0;
+            if (p.causal) limit = min(limit, q0 + row + Lk() - Lq() - k0 + 1);
             CUTE_UNROLL
             for (int g = 0; g < kGroupsS; ++g) {
               const int c = get<1>(cS(make_coord(0, r, g), 0, 0));
@@ -257,7 +259,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       }
     };
 
-    load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kThreads, kBlockM>(qg, p.q_sl, Lq - q0, p.D, smem,
+    load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kThreads, kBlockM>(qg, p.q_sl, Lq() - q0, p.D, smem,
                                                                 tid);
     load_k(0, 0);
     load_v(0, 0);
@@ -305,7 +307,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     const float sum = quad_sum(row_sum[r]);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     const int row = q0 + get<0>(cO(make_coord(0, r, 0), 0, 0));
-    if (row < Lq) {
+    if (row < Lq()) {
       if (lane % 4 == 0) lse[row] = sum > 0.f ? row_max[r] + logf(sum) : -INFINITY;
       Elem* orow = out + int64_t(row) * p.o_sl;
       CUTE_UNROLL
