@@ -393,3 +393,12 @@ class VarlenAttentionOp:
             q, k, v, cu_q, cu_k, int(max_q), int(max_k), mask, bias, float(scale),
             bool(is_causal), float(softcap), bool(deterministic),
         )
+
+    def attention(self, inputs) -> Tensor:
+        """The output of a validated :class:`~flash_dmattn.inputs.VarlenInputs` call."""
+        out, _ = self(
+            inputs.query, inputs.key, inputs.value, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
+            inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.attn_mask, inputs.attn_bias,
+            inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
+        )
+        return out

@@ -66,7 +66,9 @@ class CudaBackend(Backend):
         version = toolchain.nvcc_version(nvcc) if nvcc else None
         return f"nvcc {version}" if version else "-"
 
-    def not_supported_reasons(self, inputs) -> List[str]:
+    @staticmethod
+    def _call_reasons(inputs) -> List[str]:
+        """Reasons shared by dense and packed calls: device, kernel spec, attention probs."""
         reasons = []
         if inputs.device.type != "cuda":
             reasons.append(f"tensors on {inputs.device.type} (needs CUDA)")
@@ -76,6 +78,10 @@ class CudaBackend(Backend):
             reasons.append(str(exc))
         if inputs.return_attn_probs:
             reasons.append("return_attn_probs is not supported (use torch-reference)")
+        return reasons
+
+    def not_supported_reasons(self, inputs) -> List[str]:
+        reasons = self._call_reasons(inputs)
         from .kernels import input_reasons
 
         reasons.extend(r for r in input_reasons(
@@ -89,15 +95,7 @@ class CudaBackend(Backend):
 
     def varlen_not_supported_reasons(self, inputs) -> List[str]:
         """Why the kernels cannot run packed sequences ``inputs`` (a VarlenInputs)."""
-        reasons = []
-        if inputs.device.type != "cuda":
-            reasons.append(f"tensors on {inputs.device.type} (needs CUDA)")
-        try:
-            KernelSpec.from_inputs(inputs)
-        except ValueError as exc:
-            reasons.append(str(exc))
-        if inputs.return_attn_probs:
-            reasons.append("return_attn_probs is not supported (use torch-reference)")
+        reasons = self._call_reasons(inputs)
         from .kernels import varlen_input_reasons
 
         reasons.extend(r for r in varlen_input_reasons(
@@ -106,12 +104,7 @@ class CudaBackend(Backend):
 
     def varlen_attention(self, inputs):
         """Packed-sequence attention (SPEC §4) through the ``cuda_varlen`` custom ops."""
-        out, _ = cuda_varlen_op()(
-            inputs.query, inputs.key, inputs.value, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
-            inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.attn_mask, inputs.attn_bias,
-            inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
-        )
-        return out
+        return cuda_varlen_op().attention(inputs)
 
     def auto_skip_reasons(self, inputs) -> List[str]:
         # Auto-dispatch passes over these kernels until the benchmark measures them at least as

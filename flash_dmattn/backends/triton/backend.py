@@ -169,12 +169,7 @@ class TritonBackend(Backend):
 
     def varlen_attention(self, inputs):
         """Packed-sequence attention (SPEC §4) through the ``triton_varlen`` custom ops."""
-        out, _ = triton_varlen_op()(
-            inputs.query, inputs.key, inputs.value, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
-            inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.attn_mask, inputs.attn_bias,
-            inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
-        )
-        return out
+        return triton_varlen_op().attention(inputs)
 
     def auto_skip_reasons(self, inputs) -> List[str]:
         if inputs.device.type == "cpu":
