@@ -286,6 +286,9 @@ def _decode_split_kernel(
     if HAS_CACHE:
         # Clamped: values are not checked on the GPU (that would sync), memory stays safe.
         kv_len = tl.minimum(tl.maximum(tl.load(CacheSeqlens + b), 0), seqlen_k)
+        # The splits divide this batch's used keys, not the capacity: with a cache half full,
+        # splits past the used length would exit at once while the rest did twice the work.
+        keys_per_split = tl.cdiv(tl.cdiv(kv_len, tl.num_programs(0)), BLOCK_N) * BLOCK_N
     else:
         kv_len = seqlen_k
     start = pid_s * keys_per_split
@@ -443,9 +446,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torc
     without a mask (H200, ``scripts/decode_configs.py --splits``, 2026-11-22: B1 Lk 32K with a
     mask 0.048 ms at 64 splits against 0.057 at 128). An earlier sweep under the autotuner had
     favoured twice the splits with a mask; that was the autotuner picking slow configs at the
-    lower count. With ``cache_seqlens`` the capacity ``Lk`` is split (the used lengths live on
-    the device; splits past a batch's length exit at once). Under the CPU interpreter: a few
-    splits, so the combine step is always exercised.
+    lower count. With ``cache_seqlens`` the count is chosen from the capacity ``Lk`` (the used
+    lengths live on the device) and each batch's used keys are divided among its splits in the
+    kernel. Under the CPU interpreter: a few splits, so the combine step is always exercised.
     """
     if seqlen_k <= 0:
         return 1
