@@ -356,7 +356,10 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
     const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.aux_row0) : nullptr;
     const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.aux_row0) : nullptr;
     auto tile_of = [&](int i) { return list ? (list[i] >> 1) : m_first + i; };
-    auto partial_of = [&](int i) { return list ? (list[i] & 1) != 0 : key_partial; };
+    auto partial_of = [&](int i) -> bool {
+      return list ? (list[i] & 1) != 0
+                  : dkdv_tile_partial<kBM, kBN>(p, sr, key_partial, k0, tile_of(i) * kBM);
+    };
     auto issue = [&](int i) {
       const int m = tile_of(i), q0 = m * kBM, buf = i & 1;
       Tensor sQ = make_tensor(make_smem_ptr(elem_at((2 + 2 * buf) * kT)), SL{});

@@ -271,7 +271,10 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
     const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.aux_row0) : nullptr;
     const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.aux_row0) : nullptr;
     auto tile_of = [&](int i) { return list ? (list[i] >> 1) : m_first + i; };
-    auto partial_of = [&](int i) { return list ? (list[i] & 1) != 0 : key_partial; };
+    auto partial_of = [&](int i) -> bool {
+      return list ? (list[i] & 1) != 0
+                  : dkdv_tile_partial<kBM, kBN>(p, sr, key_partial, k0, tile_of(i) * kBM);
+    };
     auto issue = [&](int i) {
       const int q0 = tile_of(i) * kBM, st = i & 1;
       load_tile64<Cfg>(qg + int64_t(q0) * p.q_sl, p.q_sl, Lq() - q0, p.D, smem + (4 + 2 * st) * kT, tid);

@@ -403,8 +403,9 @@ __device__ __forceinline__ int key_tiles_of(const FwdParams& p, const SeqRows& s
 // row of live query tiles (m_steps entries), or nullptr and the tiles m_first ..
 // m_first + m_steps - 1 (every tile up to the causal limit). A packed call's list is its
 // sequence's per-key-mask key tiles: whether this key tile has a live key at all, and whether
-// all of its keys are (key_partial false: no mask tile to load). key_partial: the walked tiles
-// need element checks.
+// all of its keys are. key_partial: every walked tile needs element checks (dense: causal
+// without a list; packed: some key of the tile is masked -- the causal part is per query tile,
+// see dkdv_tile_partial).
 template <int kBM, int kBN>
 __device__ __forceinline__ const int32_t* dkdv_query_tiles(const BwdParams& p, const SeqRows& s,
                                                            int b, int h, int n_block, int m_tiles,
@@ -423,6 +424,7 @@ __device__ __forceinline__ const int32_t* dkdv_query_tiles(const BwdParams& p, c
     }
     return list;
   }
+  key_partial = false;
   if (p.causal) {
     // First query that sees key k0: k0 - (Lk - Lq).
     m_first = max(0, n_block * kBN - (s.Lk - s.Lq)) / kBM;
@@ -434,9 +436,21 @@ __device__ __forceinline__ const int32_t* dkdv_query_tiles(const BwdParams& p, c
     const int pos = list_lower_bound(row, n, n_block);
     const int entry = pos < n ? row[pos] : -1;
     if ((entry >> 1) != n_block) m_steps = 0;
-    key_partial = p.causal | ((entry & 1) != 0);
+    key_partial = (entry & 1) != 0;
   }
   return nullptr;
+}
+
+// Whether the dK/dV step over query tile q0 needs element checks. Packed calls: the key tile's
+// mask flag, or the (key tile, query tile) pair crossing the causal diagonal -- key
+// k0 + kBN - 1 visible to query q0 means every key of the tile is visible to every query of the
+// tile. (Before, every causal tile was checked: the varlen suite's dK/dV did element work on
+// the whole lower triangle.)
+template <int kBM, int kBN>
+__device__ __forceinline__ bool dkdv_tile_partial(const FwdParams& p, const SeqRows& s,
+                                                  bool key_partial, int k0, int q0) {
+  if constexpr (!kPacked) return key_partial;
+  return key_partial || (p.causal && k0 + kBN - 1 > q0 + s.Lk - s.Lq);
 }
 
 // What a forward CTA of query tile q0 of (b, h) reads: Q / K / V at that tile's origin and the
