@@ -370,28 +370,22 @@ template <int kBlockM, int kBlockN>
 __device__ __forceinline__ int key_tiles_of(const FwdParams& p, const SeqRows& s, int b, int h,
                                             int m_block, int q0, const int32_t*& list) {
   list = nullptr;
-  if constexpr (!kPacked) {
-    // Dense calls: a tile's own list row, already cut at its causal limit.
-    const int n_tiles = (p.Lk + kBlockN - 1) / kBlockN;
-    int n_steps = n_tiles;
-    if (p.use_list) {
-      list = list_row(p.list, b, h, m_block, n_steps);
-    } else if (p.causal) {
-      // Last visible key of this tile's last row: q0 + kBlockM - 1 + (Lk - Lq).
-      const int last_key = min(q0 + kBlockM - 1, p.Lq - 1) + (p.Lk - p.Lq);
-      n_steps = last_key < 0 ? 0 : min(n_tiles, last_key / kBlockN + 1);
-    }
+  // Packed calls size the grid by the longest sequence: tiles past this one's end do nothing.
+  if (kPacked && q0 >= seq_lq(p, s)) return 0;
+  const int n_tiles = (seq_lk(p, s) + kBlockN - 1) / kBlockN;
+  int n_steps = n_tiles;
+  if (!kPacked && p.use_list) {
+    // A dense list row is this tile's own, already cut at its causal limit.
+    list = list_row(p.list, b, h, m_block, n_steps);
     return n_steps;
   }
-  // Packed calls size the grid by the longest sequence: tiles past this one's end do nothing.
-  if (q0 >= s.Lq) return 0;
-  const int n_tiles = (s.Lk + kBlockN - 1) / kBlockN;
-  int n_steps = n_tiles;
   if (p.causal) {
-    const int last_key = min(q0 + kBlockM - 1, s.Lq - 1) + (s.Lk - s.Lq);
+    // Last visible key of this tile's last row: q0 + kBlockM - 1 + (Lk - Lq).
+    const int last_key =
+        min(q0 + kBlockM - 1, seq_lq(p, s) - 1) + (seq_lk(p, s) - seq_lq(p, s));
     n_steps = last_key < 0 ? 0 : min(n_tiles, last_key / kBlockN + 1);
   }
-  if (p.use_list) {
+  if (kPacked && p.use_list) {
     int n;
     list = list_row(p.list, b, h, m_block, n);
     return p.causal ? list_lower_bound(list, n, n_steps) : n;
@@ -414,6 +408,9 @@ __device__ __forceinline__ const int32_t* dkdv_query_tiles(const BwdParams& p, c
   m_first = 0;
   m_steps = m_tiles;
   key_partial = p.causal;
+  // The dense branch is written out on its own: folded into the packed code below it compiles
+  // the same operations to different Hopper dK/dV SASS (other registers), which no GPU run has
+  // timed.
   if constexpr (!kPacked) {
     const int32_t* list = nullptr;
     if (p.use_list) {
