@@ -7,6 +7,8 @@
 //       -> [out, lse]
 //   bwd(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, ..., packed...)
 //       -> [dq, dk, dv, dbias]
+//   decode(q, k, v, mask, bias, cache_seqlens, block_table, softmax_scale, is_causal, softcap,
+//          num_splits, poison) -> [out, lse]      (split-KV, forward only; k / v may be pools)
 // Packed sequences (cu_seqlens_q / cu_seqlens_k given): q / k / v are the packed
 // (total, heads, D) tensors viewed as batch 1, a mask / bias is per key (1, Hm, 1, width)
 // with sequence b's keys from cu_aux[b] (or cu_seqlens_k[b] without cu_aux), lse is
@@ -23,6 +25,9 @@
 namespace flash_dmattn {
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream);
 cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream);
+cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream);
+int decode_max_rows();
+int decode_block_n();
 int fwd_block_m();
 int fwd_block_n();
 int bwd_block_m();
@@ -34,6 +39,7 @@ namespace {
 
 using flash_dmattn::Bcast;
 using flash_dmattn::BwdParams;
+using flash_dmattn::DecodeParams;
 using flash_dmattn::FwdParams;
 using flash_dmattn::TileList;
 using OptT = std::optional<at::Tensor>;
@@ -143,13 +149,16 @@ void fill_packed(FwdParams& p, const OptT& cu_q, const OptT& cu_k, const OptT& c
   }
 }
 
+// paged: k / v are page pools (num_pages, page_size, Hkv, D), not batches.
 void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const OptT& mask, const OptT& bias, double scale, bool causal, double softcap) {
+                 const OptT& mask, const OptT& bias, double scale, bool causal, double softcap,
+                 bool paged = false) {
   check_qkv(q, "q");
   check_qkv(k, "k");
   check_qkv(v, "v");
   TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have the same shape");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "q/k batch or head dim differ");
+  TORCH_CHECK((paged || q.size(0) == k.size(0)) && q.size(3) == k.size(3),
+              "q/k batch or head dim differ");
   TORCH_CHECK(q.size(2) % k.size(2) == 0, "kv heads must divide query heads");
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -299,6 +308,83 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   return {dq, dk, dv, dbias};
 }
 
+// Split-KV decode: rows = (H / Hkv) * Lq <= decode_max_rows(). cache_seqlens (B,) int32 limits
+// each batch's keys; block_table (B, P) int32 makes k / v page pools of P * page_size logical
+// keys per batch. num_splits > 1 writes fp32 partials that a second kernel merges. poison fills
+// every kernel-written buffer with NaN first (tests: unwritten elements show).
+std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const OptT& mask, const OptT& bias, const OptT& cache_seqlens,
+                               const OptT& block_table, double softmax_scale, bool is_causal,
+                               double softcap, int64_t num_splits, bool poison) {
+  c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK(!FLASH_DMATTN_PACKED, "decode runs in the dense module of a spec, not -varlen");
+  DecodeParams p;
+  const bool paged = block_table.has_value();
+  fill_common(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap, paged);
+  if (paged) {
+    const at::Tensor& bt = *block_table;
+    TORCH_CHECK(bt.is_cuda() && bt.scalar_type() == at::kInt && bt.dim() == 2 &&
+                    bt.size(0) == q.size(0) && bt.stride(1) == 1,
+                "block_table must be an int32 CUDA (B, pages) tensor with contiguous rows");
+    p.block_table = bt.data_ptr<int32_t>();
+    p.bt_sb = bt.stride(0);
+    p.page_size = static_cast<int>(k.size(1));
+    p.num_pages = static_cast<int>(k.size(0));
+    TORCH_CHECK(p.page_size > 0 && p.page_size % 16 == 0, "page size must be a multiple of 16");
+    p.Lk = static_cast<int>(bt.size(1) * k.size(1));  // logical keys per batch
+  }
+  if (cache_seqlens.has_value()) {
+    const at::Tensor& cs = *cache_seqlens;
+    TORCH_CHECK(cs.is_cuda() && cs.scalar_type() == at::kInt && cs.dim() == 1 &&
+                    cs.size(0) == q.size(0) && cs.is_contiguous(),
+                "cache_seqlens must be a contiguous int32 CUDA (B,) tensor");
+    p.seqused = cs.data_ptr<int32_t>();
+  }
+  p.G = p.H / p.Hkv;
+  p.rows = p.G * p.Lq;
+  TORCH_CHECK(p.rows <= flash_dmattn::decode_max_rows(), "decode takes (H / Hkv) * Lq <= ",
+              flash_dmattn::decode_max_rows(), " rows, got ", p.rows);
+  TORCH_CHECK(int64_t(p.B) * p.Hkv <= 65535, "decode grid: B * Hkv must be <= 65535");
+  // Broadcast masks / biases whose row is the same for every row of a CTA (one query row or
+  // Lq == 1, and one head per group) load one row per tile.
+  auto shared_rows = [&](const OptT& t) {
+    return t.has_value() && (t->size(2) == 1 || p.Lq == 1) && (t->size(1) != p.H || p.G == 1);
+  };
+  p.mask_shared = shared_rows(mask);
+  p.bias_shared = shared_rows(bias);
+  auto fresh = [&](at::IntArrayRef shape, at::ScalarType dtype) {
+    auto opts = q.options().dtype(dtype);
+    return poison ? at::full(shape, NAN, opts) : at::empty(shape, opts);
+  };
+  at::Tensor out = fresh(q.sizes(), q.scalar_type());
+  at::Tensor lse = fresh({p.B, p.H, p.Lq}, at::kFloat);
+  p.out = out.data_ptr();
+  p.o_sb = out.stride(0), p.o_sl = out.stride(1), p.o_sh = out.stride(2);
+  p.lse = lse.data_ptr<float>();
+  if (p.B * p.H * p.Lq == 0) return {out, lse};
+  if (p.Lk == 0) {
+    out.zero_();
+    lse.fill_(-INFINITY);
+    return {out, lse};
+  }
+  p.num_splits = static_cast<int>(std::max<int64_t>(1, num_splits));
+  at::Tensor o_part, lse_part;
+  if (p.num_splits > 1) {
+    const int64_t part_rows = int64_t(p.B) * p.Hkv * p.rows;
+    o_part = fresh({p.num_splits, part_rows, p.D}, at::kFloat);
+    lse_part = fresh({p.num_splits, part_rows}, at::kFloat);
+    p.o_part = o_part.data_ptr<float>();
+    p.lse_part = lse_part.data_ptr<float>();
+  }
+  cudaError_t err = flash_dmattn::run_decode(p, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda decode: ", cudaGetErrorString(err));
+  return {out, lse};
+}
+
+std::vector<int64_t> decode_sizes() {
+  return {flash_dmattn::decode_max_rows(), flash_dmattn::decode_block_n()};
+}
+
 std::vector<int64_t> block_sizes() {
   return {flash_dmattn::fwd_block_m(), flash_dmattn::fwd_block_n(),
           flash_dmattn::bwd_block_m(), flash_dmattn::bwd_block_n()};
@@ -313,4 +399,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_dq", &flash_dmattn::bwd_fused_dq,
         "whether bwd(..., allow_fused_dq=True) computes dQ inside the dK/dV kernel (atomics)");
   m.def("block_sizes", &block_sizes, "(fwd_block_m, fwd_block_n, bwd_block_m, bwd_block_n)");
+  m.def("decode", &decode, "split-KV decode forward (KV cache, paged or not) -> [out, lse]");
+  m.def("decode_sizes", &decode_sizes, "(decode_max_rows, decode_block_n)");
 }

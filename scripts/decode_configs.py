@@ -2,6 +2,7 @@
 
     python3 scripts/decode_configs.py            # every config at the default split count
     python3 scripts/decode_configs.py --splits   # a few configs x half / default / double splits
+    python3 scripts/decode_configs.py --cache    # only part-filled caches (cache_seqlens rows)
 
 The decode kernel used to be autotuned over these configs; some lie within a few percent of
 each other and which one won (and the row's time) changed from one process to the next. This
@@ -31,6 +32,9 @@ def main():
         configs = [c for c in CONFIGS if c in {(64, 4, 2), (128, 4, 2), (64, 4, 4)}]
     rows = ((1, 32768, None), (1, 131072, None), (1, 131072, 0.5), (1, 524288, None),
             (8, 32768, None), (8, 131072, None), (64, 32768, None), (1, 4096, None))
+    if "--cache" in sys.argv[1:]:
+        rows = ((1, 4096, 0.5), (1, 32768, 0.5), (1, 131072, 0.5), (1, 524288, 0.5),
+                (8, 32768, 0.5), (8, 131072, 0.5))
     for B, L, fill in rows:
         for masked in (False, True):
             if fill is not None and not masked:

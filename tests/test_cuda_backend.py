@@ -210,3 +210,195 @@ def test_cuda_varlen_per_sequence_with_tail_rows(d, causal):
                 w[s] = gr
     for name, a, b in zip(["dq", "dk", "dv", "dbias"], got, want):
         assert rel_err(a, b) < 3e-2, (name, rel_err(a, b))
+
+
+# ---------------------------------------------------------------------------------------------
+# Split-KV decode (KV cache, paged or not)
+
+
+def _decode_aux(kind, B, Lq, H, Hkv, Lk, dtype, g):
+    """(mask, bias) of a named broadcast shape, on the GPU."""
+    dev = "cuda"
+    if kind == "none":
+        return None, None
+    if kind == "per_key":  # the dynamic-mask decode case: one row per kv head
+        bias = torch.randn(B, Hkv, 1, Lk, device=dev, generator=g).to(dtype)
+        return bias > -0.5, bias
+    if kind == "full":  # per query head and query: a row per CTA row
+        bias = torch.randn(B, H, Lq, Lk, device=dev, generator=g).to(dtype)
+        return torch.rand(B, H, Lq, Lk, device=dev, generator=g) > 0.3, bias
+    if kind == "padding":  # key padding only, shared by every head
+        return torch.rand(B, 1, 1, Lk, device=dev, generator=g) > 0.2, None
+    if kind == "bias_per_head":  # per query head, broadcast over queries (G rows per CTA)
+        return None, torch.randn(B, H, 1, Lk, device=dev, generator=g).to(dtype)
+    raise ValueError(kind)
+
+
+def _decode_reference(q, k, v, mask, bias, scale, causal, softcap, cs):
+    """float64 reference attention with the KV cache's used lengths."""
+    return reference_attention(q.double(), k.double(), v.double(), mask,
+                               None if bias is None else bias.double(), scale, causal, softcap,
+                               cache_seqlens=cs)
+
+
+def _to_pages(k, v, page, g):
+    B, Lk, Hkv, D = k.shape
+    P = Lk // page
+    perm = torch.randperm(B * P, device=k.device, generator=g)
+    k_pool = torch.full((B * P + 3, page, Hkv, D), float("nan"), device=k.device, dtype=k.dtype)
+    v_pool = torch.full_like(k_pool, float("nan"))
+    k_pool[perm] = k.reshape(B * P, page, Hkv, D)
+    v_pool[perm] = v.reshape(B * P, page, Hkv, D)
+    return k_pool, v_pool, perm.view(B, P).to(torch.int32)
+
+
+@pytest.fixture
+def decode_poison(monkeypatch):
+    from flash_dmattn.backends.cuda import kernels
+
+    monkeypatch.setattr(kernels, "DEBUG_POISON", True)
+
+
+_ALL_KINDS = ("per_key", "none", "full", "padding", "bias_per_head")
+# Every broadcast kind at head dims 64 and 128; the per-key case and no mask at the padded
+# (80 -> 96) and largest buckets (their other kinds would only add kernel builds).
+_DECODE_CASES = [
+    (shape, kind) for shape, kinds in [
+        ((3, 1, 32, 8, 4099, 128), _ALL_KINDS), ((2, 3, 8, 2, 1000, 64), _ALL_KINDS),
+        ((2, 4, 16, 1, 777, 64), _ALL_KINDS), ((1, 16, 4, 4, 300, 128), _ALL_KINDS),
+        ((1, 1, 2, 2, 1, 64), ("per_key", "none")), ((2, 2, 8, 4, 513, 256), ("per_key", "none")),
+        ((2, 1, 4, 2, 129, 80), ("per_key", "none")),
+    ] for kind in kinds
+]
+
+
+@pytest.mark.parametrize("shape,kind", _DECODE_CASES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_decode_matches_reference(decode_poison, shape, kind, causal):
+    B, Lq, H, Hkv, Lk, D = shape
+    from flash_dmattn.backends.cuda.kernels import cuda_decode_forward
+
+    _cuda()
+    g = torch.Generator(device="cuda").manual_seed(Lk + 7 * Lq)
+    dtype = torch.bfloat16
+    q = torch.randn(B, Lq, H, D, device="cuda", generator=g).to(dtype)
+    k = torch.randn(B, Lk, Hkv, D, device="cuda", generator=g).to(dtype)
+    v = torch.randn(B, Lk, Hkv, D, device="cuda", generator=g).to(dtype)
+    mask, bias = _decode_aux(kind, B, Lq, H, Hkv, Lk, dtype, g)
+    # Used lengths: empty, full, short (inside the first tile) and partial caches.
+    cs = torch.tensor([0, Lk, min(Lk, 5)][:B] if B > 1 else [Lk // 2 + 1], device="cuda",
+                      dtype=torch.int32)
+    softcap = 20.0 if causal else 0.0
+    scale = D ** -0.5
+    tol = 1.5e-2 if dtype == torch.bfloat16 else 3e-3
+    for cache in (None, cs):
+        for splits in (1, 3, 64):
+            out, lse = cuda_decode_forward(q, k, v, mask, bias, scale, causal, softcap, cache,
+                                           num_splits=splits)
+            ref, ref_lse = _decode_reference(q, k, v, mask, bias, scale, causal, softcap, cache)
+            assert not out.isnan().any() and not lse.isnan().any(), (cache is None, splits)
+            assert rel_err(out, ref) < tol, (cache is None, splits, rel_err(out, ref))
+            empty = torch.isneginf(ref_lse)
+            assert torch.equal(torch.isneginf(lse), empty)
+            assert (out.transpose(1, 2)[empty] == 0).all()
+            assert torch.allclose(lse[~empty].double(), ref_lse[~empty], atol=2e-2, rtol=1e-3)
+
+
+def test_cuda_decode_half_precision(decode_poison):
+    from flash_dmattn.backends.cuda.kernels import cuda_decode_forward
+
+    _cuda()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    B, Lq, H, Hkv, Lk, D = 2, 1, 32, 8, 5000, 128
+    q, k, v = (torch.randn(B, L, n, D, device="cuda", generator=g).half()
+               for L, n in ((Lq, H), (Lk, Hkv), (Lk, Hkv)))
+    mask, bias = _decode_aux("per_key", B, Lq, H, Hkv, Lk, torch.float16, g)
+    cs = torch.tensor([4999, 1234], device="cuda", dtype=torch.int32)
+    out, _ = cuda_decode_forward(q, k, v, mask, bias, 0.09, True, 30.0, cs)
+    ref, _ = _decode_reference(q, k, v, mask, bias, 0.09, True, 30.0, cs)
+    assert not out.isnan().any() and rel_err(out, ref) < 3e-3, rel_err(out, ref)
+
+
+@pytest.mark.parametrize("page", [16, 48, 128])
+@pytest.mark.parametrize("kind", ["per_key", "full"])
+def test_cuda_decode_paged_equals_contiguous(decode_poison, page, kind):
+    from flash_dmattn.backends.cuda.kernels import cuda_decode_forward
+
+    _cuda()
+    g = torch.Generator(device="cuda").manual_seed(page)
+    B, Lq, H, Hkv, D = 3, 2, 16, 4, 128
+    Lk = page * (4096 // page)
+    q = torch.randn(B, Lq, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(B, Lk, Hkv, D, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(B, Lk, Hkv, D, device="cuda", generator=g).to(torch.bfloat16)
+    mask, bias = _decode_aux(kind, B, Lq, H, Hkv, Lk, torch.bfloat16, g)
+    k_pool, v_pool, table = _to_pages(k, v, page, g)
+    cs = torch.tensor([Lk, 0, page + 3], device="cuda", dtype=torch.int32)
+    for cache in (None, cs):
+        for splits in (1, 5):
+            paged = cuda_decode_forward(q, k_pool, v_pool, mask, bias, 0.1, True, 0.0, cache,
+                                        block_table=table, num_splits=splits)
+            contig = cuda_decode_forward(q, k, v, mask, bias, 0.1, True, 0.0, cache,
+                                         num_splits=splits)
+            # The same tiles in the same order: bitwise equal (NaN pool pages never read).
+            assert torch.equal(paged[0], contig[0]) and torch.equal(paged[1], contig[1])
+    ref, _ = _decode_reference(q, k, v, mask, bias, 0.1, True, 0.0, cs)
+    assert rel_err(paged[0], ref) < 1.5e-2
+
+
+def test_cuda_decode_neg_inf_bias_and_fully_masked_groups(decode_poison):
+    from flash_dmattn.backends.cuda.kernels import cuda_decode_forward
+
+    _cuda()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    B, Lq, H, Hkv, Lk, D = 2, 2, 8, 2, 700, 64
+    q = torch.randn(B, Lq, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(B, Lk, Hkv, D, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(B, Lk, Hkv, D, device="cuda", generator=g).to(torch.bfloat16)
+    mask = torch.ones(B, Hkv, Lq, Lk, device="cuda", dtype=torch.bool)
+    mask[0, 1] = False  # kv head 1 of batch 0: every row of its group fully masked
+    bias = torch.randn(B, H, Lq, Lk, device="cuda", generator=g).to(torch.bfloat16)
+    bias[1, :, 0] = float("-inf")  # whole rows of -inf bias
+    bias[:, :, :, ::3] = float("-inf")
+    cs = torch.tensor([700, 333], device="cuda", dtype=torch.int32)
+    for splits in (1, 4):
+        out, lse = cuda_decode_forward(q, k, v, mask, bias, 0.125, False, 0.0, cs,
+                                       num_splits=splits)
+        assert not out.isnan().any()
+        assert torch.isneginf(lse[0, 4:]).all() and (out[0, :, 4:] == 0).all()
+        assert torch.isneginf(lse[1, :, 0]).all() and (out[1, 0] == 0).all()
+        ref, _ = _decode_reference(q, k, v, mask, bias, 0.125, False, 0.0, cs)
+        assert rel_err(out, ref) < 1.5e-2
+
+
+def test_cuda_decode_through_the_public_api_with_grads():
+    # cache_seqlens with gradients: decode forward, backward with the cache folded into the mask.
+    backend = _cuda()
+    g = torch.Generator(device="cuda").manual_seed(9)
+    B, Lq, H, Hkv, Lk, D = 2, 1, 8, 2, 2000, 64
+    q = torch.randn(B, Lq, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(B, Lk, Hkv, D, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(B, Lk, Hkv, D, device="cuda", generator=g).to(torch.bfloat16)
+    bias = torch.randn(B, Hkv, 1, Lk, device="cuda", generator=g).to(torch.bfloat16)
+    mask = bias > -1
+    cs = torch.tensor([1500, 2000], device="cuda", dtype=torch.int32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    inputs = AttentionInputs.from_args(*leaves[:3], mask, leaves[3], None, True,
+                                       cache_seqlens=cs)
+    assert backend.not_supported_reasons(inputs) == []
+    out = backend.attention(inputs)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    ref, _ = _decode_reference(*ref_leaves[:3], mask, ref_leaves[3], D ** -0.5, True, 0.0, cs)
+    want = torch.autograd.grad(ref, ref_leaves, dout.double())
+    assert rel_err(out, ref) < 1.5e-2
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), grads, want):
+        assert rel_err(a, b) < 3e-2, (name, rel_err(a, b))
+    # Paged KV is forward-only; rows beyond the tile are declined, each with its reason.
+    k_pool, v_pool, table = _to_pages(k, v, 16, g)
+    paged = AttentionInputs.from_args(leaves[0], k_pool, v_pool, block_table=table)
+    assert any("forward-only in cuda" in r for r in backend.not_supported_reasons(paged))
+    qbig = torch.randn(B, 17, H, D, device="cuda", dtype=torch.bfloat16)
+    many = AttentionInputs.from_args(qbig, k, v, cache_seqlens=cs)
+    assert any("rows" in r for r in backend.not_supported_reasons(many))

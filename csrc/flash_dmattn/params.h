@@ -125,4 +125,30 @@ struct BwdParams : FwdParams {
   TileList bwd_list;  // per (b, h, key tile): live query tiles
 };
 
+// Split-KV decode (flash_decode.cu): few queries against a long, possibly paged, KV cache.
+// A CTA owns one (key split, batch, kv head) and the G = H / Hkv query heads of that kv head
+// times the Lq queries as its rows (row r = g * Lq + i, rows = G * Lq <= 64).
+struct DecodeParams : FwdParams {
+  // (B,) used keys per batch (cache_seqlens), clamped to Lk on the device; nullptr: all Lk.
+  const int32_t* seqused = nullptr;
+  // Paged KV: k / v are pools (num_pages, page_size, Hkv, D) (k_sb / v_sb: the page stride)
+  // and logical key j of batch b lives in page block_table[b * bt_sb + j / page_size], slot
+  // j % page_size. nullptr: k / v are (B, Lk, Hkv, D).
+  const int32_t* block_table = nullptr;
+  int64_t bt_sb = 0;
+  int page_size = 0;
+  int num_pages = 0;
+  int G = 1;
+  int rows = 1;
+  int num_splits = 1;
+  // num_splits > 1: per-split outputs (normalised within the split) and their lse, rows
+  // (split, (b * Hkv + kv head) * rows + r), merged by the combine kernel.
+  float* o_part = nullptr;
+  float* lse_part = nullptr;
+  // One mask / bias row serves every row of a CTA (per-key, and not per query head within
+  // the group): the tile is loaded as that single row.
+  bool mask_shared = false;
+  bool bias_shared = false;
+};
+
 }  // namespace flash_dmattn

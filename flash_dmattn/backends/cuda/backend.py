@@ -87,10 +87,16 @@ class CudaBackend(Backend):
         reasons.extend(r for r in input_reasons(
             inputs.query, inputs.key, inputs.value, inputs.attn_mask, inputs.attn_bias,
             inputs.bias_needs_grad) if r not in reasons)
+        # KV caches run the decode kernel, which has the Triton decode kernel's limits (rows,
+        # forward-only pages, a folded mask for gradients) and shares its reasons.
         if getattr(inputs, "cache_seqlens", None) is not None:
-            reasons.append("no KV-cache decoding path (cache_seqlens)")
+            from ..triton.decode import cache_seqlens_reasons
+
+            reasons.extend(r for r in cache_seqlens_reasons(inputs) if r not in reasons)
         if getattr(inputs, "block_table", None) is not None:
-            reasons.append("no paged-KV path (block_table)")
+            from ..triton.decode import block_table_reasons
+
+            reasons.extend(r for r in block_table_reasons(inputs, "cuda") if r not in reasons)
         return reasons
 
     def varlen_not_supported_reasons(self, inputs) -> List[str]:
@@ -124,6 +130,7 @@ class CudaBackend(Backend):
         out, _ = cuda_op()(
             inputs.query, inputs.key, inputs.value, inputs.attn_mask, inputs.attn_bias,
             inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
+            cache_seqlens=inputs.cache_seqlens, block_table=inputs.block_table,
         )
         return out
 

@@ -36,10 +36,11 @@ logger = logging.getLogger("flash_dmattn")
 # What every specialisation compiles (relative to the csrc dir). Forward and backward are
 # separate translation units so ninja compiles them in parallel (backward is the slow one).
 # ``flash_dmattn_api.cpp`` binds ``fwd(q, k, v, mask, bias, out, softmax_scale, is_causal,
-# softcap, ...) -> [out, lse]`` and ``bwd(...)`` as module ``TORCH_EXTENSION_NAME``; the spec is
+# softcap, ...) -> [out, lse]``, ``bwd(...)`` and ``decode(...)`` as module ``TORCH_EXTENSION_NAME``; the spec is
 # selected with the macros of :meth:`KernelSpec.defines`.
 KERNEL_SOURCES = (
     "flash_dmattn_api.cpp", "flash_fwd.cu", "flash_fwd_sm90.cu", "flash_bwd.cu", "flash_bwd_sm90.cu",
+    "flash_decode.cu",
 )
 # Headers may be included by any source, so all of them are hashed into the key.
 _HASHED_SUFFIXES = {".cpp", ".cu", ".cuh", ".h", ".hpp", ".inl"}

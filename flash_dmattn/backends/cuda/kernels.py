@@ -92,8 +92,16 @@ def _read_ready(mask, bias, seqlen_q, seqlen_k):
     return mask, bias
 
 
-def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(out (B, Lq, H, D), lse (B, H, Lq) fp32)`` through the compiled kernels."""
+def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
+                 block_table=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(out (B, Lq, H, D), lse (B, H, Lq) fp32)`` through the compiled kernels.
+
+    Few query rows per kv head (decoding), a KV cache's ``cache_seqlens`` or paged K/V
+    (``block_table``) run the split-KV decode kernel (:func:`cuda_decode_forward`)."""
+    if block_table is not None or use_cuda_decode(q.shape[1], q.shape[2], k.shape[2], k.shape[1],
+                                                  cache_seqlens is not None):
+        return cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
+                                   block_table)
     q, k, v = _vector_ready(q), _vector_ready(k), _vector_ready(v)
     B, Lq, H, _ = q.shape
     Lk = k.shape[1]
@@ -108,6 +116,85 @@ def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap) -> Tuple[torch.
     out, lse = mod.fwd(q, k, v, mask, bias, None, float(scale), bool(is_causal), float(softcap),
                        idx, cnt, hdiv, None, None, None, 0, 0)
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding (split-KV)
+# ---------------------------------------------------------------------------------------------
+
+# Rows of the decode kernel's tile ((H / Hkv) * Lq), as csrc/flash_decode.cu's DecodeConfig.
+DECODE_MAX_ROWS = 64
+# Below this many keys a call without cache_seqlens / block_table keeps the forward kernel.
+DECODE_MIN_SEQLEN_K = 128
+MAX_SPLITS = 128
+MIN_KEYS_PER_SPLIT = 256
+# FLASH_DMATTN_CUDA_DECODE=auto (default) | never: "never" keeps the forward kernel for every
+# call it can run (benchmarks compare the two this way).
+DECODE_ENV = "FLASH_DMATTN_CUDA_DECODE"
+# Tests flip this: the extension fills out, lse and the split partials with NaN before the
+# kernels run, so anything they leave unwritten shows.
+DEBUG_POISON = False
+
+
+def use_cuda_decode(seqlen_q: int, num_heads: int, num_kv_heads: int, seqlen_k: int,
+                    has_cache_seqlens: bool) -> bool:
+    """Whether a (contiguous-KV) cuda forward runs the decode kernel rather than the forward
+    kernel: few rows per kv head, and a long key range or a KV cache's used lengths (which
+    only the decode kernel honours)."""
+    rows = (num_heads // max(num_kv_heads, 1)) * seqlen_q
+    if seqlen_q == 0 or rows > DECODE_MAX_ROWS:
+        return False
+    if has_cache_seqlens:
+        return True
+    if os.environ.get(DECODE_ENV, "auto").strip().lower() == "never":
+        return False
+    return seqlen_k >= DECODE_MIN_SEQLEN_K
+
+
+def cuda_decode_splits(batch: int, num_kv_heads: int, seqlen_k: int, head_dim: int,
+                       device: torch.device) -> int:
+    """Key splits per (batch, kv head): enough CTAs for one wave at the kernel's residency (two
+    per SM up to head dim 128: its K/V buffers take ~80 KB of shared memory; one above), at
+    least ``MIN_KEYS_PER_SPLIT`` keys each, at most ``MAX_SPLITS``. With ``cache_seqlens`` the
+    capacity decides (the used lengths live on the device; the kernel divides each batch's
+    used keys among its splits)."""
+    per_sm = 2 if head_dim <= 128 else 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = max(1, (per_sm * sms) // max(1, batch * num_kv_heads))
+    cap = max(1, min(MAX_SPLITS, -(-seqlen_k // MIN_KEYS_PER_SPLIT)))
+    return max(1, min(want, cap))
+
+
+def cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
+                        block_table=None, num_splits: Optional[int] = None):
+    """Split-KV decode forward: ``(out (B, Lq, H, D), lse (B, H, Lq) fp32)``.
+
+    ``(H / Hkv) * Lq <= DECODE_MAX_ROWS``. ``cache_seqlens``: int ``(B,)`` used keys per batch
+    (causal is bottom-right aligned with it). ``block_table``: int ``(B, P)`` page ids; k, v are
+    then pools ``(num_pages, page_size, Hkv, D)`` (page size a multiple of 16) holding
+    ``P * page_size`` logical keys per batch. Equivalent plain PyTorch::
+
+        k = k[block_table.long()].flatten(1, 2)          # paged: gather the logical cache
+        keys = arange(Lk) < cache_seqlens[:, None]       # (B, Lk), folded into the mask
+        out = softmax(scale * q @ k^T + bias, masked) @ v   # per split, then merged by lse
+    """
+    q, k, v = _vector_ready(q), _vector_ready(k), _vector_ready(v)
+    B, Lq, H, D = q.shape
+    Hkv = k.shape[2]
+    mod = kernel_module(q, mask is not None, bias is not None)
+    if block_table is not None:
+        block_table = block_table.to(torch.int32).contiguous()
+        Lk = block_table.shape[1] * k.shape[1]
+    else:
+        Lk = k.shape[1]
+    if cache_seqlens is not None:
+        cache_seqlens = cache_seqlens.to(torch.int32).contiguous()
+    # Masks / biases go in as they are: the extension copies tiles of 16-byte aligned rows as
+    # vectors and reads other layouts element by element (a decode step reads each once).
+    if num_splits is None:
+        num_splits = cuda_decode_splits(B, Hkv, Lk, D, q.device) if q.is_cuda else 1
+    return tuple(mod.decode(q, k, v, mask, bias, cache_seqlens, block_table, float(scale),
+                            bool(is_causal), float(softcap), int(num_splits), DEBUG_POISON))
 
 
 def _reduce_key_partials(partial: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -132,7 +219,7 @@ def fused_dq_allowed() -> bool:
 
 
 def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
-                  needs):
+                  needs, cache_seqlens=None):
     """``(dq, dk, dv, dbias)`` with None where ``needs`` did not ask.
 
     ``deterministic=False`` lets the Hopper backward compute dQ inside the dK/dV kernel, adding
@@ -141,6 +228,14 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     runs). ``deterministic=True`` (or ``FLASH_DMATTN_CUDA_FUSED_DQ=0``) keeps the separate dQ
     kernel, which uses no atomics: bitwise-identical gradients across runs."""
     need_dq, need_dk, need_dv, need_dbias = needs
+    if cache_seqlens is not None:
+        # The backward kernels take one key length for all batches: the per-batch used length
+        # (and its causal diagonal) is folded into the mask, O(B * Lq * Lk) bools at most
+        # (cache_seqlens_reasons keeps it so).
+        from ..triton.decode import fold_cache_seqlens
+
+        mask = fold_cache_seqlens(mask, cache_seqlens, q.shape[1], k.shape[1], is_causal)
+        is_causal = False
     dout, q, k, v, out = (_vector_ready(t) for t in (dout, q, k, v, out))
     B, Lq, H, _ = q.shape
     Lk = k.shape[1]

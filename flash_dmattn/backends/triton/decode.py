@@ -110,7 +110,8 @@ def _folded_mask_shape(mask_shape, batch: int, seqlen_q: int, seqlen_k: int, is_
 
 
 def cache_seqlens_reasons(inputs) -> List[str]:
-    """Why the triton backend cannot run these inputs' ``cache_seqlens`` (empty: it can).
+    """Why the triton backend (or the cuda one: its decode kernel has the same limits) cannot
+    run these inputs' ``cache_seqlens`` (empty: it can).
 
     The forward needs the decode kernel (the main kernels read one key length for all
     batches). Gradients reuse the main backward with the cache folded into the mask, which
@@ -142,8 +143,9 @@ def cache_seqlens_reasons(inputs) -> List[str]:
     return []
 
 
-def block_table_reasons(inputs) -> List[str]:
-    """Why the triton backend cannot run these inputs' paged KV (``block_table``; empty: it can).
+def block_table_reasons(inputs, backend: str = "triton") -> List[str]:
+    """Why ``backend`` (triton, or cuda, whose decode kernel has the same limits) cannot run
+    these inputs' paged KV (``block_table``; empty: it can).
 
     Only the decode kernel reads pages, and only forwards: the main forward and backward
     kernels take contiguous ``(B, Lk, Hkv, D)`` K/V.
@@ -160,8 +162,8 @@ def block_table_reasons(inputs) -> List[str]:
         )
     if inputs.needs_grad:
         reasons.append(
-            "paged KV (block_table) is forward-only in triton (the backward kernels need "
-            "contiguous K/V); use torch-reference for gradients, or run under torch.no_grad()"
+            f"paged KV (block_table) is forward-only in {backend} (the backward kernels need "
+            f"contiguous K/V); use torch-reference for gradients, or run under torch.no_grad()"
         )
     return reasons
 

@@ -1,0 +1,455 @@
+// Split-KV decode forward: a few queries against a long (cached, optionally paged) key range.
+//
+// Decoding is bandwidth-bound: a step must read K, V, mask and bias once. The forward kernel
+// gives each query head its own CTA (so a GQA group reads every K/V tile G times) and one CTA
+// per (batch, head) for Lq = 1, far too few to fill the GPU. Here:
+//   * one CTA owns (key split, batch, kv head); its rows are the kv head's G query heads times
+//     the Lq queries (row r = g * Lq + i, at most 64), so each K/V tile is read once per kv head;
+//   * the batch's used keys (cache_seqlens) are divided into num_splits ranges of whole 64-key
+//     tiles; each split writes its normalised fp32 output and lse, and decode_combine_kernel
+//     merges them (a single split writes the output directly);
+//   * K/V (and mask / bias) tiles stream through kStages cp.async buffers, so the next tiles'
+//     loads are in flight while one is computed;
+//   * paged KV: each row of a tile finds its page in the block table, so tiles may span pages
+//     and the tile size does not depend on the page size.
+// Mask and bias are read through their strides in every broadcast shape; a per-key one that
+// all rows of the CTA share (the dynamic-mask decode case) is loaded as one row per tile.
+#include "flash_dmattn/kernel_common.cuh"
+
+namespace flash_dmattn {
+
+#if !FLASH_DMATTN_PACKED
+
+template <int kHeadDim>
+struct DecodeConfig {
+  static constexpr int kBlockM = 64;  // packed rows (G * Lq <= 64), one warp per 16
+  static constexpr int kBlockN = 64;
+  // Buffers in flight: three where they fit next to a second CTA on the SM.
+  static constexpr int kStages = kHeadDim <= 96 ? 3 : 2;
+  using Tr = Traits<kHeadDim, kBlockM, kBlockN, kBlockM / 16, 1>;
+  using MaskTile = BcastTile<uint8_t, kBlockM, kBlockN, Tr::kThreads>;
+  using BiasTile = BcastTile<Elem, kBlockM, kBlockN, Tr::kThreads>;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kAuxOff = kQBytes + kStages * 2 * kKVBytes;
+
+  // Bytes of one stage of a mask / bias tile: one row when every CTA row shares it.
+  template <typename Tile>
+  __host__ __device__ static constexpr int aux_stage_bytes(bool present, bool shared) {
+    return present ? ((shared ? 1 : kBlockM) * Tile::kPitch + 127) / 128 * 128 : 0;
+  }
+  __host__ __device__ static constexpr int mask_off() { return kAuxOff; }
+  __host__ __device__ static constexpr int bias_off(bool mask_shared) {
+    return kAuxOff + kStages * aux_stage_bytes<MaskTile>(kHasMask, mask_shared);
+  }
+  __host__ __device__ static constexpr int smem_bytes(bool mask_shared, bool bias_shared) {
+    return bias_off(mask_shared) + kStages * aux_stage_bytes<BiasTile>(kHasBias, bias_shared);
+  }
+};
+
+// Copy an (R x kHeadDim) tile into the swizzled SmemTile<R> layout like load_tile_swizzled,
+// but with each row's address from row_ptr(r) (paged keys, packed query heads). Rows >=
+// rows_valid and columns >= cols_valid are zero-filled (`fallback` is a valid address that
+// zero-byte copies name).
+template <int kHeadDim, int kAtomK, int kThreads, int R, typename RowPtr>
+__device__ __forceinline__ void load_tile_rows(RowPtr row_ptr, const Elem* fallback,
+                                               int rows_valid, int cols_valid, char* smem,
+                                               int tid) {
+  constexpr int kRowBytes = kAtomK * 2;
+  constexpr int kChunksPerRow = kRowBytes / 16;
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  constexpr int kPasses = R / kRowsPerPass;
+  constexpr int kBlocks = kHeadDim / kAtomK;
+  static_assert(R % kRowsPerPass == 0 && kRowsPerPass % 8 == 0, "tile rows");
+  const int r0 = tid / kChunksPerRow, c = tid % kChunksPerRow;
+  // Every row this thread copies has the same row within the 8-row swizzle atom.
+  const int swz = kRowBytes == 128 ? (r0 % 8) : ((r0 % 8) >> 1);
+  char* s0 = smem + (r0 / 8) * 8 * kRowBytes + (r0 % 8) * kRowBytes + ((c ^ swz) * 16);
+  CUTE_UNROLL
+  for (int j = 0; j < kPasses; ++j) {
+    const int r = r0 + j * kRowsPerPass;
+    const bool row_ok = r < rows_valid;
+    const Elem* g = row_ok ? row_ptr(r) + c * 8 : fallback;
+    CUTE_UNROLL
+    for (int b = 0; b < kBlocks; ++b) {
+      const bool ok = row_ok && b * kAtomK + c * 8 < cols_valid;
+      cp_async_16(s0 + b * R * kRowBytes + j * kRowsPerPass * kRowBytes,
+                  ok ? g + b * kAtomK : fallback, ok ? 16 : 0);
+    }
+  }
+}
+
+// One stage of a mask / bias tile: rows r < n_rows (n_rows = 1 when shared) of the decode
+// CTA, columns k0 .. k0 + kBlockN, zero beyond `cols`. row_base(r) is the byte address of
+// row r's key k0.
+template <typename T, typename Tile, int kBlockN, int kThreads, typename RowBase>
+__device__ __forceinline__ void load_decode_aux(char* smem, const Bcast& a, RowBase row_base,
+                                                const char* fallback, int n_rows, int cols,
+                                                int tid) {
+  if (a.vec) {
+    constexpr int kChunks = kBlockN * int(sizeof(T)) / 16;
+    for (int c = tid; c < n_rows * kChunks; c += kThreads) {
+      const int r = c / kChunks, ch = c % kChunks;
+      const int valid = max(0, min(16, cols * int(sizeof(T)) - ch * 16));
+      cp_async_16(smem + r * Tile::kPitch + ch * 16, valid > 0 ? row_base(r) + ch * 16 : fallback,
+                  valid);
+    }
+  } else {
+    for (int e = tid; e < n_rows * kBlockN; e += kThreads) {
+      const int r = e / kBlockN, c = e % kBlockN;
+      T val = T(0);
+      if (c < cols) val = *reinterpret_cast<const T*>(row_base(r) + int64_t(c) * a.sk * int64_t(sizeof(T)));
+      *reinterpret_cast<T*>(smem + r * Tile::kPitch + c * int(sizeof(T))) = val;
+    }
+  }
+}
+
+template <bool kSoftcap>
+__global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
+    decode_kernel(const DecodeParams p) {
+  using Cfg = DecodeConfig<kHeadDimBucket>;
+  using Tr = typename Cfg::Tr;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kD = kHeadDimBucket;
+  constexpr int kStages = Cfg::kStages;
+  extern __shared__ __align__(128) char smem[];
+
+  const int tid = threadIdx.x;
+  const int split = blockIdx.x;
+  const int bk = blockIdx.y;
+  const int b = bk / p.Hkv, hkv = bk % p.Hkv;
+  const int h0 = hkv * p.G;  // first query head of the group
+
+  // This split's keys: the used keys in num_splits ranges of whole tiles.
+  const int used = p.seqused ? min(max(p.seqused[b], 0), p.Lk) : p.Lk;
+  const int per_split =
+      ((used + p.num_splits - 1) / p.num_splits + kBlockN - 1) / kBlockN * kBlockN;
+  const int k_begin = split * per_split;
+  const int k_end = min(used, k_begin + per_split);
+  const int n_tiles = k_end > k_begin ? (k_end - k_begin + kBlockN - 1) / kBlockN : 0;
+
+  typename Tr::TiledMma mma;
+  auto thr_mma = mma.get_thread_slice(tid);
+  Tensor acc_o = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kD>>{});
+  clear(acc_o);
+  Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));
+  constexpr int kRowsPerThread = 2 * decltype(size<1>(acc_o))::value;
+  float row_max[kRowsPerThread], row_sum[kRowsPerThread];
+  CUTE_UNROLL
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.f;
+  }
+
+  if (n_tiles > 0) {
+    const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb;
+    // Paged or not is a runtime switch (uniform per CTA): a template parameter doubled the
+    // module's compile time for a branch per copied row.
+    const bool paged = p.block_table != nullptr;
+    const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(hkv) * p.k_sh;
+    const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(hkv) * p.v_sh;
+    if (!paged) {
+      kg += int64_t(b) * p.k_sb;
+      vg += int64_t(b) * p.v_sb;
+    }
+    const int32_t* table = paged ? p.block_table + int64_t(b) * p.bt_sb : nullptr;
+    // Row offset (in elements, before the kv-head offset) of logical key j.
+    auto key_row = [&](int j, int64_t page_stride, int64_t slot_stride) -> int64_t {
+      if (paged) {
+        // Page ids are not checked on the device (that would sync the host); clamped so a bad
+        // id reads a wrong page rather than out of bounds.
+        const int page = min(max(table[j / p.page_size], 0), p.num_pages - 1);
+        return int64_t(page) * page_stride + int64_t(j % p.page_size) * slot_stride;
+      }
+      return int64_t(j) * slot_stride;
+    };
+    const char* mask_b = kHasMask ? reinterpret_cast<const char*>(p.mask.ptr) + int64_t(b) * p.mask.sb : nullptr;
+    const char* bias_b = kHasBias
+        ? reinterpret_cast<const char*>(p.bias.ptr) + int64_t(b) * p.bias.sb * int64_t(sizeof(Elem))
+        : nullptr;
+    const int mask_rows = p.mask_shared ? 1 : p.rows;
+    const int bias_rows = p.bias_shared ? 1 : p.rows;
+    const int mask_stage = Cfg::template aux_stage_bytes<typename Cfg::MaskTile>(kHasMask, p.mask_shared);
+    const int bias_stage = Cfg::template aux_stage_bytes<typename Cfg::BiasTile>(kHasBias, p.bias_shared);
+    char* mask_smem = smem + Cfg::mask_off();
+    char* bias_smem = smem + Cfg::bias_off(p.mask_shared);
+
+    // Issue tile t of this split (keys k_begin + t * kBlockN ..) into buffer `stage`.
+    auto issue_tile = [&](int t, int stage) {
+      const int k0 = k_begin + t * kBlockN;
+      const int valid = k_end - k0;
+      char* ks = smem + Cfg::kQBytes + stage * 2 * Cfg::kKVBytes;
+      load_tile_rows<kD, Tr::kSmemK, Tr::kThreads, kBlockN>(
+          [&](int r) { return kg + key_row(k0 + r, p.k_sb, p.k_sl); }, kg, valid, p.D, ks, tid);
+      load_tile_rows<kD, Tr::kSmemK, Tr::kThreads, kBlockN>(
+          [&](int r) { return vg + key_row(k0 + r, p.v_sb, p.v_sl); }, vg, valid, p.D,
+          ks + Cfg::kKVBytes, tid);
+      if constexpr (kHasMask) {
+        load_decode_aux<uint8_t, typename Cfg::MaskTile, kBlockN, Tr::kThreads>(
+            mask_smem + stage * mask_stage, p.mask,
+            [&](int r) {
+              const int g = r / p.Lq, i = r % p.Lq;
+              return mask_b + int64_t((h0 + g) / p.mask.hdiv) * p.mask.sh +
+                     int64_t(i) * p.mask.sq + int64_t(k0) * p.mask.sk;
+            },
+            mask_b, mask_rows, valid, tid);
+      }
+      if constexpr (kHasBias) {
+        load_decode_aux<Elem, typename Cfg::BiasTile, kBlockN, Tr::kThreads>(
+            bias_smem + stage * bias_stage, p.bias,
+            [&](int r) {
+              const int g = r / p.Lq, i = r % p.Lq;
+              return bias_b + (int64_t((h0 + g) / p.bias.hdiv) * p.bias.sh +
+                               int64_t(i) * p.bias.sq + int64_t(k0) * p.bias.sk) *
+                                  int64_t(sizeof(Elem));
+            },
+            bias_b, bias_rows, valid, tid);
+      }
+    };
+
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)),
+                            typename Tr::template SmemTile<kBlockM>{});
+    load_tile_rows<kD, Tr::kSmemK, Tr::kThreads, kBlockM>(
+        [&](int r) {
+          const int g = r / p.Lq, i = r % p.Lq;
+          return qg + int64_t(i) * p.q_sl + int64_t(h0 + g) * p.q_sh;
+        },
+        qg, p.rows, p.D, smem, tid);
+    CUTE_UNROLL
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < n_tiles) issue_tile(s, s);
+      cp_async_fence();  // one group per stage, even when empty, so the waits count right
+    }
+
+    Tensor rQ = thr_mma.partition_fragment_A(sQ);
+    Tensor sK0 = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Cfg::kQBytes)),
+                             typename Tr::template SmemTile<kBlockN>{});
+    Tensor rK = thr_mma.partition_fragment_B(sK0);
+    Tensor rVt = thr_mma.partition_fragment_B(make_tensor(
+        make_smem_ptr(reinterpret_cast<Elem*>(smem)),
+        typename Tr::template SmemTileTNoSwizzle<kBlockN>{}));
+    auto ldsm_q = make_tiled_copy_A(typename Tr::LdsmA{}, mma);
+    auto ldsm_k = make_tiled_copy_B(typename Tr::LdsmB{}, mma);
+    auto ldsm_vt = make_tiled_copy_B(typename Tr::LdsmBT{}, mma);
+    Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+
+    // The last key row r may see (causal: bottom-right aligned with the used length).
+    int last_key[kRowsPerThread];
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<1>(acc_o); ++mi) {
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        const int r = get<0>(cS(half * 2, mi, 0));
+        last_key[mi * 2 + half] = p.causal ? r % p.Lq + used - p.Lq : INT_MAX;
+      }
+    }
+
+    for (int t = 0; t < n_tiles; ++t) {
+      const int stage = t % kStages;
+      const int k0 = k_begin + t * kBlockN;
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // tile t landed for every thread; every thread is done with tile t - 1
+      if (t + kStages - 1 < n_tiles) issue_tile(t + kStages - 1, (t + kStages - 1) % kStages);
+      cp_async_fence();
+
+      char* ks = smem + Cfg::kQBytes + stage * 2 * Cfg::kKVBytes;
+      Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(ks)),
+                              typename Tr::template SmemTile<kBlockN>{});
+      Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(ks + Cfg::kKVBytes)),
+                               typename Tr::template SmemTileT<kBlockN>{});
+      const char* mtile = mask_smem + stage * mask_stage;
+      const char* btile = bias_smem + stage * bias_stage;
+
+      Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      gemm_ss(mma, acc_s, rQ, rK, sQ, sK, ldsm_q, ldsm_k, tid);
+
+      // Scores in natural-log units; invisible elements (past the split, causal, masked) -inf.
+      const bool check = kHasMask || k0 + kBlockN > k_end ||
+                         (p.causal && k0 + kBlockN - 1 > used - p.Lq);
+      CUTE_UNROLL
+      for (int mi = 0; mi < size<1>(acc_s); ++mi) {
+        CUTE_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          const int lim = min(k_end - 1, last_key[mi * 2 + half]);
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<2>(acc_s); ++ni) {
+            CUTE_UNROLL
+            for (int j = 0; j < 2; ++j) {
+              const int r = get<0>(cS(half * 2 + j, mi, ni)), c = get<1>(cS(half * 2 + j, mi, ni));
+              float s = acc_s(half * 2 + j, mi, ni);
+              if constexpr (kSoftcap) {
+                s = p.softcap * tanhf(s * (p.scale / p.softcap));
+              } else {
+                s *= p.scale;
+              }
+              if constexpr (kHasBias) {
+                s += float(Cfg::BiasTile::read(btile, !p.bias_shared, r, c));
+              }
+              if (check) {
+                bool visible = k0 + c <= lim;
+                if constexpr (kHasMask) {
+                  visible &= Cfg::MaskTile::read(mtile, !p.mask_shared, r, c) != 0;
+                }
+                if (!visible) s = -INFINITY;
+              }
+              acc_s(half * 2 + j, mi, ni) = s;
+            }
+          }
+        }
+      }
+
+      // Online softmax (as the forward kernel). Row slot of element (v, mi, ni): mi * 2 + v / 2.
+      CUTE_UNROLL
+      for (int mi = 0; mi < size<1>(acc_s); ++mi) {
+        CUTE_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          const int r = mi * 2 + half;
+          float mx = row_max[r];
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<2>(acc_s); ++ni) {
+            mx = fmaxf(mx, fmaxf(acc_s(half * 2, mi, ni), acc_s(half * 2 + 1, mi, ni)));
+          }
+          mx = quad_max(mx);
+          const float base = mx == -INFINITY ? 0.f : mx * kLog2e;
+          const float alpha = exp2f(row_max[r] * kLog2e - base);
+          row_max[r] = mx;
+          float sum = 0.f;
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<2>(acc_s); ++ni) {
+            CUTE_UNROLL
+            for (int j = 0; j < 2; ++j) {
+              const float pv = exp2f(acc_s(half * 2 + j, mi, ni) * kLog2e - base);
+              acc_s(half * 2 + j, mi, ni) = pv;
+              sum += pv;
+            }
+          }
+          row_sum[r] = row_sum[r] * alpha + sum;
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<2>(acc_o); ++ni) {
+            acc_o(half * 2, mi, ni) *= alpha;
+            acc_o(half * 2 + 1, mi, ni) *= alpha;
+          }
+        }
+      }
+      Tensor rP = to_type<Elem>(acc_s);
+      Tensor rPa = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
+      gemm_rs(mma, acc_o, rPa, rVt, sVt, ldsm_vt, tid);
+    }
+  }
+
+  // Epilogue: this split's normalised rows and lse (natural log; -inf and zeros for rows that
+  // see no key here), straight into out / lse when there is one split.
+  const int lane = tid % 32;
+  const int64_t part_rows = int64_t(p.B) * p.Hkv * p.rows;
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<1>(acc_o); ++mi) {
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int slot = mi * 2 + half;
+      const float sum = quad_sum(row_sum[slot]);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const float lse_v = sum > 0.f ? row_max[slot] + logf(sum) : -INFINITY;
+      const int r = get<0>(cO(half * 2, mi, 0));
+      if (r >= p.rows) continue;
+      const int g = r / p.Lq, i = r % p.Lq, h = h0 + g;
+      if (p.num_splits == 1) {
+        if (lane % 4 == 0) p.lse[(int64_t(b) * p.H + h) * p.Lq + i] = lse_v;
+        Elem* orow = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_sb + int64_t(i) * p.o_sl +
+                     int64_t(h) * p.o_sh;
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<2>(acc_o); ++ni) {
+          const int col = get<1>(cO(half * 2, mi, ni));
+          if (col < p.D) {
+            __align__(4) Elem pair[2] = {Elem(acc_o(half * 2, mi, ni) * inv),
+                                         Elem(acc_o(half * 2 + 1, mi, ni) * inv)};
+            *reinterpret_cast<uint32_t*>(orow + col) = *reinterpret_cast<uint32_t*>(pair);
+          }
+        }
+      } else {
+        const int64_t prow = int64_t(split) * part_rows + int64_t(bk) * p.rows + r;
+        if (lane % 4 == 0) p.lse_part[prow] = lse_v;
+        float* orow = p.o_part + prow * p.D;
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<2>(acc_o); ++ni) {
+          const int col = get<1>(cO(half * 2, mi, ni));
+          if (col < p.D) {
+            *reinterpret_cast<float2*>(orow + col) =
+                make_float2(acc_o(half * 2, mi, ni) * inv, acc_o(half * 2 + 1, mi, ni) * inv);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Merge the splits of one output row (b, query i, head h): lse = logsumexp over splits of
+// lse_s, out = sum_s exp(lse_s - lse) * o_s; a row no split saw stays 0 / -inf.
+constexpr int kCombineThreads = 64;
+
+__global__ void __launch_bounds__(kCombineThreads) decode_combine_kernel(const DecodeParams p) {
+  const int64_t prow = blockIdx.x;  // (b * Hkv + kv head) * rows + r
+  const int bk = int(prow / p.rows), r = int(prow % p.rows);
+  const int b = bk / p.Hkv, hkv = bk % p.Hkv;
+  const int g = r / p.Lq, i = r % p.Lq, h = hkv * p.G + g;
+  const int64_t part_rows = int64_t(p.B) * p.Hkv * p.rows;
+  float mx = -INFINITY;
+  for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, p.lse_part[s * part_rows + prow]);
+  float total = 0.f;
+  if (mx != -INFINITY) {
+    for (int s = 0; s < p.num_splits; ++s) total += __expf(p.lse_part[s * part_rows + prow] - mx);
+  }
+  const float lse_v = mx == -INFINITY ? -INFINITY : mx + logf(total);
+  if (threadIdx.x == 0) p.lse[(int64_t(b) * p.H + h) * p.Lq + i] = lse_v;
+  Elem* orow = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_sb + int64_t(i) * p.o_sl +
+               int64_t(h) * p.o_sh;
+  for (int col = threadIdx.x * 2; col < p.D; col += kCombineThreads * 2) {
+    float2 acc = make_float2(0.f, 0.f);
+    if (mx != -INFINITY) {
+      for (int s = 0; s < p.num_splits; ++s) {
+        const float l = p.lse_part[s * part_rows + prow];
+        if (l == -INFINITY) continue;  // also skips the split's unused (zero) rows
+        const float w = __expf(l - lse_v);
+        const float2 o = *reinterpret_cast<const float2*>(p.o_part + (s * part_rows + prow) * p.D + col);
+        acc.x += w * o.x;
+        acc.y += w * o.y;
+      }
+    }
+    __align__(4) Elem pair[2] = {Elem(acc.x), Elem(acc.y)};
+    *reinterpret_cast<uint32_t*>(orow + col) = *reinterpret_cast<uint32_t*>(pair);
+  }
+}
+
+template <bool kSoftcap>
+static cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
+  using Cfg = DecodeConfig<kHeadDimBucket>;
+  auto kernel = &decode_kernel<kSoftcap>;
+  const int smem = Cfg::smem_bytes(p.mask_shared, p.bias_shared);
+  if (smem > 48 * 1024) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           Cfg::smem_bytes(false, false));
+    if (err != cudaSuccess) return err;
+  }
+  dim3 grid(p.num_splits, p.B * p.Hkv);
+  kernel<<<grid, Cfg::Tr::kThreads, smem, stream>>>(p);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  decode_combine_kernel<<<p.B * p.Hkv * p.rows, kCombineThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
+  return p.softcap > 0.f ? launch_decode<true>(p, stream) : launch_decode<false>(p, stream);
+}
+
+int decode_max_rows() { return DecodeConfig<kHeadDimBucket>::kBlockM; }
+int decode_block_n() { return DecodeConfig<kHeadDimBucket>::kBlockN; }
+
+#else  // packed-sequence modules have no decode path (the dense module of the spec has it)
+
+cudaError_t run_decode(const DecodeParams&, cudaStream_t) { return cudaErrorNotSupported; }
+int decode_max_rows() { return 0; }
+int decode_block_n() { return 0; }
+
+#endif
+
+}  // namespace flash_dmattn
