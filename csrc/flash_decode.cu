@@ -9,7 +9,7 @@
 //     tiles; each split writes its normalised fp32 output and lse, and decode_combine_kernel
 //     merges them (a single split writes the output directly);
 //   * K/V (and mask / bias) tiles stream through kStages cp.async buffers, so the next tiles'
-//     loads are in flight while one is computed;
+//     loads are in flight while one is computed; Q lives in registers (loaded once);
 //   * paged KV: each row of a tile finds its page in the block table, so tiles may span pages
 //     and the tile size does not depend on the page size.
 // Mask and bias are read through their strides in every broadcast shape; a per-key one that
@@ -24,14 +24,21 @@ template <int kHeadDim>
 struct DecodeConfig {
   static constexpr int kBlockM = 64;  // packed rows (G * Lq <= 64), one warp per 16
   static constexpr int kBlockN = 64;
-  // Buffers in flight: three where they fit next to a second CTA on the SM.
-  static constexpr int kStages = kHeadDim <= 96 ? 3 : 2;
+  // K/V tile buffers: tiles t + 1 .. t + kStages - 1 are in flight while tile t is computed.
+  // Three (96 KB at head dim 128) leave room for a second CTA on the SM; 256 fits two.
+  static constexpr int kStages = kHeadDim <= 192 ? 3 : 2;
   using Tr = Traits<kHeadDim, kBlockM, kBlockN, kBlockM / 16, 1>;
   using MaskTile = BcastTile<uint8_t, kBlockM, kBlockN, Tr::kThreads>;
   using BiasTile = BcastTile<Elem, kBlockM, kBlockN, Tr::kThreads>;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kAuxOff = kQBytes + kStages * 2 * kKVBytes;
+  // Up to head dim 128 Q is staged in the last buffer and moved to registers before that
+  // buffer's first tile is issued, so it needs no shared memory of its own. Larger heads keep
+  // Q in shared memory (in registers it spilled: 180 bytes at 256 on sm_90a).
+  static constexpr bool kQInRegs = kHeadDim <= 128;
+  static constexpr int kQOff = kQInRegs ? (kStages - 1) * 2 * kKVBytes : kStages * 2 * kKVBytes;
+  static_assert(kQBytes <= 2 * kKVBytes, "Q fits one K/V buffer");
+  static constexpr int kAuxOff = kStages * 2 * kKVBytes + (kQInRegs ? 0 : kQBytes);
 
   // Bytes of one stage of a mask / bias tile: one row when every CTA row shares it.
   template <typename Tile>
@@ -177,7 +184,7 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
     auto issue_tile = [&](int t, int stage) {
       const int k0 = k_begin + t * kBlockN;
       const int valid = k_end - k0;
-      char* ks = smem + Cfg::kQBytes + stage * 2 * Cfg::kKVBytes;
+      char* ks = smem + stage * 2 * Cfg::kKVBytes;
       load_tile_rows<kD, Tr::kSmemK, Tr::kThreads, kBlockN>(
           [&](int r) { return kg + key_row(k0 + r, p.k_sb, p.k_sl); }, kg, valid, p.D, ks, tid);
       load_tile_rows<kD, Tr::kSmemK, Tr::kThreads, kBlockN>(
@@ -206,28 +213,38 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
       }
     };
 
-    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)),
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Cfg::kQOff)),
                             typename Tr::template SmemTile<kBlockM>{});
     load_tile_rows<kD, Tr::kSmemK, Tr::kThreads, kBlockM>(
         [&](int r) {
           const int g = r / p.Lq, i = r % p.Lq;
           return qg + int64_t(i) * p.q_sl + int64_t(h0 + g) * p.q_sh;
         },
-        qg, p.rows, p.D, smem, tid);
+        qg, p.rows, p.D, smem + Cfg::kQOff, tid);
     CUTE_UNROLL
     for (int s = 0; s < kStages - 1; ++s) {
       if (s < n_tiles) issue_tile(s, s);
       cp_async_fence();  // one group per stage, even when empty, so the waits count right
     }
 
+    auto ldsm_q = make_tiled_copy_A(typename Tr::LdsmA{}, mma);
     Tensor rQ = thr_mma.partition_fragment_A(sQ);
-    Tensor sK0 = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Cfg::kQBytes)),
+    if constexpr (Cfg::kQInRegs) {
+      // Q (in group 0, with tile 0) to registers once; the loop's first barrier then frees
+      // its buffer for tile kStages - 1.
+      cp_async_wait<kStages - 2>();
+      __syncthreads();
+      auto thr_q = ldsm_q.get_thread_slice(tid);
+      Tensor tsQ = thr_q.partition_S(sQ);
+      Tensor trQ = thr_q.retile_D(rQ);
+      copy(ldsm_q, tsQ, trQ);
+    }
+    Tensor sK0 = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)),
                              typename Tr::template SmemTile<kBlockN>{});
     Tensor rK = thr_mma.partition_fragment_B(sK0);
     Tensor rVt = thr_mma.partition_fragment_B(make_tensor(
         make_smem_ptr(reinterpret_cast<Elem*>(smem)),
         typename Tr::template SmemTileTNoSwizzle<kBlockN>{}));
-    auto ldsm_q = make_tiled_copy_A(typename Tr::LdsmA{}, mma);
     auto ldsm_k = make_tiled_copy_B(typename Tr::LdsmB{}, mma);
     auto ldsm_vt = make_tiled_copy_B(typename Tr::LdsmBT{}, mma);
     Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
@@ -251,7 +268,7 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
       if (t + kStages - 1 < n_tiles) issue_tile(t + kStages - 1, (t + kStages - 1) % kStages);
       cp_async_fence();
 
-      char* ks = smem + Cfg::kQBytes + stage * 2 * Cfg::kKVBytes;
+      char* ks = smem + stage * 2 * Cfg::kKVBytes;
       Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(ks)),
                               typename Tr::template SmemTile<kBlockN>{});
       Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(ks + Cfg::kKVBytes)),
@@ -261,7 +278,11 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
 
       Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
-      gemm_ss(mma, acc_s, rQ, rK, sQ, sK, ldsm_q, ldsm_k, tid);
+      if constexpr (Cfg::kQInRegs) {
+        gemm_rs(mma, acc_s, rQ, rK, sK, ldsm_k, tid);
+      } else {
+        gemm_ss(mma, acc_s, rQ, rK, sQ, sK, ldsm_q, ldsm_k, tid);
+      }
 
       // Scores in natural-log units; invisible elements (past the split, causal, masked) -inf.
       const bool check = kHasMask || k0 + kBlockN > k_end ||

@@ -154,7 +154,7 @@ def use_cuda_decode(seqlen_q: int, num_heads: int, num_kv_heads: int, seqlen_k: 
 def cuda_decode_splits(batch: int, num_kv_heads: int, seqlen_k: int, head_dim: int,
                        device: torch.device) -> int:
     """Key splits per (batch, kv head): enough CTAs for one wave at the kernel's residency (two
-    per SM up to head dim 128: its K/V buffers take ~80 KB of shared memory; one above), at
+    per SM up to head dim 128: three K/V buffers take 96 KB of shared memory; one above), at
     least ``MIN_KEYS_PER_SPLIT`` keys each, at most ``MAX_SPLITS``. With ``cache_seqlens`` the
     capacity decides (the used lengths live on the device; the kernel divides each batch's
     used keys among its splits)."""
