@@ -260,6 +260,7 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
       }
     }
 
+    const bool warp_live = (tid / 32) * 16 < p.rows;
     for (int t = 0; t < n_tiles; ++t) {
       const int stage = t % kStages;
       const int k0 = k_begin + t * kBlockN;
@@ -276,85 +277,89 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
       const char* mtile = mask_smem + stage * mask_stage;
       const char* btile = bias_smem + stage * bias_stage;
 
-      Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      clear(acc_s);
-      if constexpr (Cfg::kQInRegs) {
-        gemm_rs(mma, acc_s, rQ, rK, sK, ldsm_k, tid);
-      } else {
-        gemm_ss(mma, acc_s, rQ, rK, sQ, sK, ldsm_q, ldsm_k, tid);
-      }
+      // A warp whose 16 rows are all padding (G * Lq below 64) skips its products and
+      // softmax: only the loads and barriers need every thread.
+      if (warp_live) {
+        Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        clear(acc_s);
+        if constexpr (Cfg::kQInRegs) {
+          gemm_rs(mma, acc_s, rQ, rK, sK, ldsm_k, tid);
+        } else {
+          gemm_ss(mma, acc_s, rQ, rK, sQ, sK, ldsm_q, ldsm_k, tid);
+        }
 
-      // Scores in natural-log units; invisible elements (past the split, causal, masked) -inf.
-      const bool check = kHasMask || k0 + kBlockN > k_end ||
-                         (p.causal && k0 + kBlockN - 1 > used - p.Lq);
-      CUTE_UNROLL
-      for (int mi = 0; mi < size<1>(acc_s); ++mi) {
+        // Scores in natural-log units; invisible elements (past the split, causal, masked) -inf.
+        const bool check = kHasMask || k0 + kBlockN > k_end ||
+                           (p.causal && k0 + kBlockN - 1 > used - p.Lq);
         CUTE_UNROLL
-        for (int half = 0; half < 2; ++half) {
-          const int lim = min(k_end - 1, last_key[mi * 2 + half]);
+        for (int mi = 0; mi < size<1>(acc_s); ++mi) {
           CUTE_UNROLL
-          for (int ni = 0; ni < size<2>(acc_s); ++ni) {
+          for (int half = 0; half < 2; ++half) {
+            const int lim = min(k_end - 1, last_key[mi * 2 + half]);
             CUTE_UNROLL
-            for (int j = 0; j < 2; ++j) {
-              const int r = get<0>(cS(half * 2 + j, mi, ni)), c = get<1>(cS(half * 2 + j, mi, ni));
-              float s = acc_s(half * 2 + j, mi, ni);
-              if constexpr (kSoftcap) {
-                s = p.softcap * tanhf(s * (p.scale / p.softcap));
-              } else {
-                s *= p.scale;
-              }
-              if constexpr (kHasBias) {
-                s += float(Cfg::BiasTile::read(btile, !p.bias_shared, r, c));
-              }
-              if (check) {
-                bool visible = k0 + c <= lim;
-                if constexpr (kHasMask) {
-                  visible &= Cfg::MaskTile::read(mtile, !p.mask_shared, r, c) != 0;
+            for (int ni = 0; ni < size<2>(acc_s); ++ni) {
+              CUTE_UNROLL
+              for (int j = 0; j < 2; ++j) {
+                const int r = get<0>(cS(half * 2 + j, mi, ni)), c = get<1>(cS(half * 2 + j, mi, ni));
+                float s = acc_s(half * 2 + j, mi, ni);
+                if constexpr (kSoftcap) {
+                  s = p.softcap * tanhf(s * (p.scale / p.softcap));
+                } else {
+                  s *= p.scale;
                 }
-                if (!visible) s = -INFINITY;
+                if constexpr (kHasBias) {
+                  s += float(Cfg::BiasTile::read(btile, !p.bias_shared, r, c));
+                }
+                if (check) {
+                  bool visible = k0 + c <= lim;
+                  if constexpr (kHasMask) {
+                    visible &= Cfg::MaskTile::read(mtile, !p.mask_shared, r, c) != 0;
+                  }
+                  if (!visible) s = -INFINITY;
+                }
+                acc_s(half * 2 + j, mi, ni) = s;
               }
-              acc_s(half * 2 + j, mi, ni) = s;
             }
           }
         }
-      }
 
-      // Online softmax (as the forward kernel). Row slot of element (v, mi, ni): mi * 2 + v / 2.
-      CUTE_UNROLL
-      for (int mi = 0; mi < size<1>(acc_s); ++mi) {
+        // Online softmax (as the forward kernel). Row slot of element (v, mi, ni): mi * 2 + v / 2.
         CUTE_UNROLL
-        for (int half = 0; half < 2; ++half) {
-          const int r = mi * 2 + half;
-          float mx = row_max[r];
+        for (int mi = 0; mi < size<1>(acc_s); ++mi) {
           CUTE_UNROLL
-          for (int ni = 0; ni < size<2>(acc_s); ++ni) {
-            mx = fmaxf(mx, fmaxf(acc_s(half * 2, mi, ni), acc_s(half * 2 + 1, mi, ni)));
-          }
-          mx = quad_max(mx);
-          const float base = mx == -INFINITY ? 0.f : mx * kLog2e;
-          const float alpha = exp2f(row_max[r] * kLog2e - base);
-          row_max[r] = mx;
-          float sum = 0.f;
-          CUTE_UNROLL
-          for (int ni = 0; ni < size<2>(acc_s); ++ni) {
+          for (int half = 0; half < 2; ++half) {
+            const int r = mi * 2 + half;
+            float mx = row_max[r];
             CUTE_UNROLL
-            for (int j = 0; j < 2; ++j) {
-              const float pv = exp2f(acc_s(half * 2 + j, mi, ni) * kLog2e - base);
-              acc_s(half * 2 + j, mi, ni) = pv;
-              sum += pv;
+            for (int ni = 0; ni < size<2>(acc_s); ++ni) {
+              mx = fmaxf(mx, fmaxf(acc_s(half * 2, mi, ni), acc_s(half * 2 + 1, mi, ni)));
+            }
+            mx = quad_max(mx);
+            const float base = mx == -INFINITY ? 0.f : mx * kLog2e;
+            const float alpha = exp2f(row_max[r] * kLog2e - base);
+            row_max[r] = mx;
+            float sum = 0.f;
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<2>(acc_s); ++ni) {
+              CUTE_UNROLL
+              for (int j = 0; j < 2; ++j) {
+                const float pv = exp2f(acc_s(half * 2 + j, mi, ni) * kLog2e - base);
+                acc_s(half * 2 + j, mi, ni) = pv;
+                sum += pv;
+              }
+            }
+            row_sum[r] = row_sum[r] * alpha + sum;
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<2>(acc_o); ++ni) {
+              acc_o(half * 2, mi, ni) *= alpha;
+              acc_o(half * 2 + 1, mi, ni) *= alpha;
             }
           }
-          row_sum[r] = row_sum[r] * alpha + sum;
-          CUTE_UNROLL
-          for (int ni = 0; ni < size<2>(acc_o); ++ni) {
-            acc_o(half * 2, mi, ni) *= alpha;
-            acc_o(half * 2 + 1, mi, ni) *= alpha;
-          }
         }
+        Tensor rP = to_type<Elem>(acc_s);
+        Tensor rPa = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
+        gemm_rs(mma, acc_o, rPa, rVt, sVt, ldsm_vt, tid);
       }
-      Tensor rP = to_type<Elem>(acc_s);
-      Tensor rPa = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
-      gemm_rs(mma, acc_o, rPa, rVt, sVt, ldsm_vt, tid);
     }
   }
 
