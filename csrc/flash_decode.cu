@@ -480,8 +480,8 @@ static cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   auto kernel = &decode_kernel<kSoftcap>;
   const int smem = Cfg::smem_bytes(p.mask_shared, p.bias_shared);
   if (smem > 48 * 1024) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           Cfg::smem_bytes(false, false));
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
   }
   dim3 grid(p.num_splits, p.B * p.Hkv);
