@@ -288,36 +288,8 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
           gemm_ss(mma, acc_s, rQ, rK, sQ, sK, ldsm_q, ldsm_k, tid);
         }
 
-        // A shared (per-key) mask / bias row: each thread reads its 16 columns once per tile,
-        // as pairs, and folds the mask into the bias as -inf, instead of two scalar shared
-        // loads per score (B64 Lk 32K with a per-key mask + bias: 2.48 ms against 1.93
-        // without them).
-        constexpr int kNi = decltype(size<2>(acc_s))::value;
-        float col_add[kNi][2];
-        const bool fold_mask = kHasMask && p.mask_shared;
-        CUTE_UNROLL
-        for (int ni = 0; ni < kNi; ++ni) {
-          const int c = get<1>(cS(0, 0, ni));  // even; the thread's other column is c + 1
-          col_add[ni][0] = col_add[ni][1] = 0.f;
-          if constexpr (kHasBias) {
-            if (p.bias_shared) {
-              const float2 bb = Cfg::BiasTile::read_pair(btile, 0, c);
-              col_add[ni][0] = bb.x;
-              col_add[ni][1] = bb.y;
-            }
-          }
-          if constexpr (kHasMask) {
-            if (fold_mask) {
-              const uint32_t mm = Cfg::MaskTile::read_pair(mtile, 0, c);
-              if ((mm & 0xffu) == 0) col_add[ni][0] = -INFINITY;
-              if ((mm & 0xff00u) == 0) col_add[ni][1] = -INFINITY;
-            }
-          }
-        }
-        const bool shared_add = (kHasBias && p.bias_shared) || fold_mask;
-
         // Scores in natural-log units; invisible elements (past the split, causal, masked) -inf.
-        const bool check = (kHasMask && !fold_mask) || k0 + kBlockN > k_end ||
+        const bool check = kHasMask || k0 + kBlockN > k_end ||
                            (p.causal && k0 + kBlockN - 1 > used - p.Lq);
         CUTE_UNROLL
         for (int mi = 0; mi < size<1>(acc_s); ++mi) {
@@ -325,7 +297,7 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
           for (int half = 0; half < 2; ++half) {
             const int lim = min(k_end - 1, last_key[mi * 2 + half]);
             CUTE_UNROLL
-            for (int ni = 0; ni < kNi; ++ni) {
+            for (int ni = 0; ni < size<2>(acc_s); ++ni) {
               CUTE_UNROLL
               for (int j = 0; j < 2; ++j) {
                 const int r = get<0>(cS(half * 2 + j, mi, ni)), c = get<1>(cS(half * 2 + j, mi, ni));
@@ -335,14 +307,13 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
                 } else {
                   s *= p.scale;
                 }
-                if (shared_add) s += col_add[ni][j];
                 if constexpr (kHasBias) {
-                  if (!p.bias_shared) s += float(Cfg::BiasTile::read(btile, true, r, c));
+                  s += float(Cfg::BiasTile::read(btile, !p.bias_shared, r, c));
                 }
                 if (check) {
                   bool visible = k0 + c <= lim;
                   if constexpr (kHasMask) {
-                    if (!fold_mask) visible &= Cfg::MaskTile::read(mtile, true, r, c) != 0;
+                    visible &= Cfg::MaskTile::read(mtile, !p.mask_shared, r, c) != 0;
                   }
                   if (!visible) s = -INFINITY;
                 }
