@@ -323,39 +323,7 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
           }
         }
 
-        // Online softmax (as the forward kernel). Row slot of element (v, mi, ni): mi * 2 + v / 2.
-        CUTE_UNROLL
-        for (int mi = 0; mi < size<1>(acc_s); ++mi) {
-          CUTE_UNROLL
-          for (int half = 0; half < 2; ++half) {
-            const int r = mi * 2 + half;
-            float mx = row_max[r];
-            CUTE_UNROLL
-            for (int ni = 0; ni < size<2>(acc_s); ++ni) {
-              mx = fmaxf(mx, fmaxf(acc_s(half * 2, mi, ni), acc_s(half * 2 + 1, mi, ni)));
-            }
-            mx = quad_max(mx);
-            const float base = mx == -INFINITY ? 0.f : mx * kLog2e;
-            const float alpha = exp2f(row_max[r] * kLog2e - base);
-            row_max[r] = mx;
-            float sum = 0.f;
-            CUTE_UNROLL
-            for (int ni = 0; ni < size<2>(acc_s); ++ni) {
-              CUTE_UNROLL
-              for (int j = 0; j < 2; ++j) {
-                const float pv = exp2f(acc_s(half * 2 + j, mi, ni) * kLog2e - base);
-                acc_s(half * 2 + j, mi, ni) = pv;
-                sum += pv;
-              }
-            }
-            row_sum[r] = row_sum[r] * alpha + sum;
-            CUTE_UNROLL
-            for (int ni = 0; ni < size<2>(acc_o); ++ni) {
-              acc_o(half * 2, mi, ni) *= alpha;
-              acc_o(half * 2 + 1, mi, ni) *= alpha;
-            }
-          }
-        }
+        online_softmax_step(acc_s, acc_o, row_max, row_sum);
         Tensor rP = to_type<Elem>(acc_s);
         Tensor rPa = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
         gemm_rs(mma, acc_o, rPa, rVt, sVt, ldsm_vt, tid);
