@@ -122,12 +122,6 @@ def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=N
 # Decoding (split-KV)
 # ---------------------------------------------------------------------------------------------
 
-# Rows of the decode kernel's tile ((H / Hkv) * Lq), as csrc/flash_decode.cu's DecodeConfig.
-DECODE_MAX_ROWS = 64
-# Below this many keys a call without cache_seqlens / block_table keeps the forward kernel.
-DECODE_MIN_SEQLEN_K = 128
-MAX_SPLITS = 128
-MIN_KEYS_PER_SPLIT = 256
 # FLASH_DMATTN_CUDA_DECODE=auto (default) | never: "never" keeps the forward kernel for every
 # call it can run (benchmarks compare the two this way).
 DECODE_ENV = "FLASH_DMATTN_CUDA_DECODE"
@@ -139,10 +133,12 @@ DEBUG_POISON = False
 def use_cuda_decode(seqlen_q: int, num_heads: int, num_kv_heads: int, seqlen_k: int,
                     has_cache_seqlens: bool) -> bool:
     """Whether a (contiguous-KV) cuda forward runs the decode kernel rather than the forward
-    kernel: few rows per kv head, and a long key range or a KV cache's used lengths (which
-    only the decode kernel honours)."""
-    rows = (num_heads // max(num_kv_heads, 1)) * seqlen_q
-    if seqlen_q == 0 or rows > DECODE_MAX_ROWS:
+    kernel: few rows per kv head (the Triton decode kernel's limit, which the backends' shared
+    reasons apply, and csrc/flash_decode.cu's tile), and a long key range or a KV cache's used
+    lengths (which only the decode kernel honours)."""
+    from ..triton.decode import DECODE_MAX_ROWS, DECODE_MIN_SEQLEN_K, decode_rows
+
+    if seqlen_q == 0 or decode_rows(seqlen_q, num_heads, num_kv_heads) > DECODE_MAX_ROWS:
         return False
     if has_cache_seqlens:
         return True
@@ -153,16 +149,13 @@ def use_cuda_decode(seqlen_q: int, num_heads: int, num_kv_heads: int, seqlen_k: 
 
 def cuda_decode_splits(batch: int, num_kv_heads: int, seqlen_k: int, head_dim: int,
                        device: torch.device) -> int:
-    """Key splits per (batch, kv head): enough CTAs for one wave at the kernel's residency (two
-    per SM up to head dim 128: three K/V buffers take 96 KB of shared memory; one above), at
-    least ``MIN_KEYS_PER_SPLIT`` keys each, at most ``MAX_SPLITS``. With ``cache_seqlens`` the
-    capacity decides (the used lengths live on the device; the kernel divides each batch's
-    used keys among its splits)."""
-    per_sm = 2 if head_dim <= 128 else 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = max(1, (per_sm * sms) // max(1, batch * num_kv_heads))
-    cap = max(1, min(MAX_SPLITS, -(-seqlen_k // MIN_KEYS_PER_SPLIT)))
-    return max(1, min(want, cap))
+    """Key splits per (batch, kv head): the Triton decode kernel's rule
+    (:func:`~..triton.decode.choose_num_splits`) at this kernel's residency: two CTAs per SM up
+    to head dim 128 (three K/V buffers take 96 KB of shared memory), one above."""
+    from ..triton.decode import choose_num_splits
+
+    return choose_num_splits(batch, num_kv_heads, seqlen_k, device,
+                             per_sm=2 if head_dim <= 128 else 1)
 
 
 def cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,

@@ -437,8 +437,10 @@ def _sm_count(device: torch.device) -> int:
     return _sm_count_cache[idx]
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torch.device) -> int:
-    """Key splits per (batch, kv head).
+def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torch.device,
+                      per_sm: int = 4) -> int:
+    """Key splits per (batch, kv head); ``per_sm``: how many programs of the kernel an SM holds
+    (four for this kernel's ``decode_config`` tiles; the cuda decode kernel passes its own).
 
     On a GPU: as many programs as fit four per SM, not more (``B * Hkv`` alone rarely fills
     one wave when decoding), but at least ``MIN_KEYS_PER_SPLIT`` keys each and at most
@@ -459,7 +461,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torc
     # Rounded down: programs past one wave of four per SM (the residency of the decode_config
     # tiles) run as a second, nearly empty wave. B8 Hkv8 Lk 32K with a mask took 0.354 ms at
     # 9 splits (576 programs) against 0.243 at 8 (512), 1.41 against 0.91 ms at Lk 128K.
-    want = max(1, (4 * _sm_count(device)) // max(1, batch * num_kv_heads))
+    want = max(1, (per_sm * _sm_count(device)) // max(1, batch * num_kv_heads))
     cap = max(1, min(MAX_SPLITS, cdiv(seqlen_k, MIN_KEYS_PER_SPLIT)))
     return max(1, min(want, cap))
 
