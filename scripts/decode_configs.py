@@ -19,8 +19,10 @@ from benchmarks.workloads import Workload, build_case  # noqa: E402
 from flash_dmattn.backends.triton import decode as dec  # noqa: E402
 
 
-# (BLOCK_N, num_warps, num_stages): what the autotuner used to choose from.
-CONFIGS = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3), (32, 4, 4), (64, 8, 3))
+# (BLOCK_N, num_warps, num_stages, maxnreg): what the autotuner used to choose from, and the
+# register cap of decode_config.
+CONFIGS = ((64, 4, 2, 128), (64, 4, 2, None), (64, 4, 3, 128), (64, 4, 4, None),
+           (128, 4, 2, None), (128, 8, 3, None), (32, 4, 4, 128), (64, 8, 3, None))
 
 
 def main():
@@ -29,7 +31,7 @@ def main():
     sweep_splits = "--splits" in sys.argv[1:]
     configs = CONFIGS
     if sweep_splits:
-        configs = [c for c in CONFIGS if c in {(64, 4, 2), (128, 4, 2), (64, 4, 4)}]
+        configs = [c for c in CONFIGS if c in {(64, 4, 2, 128), (128, 4, 2, None), (64, 4, 4, None)}]
     rows = ((1, 32768, None), (1, 131072, None), (1, 131072, 0.5), (1, 524288, None),
             (8, 32768, None), (8, 131072, None), (64, 32768, None), (1, 4096, None))
     if "--cache" in sys.argv[1:]:
@@ -58,7 +60,7 @@ def main():
                         t, why = graph_time_ms(fn, dev)
                     except Exception as exc:  # a config this shape cannot fit
                         t, why = None, type(exc).__name__
-                    name = "n{}w{}s{}".format(*cfg)
+                    name = "n{}w{}s{}".format(*cfg) + (f"r{cfg[3]}" if cfg[3] else "")
                     if sweep_splits:
                         name = f"x{n_splits}:{name}"
                     line += f" {name} {t:.4f}" if t is not None else f" {name} {why}"

@@ -200,16 +200,18 @@ def fold_cache_seqlens(mask: Optional[torch.Tensor], cache_seqlens: torch.Tensor
 # ------------------------------------------------------------------------------------------
 
 @triton.jit
-def _decode_tile(q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok, row_ok,
+def _decode_tile(q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok, aux_ok, row_ok,
                  offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
                  bt_base, num_pages, stride_kp, stride_vp,
                  HAS_BIAS: tl.constexpr, BIAS_ROWB: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """One key tile of the online softmax (log2 domain); returns the updated acc, m, l.
 
-    ``n_ok``: the keys whose K, V (and page id, bias) are loaded; the others read as zeros and
-    must be hidden by ``vis``. ``PAGE_SIZE > 0``: paged K/V; each key's page comes from the block table (loaded only for
-    keys in range, so unused table entries past the used length are never read).
+    ``n_ok``: the keys whose K, V (and page id) are loaded; the others read as zeros and
+    must be hidden by ``vis``. ``aux_ok``: the keys whose bias is loaded (it may include
+    hidden in-bounds keys: a tile-aligned bound keeps those loads vectorised).
+    ``PAGE_SIZE > 0``: paged K/V; each key's page comes from the block table (loaded only for
+    keys in ``n_ok``, so unused table entries past the used length are never read).
     """
     if PAGE_SIZE > 0:
         page = tl.load(bt_base + offs_n // PAGE_SIZE, mask=n_ok, other=0)
@@ -230,11 +232,11 @@ def _decode_tile(q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok,
         s = s * qk_scale
     if HAS_BIAS:
         if BIAS_ROWB:
-            bv = tl.load(bias_base + offs_n * stride_bn, mask=n_ok, other=0.0)
+            bv = tl.load(bias_base + offs_n * stride_bn, mask=aux_ok, other=0.0)
             s = s + (bv.to(tl.float32) * 1.4426950408889634)[None, :]
         else:
             bv = tl.load(bias_base + offs_n[None, :] * stride_bn,
-                         mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+                         mask=row_ok[:, None] & aux_ok[None, :], other=0.0)
             s = s + bv.to(tl.float32) * 1.4426950408889634
     s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -291,10 +293,16 @@ def _decode_split_kernel(
         # The splits divide this batch's used keys, not the capacity: with a cache half full,
         # splits past the used length would exit at once while the rest did twice the work.
         keys_per_split = tl.cdiv(tl.cdiv(kv_len, tl.num_programs(0)), BLOCK_N) * BLOCK_N
+        # Loop and load bounds stop at the used length rounded up to whole tiles (clamped to
+        # the capacity), which the compiler can prove tile-aligned; the exact length only
+        # hides keys. Bounding the per-key mask / bias loads by the loaded length itself cost
+        # 7-15 % on an H200 with a mask (the loads lost their known alignment).
+        kv_end = tl.minimum(tl.cdiv(kv_len, BLOCK_N) * BLOCK_N, seqlen_k)
     else:
         kv_len = seqlen_k
+        kv_end = seqlen_k
     start = pid_s * keys_per_split
-    end = tl.minimum(start + keys_per_split, kv_len)
+    end = tl.minimum(start + keys_per_split, kv_end)
 
     q_ptrs = (Q + b64 * stride_qb + qi[:, None].to(tl.int64) * stride_qm
               + h[:, None].to(tl.int64) * stride_qh + offs_d[None, :])
@@ -326,32 +334,47 @@ def _decode_split_kernel(
 
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_n0
-        n_ok = offs_n < end
-        vis = n_ok[None, :] & row_ok[:, None]
+        n_ld = offs_n < end  # in-bounds keys (up to whole tiles past the used length)
+        # Visibility is built on the key vector first and broadcast once: the masked step is
+        # bound by instruction issue, so every 2-D operation per element shows in its time.
+        # Padding rows (past G * Lq) are not hidden: their q is zero and their output is
+        # never stored.
+        if HAS_CACHE:
+            key_ok = n_ld & (offs_n < kv_len)
+        else:
+            key_ok = n_ld
         if HAS_MASK:
             if MASK_ROWB:
-                mv = tl.load(mask_base + offs_n * stride_mn, mask=n_ok, other=0)
-                vis = vis & (mv != 0)[None, :]
-            else:
+                mv = tl.load(mask_base + offs_n * stride_mn, mask=n_ld, other=0)
+                key_ok = key_ok & (mv != 0)
+        vis = key_ok[None, :]
+        if HAS_MASK:
+            if not MASK_ROWB:
                 mv = tl.load(mask_base + offs_n[None, :] * stride_mn,
-                             mask=row_ok[:, None] & n_ok[None, :], other=0)
+                             mask=row_ok[:, None] & n_ld[None, :], other=0)
                 vis = vis & (mv != 0)
         if IS_CAUSAL:
             vis = vis & (offs_n[None, :] <= qi[:, None] + (kv_len - seqlen_q))
+        n_ok = key_ok
         if HAS_MASK:
             # Loads are predicated on the keys some row can see, instead of branching over
             # fully hidden tiles: a branch around the loads stops Triton from pipelining them
             # (the masked step ran at 2.8x the dense time on an H200), while a key that no row
             # sees now costs no K/V/bias bytes at all, so the step reads only what it must.
-            key_live = tl.max(vis.to(tl.int32), 0) > 0
+            if MASK_ROWB:
+                # Every row shares the mask row, and the last query row (a real one) sees
+                # every used key under causality: the live keys are key_ok, no reduction.
+                key_live = key_ok
+            else:
+                key_live = tl.max(vis.to(tl.int32), 0) > 0
             acc, m_i, l_i = _decode_tile(
-                q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, key_live, row_ok,
+                q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, key_live, key_live, row_ok,
                 offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
                 bt_base, num_pages, stride_kb, stride_vb,
                 HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST, PAGE_SIZE)
         else:
             acc, m_i, l_i = _decode_tile(
-                q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok, row_ok,
+                q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok, n_ld, row_ok,
                 offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
                 bt_base, num_pages, stride_kb, stride_vb,
                 HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST, PAGE_SIZE)
@@ -373,9 +396,12 @@ def _decode_combine_kernel(
     num_splits, split_rows, num_heads, seqlen_q,
     stride_ob, stride_om, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr,
 ):
     # One program per output row r = (b * H + h) * Lq + i: out = sum_s w_s * o_s / sum_s w_s
     # with w_s = 2^(lse_s - max lse); empty splits have lse -inf (weight 0) and o_s = 0.
+    # The partials are read CHUNK_S splits at a time as one 2-D load: a loop of one split per
+    # step put a dependent L2 round trip per split on the critical path of every decode step.
     r = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     ls = tl.load(LPart + offs_s.to(tl.int64) * split_rows + r, mask=offs_s < num_splits,
@@ -385,12 +411,15 @@ def _decode_combine_kernel(
     denom = tl.sum(tl.exp2(ls - m_use), 0)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    offs_c = tl.arange(0, CHUNK_S)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s in range(0, num_splits):
-        row = s * split_rows + r
-        w = tl.exp2(tl.load(LPart + row) - m_use)
-        o = tl.load(OPart + row * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-        acc += w * o
+    for s0 in range(0, num_splits, CHUNK_S):
+        s_ok = (s0 + offs_c) < num_splits
+        rows = (s0 + offs_c).to(tl.int64) * split_rows + r
+        w = tl.exp2(tl.load(LPart + rows, mask=s_ok, other=float("-inf")) - m_use)
+        o = tl.load(OPart + rows[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
     has_any = denom > 0.0
     out = acc / tl.where(has_any, denom, 1.0)
     lse = tl.where(has_any, (m_use + tl.log2(tl.where(has_any, denom, 1.0))) * 0.6931471805599453,
@@ -404,27 +433,39 @@ def _decode_combine_kernel(
     tl.store(Lse + r, lse)
 
 
+def combine_chunk(num_splits: int, block_d: int) -> int:
+    """Splits the combine kernel reads per 2-D load: all of them up to 16 KiB of fp32 partials."""
+    return max(2, min(next_power_of_2(num_splits), 4096 // block_d))
+
+
 # ------------------------------------------------------------------------------------------
 # Launch configuration
 # ------------------------------------------------------------------------------------------
 
-def decode_config(block_d: int, has_cache: bool) -> Tuple[int, int, int]:
-    """``(BLOCK_N, num_warps, num_stages)`` of the split kernel: fixed, not autotuned.
+def decode_config(block_d: int, block_m: int, softcap_and_paged: bool = False
+                  ) -> Tuple[int, int, int, Optional[int]]:
+    """``(BLOCK_N, num_warps, num_stages, maxnreg)`` of the split kernel: fixed, not autotuned.
 
     The autotuner chose among configs whose times lie within a few percent on some rows and
-    up to 1.7x apart on others (a 64-key tile with 4 stages costs 1.35x with a mask), and its
-    choice changed between processes, and with it the benchmark's decode rows. Every config
-    was timed at half, once and twice the split count on the decode rows of the benchmark
-    (``scripts/decode_configs.py``, H200, 2026-11-22, logs
-    ``decode-2026-11-22c-*configs.log``): a 64-key tile, 4 warps, 2 stages was the fastest or
-    within ~5 % of it on every row but one, and by far the best with a mask; with
-    ``cache_seqlens`` (half the capacity used) 128-key tiles measured 0.090 ms against 0.142
-    (the live splits are fewer, so each must keep more bytes in flight). Head dims above 128
-    keep 64-key tiles (two stages of 128-key K/V tiles would not fit in shared memory).
+    up to 1.7x apart on others, and its choice changed between processes. Every config was
+    timed at half, once and twice the split count on the decode rows of the benchmark
+    (``scripts/decode_configs.py``, H200, 2026-11-22, logs ``decode-2026-11-22c-*configs.log``):
+    a 64-key tile, 4 warps, 2 stages was the fastest or within ~5 % of it on every row, and by
+    far the best with a mask. Part-filled caches (``cache_seqlens``) had used 128-key tiles;
+    once their bounds were made tile-aligned, 64-key tiles beat them there too (H200,
+    2026-11-22, ``decode-2026-11-22f-probe.log``: B8 Lk 128K half used, no mask, 0.499 vs
+    0.565 ms).
+
+    ``maxnreg``: with a mask the kernel took 140-156 registers, so only three of the four
+    programs per SM that :func:`choose_num_splits` plans for fit, and a second, nearly empty
+    wave ran. Capped at 128 (no spills for up to 16 rows at head dims up to 128, checked with
+    ptxas for Triton 3.6 and 3.9) a masked step got 1.4-1.6x faster (B1 Lk 512K with a
+    per-key mask + bias 0.679 -> 0.419 ms). More rows, wider heads, and softcap together with
+    paged K/V keep the compiler's choice (the cap spilled there: 8-16 bytes with softcap and
+    paging, hundreds with 64 rows).
     """
-    if has_cache and block_d <= 128:
-        return 128, 4, 2
-    return 64, 4, 2
+    maxnreg = 128 if block_m <= 16 and block_d <= 128 and not softcap_and_paged else None
+    return 64, 4, 2, maxnreg
 
 
 _sm_count_cache = {}
@@ -576,15 +617,16 @@ def decode_forward(
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=INTERPRET_BLOCK_N, num_warps=4,
                                    num_stages=1)
     else:
-        block_n, warps, stages = decode_config(head_block(D), cache_seqlens is not None)
+        block_n, warps, stages, maxnreg = decode_config(head_block(D), block_m,
+                                                        has_softcap and block_table is not None)
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
-                                   num_stages=stages)
+                                   num_stages=stages, maxnreg=maxnreg)
 
     _decode_combine_kernel[(split_rows,)](
         o_part, l_part, out, lse,
         num_splits, split_rows, H, Lq,
         out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_S=max(2, next_power_of_2(num_splits)),
-        num_warps=1 if head_block(D) <= 64 else 2,
+        CHUNK_S=combine_chunk(num_splits, head_block(D)), num_warps=4,
     )
     return out, lse
