@@ -453,16 +453,16 @@ def decode_config(block_d: int, block_m: int, softcap_and_paged: bool = False
     a 64-key tile, 4 warps, 2 stages was the fastest or within ~5 % of it on every row, and by
     far the best with a mask. Part-filled caches (``cache_seqlens``) had used 128-key tiles;
     once their bounds were made tile-aligned, 64-key tiles beat them there too (H200,
-    2026-11-22, ``decode-2026-11-22f-probe.log``: B8 Lk 128K half used, no mask, 0.499 vs
+    2026-11-22, ``decode-2026-11-22f-probe.log``: B8 Lk 128K half used, no mask, 0.501 vs
     0.565 ms).
 
-    ``maxnreg``: with a mask the kernel took 140-156 registers, so only three of the four
+    ``maxnreg``: with a mask the kernel takes 140-156 registers, so only three of the four
     programs per SM that :func:`choose_num_splits` plans for fit, and a second, nearly empty
-    wave ran. Capped at 128 (no spills for up to 16 rows at head dims up to 128, checked with
-    ptxas for Triton 3.6 and 3.9) a masked step got 1.4-1.6x faster (B1 Lk 512K with a
-    per-key mask + bias 0.679 -> 0.419 ms). More rows, wider heads, and softcap together with
-    paged K/V keep the compiler's choice (the cap spilled there: 8-16 bytes with softcap and
-    paging, hundreds with 64 rows).
+    wave runs. Capped at 128 (no spills for up to 16 rows at head dims up to 128, checked with
+    ptxas for Triton 3.6 and 3.9) B1 Lk 512K with a per-key mask + bias took 0.419 ms against
+    0.679 uncapped and 0.465 for the kernel before this change (``decode-2026-11-22f-probe.log``).
+    More rows, wider heads, and softcap together with paged K/V keep the compiler's choice (the
+    cap spilled there: 8-16 bytes with softcap and paging, hundreds with 64 rows).
     """
     maxnreg = 128 if block_m <= 16 and block_d <= 128 and not softcap_and_paged else None
     return 64, 4, 2, maxnreg
