@@ -2,7 +2,8 @@
 # One device call for the cuda backend's split-KV decode kernel (KV cache, paged KV): build the
 # specialisations its GPU tests use, run the decode tests (or with ALL_TESTS=1 every cuda GPU
 # test), then time the decode suite with cuda next to triton and cuDNN. Logs go to $OUT.
-#   [ALL_TESTS=1] [DEC_S=300] [DEC_MATCH=...] bash scripts/gpu_cuda_decode.sh
+#   [ALL_TESTS=1] [DEC_S=300] [DEC_MATCH=...] [TIME_AB=1] bash scripts/gpu_cuda_decode.sh
+#   TIME_AB=1: scripts/cuda_decode_time.py with the warp split off, then on (same build).
 #   (run with carry: [".wheels"])
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=$W/cache
@@ -31,6 +32,12 @@ timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -rs -x tests/t
 echo "tests rc=$?" >>"$OUT/tests.log"
 tail -30 "$OUT/tests.log" | grep -E "passed|failed|Error|error|assert|rc=" | head -20
 
+if [ -n "${TIME_AB:-}" ]; then
+  FLASH_DMATTN_CUDA_DECODE_WARP_SPLIT=0 timeout 150 python3 scripts/cuda_decode_time.py \
+    >"$OUT/time-warp-split-off.log" 2>&1
+  timeout 150 python3 scripts/cuda_decode_time.py >"$OUT/time-warp-split-on.log" 2>&1
+  paste -d'\n' "$OUT/time-warp-split-off.log" "$OUT/time-warp-split-on.log" | tail -30
+fi
 [ "${DEC_S:-300}" -gt 0 ] && bench decode "${DEC_S:-300}" --suite decode --backends cuda,triton \
   ${DEC_MATCH:+--match "$DEC_MATCH"}
 exit 0
