@@ -115,8 +115,9 @@ __device__ __forceinline__ void load_decode_aux(char* smem, const Bcast& a, RowB
 // only warp 0's are real, so one warp computed every tile while three waited at the barrier
 // (a per-key mask + bias decode ran 1.35-1.5x slower than Triton's). Instead every warp holds
 // the same real rows (Q is staged four times) and takes its own 16 keys of each 64-key tile,
-// with its own softmax state; each warp writes its result as a split of its own (split * 4 +
-// warp), and the combine kernel merges them with the key splits.
+// with its own softmax state; after the loop the four states are merged through shared memory
+// and warp 0 writes the split. (Writing each warp's state as a split of its own for the
+// combine kernel made steps with many splits slower: B1 Lk 128K 0.149 -> 0.184 ms.)
 template <bool kSoftcap, bool kWarpSplit>
 __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
     decode_kernel(const DecodeParams p) {
@@ -354,12 +355,88 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
     }
   }
 
-  // Epilogue: this split's normalised rows and lse (natural log; -inf and zeros for rows that
-  // see no key here), straight into out / lse when there is one split. With the warp split
-  // each warp's rows are split `split * warp_splits + warp`.
   const int lane = tid % 32;
+  if constexpr (kWarpSplit) {
+    // Merge the four warps' (max, sum, output) of each row: m = max_w m_w, and every warp's
+    // sum and output scaled by exp(m_w - m). The K/V buffers are free once no copy is in
+    // flight and every warp is past its last tile.
+    cp_async_wait<0>();
+    __syncthreads();
+    float* sm_ml = reinterpret_cast<float*>(smem);     // [warp][row][max, sum]
+    float* sm_acc = sm_ml + kBlockM / kWarpRows * kWarpRows * 2;  // [warp][row][kD]
+    static_assert((kBlockM / kWarpRows) * kWarpRows * (2 + kD) * 4 <= kStages * 2 * Cfg::kKVBytes,
+                  "the merge fits the K/V buffers");
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<1>(acc_o); ++mi) {
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        const int slot = mi * 2 + half;
+        const int r = get<0>(cO(half * 2, mi, 0)) % kWarpRows;
+        const float sum = quad_sum(row_sum[slot]);
+        if (lane % 4 == 0) {
+          sm_ml[(warp * kWarpRows + r) * 2] = row_max[slot];
+          sm_ml[(warp * kWarpRows + r) * 2 + 1] = sum;
+        }
+      }
+    }
+    __syncthreads();
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<1>(acc_o); ++mi) {
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        const int slot = mi * 2 + half;
+        const int r = get<0>(cO(half * 2, mi, 0)) % kWarpRows;
+        float mx = -INFINITY;
+        CUTE_UNROLL
+        for (int w = 0; w < kBlockM / kWarpRows; ++w) mx = fmaxf(mx, sm_ml[(w * kWarpRows + r) * 2]);
+        // A row no warp saw keeps max -inf and sum 0 (every weight below is 0).
+        const float base = mx == -INFINITY ? 0.f : mx * kLog2e;
+        float total = 0.f;
+        CUTE_UNROLL
+        for (int w = 0; w < kBlockM / kWarpRows; ++w) {
+          total += sm_ml[(w * kWarpRows + r) * 2 + 1] *
+                   exp2f(sm_ml[(w * kWarpRows + r) * 2] * kLog2e - base);
+        }
+        const float own = exp2f(row_max[slot] * kLog2e - base);
+        float* arow = sm_acc + (warp * kWarpRows + r) * kD;
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<2>(acc_o); ++ni) {
+          const int col = get<1>(cO(half * 2, mi, ni));
+          *reinterpret_cast<float2*>(arow + col) =
+              make_float2(acc_o(half * 2, mi, ni) * own, acc_o(half * 2 + 1, mi, ni) * own);
+        }
+        // The epilogue below reduces row_sum over the quad: the total once.
+        row_max[slot] = mx;
+        row_sum[slot] = lane % 4 == 0 ? total : 0.f;
+      }
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<1>(acc_o); ++mi) {
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        const int r = get<0>(cO(half * 2, mi, 0)) % kWarpRows;
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<2>(acc_o); ++ni) {
+          const int col = get<1>(cO(half * 2, mi, ni));
+          float2 v = make_float2(0.f, 0.f);
+          CUTE_UNROLL
+          for (int w = 0; w < kBlockM / kWarpRows; ++w) {
+            const float2 a = *reinterpret_cast<const float2*>(sm_acc + (w * kWarpRows + r) * kD + col);
+            v.x += a.x;
+            v.y += a.y;
+          }
+          acc_o(half * 2, mi, ni) = v.x;
+          acc_o(half * 2 + 1, mi, ni) = v.y;
+        }
+      }
+    }
+  }
+
+  // Epilogue: this split's normalised rows and lse (natural log; -inf and zeros for rows that
+  // see no key here), straight into out / lse when there is one split.
   const int64_t part_rows = int64_t(p.B) * p.Hkv * p.rows;
-  const int vsplit = kWarpSplit ? split * p.warp_splits + warp : split;
   CUTE_UNROLL
   for (int mi = 0; mi < size<1>(acc_o); ++mi) {
     CUTE_UNROLL
@@ -372,7 +449,7 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
       if constexpr (kWarpSplit) r %= kWarpRows;
       if (r >= p.rows) continue;
       const int g = r / p.Lq, i = r % p.Lq, h = h0 + g;
-      if (p.num_splits * p.warp_splits == 1) {
+      if (p.num_splits == 1) {
         if (lane % 4 == 0) p.lse[(int64_t(b) * p.H + h) * p.Lq + i] = lse_v;
         Elem* orow = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_sb + int64_t(i) * p.o_sl +
                      int64_t(h) * p.o_sh;
@@ -386,7 +463,7 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
           }
         }
       } else {
-        const int64_t prow = int64_t(vsplit) * part_rows + int64_t(bk) * p.rows + r;
+        const int64_t prow = int64_t(split) * part_rows + int64_t(bk) * p.rows + r;
         if (lane % 4 == 0) p.lse_part[prow] = lse_v;
         float* orow = p.o_part + prow * p.D;
         CUTE_UNROLL
@@ -412,7 +489,7 @@ __global__ void __launch_bounds__(kCombineThreads) decode_combine_kernel(const D
   const int b = bk / p.Hkv, hkv = bk % p.Hkv;
   const int g = r / p.Lq, i = r % p.Lq, h = hkv * p.G + g;
   const int64_t part_rows = int64_t(p.B) * p.Hkv * p.rows;
-  const int splits = p.num_splits * p.warp_splits;
+  const int splits = p.num_splits;
   float mx = -INFINITY;
   for (int s = 0; s < splits; ++s) mx = fmaxf(mx, p.lse_part[s * part_rows + prow]);
   float total = 0.f;
@@ -453,19 +530,16 @@ static cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   dim3 grid(p.num_splits, p.B * p.Hkv);
   kernel<<<grid, Cfg::Tr::kThreads, smem, stream>>>(p);
   cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || p.num_splits * p.warp_splits == 1) return err;
+  if (err != cudaSuccess || p.num_splits == 1) return err;
   decode_combine_kernel<<<p.B * p.Hkv * p.rows, kCombineThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
-int decode_warp_splits(int rows) {
-  using Cfg = DecodeConfig<kHeadDimBucket>;
-  return rows <= 16 ? Cfg::kBlockM / 16 : 1;
-}
+bool decode_warp_split(int rows) { return rows <= 16; }
 
 cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
-  if (p.warp_splits > 1) {
-    if (p.warp_splits != decode_warp_splits(p.rows)) return cudaErrorInvalidValue;
+  if (p.warp_split) {
+    if (!decode_warp_split(p.rows)) return cudaErrorInvalidValue;
     return p.softcap > 0.f ? launch_decode<true, true>(p, stream)
                            : launch_decode<false, true>(p, stream);
   }
@@ -479,7 +553,7 @@ int decode_block_n() { return DecodeConfig<kHeadDimBucket>::kBlockN; }
 #else  // packed-sequence modules have no decode path (the dense module of the spec has it)
 
 cudaError_t run_decode(const DecodeParams&, cudaStream_t) { return cudaErrorNotSupported; }
-int decode_warp_splits(int) { return 1; }
+bool decode_warp_split(int) { return false; }
 int decode_max_rows() { return 0; }
 int decode_block_n() { return 0; }
 

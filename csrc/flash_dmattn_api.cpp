@@ -29,7 +29,7 @@ cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream);
 cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream);
 cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream);
 int decode_max_rows();
-int decode_warp_splits(int rows);
+bool decode_warp_split(int rows);
 int decode_block_n();
 int fwd_block_m();
 int fwd_block_n();
@@ -374,13 +374,12 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const a
   // FLASH_DMATTN_CUDA_DECODE_WARP_SPLIT=0 keeps one warp per 16 rows (A/B timing).
   const char* warp_split_env = std::getenv("FLASH_DMATTN_CUDA_DECODE_WARP_SPLIT");
   const bool warp_split_off = warp_split_env != nullptr && std::string(warp_split_env) == "0";
-  p.warp_splits = warp_split_off ? 1 : flash_dmattn::decode_warp_splits(p.rows);
+  p.warp_split = !warp_split_off && flash_dmattn::decode_warp_split(p.rows);
   at::Tensor o_part, lse_part;
-  if (p.num_splits * p.warp_splits > 1) {
+  if (p.num_splits > 1) {
     const int64_t part_rows = int64_t(p.B) * p.Hkv * p.rows;
-    const int64_t splits = int64_t(p.num_splits) * p.warp_splits;
-    o_part = fresh({splits, part_rows, p.D}, at::kFloat);
-    lse_part = fresh({splits, part_rows}, at::kFloat);
+    o_part = fresh({p.num_splits, part_rows, p.D}, at::kFloat);
+    lse_part = fresh({p.num_splits, part_rows}, at::kFloat);
     p.o_part = o_part.data_ptr<float>();
     p.lse_part = lse_part.data_ptr<float>();
   }

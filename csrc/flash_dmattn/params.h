@@ -141,11 +141,10 @@ struct DecodeParams : FwdParams {
   int G = 1;
   int rows = 1;
   int num_splits = 1;
-  // decode_warp_splits(rows) (4 for at most 16 rows, else 1): each warp of a CTA takes its own
-  // keys of every tile and writes a split of its own, so the partials hold
-  // num_splits * warp_splits splits.
-  int warp_splits = 1;
-  // num_splits * warp_splits > 1: per-split outputs (normalised within the split) and their lse, rows
+  // decode_warp_split(rows) (at most 16 rows): each warp of a CTA takes its own keys of every
+  // tile, and the warps' softmax states are merged at the end.
+  bool warp_split = false;
+  // num_splits > 1: per-split outputs (normalised within the split) and their lse, rows
   // (split, (b * Hkv + kv head) * rows + r), merged by the combine kernel.
   float* o_part = nullptr;
   float* lse_part = nullptr;
