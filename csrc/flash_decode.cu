@@ -45,16 +45,9 @@ struct DecodeConfig {
   __host__ __device__ static constexpr int aux_stage_bytes(bool present, bool shared) {
     return present ? ((shared ? 1 : kBlockM) * Tile::kPitch + 127) / 128 * 128 : 0;
   }
-  // A mask row shared by the CTA is loaded kStages - 1 tiles ahead of its K/V, so the K/V
-  // copies can skip the keys it hides; its ring holds the tiles from the one being computed
-  // to the one being loaded.
-  static constexpr int kMaskLead = kStages - 1;
-  __host__ __device__ static constexpr int mask_slots(bool shared) {
-    return shared ? 2 * kMaskLead + 1 : kStages;
-  }
   __host__ __device__ static constexpr int mask_off() { return kAuxOff; }
   __host__ __device__ static constexpr int bias_off(bool mask_shared) {
-    return kAuxOff + mask_slots(mask_shared) * aux_stage_bytes<MaskTile>(kHasMask, mask_shared);
+    return kAuxOff + kStages * aux_stage_bytes<MaskTile>(kHasMask, mask_shared);
   }
   __host__ __device__ static constexpr int smem_bytes(bool mask_shared, bool bias_shared) {
     return bias_off(mask_shared) + kStages * aux_stage_bytes<BiasTile>(kHasBias, bias_shared);
@@ -63,15 +56,12 @@ struct DecodeConfig {
 
 // Copy an (R x kHeadDim) tile into the swizzled SmemTile<R> layout like load_tile_swizzled,
 // but with each row's address from row_ptr(r) (paged keys, packed query heads). Rows >=
-// rows_valid, rows with !live(r) and columns >= cols_valid are zero-filled without reading
-// global memory (`fallback` is a valid address that zero-byte copies name).
-struct AllRows {
-  __device__ bool operator()(int) const { return true; }
-};
-template <int kHeadDim, int kAtomK, int kThreads, int R, typename RowPtr, typename Live>
+// rows_valid and columns >= cols_valid are zero-filled (`fallback` is a valid address that
+// zero-byte copies name).
+template <int kHeadDim, int kAtomK, int kThreads, int R, typename RowPtr>
 __device__ __forceinline__ void load_tile_rows(RowPtr row_ptr, const Elem* fallback,
                                                int rows_valid, int cols_valid, char* smem,
-                                               int tid, Live live) {
+                                               int tid) {
   constexpr int kRowBytes = kAtomK * 2;
   constexpr int kChunksPerRow = kRowBytes / 16;
   constexpr int kRowsPerPass = kThreads / kChunksPerRow;
@@ -85,7 +75,7 @@ __device__ __forceinline__ void load_tile_rows(RowPtr row_ptr, const Elem* fallb
   CUTE_UNROLL
   for (int j = 0; j < kPasses; ++j) {
     const int r = r0 + j * kRowsPerPass;
-    const bool row_ok = r < rows_valid && live(r);
+    const bool row_ok = r < rows_valid;
     const Elem* g = row_ok ? row_ptr(r) + c * 8 : fallback;
     CUTE_UNROLL
     for (int b = 0; b < kBlocks; ++b) {
@@ -201,40 +191,26 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
     char* mask_smem = smem + Cfg::mask_off();
     char* bias_smem = smem + Cfg::bias_off(p.mask_shared);
 
-    // The mask tile of tile t: with a shared row it runs kMaskLead tiles ahead of the K/V in
-    // a ring of its own; otherwise it shares the K/V stage.
-    const bool mask_lead = kHasMask && p.mask_shared;
-    auto mask_tile = [&](int t) {
-      return mask_smem + (mask_lead ? t % Cfg::mask_slots(true) : t % kStages) * mask_stage;
-    };
-    auto issue_mask = [&](int t) {
+    // Issue tile t of this split (keys k_begin + t * kBlockN ..) into buffer `stage`.
+    auto issue_tile = [&](int t, int stage) {
+      const int k0 = k_begin + t * kBlockN;
+      const int valid = k_end - k0;
+      char* ks = smem + stage * 2 * Cfg::kKVBytes;
+      load_tile_rows<kD, Tr::kSmemK, Tr::kThreads, kBlockN>(
+          [&](int r) { return kg + key_row(k0 + r, p.k_sb, p.k_sl); }, kg, valid, p.D, ks, tid);
+      load_tile_rows<kD, Tr::kSmemK, Tr::kThreads, kBlockN>(
+          [&](int r) { return vg + key_row(k0 + r, p.v_sb, p.v_sl); }, vg, valid, p.D,
+          ks + Cfg::kKVBytes, tid);
       if constexpr (kHasMask) {
-        const int k0 = k_begin + t * kBlockN;
         load_decode_aux<uint8_t, typename Cfg::MaskTile, kBlockN, Tr::kThreads>(
-            mask_tile(t), p.mask,
+            mask_smem + stage * mask_stage, p.mask,
             [&](int r) {
               const int g = r / p.Lq, i = r % p.Lq;
               return mask_b + int64_t((h0 + g) / p.mask.hdiv) * p.mask.sh +
                      int64_t(i) * p.mask.sq + int64_t(k0) * p.mask.sk;
             },
-            mask_b, mask_rows, k_end - k0, tid);
+            mask_b, mask_rows, valid, tid);
       }
-    };
-    // Issue the K/V (and bias) of tile t of this split (keys k_begin + t * kBlockN ..) into
-    // buffer `stage`; `skip_hidden`: its shared mask row has landed, and keys it hides are
-    // not read (zero-filled: their scores are -inf whatever K and V hold).
-    auto issue_kv = [&](int t, int stage, bool skip_hidden) {
-      const int k0 = k_begin + t * kBlockN;
-      const int valid = k_end - k0;
-      char* ks = smem + stage * 2 * Cfg::kKVBytes;
-      const uint8_t* mrow = reinterpret_cast<const uint8_t*>(mask_tile(t));
-      auto live = [&](int r) { return !skip_hidden || mrow[r] != 0; };
-      load_tile_rows<kD, Tr::kSmemK, Tr::kThreads, kBlockN>(
-          [&](int r) { return kg + key_row(k0 + r, p.k_sb, p.k_sl); }, kg, valid, p.D, ks, tid,
-          live);
-      load_tile_rows<kD, Tr::kSmemK, Tr::kThreads, kBlockN>(
-          [&](int r) { return vg + key_row(k0 + r, p.v_sb, p.v_sl); }, vg, valid, p.D,
-          ks + Cfg::kKVBytes, tid, live);
       if constexpr (kHasBias) {
         load_decode_aux<Elem, typename Cfg::BiasTile, kBlockN, Tr::kThreads>(
             bias_smem + stage * bias_stage, p.bias,
@@ -258,16 +234,10 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
           const int g = r / p.Lq, i = r % p.Lq;
           return qg + int64_t(i) * p.q_sl + int64_t(h0 + g) * p.q_sh;
         },
-        qg, kWarpSplit ? kBlockM : p.rows, p.D, smem + Cfg::kQOff, tid, AllRows{});
-    // Group s holds tile s's K/V (all keys read: its mask lands with it) and mask, and with a
-    // shared mask row also the mask of tile s + kMaskLead.
+        qg, kWarpSplit ? kBlockM : p.rows, p.D, smem + Cfg::kQOff, tid);
     CUTE_UNROLL
     for (int s = 0; s < kStages - 1; ++s) {
-      if (s < n_tiles) {
-        issue_kv(s, s, false);
-        issue_mask(s);
-      }
-      if (mask_lead && s + Cfg::kMaskLead < n_tiles) issue_mask(s + Cfg::kMaskLead);
+      if (s < n_tiles) issue_tile(s, s);
       cp_async_fence();  // one group per stage, even when empty, so the waits count right
     }
 
@@ -313,14 +283,7 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
       const int k0 = k_begin + t * kBlockN;
       cp_async_wait<kStages - 2>();
       __syncthreads();  // tile t landed for every thread; every thread is done with tile t - 1
-      if (t + kStages - 1 < n_tiles) {
-        // Tile t + kStages - 1's shared mask row came in group t, complete and visible now.
-        issue_kv(t + kStages - 1, (t + kStages - 1) % kStages, mask_lead);
-        if (!mask_lead) issue_mask(t + kStages - 1);
-      }
-      if (mask_lead && t + kStages - 1 + Cfg::kMaskLead < n_tiles) {
-        issue_mask(t + kStages - 1 + Cfg::kMaskLead);
-      }
+      if (t + kStages - 1 < n_tiles) issue_tile(t + kStages - 1, (t + kStages - 1) % kStages);
       cp_async_fence();
 
       char* ks = smem + stage * 2 * Cfg::kKVBytes;
@@ -328,7 +291,7 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
                               typename Tr::template SmemTile<kBlockN>{});
       Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(ks + Cfg::kKVBytes)),
                                typename Tr::template SmemTileT<kBlockN>{});
-      const char* mtile = mask_tile(t);
+      const char* mtile = mask_smem + stage * mask_stage;
       const char* btile = bias_smem + stage * bias_stage;
 
       // A warp whose 16 rows are all padding (G * Lq below 64) skips its products and
