@@ -366,72 +366,65 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
     float* sm_acc = sm_ml + kBlockM / kWarpRows * kWarpRows * 2;  // [warp][row][kD]
     static_assert((kBlockM / kWarpRows) * kWarpRows * (2 + kD) * 4 <= kStages * 2 * Cfg::kKVBytes,
                   "the merge fits the K/V buffers");
-    CUTE_UNROLL
-    for (int mi = 0; mi < size<1>(acc_o); ++mi) {
+    // fn(mi, half, slot, r) for each row slot of this thread (r: the row within the warp).
+    auto each_row = [&](auto&& fn) {
       CUTE_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        const int slot = mi * 2 + half;
-        const int r = get<0>(cO(half * 2, mi, 0)) % kWarpRows;
-        const float sum = quad_sum(row_sum[slot]);
-        if (lane % 4 == 0) {
-          sm_ml[(warp * kWarpRows + r) * 2] = row_max[slot];
-          sm_ml[(warp * kWarpRows + r) * 2 + 1] = sum;
+      for (int mi = 0; mi < size<1>(acc_o); ++mi) {
+        CUTE_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          fn(mi, half, mi * 2 + half, get<0>(cO(half * 2, mi, 0)) % kWarpRows);
         }
       }
-    }
+    };
+    each_row([&](int, int, int slot, int r) {
+      const float sum = quad_sum(row_sum[slot]);
+      if (lane % 4 == 0) {
+        sm_ml[(warp * kWarpRows + r) * 2] = row_max[slot];
+        sm_ml[(warp * kWarpRows + r) * 2 + 1] = sum;
+      }
+    });
     __syncthreads();
-    CUTE_UNROLL
-    for (int mi = 0; mi < size<1>(acc_o); ++mi) {
+    each_row([&](int mi, int half, int slot, int r) {
+      float mx = -INFINITY;
       CUTE_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        const int slot = mi * 2 + half;
-        const int r = get<0>(cO(half * 2, mi, 0)) % kWarpRows;
-        float mx = -INFINITY;
-        CUTE_UNROLL
-        for (int w = 0; w < kBlockM / kWarpRows; ++w) mx = fmaxf(mx, sm_ml[(w * kWarpRows + r) * 2]);
-        // A row no warp saw keeps max -inf and sum 0 (every weight below is 0).
-        const float base = mx == -INFINITY ? 0.f : mx * kLog2e;
-        float total = 0.f;
-        CUTE_UNROLL
-        for (int w = 0; w < kBlockM / kWarpRows; ++w) {
-          total += sm_ml[(w * kWarpRows + r) * 2 + 1] *
-                   exp2f(sm_ml[(w * kWarpRows + r) * 2] * kLog2e - base);
-        }
-        const float own = exp2f(row_max[slot] * kLog2e - base);
-        float* arow = sm_acc + (warp * kWarpRows + r) * kD;
-        CUTE_UNROLL
-        for (int ni = 0; ni < size<2>(acc_o); ++ni) {
-          const int col = get<1>(cO(half * 2, mi, ni));
-          *reinterpret_cast<float2*>(arow + col) =
-              make_float2(acc_o(half * 2, mi, ni) * own, acc_o(half * 2 + 1, mi, ni) * own);
-        }
-        // The epilogue below reduces row_sum over the quad: the total once.
-        row_max[slot] = mx;
-        row_sum[slot] = lane % 4 == 0 ? total : 0.f;
+      for (int w = 0; w < kBlockM / kWarpRows; ++w) mx = fmaxf(mx, sm_ml[(w * kWarpRows + r) * 2]);
+      // A row no warp saw keeps max -inf and sum 0 (every weight below is 0).
+      const float base = mx == -INFINITY ? 0.f : mx * kLog2e;
+      float total = 0.f;
+      CUTE_UNROLL
+      for (int w = 0; w < kBlockM / kWarpRows; ++w) {
+        total += sm_ml[(w * kWarpRows + r) * 2 + 1] *
+                 exp2f(sm_ml[(w * kWarpRows + r) * 2] * kLog2e - base);
       }
-    }
+      const float own = exp2f(row_max[slot] * kLog2e - base);
+      float* arow = sm_acc + (warp * kWarpRows + r) * kD;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<2>(acc_o); ++ni) {
+        const int col = get<1>(cO(half * 2, mi, ni));
+        *reinterpret_cast<float2*>(arow + col) =
+            make_float2(acc_o(half * 2, mi, ni) * own, acc_o(half * 2 + 1, mi, ni) * own);
+      }
+      // The epilogue below reduces row_sum over the quad: the total once.
+      row_max[slot] = mx;
+      row_sum[slot] = lane % 4 == 0 ? total : 0.f;
+    });
     __syncthreads();
     if (warp != 0) return;
-    CUTE_UNROLL
-    for (int mi = 0; mi < size<1>(acc_o); ++mi) {
+    each_row([&](int mi, int half, int, int r) {
       CUTE_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        const int r = get<0>(cO(half * 2, mi, 0)) % kWarpRows;
+      for (int ni = 0; ni < size<2>(acc_o); ++ni) {
+        const int col = get<1>(cO(half * 2, mi, ni));
+        float2 v = make_float2(0.f, 0.f);
         CUTE_UNROLL
-        for (int ni = 0; ni < size<2>(acc_o); ++ni) {
-          const int col = get<1>(cO(half * 2, mi, ni));
-          float2 v = make_float2(0.f, 0.f);
-          CUTE_UNROLL
-          for (int w = 0; w < kBlockM / kWarpRows; ++w) {
-            const float2 a = *reinterpret_cast<const float2*>(sm_acc + (w * kWarpRows + r) * kD + col);
-            v.x += a.x;
-            v.y += a.y;
-          }
-          acc_o(half * 2, mi, ni) = v.x;
-          acc_o(half * 2 + 1, mi, ni) = v.y;
+        for (int w = 0; w < kBlockM / kWarpRows; ++w) {
+          const float2 a = *reinterpret_cast<const float2*>(sm_acc + (w * kWarpRows + r) * kD + col);
+          v.x += a.x;
+          v.y += a.y;
         }
+        acc_o(half * 2, mi, ni) = v.x;
+        acc_o(half * 2 + 1, mi, ni) = v.y;
       }
-    }
+    });
   }
 
   // Epilogue: this split's normalised rows and lse (natural log; -inf and zeros for rows that
