@@ -60,7 +60,8 @@ def main():
                     t, why = None, f"{type(exc).__name__}: {exc}"[:80]
                 line += f"  {name} {t:.4f}" if t is not None else f"  {name} {why}"
             print(line, flush=True)
-            del c
+            fns.clear()
+            c = None  # free this row's tensors before the next row's are built
 
 
 if __name__ == "__main__":
