@@ -205,25 +205,18 @@ def workloads_for(suite: str, quick: bool) -> List[Workload]:
             lengths, heads, kv_heads, dim = (4096, 32768, 131072, 524288), 32, 8, 128
         out = []
         for L in lengths:
-            # Decode is not causal: with Lq=1 a bottom-right causal mask hides nothing, and
-            # SDPA's is_causal is top-left aligned (it would hide every key but the first).
-            out.append(Workload("decode", 1, heads, kv_heads, 1, L, dim, False, forward_only=True))
-            out.append(
-                Workload("decode", 1, heads, kv_heads, 1, L, dim, False, "relu-per-key", True, forward_only=True)
-            )
+            dims = dict(heads=heads, kv_heads=kv_heads, head_dim=dim)
+            out.append(decode_workload(1, L, False, **dims))
+            out.append(decode_workload(1, L, True, **dims))
             # A KV cache half full (cache_seqlens): only the used half should be read.
-            out.append(
-                Workload("decode", 1, heads, kv_heads, 1, L, dim, False, "relu-per-key", True,
-                         forward_only=True, cache_fill=0.5)
-            )
+            out.append(decode_workload(1, L, True, 0.5, **dims))
         if not quick:
             # Batched decoding (the issue's B 8 / 64): enough (batch, kv head) pairs to fill
             # the GPU without splitting keys. Caches up to 8 GiB of K+V.
             for B, lengths_b in ((8, (4096, 32768, 131072)), (64, (4096, 32768))):
                 for L in lengths_b:
-                    out.append(Workload("decode", B, heads, kv_heads, 1, L, dim, False, forward_only=True))
-                    out.append(Workload("decode", B, heads, kv_heads, 1, L, dim, False, "relu-per-key",
-                                        True, forward_only=True))
+                    out.append(decode_workload(B, L, False, heads=heads, kv_heads=kv_heads, head_dim=dim))
+                    out.append(decode_workload(B, L, True, heads=heads, kv_heads=kv_heads, head_dim=dim))
         return out
     if suite == "varlen":
         # Packed sequences vs padded / one by one: its own workload type and runner (varlen.py).
@@ -238,6 +231,16 @@ def causal_visibility(seqlen_q: int, seqlen_k: int, device) -> torch.Tensor:
     i = torch.arange(seqlen_q, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
     return (j <= i + (seqlen_k - seqlen_q))[None, None]
+
+
+def decode_workload(batch: int, seqlen_k: int, masked: bool, cache_fill: Optional[float] = None,
+                    heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> Workload:
+    """One decode row: one query against ``seqlen_k`` keys, not causal (with Lq = 1 a
+    bottom-right causal mask hides nothing, and SDPA's top-left one would hide every key but
+    the first). ``masked``: the per-key relu mask and bias (about half the keys live)."""
+    return Workload("decode", batch, heads, kv_heads, 1, seqlen_k, head_dim, False,
+                    "relu-per-key" if masked else "none", masked, forward_only=True,
+                    cache_fill=cache_fill)
 
 
 def build_case(w: Workload, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Case:

@@ -152,11 +152,7 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
   Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));
   constexpr int kRowsPerThread = 2 * decltype(size<1>(acc_o))::value;
   float row_max[kRowsPerThread], row_sum[kRowsPerThread];
-  CUTE_UNROLL
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    row_max[r] = -INFINITY;
-    row_sum[r] = 0.f;
-  }
+  init_row_state(row_max, row_sum);
 
   if (n_tiles > 0) {
     const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb;
@@ -191,6 +187,13 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
     char* mask_smem = smem + Cfg::mask_off();
     char* bias_smem = smem + Cfg::bias_off(p.mask_shared);
 
+    // Byte address of key k0 in the mask / bias row of CTA row r (query head h0 + r / Lq,
+    // query r % Lq), for a tensor of elem_bytes-byte elements based at `base`.
+    auto aux_row = [&](const char* base, const Bcast& a, int elem_bytes, int r, int k0) {
+      const int g = r / p.Lq, i = r % p.Lq;
+      return base + (int64_t((h0 + g) / a.hdiv) * a.sh + int64_t(i) * a.sq + int64_t(k0) * a.sk) *
+                        int64_t(elem_bytes);
+    };
     // Issue tile t of this split (keys k_begin + t * kBlockN ..) into buffer `stage`.
     auto issue_tile = [&](int t, int stage) {
       const int k0 = k_begin + t * kBlockN;
@@ -204,23 +207,14 @@ __global__ void __launch_bounds__(DecodeConfig<kHeadDimBucket>::Tr::kThreads)
       if constexpr (kHasMask) {
         load_decode_aux<uint8_t, typename Cfg::MaskTile, kBlockN, Tr::kThreads>(
             mask_smem + stage * mask_stage, p.mask,
-            [&](int r) {
-              const int g = r / p.Lq, i = r % p.Lq;
-              return mask_b + int64_t((h0 + g) / p.mask.hdiv) * p.mask.sh +
-                     int64_t(i) * p.mask.sq + int64_t(k0) * p.mask.sk;
-            },
-            mask_b, mask_rows, valid, tid);
+            [&](int r) { return aux_row(mask_b, p.mask, 1, r, k0); }, mask_b, mask_rows, valid,
+            tid);
       }
       if constexpr (kHasBias) {
         load_decode_aux<Elem, typename Cfg::BiasTile, kBlockN, Tr::kThreads>(
             bias_smem + stage * bias_stage, p.bias,
-            [&](int r) {
-              const int g = r / p.Lq, i = r % p.Lq;
-              return bias_b + (int64_t((h0 + g) / p.bias.hdiv) * p.bias.sh +
-                               int64_t(i) * p.bias.sq + int64_t(k0) * p.bias.sk) *
-                                  int64_t(sizeof(Elem));
-            },
-            bias_b, bias_rows, valid, tid);
+            [&](int r) { return aux_row(bias_b, p.bias, int(sizeof(Elem)), r, k0); }, bias_b,
+            bias_rows, valid, tid);
       }
     };
 

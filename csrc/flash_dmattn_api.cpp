@@ -153,6 +153,16 @@ void fill_packed(FwdParams& p, const OptT& cu_q, const OptT& cu_k, const OptT& c
 }
 
 // paged: k / v are page pools (num_pages, page_size, Hkv, D), not batches.
+// Calls with nothing to compute need no kernel: no queries, or no keys (every row fully
+// masked: zero output, lse -inf). Returns whether out / lse are final.
+bool finished_without_keys(const FwdParams& p, at::Tensor& out, at::Tensor& lse) {
+  if (int64_t(p.B) * p.H * p.Lq == 0) return true;
+  if (p.Lk > 0) return false;
+  out.zero_();
+  lse.fill_(-INFINITY);
+  return true;
+}
+
 void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const OptT& mask, const OptT& bias, double scale, bool causal, double softcap,
                  bool paged = false) {
@@ -207,12 +217,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   p.lse = lse.data_ptr<float>();
   p.use_list = list_idx.has_value();
   p.list = make_list(list_idx, list_cnt, list_hdiv);
-  if (p.B * p.H * p.Lq == 0) return {out, lse};
-  if (p.Lk == 0) {
-    out.zero_();
-    lse.fill_(-INFINITY);
-    return {out, lse};
-  }
+  if (finished_without_keys(p, out, lse)) return {out, lse};
   cudaError_t err = flash_dmattn::run_fwd(p, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda fwd: ", cudaGetErrorString(err));
   return {out, lse};
@@ -364,12 +369,7 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const a
   p.out = out.data_ptr();
   p.o_sb = out.stride(0), p.o_sl = out.stride(1), p.o_sh = out.stride(2);
   p.lse = lse.data_ptr<float>();
-  if (p.B * p.H * p.Lq == 0) return {out, lse};
-  if (p.Lk == 0) {
-    out.zero_();
-    lse.fill_(-INFINITY);
-    return {out, lse};
-  }
+  if (finished_without_keys(p, out, lse)) return {out, lse};
   p.num_splits = static_cast<int>(std::max<int64_t>(1, num_splits));
   // FLASH_DMATTN_CUDA_DECODE_WARP_SPLIT=0 keeps one warp per 16 rows (A/B timing).
   const char* warp_split_env = std::getenv("FLASH_DMATTN_CUDA_DECODE_WARP_SPLIT");

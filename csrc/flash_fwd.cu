@@ -61,11 +61,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDimBucket>::Tr::kThreads)
   Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));
   constexpr int kRowsPerThread = 2 * decltype(size<1>(acc_o))::value;
   float row_max[kRowsPerThread], row_sum[kRowsPerThread];
-  CUTE_UNROLL
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    row_max[r] = -INFINITY;
-    row_sum[r] = 0.f;
-  }
+  init_row_state(row_max, row_sum);
 
   if (n_steps > 0) {
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)),

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, ".")
 from benchmarks.timing import graph_time_ms  # noqa: E402
-from benchmarks.workloads import Workload, build_case  # noqa: E402
+from benchmarks.workloads import build_case, decode_workload  # noqa: E402
 from flash_dmattn.backends.cuda import kernels as ck  # noqa: E402
 from flash_dmattn.backends.triton import decode as td  # noqa: E402
 
@@ -30,9 +30,7 @@ def main():
         for masked in (False, True):
             if fill is not None and not masked:
                 continue
-            w = Workload("decode", B, 32, 8, 1, L, 128, False,
-                         "relu-per-key" if masked else "none", masked, forward_only=True,
-                         cache_fill=fill)
+            w = decode_workload(B, L, masked, fill)
             c = build_case(w, dev, torch.bfloat16)
             scale = 128 ** -0.5
             splits = ck.cuda_decode_splits(B, 8, L, 128, dev)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, ".")
 from benchmarks.timing import graph_time_ms  # noqa: E402
-from benchmarks.workloads import Workload, build_case  # noqa: E402
+from benchmarks.workloads import build_case, decode_workload  # noqa: E402
 from flash_dmattn.backends.triton import decode as td  # noqa: E402
 
 
@@ -22,9 +22,7 @@ def main():
     print(torch.cuda.get_device_name(), "ms per call (graph replay)")
     for B, L in ((1, 131072), (1, 524288), (8, 131072)):
         for masked in (False, True):
-            w = Workload("decode", B, 32, 8, 1, L, 128, False,
-                         "relu-per-key" if masked else "none", masked, forward_only=True,
-                         cache_fill=0.5)
+            w = decode_workload(B, L, masked, 0.5)
             c = build_case(w, dev, torch.bfloat16)
             used = w.used_k
             scale = 128 ** -0.5

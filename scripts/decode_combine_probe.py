@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, ".")
 from benchmarks.timing import graph_time_ms  # noqa: E402
-from benchmarks.workloads import Workload, build_case  # noqa: E402
+from benchmarks.workloads import build_case, decode_workload  # noqa: E402
 from flash_dmattn.backends.triton import decode as td  # noqa: E402
 
 
@@ -42,9 +42,7 @@ def main():
     print(torch.cuda.get_device_name(), "ms per call (graph replay)")
     real = td._decode_combine_kernel
     for B, L, fill, masked in rows:
-        w = Workload("decode", B, 32, 8, 1, L, 128, False,
-                     "relu-per-key" if masked else "none", masked, forward_only=True,
-                     cache_fill=fill)
+        w = decode_workload(B, L, masked, fill)
         c = build_case(w, dev, torch.bfloat16)
         scale = 128 ** -0.5
 

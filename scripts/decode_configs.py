@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, ".")
 from benchmarks.timing import graph_time_ms  # noqa: E402
-from benchmarks.workloads import Workload, build_case  # noqa: E402
+from benchmarks.workloads import build_case, decode_workload  # noqa: E402
 from flash_dmattn.backends.triton import decode as dec  # noqa: E402
 
 
@@ -41,9 +41,7 @@ def main():
         for masked in (False, True):
             if fill is not None and not masked:
                 continue
-            w = Workload("decode", B, 32, 8, 1, L, 128, False,
-                         "relu-per-key" if masked else "none", masked, forward_only=True,
-                         cache_fill=fill)
+            w = decode_workload(B, L, masked, fill)
             case = build_case(w, dev, torch.bfloat16)
             label = ("mask+bias" if masked else "no mask") + (" cache50%" if fill else "")
             splits = dec.choose_num_splits(B, 8, L, dev)

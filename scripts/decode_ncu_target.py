@@ -11,13 +11,12 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from benchmarks.workloads import Workload, build_case  # noqa: E402
+from benchmarks.workloads import build_case, decode_workload  # noqa: E402
 
 
 def main():
     which = sys.argv[1] if len(sys.argv) > 1 else "cuda"
-    w = Workload("decode", 64, 32, 8, 1, 32768, 128, False, "relu-per-key", True,
-                 forward_only=True)
+    w = decode_workload(64, 32768, True)
     c = build_case(w, torch.device("cuda"), torch.bfloat16)
     if which == "cuda":
         from flash_dmattn.backends.cuda.kernels import cuda_decode_forward as run

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, ".")
 from benchmarks.timing import graph_time_ms  # noqa: E402
-from benchmarks.workloads import Workload, build_case  # noqa: E402
+from benchmarks.workloads import build_case, decode_workload  # noqa: E402
 from flash_dmattn.backends.triton.decode import choose_num_splits, decode_forward  # noqa: E402
 
 
@@ -22,9 +22,7 @@ def main():
     for B, L, fill in ((1, 131072, 0.5), (8, 32768, None), (8, 131072, None), (1, 32768, None),
                        (64, 32768, None)):
         for masked in (False, True):
-            w = Workload("decode", B, 32, 8, 1, L, 128, False,
-                         "relu-per-key" if masked else "none", masked, forward_only=True,
-                         cache_fill=fill)
+            w = decode_workload(B, L, masked, fill)
             case = build_case(w, dev, torch.bfloat16)
             base = choose_num_splits(B, 8, L, dev)
             scale = 128 ** -0.5

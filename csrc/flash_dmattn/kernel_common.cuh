@@ -325,6 +325,16 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// The running softmax state of a thread's rows before the first key: max -inf, sum 0.
+template <int kRows>
+__device__ __forceinline__ void init_row_state(float (&row_max)[kRows], float (&row_sum)[kRows]) {
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.f;
+  }
+}
+
 // One online-softmax step of the sm80 forward and decode kernels over a score tile acc_s
 // ((2, 2), M, N fragments, natural-log units, invisible scores -inf): per thread row slot
 // r = mi * 2 + v / 2, update the running max and (thread-partial, quad-reduced by the caller at

@@ -355,7 +355,6 @@ def _decode_split_kernel(
                 vis = vis & (mv != 0)
         if IS_CAUSAL:
             vis = vis & (offs_n[None, :] <= qi[:, None] + (kv_len - seqlen_q))
-        n_ok = key_ok
         if HAS_MASK:
             # Loads are predicated on the keys some row can see, instead of branching over
             # fully hidden tiles: a branch around the loads stops Triton from pipelining them
@@ -374,7 +373,7 @@ def _decode_split_kernel(
                 HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST, PAGE_SIZE)
         else:
             acc, m_i, l_i = _decode_tile(
-                q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok, n_ld, row_ok,
+                q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, key_ok, n_ld, row_ok,
                 offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
                 bt_base, num_pages, stride_kb, stride_vb,
                 HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST, PAGE_SIZE)
