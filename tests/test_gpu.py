@@ -45,6 +45,10 @@ def make_problem(b, lq, lk, h, hkv, d, dtype, mask_kind, bias_kind, seed=0):
     elif mask_kind == "block_sparse":  # per-key, 128-key blocks ~25% live
         live = torch.rand(b, 1, 1, -(-lk // 128), device=dev, generator=g) < 0.25
         mask = live.repeat_interleave(128, dim=-1)[..., :lk]
+    elif mask_kind == "scattered_key":  # per-kv-head per-key: live blocks + scattered keys
+        blocks = torch.rand(b, hkv, 1, -(-lk // 64), device=dev, generator=g) < 0.3
+        mask = blocks.repeat_interleave(64, dim=-1)[..., :lk]
+        mask |= torch.rand(b, hkv, 1, lk, device=dev, generator=g) < 0.05
     elif mask_kind == "padding":
         mask = torch.ones(b, 1, 1, lk, device=dev, dtype=torch.bool)
         mask[0, ..., lk // 2:] = False
@@ -87,6 +91,7 @@ def check(backend, problem, causal, softcap=0.0, grads=True):
 )
 @pytest.mark.parametrize("mask_kind,bias_kind", [
     (None, None), ("topk", "per_key"), ("block_sparse", "full"), ("padding", "neg_inf"),
+    ("scattered_key", "per_key"),
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_backend_matches_reference(backend, shape, mask_kind, bias_kind, causal):

@@ -428,7 +428,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
     vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None],
                  mask=n_ok[None, :] & d_ok[:, None], other=0.0)
     s, th = _scores(q, tl.trans(k), bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols,
-                    mask_lim, need_elem, bias_klim, stride_bm, stride_bn, stride_mm, stride_mn,
+                    mask_lim, need_elem, bias_klim, 0, stride_bm, stride_bn, stride_mm, stride_mn,
                     seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                     HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
                     IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM, BIAS_GATHERED)

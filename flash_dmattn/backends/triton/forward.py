@@ -243,13 +243,14 @@ def _varlen_list_need_elem(partial, start_m, start_n, seqlen_q, seqlen_k,
 
 @triton.jit
 def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_lim, need_elem,
-            bias_klim,
+            bias_klim, mask_bits,
             stride_bm, stride_bn, stride_mm, stride_mn,
             seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
             HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
             HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
             IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr,
-            ELEM: tl.constexpr, BIAS_GATHERED: tl.constexpr = False):
+            ELEM: tl.constexpr, BIAS_GATHERED: tl.constexpr = False,
+            MASK_BITS: tl.constexpr = False):
     """Scores (queries x keys) in log2 units, plus tanh (for the softcap chain).
 
     ``ELEM``: 1 -- masked per element always (gather mode); 2 -- decided per tile by
@@ -258,6 +259,8 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_l
     ``mask_cols`` / ``mask_lim``: the mask's column index and bound (the key index and Lk,
     or in gather mode the position in the gathered list and its length).
     ``BIAS_GATHERED``: the bias is a KeyGather's ``gbias`` row, read at ``mask_cols`` too.
+    ``MASK_BITS``: a per-key mask is given as ``mask_bits``, the tile's bits (an int64 scalar,
+    bit ``i`` for key ``i`` of the tile), and is not loaded (kernels that do not use it pass 0).
     """
     s = _dot(q, kt, DOT_UPCAST)
     if HAS_SOFTCAP:
@@ -274,25 +277,34 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_l
         bv = _load_bcast(bias_base, offs_m, bias_cols, stride_bm, stride_bn, seqlen_q,
                          bias_klim, BIAS_QB, BIAS_KB, 0.0)
         s = s + bv.to(tl.float32) * 1.4426950408889634
-    if HAS_MASK:  # outside the branch so it is pipelined (see _load_mask_tile)
+    if MASK_BITS:
+        mv = mask_bits
+    elif HAS_MASK:  # outside the branch so it is pipelined (see _load_mask_tile)
         mv = _load_mask_tile(mask_base, offs_m, mask_cols, stride_mm, stride_mn, seqlen_q,
                              mask_lim, MASK_QB, MASK_KB, need_elem)
     else:
         mv = 1
     if ELEM == 1:
-        s = _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL)
+        s = _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL, MASK_BITS)
     elif ELEM == 2:
         if need_elem:
-            s = _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL)
+            s = _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL,
+                      MASK_BITS)
     return s, th
 
 
 @triton.jit
 def _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK: tl.constexpr,
-          IS_CAUSAL: tl.constexpr):
-    """-inf where a (query, key) element is out of range, masked or causally hidden."""
+          IS_CAUSAL: tl.constexpr, MASK_BITS: tl.constexpr = False):
+    """-inf where a (query, key) element is out of range, masked or causally hidden.
+
+    ``mv``: the mask tile (non-zero = live), or with ``MASK_BITS`` the tile's bits (key tiles
+    start at multiples of their width, so a key's bit is its index modulo the width)."""
     vis = n_ok[None, :]
-    if HAS_MASK:
+    if MASK_BITS:
+        lane = (offs_n % offs_n.shape[0]).to(tl.int64)
+        vis = vis & (((mv >> lane) & 1) != 0)[None, :]
+    elif HAS_MASK:
         vis = vis & (mv != 0)
     if IS_CAUSAL:
         vis = vis & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
@@ -333,20 +345,22 @@ def _key_bounds(stride_mm, stride_bm, seqlen_k, MASK_PAD: tl.constexpr, BIAS_PAD
 @triton.jit
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
               offs_m, offs_n, offs_d, d_ok, n_ok, mask_cols, mask_lim, need_elem, bias_klim,
+              mask_bits,
               stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
               seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
               HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
               HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
               IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr,
-              ELEM: tl.constexpr, BIAS_GATHERED: tl.constexpr = False):
+              ELEM: tl.constexpr, BIAS_GATHERED: tl.constexpr = False,
+              MASK_BITS: tl.constexpr = False):
     """One key tile of the online softmax: returns the updated ``(acc, m_i, l_i)``."""
     kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None],
                  mask=n_ok[None, :] & d_ok[:, None], other=0.0)
     s, _ = _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_lim,
-                   need_elem, bias_klim, stride_bm, stride_bn, stride_mm, stride_mn,
+                   need_elem, bias_klim, mask_bits, stride_bm, stride_bn, stride_mm, stride_mn,
                    seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                    HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
-                   IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM, BIAS_GATHERED)
+                   IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM, BIAS_GATHERED, MASK_BITS)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -361,7 +375,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt, CuQ, CuK,
+    Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt, MaskBits, CuQ, CuK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -379,8 +393,12 @@ def _attn_fwd_kernel(
     IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr = False,
     MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
-    BIAS_GATHERED: tl.constexpr = False,
+    BIAS_GATHERED: tl.constexpr = False, MASK_BITS: tl.constexpr = False,
 ):
+    # MASK_BITS (with USE_LIST, not GATHER / VARLEN): a per-key mask whose tiles' bits come in
+    # MaskBits, parallel to ListIdx (TileLists.fwd_bits); the mask itself is not read. Loaded
+    # one step ahead like the entries, a partial tile costs a few shifts instead of a vector
+    # load and a layout change in every step (T3: the mask code took 5 % of the kernel).
     # BIAS_GATHERED (with GATHER): Bias is the KeyGather's gbias, one padded row per query
     # tile (stride_bm is the tile stride), read at the same list positions as the mask.
     # MASK_PAD / BIAS_PAD: the mask's / bias's rows are padded copies (aligned_rows): bound
@@ -431,7 +449,9 @@ def _attn_fwd_kernel(
 
     if USE_LIST:
         lh = h // list_hdiv
-        list_row = ListIdx + b * stride_lb + lh * stride_lh + pid_m * stride_lm
+        list_off = b * stride_lb + lh * stride_lh + pid_m * stride_lm
+        list_row = ListIdx + list_off
+        bits_row = MaskBits + list_off
         cnt_ptr = ListCnt + b * stride_cb + lh * stride_ch + pid_m * stride_cm
         n_iter = tl.load(cnt_ptr)
     else:
@@ -459,9 +479,17 @@ def _attn_fwd_kernel(
         # tile's K/V copies right after the entry load, so an entry loaded in the same
         # iteration puts a global-load latency in front of every prefetch.
         entry_next = tl.load(list_row, mask=n_iter > 0, other=0)
+        if MASK_BITS:
+            bits_next = tl.load(bits_row, mask=n_iter > 0, other=0)
+            bits = bits_next  # loop-carried int64
+        else:
+            bits = 0
         for t in range(0, n_iter):
             entry = entry_next
             entry_next = tl.load(list_row + t + 1, mask=t + 1 < n_iter, other=0)
+            if MASK_BITS:
+                bits = bits_next
+                bits_next = tl.load(bits_row + t + 1, mask=t + 1 < n_iter, other=0)
             offs_n = (entry >> 1) * BLOCK_N + offs_n0
             need_elem = (entry & 1) != 0
             if VARLEN:
@@ -471,10 +499,10 @@ def _attn_fwd_kernel(
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
                 offs_m, offs_n, offs_d, d_ok, offs_n < seqlen_k, offs_n, mask_klim, need_elem, bias_klim,
-                stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
+                bits, stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
-                DOT_UPCAST, 2)
+                DOT_UPCAST, 2, False, MASK_BITS)
     elif GATHER:
         # Gathered keys: indices by position in the row's key list, masked per element.
         n_keys = n_iter
@@ -483,7 +511,7 @@ def _attn_fwd_kernel(
             keys = tl.load(list_row + cols, mask=cols < n_keys, other=0)
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
-                offs_m, keys, offs_d, d_ok, cols < n_keys, cols, stride_mm, True, bias_klim,
+                offs_m, keys, offs_d, d_ok, cols < n_keys, cols, stride_mm, True, bias_klim, 0,
                 stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
@@ -494,7 +522,7 @@ def _attn_fwd_kernel(
                                                 BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL, VARLEN)
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
-                offs_m, offs_n, offs_d, d_ok, n_ok, offs_n, mask_klim, need_elem, bias_klim,
+                offs_m, offs_n, offs_d, d_ok, n_ok, offs_n, mask_klim, need_elem, bias_klim, 0,
                 stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
@@ -514,7 +542,7 @@ def _attn_fwd_kernel(
 # ------------------------------------------------------------------------------------------
 
 _FWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE_LIST",
-            "GATHER", "VARLEN", "lq_bucket", "lk_bucket"]
+            "GATHER", "VARLEN", "MASK_BITS", "lq_bucket", "lk_bucket"]
 
 
 def fwd_blocks(head_dim: int) -> Tuple[int, int]:
@@ -619,7 +647,8 @@ def attention_forward(
                                  summary=summary)
         if gather is None:
             tiles = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m, block_n, device,
-                                     need_fwd=True, need_bwd=False, summary=summary)
+                                     need_fwd=True, need_bwd=False, summary=summary,
+                                     with_bits=True)
     use_list = tiles is not None or gather is not None
     if gather is not None:
         idx, cnt, lst, list_hdiv = gather.idx, gather.cnt, gather.list_strides(), gather.head_div
@@ -632,6 +661,7 @@ def attention_forward(
         lst = (0, 0, 0, 0, 0, 0)
         list_hdiv = 1
 
+    mask_bits = tiles.fwd_bits if tiles is not None and mask is not None else None
     if gather is not None:
         mask_arg, ms = gather.gmask, gather.mask_strides(H)
     else:
@@ -647,7 +677,8 @@ def attention_forward(
     grid = (cdiv(Lq, block_m), B * H)
     has_softcap = softcap > 0.0
     args = (
-        q, k, v, out, lse, mask_arg, bias_arg, idx, cnt, q, q,
+        q, k, v, out, lse, mask_arg, bias_arg, idx, cnt,
+        mask_bits if mask_bits is not None else q, q, q,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -668,7 +699,7 @@ def attention_forward(
         IS_CAUSAL=bool(is_causal), USE_LIST=use_list, HAS_SOFTCAP=has_softcap,
         DOT_UPCAST=dot_upcast(q.dtype), GATHER=gather is not None, VARLEN=False,
         MASK_PAD=mask_pad and gather is None, BIAS_PAD=bias_pad or bias_gathered,
-        BIAS_GATHERED=bias_gathered,
+        BIAS_GATHERED=bias_gathered, MASK_BITS=mask_bits is not None,
     )
     _launch_fwd(grid, args, meta)
     if not keep_plan:
@@ -840,7 +871,7 @@ def attention_forward_varlen(
     has_softcap = softcap > 0.0
     # The packed tensors are batch 1 (batch strides 0); programs offset by their sequence start.
     args = (
-        q, k, v, out, lse, mask_arg, bias_arg, idx, cnt, cu_q, cu_k,
+        q, k, v, out, lse, mask_arg, bias_arg, idx, cnt, q, cu_q, cu_k,
         0, q.stride(0), q.stride(1),
         0, k.stride(0), k.stride(1),
         0, v.stride(0), v.stride(1),

@@ -36,6 +36,7 @@ from typing import Optional, Tuple
 import torch
 
 from ...block_map import causal_tiles, tile_liveness
+from .key_mask_lists import per_key_eligible, per_key_lists, per_key_lists_reference
 from .mask_summary import MaskSummary
 
 
@@ -47,7 +48,9 @@ class TileLists:
     query tile ``m`` of batch ``b`` and query head ``h`` the row is ``[b or 0, h // head_div,
     m or 0]``. ``bwd_idx`` is ``(Bm, Hm, nK, nQ)`` and ``bwd_cnt`` ``(Bm, Hm, nK, 2)`` (per key
     tile).
-    Either pair may be None when not requested.
+    Either pair may be None when not requested. ``fwd_bits`` (only for a per-key mask, when
+    asked for): int64 of ``fwd_idx``'s shape, the mask bits of each listed key tile (bit ``i``
+    = key ``tile * block_n + i`` live; see :mod:`.key_mask_lists`).
     """
 
     block_m: int
@@ -59,6 +62,7 @@ class TileLists:
     fwd_cnt: Optional[torch.Tensor]
     bwd_idx: Optional[torch.Tensor]
     bwd_cnt: Optional[torch.Tensor]
+    fwd_bits: Optional[torch.Tensor] = None
 
     def fwd_strides(self) -> Tuple[int, int, int, int, int, int]:
         """(idx_b, idx_h, idx_m, cnt_b, cnt_h, cnt_m) with 0 for broadcast dims."""
@@ -110,10 +114,9 @@ def _compact(live: torch.Tensor, partial: torch.Tensor) -> Tuple[torch.Tensor, t
     does it; the torch version (:func:`compact_reference`) took about ten small launches per
     list, most of a per-key mask's list-building time.
     """
-    from .forward import interpret_mode  # forward imports this module
     from .tile_compact import compact_tiles
 
-    if live.device.type == "cuda" or (live.device.type == "cpu" and interpret_mode()):
+    if _runs_kernels(live.device):
         return compact_tiles(live, partial)
     return compact_reference(live, partial)
 
@@ -146,12 +149,14 @@ def build_tile_lists(
     need_fwd: bool = True,
     need_bwd: bool = False,
     summary: Optional[MaskSummary] = None,
+    with_bits: bool = False,
 ) -> Optional[TileLists]:
     """Build live-tile lists for ``block_m x block_n`` tiles, or None when every tile is full.
 
     Returns None without a mask and without causal: kernels then visit every tile densely.
     ``mask`` is the normalised 4-D bool view ``(Bx, Hx, Qx, Kx)``; ``summary``, when given, is
-    its :class:`MaskSummary` and replaces reading it.
+    its :class:`MaskSummary` and replaces reading it. ``with_bits``: a per-key mask's forward
+    lists also carry ``fwd_bits`` (None for other masks).
     """
     if mask is None and not is_causal:
         return None
@@ -168,8 +173,22 @@ def build_tile_lists(
                 _CAUSAL_CACHE.popitem(last=False)
         _CAUSAL_CACHE.move_to_end(key)
         return cached
+    if need_fwd and not need_bwd and summary is None and per_key_eligible(mask, seqlen_q, block_n):
+        plan = per_key_lists if _runs_kernels(mask.device) else per_key_lists_reference
+        idx, cnt, bits = plan(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n, with_bits)
+        return TileLists(block_m=block_m, block_n=block_n, num_q_tiles=-(-seqlen_q // block_m),
+                         num_k_tiles=-(-seqlen_k // block_n), head_div=num_heads // mask.size(1),
+                         fwd_idx=idx, fwd_cnt=cnt, bwd_idx=None, bwd_cnt=None,
+                         fwd_bits=bits if with_bits else None)
     return _build(mask, seqlen_q, seqlen_k, num_heads, is_causal, block_m, block_n, device,
                   need_fwd, need_bwd, summary)
+
+
+def _runs_kernels(device: torch.device) -> bool:
+    """Whether Triton kernels run for tensors on ``device`` (a GPU, or the CPU interpreter)."""
+    from .forward import interpret_mode  # forward imports this module
+
+    return device.type == "cuda" or (device.type == "cpu" and interpret_mode())
 
 
 _CAUSAL_CACHE: "OrderedDict" = OrderedDict()

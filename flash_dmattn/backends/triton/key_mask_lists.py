@@ -1,0 +1,172 @@
+"""Forward tile lists of a per-key mask, and the mask's bits, in one launch.
+
+A per-key mask ``(Bx, Hx, 1, Lk)`` -- the dynamic-mask case -- gives every query tile the
+same row of key tiles, cut at the tile's causal limit. Built from torch reductions and
+elementwise ops (:func:`.tiles.build_tile_lists` for other masks) that took about ten small
+launches, ~35 us of GPU time on the block-sparse L 32K workload, 3 % of its forward. This
+kernel reads the mask row once per list row and writes the row's list directly, in the
+order and encoding of :mod:`.tiles` (full tiles first, then partial ones, each ascending,
+entries ``tile * 2 + partial``, zeros after the count).
+
+Beside each entry it writes the tile's ``block_n`` mask bits as one int64 (bit ``i`` = key
+``tile * block_n + i`` is live), so the forward kernel masks a partial tile with a scalar it
+loaded one step ahead instead of a vector load and layout change in every step (see
+``MASK_BITS`` in :mod:`.forward`).
+
+Equivalent plain PyTorch (``tile_liveness`` from :mod:`flash_dmattn.block_map`)::
+
+    live, full = tile_liveness(mask, Lq, Lk, block_m, block_n, is_causal)   # (Bx, Hx, nQ|1, nK)
+    full[..., -1] &= Lk % block_n == 0               # a ragged last tile is always partial
+    idx, cnt = compact_reference(live, live & ~full)
+    keys = (idx >> 1)[..., None] * block_n + arange(block_n)
+    bits = (mask[..., 0, keys] << arange(block_n)).sum(-1)      # keys past Lk count as 0
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ...intmath import cdiv
+
+# Bits of one tile must fit the int64 the kernels load.
+MAX_BLOCK_N = 64
+
+
+def per_key_eligible(mask: torch.Tensor, seqlen_q: int, block_n: int) -> bool:
+    """Whether :func:`per_key_lists` serves this mask: one row per (batch, head), key tiles
+    narrow enough for their bits to fit one int64."""
+    return mask is not None and mask.size(2) == 1 and block_n <= MAX_BLOCK_N and seqlen_q >= 1
+
+
+def per_key_lists(
+    mask: torch.Tensor,
+    seqlen_q: int,
+    seqlen_k: int,
+    is_causal: bool,
+    block_m: int,
+    block_n: int,
+    with_bits: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(idx, cnt, bits)`` forward lists of a per-key mask.
+
+    Args:
+        mask: bool ``(Bx, Hx, 1, Kx)`` with ``Kx`` = ``seqlen_k`` or 1 (broadcast), any strides.
+        is_causal: bottom-right causal; then there is one list row per query tile (``nQ``),
+            else one row shared by all of them.
+        with_bits: also fill ``bits`` (else it is a 1-element placeholder).
+
+    Returns:
+        ``idx`` int32 ``(Bx, Hx, rows, nK)``, ``cnt`` int32 ``(Bx, Hx, rows, 2)`` (live, full) as
+        :func:`.tiles.build_tile_lists` makes them, and ``bits`` int64 of ``idx``'s shape:
+        the mask bits of the tile each entry names (unspecified past the count).
+    """
+    bx, hx = mask.shape[0], mask.shape[1]
+    rows = cdiv(seqlen_q, block_m) if is_causal else 1
+    n_tiles = cdiv(seqlen_k, block_n)
+    device = mask.device
+    idx = torch.empty((bx, hx, rows, n_tiles), dtype=torch.int32, device=device)
+    cnt = torch.empty((bx, hx, rows, 2), dtype=torch.int32, device=device)
+    bits = torch.empty(idx.shape if with_bits else (1,), dtype=torch.int64, device=device)
+    m = mask.view(torch.uint8)
+    stride_k = 0 if mask.size(3) == 1 else m.stride(3)
+    stride_b = 0 if bx == 1 else m.stride(0)
+    stride_h = 0 if hx == 1 else m.stride(1)
+    on_cpu = device.type == "cpu"  # the interpreter: small chunks run faster
+    _per_key_lists_kernel[(bx * hx * rows,)](
+        m, idx, cnt, bits, hx, rows, n_tiles, seqlen_q, seqlen_k, stride_b, stride_h, stride_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=16 if on_cpu else 64,
+        IS_CAUSAL=bool(is_causal), WITH_BITS=with_bits, num_warps=4,
+    )
+    return idx, cnt, bits
+
+
+def per_key_lists_reference(
+    mask: torch.Tensor,
+    seqlen_q: int,
+    seqlen_k: int,
+    is_causal: bool,
+    block_m: int,
+    block_n: int,
+    with_bits: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain PyTorch :func:`per_key_lists` (same counts, entries and bits up to the count)."""
+    from ...block_map import tile_liveness
+    from .tiles import compact_reference  # tiles imports this module
+
+    live, full = tile_liveness(mask, seqlen_q, seqlen_k, block_m, block_n, is_causal)
+    nk = cdiv(seqlen_k, block_n)
+    bx, hx = mask.shape[:2]
+    live = live.expand(bx, hx, live.size(2), nk)
+    full = full.expand(bx, hx, full.size(2), nk)
+    if seqlen_k % block_n:
+        full = full & (torch.arange(nk, device=mask.device) < nk - 1)
+    idx, cnt = compact_reference(live, live & ~full)
+    if not with_bits:
+        return idx, cnt, torch.empty(1, dtype=torch.int64, device=mask.device)
+    m = mask.expand(bx, hx, 1, seqlen_k)[:, :, 0]
+    m = torch.nn.functional.pad(m, (0, nk * block_n - seqlen_k)).view(bx, hx, nk, block_n)
+    lanes = torch.arange(block_n, device=mask.device)
+    tile_bits = (m.long() << lanes).sum(-1)
+    bits = torch.gather(tile_bits[:, :, None].expand(-1, -1, idx.size(2), -1), 3,
+                        (idx >> 1).long())
+    return idx, cnt, bits.contiguous()
+
+
+@triton.jit
+def _per_key_lists_kernel(
+    Mask, Idx, Cnt, Bits, n_heads, n_rows, n_tiles, seqlen_q, seqlen_k,
+    stride_mb, stride_mh, stride_mk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WITH_BITS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    r = row % n_rows
+    b = row // n_rows // n_heads
+    h = row // n_rows % n_heads
+    mask_row = Mask + b * stride_mb + h * stride_mh
+    idx_row = Idx + row * n_tiles
+    bits_row = Bits + row * n_tiles
+    offset = seqlen_k - seqlen_q  # bottom-right: key j is visible to query i iff j <= i + offset
+    q_first = r * BLOCK_M
+    n = n_tiles
+    if IS_CAUSAL:
+        # Tiles past the limit of the row tile's last query are dead: never read or listed.
+        q_last = tl.minimum(q_first + BLOCK_M, seqlen_q) - 1
+        n = tl.minimum(n, tl.cdiv(tl.maximum(q_last + offset + 1, 0), BLOCK_N))
+    lane = tl.arange(0, BLOCK_N)
+    weight = tl.full([BLOCK_N], 1, tl.int64) << lane.to(tl.int64)
+    base = n * 0
+    n_full = base
+    for want_partial in tl.static_range(2):
+        for start in range(0, n, CHUNK):
+            t = start + tl.arange(0, CHUNK)
+            keys = t[:, None] * BLOCK_N + lane[None, :]
+            k_ok = (keys < seqlen_k) & (t[:, None] < n)
+            on = tl.load(mask_row + keys.to(tl.int64) * stride_mk, mask=k_ok, other=0) != 0
+            n_on = tl.sum(on.to(tl.int32), 1)
+            live = (n_on > 0) & (t < n)
+            # A ragged last tile has fewer than BLOCK_N keys, so it is never full.
+            full = n_on == BLOCK_N
+            if IS_CAUSAL:
+                full = full & (t * BLOCK_N + BLOCK_N - 1 <= q_first + offset)
+            if want_partial == 0:
+                sel = live & full
+            else:
+                sel = live & (full == 0)
+            s = sel.to(tl.int32)
+            pos = base + tl.cumsum(s, 0) - 1
+            tl.store(idx_row + pos, t * 2 + want_partial, mask=sel)
+            if WITH_BITS:
+                tile_bits = tl.sum(tl.where(on, weight[None, :], 0), 1)
+                tl.store(bits_row + pos, tile_bits, mask=sel)
+            base += tl.sum(s, 0)
+        if want_partial == 0:
+            n_full = base
+    for start in range(base, n_tiles, CHUNK * BLOCK_N):
+        c = start + tl.arange(0, CHUNK * BLOCK_N)
+        tl.store(idx_row + c, tl.zeros([CHUNK * BLOCK_N], dtype=tl.int32), mask=c < n_tiles)
+    tl.store(Cnt + row * 2, base)
+    tl.store(Cnt + row * 2 + 1, n_full)

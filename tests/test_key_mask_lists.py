@@ -1,0 +1,120 @@
+"""The per-key mask planner (one launch) against the torch tile maps, and the forward kernel's
+mask bits path, on the interpreter."""
+
+import math
+
+import pytest
+import torch
+
+from interpreter_only import require_triton_interpreter
+from naive import assert_close
+
+require_triton_interpreter()
+
+from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
+from flash_dmattn.backends.triton.forward import attention_forward  # noqa: E402
+from flash_dmattn.backends.triton.key_mask_lists import (  # noqa: E402
+    per_key_lists,
+    per_key_lists_reference,
+)
+from flash_dmattn.backends.triton.tiles import build_tile_lists  # noqa: E402
+from test_triton_kernels import naive_attention, run_case  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    monkeypatch.setattr(fwd_mod, "DEBUG_POISON", True)
+
+
+def _block_mask(shape, lk, density, block, gen):
+    """A per-key mask mixing live blocks of ``block`` keys with scattered live keys, so one
+    call has full and partial tiles (and dead ones where ``density`` is small)."""
+    scattered = torch.rand(*shape, lk, generator=gen) < density
+    blocks = torch.rand(*shape, -(-lk // block), generator=gen) < 0.4
+    blocks[..., 0] = True  # at least one full tile
+    return scattered | blocks.repeat_interleave(block, -1)[..., :lk]
+
+
+def _reference_lists(mask, lq, lk, causal, bm, bn):
+    return per_key_lists_reference(mask, lq, lk, causal, bm, bn, True)
+
+
+CASES = [
+    # (Bx, Hx, Lq, Lk, causal, block_m, block_n, scattered density)
+    (1, 1, 100, 130, True, 16, 16, 0.05),
+    (2, 3, 37, 65, True, 16, 16, 0.3),     # ragged last tile, Lq < Lk
+    (2, 1, 64, 64, False, 16, 16, 0.1),    # one list row for every query tile
+    (1, 2, 50, 200, True, 32, 16, 0.0),
+    (1, 1, 200, 50, True, 16, 16, 0.2),    # Lq > Lk: the first query tiles see nothing
+    (1, 1, 300, 1000, True, 64, 64, 0.02),  # 64-key tiles: all 64 bits of the int64
+    (1, 1, 129, 1025, False, 128, 64, 0.5),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}h{}q{}k{}{}m{}n{}".format(
+    *c[:4], "c" if c[4] else "", *c[5:7]))
+def test_lists_match_torch_maps(case):
+    bx, hx, lq, lk, causal, bm, bn, density = case
+    gen = torch.Generator().manual_seed(lq * 7 + lk)
+    mask = _block_mask((bx, hx, 1), lk, density, 32, gen)
+    idx, cnt, bits = per_key_lists(mask, lq, lk, causal, bm, bn, True)
+    ref_idx, ref_cnt, ref_bits = _reference_lists(mask, lq, lk, causal, bm, bn)
+    assert idx.shape == ref_idx.shape and cnt.shape == ref_cnt.shape
+    assert torch.equal(cnt, ref_cnt)
+    used = torch.arange(idx.size(-1)) < cnt[..., :1]
+    flags = idx & 1
+    assert (flags[used] == 1).any() and (flags[used] == 0).any()  # partial and full tiles
+    assert torch.equal(torch.where(used, idx, 0), torch.where(used, ref_idx, 0))
+    assert torch.equal(torch.where(used, 0, idx), torch.zeros_like(idx))  # zeros past the count
+    assert torch.equal(torch.where(used, bits, 0), torch.where(used, ref_bits, 0))
+
+
+def test_broadcast_and_strided_masks():
+    gen = torch.Generator().manual_seed(3)
+    base = _block_mask((2, 1, 1), 90, 0.1, 16, gen)
+    for mask in (base.expand(2, 3, 1, 90),                          # stride-0 heads
+                 torch.ones(1, 2, 1, 1, dtype=torch.bool).expand(1, 2, 1, 90),  # key broadcast
+                 _block_mask((1, 2, 1), 180, 0.1, 16, gen)[..., ::2]):         # key stride 2
+        idx, cnt, bits = per_key_lists(mask, 40, 90, True, 16, 16, True)
+        ref_idx, ref_cnt, ref_bits = _reference_lists(mask, 40, 90, True, 16, 16)
+        assert torch.equal(cnt, ref_cnt)
+        used = torch.arange(idx.size(-1)) < cnt[..., :1]
+        assert torch.equal(torch.where(used, idx, 0), torch.where(used, ref_idx, 0))
+        assert torch.equal(torch.where(used, bits, 0), torch.where(used, ref_bits, 0))
+
+
+def test_build_tile_lists_uses_the_planner_for_forward_lists():
+    mask = _block_mask((1, 1, 1), 70, 0.1, 16, torch.Generator().manual_seed(1))
+    t = build_tile_lists(mask, 33, 70, 4, True, 16, 16, torch.device("cpu"), with_bits=True)
+    assert t.fwd_bits is not None and t.fwd_bits.shape == t.fwd_idx.shape
+    both = build_tile_lists(mask, 33, 70, 4, True, 16, 16, torch.device("cpu"), need_bwd=True)
+    assert both.fwd_bits is None and both.bwd_idx is not None  # the torch maps serve both
+    assert torch.equal(t.fwd_cnt, both.fwd_cnt)
+
+
+@pytest.mark.parametrize("spec", ["BK1L", "B11L", "1H1L"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mixed_tiles_forward_and_backward(spec, causal):
+    # Dead, full and partial tiles in one call, GQA, Lq != Lk, a -inf bias entry.
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 45, 83, 16
+    dims = {"B": B, "H": H, "K": Hkv, "1": 1}
+    mask = _block_mask(tuple(dims[c] for c in spec[:3]), Lk, 0.05, 16,
+                       torch.Generator().manual_seed(len(spec) + causal))
+    bias = torch.randn(B, Hkv, 1, Lk)
+    bias[..., 5] = float("-inf")
+    run_case(B, H, Hkv, Lq, Lk, D, causal=causal, mask=mask, bias=bias)
+
+
+def test_forward_masks_partial_tiles_from_the_bits():
+    # Lists and bits planned from mask A, the kernel given an all-True mask: the result is A's,
+    # so partial tiles were masked from the bits, not from the mask tensor.
+    B, H, Lq, Lk, D = 1, 2, 40, 64, 16
+    a = _block_mask((B, 1, 1), Lk, 0.2, 16, torch.Generator().manual_seed(5))
+    tiles = build_tile_lists(a, Lq, Lk, H, True, 16, 16, torch.device("cpu"), with_bits=True)
+    assert ((tiles.fwd_idx & 1) * (torch.arange(tiles.fwd_idx.size(-1)) < tiles.fwd_cnt[..., :1])).any()
+    q, k, v = (torch.randn(B, n, H, D) for n in (Lq, Lk, Lk))
+    out, lse = attention_forward(q, k, v, torch.ones_like(a), None, 1 / math.sqrt(D), True, 0.0,
+                                 tiles=tiles)
+    ro, rl = naive_attention(q.double(), k.double(), v.double(), a, None, 1 / math.sqrt(D), True, 0.0)
+    assert_close("out", out, ro, 2e-5)
+    assert_close("lse", lse, rl, 2e-5)
