@@ -228,6 +228,7 @@ def main() -> int:
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
                 (args.dump / f"{name}-w{cfg.num_warps}-s{cfg.num_stages}.ttgir").write_text(ck.asm["ttgir"])
+                (args.dump / f"{name}-w{cfg.num_warps}-s{cfg.num_stages}.ptx").write_text(ck.asm["ptx"])
     return 1 if failures else 0
 
 
