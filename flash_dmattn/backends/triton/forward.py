@@ -396,9 +396,9 @@ def _attn_fwd_kernel(
     BIAS_GATHERED: tl.constexpr = False, MASK_BITS: tl.constexpr = False,
 ):
     # MASK_BITS (with USE_LIST, not GATHER / VARLEN): a per-key mask whose tiles' bits come in
-    # MaskBits, parallel to ListIdx (TileLists.fwd_bits); the mask itself is not read. Loaded
-    # one step ahead like the entries, a partial tile costs a few shifts instead of a vector
-    # load and a layout change in every step (T3: the mask code took 5 % of the kernel).
+    # MaskBits, parallel to ListIdx (TileLists.fwd_bits); the mask itself is not read. A
+    # partial tile costs one scalar load and a few shifts, a full tile nothing, where the
+    # mask path issues a predicated vector load in every step (T3: 5 % of the kernel).
     # BIAS_GATHERED (with GATHER): Bias is the KeyGather's gbias, one padded row per query
     # tile (stride_bm is the tile stride), read at the same list positions as the mask.
     # MASK_PAD / BIAS_PAD: the mask's / bias's rows are padded copies (aligned_rows): bound
@@ -479,17 +479,17 @@ def _attn_fwd_kernel(
         # tile's K/V copies right after the entry load, so an entry loaded in the same
         # iteration puts a global-load latency in front of every prefetch.
         entry_next = tl.load(list_row, mask=n_iter > 0, other=0)
-        if MASK_BITS:
-            bits_next = tl.load(bits_row, mask=n_iter > 0, other=0)
-            bits = bits_next  # loop-carried int64
-        else:
-            bits = 0
         for t in range(0, n_iter):
             entry = entry_next
             entry_next = tl.load(list_row + t + 1, mask=t + 1 < n_iter, other=0)
             if MASK_BITS:
-                bits = bits_next
-                bits_next = tl.load(bits_row + t + 1, mask=t + 1 < n_iter, other=0)
+                # Fetched for partial tiles only and used after the QK product, so its latency
+                # hides behind that; full tiles issue no load. (Prefetched one step ahead as a
+                # loop-carried int64, the copy at the step's end waited on the load: ncu showed
+                # more long-scoreboard stalls than the mask load it replaced.)
+                bits = tl.load(bits_row + t, mask=(entry & 1) != 0, other=0)
+            else:
+                bits = 0
             offs_n = (entry >> 1) * BLOCK_N + offs_n0
             need_elem = (entry & 1) != 0
             if VARLEN:
