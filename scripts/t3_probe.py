@@ -105,7 +105,6 @@ def main():
         ("triton kernel: dense causal (prebuilt lists)", lambda: fwd(None, tiles_causal)),
         ("triton kernel: T3 mask, prebuilt lists", lambda: fwd(mask, tiles)),
         ("triton kernel: T3 lists, mask not read (timing only)", lambda: fwd(None, tiles)),
-        ("triton kernel: T3 mask from the lists' bits", lambda: fwd(mask, tiles_bits)),
         ("triton planning: lists + bits", lambda: lists(mask, True)),
         ("triton planning: build_tile_lists", lambda: lists(mask)),
         ("triton attention_forward, lists built inside", lambda: fwd(mask, None)),
@@ -116,6 +115,14 @@ def main():
         t = time_ms(fn)
         base = base or t
         print(f"  {name:52s} {t:7.3f} ms  {t / base:6.3f}x cuDNN")
+    import os
+    for mode in ("off", "async", "sync"):
+        os.environ[fwd_mod.MASK_BITS_ENV] = mode
+        t_k = time_ms(lambda: fwd(mask, tiles_bits))
+        t_p = time_ms(public)
+        print(f"  mask bits {mode:5s}: T3 kernel {t_k:.3f} ms ({t_k / base:.3f}x cuDNN), public call "
+              f"{t_p:.3f} ms ({t_p / base:.3f}x cuDNN)")
+    os.environ.pop(fwd_mod.MASK_BITS_ENV)
     for name, fn in [("planning", lambda: lists(mask)),
                      ("public call", public)]:
         print(f"  host time per call, {name:32s} {host_ms(fn):7.3f} ms")

@@ -92,9 +92,11 @@ def test_build_tile_lists_uses_the_planner_for_forward_lists():
     assert torch.equal(t.fwd_cnt, both.fwd_cnt)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async", "off"])
 @pytest.mark.parametrize("spec", ["BK1L", "B11L", "1H1L"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_mixed_tiles_forward_and_backward(spec, causal):
+def test_mixed_tiles_forward_and_backward(spec, causal, mode, monkeypatch):
+    monkeypatch.setenv(fwd_mod.MASK_BITS_ENV, mode)
     # Dead, full and partial tiles in one call, GQA, Lq != Lk, a -inf bias entry.
     B, H, Hkv, Lq, Lk, D = 2, 4, 2, 45, 83, 16
     dims = {"B": B, "H": H, "K": Hkv, "1": 1}
@@ -105,7 +107,9 @@ def test_mixed_tiles_forward_and_backward(spec, causal):
     run_case(B, H, Hkv, Lq, Lk, D, causal=causal, mask=mask, bias=bias)
 
 
-def test_forward_masks_partial_tiles_from_the_bits():
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_forward_masks_partial_tiles_from_the_bits(mode, monkeypatch):
+    monkeypatch.setenv(fwd_mod.MASK_BITS_ENV, mode)
     # Lists and bits planned from mask A, the kernel given an all-True mask: the result is A's,
     # so partial tiles were masked from the bits, not from the mask tensor.
     B, H, Lq, Lk, D = 1, 2, 40, 64, 16
@@ -118,3 +122,9 @@ def test_forward_masks_partial_tiles_from_the_bits():
     ro, rl = naive_attention(q.double(), k.double(), v.double(), a, None, 1 / math.sqrt(D), True, 0.0)
     assert_close("out", out, ro, 2e-5)
     assert_close("lse", lse, rl, 2e-5)
+
+
+def test_unknown_mask_bits_mode_is_an_error(monkeypatch):
+    monkeypatch.setenv(fwd_mod.MASK_BITS_ENV, "fast")
+    with pytest.raises(ValueError, match="MASK_BITS"):
+        fwd_mod.mask_bits_mode()

@@ -260,7 +260,8 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_l
     or in gather mode the position in the gathered list and its length).
     ``BIAS_GATHERED``: the bias is a KeyGather's ``gbias`` row, read at ``mask_cols`` too.
     ``MASK_BITS``: a per-key mask is given as ``mask_bits``, the tile's bits (an int64 scalar,
-    bit ``i`` for key ``i`` of the tile), and is not loaded (kernels that do not use it pass 0).
+    bit ``i`` for key ``i`` of the tile), and is not loaded (kernels that do not use it pass 0);
+    with ``MASK_BITS == 2`` ``mask_bits`` is the bits' address, read in the partial branch.
     """
     s = _dot(q, kt, DOT_UPCAST)
     if HAS_SOFTCAP:
@@ -288,8 +289,13 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_l
         s = _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL, MASK_BITS)
     elif ELEM == 2:
         if need_elem:
-            s = _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL,
-                      MASK_BITS)
+            if MASK_BITS == 2:
+                # mask_bits is the bits' address (see _attn_fwd_kernel)
+                s = _hide(s, tl.load(mv), n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK,
+                          IS_CAUSAL, MASK_BITS)
+            else:
+                s = _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL,
+                          MASK_BITS)
     return s, th
 
 
@@ -302,8 +308,10 @@ def _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK: tl.constexp
     start at multiples of their width, so a key's bit is its index modulo the width)."""
     vis = n_ok[None, :]
     if MASK_BITS:
-        lane = (offs_n % offs_n.shape[0]).to(tl.int64)
-        vis = vis & (((mv >> lane) & 1) != 0)[None, :]
+        # Tile widths are powers of two <= 64; 32-bit halves keep the test in 32-bit ops.
+        lane = offs_n & (offs_n.shape[0] - 1)
+        word = tl.where(lane < 32, mv.to(tl.int32), (mv >> 32).to(tl.int32))
+        vis = vis & (((word >> (lane & 31)) & 1) != 0)[None, :]
     elif HAS_MASK:
         vis = vis & (mv != 0)
     if IS_CAUSAL:
@@ -482,12 +490,13 @@ def _attn_fwd_kernel(
         for t in range(0, n_iter):
             entry = entry_next
             entry_next = tl.load(list_row + t + 1, mask=t + 1 < n_iter, other=0)
-            if MASK_BITS:
-                # Fetched for partial tiles only and used after the QK product, so its latency
-                # hides behind that; full tiles issue no load. (Prefetched one step ahead as a
-                # loop-carried int64, the copy at the step's end waited on the load: ncu showed
-                # more long-scoreboard stalls than the mask load it replaced.)
+            if MASK_BITS == 1:
+                # Fetched for partial tiles only; the pipeliner turns this into an async copy
+                # (20 more registers). (Prefetched one step ahead as a loop-carried int64, the
+                # copy at the step's end waited on the load instead.)
                 bits = tl.load(bits_row + t, mask=(entry & 1) != 0, other=0)
+            elif MASK_BITS == 2:
+                bits = bits_row + t  # read in the partial branch: full tiles cost nothing
             else:
                 bits = 0
             offs_n = (entry >> 1) * BLOCK_N + offs_n0
@@ -543,6 +552,23 @@ def _attn_fwd_kernel(
 
 _FWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE_LIST",
             "GATHER", "VARLEN", "MASK_BITS", "lq_bucket", "lk_bucket"]
+
+
+# How the forward masks a per-key mask's partial tiles (FLASH_DMATTN_TRITON_MASK_BITS):
+# "sync" -- from the tile's bits, read inside the partial-tile branch (full tiles cost
+# nothing, a partial tile waits for one scalar load); "async" -- from the bits, fetched for
+# partial tiles by a software-pipelined copy; "off" -- the mask row itself, a predicated
+# vector load in every step.
+MASK_BITS_ENV = "FLASH_DMATTN_TRITON_MASK_BITS"
+MASK_BITS_MODES = {"off": 0, "async": 1, "sync": 2}
+
+
+def mask_bits_mode() -> str:
+    """The per-key mask mode of the forward (see ``MASK_BITS_ENV``)."""
+    mode = os.environ.get(MASK_BITS_ENV, "sync").strip().lower()
+    if mode not in MASK_BITS_MODES:
+        raise ValueError(f"{MASK_BITS_ENV}={mode!r}: expected one of {sorted(MASK_BITS_MODES)}")
+    return mode
 
 
 def fwd_blocks(head_dim: int) -> Tuple[int, int]:
@@ -648,7 +674,7 @@ def attention_forward(
         if gather is None:
             tiles = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m, block_n, device,
                                      need_fwd=True, need_bwd=False, summary=summary,
-                                     with_bits=True)
+                                     with_bits=mask_bits_mode() != "off")
     use_list = tiles is not None or gather is not None
     if gather is not None:
         idx, cnt, lst, list_hdiv = gather.idx, gather.cnt, gather.list_strides(), gather.head_div
@@ -662,6 +688,8 @@ def attention_forward(
         list_hdiv = 1
 
     mask_bits = tiles.fwd_bits if tiles is not None and mask is not None else None
+    if mask_bits_mode() == "off":
+        mask_bits = None
     if gather is not None:
         mask_arg, ms = gather.gmask, gather.mask_strides(H)
     else:
@@ -699,7 +727,8 @@ def attention_forward(
         IS_CAUSAL=bool(is_causal), USE_LIST=use_list, HAS_SOFTCAP=has_softcap,
         DOT_UPCAST=dot_upcast(q.dtype), GATHER=gather is not None, VARLEN=False,
         MASK_PAD=mask_pad and gather is None, BIAS_PAD=bias_pad or bias_gathered,
-        BIAS_GATHERED=bias_gathered, MASK_BITS=mask_bits is not None,
+        BIAS_GATHERED=bias_gathered,
+        MASK_BITS=0 if mask_bits is None else MASK_BITS_MODES[mask_bits_mode()],
     )
     _launch_fwd(grid, args, meta)
     if not keep_plan:
