@@ -92,7 +92,7 @@ def test_build_tile_lists_uses_the_planner_for_forward_lists():
     assert torch.equal(t.fwd_cnt, both.fwd_cnt)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "off"])
+@pytest.mark.parametrize("mode", ["on", "off"])
 @pytest.mark.parametrize("spec", ["BK1L", "B11L", "1H1L"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_mixed_tiles_forward_and_backward(spec, causal, mode, monkeypatch):
@@ -107,9 +107,7 @@ def test_mixed_tiles_forward_and_backward(spec, causal, mode, monkeypatch):
     run_case(B, H, Hkv, Lq, Lk, D, causal=causal, mask=mask, bias=bias)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_forward_masks_partial_tiles_from_the_bits(mode, monkeypatch):
-    monkeypatch.setenv(fwd_mod.MASK_BITS_ENV, mode)
+def test_forward_masks_partial_tiles_from_the_bits():
     # Lists and bits planned from mask A, the kernel given an all-True mask: the result is A's,
     # so partial tiles were masked from the bits, not from the mask tensor.
     B, H, Lq, Lk, D = 1, 2, 40, 64, 16

@@ -260,8 +260,7 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_l
     or in gather mode the position in the gathered list and its length).
     ``BIAS_GATHERED``: the bias is a KeyGather's ``gbias`` row, read at ``mask_cols`` too.
     ``MASK_BITS``: a per-key mask is given as ``mask_bits``, the tile's bits (an int64 scalar,
-    bit ``i`` for key ``i`` of the tile), and is not loaded (kernels that do not use it pass 0);
-    with ``MASK_BITS == 2`` ``mask_bits`` is the bits' address, read in the partial branch.
+    bit ``i`` for key ``i`` of the tile), and is not loaded (kernels that do not use it pass 0).
     """
     s = _dot(q, kt, DOT_UPCAST)
     if HAS_SOFTCAP:
@@ -289,13 +288,8 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_l
         s = _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL, MASK_BITS)
     elif ELEM == 2:
         if need_elem:
-            if MASK_BITS == 2:
-                # mask_bits is the bits' address (see _attn_fwd_kernel)
-                s = _hide(s, tl.load(mv), n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK,
-                          IS_CAUSAL, MASK_BITS)
-            else:
-                s = _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL,
-                          MASK_BITS)
+            s = _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL,
+                      MASK_BITS)
     return s, th
 
 
@@ -490,13 +484,13 @@ def _attn_fwd_kernel(
         for t in range(0, n_iter):
             entry = entry_next
             entry_next = tl.load(list_row + t + 1, mask=t + 1 < n_iter, other=0)
-            if MASK_BITS == 1:
-                # Fetched for partial tiles only; the pipeliner turns this into an async copy
-                # (20 more registers). (Prefetched one step ahead as a loop-carried int64, the
-                # copy at the step's end waited on the load instead.)
+            if MASK_BITS:
+                # Fetched for partial tiles only, by an async copy the pipeliner makes of it.
+                # Measured on T3 (H200, t3-probe-2026-11-22g-*.log): read inside the partial
+                # branch instead, every program waited on its diagonal tile's bits (+4 %);
+                # prefetched one step ahead as a loop-carried int64, the copy at the step's
+                # end waited on the load (no gain over the mask load).
                 bits = tl.load(bits_row + t, mask=(entry & 1) != 0, other=0)
-            elif MASK_BITS == 2:
-                bits = bits_row + t  # read in the partial branch: full tiles cost nothing
             else:
                 bits = 0
             offs_n = (entry >> 1) * BLOCK_N + offs_n0
@@ -555,17 +549,15 @@ _FWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE
 
 
 # How the forward masks a per-key mask's partial tiles (FLASH_DMATTN_TRITON_MASK_BITS):
-# "sync" -- from the tile's bits, read inside the partial-tile branch (full tiles cost
-# nothing, a partial tile waits for one scalar load); "async" -- from the bits, fetched for
-# partial tiles by a software-pipelined copy; "off" -- the mask row itself, a predicated
-# vector load in every step.
+# "on" (default) -- from the tile's bits that the planner writes beside the list; "off" --
+# from the mask row itself, a predicated vector load in every step (for A/B timing).
 MASK_BITS_ENV = "FLASH_DMATTN_TRITON_MASK_BITS"
-MASK_BITS_MODES = {"off": 0, "async": 1, "sync": 2}
+MASK_BITS_MODES = {"off": 0, "on": 1}
 
 
 def mask_bits_mode() -> str:
     """The per-key mask mode of the forward (see ``MASK_BITS_ENV``)."""
-    mode = os.environ.get(MASK_BITS_ENV, "sync").strip().lower()
+    mode = os.environ.get(MASK_BITS_ENV, "on").strip().lower()
     if mode not in MASK_BITS_MODES:
         raise ValueError(f"{MASK_BITS_ENV}={mode!r}: expected one of {sorted(MASK_BITS_MODES)}")
     return mode
@@ -728,7 +720,7 @@ def attention_forward(
         DOT_UPCAST=dot_upcast(q.dtype), GATHER=gather is not None, VARLEN=False,
         MASK_PAD=mask_pad and gather is None, BIAS_PAD=bias_pad or bias_gathered,
         BIAS_GATHERED=bias_gathered,
-        MASK_BITS=0 if mask_bits is None else MASK_BITS_MODES[mask_bits_mode()],
+        MASK_BITS=mask_bits is not None,
     )
     _launch_fwd(grid, args, meta)
     if not keep_plan:
