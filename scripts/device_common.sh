@@ -6,6 +6,9 @@
 #                            nvidia-cutlass wheel carried in .wheels/ (run with carry [".wheels"])
 # bench NAME LIMIT ARGS...   python -m benchmarks.run ARGS under a time limit, log to
 #                            $OUT/bench-NAME.log, print its result rows
+# ncu_ranges SCRIPT RANGE... Nsight Compute on `python3 SCRIPT --ncu`, once per NVTX range
+#                            (kernels inside RANGE/), log to $OUT/ncu-RANGE.txt, print the
+#                            headline rows; NCU_METRICS (comma list) replaces the stall metrics
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -24,4 +27,20 @@ bench() {
   shift 2
   timeout "$limit" python3 -m benchmarks.run --out "$W/bench-$name" "$@" >"$OUT/bench-$name.log" 2>&1
   grep -E "^== |^   " "$OUT/bench-$name.log" | head -40
+}
+
+ncu_ranges() {
+  local script=$1 bin r
+  shift
+  bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for r in "$@"; do
+    timeout "${NCU_S:-180}" "$bin" --clock-control none --nvtx --nvtx-include "$r/" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section SchedulerStats --section Occupancy --section LaunchStats \
+      --metrics "${NCU_METRICS:-regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio}" \
+      python3 "$script" --ncu >"$OUT/ncu-$r.txt" 2>&1
+    echo "ncu rc=$?" >>"$OUT/ncu-$r.txt"
+    echo "== ncu $r"
+    grep -E "attn_fwd|Duration|DRAM Throughput|L2 Hit|Registers Per|Issued Warp|Achieved Occ|stalled|inst_executed|cycles_active|rc=" "$OUT/ncu-$r.txt" | awk '$NF+0 > 0.05 || !/stalled/' | head -40
+  done
 }

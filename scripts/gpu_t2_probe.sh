@@ -12,17 +12,5 @@ case "$BACKENDS" in *cuda*)
   echo "build rc=$?" >>"$OUT/build.log";;
 esac
 timeout "${PROBE_S:-200}" python3 scripts/t2_probe.py --backends "$BACKENDS" 2>&1 | tee "$OUT/t2-probe.log"
-if [ "${NCU:-1}" = 1 ]; then
-  NCU_BIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  for r in t2 t2g; do
-    timeout "${NCU_S:-180}" "$NCU_BIN" --clock-control none --nvtx --nvtx-include "$r/" \
-      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-      --section SchedulerStats --section Occupancy --section LaunchStats \
-      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-      python3 scripts/t2_probe.py --ncu >"$OUT/ncu-$r.txt" 2>&1
-    echo "ncu rc=$?" >>"$OUT/ncu-$r.txt"
-    echo "== ncu $r"
-    grep -E "attn_fwd|Duration|DRAM Throughput|L2 Hit|Registers Per|Issued Warp|Achieved Occ|stalled|rc=" "$OUT/ncu-$r.txt" | awk '$NF+0 > 0.05 || !/stalled/' | head -40
-  done
-fi
+[ "${NCU:-1}" = 1 ] && ncu_ranges scripts/t2_probe.py t2 t2g
 exit 0
