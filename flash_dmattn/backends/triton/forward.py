@@ -552,14 +552,13 @@ _FWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE
 # "on" (default) -- from the tile's bits that the planner writes beside the list; "off" --
 # from the mask row itself, a predicated vector load in every step (for A/B timing).
 MASK_BITS_ENV = "FLASH_DMATTN_TRITON_MASK_BITS"
-MASK_BITS_MODES = {"off": 0, "on": 1}
 
 
 def mask_bits_mode() -> str:
-    """The per-key mask mode of the forward (see ``MASK_BITS_ENV``)."""
+    """The per-key mask mode of the forward, ``"on"`` or ``"off"`` (see ``MASK_BITS_ENV``)."""
     mode = os.environ.get(MASK_BITS_ENV, "on").strip().lower()
-    if mode not in MASK_BITS_MODES:
-        raise ValueError(f"{MASK_BITS_ENV}={mode!r}: expected one of {sorted(MASK_BITS_MODES)}")
+    if mode not in ("on", "off"):
+        raise ValueError(f"{MASK_BITS_ENV}={mode!r}: expected 'on' or 'off'")
     return mode
 
 
@@ -647,6 +646,7 @@ def attention_forward(
         return (out, lse, None) if keep_plan else (out, lse)
 
     block_m, block_n = fwd_blocks(D)
+    use_bits = mask_bits_mode() == "on"
     mask, mask_pad = aligned_rows(mask, Lq, Lk)
     bias_in = bias
     bias, bias_pad = aligned_rows(bias, Lq, Lk)  # read only: the forward has no dbias
@@ -666,7 +666,7 @@ def attention_forward(
         if gather is None:
             tiles = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m, block_n, device,
                                      need_fwd=True, need_bwd=False, summary=summary,
-                                     with_bits=mask_bits_mode() != "off")
+                                     with_bits=use_bits)
     use_list = tiles is not None or gather is not None
     if gather is not None:
         idx, cnt, lst, list_hdiv = gather.idx, gather.cnt, gather.list_strides(), gather.head_div
@@ -679,9 +679,7 @@ def attention_forward(
         lst = (0, 0, 0, 0, 0, 0)
         list_hdiv = 1
 
-    mask_bits = tiles.fwd_bits if tiles is not None and mask is not None else None
-    if mask_bits_mode() == "off":
-        mask_bits = None
+    mask_bits = tiles.fwd_bits if use_bits and tiles is not None and mask is not None else None
     if gather is not None:
         mask_arg, ms = gather.gmask, gather.mask_strides(H)
     else:

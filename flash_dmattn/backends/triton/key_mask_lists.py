@@ -35,10 +35,10 @@ from ...intmath import cdiv
 MAX_BLOCK_N = 64
 
 
-def per_key_eligible(mask: torch.Tensor, seqlen_q: int, block_n: int) -> bool:
+def per_key_eligible(mask: torch.Tensor, block_n: int) -> bool:
     """Whether :func:`per_key_lists` serves this mask: one row per (batch, head), key tiles
     narrow enough for their bits to fit one int64."""
-    return mask is not None and mask.size(2) == 1 and block_n <= MAX_BLOCK_N and seqlen_q >= 1
+    return mask.size(2) == 1 and block_n <= MAX_BLOCK_N
 
 
 def per_key_lists(
@@ -96,20 +96,16 @@ def per_key_lists_reference(
     block_n: int,
     with_bits: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain PyTorch :func:`per_key_lists` (same counts, entries and bits up to the count)."""
-    from ...block_map import tile_liveness
-    from .tiles import compact_reference  # tiles imports this module
+    """Plain PyTorch :func:`per_key_lists` (same counts, entries and bits up to the count):
+    the lists from the torch tile maps of :mod:`.tiles`, the bits gathered per entry."""
+    from .tiles import build_torch_lists  # tiles imports this module
 
-    live, full = tile_liveness(mask, seqlen_q, seqlen_k, block_m, block_n, is_causal)
-    nk = cdiv(seqlen_k, block_n)
-    bx, hx = mask.shape[:2]
-    live = live.expand(bx, hx, live.size(2), nk)
-    full = full.expand(bx, hx, full.size(2), nk)
-    if seqlen_k % block_n:
-        full = full & (torch.arange(nk, device=mask.device) < nk - 1)
-    idx, cnt = compact_reference(live, live & ~full)
+    lists = build_torch_lists(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n)
+    idx, cnt = lists.fwd_idx, lists.fwd_cnt
     if not with_bits:
         return idx, cnt, torch.empty(1, dtype=torch.int64, device=mask.device)
+    nk = cdiv(seqlen_k, block_n)
+    bx, hx = mask.shape[:2]
     m = mask.expand(bx, hx, 1, seqlen_k)[:, :, 0]
     m = torch.nn.functional.pad(m, (0, nk * block_n - seqlen_k)).view(bx, hx, nk, block_n)
     lanes = torch.arange(block_n, device=mask.device)

@@ -36,6 +36,7 @@ from typing import Optional, Tuple
 import torch
 
 from ...block_map import causal_tiles, tile_liveness
+from ...intmath import cdiv
 from .key_mask_lists import per_key_eligible, per_key_lists, per_key_lists_reference
 from .mask_summary import MaskSummary
 
@@ -173,15 +174,23 @@ def build_tile_lists(
                 _CAUSAL_CACHE.popitem(last=False)
         _CAUSAL_CACHE.move_to_end(key)
         return cached
-    if need_fwd and not need_bwd and summary is None and per_key_eligible(mask, seqlen_q, block_n):
+    if need_fwd and not need_bwd and summary is None and per_key_eligible(mask, block_n):
         plan = per_key_lists if _runs_kernels(mask.device) else per_key_lists_reference
         idx, cnt, bits = plan(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n, with_bits)
-        return TileLists(block_m=block_m, block_n=block_n, num_q_tiles=-(-seqlen_q // block_m),
-                         num_k_tiles=-(-seqlen_k // block_n), head_div=num_heads // mask.size(1),
+        return TileLists(block_m=block_m, block_n=block_n, num_q_tiles=cdiv(seqlen_q, block_m),
+                         num_k_tiles=cdiv(seqlen_k, block_n), head_div=num_heads // mask.size(1),
                          fwd_idx=idx, fwd_cnt=cnt, bwd_idx=None, bwd_cnt=None,
                          fwd_bits=bits if with_bits else None)
     return _build(mask, seqlen_q, seqlen_k, num_heads, is_causal, block_m, block_n, device,
                   need_fwd, need_bwd, summary)
+
+
+def build_torch_lists(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool,
+                      block_m: int, block_n: int) -> TileLists:
+    """Forward lists from the torch tile maps (:func:`classify_tiles`), whatever the mask: the
+    path :func:`build_tile_lists` takes for masks the per-key planner does not serve."""
+    return _build(mask, seqlen_q, seqlen_k, mask.size(1), is_causal, block_m, block_n,
+                  mask.device, True, False)
 
 
 def _runs_kernels(device: torch.device) -> bool:
