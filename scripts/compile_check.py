@@ -103,6 +103,7 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
 
     fwd_mod.wants_summary = plan_mod.wants_summary = lambda *a: False
     gather_mod._compact_and_gather = gather_mod.compact_and_gather_reference
+    gather_mod._gather_mask_bits = gather_mod.gather_mask_bits_reference
     gather_mod._gather_bias = gather_mod.gather_bias_reference
 
     B, H, Hkv, L, D = 1, 16, 4, seqlen, 128

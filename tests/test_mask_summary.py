@@ -81,7 +81,7 @@ def test_tile_lists_and_gather_plan_identical_with_summary():
     g1 = plan_key_gather(mask, None, Lq, Lk, H, True, 32, 16, policy="always")
     g2 = plan_key_gather(mask, None, Lq, Lk, H, True, 32, 16, policy="always", summary=s)
     assert torch.equal(g1.idx, g2.idx) and torch.equal(g1.cnt, g2.cnt)
-    assert torch.equal(g1.gmask, g2.gmask)
+    assert torch.equal(g1.gbits, g2.gbits)
 
 
 def test_wants_summary_only_for_per_query_masks():
@@ -179,9 +179,12 @@ def test_causal_summary_skips_only_invisible_tiles(Lq, Lk):
 
 
 # (Lq < Lk causal is covered by test_gather_plan_kernels_match_torch_reference.)
-@pytest.mark.parametrize("Lq,Lk,block_m,causal", [(100, 90, 32, False), (129, 63, 16, True)])
+@pytest.mark.parametrize("Lq,Lk,block_m,causal", [(100, 90, 32, False), (129, 63, 16, True),
+                                                   (40, 300, 16, False)])
 def test_gather_plan_kernel_matches_torch(Lq, Lk, block_m, causal):
-    # The compact-and-gather kernel against the plain PyTorch definition of idx / gmask.
+    # The compact-and-gather kernels against the plain PyTorch definition of idx / gbits.
+    from flash_dmattn.backends.triton.gather import pack_bits_reference
+
     gen = torch.Generator().manual_seed(11 * Lq + Lk)
     for name, mask in _masks(Lq, Lk, gen):
         mask = mask.to(DEVICE)
@@ -195,6 +198,8 @@ def test_gather_plan_kernel_matches_torch(Lq, Lk, block_m, causal):
             union = union & vis.to(DEVICE)
         assert torch.equal(g.cnt, union.sum(-1, dtype=torch.int32)), name
         assert g.capacity == max(int(g.cnt.max()), 1)
+        words = -(-g.capacity // 64)
+        assert g.gbits.shape == (*mask.shape[:2], n_q * block_m, words), name
         for b in range(mask.size(0)):
             for h in range(mask.size(1)):
                 for m in range(n_q):
@@ -203,12 +208,11 @@ def test_gather_plan_kernel_matches_torch(Lq, Lk, block_m, causal):
                     assert torch.equal(g.idx[b, h, m, :n].long(), keys), (name, b, h, m)
                     assert torch.all(g.idx[b, h, m, n:] == 0), (name, b, h, m)
                     rows = slice(m * block_m, min(m * block_m + block_m, Lq))
-                    want = mask[b, h, rows][:, keys].to(torch.uint8)
-                    got = g.gmask[b, h, m * block_m:m * block_m + block_m, :n]
-                    assert torch.equal(got[:want.size(0)], want), (name, b, h, m)
-                    assert torch.all(got[want.size(0):] == 0), (name, b, h, m)
-                    tail = g.gmask[b, h, m * block_m:m * block_m + block_m, n:]
-                    assert torch.all(tail == 0), (name, b, h, m)
+                    want = torch.zeros(block_m, g.capacity, dtype=torch.uint8)
+                    picked = mask[b, h, rows][:, keys].to(torch.uint8)
+                    want[:picked.size(0), :n] = picked  # rows past Lq and keys past n: 0
+                    got = g.gbits[b, h, m * block_m:m * block_m + block_m]
+                    assert torch.equal(got, pack_bits_reference(want)), (name, b, h, m)
 
 
 def test_gather_plan_kernels_match_torch_reference():
@@ -225,9 +229,13 @@ def test_gather_plan_kernels_match_torch_reference():
                 q_last = torch.clamp(torch.arange(union.size(2)) * block_m + block_m, max=Lq) - 1
                 seen = torch.arange(Lk)[None, :] <= (q_last + Lk - Lq)[:, None]
                 union = union & seen.to(DEVICE)
-            idx, gmask = gather.compact_and_gather_reference(
-                mask.view(torch.uint8), union, g.cnt, Lq, Lk, causal, block_m, g.capacity)
-            assert torch.equal(idx, g.idx) and torch.equal(gmask, g.gmask), (name, causal)
+            union_u8 = union.contiguous().view(torch.uint8)
+            idx, gbits = gather.compact_and_gather_reference(
+                mask.view(torch.uint8), union_u8, g.cnt, Lq, Lk, causal, block_m, g.capacity)
+            assert torch.equal(idx, g.idx) and torch.equal(gbits, g.gbits), (name, causal)
+            assert torch.equal(g.union, union_u8), (name, causal)
+            rebuilt = g.without_mask().with_mask(mask)
+            assert torch.equal(rebuilt.gbits, g.gbits), (name, causal)
 
 
 @pytest.mark.parametrize("mask_heads,bias_shape", [(2, (1, 4, 1, 50)), (4, (2, 2, 1, 50)),

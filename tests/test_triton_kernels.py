@@ -361,6 +361,9 @@ GATHER_CASES = [
     # Gathered per-key bias with more bias heads than mask heads, and fewer:
     (2, 4, 2, 33, 70, "K", True, "1H1L"),
     (1, 4, 2, 40, 49, "H", False, "BK1L"),
+    # Unions past 64 and 128 keys: a tile's mask bits span several gbits words.
+    (1, 2, 1, 24, 200, "K", False, "BK1L"),
+    (1, 2, 2, 70, 230, "K", True, None),
 ]
 
 
@@ -400,7 +403,7 @@ def test_gather_plan_auto_prefers_gather_only_when_it_saves_work():
     sparse = _topk_mask(1, 2, Lq, Lk, keep=20, causal=True)
     g = plan_key_gather(sparse, None, Lq, Lk, 4, True, 16, 16, policy="auto")
     assert g is not None
-    assert g.idx.shape[:3] == (1, 2, Lq // 16) and g.gmask.shape == (1, 2, Lq, g.capacity)
+    assert g.idx.shape[:3] == (1, 2, Lq // 16) and g.gbits.shape == (1, 2, Lq, -(-g.capacity // 64))
     assert g.capacity < Lk // 2
     dense = torch.rand(1, 2, Lq, Lk) > 0.5
     assert plan_key_gather(dense, None, Lq, Lk, 4, True, 16, 16, policy="auto") is None

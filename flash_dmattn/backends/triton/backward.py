@@ -46,6 +46,7 @@ from .forward import (
     _load_bcast,
     _key_bounds,
     _key_tile,
+    _gathered_row_bits,
     aligned_rows,
     launch_tuned,
     _load_mask_tile,
@@ -421,17 +422,18 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
              HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
              HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
              IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr,
-             ELEM: tl.constexpr, BIAS_GATHERED: tl.constexpr = False):
+             ELEM: tl.constexpr, BIAS_GATHERED: tl.constexpr = False,
+             mask_bits=0, MASK_BITS: tl.constexpr = 0):
     """One key tile of the dQ kernel: returns ``dq`` plus this tile's ``dS @ K``."""
     k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
                 mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None],
                  mask=n_ok[None, :] & d_ok[:, None], other=0.0)
     s, th = _scores(q, tl.trans(k), bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols,
-                    mask_lim, need_elem, bias_klim, 0, stride_bm, stride_bn, stride_mm, stride_mn,
-                    seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
+                    mask_lim, need_elem, bias_klim, mask_bits, stride_bm, stride_bn, stride_mm,
+                    stride_mn, seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                     HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
-                    IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM, BIAS_GATHERED)
+                    IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM, BIAS_GATHERED, MASK_BITS)
     p = tl.exp2(s - lse2[:, None])
     dp = _dot(do, vt, DOT_UPCAST)
     ds = p * (dp - delta[:, None])
@@ -464,8 +466,8 @@ def _attn_bwd_dq_kernel(
     BIAS_GATHERED: tl.constexpr = False,
 ):
     # MASK_PAD / BIAS_PAD: padded mask / bias rows, as in the forward kernel.
-    # GATHER, BIAS_GATHERED: as in the forward kernel (key lists of a KeyGather, gathered
-    # mask, gathered per-key bias).
+    # GATHER, BIAS_GATHERED: as in the forward kernel (key lists of a KeyGather, its mask
+    # bits words, gathered per-key bias).
     # VARLEN: as in the forward kernel (b is the packed sequence index).
     pid_m = tl.program_id(0)
     if IS_CAUSAL:
@@ -550,15 +552,17 @@ def _attn_bwd_dq_kernel(
     elif GATHER:
         # Gathered keys: indices by position in the row's key list, masked per element.
         n_keys = n_iter
+        bits_rows = mask_base + offs_m.to(tl.int64) * stride_mm
         for t in range(0, tl.cdiv(n_keys, BLOCK_N)):
             cols = t * BLOCK_N + offs_n0
             keys = tl.load(list_row + cols, mask=cols < n_keys, other=0)
+            row_bits = _gathered_row_bits(bits_rows, t, BLOCK_N)
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
                           offs_m, keys, offs_d, d_ok, cols < n_keys, cols, stride_mm, True, bias_klim,
                           stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                           seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                           HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
-                          HAS_SOFTCAP, DOT_UPCAST, 1, BIAS_GATHERED)
+                          HAS_SOFTCAP, DOT_UPCAST, 1, BIAS_GATHERED, row_bits, 2)
     else:
         for t in range(0, n_iter):
             offs_n, n_ok, need_elem = _key_tile(t, offs_n0, pid_m * BLOCK_M, seqlen_q, seqlen_k,
@@ -852,7 +856,7 @@ def attention_backward(
         dq_bias, dq_bs = bias_arg, bs
         if gather is not None:
             idx, cnt, lst, lhd = gather.idx, gather.cnt, gather.list_strides(), gather.head_div
-            dq_mask, dq_ms = gather.gmask, gather.mask_strides(H)
+            dq_mask, dq_ms = gather.gbits, gather.mask_strides(H)
             flags.update(USE_LIST=True)
             if gather.gbias is not None:
                 dq_bias, dq_bs = gather.gbias, gather.bias_strides(H)

@@ -259,8 +259,9 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_l
     ``mask_cols`` / ``mask_lim``: the mask's column index and bound (the key index and Lk,
     or in gather mode the position in the gathered list and its length).
     ``BIAS_GATHERED``: the bias is a KeyGather's ``gbias`` row, read at ``mask_cols`` too.
-    ``MASK_BITS``: a per-key mask is given as ``mask_bits``, the tile's bits (an int64 scalar,
-    bit ``i`` for key ``i`` of the tile), and is not loaded (kernels that do not use it pass 0).
+    ``MASK_BITS``: the mask is given as ``mask_bits`` and not loaded (kernels that do not use
+    it pass 0): 1 -- a per-key mask's tile bits, an int64 scalar with bit ``i`` for key ``i``
+    of the tile; 2 -- one int64 per row with bit ``i`` for column ``i`` (see ``_hide``).
     """
     s = _dot(q, kt, DOT_UPCAST)
     if HAS_SOFTCAP:
@@ -298,19 +299,36 @@ def _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK: tl.constexp
           IS_CAUSAL: tl.constexpr, MASK_BITS: tl.constexpr = False):
     """-inf where a (query, key) element is out of range, masked or causally hidden.
 
-    ``mv``: the mask tile (non-zero = live), or with ``MASK_BITS`` the tile's bits (key tiles
-    start at multiples of their width, so a key's bit is its index modulo the width)."""
+    ``mv``: the mask tile (non-zero = live); with ``MASK_BITS == 1`` the tile's bits (an int64
+    scalar; key tiles start at multiples of their width, so a key's bit is its index modulo
+    the width); with ``MASK_BITS == 2`` one int64 per row, bit ``i`` for the tile's column
+    ``i`` (gathered keys)."""
     vis = n_ok[None, :]
-    if MASK_BITS:
+    if MASK_BITS == 1:
         # Tile widths are powers of two <= 64; 32-bit halves keep the test in 32-bit ops.
         lane = offs_n & (offs_n.shape[0] - 1)
         word = tl.where(lane < 32, mv.to(tl.int32), (mv >> 32).to(tl.int32))
         vis = vis & (((word >> (lane & 31)) & 1) != 0)[None, :]
+    elif MASK_BITS == 2:
+        lane = tl.arange(0, offs_n.shape[0])
+        word = tl.where(lane[None, :] < 32, mv.to(tl.int32)[:, None],
+                        (mv >> 32).to(tl.int32)[:, None])
+        vis = vis & (((word >> (lane & 31)[None, :]) & 1) != 0)
     elif HAS_MASK:
         vis = vis & (mv != 0)
     if IS_CAUSAL:
         vis = vis & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
     return tl.where(vis, s, float("-inf"))
+
+
+@triton.jit
+def _gathered_row_bits(bits_rows, t, BLOCK_N: tl.constexpr):
+    """Gathered tile ``t``'s mask bits of each row (bit ``i`` for its column ``i``) from the
+    rows' gbits words (64 listed keys each; BLOCK_N divides 64)."""
+    words = tl.load(bits_rows + ((t * BLOCK_N) >> 6))
+    if BLOCK_N < 64:
+        words = words >> ((t * BLOCK_N) & 63)
+    return words
 
 
 @triton.jit
@@ -407,7 +425,7 @@ def _attn_fwd_kernel(
     # their reads by the row width, a multiple of 16 the compiler can see, so they vectorise
     # and pipeline.
     # GATHER: ListIdx/ListCnt are a KeyGather's idx/cnt (key indices, not tile entries) and
-    # Mask is its gathered mask, addressed by position in the list (see .gather).
+    # Mask is its gbits (int64 words: the mask's bits at the listed keys, see .gather).
     # VARLEN: packed sequences, see _varlen_seq; b is the sequence index.
     pid_m = tl.program_id(0)
     if IS_CAUSAL:
@@ -507,18 +525,21 @@ def _attn_fwd_kernel(
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
                 DOT_UPCAST, 2, False, MASK_BITS)
     elif GATHER:
-        # Gathered keys: indices by position in the row's key list, masked per element.
+        # Gathered keys: indices by position in the row's key list, masked per element from
+        # the rows' gbits words.
         n_keys = n_iter
+        bits_rows = mask_base + offs_m.to(tl.int64) * stride_mm
         for t in range(0, tl.cdiv(n_keys, BLOCK_N)):
             cols = t * BLOCK_N + offs_n0
             keys = tl.load(list_row + cols, mask=cols < n_keys, other=0)
+            row_bits = _gathered_row_bits(bits_rows, t, BLOCK_N)
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
-                offs_m, keys, offs_d, d_ok, cols < n_keys, cols, stride_mm, True, bias_klim, 0,
-                stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
+                offs_m, keys, offs_d, d_ok, cols < n_keys, cols, stride_mm, True, bias_klim,
+                row_bits, stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
-                DOT_UPCAST, 1, BIAS_GATHERED)
+                DOT_UPCAST, 1, BIAS_GATHERED, 2)
     else:
         for t in range(0, n_iter):
             offs_n, n_ok, need_elem = _key_tile(t, offs_n0, pid_m * BLOCK_M, seqlen_q, seqlen_k,
@@ -681,7 +702,7 @@ def attention_forward(
 
     mask_bits = tiles.fwd_bits if use_bits and tiles is not None and mask is not None else None
     if gather is not None:
-        mask_arg, ms = gather.gmask, gather.mask_strides(H)
+        mask_arg, ms = gather.gbits, gather.mask_strides(H)
     else:
         mask_arg = mask.view(torch.uint8) if mask is not None else q
         ms = broadcast_strides(mask, H)
@@ -718,7 +739,7 @@ def attention_forward(
         DOT_UPCAST=dot_upcast(q.dtype), GATHER=gather is not None, VARLEN=False,
         MASK_PAD=mask_pad and gather is None, BIAS_PAD=bias_pad or bias_gathered,
         BIAS_GATHERED=bias_gathered,
-        MASK_BITS=mask_bits is not None,
+        MASK_BITS=int(mask_bits is not None),
     )
     _launch_fwd(grid, args, meta)
     if not keep_plan:

@@ -14,16 +14,17 @@ kernels after the mask summary, with one host sync (the largest union sizes the 
 * ``idx``  ``(Bm, Hm, nQ, C)`` int32: the live keys of each query tile, ascending, then zeros;
   only the first ``cnt`` of a row are meaningful;
 * ``cnt``  ``(Bm, Hm, nQ)`` int32;
-* ``gmask`` ``(Bm, Hm, nQ * block_m, C)`` uint8: the mask gathered to those columns,
-  ``gmask[b, h, i, c] = mask[b, h, i, idx[b, h, i // block_m, c]]``, so the kernels read the
-  element mask of a gathered tile as one contiguous ``block_m x BLOCK_N`` byte tile;
+* ``gbits`` ``(Bm, Hm, nQ * block_m, W)`` int64: the mask gathered to those columns, 64
+  columns per word: bit ``c % 64`` of ``gbits[b, h, i, c // 64]`` is
+  ``mask[b, h, i, idx[b, h, i // block_m, c]]``, so the kernels read a gathered tile's element
+  mask as one word per row (its bytes were 8 KB per 128 x 64 tile);
 * ``gbias`` (a per-key bias only) ``(Bg, Hg, nQ, C)``: the bias at those keys,
   ``gbias[b, h, m, c] = bias[b, h, 0, idx[b, h, m, c]]``, read at the same positions, so no
   load in the kernels' loop depends on another load of the same step;
 
-where ``C`` is the largest union (``Bm, Hm`` are the mask's own, possibly broadcast, dims; rows
-of ``gmask`` and ``gbias`` are padded to a multiple of 64). No (B, H, Lq, Lk) temporary is made:
-the largest is ``gmask``, at most the mask's own size and usually a fraction of it.
+where ``C`` is the largest union and ``W = ceil(C / 64)`` (``Bm, Hm`` are the mask's own,
+possibly broadcast, dims; rows of ``gbias`` are padded to a multiple of 64). No (B, H, Lq, Lk)
+temporary is made: the largest is ``gbits``, at most an eighth of the mask's own size.
 """
 from __future__ import annotations
 
@@ -66,7 +67,11 @@ def gather_policy(kernel: str = "forward") -> str:
 
 @dataclass(frozen=True)
 class KeyGather:
-    """Gathered key lists of one call for query tiles of ``block_m`` rows (see module doc)."""
+    """Gathered key lists of one call for query tiles of ``block_m`` rows (see module doc).
+
+    ``union`` ``(Bm, Hm, nQ, Lk)`` uint8 is each query tile's live keys as flags (cut at the
+    tile's causal limit): what ``gbits`` is rebuilt from (1/128 of the mask at 128-row tiles).
+    """
 
     block_m: int
     capacity: int
@@ -74,21 +79,22 @@ class KeyGather:
     seqlen_q: int
     idx: torch.Tensor
     cnt: torch.Tensor
-    gmask: Optional[torch.Tensor]
+    union: torch.Tensor
+    gbits: Optional[torch.Tensor]
     gbias: Optional[torch.Tensor] = None
 
     def without_mask(self) -> "KeyGather":
-        """This plan less ``gmask``, its one large tensor (what a forward keeps for the
+        """This plan less ``gbits``, its one large tensor (what a forward keeps for the
         backward of the same call; :meth:`with_mask` rebuilds it in one kernel)."""
-        return dataclasses.replace(self, gmask=None)
+        return dataclasses.replace(self, gbits=None)
 
     def with_mask(self, mask: torch.Tensor) -> "KeyGather":
-        """This plan with ``gmask`` gathered from ``mask`` (the planned mask) if it has none."""
-        if self.gmask is not None:
+        """This plan with ``gbits`` gathered from ``mask`` (the planned mask) if it has none."""
+        if self.gbits is not None:
             return self
-        gmask = _gather_mask(mask.view(torch.uint8), self.idx, self.cnt, self.seqlen_q,
-                             self.block_m, self.capacity)
-        return dataclasses.replace(self, gmask=gmask)
+        gbits = _gather_mask_bits(mask.view(torch.uint8), self.union, self.seqlen_q,
+                                  self.block_m, self.capacity)
+        return dataclasses.replace(self, gbits=gbits)
 
     def list_strides(self) -> Tuple[int, int, int, int, int, int]:
         """(idx_b, idx_h, idx_m, cnt_b, cnt_h, cnt_m) with 0 for broadcast dims."""
@@ -108,8 +114,9 @@ class KeyGather:
                 g.stride(2), 1, num_heads // g.size(1))
 
     def mask_strides(self, num_heads: int) -> Tuple[int, int, int, int, int]:
-        """(b, h, q, k, head_div) strides of ``gmask`` in the kernels' mask-argument layout."""
-        g = self.gmask
+        """(b, h, q, k, head_div) strides of ``gbits`` in the kernels' mask-argument layout
+        (the key stride is that of its words)."""
+        g = self.gbits
         return (0 if g.size(0) == 1 else g.stride(0), 0 if g.size(1) == 1 else g.stride(1),
                 g.stride(2), 1, num_heads // g.size(1))
 
@@ -178,11 +185,13 @@ def plan_key_gather(
     capacity = max(int(capacity), 1)
 
     cnt = cnt.contiguous()
-    idx, gmask = _compact_and_gather(mask.view(torch.uint8), union, cnt, seqlen_q, seqlen_k,
+    union_u8 = union.contiguous().view(torch.uint8)
+    idx, gbits = _compact_and_gather(mask.view(torch.uint8), union_u8, cnt, seqlen_q, seqlen_k,
                                      is_causal, block_m, capacity)
     gbias = _gather_bias(bias, idx, seqlen_k) if _bias_per_key(bias, seqlen_k) else None
     return KeyGather(block_m=block_m, capacity=capacity, head_div=num_heads // hx,
-                     idx=idx, cnt=cnt, gmask=gmask, gbias=gbias, seqlen_q=seqlen_q)
+                     idx=idx, cnt=cnt, union=union_u8, gbits=gbits, gbias=gbias,
+                     seqlen_q=seqlen_q)
 
 
 def _bias_per_key(bias: Optional[torch.Tensor], seqlen_k: int) -> bool:
@@ -194,14 +203,14 @@ def _gather_bias(bias: torch.Tensor, idx: torch.Tensor, seqlen_k: int) -> torch.
     ``gbias[b, h, m, c] = bias[b, h, 0, idx[b, h, m, c]]`` at ``(max(Bb, Bm), max(Hb, Hm))``
     (each head count divides the larger one; entries past a tile's count read key 0 and are
     hidden by the kernels' count bound; the row padding is 0). Rows are padded to a multiple of
-    GMASK_ROW_ALIGN so the kernels read them as aligned vectors, software-pipelined like the
+    GATHER_ROW_ALIGN so the kernels read them as aligned vectors, software-pipelined like the
     gathered mask; reading the bias at the gathered keys themselves was a synchronous load
     every step (0.11 ms of the 0.79 ms gathered forward on T2, H200).
     """
     bb, hb = bias.size(0), bias.size(1)
     bm, hm, n_q, capacity = idx.shape
     bg, hg = max(bb, bm), max(hb, hm)
-    width = -(-capacity // GMASK_ROW_ALIGN) * GMASK_ROW_ALIGN
+    width = -(-capacity // GATHER_ROW_ALIGN) * GATHER_ROW_ALIGN
     out = torch.empty((bg, hg, n_q, width), dtype=bias.dtype, device=bias.device)
 
     def bstride(t, d):  # broadcast dims read through stride 0
@@ -219,84 +228,111 @@ def _gather_bias(bias: torch.Tensor, idx: torch.Tensor, seqlen_k: int) -> torch.
 
 
 # A multiple of every BLOCK_N the gathered kernels use, so a tile never reads past its row.
-GMASK_ROW_ALIGN = 64
+GATHER_ROW_ALIGN = 64
 
 
-def _compact_and_gather(mask_u8: torch.Tensor, union: torch.Tensor, cnt: torch.Tensor,
+def _compact_and_gather(mask_u8: torch.Tensor, union_u8: torch.Tensor, cnt: torch.Tensor,
                         seqlen_q: int, seqlen_k: int, is_causal: bool, block_m: int,
                         capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(idx, gmask)`` of the module docstring from ``union`` (already cut to the causal
-    limit when ``is_causal``) and ``cnt``, its number of live keys per query tile.
+    """``(idx, gbits)`` of the module docstring from ``union_u8`` (contiguous live-key flags,
+    already cut to the causal limit when ``is_causal``) and ``cnt``, its number of live keys
+    per query tile.
 
-    Two Triton kernels: one compacts each union row into its key list, one copies the mask
-    columns those lists name, walking the output. Equivalent plain PyTorch::
+    Two Triton kernels: one compacts each union row into its key list, one packs the mask's
+    bits at those keys. Equivalent plain PyTorch::
 
         order = torch.sort((~union).int() * Lk + torch.arange(Lk), dim=-1).values
         idx = order[..., :capacity] % Lk                     # live keys first, ascending
-        gmask[b, h, i, c] = mask[b, h, i, idx[b, h, i // block_m, c]]
+        g[b, h, i, c] = mask[b, h, i, idx[b, h, i // block_m, c]]   # then 64 c's per word
 
-    Entries past a tile's count are 0 in ``idx`` and ``gmask`` (the kernels bound gathered keys
-    by the count anyway), as are rows past ``Lq`` in the last tile.
+    Entries past a tile's count are 0 in ``idx`` and their bits in ``gbits`` (the kernels bound
+    gathered keys by the count anyway), as are rows past ``Lq`` in the last tile.
     """
-    bx, hx, n_q, _ = union.shape
+    bx, hx, n_q, _ = union_u8.shape
     device = mask_u8.device
     idx = torch.empty((bx, hx, n_q, capacity), dtype=torch.int32, device=device)
-    union_u8 = union.contiguous().view(torch.uint8)
     on_cpu = device.type == "cpu"  # short chunks on the interpreter: tests cover several
     _compact_keys_kernel[(n_q, bx * hx)](
         union_u8, idx, seqlen_q, seqlen_k, n_q, capacity,
         IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, BLOCK_K=32 if on_cpu else 1024,
         num_warps=4,
     )
-    return idx, _gather_mask(mask_u8, idx, cnt, seqlen_q, block_m, capacity)
+    return idx, _gather_mask_bits(mask_u8, union_u8, seqlen_q, block_m, capacity)
 
 
-def _gather_mask(mask_u8: torch.Tensor, idx: torch.Tensor, cnt: torch.Tensor, seqlen_q: int,
-                 block_m: int, capacity: int) -> torch.Tensor:
-    """``gmask`` of the module docstring from the key lists ``idx`` / ``cnt``."""
-    bx, hx, n_q, _ = idx.shape
+def _gather_mask_bits(mask_u8: torch.Tensor, union_u8: torch.Tensor, seqlen_q: int,
+                      block_m: int, capacity: int) -> torch.Tensor:
+    """``gbits`` of the module docstring from the union flags (the lists' definition)."""
+    bx, hx, n_q, seqlen_k = union_u8.shape
     on_cpu = mask_u8.device.type == "cpu"
-    # Rows padded to a multiple of GMASK_ROW_ALIGN bytes: the kernels bound their mask reads by
-    # the row stride instead of the list length, which the compiler then knows to be a multiple
-    # of 16 -- so it reads the mask tile as 16-byte vectors and software-pipelines it (byte-wide
-    # loads are not pipelined; see scripts/compile_check.py).
-    width = -(-capacity // GMASK_ROW_ALIGN) * GMASK_ROW_ALIGN
-    rows = torch.empty((bx, hx, n_q * block_m, width), dtype=torch.uint8, device=mask_u8.device)
-    # This kernel walks the output columns, so its stores are contiguous; scattering the mask
-    # tiles to their compacted positions as they were read (one kernel for the lists and the
-    # copy) issued a partial-sector store per byte: 0.79 ms on T2 (H200) against 0.16 ms.
-    block_r = min(block_m, 8 if on_cpu else 16)
-    _gather_mask_kernel[(n_q * (block_m // block_r), bx * hx)](
-        mask_u8, idx, cnt, rows,
+    words = max(cdiv(capacity, 64), 1)
+    gbits = torch.empty((bx, hx, n_q * block_m, words), dtype=torch.int64, device=mask_u8.device)
+    # Walks the mask rows in order, 64 keys a step, reading them whole (coalesced) and
+    # compressing each row's bits at the union's keys into a running word. Its predecessor
+    # walked the output, reading the mask byte by byte at the listed keys, and wrote the
+    # gathered bytes: 0.153 ms on T2 (H200), issue-bound on scattered byte loads.
+    block_r = min(block_m, 8 if on_cpu else 32)
+    _gather_mask_bits_kernel[(n_q * (block_m // block_r), bx * hx)](
+        mask_u8, union_u8, gbits,
         mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2), mask_u8.stride(3),
-        hx, seqlen_q, n_q, capacity, width,
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_C=32 if on_cpu else 256,
+        hx, seqlen_q, seqlen_k, n_q, words,
+        BLOCK_M=block_m, BLOCK_R=block_r,
         num_warps=4,
     )
-    return rows[..., :capacity]
+    return gbits
 
 
-def compact_and_gather_reference(mask_u8: torch.Tensor, union: torch.Tensor, cnt: torch.Tensor,
-                                 seqlen_q: int, seqlen_k: int, is_causal: bool, block_m: int,
+def pack_bits_reference(flags: torch.Tensor) -> torch.Tensor:
+    """``(..., C)`` flags as ``(..., ceil(C / 64))`` int64 words, bit ``c % 64`` of word
+    ``c // 64`` set where ``flags[..., c]`` is non-zero (the layout of ``gbits``)."""
+    c = flags.size(-1)
+    words = max(cdiv(c, 64), 1)
+    padded = torch.zeros((*flags.shape[:-1], words * 64), dtype=torch.int64, device=flags.device)
+    padded[..., :c] = (flags != 0).to(torch.int64)
+    shifts = torch.arange(64, device=flags.device, dtype=torch.int64)
+    # Distinct bits: their sum is their OR (bit 63 wraps to the sign bit, as in the kernel).
+    return (padded.view(*flags.shape[:-1], words, 64) << shifts).sum(-1)
+
+
+def compact_and_gather_reference(mask_u8: torch.Tensor, union_u8: torch.Tensor,
+                                 cnt: torch.Tensor, seqlen_q: int, seqlen_k: int,
+                                 is_causal: bool, block_m: int,
                                  capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Plain PyTorch :func:`_compact_and_gather` (same outputs; for tools without a device).
 
-    ``union`` must already be causal-cut; ``cnt`` and ``is_causal`` are then implied.
+    ``union_u8`` must already be causal-cut; ``cnt``, ``seqlen_k`` and ``is_causal`` are then
+    implied.
     """
-    bx, hx, n_q, _ = union.shape
+    return (_union_keys_reference(union_u8, capacity),
+            gather_mask_bits_reference(mask_u8, union_u8, seqlen_q, block_m, capacity))
+
+
+def _union_keys_reference(union_u8: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``idx``: each union row's live keys ascending, then zeros, ``capacity`` wide."""
+    union = union_u8 != 0
+    seqlen_k = union.size(-1)
     ar = torch.arange(seqlen_k, device=union.device, dtype=torch.int32)
     order = torch.sort((~union).to(torch.int32) * seqlen_k + ar, dim=-1).values
-    idx = (order[..., :capacity] % seqlen_k).contiguous()
+    idx = order[..., :capacity] % seqlen_k
     pos = torch.arange(capacity, device=union.device)
-    idx = torch.where(pos < cnt[..., None], idx, 0).to(torch.int32)
-    width = -(-capacity // GMASK_ROW_ALIGN) * GMASK_ROW_ALIGN
-    rows = torch.zeros((bx, hx, n_q, block_m, width), dtype=torch.uint8, device=union.device)
+    return torch.where(pos < union.sum(-1, keepdim=True), idx, 0).to(torch.int32).contiguous()
+
+
+def gather_mask_bits_reference(mask_u8: torch.Tensor, union_u8: torch.Tensor, seqlen_q: int,
+                               block_m: int, capacity: int) -> torch.Tensor:
+    """Plain PyTorch :func:`_gather_mask_bits` (same output)."""
+    bx, hx, n_q, seqlen_k = union_u8.shape
+    idx = _union_keys_reference(union_u8, capacity).long()
+    cnt = (union_u8 != 0).sum(-1)
+    pos = torch.arange(capacity, device=union_u8.device)
+    rows = torch.zeros((bx, hx, n_q, block_m, capacity), dtype=torch.uint8,
+                       device=union_u8.device)
     for m in range(n_q):
         r0, r1 = m * block_m, min(m * block_m + block_m, seqlen_q)
         src = mask_u8[:, :, r0:r1].expand(bx, hx, r1 - r0, seqlen_k)
-        got = torch.gather(src, -1, idx[:, :, m, None, :].long().expand(bx, hx, r1 - r0, capacity))
-        rows[:, :, m, :r1 - r0, :capacity] = torch.where(pos < cnt[:, :, m, None, None], got, 0)
-    return idx, rows.view(bx, hx, n_q * block_m, width)[..., :capacity]
+        got = torch.gather(src, -1, idx[:, :, m, None, :].expand(bx, hx, r1 - r0, capacity))
+        rows[:, :, m, :r1 - r0] = torch.where(pos < cnt[:, :, m, None, None], got, 0)
+    return pack_bits_reference(rows.view(bx, hx, n_q * block_m, capacity))
 
 
 def gather_bias_reference(bias: torch.Tensor, idx: torch.Tensor, seqlen_k: int) -> torch.Tensor:
@@ -304,7 +340,7 @@ def gather_bias_reference(bias: torch.Tensor, idx: torch.Tensor, seqlen_k: int) 
     bb, hb = bias.size(0), bias.size(1)
     bm, hm, n_q, capacity = idx.shape
     bg, hg = max(bb, bm), max(hb, hm)
-    width = -(-capacity // GMASK_ROW_ALIGN) * GMASK_ROW_ALIGN
+    width = -(-capacity // GATHER_ROW_ALIGN) * GATHER_ROW_ALIGN
     rows = bias[:, :, 0, :].expand(bg, hb, seqlen_k).repeat_interleave(hg // hb, dim=1)
     keys = idx.expand(bg, hm, n_q, capacity).repeat_interleave(hg // hm, dim=1)
     out = torch.zeros((bg, hg, n_q, width), dtype=bias.dtype, device=bias.device)
@@ -341,13 +377,20 @@ def _compact_keys_kernel(
 
 
 @triton.jit
-def _gather_mask_kernel(
-    Mask, Idx, Cnt, GMask,
+def _gather_mask_bits_kernel(
+    Mask, Union, GBits,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    num_heads_m, seqlen_q, n_q, capacity, gmask_width,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    num_heads_m, seqlen_q, seqlen_k, n_q, n_words,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """gmask rows ``BLOCK_R`` at a time: mask[row, idx[c]] for c < cnt, zeros after."""
+    """``BLOCK_R`` gbits rows: each row's mask bits at the union's keys, packed in order.
+
+    64 keys a step: the union's flags give each live key its position among the step's live
+    keys (an exclusive prefix count); each row's bits land there in one 64-bit value, which is
+    appended to the row's running word ``acc`` at bit ``fill``; a word is stored when full and
+    its overflow starts the next one. The union is causal-cut, so no row reads past its tile's
+    causal limit's last listed key.
+    """
     SPLITS: tl.constexpr = BLOCK_M // BLOCK_R
     m = tl.program_id(0) // SPLITS
     part = tl.program_id(0) % SPLITS
@@ -355,19 +398,43 @@ def _gather_mask_kernel(
     b = (bh // num_heads_m).to(tl.int64)
     h = (bh % num_heads_m).to(tl.int64)
     row = bh.to(tl.int64) * n_q + m
-    idx_row = Idx + row * capacity
-    n = tl.load(Cnt + row)
+    union_row = Union + row * seqlen_k
     in_tile = part * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_m = m * BLOCK_M + in_tile
     m_ok = offs_m < seqlen_q
     mask_rows = Mask + b * stride_mb + h * stride_mh + offs_m[:, None].to(tl.int64) * stride_mm
-    g_rows = GMask + (row * BLOCK_M + in_tile)[:, None].to(tl.int64) * gmask_width
-    for start in range(0, gmask_width, BLOCK_C):
-        cols = start + tl.arange(0, BLOCK_C)
-        keys = tl.load(idx_row + cols, mask=cols < n, other=0)
-        vals = tl.load(mask_rows + keys[None, :].to(tl.int64) * stride_mn,
-                       mask=m_ok[:, None] & (cols < n)[None, :], other=0)
-        tl.store(g_rows + cols[None, :], vals, mask=(cols < gmask_width)[None, :])
+    out_rows = GBits + (row * BLOCK_M + in_tile).to(tl.int64) * n_words
+    lanes = tl.arange(0, 64)
+    one = tl.full([64], 1, dtype=tl.uint64)
+    acc = tl.zeros([BLOCK_R], dtype=tl.uint64)
+    fill = tl.zeros([], dtype=tl.int32)  # bits of acc in use, 0..63
+    word = tl.zeros([], dtype=tl.int32)  # the gbits word acc becomes
+    for start in range(0, seqlen_k, 64):
+        keys = start + lanes
+        live = tl.load(union_row + keys, mask=keys < seqlen_k, other=0) != 0
+        live_i = live.to(tl.int32)
+        n_live = tl.sum(live_i, 0)
+        if n_live > 0:
+            pos = (tl.cumsum(live_i, 0) - live_i).to(tl.uint64)
+            mv = tl.load(mask_rows + keys[None, :].to(tl.int64) * stride_mn,
+                         mask=m_ok[:, None] & live[None, :], other=0)
+            # Distinct bits: the sum is their OR.
+            got = tl.sum(tl.where(mv != 0, (one << pos)[None, :], 0).to(tl.uint64), 1)
+            acc = acc | (got << fill.to(tl.uint64))
+            fill += n_live
+            if fill >= 64:
+                tl.store(out_rows + word, acc.to(tl.int64, bitcast=True))
+                word += 1
+                fill -= 64
+                # The bits of got that did not fit: the top ``fill`` of its ``n_live``
+                # (fill == 0: none, and no 64-bit shift).
+                spill = (n_live - fill) & 63
+                acc = tl.where(fill > 0, got >> spill.to(tl.uint64), 0).to(tl.uint64)
+    if fill > 0:
+        tl.store(out_rows + word, acc.to(tl.int64, bitcast=True))
+        word += 1
+    for w in range(word, n_words):
+        tl.store(out_rows + w, tl.zeros([BLOCK_R], dtype=tl.int64))
 
 
 @triton.jit
