@@ -262,8 +262,11 @@ def _compact_and_gather(mask_u8: torch.Tensor, union_u8: torch.Tensor, cnt: torc
 
 
 def _gather_mask_bits(mask_u8: torch.Tensor, union_u8: torch.Tensor, seqlen_q: int,
-                      block_m: int, capacity: int, is_causal: bool) -> torch.Tensor:
-    """``gbits`` of the module docstring from the union flags (the lists' definition)."""
+                      block_m: int, capacity: int, is_causal: bool,
+                      launch: Optional[Tuple[int, int, int]] = None) -> torch.Tensor:
+    """``gbits`` of the module docstring from the union flags (the lists' definition).
+
+    ``launch``: ``(rows per program, warps, stages)`` instead of the default (for timing)."""
     bx, hx, n_q, seqlen_k = union_u8.shape
     on_cpu = mask_u8.device.type == "cpu"
     words = max(cdiv(capacity, 64), 1)
@@ -272,13 +275,13 @@ def _gather_mask_bits(mask_u8: torch.Tensor, union_u8: torch.Tensor, seqlen_q: i
     # compressing each row's bits at the union's keys into a running word. Its predecessor
     # walked the output, reading the mask byte by byte at the listed keys, and wrote the
     # gathered bytes: 0.153 ms on T2 (H200), issue-bound on scattered byte loads.
-    block_r = min(block_m, 8 if on_cpu else 32)
+    block_r, warps, stages = launch or (min(block_m, 8 if on_cpu else 32), 4, 3)
     _gather_mask_bits_kernel[(n_q * (block_m // block_r), bx * hx)](
         mask_u8, union_u8, gbits,
         mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2), mask_u8.stride(3),
         hx, seqlen_q, seqlen_k, n_q, words,
         IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, BLOCK_R=block_r,
-        num_warps=4, num_stages=3,
+        num_warps=warps, num_stages=stages,
     )
     return gbits
 
