@@ -1,6 +1,9 @@
 """Time the gathered-mask-bits kernel (gather._gather_mask_bits) on T2 under launch shapes.
 
-    python3 scripts/gbits_time.py
+    python3 scripts/gbits_time.py [--ncu]
+
+``--ncu``: run the default launch once inside an NVTX range "gbits" and exit (for
+``ncu --nvtx --nvtx-include gbits/``; scripts/device_common.sh ncu_ranges).
 
 T2's mask (B1 Hkv4 L8192, top-2048 per query, causal) and its forward gather plan; each
 launch shape is checked against the default one's output before it is timed.
@@ -23,6 +26,13 @@ def main():
     bm, bn = fwd_blocks(D)
     g = gather.plan_key_gather(case.mask, case.bias, L, L, H, True, bm, bn, policy="always")
     mask_u8 = case.mask.view(torch.uint8)
+    if "--ncu" in sys.argv:
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("gbits")
+        gather._gather_mask_bits(mask_u8, g.union, L, bm, g.capacity, True)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        return
     print(f"== gbits kernel on {torch.cuda.get_device_name()}: capacity {g.capacity}")
     for launch in [(32, 4, 3), (32, 4, 1), (64, 4, 3), (128, 8, 3), (128, 4, 3), (16, 4, 3),
                    (64, 8, 2)]:
