@@ -428,8 +428,11 @@ def _gather_mask_bits_kernel(
     fill = tl.zeros([], dtype=tl.int32)  # bits of acc in use, 0..63
     word = tl.zeros([], dtype=tl.int32)  # the gbits word acc becomes
     for start in range(0, key_end, 64):
+        # Bounded by Lk, not key_end: keys past key_end are not in the (causal-cut) union,
+        # and a bound the compiler knows to be a multiple of 16 lets it read 16-byte vectors
+        # (per-byte loads left this kernel waiting on memory with DRAM 10 % busy).
         keys = start + lanes
-        k_ok = keys < key_end
+        k_ok = keys < seqlen_k
         live_i = (tl.load(union_row + keys, mask=k_ok, other=0) != 0).to(tl.int32)
         mv = tl.load(mask_rows + keys[None, :].to(tl.int64) * stride_mn,
                      mask=m_ok[:, None] & k_ok[None, :], other=0)
