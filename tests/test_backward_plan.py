@@ -62,8 +62,8 @@ def test_handed_over_plan_gives_the_same_gradients(case, monkeypatch):
     assert isinstance(plan, BackwardPlan)
     assert torch.equal(out, out_plain) and torch.equal(lse, lse_plain)
     if policy == "always":
-        # The dQ plan is the forward's, kept without its large gathered-mask copy.
-        assert plan.gather is not None and plan.gather.gbits is None
+        # The dQ plan is the forward's, with its mask bits.
+        assert plan.gather is not None and plan.gather.gbits is not None
     dout = torch.randn(out.shape, generator=g)
     args = (dout, q, k, v, out, lse, mask, bias, scale, causal, 0.0, True, bias is not None)
     handed = attention_backward(*args, plan=plan)

@@ -14,7 +14,6 @@ program walks up to its causal limit: dead key tiles cost nothing, full ones ski
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Optional, Tuple, Union
 
@@ -749,10 +748,10 @@ def attention_forward(
     # and policy: hand over this one (None included: "tile lists").
     reuse = (planned_here and bwd[1] == (block_m, block_n)
              and gather_policy("dq") == gather_policy("forward"))
+    # The plan keeps its gbits (1/8 of the mask's bytes at the listed keys, 9 MB on T2):
+    # rebuilding them in the backward cost 0.16 ms of a 4.0 ms T2 training step (H200).
     plan = plan_backward(mask, bias_in, Lq, Lk, H, is_causal, bwd, device, summary=summary,
                          fwd_gather=gather if reuse else NOT_PLANNED)
-    if plan.gather is not None:
-        plan = dataclasses.replace(plan, gather=plan.gather.without_mask())
     return out, lse, plan
 
 

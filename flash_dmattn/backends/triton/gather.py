@@ -84,11 +84,6 @@ class KeyGather:
     gbits: Optional[torch.Tensor]
     gbias: Optional[torch.Tensor] = None
 
-    def without_mask(self) -> "KeyGather":
-        """This plan less ``gbits``, its one large tensor (what a forward keeps for the
-        backward of the same call; :meth:`with_mask` rebuilds it in one kernel)."""
-        return dataclasses.replace(self, gbits=None)
-
     def with_mask(self, mask: torch.Tensor) -> "KeyGather":
         """This plan with ``gbits`` gathered from ``mask`` (the planned mask) if it has none."""
         if self.gbits is not None:

@@ -9,10 +9,9 @@ of a millisecond, mostly small launches and one host sync with the GPU idle.
 :func:`plan_backward` is that planning, used by the backward when nothing was handed over;
 a forward that knows a backward will follow (the eager autograd path of
 :class:`flash_dmattn.ops.AttentionOp`) calls it right after launching its own kernel -- the
-host work then overlaps the forward kernel -- and keeps the result, less the gathered mask
-copy, as a :class:`BackwardPlan` (small: lists and a summary of the mask, about 1/64 of its
-size; the gathered mask copy is rebuilt in the backward by one kernel instead of being kept
-between the two passes).
+host work then overlaps the forward kernel -- and keeps the result as a
+:class:`BackwardPlan` (small: lists, a summary of the mask, about 1/64 of its size, and for a
+gathered dQ the mask's bits at the listed keys, at most 1/8 of it).
 """
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ NOT_PLANNED = object()
 class BackwardPlan:
     """What :func:`plan_backward` worked out for one call, kept by its forward.
 
-    ``gather`` is the dQ kernel's key gather without its mask copy (None: the dQ kernel walks
-    tile lists); ``tiles`` holds the dK/dV lists (and the dQ lists when both kernels share a
+    ``gather`` is the dQ kernel's key gather (None: the dQ kernel walks tile lists); ``tiles`` holds the dK/dV lists (and the dQ lists when both kernels share a
     block shape); ``tiles_q`` the dQ lists otherwise. ``policy`` is the dQ gather policy it
     was planned under: a backward run under another one plans again.
     """
