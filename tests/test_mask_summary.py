@@ -2,7 +2,6 @@
 
 Runs the kernel through the Triton interpreter on CPU and compiled on a GPU (same test).
 """
-import dataclasses
 import pytest
 import torch
 
@@ -234,9 +233,6 @@ def test_gather_plan_kernels_match_torch_reference():
             idx, gbits = gather.compact_and_gather_reference(
                 mask.view(torch.uint8), union_u8, g.cnt, Lq, Lk, causal, block_m, g.capacity)
             assert torch.equal(idx, g.idx) and torch.equal(gbits, g.gbits), (name, causal)
-            assert torch.equal(g.union, union_u8), (name, causal)
-            rebuilt = dataclasses.replace(g, gbits=None).with_mask(mask)
-            assert torch.equal(rebuilt.gbits, g.gbits), (name, causal)
 
 
 @pytest.mark.parametrize("mask_heads,bias_shape", [(2, (1, 4, 1, 50)), (4, (2, 2, 1, 50)),

@@ -787,7 +787,7 @@ def attention_backward(
         plan = plan_backward(mask, bias, Lq, Lk, H, is_causal, ((block_m, block_n),
                              (block_m2, block_n2)), device, run_dq=run_dq_kernel,
                              run_dkdv=run_dkdv)
-    gather = plan.gather.with_mask(mask) if run_dq_kernel and plan.gather is not None else None
+    gather = plan.gather if run_dq_kernel else None
     tiles, tiles_q = plan.tiles, plan.tiles_q
 
     mask_arg = mask.view(torch.uint8) if mask is not None else q

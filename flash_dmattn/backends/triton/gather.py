@@ -28,7 +28,6 @@ temporary is made: the largest is ``gbits``, at most an eighth of the mask's own
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -67,30 +66,15 @@ def gather_policy(kernel: str = "forward") -> str:
 
 @dataclass(frozen=True)
 class KeyGather:
-    """Gathered key lists of one call for query tiles of ``block_m`` rows (see module doc).
-
-    ``union`` ``(Bm, Hm, nQ, Lk)`` uint8 is each query tile's live keys as flags (cut at the
-    tile's causal limit): what ``gbits`` is rebuilt from (1/128 of the mask at 128-row tiles).
-    """
+    """Gathered key lists of one call for query tiles of ``block_m`` rows (see module doc)."""
 
     block_m: int
     capacity: int
     head_div: int
-    seqlen_q: int
-    is_causal: bool
     idx: torch.Tensor
     cnt: torch.Tensor
-    union: torch.Tensor
-    gbits: Optional[torch.Tensor]
+    gbits: torch.Tensor
     gbias: Optional[torch.Tensor] = None
-
-    def with_mask(self, mask: torch.Tensor) -> "KeyGather":
-        """This plan with ``gbits`` gathered from ``mask`` (the planned mask) if it has none."""
-        if self.gbits is not None:
-            return self
-        gbits = _gather_mask_bits(mask.view(torch.uint8), self.union, self.seqlen_q,
-                                  self.block_m, self.capacity, self.is_causal)
-        return dataclasses.replace(self, gbits=gbits)
 
     def list_strides(self) -> Tuple[int, int, int, int, int, int]:
         """(idx_b, idx_h, idx_m, cnt_b, cnt_h, cnt_m) with 0 for broadcast dims."""
@@ -186,8 +170,7 @@ def plan_key_gather(
                                      is_causal, block_m, capacity)
     gbias = _gather_bias(bias, idx, seqlen_k) if _bias_per_key(bias, seqlen_k) else None
     return KeyGather(block_m=block_m, capacity=capacity, head_div=num_heads // hx,
-                     idx=idx, cnt=cnt, union=union_u8, gbits=gbits, gbias=gbias,
-                     seqlen_q=seqlen_q, is_causal=bool(is_causal))
+                     idx=idx, cnt=cnt, gbits=gbits, gbias=gbias)
 
 
 def _bias_per_key(bias: Optional[torch.Tensor], seqlen_k: int) -> bool:
