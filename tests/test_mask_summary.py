@@ -231,7 +231,7 @@ def test_gather_plan_kernels_match_torch_reference():
                 union = union & seen.to(DEVICE)
             union_u8 = union.contiguous().view(torch.uint8)
             idx, gbits = gather.compact_and_gather_reference(
-                mask.view(torch.uint8), union_u8, g.cnt, Lq, Lk, causal, block_m, g.capacity)
+                mask.view(torch.uint8), union_u8, Lq, Lk, causal, block_m, g.capacity)
             assert torch.equal(idx, g.idx) and torch.equal(gbits, g.gbits), (name, causal)
 
 

@@ -323,7 +323,8 @@ def _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK: tl.constexp
 @triton.jit
 def _gathered_row_bits(bits_rows, t, BLOCK_N: tl.constexpr):
     """Gathered tile ``t``'s mask bits of each row (bit ``i`` for its column ``i``) from the
-    rows' gbits words (64 listed keys each; BLOCK_N divides 64)."""
+    rows' gbits words (64 listed keys each)."""
+    tl.static_assert(64 % BLOCK_N == 0, "a gathered tile's bits must lie in one gbits word")
     words = tl.load(bits_rows + ((t * BLOCK_N) >> 6))
     if BLOCK_N < 64:
         words = words >> ((t * BLOCK_N) & 63)
