@@ -102,7 +102,7 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
     from flash_dmattn.backends.triton import plan as plan_mod
 
     fwd_mod.wants_summary = plan_mod.wants_summary = lambda *a: False
-    gather_mod._compact_and_gather = gather_mod.compact_and_gather_reference
+    gather_mod._compact_keys = gather_mod.compact_keys_reference
     gather_mod._gather_mask_bits = gather_mod.gather_mask_bits_reference
     gather_mod._gather_bias = gather_mod.gather_bias_reference
 

@@ -87,7 +87,7 @@ def main():
 
     gathered = plan()
     print(f"gathered keys per query tile: mean {gathered.cnt.float().mean().item():.0f}, "
-          f"max {gathered.capacity}")
+          f"max {gathered.cnt.max().item()}")
     rows = [
         ("cuDNN dense causal", cudnn),
         ("triton kernel: causal, no mask, no bias", lambda: fwd(None, None, tiles_causal)),

@@ -80,8 +80,8 @@ def test_tile_lists_and_gather_plan_identical_with_summary():
                 assert torch.equal(x, y), field
     g1 = plan_key_gather(mask, None, Lq, Lk, H, True, 32, 16, policy="always")
     g2 = plan_key_gather(mask, None, Lq, Lk, H, True, 32, 16, policy="always", summary=s)
-    assert torch.equal(g1.idx, g2.idx) and torch.equal(g1.cnt, g2.cnt)
-    assert torch.equal(g1.gbits, g2.gbits)
+    assert torch.equal(g1.cnt, g2.cnt)
+    assert all(torch.equal(a, b) for a, b in zip(_written(g1), _written(g2)))
 
 
 def test_wants_summary_only_for_per_query_masks():
@@ -178,41 +178,58 @@ def test_causal_summary_skips_only_invisible_tiles(Lq, Lk):
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (name, coarse)
 
 
+def _written(g):
+    """A gather plan's idx and gbits with what lies past each tile's count zeroed (it is
+    never written nor read)."""
+    live = torch.arange(g.idx.size(-1), device=g.cnt.device) < g.cnt[..., None]
+    words = (-(-g.cnt.long() // 64)).repeat_interleave(g.block_m, dim=2)[..., None]
+    written = torch.arange(g.gbits.size(-1), device=g.cnt.device) < words
+    return torch.where(live, g.idx, 0), torch.where(written, g.gbits, 0)
+
+
+def _tile_unions(mask, Lq, Lk, block_m, causal):
+    """Bool (Bx, Hx, nQ, Lk): each query tile's live keys, cut at its causal limit."""
+    union = block_reduce(mask, 2, block_m, "any")
+    if causal:
+        q_last = torch.clamp(torch.arange(union.size(2)) * block_m + block_m, max=Lq) - 1
+        seen = torch.arange(Lk)[None, :] <= (q_last + Lk - Lq)[:, None]
+        union = union & seen.to(mask.device)
+    return union
+
+
 # (Lq < Lk causal is covered by test_gather_plan_kernels_match_torch_reference.)
 @pytest.mark.parametrize("Lq,Lk,block_m,causal", [(100, 90, 32, False), (129, 63, 16, True),
-                                                   (40, 300, 16, False)])
+                                                   (40, 300, 16, False), (70, 200, 32, True)])
 def test_gather_plan_kernel_matches_torch(Lq, Lk, block_m, causal):
-    # The compact-and-gather kernels against the plain PyTorch definition of idx / gbits.
+    # The compact-and-gather kernels against the plain PyTorch definition of idx / gbits:
+    # written up to each tile's count (the kernels read no further), unions taken from a
+    # summary with finer rows (two or more row blocks per tile) and from the mask itself.
     from flash_dmattn.backends.triton.gather import pack_bits_reference
 
     gen = torch.Generator().manual_seed(11 * Lq + Lk)
     for name, mask in _masks(Lq, Lk, gen):
         mask = mask.to(DEVICE)
-        g = plan_key_gather(mask, None, Lq, Lk, 6, causal, block_m, 16, policy="always",
-                            summary=summarize_mask(mask, 16, 16, causal=causal))
-        union = block_reduce(mask, 2, block_m, "any")
-        n_q = union.size(2)
-        if causal:
-            q_last = torch.clamp(torch.arange(n_q) * block_m + block_m, max=Lq) - 1
-            vis = torch.arange(Lk)[None, :] <= (q_last + Lk - Lq)[:, None]
-            union = union & vis.to(DEVICE)
-        assert torch.equal(g.cnt, union.sum(-1, dtype=torch.int32)), name
-        assert g.capacity == max(int(g.cnt.max()), 1)
-        words = -(-g.capacity // 64)
-        assert g.gbits.shape == (*mask.shape[:2], n_q * block_m, words), name
-        for b in range(mask.size(0)):
-            for h in range(mask.size(1)):
-                for m in range(n_q):
-                    keys = union[b, h, m].nonzero().flatten()
-                    n = keys.numel()
-                    assert torch.equal(g.idx[b, h, m, :n].long(), keys), (name, b, h, m)
-                    assert torch.all(g.idx[b, h, m, n:] == 0), (name, b, h, m)
-                    rows = slice(m * block_m, min(m * block_m + block_m, Lq))
-                    want = torch.zeros(block_m, g.capacity, dtype=torch.uint8)
-                    picked = mask[b, h, rows][:, keys].to(torch.uint8)
-                    want[:picked.size(0), :n] = picked  # rows past Lq and keys past n: 0
-                    got = g.gbits[b, h, m * block_m:m * block_m + block_m]
-                    assert torch.equal(got, pack_bits_reference(want)), (name, b, h, m)
+        for summary in (summarize_mask(mask, 16, 16, causal=causal), None):
+            g = plan_key_gather(mask, None, Lq, Lk, 6, causal, block_m, 16, policy="always",
+                                summary=summary)
+            union = _tile_unions(mask, Lq, Lk, block_m, causal)
+            n_q = union.size(2)
+            assert torch.equal(g.cnt, union.sum(-1, dtype=torch.int32)), name
+            assert g.idx.shape == (*mask.shape[:2], n_q, Lk), name
+            assert g.gbits.shape == (*mask.shape[:2], n_q * block_m, -(-Lk // 64)), name
+            for b in range(mask.size(0)):
+                for h in range(mask.size(1)):
+                    for m in range(n_q):
+                        keys = union[b, h, m].nonzero().flatten()
+                        n = keys.numel()
+                        assert torch.equal(g.idx[b, h, m, :n].long(), keys), (name, b, h, m)
+                        rows = slice(m * block_m, min(m * block_m + block_m, Lq))
+                        want = torch.zeros(block_m, max(n, 1), dtype=torch.uint8)
+                        picked = mask[b, h, rows][:, keys].to(torch.uint8)
+                        want[:picked.size(0), :n] = picked  # rows past Lq: 0
+                        words = -(-n // 64)
+                        got = g.gbits[b, h, m * block_m:m * block_m + block_m, :words]
+                        assert torch.equal(got, pack_bits_reference(want)[:, :words]), (name, b, h, m)
 
 
 def test_gather_plan_kernels_match_torch_reference():
@@ -224,15 +241,48 @@ def test_gather_plan_kernels_match_torch_reference():
         mask = mask.to(DEVICE)
         for causal in (False, True):
             g = plan_key_gather(mask, None, Lq, Lk, 6, causal, block_m, 16, policy="always")
-            union = block_reduce(mask, 2, block_m, "any")
-            if causal:
-                q_last = torch.clamp(torch.arange(union.size(2)) * block_m + block_m, max=Lq) - 1
-                seen = torch.arange(Lk)[None, :] <= (q_last + Lk - Lq)[:, None]
-                union = union & seen.to(DEVICE)
-            union_u8 = union.contiguous().view(torch.uint8)
-            idx, gbits = gather.compact_and_gather_reference(
-                mask.view(torch.uint8), union_u8, Lq, Lk, causal, block_m, g.capacity)
-            assert torch.equal(idx, g.idx) and torch.equal(gbits, g.gbits), (name, causal)
+            union_u8, per_tile = gather._tile_union(mask, None, block_m)
+            idx, cnt, totals = gather.compact_keys_reference(union_u8, per_tile, Lq, Lk, causal,
+                                                             block_m, 16, True)
+            gbits = gather.gather_mask_bits_reference(mask.view(torch.uint8), union_u8, per_tile,
+                                                      Lq, block_m, causal)
+            assert torch.equal(cnt, g.cnt), (name, causal)
+            got_idx, got_bits = _written(g)
+            assert torch.equal(got_idx, idx), (name, causal)
+            assert torch.equal(got_bits, _written(gather.KeyGather(
+                block_m, 1, idx, cnt, gbits))[1]), (name, causal)
+            # The totals of the auto policy, counted by the same kernel.
+            _, _, got_totals = gather._compact_keys(union_u8, per_tile, Lq, Lk, causal,
+                                                    block_m, 16, True)
+            assert got_totals.tolist() == totals.tolist(), (name, causal)
+
+
+def test_gather_plan_auto_policy_is_decided_on_totals(monkeypatch):
+    # Under "auto" the plan is dropped exactly when prefers_tiles says so; the bits kernels
+    # make the same test on the device and skip their work.
+    from flash_dmattn.backends.triton import gather
+
+    Lq = Lk = 128
+    gen = torch.Generator().manual_seed(4)
+    sparse = torch.zeros(1, 2, Lq, Lk, dtype=torch.bool)
+    sparse[..., ::9] = True
+    dense = torch.rand(1, 2, Lq, Lk, generator=gen) < 0.6
+    for mask, want in ((sparse, True), (dense, False)):
+        mask = mask.to(DEVICE)
+        union_u8, per_tile = gather._tile_union(mask, None, 16)
+        live, gathered = gather.compact_keys_reference(union_u8, per_tile, Lq, Lk, True, 16, 16,
+                                                       True)[2].tolist()
+        assert gather.prefers_tiles(live, gathered) == (not want)
+        g = plan_key_gather(mask, None, Lq, Lk, 2, True, 16, 16, policy="auto")
+        assert (g is not None) == want
+        # The bits kernel skips its work for a plan the totals reject (nothing written).
+        totals = torch.tensor([live, gathered], dtype=torch.int32, device=DEVICE)
+        sentinel = lambda shape, dtype, device: torch.full(shape, 7, dtype=dtype, device=device)
+        monkeypatch.setattr(gather, "_empty", sentinel)
+        bits = gather._gather_mask_bits(mask.view(torch.uint8), union_u8, per_tile, Lq, 16,
+                                        True, totals)
+        monkeypatch.undo()
+        assert torch.all(bits == 7).item() == (not want)
 
 
 @pytest.mark.parametrize("mask_heads,bias_shape", [(2, (1, 4, 1, 50)), (4, (2, 2, 1, 50)),
@@ -252,12 +302,19 @@ def test_gather_plan_gathers_a_per_key_bias(mask_heads, bias_shape):
             hm = h // (hg // mask_heads)
             hb = h // (hg // bias_shape[1])
             bb = b if bias_shape[0] > 1 else 0
-            want = bias[bb, hb, 0][g.idx[b, hm].long()]
-            assert torch.equal(g.gbias[b, h, :, :g.capacity], want), (b, h)
-            assert torch.all(g.gbias[b, h, :, g.capacity:] == 0)
+            for m in range(g.cnt.size(2)):
+                n = int(g.cnt[b, hm, m])
+                want = bias[bb, hb, 0][g.idx[b, hm, m, :n].long()]
+                end = -(-n // 64) * 64  # written: the count rounded up to 64, 0 past it
+                assert torch.equal(g.gbias[b, h, m, :n], want), (b, h, m)
+                assert torch.all(g.gbias[b, h, m, n:end] == 0), (b, h, m)
     from flash_dmattn.backends.triton.gather import gather_bias_reference
 
-    assert torch.equal(gather_bias_reference(bias, g.idx, Lk), g.gbias)
+    ref = gather_bias_reference(bias, g.idx, g.cnt, Lk)
+    hm = torch.arange(g.gbias.size(1)) // (g.gbias.size(1) // mask_heads)
+    ends = (-(-g.cnt.long()[:, hm] // 64) * 64).expand(*g.gbias.shape[:3])[..., None]
+    written = torch.arange(ref.size(-1), device=ends.device) < ends
+    assert torch.equal(torch.where(written, g.gbias, 0), ref)
     # Per-query or scalar biases are read as they are, not gathered.
     assert plan_key_gather(mask, bias[..., :1], Lq, Lk, H, True, 16, 16, "always").gbias is None
 

@@ -529,9 +529,12 @@ def _attn_fwd_kernel(
         # the rows' gbits words.
         n_keys = n_iter
         bits_rows = mask_base + offs_m.to(tl.int64) * stride_mm
+        # Key indices loaded one step ahead, as the list path's entries (same reason).
+        keys_next = tl.load(list_row + offs_n0, mask=offs_n0 < n_keys, other=0)
         for t in range(0, tl.cdiv(n_keys, BLOCK_N)):
             cols = t * BLOCK_N + offs_n0
-            keys = tl.load(list_row + cols, mask=cols < n_keys, other=0)
+            keys = keys_next
+            keys_next = tl.load(list_row + cols + BLOCK_N, mask=cols + BLOCK_N < n_keys, other=0)
             row_bits = _gathered_row_bits(bits_rows, t, BLOCK_N)
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,

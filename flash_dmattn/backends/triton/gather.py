@@ -9,22 +9,26 @@ of the key tiles: the kernels load K/V rows by index, BLOCK_N gathered keys at a
 work is about ``union size / Lk`` of the dense work.
 
 Built per call from the mask (and a per-key bias), on their device, by three small Triton
-kernels after the mask summary, with one host sync (the largest union sizes the outputs):
+kernels after the mask summary. Nothing waits for the stream: the lists are sized by the
+largest causal limit (``Lk``), and the ``auto`` policy's two totals reach the host behind an
+event while the bits are built (see :func:`plan_key_gather`):
 
-* ``idx``  ``(Bm, Hm, nQ, C)`` int32: the live keys of each query tile, ascending, then zeros;
-  only the first ``cnt`` of a row are meaningful;
+* ``idx``  ``(Bm, Hm, nQ, Lk)`` int32: the live keys of each query tile, ascending; only the
+  first ``cnt`` of a row are written;
 * ``cnt``  ``(Bm, Hm, nQ)`` int32;
 * ``gbits`` ``(Bm, Hm, nQ * block_m, W)`` int64: the mask gathered to those columns, 64
   columns per word: bit ``c % 64`` of ``gbits[b, h, i, c // 64]`` is
   ``mask[b, h, i, idx[b, h, i // block_m, c]]``, so the kernels read a gathered tile's element
-  mask as one word per row (its bytes were 8 KB per 128 x 64 tile);
-* ``gbias`` (a per-key bias only) ``(Bg, Hg, nQ, C)``: the bias at those keys,
-  ``gbias[b, h, m, c] = bias[b, h, 0, idx[b, h, m, c]]``, read at the same positions, so no
-  load in the kernels' loop depends on another load of the same step;
+  mask as one word per row (its bytes were 8 KB per 128 x 64 tile); words past
+  ``ceil(cnt / 64)`` are not written;
+* ``gbias`` (a per-key bias only) ``(Bg, Hg, nQ, Lk rounded up to 64)``: the bias at those
+  keys, ``gbias[b, h, m, c] = bias[b, h, 0, idx[b, h, m, c]]``, read at the same positions, so
+  no load in the kernels' loop depends on another load of the same step; written up to the
+  count rounded up to 64 (0 past the count);
 
-where ``C`` is the largest union and ``W = ceil(C / 64)`` (``Bm, Hm`` are the mask's own,
-possibly broadcast, dims; rows of ``gbias`` are padded to a multiple of 64). No (B, H, Lq, Lk)
-temporary is made: the largest is ``gbits``, at most an eighth of the mask's own size.
+where ``W = ceil(Lk / 64)`` (``Bm, Hm`` are the mask's own, possibly broadcast, dims). The
+kernels read nothing past a tile's count. No (B, H, Lq, Lk) temporary is made: the largest is
+``gbits``, an eighth of the mask's own size.
 """
 from __future__ import annotations
 
@@ -40,10 +44,10 @@ from ...block_map import block_reduce
 from ...intmath import cdiv
 from .mask_summary import MaskSummary
 
-# Use gather mode when it visits at most this fraction of the key tiles that tile skipping
-# would visit. Gathered tiles always load their element mask and their K/V rows by index, so
-# they cost a little more than a partial tile of the plain path.
-GATHER_MAX_RATIO = 0.75
+# Use gather mode when it visits at most this fraction (numerator, denominator) of the key
+# tiles that tile skipping would visit. Gathered tiles always mask per element and load their
+# K/V rows by index, so they cost a little more than a partial tile of the plain path.
+GATHER_MAX_RATIO = (3, 4)
 _POLICIES = ("auto", "always", "never")
 
 # Default policy per kernel. On the H200 run of 2026-11-22 (B1 H16/Hkv4 L8192 D128, top-2048
@@ -69,7 +73,6 @@ class KeyGather:
     """Gathered key lists of one call for query tiles of ``block_m`` rows (see module doc)."""
 
     block_m: int
-    capacity: int
     head_div: int
     idx: torch.Tensor
     cnt: torch.Tensor
@@ -134,73 +137,105 @@ def plan_key_gather(
     """Gather lists for ``block_m``-row query tiles, or None when tile skipping is as cheap.
 
     ``policy`` defaults to :func:`gather_policy` of ``kernel`` (``forward`` or ``dq``). Under
-    ``auto`` the union sizes are compared with the live-tile count of ``block_m x block_n``
-    tiles (one host sync).
+    ``auto`` the gathered ``block_n``-key tiles are compared with the live ``block_m x
+    block_n`` tiles (:func:`prefers_tiles`). The lists are sized by the causal limit (no host
+    sync for their size) and the comparison's two totals are copied to the host while the
+    mask bits are built, so the host waits for the count kernel only, not for the stream (the
+    bits kernels skip their work on the device when the totals say "tiles").
     """
     policy = gather_policy(kernel) if policy is None else policy
     if policy == "never" or not gather_eligible(mask, bias, seqlen_q, seqlen_k, block_m):
         return None
     if policy == "auto" and seqlen_k < 4 * block_n:
         return None
-    device = mask.device
-    hx = mask.shape[1]
-    n_q = cdiv(seqlen_q, block_m)
-
-    # (bx, hx, nQ, Lk); a MaskSummary already holds it (or a finer version of it)
-    union = summary.row_union(block_m) if summary is not None else block_reduce(mask, 2, block_m, "any")
-    if is_causal:
-        q_last = torch.clamp(torch.arange(n_q, device=device) * block_m + block_m, max=seqlen_q) - 1
-        keys = torch.arange(seqlen_k, device=device)
-        union = union & (keys[None, :] <= (q_last + (seqlen_k - seqlen_q))[:, None])
-    cnt = union.sum(-1, dtype=torch.int32)
-    if policy == "auto":
-        live_tiles = block_reduce(union, 3, block_n, "any").sum()
-        gathered_tiles = torch.div(cnt + (block_n - 1), block_n, rounding_mode="floor").sum()
-        live, gathered, capacity = torch.stack(
-            [live_tiles, gathered_tiles, cnt.max().to(live_tiles.dtype)]).tolist()
-        if gathered > GATHER_MAX_RATIO * live:
-            return None
-    else:
-        capacity = int(cnt.max().item())
-    capacity = max(int(capacity), 1)
-
-    cnt = cnt.contiguous()
-    union_u8 = union.contiguous().view(torch.uint8)
-    idx, gbits = _compact_and_gather(mask.view(torch.uint8), union_u8, seqlen_q, seqlen_k,
-                                     is_causal, block_m, capacity)
-    gbias = _gather_bias(bias, idx, seqlen_k) if _bias_per_key(bias, seqlen_k) else None
-    return KeyGather(block_m=block_m, capacity=capacity, head_div=num_heads // hx,
+    union_u8, rows_per_tile = _tile_union(mask, summary, block_m)
+    auto = policy == "auto"
+    idx, cnt, totals = _compact_keys(union_u8, rows_per_tile, seqlen_q, seqlen_k, is_causal,
+                                     block_m, block_n, auto)
+    on_host = _TotalsToHost(totals) if auto else None
+    gbits = _gather_mask_bits(mask.view(torch.uint8), union_u8, rows_per_tile, seqlen_q,
+                              block_m, is_causal, totals)
+    gbias = _gather_bias(bias, idx, cnt, seqlen_k, totals) if _bias_per_key(bias, seqlen_k) else None
+    if on_host is not None and prefers_tiles(*on_host.values()):
+        return None
+    return KeyGather(block_m=block_m, head_div=num_heads // mask.shape[1],
                      idx=idx, cnt=cnt, gbits=gbits, gbias=gbias)
+
+
+def prefers_tiles(live_tiles: int, gathered_tiles: int) -> bool:
+    """The ``auto`` policy: tile skipping unless gathering visits at most ``GATHER_MAX_RATIO``
+    of the live tiles (integer form, the same test the bits kernels make on the device)."""
+    num, den = GATHER_MAX_RATIO
+    return gathered_tiles * den > live_tiles * num
+
+
+class _TotalsToHost:
+    """A device tensor's values copied to the host behind an event: :meth:`values` waits for
+    the work queued before it, not for what was queued after it."""
+
+    def __init__(self, totals: torch.Tensor):
+        self.event = None
+        if totals.is_cuda:
+            self.host = torch.empty(totals.shape, dtype=totals.dtype, pin_memory=True)
+            self.host.copy_(totals, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(totals.device))
+        else:
+            self.host = totals
+
+    def values(self):
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The plan's partly written outputs (tests replace it to poison them)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _tile_union(mask: torch.Tensor, summary: Optional[MaskSummary],
+                block_m: int) -> Tuple[torch.Tensor, int]:
+    """``(union_u8, rows_per_tile)``: contiguous uint8 ``(Bx, Hx, nR, Lk)`` live-key flags of
+    row blocks, ``rows_per_tile`` of which make a query tile (their OR is its union; not cut
+    at the causal limit). A summary's ``row_any`` serves when its row block divides
+    ``block_m``; otherwise the mask is reduced here."""
+    if summary is not None and block_m % summary.row_block == 0:
+        return summary.row_any.contiguous().view(torch.uint8), block_m // summary.row_block
+    return block_reduce(mask, 2, block_m, "any").contiguous().view(torch.uint8), 1
 
 
 def _bias_per_key(bias: Optional[torch.Tensor], seqlen_k: int) -> bool:
     return bias is not None and bias.size(2) == 1 and bias.size(3) == seqlen_k and seqlen_k > 1
 
 
-def _gather_bias(bias: torch.Tensor, idx: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+def _gather_bias(bias: torch.Tensor, idx: torch.Tensor, cnt: torch.Tensor, seqlen_k: int,
+                 totals: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A per-key bias ``(Bb, Hb, 1, Lk)`` gathered to each query tile's key list:
     ``gbias[b, h, m, c] = bias[b, h, 0, idx[b, h, m, c]]`` at ``(max(Bb, Bm), max(Hb, Hm))``
-    (each head count divides the larger one; entries past a tile's count read key 0 and are
-    hidden by the kernels' count bound; the row padding is 0). Rows are padded to a multiple of
-    GATHER_ROW_ALIGN so the kernels read them as aligned vectors, software-pipelined like the
-    gathered mask; reading the bias at the gathered keys themselves was a synchronous load
-    every step (0.11 ms of the 0.79 ms gathered forward on T2, H200).
+    (each head count divides the larger one). Written for ``c`` below the tile's count rounded
+    up to GATHER_ROW_ALIGN (0 past the count), which is all the kernels read: rows are padded
+    so they read aligned vectors, software-pipelined like the gathered mask; reading the bias
+    at the gathered keys themselves was a synchronous load every step (0.11 ms of the 0.79 ms
+    gathered forward on T2, H200). ``totals``: skip the work when :func:`prefers_tiles`.
     """
     bb, hb = bias.size(0), bias.size(1)
-    bm, hm, n_q, capacity = idx.shape
+    bm, hm, n_q, width = idx.shape
     bg, hg = max(bb, bm), max(hb, hm)
-    width = -(-capacity // GATHER_ROW_ALIGN) * GATHER_ROW_ALIGN
-    out = torch.empty((bg, hg, n_q, width), dtype=bias.dtype, device=bias.device)
+    width = cdiv(width, GATHER_ROW_ALIGN) * GATHER_ROW_ALIGN
+    out = _empty((bg, hg, n_q, width), bias.dtype, bias.device)
 
     def bstride(t, d):  # broadcast dims read through stride 0
         return 0 if t.size(d) == 1 else t.stride(d)
 
+    num, den = GATHER_MAX_RATIO
     _gather_bias_kernel[(n_q, bg * hg)](
-        bias, idx, out,
+        bias, idx, cnt, out, totals if totals is not None else cnt,
         bstride(bias, 0), bstride(bias, 1), bias.stride(3),
-        bstride(idx, 0), bstride(idx, 1), idx.stride(2),
-        hg, hg // hm, hg // hb, capacity, width, n_q,
-        BLOCK_C=32 if bias.device.type == "cpu" else 256,
+        bstride(idx, 0), bstride(idx, 1), idx.stride(2), bstride(cnt, 0), bstride(cnt, 1),
+        hg, hg // hm, hg // hb, width, n_q,
+        BLOCK_C=32 if bias.device.type == "cpu" else 256, ALIGN=GATHER_ROW_ALIGN,
+        CHECK_TOTALS=totals is not None, RATIO_NUM=num, RATIO_DEN=den,
         num_warps=4,
     )
     return out
@@ -211,54 +246,58 @@ def _gather_bias(bias: torch.Tensor, idx: torch.Tensor, seqlen_k: int) -> torch.
 GATHER_ROW_ALIGN = 64
 
 
-def _compact_and_gather(mask_u8: torch.Tensor, union_u8: torch.Tensor, seqlen_q: int,
-                        seqlen_k: int, is_causal: bool, block_m: int,
-                        capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(idx, gbits)`` of the module docstring from ``union_u8`` (contiguous live-key flags,
-    already cut to the causal limit when ``is_causal``; ``capacity``: its largest row count).
-
-    Two Triton kernels: one compacts each union row into its key list, one packs the mask's
-    bits at those keys. Equivalent plain PyTorch::
-
-        order = torch.sort((~union).int() * Lk + torch.arange(Lk), dim=-1).values
-        idx = order[..., :capacity] % Lk                     # live keys first, ascending
-        g[b, h, i, c] = mask[b, h, i, idx[b, h, i // block_m, c]]   # then 64 c's per word
-
-    Entries past a tile's count are 0 in ``idx`` and their bits in ``gbits`` (the kernels bound
-    gathered keys by the count anyway), as are rows past ``Lq`` in the last tile.
-    """
-    bx, hx, n_q, _ = union_u8.shape
-    device = mask_u8.device
-    idx = torch.empty((bx, hx, n_q, capacity), dtype=torch.int32, device=device)
-    on_cpu = device.type == "cpu"  # short chunks on the interpreter: tests cover several
+def _compact_keys(union_u8: torch.Tensor, rows_per_tile: int, seqlen_q: int, seqlen_k: int,
+                  is_causal: bool, block_m: int, block_n: int,
+                  count_tiles: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(idx, cnt, totals)`` of each query tile's union (see :func:`_tile_union`), cut at
+    the tile's causal limit when ``is_causal``; one Triton kernel. ``idx`` is ``Lk`` wide
+    (the largest causal limit) and written up to ``cnt``. ``totals`` (with ``count_tiles``):
+    int32 ``[live block_n-key tiles, gathered tiles]`` summed over every tile. Equivalent
+    plain PyTorch: :func:`compact_keys_reference`."""
+    bx, hx, n_rows, _ = union_u8.shape
+    n_q = cdiv(seqlen_q, block_m)
+    device = union_u8.device
+    idx = _empty((bx, hx, n_q, seqlen_k), torch.int32, device)
+    cnt = torch.empty((bx, hx, n_q), dtype=torch.int32, device=device)
+    totals = torch.zeros(2, dtype=torch.int32, device=device) if count_tiles else None
+    chunk = 32 if device.type == "cpu" else 1024  # short chunks on the interpreter: tests cover several
     _compact_keys_kernel[(n_q, bx * hx)](
-        union_u8, idx, seqlen_q, seqlen_k, n_q, capacity,
-        IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, BLOCK_K=32 if on_cpu else 1024,
+        union_u8, idx, cnt, totals if count_tiles else cnt,
+        seqlen_q, seqlen_k, n_rows, n_q,
+        IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, ROWS_PER_TILE=rows_per_tile,
+        BLOCK_N=block_n, BLOCK_K=max(chunk, block_n), COUNT_TILES=count_tiles,
         num_warps=4,
     )
-    return idx, _gather_mask_bits(mask_u8, union_u8, seqlen_q, block_m, capacity, is_causal)
+    return idx, cnt, totals
 
 
-def _gather_mask_bits(mask_u8: torch.Tensor, union_u8: torch.Tensor, seqlen_q: int,
-                      block_m: int, capacity: int, is_causal: bool,
+def _gather_mask_bits(mask_u8: torch.Tensor, union_u8: torch.Tensor, rows_per_tile: int,
+                      seqlen_q: int, block_m: int, is_causal: bool,
+                      totals: Optional[torch.Tensor] = None,
                       launch: Optional[Tuple[int, int, int]] = None) -> torch.Tensor:
-    """``gbits`` of the module docstring from the union flags (the lists' definition).
-
-    ``launch``: ``(rows per program, warps, stages)`` instead of the default (for timing)."""
-    bx, hx, n_q, seqlen_k = union_u8.shape
+    """``gbits`` of the module docstring from the unions (see :func:`_tile_union`), the lists'
+    definition: ``ceil(Lk / 64)`` words a row, written up to the tile's count (the kernels
+    read no further; rows past ``Lq`` are 0). ``totals``: skip the work when
+    :func:`prefers_tiles`. ``launch``: ``(rows per program, warps, stages)`` instead of the
+    default (for timing). Equivalent plain PyTorch: :func:`gather_mask_bits_reference`."""
+    bx, hx, n_rows, seqlen_k = union_u8.shape
+    n_q = cdiv(seqlen_q, block_m)
     on_cpu = mask_u8.device.type == "cpu"
-    words = max(cdiv(capacity, 64), 1)
-    gbits = torch.empty((bx, hx, n_q * block_m, words), dtype=torch.int64, device=mask_u8.device)
+    words = max(cdiv(seqlen_k, 64), 1)
+    gbits = _empty((bx, hx, n_q * block_m, words), torch.int64, mask_u8.device)
     # Walks the mask rows in order, 256 keys a step, reading them whole (coalesced) and
     # compressing each row's bits at the union's keys into a running word. Its predecessor
     # walked the output, reading the mask byte by byte at the listed keys, and wrote the
     # gathered bytes: 0.153 ms on T2 (H200), issue-bound on scattered byte loads.
     block_r, warps, stages = launch or (min(block_m, 8 if on_cpu else 32), 4, 3)
+    num, den = GATHER_MAX_RATIO
     _gather_mask_bits_kernel[(n_q * (block_m // block_r), bx * hx)](
-        mask_u8, union_u8, gbits,
+        mask_u8, union_u8, gbits, totals if totals is not None else gbits,
         mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2), mask_u8.stride(3),
-        hx, seqlen_q, seqlen_k, n_q, words,
+        hx, seqlen_q, seqlen_k, n_rows, n_q, words,
         IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, BLOCK_R=block_r,
+        ROWS_PER_TILE=rows_per_tile, CHECK_TOTALS=totals is not None,
+        RATIO_NUM=num, RATIO_DEN=den,
         num_warps=warps, num_stages=stages,
     )
     return gbits
@@ -276,85 +315,149 @@ def pack_bits_reference(flags: torch.Tensor) -> torch.Tensor:
     return (padded.view(*flags.shape[:-1], words, 64) << shifts).sum(-1)
 
 
-def compact_and_gather_reference(mask_u8: torch.Tensor, union_u8: torch.Tensor,
-                                 seqlen_q: int, seqlen_k: int, is_causal: bool, block_m: int,
-                                 capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Plain PyTorch :func:`_compact_and_gather` (same outputs; for tools without a device).
+def tile_union_reference(union_u8: torch.Tensor, rows_per_tile: int, seqlen_q: int,
+                         seqlen_k: int, is_causal: bool, block_m: int) -> torch.Tensor:
+    """Bool ``(Bx, Hx, nQ, Lk)``: each query tile's live keys, the OR of its union rows cut
+    at its causal limit (what :func:`_compact_keys` lists)."""
+    bx, hx, n_rows, _ = union_u8.shape
+    n_q = cdiv(seqlen_q, block_m)
+    rows = torch.zeros((bx, hx, n_q * rows_per_tile, seqlen_k), dtype=torch.bool,
+                       device=union_u8.device)
+    rows[:, :, :n_rows] = union_u8 != 0
+    union = rows.view(bx, hx, n_q, rows_per_tile, seqlen_k).any(3)
+    if is_causal:
+        q_last = torch.clamp(torch.arange(n_q, device=union.device) * block_m + block_m,
+                             max=seqlen_q) - 1
+        keys = torch.arange(seqlen_k, device=union.device)
+        union = union & (keys[None, :] <= (q_last + (seqlen_k - seqlen_q))[:, None])
+    return union
 
-    ``union_u8`` must already be causal-cut; ``seqlen_k`` and ``is_causal`` are then implied.
-    """
-    return (_union_keys_reference(union_u8, capacity),
-            gather_mask_bits_reference(mask_u8, union_u8, seqlen_q, block_m, capacity))
 
-
-def _union_keys_reference(union_u8: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``idx``: each union row's live keys ascending, then zeros, ``capacity`` wide."""
-    union = union_u8 != 0
-    seqlen_k = union.size(-1)
+def compact_keys_reference(union_u8: torch.Tensor, rows_per_tile: int, seqlen_q: int,
+                           seqlen_k: int, is_causal: bool, block_m: int, block_n: int,
+                           count_tiles: bool):
+    """Plain PyTorch :func:`_compact_keys` (``idx`` zero past the counts)."""
+    union = tile_union_reference(union_u8, rows_per_tile, seqlen_q, seqlen_k, is_causal,
+                                 block_m)
+    cnt = union.sum(-1, dtype=torch.int32)
     ar = torch.arange(seqlen_k, device=union.device, dtype=torch.int32)
-    order = torch.sort((~union).to(torch.int32) * seqlen_k + ar, dim=-1).values
-    idx = order[..., :capacity] % seqlen_k
-    pos = torch.arange(capacity, device=union.device)
-    return torch.where(pos < union.sum(-1, keepdim=True), idx, 0).to(torch.int32).contiguous()
+    order = torch.sort((~union).to(torch.int32) * seqlen_k + ar, dim=-1).values % seqlen_k
+    idx = torch.where(ar < cnt[..., None], order, 0).to(torch.int32).contiguous()
+    totals = None
+    if count_tiles:
+        live = block_reduce(union, 3, block_n, "any").sum()
+        gathered = torch.div(cnt + (block_n - 1), block_n, rounding_mode="floor").sum()
+        totals = torch.stack([live, gathered]).to(torch.int32)
+    return idx, cnt, totals
 
 
-def gather_mask_bits_reference(mask_u8: torch.Tensor, union_u8: torch.Tensor, seqlen_q: int,
-                               block_m: int, capacity: int, is_causal: bool = False) -> torch.Tensor:
-    """Plain PyTorch :func:`_gather_mask_bits` (same output; ``is_causal`` is implied by the
-    union, which is causal-cut)."""
-    bx, hx, n_q, seqlen_k = union_u8.shape
-    idx = _union_keys_reference(union_u8, capacity).long()
-    cnt = (union_u8 != 0).sum(-1)
-    pos = torch.arange(capacity, device=union_u8.device)
-    rows = torch.zeros((bx, hx, n_q, block_m, capacity), dtype=torch.uint8,
+def gather_mask_bits_reference(mask_u8: torch.Tensor, union_u8: torch.Tensor,
+                               rows_per_tile: int, seqlen_q: int, block_m: int,
+                               is_causal: bool, totals: Optional[torch.Tensor] = None,
+                               launch=None) -> torch.Tensor:
+    """Plain PyTorch :func:`_gather_mask_bits` (0 past the counts; ``totals`` and ``launch``
+    are ignored: the bits are always built)."""
+    bx, hx, _, seqlen_k = union_u8.shape
+    union = tile_union_reference(union_u8, rows_per_tile, seqlen_q, seqlen_k, is_causal,
+                                 block_m)
+    n_q = union.size(2)
+    idx, cnt, _ = compact_keys_reference(union_u8, rows_per_tile, seqlen_q, seqlen_k,
+                                         is_causal, block_m, 64, False)
+    idx = idx.long()
+    pos = torch.arange(seqlen_k, device=union_u8.device)
+    rows = torch.zeros((bx, hx, n_q, block_m, seqlen_k), dtype=torch.uint8,
                        device=union_u8.device)
     for m in range(n_q):
         r0, r1 = m * block_m, min(m * block_m + block_m, seqlen_q)
         src = mask_u8[:, :, r0:r1].expand(bx, hx, r1 - r0, seqlen_k)
-        got = torch.gather(src, -1, idx[:, :, m, None, :].expand(bx, hx, r1 - r0, capacity))
+        got = torch.gather(src, -1, idx[:, :, m, None, :].expand(bx, hx, r1 - r0, seqlen_k))
         rows[:, :, m, :r1 - r0] = torch.where(pos < cnt[:, :, m, None, None], got, 0)
-    return pack_bits_reference(rows.view(bx, hx, n_q * block_m, capacity))
+    return pack_bits_reference(rows.view(bx, hx, n_q * block_m, seqlen_k))
 
 
-def gather_bias_reference(bias: torch.Tensor, idx: torch.Tensor, seqlen_k: int) -> torch.Tensor:
-    """Plain PyTorch :func:`_gather_bias` (same output; for tools without a device)."""
+def gather_bias_reference(bias: torch.Tensor, idx: torch.Tensor, cnt: torch.Tensor,
+                          seqlen_k: int, totals: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Plain PyTorch :func:`_gather_bias` (0 past the counts; ``totals`` is ignored)."""
     bb, hb = bias.size(0), bias.size(1)
-    bm, hm, n_q, capacity = idx.shape
+    bm, hm, n_q, width = idx.shape
     bg, hg = max(bb, bm), max(hb, hm)
-    width = -(-capacity // GATHER_ROW_ALIGN) * GATHER_ROW_ALIGN
+    padded = cdiv(width, GATHER_ROW_ALIGN) * GATHER_ROW_ALIGN
     rows = bias[:, :, 0, :].expand(bg, hb, seqlen_k).repeat_interleave(hg // hb, dim=1)
-    keys = idx.expand(bg, hm, n_q, capacity).repeat_interleave(hg // hm, dim=1)
-    out = torch.zeros((bg, hg, n_q, width), dtype=bias.dtype, device=bias.device)
-    picked = torch.gather(rows, -1, keys.reshape(bg, hg, n_q * capacity).long())
-    out[..., :capacity] = picked.view(bg, hg, n_q, capacity)
+    live = torch.arange(width, device=idx.device) < cnt[..., None]
+    keys = torch.where(live, idx, 0).expand(bg, hm, n_q, width).repeat_interleave(hg // hm, dim=1)
+    out = torch.zeros((bg, hg, n_q, padded), dtype=bias.dtype, device=bias.device)
+    picked = torch.gather(rows, -1, keys.reshape(bg, hg, n_q * width).long()).view(bg, hg, n_q, width)
+    live = live.expand(bg, hm, n_q, width).repeat_interleave(hg // hm, dim=1)
+    out[..., :width] = torch.where(live, picked, torch.zeros((), dtype=bias.dtype, device=bias.device))
     return out
 
 
 @triton.jit
-def _compact_keys_kernel(
-    Union, Idx, seqlen_q, seqlen_k, n_q, capacity,
-    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """idx rows: the union's live keys (to the tile's causal limit) in order, then zeros."""
-    m = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64) * n_q + m
-    union_row = Union + row * seqlen_k
-    idx_row = Idx + row * capacity
+def _tile_key_end(m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """One past the last key query tile ``m`` may list: its last row's bottom-right causal
+    limit, or Lk."""
     key_end = seqlen_k
     if IS_CAUSAL:
-        # Bottom-right aligned: the tile's last row sees keys up to last_row + Lk - Lq.
         last_row = tl.minimum(m * BLOCK_M + BLOCK_M, seqlen_q) - 1
         key_end = tl.maximum(tl.minimum(last_row + (seqlen_k - seqlen_q) + 1, seqlen_k), 0)
+    return key_end
+
+
+@triton.jit
+def _union_flags(union_rows, keys, key_end, rows_left, seqlen_k,
+                 ROWS_PER_TILE: tl.constexpr):
+    """int32 0/1 per key: live in one of the tile's union rows (``rows_left`` of them exist)
+    and before ``key_end``. Read bounded by Lk (vector loads), then cut."""
+    k_ok = keys < seqlen_k
+    live = tl.load(union_rows + keys, mask=k_ok, other=0)
+    for r in tl.static_range(1, ROWS_PER_TILE):
+        row_ok = (keys * 0 + r) < rows_left  # a vector: the interpreter takes no scalar
+        live = live | tl.load(union_rows + r * seqlen_k + keys, mask=k_ok & row_ok, other=0)
+    return ((live != 0) & (keys < key_end)).to(tl.int32)
+
+
+@triton.jit
+def _skip_for_tiles(Totals, RATIO_NUM: tl.constexpr, RATIO_DEN: tl.constexpr):
+    """Whether the plan's totals ``[live tiles, gathered tiles]`` chose tile skipping
+    (gather.prefers_tiles on the device)."""
+    two = tl.arange(0, 2)
+    tot = tl.load(Totals + two)
+    live = tl.sum(tl.where(two == 0, tot, 0), 0)
+    gathered = tl.sum(tl.where(two == 1, tot, 0), 0)
+    return gathered * RATIO_DEN > live * RATIO_NUM
+
+
+@triton.jit
+def _compact_keys_kernel(
+    Union, Idx, Cnt, Totals, seqlen_q, seqlen_k, n_rows, n_q,
+    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, ROWS_PER_TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COUNT_TILES: tl.constexpr,
+):
+    """One query tile: its union's live keys (to its causal limit) in order into its idx row,
+    their number into cnt; with COUNT_TILES, adds its live BLOCK_N-key tiles and its gathered
+    tiles (ceil(count / BLOCK_N)) to Totals[0] and Totals[1]."""
+    m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    union_rows = Union + (bh * n_rows + m * ROWS_PER_TILE) * seqlen_k
+    idx_row = Idx + (bh * n_q + m) * seqlen_k
+    rows_left = n_rows - m * ROWS_PER_TILE
+    key_end = _tile_key_end(m, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL)
     base = 0
+    live_tiles = 0
     for start in range(0, key_end, BLOCK_K):
         keys = start + tl.arange(0, BLOCK_K)
-        live = tl.load(union_row + keys, mask=keys < key_end, other=0) != 0
-        live_i = live.to(tl.int32)
-        tl.store(idx_row + base + tl.cumsum(live_i, 0) - 1, keys, mask=live)
+        live_i = _union_flags(union_rows, keys, key_end, rows_left, seqlen_k, ROWS_PER_TILE)
+        tl.store(idx_row + base + tl.cumsum(live_i, 0) - 1, keys, mask=live_i != 0)
         base += tl.sum(live_i, 0)
-    for start in range(base, capacity, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        tl.store(idx_row + cols, tl.zeros([BLOCK_K], dtype=tl.int32), mask=cols < capacity)
+        if COUNT_TILES:
+            # Chunks start at multiples of BLOCK_K, so these are the kernels' key tiles.
+            per_tile = tl.max(tl.reshape(live_i, [BLOCK_K // BLOCK_N, BLOCK_N]), 1)
+            live_tiles += tl.sum(per_tile, 0)
+    tl.store(Cnt + bh * n_q + m, base)
+    if COUNT_TILES:
+        two = tl.arange(0, 2)
+        gathered = (base + BLOCK_N - 1) // BLOCK_N
+        tl.atomic_add(Totals + two, tl.where(two == 0, live_tiles, gathered))
 
 
 @triton.jit
@@ -364,17 +467,18 @@ def _rows_flag(flag, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _load_word(union_row, mask_rows, start, lanes, m_ok, seqlen_k, stride_mn):
-    """The union flags (int32 0/1) and the rows' mask bytes of keys ``start + lanes``.
+def _load_word(union_rows, mask_rows, start, lanes, m_ok, key_end, rows_left, seqlen_k,
+               stride_mn, ROWS_PER_TILE: tl.constexpr):
+    """The tile's union flags (int32 0/1, see _union_flags) and the rows' mask bytes of keys
+    ``start + lanes``.
 
-    Bounded by Lk, not the causal limit: keys past the limit are not in the (causal-cut)
-    union, and a bound the compiler knows to be a multiple of 16 lets it read 16-byte
-    vectors (per-byte loads left the kernel waiting on memory with DRAM 10 % busy)."""
+    The mask is read bounded by Lk, not the causal limit: a bound the compiler knows to be a
+    multiple of 16 lets it read 16-byte vectors (per-byte loads left the kernel waiting on
+    memory with DRAM 10 % busy); bytes past the limit meet no live flag."""
     keys = start + lanes
-    k_ok = keys < seqlen_k
-    live_i = (tl.load(union_row + keys, mask=k_ok, other=0) != 0).to(tl.int32)
+    live_i = _union_flags(union_rows, keys, key_end, rows_left, seqlen_k, ROWS_PER_TILE)
     mv = tl.load(mask_rows + keys[None, :].to(tl.int64) * stride_mn,
-                 mask=m_ok[:, None] & k_ok[None, :], other=0)
+                 mask=m_ok[:, None] & (keys < seqlen_k)[None, :], other=0)
     return live_i, mv
 
 
@@ -410,10 +514,12 @@ def _pack_word(live_i, mv, lanes, acc, fill, word, out_rows, BLOCK_R: tl.constex
 
 @triton.jit
 def _gather_mask_bits_kernel(
-    Mask, Union, GBits,
+    Mask, Union, GBits, Totals,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    num_heads_m, seqlen_q, seqlen_k, n_q, n_words,
+    num_heads_m, seqlen_q, seqlen_k, n_rows, n_q, n_words,
     IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    ROWS_PER_TILE: tl.constexpr, CHECK_TOTALS: tl.constexpr,
+    RATIO_NUM: tl.constexpr, RATIO_DEN: tl.constexpr,
 ):
     """``BLOCK_R`` gbits rows: each row's mask bits at the union's keys, packed in order.
 
@@ -422,6 +528,8 @@ def _gather_mask_bits_kernel(
     appended to the row's running word ``acc`` at bit ``fill``; a full word is stored and its
     overflow starts the next one. No branches: with the mask load behind a branch on the
     word's live count, every word waited for two memory latencies (0.26 ms on T2, H200).
+    Words past the tile's count are not written. CHECK_TOTALS: nothing is done when the
+    plan's totals chose tile skipping.
     """
     SPLITS: tl.constexpr = BLOCK_M // BLOCK_R
     m = tl.program_id(0) // SPLITS
@@ -429,18 +537,16 @@ def _gather_mask_bits_kernel(
     bh = tl.program_id(1)
     b = (bh // num_heads_m).to(tl.int64)
     h = (bh % num_heads_m).to(tl.int64)
-    row = bh.to(tl.int64) * n_q + m
-    union_row = Union + row * seqlen_k
-    key_end = seqlen_k
-    if IS_CAUSAL:
-        # The union is cut at the tile's causal limit: no listed key lies past it.
-        last_row = tl.minimum(m * BLOCK_M + BLOCK_M, seqlen_q) - 1
-        key_end = tl.maximum(tl.minimum(last_row + (seqlen_k - seqlen_q) + 1, seqlen_k), 0)
+    union_rows = Union + (bh.to(tl.int64) * n_rows + m * ROWS_PER_TILE) * seqlen_k
+    rows_left = n_rows - m * ROWS_PER_TILE
+    key_end = _tile_key_end(m, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL)
+    if CHECK_TOTALS:
+        key_end = tl.where(_skip_for_tiles(Totals, RATIO_NUM, RATIO_DEN), 0, key_end)
     in_tile = part * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_m = m * BLOCK_M + in_tile
     m_ok = offs_m < seqlen_q
     mask_rows = Mask + b * stride_mb + h * stride_mh + offs_m[:, None].to(tl.int64) * stride_mm
-    out_rows = GBits + (row * BLOCK_M + in_tile).to(tl.int64) * n_words
+    out_rows = GBits + ((bh.to(tl.int64) * n_q + m) * BLOCK_M + in_tile) * n_words
     lanes = tl.arange(0, 64)
     acc = tl.zeros([BLOCK_R], dtype=tl.uint64)
     fill = tl.zeros([], dtype=tl.int32)  # bits of acc in use, 0..63
@@ -448,39 +554,47 @@ def _gather_mask_bits_kernel(
     # Four 64-key words a step, all loaded before any is packed: the loads of one step are
     # then in flight together (one word a step: 0.19 ms on T2, H200, waiting on memory).
     for start in range(0, key_end, 256):
-        u0, m0 = _load_word(union_row, mask_rows, start, lanes, m_ok, seqlen_k, stride_mn)
-        u1, m1 = _load_word(union_row, mask_rows, start + 64, lanes, m_ok, seqlen_k, stride_mn)
-        u2, m2 = _load_word(union_row, mask_rows, start + 128, lanes, m_ok, seqlen_k, stride_mn)
-        u3, m3 = _load_word(union_row, mask_rows, start + 192, lanes, m_ok, seqlen_k, stride_mn)
+        u0, m0 = _load_word(union_rows, mask_rows, start, lanes, m_ok, key_end, rows_left,
+                            seqlen_k, stride_mn, ROWS_PER_TILE)
+        u1, m1 = _load_word(union_rows, mask_rows, start + 64, lanes, m_ok, key_end, rows_left,
+                            seqlen_k, stride_mn, ROWS_PER_TILE)
+        u2, m2 = _load_word(union_rows, mask_rows, start + 128, lanes, m_ok, key_end, rows_left,
+                            seqlen_k, stride_mn, ROWS_PER_TILE)
+        u3, m3 = _load_word(union_rows, mask_rows, start + 192, lanes, m_ok, key_end, rows_left,
+                            seqlen_k, stride_mn, ROWS_PER_TILE)
         acc, fill, word = _pack_word(u0, m0, lanes, acc, fill, word, out_rows, BLOCK_R)
         acc, fill, word = _pack_word(u1, m1, lanes, acc, fill, word, out_rows, BLOCK_R)
         acc, fill, word = _pack_word(u2, m2, lanes, acc, fill, word, out_rows, BLOCK_R)
         acc, fill, word = _pack_word(u3, m3, lanes, acc, fill, word, out_rows, BLOCK_R)
     tl.store(out_rows + word, acc.to(tl.int64, bitcast=True), mask=_rows_flag(fill > 0, BLOCK_R))
-    word += (fill > 0).to(tl.int32)
-    for w in range(word, n_words):
-        tl.store(out_rows + w, tl.zeros([BLOCK_R], dtype=tl.int64))
 
 
 @triton.jit
 def _gather_bias_kernel(
-    Bias, Idx, GBias,
+    Bias, Idx, Cnt, GBias, Totals,
     stride_bb, stride_bh, stride_bk,
-    stride_ib, stride_ih, stride_im,
-    num_heads_g, head_div_m, head_div_b, capacity, width, n_q,
-    BLOCK_C: tl.constexpr,
+    stride_ib, stride_ih, stride_im, stride_cb, stride_ch,
+    num_heads_g, head_div_m, head_div_b, width, n_q,
+    BLOCK_C: tl.constexpr, ALIGN: tl.constexpr, CHECK_TOTALS: tl.constexpr,
+    RATIO_NUM: tl.constexpr, RATIO_DEN: tl.constexpr,
 ):
-    """One gbias row (see :func:`_gather_bias`) per program: bias values at the tile's keys."""
+    """One gbias row (see :func:`_gather_bias`) per program: bias values at the tile's keys,
+    0 from its count to the next multiple of ALIGN."""
     m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // num_heads_g).to(tl.int64)
     h = bh % num_heads_g
-    idx_row = Idx + b * stride_ib + (h // head_div_m).to(tl.int64) * stride_ih + m * stride_im
+    hm = (h // head_div_m).to(tl.int64)
+    idx_row = Idx + b * stride_ib + hm * stride_ih + m * stride_im
+    count = tl.load(Cnt + b * stride_cb + hm * stride_ch + m)
     bias_row = Bias + b * stride_bb + (h // head_div_b).to(tl.int64) * stride_bh
     out_row = GBias + (bh.to(tl.int64) * n_q + m) * width
-    for start in range(0, width, BLOCK_C):
+    end = (count + ALIGN - 1) // ALIGN * ALIGN
+    if CHECK_TOTALS:
+        end = tl.where(_skip_for_tiles(Totals, RATIO_NUM, RATIO_DEN), 0, end)
+    for start in range(0, end, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
-        used = cols < capacity
+        used = cols < count
         keys = tl.load(idx_row + cols, mask=used, other=0)
         vals = tl.load(bias_row + keys.to(tl.int64) * stride_bk, mask=used, other=0.0)
-        tl.store(out_row + cols, vals, mask=cols < width)
+        tl.store(out_row + cols, vals, mask=cols < end)
