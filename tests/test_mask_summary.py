@@ -224,7 +224,7 @@ def test_gather_plan_kernel_matches_torch(Lq, Lk, block_m, causal):
                         n = keys.numel()
                         assert torch.equal(g.idx[b, h, m, :n].long(), keys), (name, b, h, m)
                         rows = slice(m * block_m, min(m * block_m + block_m, Lq))
-                        want = torch.zeros(block_m, max(n, 1), dtype=torch.uint8)
+                        want = torch.zeros(block_m, max(n, 1), dtype=torch.uint8, device=DEVICE)
                         picked = mask[b, h, rows][:, keys].to(torch.uint8)
                         want[:picked.size(0), :n] = picked  # rows past Lq: 0
                         words = -(-n // 64)
@@ -311,7 +311,7 @@ def test_gather_plan_gathers_a_per_key_bias(mask_heads, bias_shape):
     from flash_dmattn.backends.triton.gather import gather_bias_reference
 
     ref = gather_bias_reference(bias, g.idx, g.cnt, Lk)
-    hm = torch.arange(g.gbias.size(1)) // (g.gbias.size(1) // mask_heads)
+    hm = torch.arange(g.gbias.size(1), device=DEVICE) // (g.gbias.size(1) // mask_heads)
     ends = (-(-g.cnt.long()[:, hm] // 64) * 64).expand(*g.gbias.shape[:3])[..., None]
     written = torch.arange(ref.size(-1), device=ends.device) < ends
     assert torch.equal(torch.where(written, g.gbias, 0), ref)

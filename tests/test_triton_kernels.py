@@ -363,6 +363,11 @@ def gather_always(monkeypatch):
     monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", "always")
 
 
+@pytest.fixture
+def gather_auto_poisoned(gather_always, monkeypatch):
+    monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", "auto")
+
+
 # (B, H, Hkv, Lq, Lk, mask heads, causal, bias spec or None)
 GATHER_CASES = [
     (2, 4, 2, 40, 70, "K", True, "BK1L"),    # GQA, per-kv-head mask + per-key bias, Lq < Lk
@@ -423,6 +428,38 @@ def test_gather_plan_auto_prefers_gather_only_when_it_saves_work():
     full_bias = torch.randn(1, 2, Lq, Lk)
     assert plan_key_gather(sparse, full_bias, Lq, Lk, 4, True, 16, 16, "always") is None
     assert plan_key_gather(sparse, None, Lq, Lk, 4, True, 16, 16, "never") is None
+
+
+def test_lagged_gather_plan_follows_the_previous_call_of_its_shape():
+    # The kernels' own planning decides "auto" from the previous call of the same shapes (no
+    # host wait); the first call of a shape decides from its own totals.
+    from flash_dmattn.backends.triton.gather import plan_key_gather
+
+    Lq = Lk = 256
+    sparse = _topk_mask(1, 2, Lq, Lk, keep=20, causal=True)
+    dense = torch.rand(1, 2, Lq, Lk) > 0.5
+    plan = lambda m: plan_key_gather(m, None, Lq, Lk, 4, True, 16, 16, policy="auto",
+                                     lagged=True)
+    assert plan(dense) is None             # its own totals
+    assert plan(sparse) is None            # the dense call's totals
+    g = plan(sparse)                       # the first sparse call's totals
+    assert g is not None and torch.equal(g.cnt, plan_key_gather(
+        sparse, None, Lq, Lk, 4, True, 16, 16, policy="always").cnt)
+    assert plan(dense) is not None         # the sparse call's: gathered, still exact
+    assert plan(dense) is None
+    # Another shape keeps its own history.
+    assert plan_key_gather(sparse[..., :128, :], None, 128, Lk, 4, True, 16, 16,
+                           policy="auto", lagged=True) is not None
+
+
+def test_lagged_gather_decision_keeps_outputs_exact(gather_auto_poisoned):
+    # A plan decided from another call's totals (gathered for a dense mask, tiles for a
+    # sparse one) still computes this call's attention.
+    B, H, Hkv, Lq, Lk = 1, 2, 1, 70, 70
+    sparse = _topk_mask(B, Hkv, Lq, Lk, keep=5, causal=True)
+    dense = torch.rand(B, Hkv, Lq, Lk) > 0.3
+    for mask in (sparse, dense, sparse, dense):
+        run_case(B, H, Hkv, Lq, Lk, 16, causal=True, mask=mask)
 
 
 def test_gather_mode_through_public_api(gather_always):

@@ -686,7 +686,7 @@ def attention_forward(
             blocks = [(block_m, block_n)] + (list(_bwd_blocks(D)) if keep_plan else [])
             summary = summarize_mask(mask, *summary_blocks(*blocks), is_causal)
         gather = plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m, block_n,
-                                 summary=summary)
+                                 summary=summary, lagged=True)
         if gather is None:
             tiles = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m, block_n, device,
                                      need_fwd=True, need_bwd=False, summary=summary,

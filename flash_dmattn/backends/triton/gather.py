@@ -33,6 +33,7 @@ kernels read nothing past a tile's count. No (B, H, Lq, Lk) temporary is made: t
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -133,6 +134,7 @@ def plan_key_gather(
     policy: Optional[str] = None,
     kernel: str = "forward",
     summary: Optional[MaskSummary] = None,
+    lagged: bool = False,
 ) -> Optional[KeyGather]:
     """Gather lists for ``block_m``-row query tiles, or None when tile skipping is as cheap.
 
@@ -142,6 +144,12 @@ def plan_key_gather(
     sync for their size) and the comparison's two totals are copied to the host while the
     mask bits are built, so the host waits for the count kernel only, not for the stream (the
     bits kernels skip their work on the device when the totals say "tiles").
+
+    ``lagged`` (the kernels' own planning): decide ``auto`` from the totals of the previous
+    call with the same shapes and block sizes when there was one (they are on the host by
+    then), so the host does not wait at all: a training step's forward would otherwise wait
+    for the previous step's backward to drain before it can queue its own kernels. Either
+    choice computes the same attention; only its speed depends on the choice.
     """
     policy = gather_policy(kernel) if policy is None else policy
     if policy == "never" or not gather_eligible(mask, bias, seqlen_q, seqlen_k, block_m):
@@ -150,16 +158,38 @@ def plan_key_gather(
         return None
     union_u8, rows_per_tile = _tile_union(mask, summary, block_m)
     auto = policy == "auto"
+    memo_key = None
+    verdict = None  # True: gather, False: tiles, None: from this call's own totals
+    if auto and lagged:
+        memo_key = (mask.device, tuple(mask.shape), seqlen_q, seqlen_k, bool(is_causal),
+                    block_m, block_n)
+        previous = _LAGGED_TOTALS.get(memo_key)
+        if previous is not None:
+            verdict = not prefers_tiles(*previous.values())
     idx, cnt, totals = _compact_keys(union_u8, rows_per_tile, seqlen_q, seqlen_k, is_causal,
                                      block_m, block_n, auto)
     on_host = _TotalsToHost(totals) if auto else None
+    if memo_key is not None:
+        _LAGGED_TOTALS[memo_key] = on_host
+        _LAGGED_TOTALS.move_to_end(memo_key)
+        while len(_LAGGED_TOTALS) > _LAGGED_KEYS:
+            _LAGGED_TOTALS.popitem(last=False)
+    if verdict is False:
+        return None
+    skip_check = totals if verdict is None else None  # a decided plan is built whatever they say
     gbits = _gather_mask_bits(mask.view(torch.uint8), union_u8, rows_per_tile, seqlen_q,
-                              block_m, is_causal, totals)
-    gbias = _gather_bias(bias, idx, cnt, seqlen_k, totals) if _bias_per_key(bias, seqlen_k) else None
-    if on_host is not None and prefers_tiles(*on_host.values()):
+                              block_m, is_causal, skip_check)
+    gbias = (_gather_bias(bias, idx, cnt, seqlen_k, skip_check)
+             if _bias_per_key(bias, seqlen_k) else None)
+    if verdict is None and on_host is not None and prefers_tiles(*on_host.values()):
         return None
     return KeyGather(block_m=block_m, head_div=num_heads // mask.shape[1],
                      idx=idx, cnt=cnt, gbits=gbits, gbias=gbias)
+
+
+# Totals of the last lagged auto plan per (device, mask shape, lengths, causal, blocks).
+_LAGGED_TOTALS: "OrderedDict[tuple, _TotalsToHost]" = OrderedDict()
+_LAGGED_KEYS = 64
 
 
 def prefers_tiles(live_tiles: int, gathered_tiles: int) -> bool:

@@ -84,7 +84,7 @@ def plan_backward(
         # dQ is query-major like the forward: it can walk gathered key lists. (dK/dV cannot:
         # the union of a key tile's live queries is wide whenever one of its keys is popular.)
         gather = plan_key_gather(mask, bias, seqlen_q, seqlen_k, num_heads, is_causal, block_m2,
-                                 block_n2, kernel="dq", summary=summary)
+                                 block_n2, kernel="dq", summary=summary, lagged=True)
     same_blocks = (block_m, block_n) == (block_m2, block_n2) and gather is None
     tiles = None
     if run_dkdv or same_blocks:
