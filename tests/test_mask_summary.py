@@ -225,7 +225,11 @@ def test_gather_plan_kernel_matches_torch(Lq, Lk, block_m, causal):
                         assert torch.equal(g.idx[b, h, m, :n].long(), keys), (name, b, h, m)
                         rows = slice(m * block_m, min(m * block_m + block_m, Lq))
                         want = torch.zeros(block_m, max(n, 1), dtype=torch.uint8, device=DEVICE)
-                        picked = mask[b, h, rows][:, keys].to(torch.uint8)
+                        picked = mask[b, h, rows][:, keys]
+                        if causal:  # and each row's own causal limit
+                            row = torch.arange(rows.start, rows.stop, device=keys.device)
+                            picked = picked & (keys[None, :] <= row[:, None] + Lk - Lq)
+                        picked = picked.to(torch.uint8)
                         want[:picked.size(0), :n] = picked  # rows past Lq: 0
                         words = -(-n // 64)
                         got = g.gbits[b, h, m * block_m:m * block_m + block_m, :words]

@@ -392,6 +392,15 @@ def test_gather_mode_matches_naive(case, gather_always):
     run_case(B, H, Hkv, Lq, Lk, 16, causal=causal, mask=mask, bias=bias)
 
 
+@pytest.mark.parametrize("Lq,Lk", [(40, 70), (70, 40), (33, 33)])
+def test_gather_mode_causal_call_hides_what_the_mask_keeps(Lq, Lk, gather_always):
+    # A mask that keeps keys past the causal limit: the causal call must still hide them
+    # (the gathered kernels take causality from the planner's bits alone).
+    mask = _topk_mask(1, 2, Lq, Lk, keep=13, causal=False)
+    run_case(1, 4, 2, Lq, Lk, 16, causal=True, mask=mask,
+             bias=make_tensor((1, 2, 1, Lk), torch.float32))
+
+
 def test_gather_mode_empty_rows_and_neg_inf_bias(gather_always):
     B, H, Hkv, Lq, Lk = 1, 2, 1, 35, 48
     mask = _topk_mask(B, Hkv, Lq, Lk, keep=7, causal=False)

@@ -301,22 +301,26 @@ def _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK: tl.constexp
     ``mv``: the mask tile (non-zero = live); with ``MASK_BITS == 1`` the tile's bits (an int64
     scalar; key tiles start at multiples of their width, so a key's bit is its index modulo
     the width); with ``MASK_BITS == 2`` one int64 per row, bit ``i`` for the tile's column
-    ``i`` (gathered keys)."""
-    vis = n_ok[None, :]
-    if MASK_BITS == 1:
-        # Tile widths are powers of two <= 64; 32-bit halves keep the test in 32-bit ops.
-        lane = offs_n & (offs_n.shape[0] - 1)
-        word = tl.where(lane < 32, mv.to(tl.int32), (mv >> 32).to(tl.int32))
-        vis = vis & (((word >> (lane & 31)) & 1) != 0)[None, :]
-    elif MASK_BITS == 2:
+    ``i`` (gathered keys: a KeyGather's gbits, which also hold range and causality)."""
+    if MASK_BITS == 2:
+        # Gathered keys: the row's bits are the whole answer -- the planner leaves them 0 past
+        # the list's count and past the row's causal limit -- so no range or causal test.
+        # (An if / else, not an early return: the compiler would still build the rest.)
         lane = tl.arange(0, offs_n.shape[0])
         word = tl.where(lane[None, :] < 32, mv.to(tl.int32)[:, None],
                         (mv >> 32).to(tl.int32)[:, None])
-        vis = vis & (((word >> (lane & 31)[None, :]) & 1) != 0)
-    elif HAS_MASK:
-        vis = vis & (mv != 0)
-    if IS_CAUSAL:
-        vis = vis & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
+        vis = ((word >> (lane & 31)[None, :]) & 1) != 0
+    else:
+        vis = n_ok[None, :]
+        if MASK_BITS == 1:
+            # Tile widths are powers of two <= 64; 32-bit halves keep the test in 32-bit ops.
+            lane = offs_n & (offs_n.shape[0] - 1)
+            word = tl.where(lane < 32, mv.to(tl.int32), (mv >> 32).to(tl.int32))
+            vis = vis & (((word >> (lane & 31)) & 1) != 0)[None, :]
+        elif HAS_MASK:
+            vis = vis & (mv != 0)
+        if IS_CAUSAL:
+            vis = vis & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
     return tl.where(vis, s, float("-inf"))
 
 

@@ -18,9 +18,10 @@ event while the bits are built (see :func:`plan_key_gather`):
 * ``cnt``  ``(Bm, Hm, nQ)`` int32;
 * ``gbits`` ``(Bm, Hm, nQ * block_m, W)`` int64: the mask gathered to those columns, 64
   columns per word: bit ``c % 64`` of ``gbits[b, h, i, c // 64]`` is
-  ``mask[b, h, i, idx[b, h, i // block_m, c]]``, so the kernels read a gathered tile's element
-  mask as one word per row (its bytes were 8 KB per 128 x 64 tile); words past
-  ``ceil(cnt / 64)`` are not written;
+  ``mask[b, h, i, idx[b, h, i // block_m, c]]`` -- and, in a causal call, 0 where that key
+  lies past row ``i``'s causal limit -- so the kernels read a gathered tile's element mask as
+  one word per row (its bytes were 8 KB per 128 x 64 tile) and need no range or causal test
+  of their own; words past ``ceil(cnt / 64)`` are not written;
 * ``gbias`` (a per-key bias only) ``(Bg, Hg, nQ, Lk rounded up to 64)``: the bias at those
   keys, ``gbias[b, h, m, c] = bias[b, h, 0, idx[b, h, m, c]]``, read at the same positions, so
   no load in the kernels' loop depends on another load of the same step; written up to the
@@ -400,8 +401,13 @@ def gather_mask_bits_reference(mask_u8: torch.Tensor, union_u8: torch.Tensor,
     for m in range(n_q):
         r0, r1 = m * block_m, min(m * block_m + block_m, seqlen_q)
         src = mask_u8[:, :, r0:r1].expand(bx, hx, r1 - r0, seqlen_k)
-        got = torch.gather(src, -1, idx[:, :, m, None, :].expand(bx, hx, r1 - r0, seqlen_k))
-        rows[:, :, m, :r1 - r0] = torch.where(pos < cnt[:, :, m, None, None], got, 0)
+        keys = idx[:, :, m, None, :].expand(bx, hx, r1 - r0, seqlen_k)
+        got = torch.gather(src, -1, keys)
+        keep = pos < cnt[:, :, m, None, None]
+        if is_causal:
+            row = torch.arange(r0, r1, device=keys.device)
+            keep = keep & (keys <= (row + (seqlen_k - seqlen_q))[:, None])
+        rows[:, :, m, :r1 - r0] = torch.where(keep, got, 0)
     return pack_bits_reference(rows.view(bx, hx, n_q * block_m, seqlen_k))
 
 
@@ -498,17 +504,21 @@ def _rows_flag(flag, BLOCK_R: tl.constexpr):
 
 @triton.jit
 def _load_word(union_rows, mask_rows, start, lanes, m_ok, key_end, rows_left, seqlen_k,
-               stride_mn, ROWS_PER_TILE: tl.constexpr):
+               stride_mn, row_lim, ROWS_PER_TILE: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """The tile's union flags (int32 0/1, see _union_flags) and the rows' mask bytes of keys
     ``start + lanes``.
 
     The mask is read bounded by Lk, not the causal limit: a bound the compiler knows to be a
     multiple of 16 lets it read 16-byte vectors (per-byte loads left the kernel waiting on
-    memory with DRAM 10 % busy); bytes past the limit meet no live flag."""
+    memory with DRAM 10 % busy); bytes past the limit meet no live flag. With IS_CAUSAL the
+    bytes past each row's own limit ``row_lim`` read as 0 (cut after the load, which stays
+    vectorised), so the gathered kernels need no causal test."""
     keys = start + lanes
     live_i = _union_flags(union_rows, keys, key_end, rows_left, seqlen_k, ROWS_PER_TILE)
     mv = tl.load(mask_rows + keys[None, :].to(tl.int64) * stride_mn,
                  mask=m_ok[:, None] & (keys < seqlen_k)[None, :], other=0)
+    if IS_CAUSAL:
+        mv = tl.where(keys[None, :] <= row_lim[:, None], mv, 0)
     return live_i, mv
 
 
@@ -575,6 +585,7 @@ def _gather_mask_bits_kernel(
     in_tile = part * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_m = m * BLOCK_M + in_tile
     m_ok = offs_m < seqlen_q
+    row_lim = offs_m + (seqlen_k - seqlen_q)  # bottom-right causal: the last key a row sees
     mask_rows = Mask + b * stride_mb + h * stride_mh + offs_m[:, None].to(tl.int64) * stride_mm
     out_rows = GBits + ((bh.to(tl.int64) * n_q + m) * BLOCK_M + in_tile) * n_words
     lanes = tl.arange(0, 64)
@@ -585,13 +596,13 @@ def _gather_mask_bits_kernel(
     # then in flight together (one word a step: 0.19 ms on T2, H200, waiting on memory).
     for start in range(0, key_end, 256):
         u0, m0 = _load_word(union_rows, mask_rows, start, lanes, m_ok, key_end, rows_left,
-                            seqlen_k, stride_mn, ROWS_PER_TILE)
+                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, IS_CAUSAL)
         u1, m1 = _load_word(union_rows, mask_rows, start + 64, lanes, m_ok, key_end, rows_left,
-                            seqlen_k, stride_mn, ROWS_PER_TILE)
+                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, IS_CAUSAL)
         u2, m2 = _load_word(union_rows, mask_rows, start + 128, lanes, m_ok, key_end, rows_left,
-                            seqlen_k, stride_mn, ROWS_PER_TILE)
+                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, IS_CAUSAL)
         u3, m3 = _load_word(union_rows, mask_rows, start + 192, lanes, m_ok, key_end, rows_left,
-                            seqlen_k, stride_mn, ROWS_PER_TILE)
+                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, IS_CAUSAL)
         acc, fill, word = _pack_word(u0, m0, lanes, acc, fill, word, out_rows, BLOCK_R)
         acc, fill, word = _pack_word(u1, m1, lanes, acc, fill, word, out_rows, BLOCK_R)
         acc, fill, word = _pack_word(u2, m2, lanes, acc, fill, word, out_rows, BLOCK_R)
