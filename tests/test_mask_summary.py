@@ -187,9 +187,10 @@ def _written(g):
     return torch.where(live, g.idx, 0), torch.where(written, g.gbits, 0)
 
 
-def _tile_unions(mask, Lq, Lk, block_m, causal):
-    """Bool (Bx, Hx, nQ, Lk): each query tile's live keys, cut at its causal limit."""
-    union = block_reduce(mask, 2, block_m, "any")
+def _tile_unions(mask, Lq, Lk, block_m, causal, rows_per_tile=None):
+    """Bool (Bx, Hx, nQ, Lk): each query tile's live keys, cut at its causal limit (``mask``
+    may also be row-block unions, ``rows_per_tile`` of them per tile)."""
+    union = block_reduce(mask, 2, rows_per_tile or block_m, "any")
     if causal:
         q_last = torch.clamp(torch.arange(union.size(2)) * block_m + block_m, max=Lq) - 1
         seen = torch.arange(Lk)[None, :] <= (q_last + Lk - Lq)[:, None]
@@ -199,7 +200,8 @@ def _tile_unions(mask, Lq, Lk, block_m, causal):
 
 # (Lq < Lk causal is covered by test_gather_plan_kernels_match_torch_reference.)
 @pytest.mark.parametrize("Lq,Lk,block_m,causal", [(100, 90, 32, False), (129, 63, 16, True),
-                                                   (40, 300, 16, False), (70, 200, 32, True)])
+                                                   (40, 300, 16, False), (70, 200, 32, True),
+                                                   (100, 530, 32, True)])
 def test_gather_plan_kernel_matches_torch(Lq, Lk, block_m, causal):
     # The compact-and-gather kernels against the plain PyTorch definition of idx / gbits:
     # written up to each tile's count (the kernels read no further), unions taken from a
@@ -212,7 +214,13 @@ def test_gather_plan_kernel_matches_torch(Lq, Lk, block_m, causal):
         for summary in (summarize_mask(mask, 16, 16, causal=causal), None):
             g = plan_key_gather(mask, None, Lq, Lk, 6, causal, block_m, 16, policy="always",
                                 summary=summary)
-            union = _tile_unions(mask, Lq, Lk, block_m, causal)
+            if summary is None:
+                union = _tile_unions(mask, Lq, Lk, block_m, causal)
+            else:
+                # A causal summary leaves out each row block's causally unseen key blocks, so
+                # its unions may drop keys that only rows which cannot see them keep.
+                union = _tile_unions(summary.row_any, Lq, Lk, block_m, causal, block_m // 16)
+                assert not torch.any(union & ~_tile_unions(mask, Lq, Lk, block_m, causal))
             n_q = union.size(2)
             assert torch.equal(g.cnt, union.sum(-1, dtype=torch.int32)), name
             assert g.idx.shape == (*mask.shape[:2], n_q, Lk), name

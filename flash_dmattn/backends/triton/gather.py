@@ -553,6 +553,30 @@ def _pack_word(live_i, mv, lanes, acc, fill, word, out_rows, BLOCK_R: tl.constex
 
 
 @triton.jit
+def _pack_steps(lo, hi, union_rows, mask_rows, lanes, m_ok, key_end, rows_left, seqlen_k,
+                stride_mn, row_lim, out_rows, acc, fill, word,
+                ROWS_PER_TILE: tl.constexpr, CUT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The gbits kernel's steps over keys ``lo .. hi`` (multiples of 256 apart): four 64-key
+    words a step, all loaded before any is packed, so the loads of one step are in flight
+    together (one word a step: 0.19 ms on T2, H200, waiting on memory). ``CUT``: cut each
+    row's bytes at its causal limit."""
+    for start in range(lo, hi, 256):
+        u0, m0 = _load_word(union_rows, mask_rows, start, lanes, m_ok, key_end, rows_left,
+                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, CUT)
+        u1, m1 = _load_word(union_rows, mask_rows, start + 64, lanes, m_ok, key_end, rows_left,
+                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, CUT)
+        u2, m2 = _load_word(union_rows, mask_rows, start + 128, lanes, m_ok, key_end, rows_left,
+                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, CUT)
+        u3, m3 = _load_word(union_rows, mask_rows, start + 192, lanes, m_ok, key_end, rows_left,
+                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, CUT)
+        acc, fill, word = _pack_word(u0, m0, lanes, acc, fill, word, out_rows, BLOCK_R)
+        acc, fill, word = _pack_word(u1, m1, lanes, acc, fill, word, out_rows, BLOCK_R)
+        acc, fill, word = _pack_word(u2, m2, lanes, acc, fill, word, out_rows, BLOCK_R)
+        acc, fill, word = _pack_word(u3, m3, lanes, acc, fill, word, out_rows, BLOCK_R)
+    return acc, fill, word
+
+
+@triton.jit
 def _gather_mask_bits_kernel(
     Mask, Union, GBits, Totals,
     stride_mb, stride_mh, stride_mm, stride_mn,
@@ -592,21 +616,18 @@ def _gather_mask_bits_kernel(
     acc = tl.zeros([BLOCK_R], dtype=tl.uint64)
     fill = tl.zeros([], dtype=tl.int32)  # bits of acc in use, 0..63
     word = tl.zeros([], dtype=tl.int32)  # the gbits word acc becomes
-    # Four 64-key words a step, all loaded before any is packed: the loads of one step are
-    # then in flight together (one word a step: 0.19 ms on T2, H200, waiting on memory).
-    for start in range(0, key_end, 256):
-        u0, m0 = _load_word(union_rows, mask_rows, start, lanes, m_ok, key_end, rows_left,
-                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, IS_CAUSAL)
-        u1, m1 = _load_word(union_rows, mask_rows, start + 64, lanes, m_ok, key_end, rows_left,
-                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, IS_CAUSAL)
-        u2, m2 = _load_word(union_rows, mask_rows, start + 128, lanes, m_ok, key_end, rows_left,
-                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, IS_CAUSAL)
-        u3, m3 = _load_word(union_rows, mask_rows, start + 192, lanes, m_ok, key_end, rows_left,
-                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, IS_CAUSAL)
-        acc, fill, word = _pack_word(u0, m0, lanes, acc, fill, word, out_rows, BLOCK_R)
-        acc, fill, word = _pack_word(u1, m1, lanes, acc, fill, word, out_rows, BLOCK_R)
-        acc, fill, word = _pack_word(u2, m2, lanes, acc, fill, word, out_rows, BLOCK_R)
-        acc, fill, word = _pack_word(u3, m3, lanes, acc, fill, word, out_rows, BLOCK_R)
+    # Steps below every row's causal limit need no per-row cut (without it the kernel took
+    # 0.175 ms on T2, with it in every step 0.20, H200): they run first, the rest after.
+    uncut = key_end
+    if IS_CAUSAL:
+        first_lim = m * BLOCK_M + part * BLOCK_R + (seqlen_k - seqlen_q)
+        uncut = tl.minimum(tl.maximum(first_lim + 1, 0) // 256 * 256, key_end)
+    acc, fill, word = _pack_steps(0, uncut, union_rows, mask_rows, lanes, m_ok, key_end,
+                                  rows_left, seqlen_k, stride_mn, row_lim, out_rows,
+                                  acc, fill, word, ROWS_PER_TILE, False, BLOCK_R)
+    acc, fill, word = _pack_steps(uncut, key_end, union_rows, mask_rows, lanes, m_ok, key_end,
+                                  rows_left, seqlen_k, stride_mn, row_lim, out_rows,
+                                  acc, fill, word, ROWS_PER_TILE, IS_CAUSAL, BLOCK_R)
     tl.store(out_rows + word, acc.to(tl.int64, bitcast=True), mask=_rows_flag(fill > 0, BLOCK_R))
 
 
