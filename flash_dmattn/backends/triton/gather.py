@@ -320,7 +320,8 @@ def _gather_mask_bits(mask_u8: torch.Tensor, union_u8: torch.Tensor, rows_per_ti
     # compressing each row's bits at the union's keys into a running word. Its predecessor
     # walked the output, reading the mask byte by byte at the listed keys, and wrote the
     # gathered bytes: 0.153 ms on T2 (H200), issue-bound on scattered byte loads.
-    block_r, warps, stages = launch or (min(block_m, 8 if on_cpu else 32), 4, 3)
+    # 64 rows per program: 0.175 vs 0.181 ms for 32 on T2 (H200, gbits-time-2026-11-22i.log).
+    block_r, warps, stages = launch or (min(block_m, 8 if on_cpu else 64), 4, 3)
     num, den = GATHER_MAX_RATIO
     _gather_mask_bits_kernel[(n_q * (block_m // block_r), bx * hx)](
         mask_u8, union_u8, gbits, totals if totals is not None else gbits,
@@ -504,22 +505,24 @@ def _rows_flag(flag, BLOCK_R: tl.constexpr):
 
 @triton.jit
 def _load_word(union_rows, mask_rows, start, lanes, m_ok, key_end, rows_left, seqlen_k,
-               stride_mn, row_lim, ROWS_PER_TILE: tl.constexpr, IS_CAUSAL: tl.constexpr):
+               stride_mn, ROWS_PER_TILE: tl.constexpr):
     """The tile's union flags (int32 0/1, see _union_flags) and the rows' mask bytes of keys
     ``start + lanes``.
 
     The mask is read bounded by Lk, not the causal limit: a bound the compiler knows to be a
     multiple of 16 lets it read 16-byte vectors (per-byte loads left the kernel waiting on
-    memory with DRAM 10 % busy); bytes past the limit meet no live flag. With IS_CAUSAL the
-    bytes past each row's own limit ``row_lim`` read as 0 (cut after the load, which stays
-    vectorised), so the gathered kernels need no causal test."""
+    memory with DRAM 10 % busy); bytes past the limit meet no live flag."""
     keys = start + lanes
     live_i = _union_flags(union_rows, keys, key_end, rows_left, seqlen_k, ROWS_PER_TILE)
     mv = tl.load(mask_rows + keys[None, :].to(tl.int64) * stride_mn,
                  mask=m_ok[:, None] & (keys < seqlen_k)[None, :], other=0)
-    if IS_CAUSAL:
-        mv = tl.where(keys[None, :] <= row_lim[:, None], mv, 0)
     return live_i, mv
+
+
+@triton.jit
+def _cut(mv, start, lanes, row_lim):
+    """Mask bytes of keys ``start + lanes`` zeroed past each row's causal limit."""
+    return tl.where((start + lanes)[None, :] <= row_lim[:, None], mv, 0)
 
 
 @triton.jit
@@ -549,30 +552,6 @@ def _pack_word(live_i, mv, lanes, acc, fill, word, out_rows, BLOCK_R: tl.constex
     # (fill == 0: none, and no 64-bit shift).
     spill = got >> ((n_live - fill) & 63).to(tl.uint64)
     acc = tl.where(full, tl.where(fill > 0, spill, 0).to(tl.uint64), acc)
-    return acc, fill, word
-
-
-@triton.jit
-def _pack_steps(lo, hi, union_rows, mask_rows, lanes, m_ok, key_end, rows_left, seqlen_k,
-                stride_mn, row_lim, out_rows, acc, fill, word,
-                ROWS_PER_TILE: tl.constexpr, CUT: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The gbits kernel's steps over keys ``lo .. hi`` (multiples of 256 apart): four 64-key
-    words a step, all loaded before any is packed, so the loads of one step are in flight
-    together (one word a step: 0.19 ms on T2, H200, waiting on memory). ``CUT``: cut each
-    row's bytes at its causal limit."""
-    for start in range(lo, hi, 256):
-        u0, m0 = _load_word(union_rows, mask_rows, start, lanes, m_ok, key_end, rows_left,
-                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, CUT)
-        u1, m1 = _load_word(union_rows, mask_rows, start + 64, lanes, m_ok, key_end, rows_left,
-                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, CUT)
-        u2, m2 = _load_word(union_rows, mask_rows, start + 128, lanes, m_ok, key_end, rows_left,
-                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, CUT)
-        u3, m3 = _load_word(union_rows, mask_rows, start + 192, lanes, m_ok, key_end, rows_left,
-                            seqlen_k, stride_mn, row_lim, ROWS_PER_TILE, CUT)
-        acc, fill, word = _pack_word(u0, m0, lanes, acc, fill, word, out_rows, BLOCK_R)
-        acc, fill, word = _pack_word(u1, m1, lanes, acc, fill, word, out_rows, BLOCK_R)
-        acc, fill, word = _pack_word(u2, m2, lanes, acc, fill, word, out_rows, BLOCK_R)
-        acc, fill, word = _pack_word(u3, m3, lanes, acc, fill, word, out_rows, BLOCK_R)
     return acc, fill, word
 
 
@@ -610,24 +589,37 @@ def _gather_mask_bits_kernel(
     offs_m = m * BLOCK_M + in_tile
     m_ok = offs_m < seqlen_q
     row_lim = offs_m + (seqlen_k - seqlen_q)  # bottom-right causal: the last key a row sees
+    first_lim = m * BLOCK_M + part * BLOCK_R + (seqlen_k - seqlen_q)  # the smallest of them
     mask_rows = Mask + b * stride_mb + h * stride_mh + offs_m[:, None].to(tl.int64) * stride_mm
     out_rows = GBits + ((bh.to(tl.int64) * n_q + m) * BLOCK_M + in_tile) * n_words
     lanes = tl.arange(0, 64)
     acc = tl.zeros([BLOCK_R], dtype=tl.uint64)
     fill = tl.zeros([], dtype=tl.int32)  # bits of acc in use, 0..63
     word = tl.zeros([], dtype=tl.int32)  # the gbits word acc becomes
-    # Steps below every row's causal limit need no per-row cut (without it the kernel took
-    # 0.175 ms on T2, with it in every step 0.20, H200): they run first, the rest after.
-    uncut = key_end
-    if IS_CAUSAL:
-        first_lim = m * BLOCK_M + part * BLOCK_R + (seqlen_k - seqlen_q)
-        uncut = tl.minimum(tl.maximum(first_lim + 1, 0) // 256 * 256, key_end)
-    acc, fill, word = _pack_steps(0, uncut, union_rows, mask_rows, lanes, m_ok, key_end,
-                                  rows_left, seqlen_k, stride_mn, row_lim, out_rows,
-                                  acc, fill, word, ROWS_PER_TILE, False, BLOCK_R)
-    acc, fill, word = _pack_steps(uncut, key_end, union_rows, mask_rows, lanes, m_ok, key_end,
-                                  rows_left, seqlen_k, stride_mn, row_lim, out_rows,
-                                  acc, fill, word, ROWS_PER_TILE, IS_CAUSAL, BLOCK_R)
+    # Four 64-key words a step, all loaded before any is packed: the loads of one step are
+    # then in flight together (one word a step: 0.19 ms on T2, H200, waiting on memory).
+    for start in range(0, key_end, 256):
+        u0, m0 = _load_word(union_rows, mask_rows, start, lanes, m_ok, key_end, rows_left,
+                            seqlen_k, stride_mn, ROWS_PER_TILE)
+        u1, m1 = _load_word(union_rows, mask_rows, start + 64, lanes, m_ok, key_end, rows_left,
+                            seqlen_k, stride_mn, ROWS_PER_TILE)
+        u2, m2 = _load_word(union_rows, mask_rows, start + 128, lanes, m_ok, key_end, rows_left,
+                            seqlen_k, stride_mn, ROWS_PER_TILE)
+        u3, m3 = _load_word(union_rows, mask_rows, start + 192, lanes, m_ok, key_end, rows_left,
+                            seqlen_k, stride_mn, ROWS_PER_TILE)
+        if IS_CAUSAL:
+            # Each row's bytes past its own causal limit read as 0, so the gathered kernels
+            # need no causal test; only steps reaching past the first row's limit need the
+            # cut (in every step it cost 0.025 ms of 0.175 on T2, H200).
+            if start + 255 > first_lim:
+                m0 = _cut(m0, start, lanes, row_lim)
+                m1 = _cut(m1, start + 64, lanes, row_lim)
+                m2 = _cut(m2, start + 128, lanes, row_lim)
+                m3 = _cut(m3, start + 192, lanes, row_lim)
+        acc, fill, word = _pack_word(u0, m0, lanes, acc, fill, word, out_rows, BLOCK_R)
+        acc, fill, word = _pack_word(u1, m1, lanes, acc, fill, word, out_rows, BLOCK_R)
+        acc, fill, word = _pack_word(u2, m2, lanes, acc, fill, word, out_rows, BLOCK_R)
+        acc, fill, word = _pack_word(u3, m3, lanes, acc, fill, word, out_rows, BLOCK_R)
     tl.store(out_rows + word, acc.to(tl.int64, bitcast=True), mask=_rows_flag(fill > 0, BLOCK_R))
 
 
