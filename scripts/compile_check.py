@@ -80,6 +80,29 @@ def _configs(tuned):
     return configs, prune
 
 
+class _Fixed:
+    """A plain (not autotuned) kernel launched with fixed warps / stages, shaped like an
+    autotuner for :func:`main` (``fn``, ``configs``)."""
+
+    def __init__(self, fn, num_warps, num_stages):
+        self.fn = fn
+        self.configs = [triton.Config({}, num_warps=num_warps, num_stages=num_stages)]
+
+
+class _PlanCapture:
+    """Stands in for a planning kernel: ``kernel[grid](*args, **meta)`` is recorded."""
+
+    def __init__(self, name, kernel, launches):
+        self.name, self.kernel, self.launches = name, kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps=4, num_stages=3, **meta):
+            label = {"_compact_keys_kernel": "keys", "_gather_mask_bits_kernel": "gbits",
+                     "_gather_bias_kernel": "gbias"}.get(self.name, self.name[:5])
+            self.launches.append((label, _Fixed(self.kernel, num_warps, num_stages), args, meta))
+        return launch
+
+
 def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
     """Run one forward + backward on CPU with every Triton launch captured, not executed."""
     launches = []
@@ -102,9 +125,10 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
     from flash_dmattn.backends.triton import plan as plan_mod
 
     fwd_mod.wants_summary = plan_mod.wants_summary = lambda *a: False
-    gather_mod._compact_keys = gather_mod.compact_keys_reference
-    gather_mod._gather_mask_bits = gather_mod.gather_mask_bits_reference
-    gather_mod._gather_bias = gather_mod.gather_bias_reference
+    # The gather plan's own kernels are captured too (their outputs stay unwritten: zero
+    # totals choose gathering, which is all the rest of the capture needs).
+    for kname in ("_compact_keys_kernel", "_gather_mask_bits_kernel", "_gather_bias_kernel"):
+        setattr(gather_mod, kname, _PlanCapture(kname, getattr(gather_mod, kname), launches))
 
     B, H, Hkv, L, D = 1, 16, 4, seqlen, 128
     g = torch.Generator().manual_seed(0)
