@@ -155,6 +155,28 @@ def test_triton_gather_mode_dynamic_mask(policy, d, monkeypatch):
     check("triton", (q, k, v, mask, bias), causal=True)
 
 
+def test_triton_lagged_gather_decisions_stay_exact():
+    """Auto gather decisions taken from the previous call of the same shapes (the planner's
+    lagged policy): a dense per-query mask after a sparse one runs gathered, a sparse one
+    after a dense one on tile lists (its plan only counted); every call matches the
+    reference."""
+    if "triton" not in get_available_backends():
+        pytest.skip("triton unavailable here")
+    from flash_dmattn.backends.triton import gather
+
+    gather._LAGGED_TOTALS.clear()
+    b, lq, lk, h, hkv = 1, 1000, 1024, 4, 2
+    q, k, v, sparse, bias = make_problem(b, lq, lk, h, hkv, 64, torch.bfloat16, "topk",
+                                         "per_key", seed=7)
+    dense = torch.rand(b, hkv, lq, lk, device="cuda") < 0.7
+    gathers = lambda m: gather.plan_key_gather(m, bias, lq, lk, h, True, 128, 64,
+                                               policy="auto") is not None
+    assert gathers(sparse) and not gathers(dense)  # each one's own choice
+    for mask in (sparse, dense, sparse, sparse):
+        check("triton", (q, k, v, mask, bias), causal=True)
+    gather._LAGGED_TOTALS.clear()
+
+
 @pytest.mark.parametrize("d,mask_heads,bias_heads",
                          [(64, "1", "K"), (128, "K", "H"), (128, "H", "1"), (128, "-", "-"),
                           (64, "-", "H")])
