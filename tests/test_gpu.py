@@ -158,8 +158,8 @@ def test_triton_gather_mode_dynamic_mask(policy, d, monkeypatch):
 def test_triton_lagged_gather_decisions_stay_exact():
     """Auto gather decisions taken from the previous call of the same shapes (the planner's
     lagged policy): a dense per-query mask after a sparse one runs gathered, a sparse one
-    after a dense one on tile lists (its plan only counted); every call matches the
-    reference."""
+    after a dense one on tile lists (its totals decide the next call); every call matches
+    the reference."""
     if "triton" not in get_available_backends():
         pytest.skip("triton unavailable here")
     from flash_dmattn.backends.triton import gather

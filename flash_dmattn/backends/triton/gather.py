@@ -167,9 +167,8 @@ def plan_key_gather(
         previous = _LAGGED_TOTALS.get(memo_key)
         if previous is not None:
             verdict = not prefers_tiles(*previous.values())
-    # A plan already decided against only counts (its totals decide the next call).
     idx, cnt, totals = _compact_keys(union_u8, rows_per_tile, seqlen_q, seqlen_k, is_causal,
-                                     block_m, block_n, auto, write_idx=verdict is not False)
+                                     block_m, block_n, auto)
     on_host = _TotalsToHost(totals) if auto else None
     if memo_key is not None:
         _LAGGED_TOTALS[memo_key] = on_host
@@ -279,27 +278,26 @@ GATHER_ROW_ALIGN = 64
 
 
 def _compact_keys(union_u8: torch.Tensor, rows_per_tile: int, seqlen_q: int, seqlen_k: int,
-                  is_causal: bool, block_m: int, block_n: int, count_tiles: bool,
-                  write_idx: bool = True,
-                  ) -> Tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
+                  is_causal: bool, block_m: int, block_n: int,
+                  count_tiles: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(idx, cnt, totals)`` of each query tile's union (see :func:`_tile_union`), cut at
     the tile's causal limit when ``is_causal``; one Triton kernel. ``idx`` is ``Lk`` wide
-    (the largest causal limit) and written up to ``cnt`` (None without ``write_idx``).
-    ``totals`` (with ``count_tiles``): int32 ``[live block_n-key tiles, gathered tiles]``
-    summed over every tile. Equivalent plain PyTorch: :func:`compact_keys_reference`."""
+    (the largest causal limit) and written up to ``cnt``. ``totals`` (with ``count_tiles``):
+    int32 ``[live block_n-key tiles, gathered tiles]`` summed over every tile. Equivalent
+    plain PyTorch: :func:`compact_keys_reference`."""
     bx, hx, n_rows, _ = union_u8.shape
     n_q = cdiv(seqlen_q, block_m)
     device = union_u8.device
-    idx = _empty((bx, hx, n_q, seqlen_k), torch.int32, device) if write_idx else None
+    idx = _empty((bx, hx, n_q, seqlen_k), torch.int32, device)
     cnt = torch.empty((bx, hx, n_q), dtype=torch.int32, device=device)
     totals = torch.zeros(2, dtype=torch.int32, device=device) if count_tiles else None
     chunk = 32 if device.type == "cpu" else 1024  # short chunks on the interpreter: tests cover several
     _compact_keys_kernel[(n_q, bx * hx)](
-        union_u8, idx if write_idx else cnt, cnt, totals if count_tiles else cnt,
+        union_u8, idx, cnt, totals if count_tiles else cnt,
         seqlen_q, seqlen_k, n_rows, n_q,
         IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, ROWS_PER_TILE=rows_per_tile,
         BLOCK_N=block_n, BLOCK_K=max(chunk, block_n), COUNT_TILES=count_tiles,
-        WRITE_IDX=write_idx, num_warps=4,
+        num_warps=4,
     )
     return idx, cnt, totals
 
@@ -369,8 +367,8 @@ def tile_union_reference(union_u8: torch.Tensor, rows_per_tile: int, seqlen_q: i
 
 def compact_keys_reference(union_u8: torch.Tensor, rows_per_tile: int, seqlen_q: int,
                            seqlen_k: int, is_causal: bool, block_m: int, block_n: int,
-                           count_tiles: bool, write_idx: bool = True):
-    """Plain PyTorch :func:`_compact_keys` (``idx`` zero past the counts, and always made)."""
+                           count_tiles: bool):
+    """Plain PyTorch :func:`_compact_keys` (``idx`` zero past the counts)."""
     union = tile_union_reference(union_u8, rows_per_tile, seqlen_q, seqlen_k, is_causal,
                                  block_m)
     cnt = union.sum(-1, dtype=torch.int32)
@@ -471,10 +469,9 @@ def _compact_keys_kernel(
     Union, Idx, Cnt, Totals, seqlen_q, seqlen_k, n_rows, n_q,
     IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, ROWS_PER_TILE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COUNT_TILES: tl.constexpr,
-    WRITE_IDX: tl.constexpr = True,
 ):
     """One query tile: its union's live keys (to its causal limit) in order into its idx row,
-    their number into cnt (WRITE_IDX off: only the count); with COUNT_TILES, adds its live BLOCK_N-key tiles and its gathered
+    their number into cnt; with COUNT_TILES, adds its live BLOCK_N-key tiles and its gathered
     tiles (ceil(count / BLOCK_N)) to Totals[0] and Totals[1]."""
     m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -487,8 +484,7 @@ def _compact_keys_kernel(
     for start in range(0, key_end, BLOCK_K):
         keys = start + tl.arange(0, BLOCK_K)
         live_i = _union_flags(union_rows, keys, key_end, rows_left, seqlen_k, ROWS_PER_TILE)
-        if WRITE_IDX:
-            tl.store(idx_row + base + tl.cumsum(live_i, 0) - 1, keys, mask=live_i != 0)
+        tl.store(idx_row + base + tl.cumsum(live_i, 0) - 1, keys, mask=live_i != 0)
         base += tl.sum(live_i, 0)
         if COUNT_TILES:
             # Chunks start at multiples of BLOCK_K, so these are the kernels' key tiles.
