@@ -35,3 +35,12 @@ def _clean_dispatch_state(monkeypatch):
         _LAGGED_TOTALS = {}
     _LAGGED_TOTALS.clear()
     yield
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Triton kernel outputs (decode partials included) start as NaN: anything a kernel
+    leaves unwritten shows."""
+    from flash_dmattn.backends.triton import forward as fwd_mod
+
+    monkeypatch.setattr(fwd_mod, "DEBUG_POISON", True)

@@ -207,14 +207,6 @@ def test_triton_declines_large_lq_with_reason():
 # Triton decode kernel (interpreter)
 
 
-@pytest.fixture
-def poison(monkeypatch):
-    # Kernel-written outputs (partials included) start as NaN: anything unwritten shows.
-    from flash_dmattn.backends.triton import forward as fwd_mod
-
-    monkeypatch.setattr(fwd_mod, "DEBUG_POISON", True)
-
-
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 

@@ -16,7 +16,7 @@ from flash_dmattn.inputs import AttentionInputs
 from flash_dmattn.reference import gather_kv_pages
 
 from naive import assert_close
-from test_decode import make, make_aux, naive_kv, needs_interpreter, poison  # noqa: F401
+from test_decode import make, make_aux, naive_kv, needs_interpreter
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
