@@ -551,6 +551,9 @@ def _attn_bwd_dq_kernel(
                           HAS_SOFTCAP, DOT_UPCAST, 2)
     elif GATHER:
         # Gathered keys: indices by position in the row's key list, masked per element.
+        # Unlike the forward, the index load stays in the step that uses it: with 3 stages the
+        # pipeliner already issues it a stage ahead as an async copy (compile_check --dump);
+        # loaded a step ahead by hand it became a synchronous load and the kernel grew.
         n_keys = n_iter
         bits_rows = mask_base + offs_m.to(tl.int64) * stride_mm
         for t in range(0, tl.cdiv(n_keys, BLOCK_N)):

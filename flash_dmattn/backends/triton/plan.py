@@ -32,8 +32,9 @@ NOT_PLANNED = object()
 class BackwardPlan:
     """What :func:`plan_backward` worked out for one call, kept by its forward.
 
-    ``gather`` is the dQ kernel's key gather (None: the dQ kernel walks tile lists); ``tiles`` holds the dK/dV lists (and the dQ lists when both kernels share a
-    block shape); ``tiles_q`` the dQ lists otherwise. ``policy`` is the dQ gather policy it
+    ``gather`` is the dQ kernel's key gather (None: the dQ kernel walks tile lists);
+    ``tiles`` holds the dK/dV lists (and the dQ lists when both kernels share a block shape);
+    ``tiles_q`` the dQ lists otherwise. ``policy`` is the dQ gather policy it
     was planned under: a backward run under another one plans again.
     """
 
