@@ -98,7 +98,8 @@ class _PlanCapture:
     def __getitem__(self, grid):
         def launch(*args, num_warps=4, num_stages=3, **meta):
             label = {"_compact_keys_kernel": "keys", "_gather_mask_bits_kernel": "gbits",
-                     "_gather_bias_kernel": "gbias"}.get(self.name, self.name[:5])
+                     "_gather_bias_kernel": "gbias",
+                     "_per_key_lists_kernel": "keyl"}.get(self.name, self.name[:5])
             self.launches.append((label, _Fixed(self.kernel, num_warps, num_stages), args, meta))
         return launch
 
@@ -129,6 +130,14 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
     # totals choose gathering, which is all the rest of the capture needs).
     for kname in ("_compact_keys_kernel", "_gather_mask_bits_kernel", "_gather_bias_kernel"):
         setattr(gather_mod, kname, _PlanCapture(kname, getattr(gather_mod, kname), launches))
+    # And a per-key mask's list planner (its plain-PyTorch twin serves CPU calls otherwise).
+    from flash_dmattn.backends.triton import key_mask_lists as klists
+    from flash_dmattn.backends.triton import tiles as tiles_mod
+
+    klists._per_key_lists_kernel = _PlanCapture("_per_key_lists_kernel",
+                                                klists._per_key_lists_kernel, launches)
+    tiles_mod.per_key_lists_reference = klists.per_key_lists
+    klists._interpreted = lambda device: False  # the GPU's chunk and warps
 
     B, H, Hkv, L, D = 1, 16, 4, seqlen, 128
     g = torch.Generator().manual_seed(0)

@@ -503,16 +503,23 @@ def _attn_fwd_kernel(
         # tile's K/V copies right after the entry load, so an entry loaded in the same
         # iteration puts a global-load latency in front of every prefetch.
         entry_next = tl.load(list_row, mask=n_iter > 0, other=0)
+        if MASK_BITS:
+            # Per-key lists put the tiles the mask cuts last, from entry n_plain on (see
+            # .key_mask_lists): the steps before need no bits (all ones), the others load
+            # theirs one step ahead, in a branch that no other step takes. Measured on T3
+            # (H200), where no tile is cut: a predicated load in every step, which the
+            # pipeliner made an async copy, cost 3-5 % (t3-probe-2026-11-22g-*.log);
+            # read synchronously in the partial branch, every program waited on its
+            # diagonal tile's bits (+4 %).
+            n_plain = tl.load(cnt_ptr + 2)
+            bits_next = tl.load(bits_row, mask=(n_plain == 0) & (n_iter > 0), other=-1)
         for t in range(0, n_iter):
             entry = entry_next
             entry_next = tl.load(list_row + t + 1, mask=t + 1 < n_iter, other=0)
             if MASK_BITS:
-                # Fetched for partial tiles only, by an async copy the pipeliner makes of it.
-                # Measured on T3 (H200, t3-probe-2026-11-22g-*.log): read inside the partial
-                # branch instead, every program waited on its diagonal tile's bits (+4 %);
-                # prefetched one step ahead as a loop-carried int64, the copy at the step's
-                # end waited on the load (no gain over the mask load).
-                bits = tl.load(bits_row + t, mask=(entry & 1) != 0, other=0)
+                bits = bits_next
+                if t + 1 >= n_plain:
+                    bits_next = tl.load(bits_row + t + 1, mask=t + 1 < n_iter, other=-1)
             else:
                 bits = 0
             offs_n = (entry >> 1) * BLOCK_N + offs_n0
