@@ -47,6 +47,7 @@ CASES = [
     (1, 2, 50, 200, True, 32, 16, 0.0),
     (1, 1, 200, 50, True, 16, 16, 0.2),    # Lq > Lk: the first query tiles see nothing
     (1, 1, 300, 1000, True, 64, 64, 0.02),  # 64-key tiles: all 64 bits of the int64
+    # (Lk % 8 == 0 rows are read as int64 words of 8 mask bytes, the others byte by byte.)
     (1, 1, 129, 1025, False, 128, 64, 0.5),
 ]
 
@@ -61,23 +62,14 @@ def test_lists_match_torch_maps(case):
     ref_idx, ref_cnt, ref_bits = _reference_lists(mask, lq, lk, causal, bm, bn)
     assert idx.shape == ref_idx.shape and cnt.shape == ref_cnt.shape
     assert torch.equal(cnt, ref_cnt)
-    pos = torch.arange(idx.size(-1))
-    used = pos < cnt[..., :1]
-    cut = used & (pos >= cnt[..., 2:])
+    used = torch.arange(idx.size(-1)) < cnt[..., :1]
     flags = idx & 1
     assert (flags[used] == 1).any() and (flags[used] == 0).any()  # partial and full tiles
-    assert bool(cut.any()) == (density > 0)  # block-aligned masks (density 0) cut no tile
     assert torch.equal(torch.where(used, idx, 0), torch.where(used, ref_idx, 0))
     assert torch.equal(torch.where(used, 0, idx), torch.zeros_like(idx))  # zeros past the count
-    assert torch.equal(torch.where(cut, bits, 0), torch.where(cut, ref_bits, 0))
-    # Cut tiles have a dead in-range key; the plain partial tiles before them have none.
-    keys = (idx >> 1).long()[..., None] * bn + torch.arange(bn)
-    live_keys = mask.expand(bx, hx, 1, lk)[:, :, 0, None, None, :]
-    live_keys = torch.nn.functional.pad(live_keys, (0, bn)).expand(-1, -1, *keys.shape[2:3], -1, -1)
-    on = torch.gather(live_keys.expand(*keys.shape[:3], 1, lk + bn)[..., 0, :], 3,
-                      keys.flatten(3)).view(keys.shape)
-    dead_in_range = (~on & (keys < lk)).any(-1)
-    assert torch.equal(dead_in_range & used, cut)
+    assert bits.shape == (*idx.shape, 2)
+    assert torch.equal(bits[..., 0][used], idx[used].long())  # the entry beside its bits
+    assert torch.equal(bits[used], ref_bits[used])
 
 
 def test_broadcast_and_strided_masks():
@@ -89,20 +81,18 @@ def test_broadcast_and_strided_masks():
         idx, cnt, bits = per_key_lists(mask, 40, 90, True, 16, 16, True)
         ref_idx, ref_cnt, ref_bits = _reference_lists(mask, 40, 90, True, 16, 16)
         assert torch.equal(cnt, ref_cnt)
-        pos = torch.arange(idx.size(-1))
-        used = pos < cnt[..., :1]
-        cut = used & (pos >= cnt[..., 2:])
+        used = torch.arange(idx.size(-1)) < cnt[..., :1]
         assert torch.equal(torch.where(used, idx, 0), torch.where(used, ref_idx, 0))
-        assert torch.equal(torch.where(cut, bits, 0), torch.where(cut, ref_bits, 0))
+        assert torch.equal(bits[used], ref_bits[used])
 
 
 def test_build_tile_lists_uses_the_planner_for_forward_lists():
     mask = _block_mask((1, 1, 1), 70, 0.1, 16, torch.Generator().manual_seed(1))
     t = build_tile_lists(mask, 33, 70, 4, True, 16, 16, torch.device("cpu"), with_bits=True)
-    assert t.fwd_bits is not None and t.fwd_bits.shape == t.fwd_idx.shape
+    assert t.fwd_bits is not None and t.fwd_bits.shape == (*t.fwd_idx.shape, 2)
     both = build_tile_lists(mask, 33, 70, 4, True, 16, 16, torch.device("cpu"), need_bwd=True)
     assert both.fwd_bits is None and both.bwd_idx is not None  # the torch maps serve both
-    assert torch.equal(t.fwd_cnt[..., :2], both.fwd_cnt)  # (live, full); the planner adds a third
+    assert torch.equal(t.fwd_cnt, both.fwd_cnt)
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])

@@ -4,27 +4,24 @@ A per-key mask ``(Bx, Hx, 1, Lk)`` -- the dynamic-mask case -- gives every query
 same row of key tiles, cut at the tile's causal limit. Built from torch reductions and
 elementwise ops (:func:`.tiles.build_tile_lists` for other masks) that took about ten small
 launches, ~35 us of GPU time on the block-sparse L 32K workload, 3 % of its forward. This
-kernel reads the mask row twice per list row and writes the row's list directly, entries
-``tile * 2 + partial`` as in :mod:`.tiles`, zeros after the count, in three groups, each
-ascending: full tiles; "plain" partial tiles, whose in-range keys are all live (a causal
-diagonal or a ragged edge); then the tiles the mask itself cuts. The counts are
-``(live, full, full + plain)``.
+kernel reads the mask row once per list row and writes the row's list directly, in the
+order and encoding of :mod:`.tiles` (full tiles first, then partial ones, each ascending,
+entries ``tile * 2 + partial``, zeros after the count).
 
-For the cut tiles it also writes the tile's ``block_n`` mask bits as one int64 (bit ``i`` =
-key ``tile * block_n + i`` is live), so the forward kernel masks them with a scalar instead
-of a vector load in every step, and the tiles before them need no mask code at all (see
-``MASK_BITS`` in :mod:`.forward`): a block-sparse mask aligned to the key tiles has no cut
-tiles.
+It can also write each entry beside the tile's ``block_n`` mask bits, as an int64 pair
+``(entry, bits)`` (bit ``i`` = key ``tile * block_n + i`` is live): the forward kernel
+reads both with one 16-byte load one step ahead and masks a partial tile with shifts,
+instead of a vector load and layout change in every step (see ``MASK_BITS`` in
+:mod:`.forward`).
 
 Equivalent plain PyTorch (``tile_liveness`` from :mod:`flash_dmattn.block_map`)::
 
     live, full = tile_liveness(mask, Lq, Lk, block_m, block_n, is_causal)   # (Bx, Hx, nQ|1, nK)
     full[..., -1] &= Lk % block_n == 0               # a ragged last tile is always partial
-    m = pad(mask[..., 0, :], (0, nK * block_n - Lk)).view(Bx, Hx, 1, nK, block_n)
-    cut = live & (m.sum(-1) < in_range_keys_per_tile)
-    group = where(full, 0, where(cut, 2, 1)) + 3 * ~live          # sort by (group, tile)
-    idx = argsort(group * nK + arange(nK)) * 2 + (group > 0)
-    bits = (m[..., idx >> 1, :] << arange(block_n)).sum(-1)      # read for cut tiles only
+    idx, cnt = compact_reference(live, live & ~full)
+    keys = (idx >> 1)[..., None] * block_n + arange(block_n)
+    bits = (mask[..., 0, keys] << arange(block_n)).sum(-1)      # keys past Lk count as 0
+    pairs = stack([idx, bits], -1)
 """
 from __future__ import annotations
 
@@ -55,27 +52,27 @@ def per_key_lists(
     block_n: int,
     with_bits: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(idx, cnt, bits)`` forward lists of a per-key mask.
+    """``(idx, cnt, pairs)`` forward lists of a per-key mask.
 
     Args:
         mask: bool ``(Bx, Hx, 1, Kx)`` with ``Kx`` = ``seqlen_k`` or 1 (broadcast), any strides.
         is_causal: bottom-right causal; then there is one list row per query tile (``nQ``),
             else one row shared by all of them.
-        with_bits: also fill ``bits`` (else it is a 1-element placeholder).
+        with_bits: also fill ``pairs`` (else it is a 1-element placeholder).
 
     Returns:
-        ``idx`` int32 ``(Bx, Hx, rows, nK)``, ``cnt`` int32 ``(Bx, Hx, rows, 3)`` (live, full,
-        entries before the first cut tile) -- the lists :func:`.tiles.build_tile_lists` makes,
-        their partial tiles ordered plain first -- and ``bits`` int64 of ``idx``'s shape: the
-        mask bits of the cut tiles' entries (unspecified elsewhere).
+        ``idx`` int32 ``(Bx, Hx, rows, nK)``, ``cnt`` int32 ``(Bx, Hx, rows, 2)`` (live, full) as
+        :func:`.tiles.build_tile_lists` makes them, and ``pairs`` int64 ``(Bx, Hx, rows, nK,
+        2)``: each entry of ``idx`` beside the mask bits of the tile it names (unspecified
+        past the count).
     """
     bx, hx = mask.shape[0], mask.shape[1]
     rows = cdiv(seqlen_q, block_m) if is_causal else 1
     n_tiles = cdiv(seqlen_k, block_n)
     device = mask.device
     idx = torch.empty((bx, hx, rows, n_tiles), dtype=torch.int32, device=device)
-    cnt = torch.empty((bx, hx, rows, 3), dtype=torch.int32, device=device)
-    bits = torch.empty(idx.shape if with_bits else (1,), dtype=torch.int64, device=device)
+    cnt = torch.empty((bx, hx, rows, 2), dtype=torch.int32, device=device)
+    pairs = torch.empty((*idx.shape, 2) if with_bits else (1,), dtype=torch.int64, device=device)
     m = mask.view(torch.uint8)
     stride_k = 0 if mask.size(3) == 1 else m.stride(3)
     stride_b = 0 if bx == 1 else m.stride(0)
@@ -95,12 +92,12 @@ def per_key_lists(
         # sm_90a, Triton 3.6 and 3.9); 64-tile chunks over 4 warps took 20 us for the T3 lists.
         chunk = max(16, min(128, 8192 // block_n))
     _per_key_lists_kernel[(bx * hx * rows,)](
-        m, idx, cnt, bits, hx, rows, n_tiles, seqlen_q, seqlen_k, stride_b, stride_h, stride_k,
+        m, idx, cnt, pairs, hx, rows, n_tiles, seqlen_q, seqlen_k, stride_b, stride_h, stride_k,
         BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk,
         IS_CAUSAL=bool(is_causal), WITH_BITS=with_bits, WORDS=words,
         num_warps=4 if on_cpu else 16,
     )
-    return idx, cnt, bits
+    return idx, cnt, pairs
 
 
 def _interpreted(device: torch.device) -> bool:
@@ -117,43 +114,31 @@ def per_key_lists_reference(
     block_n: int,
     with_bits: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain PyTorch :func:`per_key_lists` (same counts, entries, and bits of the cut tiles):
-    the lists from the torch tile maps of :mod:`.tiles`, their partial tiles reordered."""
+    """Plain PyTorch :func:`per_key_lists` (same counts, entries and pairs up to the count):
+    the lists from the torch tile maps of :mod:`.tiles`, the bits gathered per entry."""
     from .tiles import build_torch_lists  # tiles imports this module
 
     lists = build_torch_lists(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n)
     idx, cnt = lists.fwd_idx, lists.fwd_cnt
+    if not with_bits:
+        return idx, cnt, torch.empty(1, dtype=torch.int64, device=mask.device)
     nk = cdiv(seqlen_k, block_n)
     bx, hx = mask.shape[:2]
     m = mask.expand(bx, hx, 1, seqlen_k)[:, :, 0]
     m = torch.nn.functional.pad(m, (0, nk * block_n - seqlen_k)).view(bx, hx, nk, block_n)
-    in_range = (seqlen_k - torch.arange(nk, device=mask.device) * block_n).clamp(max=block_n)
-    cut_tile = m.sum(-1) < in_range                                   # (bx, hx, nk)
-    tile = (idx >> 1).long()
-    used = torch.arange(nk, device=mask.device) < cnt[..., :1]
-    cut = torch.gather(cut_tile[:, :, None].expand(-1, -1, idx.size(2), -1), 3, tile)
-    cut = used & cut & (idx & 1).bool()
-    group = torch.where(used, (idx & 1) + cut.int(), 3)
-    order = torch.sort(group * nk + tile, dim=-1).indices
-    idx = torch.where(used, torch.gather(idx, 3, order), 0).contiguous()
-    n_cut = cut.sum(-1, dtype=torch.int32)
-    cnt = torch.cat([cnt, (cnt[..., :1] - n_cut[..., None])], -1).contiguous()
-    if not with_bits:
-        return idx, cnt, torch.empty(1, dtype=torch.int64, device=mask.device)
     lanes = torch.arange(block_n, device=mask.device)
     tile_bits = (m.long() << lanes).sum(-1)
     bits = torch.gather(tile_bits[:, :, None].expand(-1, -1, idx.size(2), -1), 3,
                         (idx >> 1).long())
-    return idx, cnt, bits.contiguous()
+    return idx, cnt, torch.stack([idx.long(), bits], -1).contiguous()
 
 
 @triton.jit
-def _tile_groups(mask_row, start, n, q_first, offset, seqlen_k, stride_mk,
+def _tile_states(mask_row, start, n, q_first, offset, seqlen_k, stride_mk,
                  BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, IS_CAUSAL: tl.constexpr,
                  WORDS: tl.constexpr):
     """Tiles ``start + [0, CHUNK)`` of a mask row cut at ``n`` tiles: their indices, mask bits
-    (int64, bit ``i`` = key ``i`` of the tile) and the three list groups (full / plain
-    partial / cut).
+    (int64, bit ``i`` = key ``i`` of the tile), and which are live and which full.
 
     ``WORDS``: the row is read as int64 words of 8 mask bytes (keys contiguous, 8-byte
     aligned, ``seqlen_k % 8 == 0``): an eighth of the loads and registers of a byte read, so a
@@ -168,7 +153,6 @@ def _tile_groups(mask_row, start, n, q_first, offset, seqlen_k, stride_mk,
         # Mask bytes are 0 or 1: a multiply sums a word's bytes into its top byte, another
         # gathers their low bits there (bit i from byte i).
         n_on = tl.sum(((w * 0x0101010101010101) >> 56) & 0xFF, 1).to(tl.int32)
-        n_in = tl.sum(w_ok.to(tl.int32), 1) * 8
         b8 = ((w & 0x0101010101010101) * 0x0102040810204080 >> 56) & 0xFF
         tile_bits = tl.sum(b8 << (lane.to(tl.int64) * 8)[None, :], 1)
     else:
@@ -177,7 +161,6 @@ def _tile_groups(mask_row, start, n, q_first, offset, seqlen_k, stride_mk,
         k_ok = (keys < seqlen_k) & (t[:, None] < n)
         on = tl.load(mask_row + keys.to(tl.int64) * stride_mk, mask=k_ok, other=0) != 0
         n_on = tl.sum(on.to(tl.int32), 1)
-        n_in = tl.sum(k_ok.to(tl.int32), 1)
         weight = tl.full([BLOCK_N], 1, tl.int64) << lane.to(tl.int64)
         tile_bits = tl.sum(tl.where(on, weight[None, :], 0), 1)
     live = (n_on > 0) & (t < n)
@@ -185,15 +168,12 @@ def _tile_groups(mask_row, start, n, q_first, offset, seqlen_k, stride_mk,
     full = n_on == BLOCK_N
     if IS_CAUSAL:
         full = full & (t * BLOCK_N + BLOCK_N - 1 <= q_first + offset)
-    full = live & full
-    cut = live & (n_on < n_in)
-    plain = live & (full == 0) & (cut == 0)
-    return t, tile_bits, full, plain, cut
+    return t, tile_bits, live, full
 
 
 @triton.jit
 def _per_key_lists_kernel(
-    Mask, Idx, Cnt, Bits, n_heads, n_rows, n_tiles, seqlen_q, seqlen_k,
+    Mask, Idx, Cnt, Pairs, n_heads, n_rows, n_tiles, seqlen_q, seqlen_k,
     stride_mb, stride_mh, stride_mk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WITH_BITS: tl.constexpr, WORDS: tl.constexpr,
@@ -204,7 +184,7 @@ def _per_key_lists_kernel(
     h = row // n_rows % n_heads
     mask_row = Mask + b * stride_mb + h * stride_mh
     idx_row = Idx + row * n_tiles
-    bits_row = Bits + row * n_tiles
+    pair_row = Pairs + row * n_tiles * 2
     offset = seqlen_k - seqlen_q  # bottom-right: key j is visible to query i iff j <= i + offset
     q_first = r * BLOCK_M
     n = n_tiles
@@ -212,40 +192,29 @@ def _per_key_lists_kernel(
         # Tiles past the limit of the row tile's last query are dead: never read or listed.
         q_last = tl.minimum(q_first + BLOCK_M, seqlen_q) - 1
         n = tl.minimum(n, tl.cdiv(tl.maximum(q_last + offset + 1, 0), BLOCK_N))
-    # Three groups, each ascending: full tiles, partial tiles whose in-range keys are all live
-    # (a causal diagonal or a ragged edge: no mask bits needed), then the tiles the mask cuts.
-    # Pass 1 writes the full tiles and counts the plain ones, so pass 2 knows where the cut
-    # ones start.
-    n_full = n * 0
-    n_plain = n * 0
-    for start in range(0, n, CHUNK):
-        t, tile_bits, full, plain, cut = _tile_groups(mask_row, start, n, q_first, offset,
-                                                      seqlen_k, stride_mk, BLOCK_N, CHUNK,
-                                                      IS_CAUSAL, WORDS)
-        s = full.to(tl.int32)
-        pos = n_full + tl.cumsum(s, 0) - 1
-        tl.store(idx_row + pos, t * 2, mask=full)
-        n_full += tl.sum(s, 0)
-        n_plain += tl.sum(plain.to(tl.int32), 0)
-    next_plain = n_full
-    next_cut = n_full + n_plain
-    for start in range(0, n, CHUNK):
-        t, tile_bits, full, plain, cut = _tile_groups(mask_row, start, n, q_first, offset,
-                                                      seqlen_k, stride_mk, BLOCK_N, CHUNK,
-                                                      IS_CAUSAL, WORDS)
-        sp = plain.to(tl.int32)
-        sc = cut.to(tl.int32)
-        pos = tl.where(plain, next_plain + tl.cumsum(sp, 0), next_cut + tl.cumsum(sc, 0)) - 1
-        sel = plain | cut
-        tl.store(idx_row + pos, t * 2 + 1, mask=sel)
-        if WITH_BITS:
-            # Only the cut tiles' bits are ever read.
-            tl.store(bits_row + pos, tile_bits, mask=cut)
-        next_plain += tl.sum(sp, 0)
-        next_cut += tl.sum(sc, 0)
-    for start in range(next_cut, n_tiles, CHUNK * 16):
+    base = n * 0
+    n_full = base
+    for want_partial in tl.static_range(2):
+        for start in range(0, n, CHUNK):
+            t, tile_bits, live, full = _tile_states(mask_row, start, n, q_first, offset,
+                                                    seqlen_k, stride_mk, BLOCK_N, CHUNK,
+                                                    IS_CAUSAL, WORDS)
+            if want_partial == 0:
+                sel = live & full
+            else:
+                sel = live & (full == 0)
+            s = sel.to(tl.int32)
+            pos = base + tl.cumsum(s, 0) - 1
+            entry = t * 2 + want_partial
+            tl.store(idx_row + pos, entry, mask=sel)
+            if WITH_BITS:
+                tl.store(pair_row + pos * 2, entry.to(tl.int64), mask=sel)
+                tl.store(pair_row + pos * 2 + 1, tile_bits, mask=sel)
+            base += tl.sum(s, 0)
+        if want_partial == 0:
+            n_full = base
+    for start in range(base, n_tiles, CHUNK * 16):
         c = start + tl.arange(0, CHUNK * 16)
         tl.store(idx_row + c, tl.zeros([CHUNK * 16], dtype=tl.int32), mask=c < n_tiles)
-    tl.store(Cnt + row * 3, next_cut)
-    tl.store(Cnt + row * 3 + 1, n_full)
-    tl.store(Cnt + row * 3 + 2, next_plain)
+    tl.store(Cnt + row * 2, base)
+    tl.store(Cnt + row * 2 + 1, n_full)

@@ -49,11 +49,9 @@ class TileLists:
     query tile ``m`` of batch ``b`` and query head ``h`` the row is ``[b or 0, h // head_div,
     m or 0]``. ``bwd_idx`` is ``(Bm, Hm, nK, nQ)`` and ``bwd_cnt`` ``(Bm, Hm, nK, 2)`` (per key
     tile).
-    Either pair may be None when not requested. A per-key mask's forward lists
-    (:mod:`.key_mask_lists`) order their partial tiles plain first, then the ones the mask
-    cuts, and ``fwd_cnt`` has a third column: the entries before the first cut tile.
-    ``fwd_bits`` (per-key lists, when asked for): int64 of ``fwd_idx``'s shape, the mask bits
-    of each listed cut tile (bit ``i`` = key ``tile * block_n + i`` live).
+    Either pair may be None when not requested. ``fwd_bits`` (only for a per-key mask, when
+    asked for): int64 ``(*fwd_idx.shape, 2)``, each entry beside the mask bits of the tile it
+    names (bit ``i`` = key ``tile * block_n + i`` live; see :mod:`.key_mask_lists`).
     """
 
     block_m: int
