@@ -67,9 +67,7 @@ def test_lists_match_torch_maps(case):
     assert (flags[used] == 1).any() and (flags[used] == 0).any()  # partial and full tiles
     assert torch.equal(torch.where(used, idx, 0), torch.where(used, ref_idx, 0))
     assert torch.equal(torch.where(used, 0, idx), torch.zeros_like(idx))  # zeros past the count
-    assert bits.shape == (*idx.shape, 2)
-    assert torch.equal(bits[..., 0][used], idx[used].long())  # the entry beside its bits
-    assert torch.equal(bits[used], ref_bits[used])
+    assert torch.equal(torch.where(used, bits, 0), torch.where(used, ref_bits, 0))
 
 
 def test_broadcast_and_strided_masks():
@@ -83,13 +81,41 @@ def test_broadcast_and_strided_masks():
         assert torch.equal(cnt, ref_cnt)
         used = torch.arange(idx.size(-1)) < cnt[..., :1]
         assert torch.equal(torch.where(used, idx, 0), torch.where(used, ref_idx, 0))
-        assert torch.equal(bits[used], ref_bits[used])
+        assert torch.equal(torch.where(used, bits, 0), torch.where(used, ref_bits, 0))
+
+
+def test_word_reads_only_for_aligned_rows(monkeypatch):
+    # Rows of whole, 8-byte aligned words are read as int64 words; any other row byte by byte.
+    # Both ways give the reference lists.
+    from flash_dmattn.backends.triton import key_mask_lists as klists
+
+    seen = []
+    real = klists._per_key_lists_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                seen.append(meta["WORDS"])
+                return real[grid](*args, **meta)
+            return launch
+
+    monkeypatch.setattr(klists, "_per_key_lists_kernel", Spy())
+    base = _block_mask((1, 2, 1), 96, 0.1, 16, torch.Generator().manual_seed(4))
+    for mask, words in ((base[..., :88], True), (base[..., 3:91], False), (base[..., :90], False)):
+        lk = mask.size(-1)
+        idx, cnt, bits = per_key_lists(mask, 40, lk, True, 16, 16, True)
+        ref_idx, ref_cnt, ref_bits = _reference_lists(mask, 40, lk, True, 16, 16)
+        assert seen[-1] is words
+        assert torch.equal(cnt, ref_cnt)
+        used = torch.arange(idx.size(-1)) < cnt[..., :1]
+        assert torch.equal(torch.where(used, idx, 0), torch.where(used, ref_idx, 0))
+        assert torch.equal(torch.where(used, bits, 0), torch.where(used, ref_bits, 0))
 
 
 def test_build_tile_lists_uses_the_planner_for_forward_lists():
     mask = _block_mask((1, 1, 1), 70, 0.1, 16, torch.Generator().manual_seed(1))
     t = build_tile_lists(mask, 33, 70, 4, True, 16, 16, torch.device("cpu"), with_bits=True)
-    assert t.fwd_bits is not None and t.fwd_bits.shape == (*t.fwd_idx.shape, 2)
+    assert t.fwd_bits is not None and t.fwd_bits.shape == t.fwd_idx.shape
     both = build_tile_lists(mask, 33, 70, 4, True, 16, 16, torch.device("cpu"), need_bwd=True)
     assert both.fwd_bits is None and both.bwd_idx is not None  # the torch maps serve both
     assert torch.equal(t.fwd_cnt, both.fwd_cnt)

@@ -419,10 +419,10 @@ def _attn_fwd_kernel(
     MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
     BIAS_GATHERED: tl.constexpr = False, MASK_BITS: tl.constexpr = False,
 ):
-    # MASK_BITS (with USE_LIST, not GATHER / VARLEN): a per-key mask whose list comes as
-    # (entry, tile bits) int64 pairs in MaskBits (TileLists.fwd_bits; ListIdx is not read)
-    # and the mask itself is not read: a partial tile costs a few shifts, a full tile
-    # nothing, where the mask path issues a predicated vector load in every step.
+    # MASK_BITS (with USE_LIST, not GATHER / VARLEN): a per-key mask whose tiles' bits come in
+    # MaskBits, parallel to ListIdx (TileLists.fwd_bits); the mask itself is not read. A
+    # partial tile costs one scalar load and a few shifts, a full tile nothing, where the
+    # mask path issues a predicated vector load in every step (T3: 5 % of the kernel).
     # BIAS_GATHERED (with GATHER): Bias is the KeyGather's gbias, one padded row per query
     # tile (stride_bm is the tile stride), read at the same list positions as the mask.
     # MASK_PAD / BIAS_PAD: the mask's / bias's rows are padded copies (aligned_rows): bound
@@ -475,6 +475,7 @@ def _attn_fwd_kernel(
         lh = h // list_hdiv
         list_off = b * stride_lb + lh * stride_lh + pid_m * stride_lm
         list_row = ListIdx + list_off
+        bits_row = MaskBits + list_off
         cnt_ptr = ListCnt + b * stride_cb + lh * stride_ch + pid_m * stride_cm
         n_iter = tl.load(cnt_ptr)
     else:
@@ -501,27 +502,18 @@ def _attn_fwd_kernel(
         # The entry is loaded one iteration ahead: the software pipeliner issues the next
         # tile's K/V copies right after the entry load, so an entry loaded in the same
         # iteration puts a global-load latency in front of every prefetch.
-        if MASK_BITS:
-            # The entry and its tile's bits in one 16-byte load, one step ahead like the entry.
-            # T3 kernel on the H200 (no cut tile; t3-probe-2026-11-22j-*.log): a separate
-            # bits load took 1.13-1.14 ms -- as an async copy predicated on the partial flag
-            # (t3-probe-2026-11-22g-*.log), in a branch taken past the plain tiles only, or
-            # in a second loop over the cut tiles (1.33) -- against 1.07 with the mask not
-            # read and 1.08-1.10 with the bits loaded once outside the loop (timing only).
-            two = tl.arange(0, 2)
-            pair_row = MaskBits + list_off * 2
-            pair_next = tl.load(pair_row + two, mask=two < n_iter * 2, other=0)
-        else:
-            entry_next = tl.load(list_row, mask=n_iter > 0, other=0)
+        entry_next = tl.load(list_row, mask=n_iter > 0, other=0)
         for t in range(0, n_iter):
+            entry = entry_next
+            entry_next = tl.load(list_row + t + 1, mask=t + 1 < n_iter, other=0)
             if MASK_BITS:
-                entry64, bits = tl.split(pair_next)
-                entry = entry64.to(tl.int32)
-                pair_next = tl.load(pair_row + (t + 1) * 2 + two, mask=(t + 1) * 2 + two < n_iter * 2,
-                                    other=0)
+                # Fetched for partial tiles only, by an async copy the pipeliner makes of it.
+                # Measured on T3 (H200, t3-probe-2026-11-22g-*.log): read inside the partial
+                # branch instead, every program waited on its diagonal tile's bits (+4 %);
+                # prefetched one step ahead as a loop-carried int64, the copy at the step's
+                # end waited on the load (no gain over the mask load).
+                bits = tl.load(bits_row + t, mask=(entry & 1) != 0, other=0)
             else:
-                entry = entry_next
-                entry_next = tl.load(list_row + t + 1, mask=t + 1 < n_iter, other=0)
                 bits = 0
             offs_n = (entry >> 1) * BLOCK_N + offs_n0
             need_elem = (entry & 1) != 0

@@ -8,9 +8,8 @@ kernel reads the mask row once per list row and writes the row's list directly, 
 order and encoding of :mod:`.tiles` (full tiles first, then partial ones, each ascending,
 entries ``tile * 2 + partial``, zeros after the count).
 
-It can also write each entry beside the tile's ``block_n`` mask bits, as an int64 pair
-``(entry, bits)`` (bit ``i`` = key ``tile * block_n + i`` is live): the forward kernel
-reads both with one 16-byte load one step ahead and masks a partial tile with shifts,
+Beside each entry it writes the tile's ``block_n`` mask bits as one int64 (bit ``i`` = key
+``tile * block_n + i`` is live), so the forward kernel masks a partial tile with a scalar
 instead of a vector load and layout change in every step (see ``MASK_BITS`` in
 :mod:`.forward`).
 
@@ -21,7 +20,6 @@ Equivalent plain PyTorch (``tile_liveness`` from :mod:`flash_dmattn.block_map`):
     idx, cnt = compact_reference(live, live & ~full)
     keys = (idx >> 1)[..., None] * block_n + arange(block_n)
     bits = (mask[..., 0, keys] << arange(block_n)).sum(-1)      # keys past Lk count as 0
-    pairs = stack([idx, bits], -1)
 """
 from __future__ import annotations
 
@@ -52,19 +50,18 @@ def per_key_lists(
     block_n: int,
     with_bits: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(idx, cnt, pairs)`` forward lists of a per-key mask.
+    """``(idx, cnt, bits)`` forward lists of a per-key mask.
 
     Args:
         mask: bool ``(Bx, Hx, 1, Kx)`` with ``Kx`` = ``seqlen_k`` or 1 (broadcast), any strides.
         is_causal: bottom-right causal; then there is one list row per query tile (``nQ``),
             else one row shared by all of them.
-        with_bits: also fill ``pairs`` (else it is a 1-element placeholder).
+        with_bits: also fill ``bits`` (else it is a 1-element placeholder).
 
     Returns:
         ``idx`` int32 ``(Bx, Hx, rows, nK)``, ``cnt`` int32 ``(Bx, Hx, rows, 2)`` (live, full) as
-        :func:`.tiles.build_tile_lists` makes them, and ``pairs`` int64 ``(Bx, Hx, rows, nK,
-        2)``: each entry of ``idx`` beside the mask bits of the tile it names (unspecified
-        past the count).
+        :func:`.tiles.build_tile_lists` makes them, and ``bits`` int64 of ``idx``'s shape:
+        the mask bits of the tile each entry names (unspecified past the count).
     """
     bx, hx = mask.shape[0], mask.shape[1]
     rows = cdiv(seqlen_q, block_m) if is_causal else 1
@@ -72,7 +69,7 @@ def per_key_lists(
     device = mask.device
     idx = torch.empty((bx, hx, rows, n_tiles), dtype=torch.int32, device=device)
     cnt = torch.empty((bx, hx, rows, 2), dtype=torch.int32, device=device)
-    pairs = torch.empty((*idx.shape, 2) if with_bits else (1,), dtype=torch.int64, device=device)
+    bits = torch.empty(idx.shape if with_bits else (1,), dtype=torch.int64, device=device)
     m = mask.view(torch.uint8)
     stride_k = 0 if mask.size(3) == 1 else m.stride(3)
     stride_b = 0 if bx == 1 else m.stride(0)
@@ -92,12 +89,12 @@ def per_key_lists(
         # sm_90a, Triton 3.6 and 3.9); 64-tile chunks over 4 warps took 20 us for the T3 lists.
         chunk = max(16, min(128, 8192 // block_n))
     _per_key_lists_kernel[(bx * hx * rows,)](
-        m, idx, cnt, pairs, hx, rows, n_tiles, seqlen_q, seqlen_k, stride_b, stride_h, stride_k,
+        m, idx, cnt, bits, hx, rows, n_tiles, seqlen_q, seqlen_k, stride_b, stride_h, stride_k,
         BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk,
         IS_CAUSAL=bool(is_causal), WITH_BITS=with_bits, WORDS=words,
         num_warps=4 if on_cpu else 16,
     )
-    return idx, cnt, pairs
+    return idx, cnt, bits
 
 
 def _interpreted(device: torch.device) -> bool:
@@ -114,7 +111,7 @@ def per_key_lists_reference(
     block_n: int,
     with_bits: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain PyTorch :func:`per_key_lists` (same counts, entries and pairs up to the count):
+    """Plain PyTorch :func:`per_key_lists` (same counts, entries and bits up to the count):
     the lists from the torch tile maps of :mod:`.tiles`, the bits gathered per entry."""
     from .tiles import build_torch_lists  # tiles imports this module
 
@@ -130,7 +127,7 @@ def per_key_lists_reference(
     tile_bits = (m.long() << lanes).sum(-1)
     bits = torch.gather(tile_bits[:, :, None].expand(-1, -1, idx.size(2), -1), 3,
                         (idx >> 1).long())
-    return idx, cnt, torch.stack([idx.long(), bits], -1).contiguous()
+    return idx, cnt, bits.contiguous()
 
 
 @triton.jit
@@ -173,7 +170,7 @@ def _tile_states(mask_row, start, n, q_first, offset, seqlen_k, stride_mk,
 
 @triton.jit
 def _per_key_lists_kernel(
-    Mask, Idx, Cnt, Pairs, n_heads, n_rows, n_tiles, seqlen_q, seqlen_k,
+    Mask, Idx, Cnt, Bits, n_heads, n_rows, n_tiles, seqlen_q, seqlen_k,
     stride_mb, stride_mh, stride_mk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WITH_BITS: tl.constexpr, WORDS: tl.constexpr,
@@ -184,7 +181,7 @@ def _per_key_lists_kernel(
     h = row // n_rows % n_heads
     mask_row = Mask + b * stride_mb + h * stride_mh
     idx_row = Idx + row * n_tiles
-    pair_row = Pairs + row * n_tiles * 2
+    bits_row = Bits + row * n_tiles
     offset = seqlen_k - seqlen_q  # bottom-right: key j is visible to query i iff j <= i + offset
     q_first = r * BLOCK_M
     n = n_tiles
@@ -208,8 +205,7 @@ def _per_key_lists_kernel(
             entry = t * 2 + want_partial
             tl.store(idx_row + pos, entry, mask=sel)
             if WITH_BITS:
-                tl.store(pair_row + pos * 2, entry.to(tl.int64), mask=sel)
-                tl.store(pair_row + pos * 2 + 1, tile_bits, mask=sel)
+                tl.store(bits_row + pos, tile_bits, mask=sel)
             base += tl.sum(s, 0)
         if want_partial == 0:
             n_full = base

@@ -50,8 +50,8 @@ class TileLists:
     m or 0]``. ``bwd_idx`` is ``(Bm, Hm, nK, nQ)`` and ``bwd_cnt`` ``(Bm, Hm, nK, 2)`` (per key
     tile).
     Either pair may be None when not requested. ``fwd_bits`` (only for a per-key mask, when
-    asked for): int64 ``(*fwd_idx.shape, 2)``, each entry beside the mask bits of the tile it
-    names (bit ``i`` = key ``tile * block_n + i`` live; see :mod:`.key_mask_lists`).
+    asked for): int64 of ``fwd_idx``'s shape, the mask bits of each listed key tile (bit ``i``
+    = key ``tile * block_n + i`` live; see :mod:`.key_mask_lists`).
     """
 
     block_m: int
