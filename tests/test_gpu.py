@@ -166,9 +166,16 @@ def test_triton_lagged_gather_decisions_stay_exact():
 
     gather._LAGGED_TOTALS.clear()
     b, lq, lk, h, hkv = 1, 1000, 1024, 4, 2
-    q, k, v, sparse, bias = make_problem(b, lq, lk, h, hkv, 64, torch.bfloat16, "topk",
-                                         "per_key", seed=7)
-    dense = torch.rand(b, hkv, lq, lk, device="cuda") < 0.7
+    q, k, v, _, bias = make_problem(b, lq, lk, h, hkv, 64, torch.bfloat16, "none", "per_key",
+                                    seed=7)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    # Sparse: each query keeps most of one shared 10 % of the keys, so a query tile's union
+    # stays small (make_problem's top-k rows pick keys independently: their union is every
+    # key, which the auto policy rightly runs on tile lists).
+    shared = torch.rand(b, hkv, 1, lk, device="cuda", generator=g) < 0.1
+    sparse = shared & (torch.rand(b, hkv, lq, lk, device="cuda", generator=g) < 0.9)
+    sparse[:, :, :3] = False  # fully masked rows
+    dense = torch.rand(b, hkv, lq, lk, device="cuda", generator=g) < 0.7
     gathers = lambda m: gather.plan_key_gather(m, bias, lq, lk, h, True, 128, 64,
                                                policy="auto") is not None
     assert gathers(sparse) and not gathers(dense)  # each one's own choice
