@@ -4,9 +4,9 @@ A per-key mask ``(Bx, Hx, 1, Lk)`` -- the dynamic-mask case -- gives every query
 same row of key tiles, cut at the tile's causal limit. Built from torch reductions and
 elementwise ops (:func:`.tiles.build_tile_lists` for other masks) that took about ten small
 launches, ~35 us of GPU time on the block-sparse L 32K workload, 3 % of its forward. This
-kernel reads the mask row once per list row and writes the row's list directly, in the
-order and encoding of :mod:`.tiles` (full tiles first, then partial ones, each ascending,
-entries ``tile * 2 + partial``, zeros after the count).
+kernel reads the mask row in two passes per list row and writes the row's list directly, in
+the order and encoding of :mod:`.tiles` (full tiles first, then partial ones, each
+ascending, entries ``tile * 2 + partial``, zeros after the count).
 
 Beside each entry it writes the tile's ``block_n`` mask bits as one int64 (bit ``i`` = key
 ``tile * block_n + i`` is live), so the forward kernel masks a partial tile with a scalar
@@ -80,9 +80,10 @@ def per_key_lists(
     if on_cpu:
         chunk = 16
     elif words:
-        # 4096 words (a 32K-key row of 64-key tiles) over 16 warps: 8 per thread, so the T3
-        # rows take one chunk per pass.
-        chunk = 4096 * 8 // block_n
+        # 2048 words (256 tiles of 64 keys) over 16 warps, no spills (sm_90a, Triton 3.6;
+        # 4096 spilled 8 registers): the T3 lists in 9-10 us against 13-17 with byte reads
+        # (H200, t3-probe-2026-11-22j-final-*.log).
+        chunk = 2048 * 8 // block_n
     else:
         # Each chunk is one load round trip per pass: 128 tiles of 64 keys per chunk (8 KB of
         # mask) over 16 warps keep a 32K-key row to four per pass without spills (ptxas,
@@ -98,7 +99,8 @@ def per_key_lists(
 
 
 def _interpreted(device: torch.device) -> bool:
-    """Whether launches on ``device`` run in the interpreter (CPU tensors)."""
+    """Whether launches on ``device`` run in the interpreter (CPU tensors). A function so that
+    ``scripts/compile_check.py`` can capture the GPU's launch shape on a CPU machine."""
     return device.type == "cpu"
 
 
@@ -138,8 +140,8 @@ def _tile_states(mask_row, start, n, q_first, offset, seqlen_k, stride_mk,
     (int64, bit ``i`` = key ``i`` of the tile), and which are live and which full.
 
     ``WORDS``: the row is read as int64 words of 8 mask bytes (keys contiguous, 8-byte
-    aligned, ``seqlen_k % 8 == 0``): an eighth of the loads and registers of a byte read, so a
-    chunk can hold a whole 32K-key row."""
+    aligned, ``seqlen_k % 8 == 0``): an eighth of the loads and registers of a byte read, so
+    chunks are larger and a row takes fewer load round trips."""
     t = start + tl.arange(0, CHUNK)
     if WORDS:
         WPT: tl.constexpr = BLOCK_N // 8
@@ -202,8 +204,7 @@ def _per_key_lists_kernel(
                 sel = live & (full == 0)
             s = sel.to(tl.int32)
             pos = base + tl.cumsum(s, 0) - 1
-            entry = t * 2 + want_partial
-            tl.store(idx_row + pos, entry, mask=sel)
+            tl.store(idx_row + pos, t * 2 + want_partial, mask=sel)
             if WITH_BITS:
                 tl.store(bits_row + pos, tile_bits, mask=sel)
             base += tl.sum(s, 0)
