@@ -294,6 +294,14 @@ def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_l
 
 
 @triton.jit
+def _bit_set(words, lane):
+    """Whether bit ``lane`` (0..63) of the int64 ``words`` is set, broadcasting the two; the
+    32-bit halves keep the shifts in 32-bit ops."""
+    half = tl.where(lane < 32, words.to(tl.int32), (words >> 32).to(tl.int32))
+    return ((half >> (lane & 31)) & 1) != 0
+
+
+@triton.jit
 def _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK: tl.constexpr,
           IS_CAUSAL: tl.constexpr, MASK_BITS: tl.constexpr = False):
     """-inf where a (query, key) element is out of range, masked or causally hidden.
@@ -306,17 +314,12 @@ def _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK: tl.constexp
         # Gathered keys: the row's bits are the whole answer -- the planner leaves them 0 past
         # the list's count and past the row's causal limit -- so no range or causal test.
         # (An if / else, not an early return: the compiler would still build the rest.)
-        lane = tl.arange(0, offs_n.shape[0])
-        word = tl.where(lane[None, :] < 32, mv.to(tl.int32)[:, None],
-                        (mv >> 32).to(tl.int32)[:, None])
-        vis = ((word >> (lane & 31)[None, :]) & 1) != 0
+        vis = _bit_set(mv[:, None], tl.arange(0, offs_n.shape[0])[None, :])
     else:
         vis = n_ok[None, :]
         if MASK_BITS == 1:
-            # Tile widths are powers of two <= 64; 32-bit halves keep the test in 32-bit ops.
-            lane = offs_n & (offs_n.shape[0] - 1)
-            word = tl.where(lane < 32, mv.to(tl.int32), (mv >> 32).to(tl.int32))
-            vis = vis & (((word >> (lane & 31)) & 1) != 0)[None, :]
+            # Tile widths are powers of two <= 64: a key's lane is its index modulo the width.
+            vis = vis & _bit_set(mv, offs_n & (offs_n.shape[0] - 1))[None, :]
         elif HAS_MASK:
             vis = vis & (mv != 0)
         if IS_CAUSAL:
