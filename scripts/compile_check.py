@@ -110,7 +110,8 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
 
     def grab(name, tuned):
         def launch(grid, args, meta):
-            launches.append((name, tuned, args, meta))
+            guard = meta.get("ROW_GUARD", 0)
+            launches.append((name + ("", "+g1", "+net")[guard], tuned, args, meta))
         return launch
 
     class _NoLaunch:
@@ -118,6 +119,8 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
             return lambda *a, **k: None
 
     fwd_mod._launch_fwd = grab("fwd", fwd_mod._attn_fwd_tuned)
+    fwd_mod._launch_fwd_untuned = grab("fwd", fwd_mod._attn_fwd_tuned)
+    fwd_mod._sm_count = lambda device: 132  # an H100 SXM / H200
     bwd_mod._launch_dkdv = grab("dkdv", bwd_mod._dkdv_tuned)
     bwd_mod._launch_dq = grab("dq", bwd_mod._dq_tuned)
     bwd_mod._bwd_preprocess = _NoLaunch()
@@ -232,9 +235,13 @@ def main() -> int:
     ap.add_argument("--dump", type=Path, default=None, help="write each kernel's TTGIR here")
     ap.add_argument("--seqlen", type=int, default=512,
                     help="sequence length of the captured call (divisibility by 16 changes codegen)")
+    ap.add_argument("--plain-rows", default="never", choices=["never", "always"],
+                    help="per-key workload: the one-kernel forward, or the two kernels of "
+                         "flash_dmattn.backends.triton.plain_rows (fwd+net, fwd+g1)")
     ap.add_argument("--first-config", action="store_true",
                     help="compile only the first autotuning config per kernel (quick check)")
     args = ap.parse_args()
+    os.environ["FLASH_DMATTN_TRITON_PLAIN_ROWS"] = args.plain_rows
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0
     for name, tuned, kargs, meta in capture(args.workload, seqlen=args.seqlen):
@@ -248,7 +255,7 @@ def main() -> int:
             configs = configs[:1]
         for cfg in configs:
             opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-            label = f"{name:5s} w{cfg.num_warps} s{cfg.num_stages}"
+            label = f"{name:8s} w{cfg.num_warps} s{cfg.num_stages}"
             try:
                 src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
                 ck = triton.compile(src, target=target, options=opts)

@@ -123,6 +123,18 @@ def main():
         print(f"  mask bits {mode:5s}: T3 kernel {t_k:.3f} ms ({t_k / base:.3f}x cuDNN), public call "
               f"{t_p:.3f} ms ({t_p / base:.3f}x cuDNN)")
     os.environ.pop(fwd_mod.MASK_BITS_ENV)
+    # Uncut rows without the mask (plain_rows): the kernel alone on prebuilt lists (with
+    # "always" that is the net + the uncut rows' kernel), and the public call.
+    from flash_dmattn.backends.triton.plain_rows import PLAIN_ROWS_ENV
+    for mode in ("never", "always", "auto"):
+        os.environ[PLAIN_ROWS_ENV] = mode
+        t_k = time_ms(lambda: fwd(mask, tiles_bits))
+        t_p = time_ms(public)
+        print(f"  plain rows {mode:6s}: T3 kernel(s) {t_k:.3f} ms ({t_k / base:.3f}x cuDNN), public "
+              f"call {t_p:.3f} ms ({t_p / base:.3f}x cuDNN)")
+    os.environ.pop(PLAIN_ROWS_ENV)
+    print(f"  cut rows of the T3 lists: {int((tiles_bits.fwd_cut > 0).sum())} of "
+          f"{tiles_bits.fwd_cut.numel()}")
     for name, fn in [("planning", lambda: lists(mask)),
                      ("public call", public)]:
         print(f"  host time per call, {name:32s} {host_ms(fn):7.3f} ms")

@@ -184,6 +184,46 @@ def test_triton_lagged_gather_decisions_stay_exact():
     gather._LAGGED_TOTALS.clear()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_plain_rows_are_exact(causal, monkeypatch):
+    """A per-key mask's uncut rows run without the mask, its cut rows in the net kernel
+    (plain_rows, ``auto``): block-sparse masks (whole 128-key blocks: no row cut) alternate
+    with ones whose second head adds scattered keys in the second half (cut rows beside
+    uncut ones), so the two-kernel forward meets cut rows it did not predict. Poisoned
+    outputs; every call matches the reference, outputs and gradients."""
+    if "triton" not in get_available_backends():
+        pytest.skip("triton unavailable here")
+    from flash_dmattn.backends.triton import forward as fwd_mod
+    from flash_dmattn.backends.triton import plain_rows
+
+    monkeypatch.setenv(plain_rows.PLAIN_ROWS_ENV, "auto")
+    monkeypatch.setattr(plain_rows, "_MEMO", type(plain_rows._MEMO)())
+    monkeypatch.setattr(fwd_mod, "DEBUG_POISON", True)
+    guards = []
+    real = fwd_mod._launch_fwd_untuned
+
+    def spy(grid, args, meta):
+        guards.append(meta.get("ROW_GUARD", 0))
+        return real(grid, args, meta)
+    monkeypatch.setattr(fwd_mod, "_launch_fwd_untuned", spy)
+    b, lq, lk, h, hkv = 2, 1500, 2000, 8, 2  # a ragged last key tile, Lq != Lk
+    q, k, v, _, bias = make_problem(b, lq, lk, h, hkv, 128, torch.bfloat16, "none", "per_key",
+                                    seed=9)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    blocks = torch.rand(b, hkv, 1, -(-lk // 128), device="cuda", generator=g) < 0.3
+    blocks[..., -1] = True
+    aligned = blocks.repeat_interleave(128, -1)[..., :lk]
+    scattered = torch.rand(b, hkv, 1, lk, device="cuda", generator=g) < 0.2
+    scattered[..., : lk // 2] = False
+    scattered[:, 0] = False
+    mixed = aligned | scattered
+    for mask in (aligned, mixed, aligned, aligned):
+        check("triton", (q, k, v, mask, bias), causal=causal)
+        torch.cuda.synchronize()  # the verdict of this call reaches the host before the next
+    # The net ran for the second and fourth calls (after a call with no cut row).
+    assert guards == [2, 2]
+
+
 @pytest.mark.parametrize("d,mask_heads,bias_heads",
                          [(64, "1", "K"), (128, "K", "H"), (128, "H", "1"), (128, "-", "-"),
                           (64, "-", "H")])

@@ -12,6 +12,7 @@ from naive import assert_close
 require_triton_interpreter()
 
 from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
+from flash_dmattn.backends.triton import plain_rows  # noqa: E402
 from flash_dmattn.backends.triton.forward import attention_forward  # noqa: E402
 from flash_dmattn.backends.triton.key_mask_lists import (  # noqa: E402
     per_key_lists,
@@ -39,6 +40,18 @@ def _reference_lists(mask, lq, lk, causal, bm, bn):
     return per_key_lists_reference(mask, lq, lk, causal, bm, bn, True)
 
 
+def _assert_same_lists(got, ref):
+    """Counts, cut counts, and entries and bits up to the count, equal."""
+    idx, cnt, bits, cut = got
+    ref_idx, ref_cnt, ref_bits, ref_cut = ref
+    assert idx.shape == ref_idx.shape and cnt.shape == ref_cnt.shape
+    assert torch.equal(cnt, ref_cnt)
+    assert torch.equal(cut, ref_cut)
+    used = torch.arange(idx.size(-1)) < cnt[..., :1]
+    assert torch.equal(torch.where(used, idx, 0), torch.where(used, ref_idx, 0))
+    assert torch.equal(torch.where(used, bits, 0), torch.where(used, ref_bits, 0))
+
+
 CASES = [
     # (Bx, Hx, Lq, Lk, causal, block_m, block_n, scattered density)
     (1, 1, 100, 130, True, 16, 16, 0.05),
@@ -58,16 +71,16 @@ def test_lists_match_torch_maps(case):
     bx, hx, lq, lk, causal, bm, bn, density = case
     gen = torch.Generator().manual_seed(lq * 7 + lk)
     mask = _block_mask((bx, hx, 1), lk, density, 32, gen)
-    idx, cnt, bits = per_key_lists(mask, lq, lk, causal, bm, bn, True)
-    ref_idx, ref_cnt, ref_bits = _reference_lists(mask, lq, lk, causal, bm, bn)
-    assert idx.shape == ref_idx.shape and cnt.shape == ref_cnt.shape
-    assert torch.equal(cnt, ref_cnt)
+    got = per_key_lists(mask, lq, lk, causal, bm, bn, True)
+    _assert_same_lists(got, _reference_lists(mask, lq, lk, causal, bm, bn))
+    idx, cnt, _, cut = got
     used = torch.arange(idx.size(-1)) < cnt[..., :1]
     flags = idx & 1
     assert (flags[used] == 1).any() and (flags[used] == 0).any()  # partial and full tiles
-    assert torch.equal(torch.where(used, idx, 0), torch.where(used, ref_idx, 0))
+    # Scattered keys cut tiles; blocks of 32 keys alone cut none of 16 keys (causality and a
+    # ragged end make tiles partial, not cut).
+    assert bool((cut > 0).any()) == (density > 0)
     assert torch.equal(torch.where(used, 0, idx), torch.zeros_like(idx))  # zeros past the count
-    assert torch.equal(torch.where(used, bits, 0), torch.where(used, ref_bits, 0))
 
 
 def test_broadcast_and_strided_masks():
@@ -76,12 +89,8 @@ def test_broadcast_and_strided_masks():
     for mask in (base.expand(2, 3, 1, 90),                          # stride-0 heads
                  torch.ones(1, 2, 1, 1, dtype=torch.bool).expand(1, 2, 1, 90),  # key broadcast
                  _block_mask((1, 2, 1), 180, 0.1, 16, gen)[..., ::2]):         # key stride 2
-        idx, cnt, bits = per_key_lists(mask, 40, 90, True, 16, 16, True)
-        ref_idx, ref_cnt, ref_bits = _reference_lists(mask, 40, 90, True, 16, 16)
-        assert torch.equal(cnt, ref_cnt)
-        used = torch.arange(idx.size(-1)) < cnt[..., :1]
-        assert torch.equal(torch.where(used, idx, 0), torch.where(used, ref_idx, 0))
-        assert torch.equal(torch.where(used, bits, 0), torch.where(used, ref_bits, 0))
+        _assert_same_lists(per_key_lists(mask, 40, 90, True, 16, 16, True),
+                           _reference_lists(mask, 40, 90, True, 16, 16))
 
 
 def test_word_reads_only_for_aligned_rows(monkeypatch):
@@ -103,13 +112,9 @@ def test_word_reads_only_for_aligned_rows(monkeypatch):
     base = _block_mask((1, 2, 1), 96, 0.1, 16, torch.Generator().manual_seed(4))
     for mask, words in ((base[..., :88], True), (base[..., 3:91], False), (base[..., :90], False)):
         lk = mask.size(-1)
-        idx, cnt, bits = per_key_lists(mask, 40, lk, True, 16, 16, True)
-        ref_idx, ref_cnt, ref_bits = _reference_lists(mask, 40, lk, True, 16, 16)
+        got = per_key_lists(mask, 40, lk, True, 16, 16, True)
         assert seen[-1] is words
-        assert torch.equal(cnt, ref_cnt)
-        used = torch.arange(idx.size(-1)) < cnt[..., :1]
-        assert torch.equal(torch.where(used, idx, 0), torch.where(used, ref_idx, 0))
-        assert torch.equal(torch.where(used, bits, 0), torch.where(used, ref_bits, 0))
+        _assert_same_lists(got, _reference_lists(mask, 40, lk, True, 16, 16))
 
 
 def test_build_tile_lists_uses_the_planner_for_forward_lists():
@@ -155,3 +160,77 @@ def test_unknown_mask_bits_mode_is_an_error(monkeypatch):
     monkeypatch.setenv(fwd_mod.MASK_BITS_ENV, "fast")
     with pytest.raises(ValueError, match="MASK_BITS"):
         fwd_mod.mask_bits_mode()
+
+
+# --- Uncut rows without the mask (plain_rows) ----------------------------------------------
+
+def _mixed_cut_mask(shape, lk, gen):
+    """A per-key mask whose first head is whole 16-key blocks (its rows are uncut) and whose
+    other heads add scattered keys in the second half: rows that see them are cut, earlier
+    causal query tiles are not."""
+    blocks = torch.rand(*shape, -(-lk // 16), generator=gen) < 0.5
+    blocks[..., 0] = True
+    scattered = torch.rand(*shape, lk, generator=gen) < 0.3
+    scattered[..., : lk // 2] = False
+    scattered[:, 0] = False
+    return blocks.repeat_interleave(16, -1)[..., :lk] | scattered
+
+
+def _spy_row_guards(monkeypatch):
+    """The ROW_GUARD of every forward launch, in order."""
+    guards = []
+    for name in ("_launch_fwd", "_launch_fwd_untuned"):
+        real = getattr(fwd_mod, name)
+
+        def launch(grid, args, meta, real=real):
+            guards.append(meta.get("ROW_GUARD", 0))
+            return real(grid, args, meta)
+        monkeypatch.setattr(fwd_mod, name, launch)
+    return guards
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_plain_rows_split_is_exact(causal, monkeypatch):
+    # The net over the cut rows, then the uncut ones without the mask: outputs and gradients
+    # as the reference (poisoned outputs: a row neither kernel wrote shows as NaN; a cut row
+    # the second kernel also ran shows as a wrong one).
+    monkeypatch.setenv(plain_rows.PLAIN_ROWS_ENV, "always")
+    guards = _spy_row_guards(monkeypatch)
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 70, 90, 16
+    mask = _mixed_cut_mask((B, Hkv, 1), Lk, torch.Generator().manual_seed(11))
+    cut = build_tile_lists(mask, Lq, Lk, H, causal, 16, 16, torch.device("cpu"),
+                           with_bits=True).fwd_cut
+    assert (cut == 0).any() and (cut > 0).any()  # both kinds of rows in one call
+    bias = torch.randn(B, Hkv, 1, Lk)
+    bias[..., 7] = float("-inf")
+    run_case(B, H, Hkv, Lq, Lk, D, causal=causal, mask=mask, bias=bias)
+    assert guards == [2, 1]
+
+
+def test_plain_rows_follow_the_previous_alike_call(monkeypatch):
+    # auto: split only when the previous call of the same shapes had no cut row -- and exact
+    # when the mask changed since and now cuts some rows.
+    monkeypatch.setenv(plain_rows.PLAIN_ROWS_ENV, "auto")
+    monkeypatch.setattr(plain_rows, "_MEMO", type(plain_rows._MEMO)())
+    guards = _spy_row_guards(monkeypatch)
+    B, H, Lq, Lk, D = 1, 2, 48, 96, 16
+    gen = torch.Generator().manual_seed(12)
+    aligned = _mixed_cut_mask((B, 1, 1), Lk, gen)        # one head: whole blocks only
+    mixed = _mixed_cut_mask((B, 2, 1), Lk, gen)          # a second head with cut rows
+    q, k, v = (torch.randn(B, n, H, D) for n in (Lq, Lk, Lk))
+    expect = [[0], [2, 1], [0], [2, 1]]
+    for mask, want in zip((aligned.expand(B, 2, 1, Lk), mixed, aligned.expand(B, 2, 1, Lk),
+                           aligned.expand(B, 2, 1, Lk)), expect):
+        del guards[:]
+        out, lse = attention_forward(q, k, v, mask, None, 1 / math.sqrt(D), True, 0.0)
+        assert guards == want
+        ro, rl = naive_attention(q.double(), k.double(), v.double(), mask, None,
+                                 1 / math.sqrt(D), True, 0.0)
+        assert_close("out", out, ro, 2e-5)
+        assert_close("lse", lse, rl, 2e-5)
+
+
+def test_unknown_plain_rows_mode_is_an_error(monkeypatch):
+    monkeypatch.setenv(plain_rows.PLAIN_ROWS_ENV, "sometimes")
+    with pytest.raises(ValueError, match="PLAIN_ROWS"):
+        plain_rows.plain_rows_mode()

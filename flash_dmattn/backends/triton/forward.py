@@ -14,6 +14,7 @@ program walks up to its causal limit: dead key tiles cost nothing, full ones ski
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Tuple, Union
 
@@ -23,6 +24,7 @@ import triton.language as tl
 
 from .gather import KeyGather, gather_policy, plan_key_gather
 from .mask_summary import summarize_mask, summary_blocks, wants_summary
+from .plain_rows import split_plain_rows
 from .plan import NOT_PLANNED, plan_backward
 from .tiles import TileLists, build_tile_lists, build_varlen_key_lists
 from ...intmath import cdiv, next_power_of_2
@@ -401,7 +403,8 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
 
 
 @triton.jit
-def _attn_fwd_kernel(
+def _attn_fwd_program(
+    pid_m, pid_bh,
     Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt, MaskBits, CuQ, CuK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -412,7 +415,6 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh, stride_lm, stride_cb, stride_ch, stride_cm, list_hdiv,
     num_heads, group, seqlen_q, seqlen_k, n_k_tiles, stride_lse_h,
     qk_scale, cap_scale, softcap,
-    lq_bucket, lk_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
@@ -422,23 +424,8 @@ def _attn_fwd_kernel(
     MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
     BIAS_GATHERED: tl.constexpr = False, MASK_BITS: tl.constexpr = False,
 ):
-    # MASK_BITS (with USE_LIST, not GATHER / VARLEN): a per-key mask whose tiles' bits come in
-    # MaskBits, parallel to ListIdx (TileLists.fwd_bits); the mask itself is not read. A
-    # partial tile costs one scalar load and a few shifts, a full tile nothing, where the
-    # mask path issues a predicated vector load in every step (T3: 5 % of the kernel).
-    # BIAS_GATHERED (with GATHER): Bias is the KeyGather's gbias, one padded row per query
-    # tile (stride_bm is the tile stride), read at the same list positions as the mask.
-    # MASK_PAD / BIAS_PAD: the mask's / bias's rows are padded copies (aligned_rows): bound
-    # their reads by the row width, a multiple of 16 the compiler can see, so they vectorise
-    # and pipeline.
-    # GATHER: ListIdx/ListCnt are a KeyGather's idx/cnt (key indices, not tile entries) and
-    # Mask is its gbits (int64 words: the mask's bits at the listed keys, see .gather).
-    # VARLEN: packed sequences, see _varlen_seq; b is the sequence index.
-    pid_m = tl.program_id(0)
-    if IS_CAUSAL:
-        # Bottom query tiles see the most keys: launch them first to shorten the tail.
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
+    """Query tile ``pid_m`` of (batch, query head) ``pid_bh``: the kernel's work for one
+    program (see :func:`_attn_fwd_kernel`)."""
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     hk = h // group
@@ -571,12 +558,117 @@ def _attn_fwd_kernel(
     tl.store(lse_row + offs_m, lse, mask=m_ok)
 
 
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt, MaskBits, CutRows, CuQ, CuK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_mb, stride_mh, stride_mm, stride_mn, mask_hdiv,
+    stride_bb, stride_bh, stride_bm, stride_bn, bias_hdiv,
+    stride_lb, stride_lh, stride_lm, stride_cb, stride_ch, stride_cm, list_hdiv,
+    stride_ub, stride_uh, stride_um,
+    num_heads, group, seqlen_q, seqlen_k, n_k_tiles, stride_lse_h,
+    qk_scale, cap_scale, softcap,
+    lq_bucket, lk_bucket,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr = False,
+    MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
+    BIAS_GATHERED: tl.constexpr = False, MASK_BITS: tl.constexpr = False,
+    ROW_GUARD: tl.constexpr = 0, NET_CHUNK: tl.constexpr = 64,
+):
+    # MASK_BITS (with USE_LIST, not GATHER / VARLEN): a per-key mask whose tiles' bits come in
+    # MaskBits, parallel to ListIdx (TileLists.fwd_bits); the mask itself is not read. A
+    # partial tile costs one scalar load and a few shifts, a full tile nothing, where the
+    # mask path issues a predicated vector load in every step (T3: 5 % of the kernel).
+    # BIAS_GATHERED (with GATHER): Bias is the KeyGather's gbias, one padded row per query
+    # tile (stride_bm is the tile stride), read at the same list positions as the mask.
+    # MASK_PAD / BIAS_PAD: the mask's / bias's rows are padded copies (aligned_rows): bound
+    # their reads by the row width, a multiple of 16 the compiler can see, so they vectorise
+    # and pipeline.
+    # GATHER: ListIdx/ListCnt are a KeyGather's idx/cnt (key indices, not tile entries) and
+    # Mask is its gbits (int64 words: the mask's bits at the listed keys, see .gather).
+    # VARLEN: packed sequences, see _varlen_seq; b is the sequence index.
+    # ROW_GUARD (per-key lists with their cut counts in CutRows, see .plain_rows): 1 -- only
+    # the rows the mask cuts nowhere (the kernel is launched without the mask); 2 -- only the
+    # rows it cuts, on a grid of (G, B * H) programs, each checking NET_CHUNK of its head's
+    # query tiles with one load (most calls have none: the launch costs one wave).
+    if ROW_GUARD == 2:
+        tl.static_assert(USE_LIST and not GATHER and not VARLEN)
+        pid_bh = tl.program_id(1)
+        n_q = tl.cdiv(seqlen_q, BLOCK_M)
+        step = tl.num_programs(0)
+        for c0 in range(tl.program_id(0), n_q, step * NET_CHUNK):
+            ms = c0 + tl.arange(0, NET_CHUNK) * step
+            cuts = _row_cut(CutRows, ms, pid_bh, num_heads, list_hdiv,
+                            stride_ub, stride_uh, stride_um, ms < n_q)
+            if tl.max(cuts, 0) > 0:
+                for j in range(0, NET_CHUNK):
+                    pid_m = c0 + j * step
+                    if pid_m < n_q:
+                        if _row_cut(CutRows, pid_m, pid_bh, num_heads, list_hdiv,
+                                    stride_ub, stride_uh, stride_um, True) > 0:
+                            _attn_fwd_program(
+                                pid_m, pid_bh, Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt,
+                                MaskBits, CuQ, CuK, stride_qb, stride_qm, stride_qh, stride_kb,
+                                stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                                stride_ob, stride_om, stride_oh, stride_mb, stride_mh,
+                                stride_mm, stride_mn, mask_hdiv, stride_bb, stride_bh,
+                                stride_bm, stride_bn, bias_hdiv, stride_lb, stride_lh,
+                                stride_lm, stride_cb, stride_ch, stride_cm, list_hdiv,
+                                num_heads, group, seqlen_q, seqlen_k, n_k_tiles, stride_lse_h,
+                                qk_scale, cap_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                BLOCK_N, HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB,
+                                BIAS_KB, IS_CAUSAL, USE_LIST, HAS_SOFTCAP, DOT_UPCAST, GATHER,
+                                VARLEN, MASK_PAD, BIAS_PAD, BIAS_GATHERED, MASK_BITS)
+    else:
+        pid_m = tl.program_id(0)
+        if IS_CAUSAL:
+            # Bottom query tiles see the most keys: launch them first to shorten the tail.
+            pid_m = tl.num_programs(0) - 1 - pid_m
+        pid_bh = tl.program_id(1)
+        run = True
+        if ROW_GUARD == 1:
+            tl.static_assert(USE_LIST and not GATHER and not VARLEN and not HAS_MASK)
+            run = _row_cut(CutRows, pid_m, pid_bh, num_heads, list_hdiv,
+                           stride_ub, stride_uh, stride_um, True) == 0
+        if run:
+            _attn_fwd_program(
+                pid_m, pid_bh, Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt, MaskBits, CuQ,
+                CuK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh, stride_mb,
+                stride_mh, stride_mm, stride_mn, mask_hdiv, stride_bb, stride_bh, stride_bm,
+                stride_bn, bias_hdiv, stride_lb, stride_lh, stride_lm, stride_cb, stride_ch,
+                stride_cm, list_hdiv, num_heads, group, seqlen_q, seqlen_k, n_k_tiles,
+                stride_lse_h, qk_scale, cap_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_M,
+                BLOCK_N, HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
+                USE_LIST, HAS_SOFTCAP, DOT_UPCAST, GATHER, VARLEN, MASK_PAD, BIAS_PAD,
+                BIAS_GATHERED, MASK_BITS)
+
+
+@triton.jit
+def _row_cut(CutRows, pid_m, pid_bh, num_heads, list_hdiv, stride_ub, stride_uh, stride_um,
+             ok):
+    """How many of query tile ``pid_m``'s listed key tiles the mask cuts (scalars or
+    vectors; 0 where not ``ok``)."""
+    b = pid_bh // num_heads
+    lh = pid_bh % num_heads // list_hdiv
+    return tl.load(CutRows + b * stride_ub + lh * stride_uh + pid_m * stride_um, mask=ok, other=0)
+
+
 # ------------------------------------------------------------------------------------------
 # Launch configuration
 # ------------------------------------------------------------------------------------------
 
 _FWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE_LIST",
-            "GATHER", "VARLEN", "MASK_BITS", "lq_bucket", "lk_bucket"]
+            "GATHER", "VARLEN", "MASK_BITS", "ROW_GUARD", "lq_bucket", "lk_bucket"]
 
 
 # How the forward masks a per-key mask's partial tiles (FLASH_DMATTN_TRITON_MASK_BITS):
@@ -711,6 +803,7 @@ def attention_forward(
         list_hdiv = 1
 
     mask_bits = tiles.fwd_bits if use_bits and tiles is not None and mask is not None else None
+    cut = tiles.fwd_cut if mask_bits is not None else None
     if gather is not None:
         mask_arg, ms = gather.gbits, gather.mask_strides(H)
     else:
@@ -727,12 +820,12 @@ def attention_forward(
     has_softcap = softcap > 0.0
     args = (
         q, k, v, out, lse, mask_arg, bias_arg, idx, cnt,
-        mask_bits if mask_bits is not None else q, q, q,
+        mask_bits if mask_bits is not None else q, cut if cut is not None else q, q, q,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        *ms, *bs, *lst, list_hdiv,
+        *ms, *bs, *lst, list_hdiv, *(tiles.cut_strides() if cut is not None else (0, 0, 0)),
         H, H // Hkv, Lq, Lk, n_k_tiles, 0,
         softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
         seqlen_bucket(Lq), seqlen_bucket(Lk),
@@ -751,7 +844,11 @@ def attention_forward(
         BIAS_GATHERED=bias_gathered,
         MASK_BITS=int(mask_bits is not None),
     )
-    _launch_fwd(grid, args, meta)
+    if cut is not None and split_plain_rows(
+            cut, (device, tuple(mask.shape), Lq, Lk, bool(is_causal), block_m, block_n)):
+        _launch_plain_rows(grid, args, meta, q.device)
+    else:
+        _launch_fwd(grid, args, meta)
     if not keep_plan:
         return out, lse
     bwd = _bwd_blocks(D)
@@ -818,24 +915,56 @@ def launch_tuned(kernel, tuned, grid, args, meta) -> None:
     if interpret_mode():
         kernel[grid](*args, **meta, num_warps=4, num_stages=1)
     elif os.environ.get(AUTOTUNE_ENV, "1").strip() == "0":
-        configs = tuned.configs
-        prune = getattr(tuned, "early_config_prune", None)
-        if prune is not None:
-            configs = prune(configs, dict(zip(kernel.arg_names, args)), **meta)
-        # Like the autotuner, skip configs this GPU cannot fit (shared memory, registers).
-        for i, cfg in enumerate(configs):
-            try:
-                kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-                return
-            except triton.runtime.errors.OutOfResources:
-                if i == len(configs) - 1:
-                    raise
+        launch_first_config(kernel, tuned, grid, args, meta)
     else:
         tuned[grid](*args, **meta)
 
 
+def launch_first_config(kernel, tuned, grid, args, meta) -> None:
+    """Launch ``kernel`` with the first of ``tuned``'s (pruned) configs this GPU can fit."""
+    configs = tuned.configs
+    prune = getattr(tuned, "early_config_prune", None)
+    if prune is not None:
+        configs = prune(configs, dict(zip(kernel.arg_names, args)), **meta)
+    # Like the autotuner, skip configs this GPU cannot fit (shared memory, registers).
+    for i, cfg in enumerate(configs):
+        try:
+            kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            return
+        except triton.runtime.errors.OutOfResources:
+            if i == len(configs) - 1:
+                raise
+
+
 def _launch_fwd(grid, args, meta) -> None:
     launch_tuned(_attn_fwd_kernel, _attn_fwd_tuned, grid, args, meta)
+
+
+def _launch_plain_rows(grid, args, meta, device: torch.device) -> None:
+    """The two-kernel forward of a per-key mask (see :mod:`.plain_rows`): a net of about one
+    wave over the rows the mask cuts, with it, then the other rows without it (in this order
+    a row run by both would end with the wrong output: the tests see it)."""
+    n_q, n_bh = grid
+    if interpret_mode():
+        programs, chunk = 2, 2  # small, so the interpreter walks several chunks per program
+    else:
+        programs, chunk = cdiv(_sm_count(device), n_bh), 64
+    net_grid = (max(1, min(n_q, programs)), n_bh)
+    # Not autotuned: timing a launch that usually has nothing to do would pick at random.
+    _launch_fwd_untuned(net_grid, args, dict(meta, ROW_GUARD=2, NET_CHUNK=chunk))
+    _launch_fwd(grid, args, dict(meta, HAS_MASK=False, MASK_BITS=0, ROW_GUARD=1))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch_fwd_untuned(grid, args, meta) -> None:
+    if interpret_mode():
+        _attn_fwd_kernel[grid](*args, **meta, num_warps=4, num_stages=1)
+    else:
+        launch_first_config(_attn_fwd_kernel, _attn_fwd_tuned, grid, args, meta)
 
 
 def varlen_aux_4d(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -921,12 +1050,12 @@ def attention_forward_varlen(
     has_softcap = softcap > 0.0
     # The packed tensors are batch 1 (batch strides 0); programs offset by their sequence start.
     args = (
-        q, k, v, out, lse, mask_arg, bias_arg, idx, cnt, q, cu_q, cu_k,
+        q, k, v, out, lse, mask_arg, bias_arg, idx, cnt, q, q, cu_q, cu_k,
         0, q.stride(0), q.stride(1),
         0, k.stride(0), k.stride(1),
         0, v.stride(0), v.stride(1),
         0, out.stride(0), out.stride(1),
-        *broadcast_strides(mask4, H), *broadcast_strides(bias4, H), *lst,
+        *broadcast_strides(mask4, H), *broadcast_strides(bias4, H), *lst, 0, 0, 0,
         H, H // Hkv, max_seqlen_q, max_seqlen_k, cdiv(max_seqlen_k, block_n), lse.stride(0),
         softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
         seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k),

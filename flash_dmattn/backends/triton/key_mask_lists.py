@@ -11,7 +11,10 @@ ascending, entries ``tile * 2 + partial``, zeros after the count).
 Beside each entry it writes the tile's ``block_n`` mask bits as one int64 (bit ``i`` = key
 ``tile * block_n + i`` is live), so the forward kernel masks a partial tile with a scalar
 instead of a vector load and layout change in every step (see ``MASK_BITS`` in
-:mod:`.forward`).
+:mod:`.forward`), and per list row the number of *cut* tiles: live tiles where the mask
+hides some in-range key. A row with none needs no mask at all -- its partial tiles are
+partial by causality or a ragged end only -- which lets the forward run such rows in a
+kernel that never reads the mask (:mod:`.plain_rows`).
 
 Equivalent plain PyTorch (``tile_liveness`` from :mod:`flash_dmattn.block_map`)::
 
@@ -20,6 +23,9 @@ Equivalent plain PyTorch (``tile_liveness`` from :mod:`flash_dmattn.block_map`):
     idx, cnt = compact_reference(live, live & ~full)
     keys = (idx >> 1)[..., None] * block_n + arange(block_n)
     bits = (mask[..., 0, keys] << arange(block_n)).sum(-1)      # keys past Lk count as 0
+    in_range = (Lk - (idx >> 1) * block_n).clamp(max=block_n)
+    listed = arange(nK) < cnt[..., :1]
+    cut = ((mask[..., 0, keys].sum(-1) < in_range) & listed).sum(-1)   # per row
 """
 from __future__ import annotations
 
@@ -49,19 +55,21 @@ def per_key_lists(
     block_m: int,
     block_n: int,
     with_bits: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(idx, cnt, bits)`` forward lists of a per-key mask.
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(idx, cnt, bits, cut)`` forward lists of a per-key mask.
 
     Args:
         mask: bool ``(Bx, Hx, 1, Kx)`` with ``Kx`` = ``seqlen_k`` or 1 (broadcast), any strides.
         is_causal: bottom-right causal; then there is one list row per query tile (``nQ``),
             else one row shared by all of them.
-        with_bits: also fill ``bits`` (else it is a 1-element placeholder).
+        with_bits: also fill ``bits`` and ``cut`` (else they are 1-element placeholders).
 
     Returns:
         ``idx`` int32 ``(Bx, Hx, rows, nK)``, ``cnt`` int32 ``(Bx, Hx, rows, 2)`` (live, full) as
-        :func:`.tiles.build_tile_lists` makes them, and ``bits`` int64 of ``idx``'s shape:
-        the mask bits of the tile each entry names (unspecified past the count).
+        :func:`.tiles.build_tile_lists` makes them, ``bits`` int64 of ``idx``'s shape: the
+        mask bits of the tile each entry names (unspecified past the count), and ``cut``
+        int32 ``(Bx, Hx, rows)``: how many listed tiles of the row the mask cuts (some key
+        in range hidden).
     """
     bx, hx = mask.shape[0], mask.shape[1]
     rows = cdiv(seqlen_q, block_m) if is_causal else 1
@@ -70,6 +78,7 @@ def per_key_lists(
     idx = torch.empty((bx, hx, rows, n_tiles), dtype=torch.int32, device=device)
     cnt = torch.empty((bx, hx, rows, 2), dtype=torch.int32, device=device)
     bits = torch.empty(idx.shape if with_bits else (1,), dtype=torch.int64, device=device)
+    cut = torch.empty((bx, hx, rows) if with_bits else (1,), dtype=torch.int32, device=device)
     m = mask.view(torch.uint8)
     stride_k = 0 if mask.size(3) == 1 else m.stride(3)
     stride_b = 0 if bx == 1 else m.stride(0)
@@ -90,12 +99,12 @@ def per_key_lists(
         # sm_90a, Triton 3.6 and 3.9); 64-tile chunks over 4 warps took 20 us for the T3 lists.
         chunk = max(16, min(128, 8192 // block_n))
     _per_key_lists_kernel[(bx * hx * rows,)](
-        m, idx, cnt, bits, hx, rows, n_tiles, seqlen_q, seqlen_k, stride_b, stride_h, stride_k,
+        m, idx, cnt, bits, cut, hx, rows, n_tiles, seqlen_q, seqlen_k, stride_b, stride_h, stride_k,
         BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk,
         IS_CAUSAL=bool(is_causal), WITH_BITS=with_bits, WORDS=words,
         num_warps=4 if on_cpu else 16,
     )
-    return idx, cnt, bits
+    return idx, cnt, bits, cut
 
 
 def _interpreted(device: torch.device) -> bool:
@@ -112,24 +121,30 @@ def per_key_lists_reference(
     block_m: int,
     block_n: int,
     with_bits: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain PyTorch :func:`per_key_lists` (same counts, entries and bits up to the count):
-    the lists from the torch tile maps of :mod:`.tiles`, the bits gathered per entry."""
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain PyTorch :func:`per_key_lists` (same counts, cut counts, entries and bits up to
+    the count): the lists from the torch tile maps of :mod:`.tiles`, the bits gathered per
+    entry."""
     from .tiles import build_torch_lists  # tiles imports this module
 
     lists = build_torch_lists(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n)
     idx, cnt = lists.fwd_idx, lists.fwd_cnt
     if not with_bits:
-        return idx, cnt, torch.empty(1, dtype=torch.int64, device=mask.device)
+        return (idx, cnt, torch.empty(1, dtype=torch.int64, device=mask.device),
+                torch.empty(1, dtype=torch.int32, device=mask.device))
     nk = cdiv(seqlen_k, block_n)
     bx, hx = mask.shape[:2]
     m = mask.expand(bx, hx, 1, seqlen_k)[:, :, 0]
     m = torch.nn.functional.pad(m, (0, nk * block_n - seqlen_k)).view(bx, hx, nk, block_n)
     lanes = torch.arange(block_n, device=mask.device)
     tile_bits = (m.long() << lanes).sum(-1)
-    bits = torch.gather(tile_bits[:, :, None].expand(-1, -1, idx.size(2), -1), 3,
-                        (idx >> 1).long())
-    return idx, cnt, bits.contiguous()
+    tiles = (idx >> 1).long()
+    bits = torch.gather(tile_bits[:, :, None].expand(-1, -1, idx.size(2), -1), 3, tiles)
+    in_range = (seqlen_k - tiles * block_n).clamp(max=block_n)
+    n_on = torch.gather(m.sum(-1)[:, :, None].expand(-1, -1, idx.size(2), -1), 3, tiles)
+    listed = torch.arange(nk, device=mask.device) < cnt[..., :1]
+    cut = ((n_on < in_range) & listed).sum(-1, dtype=torch.int32)
+    return idx, cnt, bits.contiguous(), cut
 
 
 @triton.jit
@@ -137,7 +152,8 @@ def _tile_states(mask_row, start, n, q_first, offset, seqlen_k, stride_mk,
                  BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, IS_CAUSAL: tl.constexpr,
                  WORDS: tl.constexpr):
     """Tiles ``start + [0, CHUNK)`` of a mask row cut at ``n`` tiles: their indices, mask bits
-    (int64, bit ``i`` = key ``i`` of the tile), and which are live and which full.
+    (int64, bit ``i`` = key ``i`` of the tile), and which are live, which full and which cut
+    (live with a hidden key in range).
 
     ``WORDS``: the row is read as int64 words of 8 mask bytes (keys contiguous, 8-byte
     aligned, ``seqlen_k % 8 == 0``): an eighth of the loads and registers of a byte read, so
@@ -163,16 +179,17 @@ def _tile_states(mask_row, start, n, q_first, offset, seqlen_k, stride_mk,
         weight = tl.full([BLOCK_N], 1, tl.int64) << lane.to(tl.int64)
         tile_bits = tl.sum(tl.where(on, weight[None, :], 0), 1)
     live = (n_on > 0) & (t < n)
+    cut = live & (n_on < tl.minimum(seqlen_k - t * BLOCK_N, BLOCK_N))
     # A ragged last tile has fewer than BLOCK_N keys, so it is never full.
     full = n_on == BLOCK_N
     if IS_CAUSAL:
         full = full & (t * BLOCK_N + BLOCK_N - 1 <= q_first + offset)
-    return t, tile_bits, live, full
+    return t, tile_bits, live, full, cut
 
 
 @triton.jit
 def _per_key_lists_kernel(
-    Mask, Idx, Cnt, Bits, n_heads, n_rows, n_tiles, seqlen_q, seqlen_k,
+    Mask, Idx, Cnt, Bits, Cut, n_heads, n_rows, n_tiles, seqlen_q, seqlen_k,
     stride_mb, stride_mh, stride_mk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WITH_BITS: tl.constexpr, WORDS: tl.constexpr,
@@ -193,9 +210,10 @@ def _per_key_lists_kernel(
         n = tl.minimum(n, tl.cdiv(tl.maximum(q_last + offset + 1, 0), BLOCK_N))
     base = n * 0
     n_full = base
+    n_cut = base
     for want_partial in tl.static_range(2):
         for start in range(0, n, CHUNK):
-            t, tile_bits, live, full = _tile_states(mask_row, start, n, q_first, offset,
+            t, tile_bits, live, full, cut = _tile_states(mask_row, start, n, q_first, offset,
                                                     seqlen_k, stride_mk, BLOCK_N, CHUNK,
                                                     IS_CAUSAL, WORDS)
             if want_partial == 0:
@@ -207,6 +225,8 @@ def _per_key_lists_kernel(
             tl.store(idx_row + pos, t * 2 + want_partial, mask=sel)
             if WITH_BITS:
                 tl.store(bits_row + pos, tile_bits, mask=sel)
+                if want_partial == 1:
+                    n_cut += tl.sum(cut.to(tl.int32), 0)
             base += tl.sum(s, 0)
         if want_partial == 0:
             n_full = base
@@ -215,3 +235,5 @@ def _per_key_lists_kernel(
         tl.store(idx_row + c, tl.zeros([CHUNK * 16], dtype=tl.int32), mask=c < n_tiles)
     tl.store(Cnt + row * 2, base)
     tl.store(Cnt + row * 2 + 1, n_full)
+    if WITH_BITS:
+        tl.store(Cut + row, n_cut)

@@ -51,7 +51,8 @@ class TileLists:
     tile).
     Either pair may be None when not requested. ``fwd_bits`` (only for a per-key mask, when
     asked for): int64 of ``fwd_idx``'s shape, the mask bits of each listed key tile (bit ``i``
-    = key ``tile * block_n + i`` live; see :mod:`.key_mask_lists`).
+    = key ``tile * block_n + i`` live; see :mod:`.key_mask_lists`), and ``fwd_cut`` beside
+    it: int32 ``fwd_cnt.shape[:3]``, per row the number of listed tiles the mask cuts.
     """
 
     block_m: int
@@ -64,10 +65,16 @@ class TileLists:
     bwd_idx: Optional[torch.Tensor]
     bwd_cnt: Optional[torch.Tensor]
     fwd_bits: Optional[torch.Tensor] = None
+    fwd_cut: Optional[torch.Tensor] = None
 
     def fwd_strides(self) -> Tuple[int, int, int, int, int, int]:
         """(idx_b, idx_h, idx_m, cnt_b, cnt_h, cnt_m) with 0 for broadcast dims."""
         return _row_strides(self.fwd_idx, self.fwd_cnt)
+
+    def cut_strides(self) -> Tuple[int, int, int]:
+        """(b, h, m) strides of ``fwd_cut`` with 0 for broadcast dims."""
+        return tuple(0 if self.fwd_cut.size(d) == 1 else self.fwd_cut.stride(d)
+                     for d in range(3))
 
     def bwd_strides(self) -> Tuple[int, int, int, int, int, int]:
         """(idx_b, idx_h, idx_n, cnt_b, cnt_h, cnt_n) with 0 for broadcast dims."""
@@ -176,11 +183,13 @@ def build_tile_lists(
         return cached
     if need_fwd and not need_bwd and summary is None and per_key_eligible(mask, block_n):
         plan = per_key_lists if _runs_kernels(mask.device) else per_key_lists_reference
-        idx, cnt, bits = plan(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n, with_bits)
+        idx, cnt, bits, cut = plan(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n,
+                                   with_bits)
         return TileLists(block_m=block_m, block_n=block_n, num_q_tiles=cdiv(seqlen_q, block_m),
                          num_k_tiles=cdiv(seqlen_k, block_n), head_div=num_heads // mask.size(1),
                          fwd_idx=idx, fwd_cnt=cnt, bwd_idx=None, bwd_cnt=None,
-                         fwd_bits=bits if with_bits else None)
+                         fwd_bits=bits if with_bits else None,
+                         fwd_cut=cut if with_bits else None)
     return _build(mask, seqlen_q, seqlen_k, num_heads, is_causal, block_m, block_n, device,
                   need_fwd, need_bwd, summary)
 
