@@ -404,7 +404,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
 
 @triton.jit
 def _attn_fwd_program(
-    pid_m, pid_bh,
+    pid_m, pid_bh, skip_row,
     Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt, MaskBits, CuQ, CuK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -423,9 +423,13 @@ def _attn_fwd_program(
     DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr = False,
     MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
     BIAS_GATHERED: tl.constexpr = False, MASK_BITS: tl.constexpr = False,
+    SKIP_ROW: tl.constexpr = False,
 ):
     """Query tile ``pid_m`` of (batch, query head) ``pid_bh``: the kernel's work for one
-    program (see :func:`_attn_fwd_kernel`)."""
+    program (see :func:`_attn_fwd_kernel`). ``SKIP_ROW``: where ``skip_row`` != 0, visit no
+    key tile and store nothing -- a loop bound and a store mask rather than a branch round
+    the whole program, so the load that decides it overlaps the program's first loads
+    instead of delaying them."""
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     hk = h // group
@@ -468,6 +472,8 @@ def _attn_fwd_program(
         bits_row = MaskBits + list_off
         cnt_ptr = ListCnt + b * stride_cb + lh * stride_ch + pid_m * stride_cm
         n_iter = tl.load(cnt_ptr)
+        if SKIP_ROW:
+            n_iter = tl.where(skip_row != 0, 0, n_iter)
     else:
         list_row = ListIdx
         cnt_ptr = ListCnt
@@ -554,6 +560,8 @@ def _attn_fwd_program(
     out = acc / l_use[:, None]
     lse = tl.where(has_any, (m_i + tl.log2(l_use)) * 0.6931471805599453, float("-inf"))
     o_ptrs = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    if SKIP_ROW:
+        m_ok = m_ok & (offs_m * 0 + skip_row == 0)  # a vector compare (the interpreter)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     tl.store(lse_row + offs_m, lse, mask=m_ok)
 
@@ -616,8 +624,9 @@ def _attn_fwd_kernel(
                         if _row_cut(CutRows, pid_m, pid_bh, num_heads, list_hdiv,
                                     stride_ub, stride_uh, stride_um, True) > 0:
                             _attn_fwd_program(
-                                pid_m, pid_bh, Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt,
-                                MaskBits, CuQ, CuK, stride_qb, stride_qm, stride_qh, stride_kb,
+                                pid_m, pid_bh, 0, Q, K, V, Out, Lse, Mask, Bias, ListIdx,
+                                ListCnt, MaskBits, CuQ, CuK, stride_qb, stride_qm, stride_qh,
+                                stride_kb,
                                 stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                                 stride_ob, stride_om, stride_oh, stride_mb, stride_mh,
                                 stride_mm, stride_mn, mask_hdiv, stride_bb, stride_bh,
@@ -634,23 +643,22 @@ def _attn_fwd_kernel(
             # Bottom query tiles see the most keys: launch them first to shorten the tail.
             pid_m = tl.num_programs(0) - 1 - pid_m
         pid_bh = tl.program_id(1)
-        run = True
+        skip_row = 0
         if ROW_GUARD == 1:
             tl.static_assert(USE_LIST and not GATHER and not VARLEN and not HAS_MASK)
-            run = _row_cut(CutRows, pid_m, pid_bh, num_heads, list_hdiv,
-                           stride_ub, stride_uh, stride_um, True) == 0
-        if run:
-            _attn_fwd_program(
-                pid_m, pid_bh, Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt, MaskBits, CuQ,
-                CuK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh, stride_mb,
-                stride_mh, stride_mm, stride_mn, mask_hdiv, stride_bb, stride_bh, stride_bm,
-                stride_bn, bias_hdiv, stride_lb, stride_lh, stride_lm, stride_cb, stride_ch,
-                stride_cm, list_hdiv, num_heads, group, seqlen_q, seqlen_k, n_k_tiles,
-                stride_lse_h, qk_scale, cap_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_M,
-                BLOCK_N, HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
-                USE_LIST, HAS_SOFTCAP, DOT_UPCAST, GATHER, VARLEN, MASK_PAD, BIAS_PAD,
-                BIAS_GATHERED, MASK_BITS)
+            skip_row = _row_cut(CutRows, pid_m, pid_bh, num_heads, list_hdiv,
+                                stride_ub, stride_uh, stride_um, True)
+        _attn_fwd_program(
+            pid_m, pid_bh, skip_row, Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt, MaskBits,
+            CuQ, CuK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+            stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh, stride_mb,
+            stride_mh, stride_mm, stride_mn, mask_hdiv, stride_bb, stride_bh, stride_bm,
+            stride_bn, bias_hdiv, stride_lb, stride_lh, stride_lm, stride_cb, stride_ch,
+            stride_cm, list_hdiv, num_heads, group, seqlen_q, seqlen_k, n_k_tiles,
+            stride_lse_h, qk_scale, cap_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_M,
+            BLOCK_N, HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
+            USE_LIST, HAS_SOFTCAP, DOT_UPCAST, GATHER, VARLEN, MASK_PAD, BIAS_PAD,
+            BIAS_GATHERED, MASK_BITS, ROW_GUARD == 1)
 
 
 @triton.jit
