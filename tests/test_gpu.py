@@ -224,6 +224,41 @@ def test_triton_plain_rows_are_exact(causal, monkeypatch):
     assert guards == [2, 2]
 
 
+def test_triton_plain_rows_in_a_cuda_graph(monkeypatch):
+    """A per-key forward captured in a CUDA graph after eager calls settled the lagged verdict
+    (no cut row: the split is captured) replays to the eager result, and capturing does not
+    query events (not permitted while a stream captures)."""
+    if "triton" not in get_available_backends():
+        pytest.skip("triton unavailable here")
+    from flash_dmattn.backends.triton import forward as fwd_mod
+    from flash_dmattn.backends.triton import plain_rows
+
+    monkeypatch.setenv(plain_rows.PLAIN_ROWS_ENV, "auto")
+    monkeypatch.setattr(plain_rows, "_MEMO", type(plain_rows._MEMO)())
+    b, l, h, hkv = 1, 1024, 4, 2
+    q, k, v, _, _ = make_problem(b, l, l, h, hkv, 64, torch.bfloat16, "none", None, seed=5)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    blocks = torch.rand(b, hkv, 1, l // 128, device="cuda", generator=g) < 0.5
+    blocks[..., 0] = True
+    mask = blocks.repeat_interleave(128, -1)
+    scale = 64 ** -0.5
+    fwd = lambda: fwd_mod.attention_forward(q, k, v, mask, None, scale, True, 0.0)
+    for _ in range(2):
+        want = fwd()
+        torch.cuda.synchronize()
+    nets = []
+    real = fwd_mod._launch_fwd_untuned
+    monkeypatch.setattr(fwd_mod, "_launch_fwd_untuned",
+                        lambda *a: (nets.append(1), real(*a)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fwd()
+    assert nets == [1]  # the split was captured
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("d,mask_heads,bias_heads",
                          [(64, "1", "K"), (128, "K", "H"), (128, "H", "1"), (128, "-", "-"),
                           (64, "-", "H")])

@@ -56,9 +56,10 @@ def split_plain_rows(cut: torch.Tensor, key: tuple) -> bool:
         while len(_MEMO) > _MEMO_KEYS:
             _MEMO.popitem(last=False)
     _MEMO.move_to_end(key)
+    if cut.is_cuda and torch.cuda.is_current_stream_capturing():
+        return bool(memo.verdict)  # events may not be queried while capturing
     split = memo.uncut()
-    if not (cut.is_cuda and torch.cuda.is_current_stream_capturing()):
-        memo.record(cut)
+    memo.record(cut)
     return split
 
 
