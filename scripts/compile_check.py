@@ -110,8 +110,7 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
 
     def grab(name, tuned):
         def launch(grid, args, meta):
-            guard = meta.get("ROW_GUARD", 0)
-            launches.append((name + ("", "+g1", "+net")[guard], tuned, args, meta))
+            launches.append((name + ("+net" if meta.get("CUT_ROWS") else ""), tuned, args, meta))
         return launch
 
     class _NoLaunch:
@@ -237,7 +236,7 @@ def main() -> int:
                     help="sequence length of the captured call (divisibility by 16 changes codegen)")
     ap.add_argument("--plain-rows", default="never", choices=["never", "always"],
                     help="per-key workload: the one-kernel forward, or the two kernels of "
-                         "flash_dmattn.backends.triton.plain_rows (fwd+net, fwd+g1)")
+                         "flash_dmattn.backends.triton.plain_rows (fwd, fwd+net)")
     ap.add_argument("--first-config", action="store_true",
                     help="compile only the first autotuning config per kernel (quick check)")
     args = ap.parse_args()

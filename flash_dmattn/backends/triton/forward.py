@@ -404,7 +404,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
 
 @triton.jit
 def _attn_fwd_program(
-    pid_m, pid_bh, skip_row,
+    pid_m, pid_bh,
     Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt, MaskBits, CuQ, CuK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -423,13 +423,9 @@ def _attn_fwd_program(
     DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr = False,
     MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
     BIAS_GATHERED: tl.constexpr = False, MASK_BITS: tl.constexpr = False,
-    SKIP_ROW: tl.constexpr = False,
 ):
     """Query tile ``pid_m`` of (batch, query head) ``pid_bh``: the kernel's work for one
-    program (see :func:`_attn_fwd_kernel`). ``SKIP_ROW``: where ``skip_row`` != 0, visit no
-    key tile and store nothing -- a loop bound and a store mask rather than a branch round
-    the whole program, so the load that decides it overlaps the program's first loads
-    instead of delaying them."""
+    program (see :func:`_attn_fwd_kernel`)."""
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     hk = h // group
@@ -472,8 +468,6 @@ def _attn_fwd_program(
         bits_row = MaskBits + list_off
         cnt_ptr = ListCnt + b * stride_cb + lh * stride_ch + pid_m * stride_cm
         n_iter = tl.load(cnt_ptr)
-        if SKIP_ROW:
-            n_iter = tl.where(skip_row != 0, 0, n_iter)
     else:
         list_row = ListIdx
         cnt_ptr = ListCnt
@@ -560,8 +554,6 @@ def _attn_fwd_program(
     out = acc / l_use[:, None]
     lse = tl.where(has_any, (m_i + tl.log2(l_use)) * 0.6931471805599453, float("-inf"))
     o_ptrs = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
-    if SKIP_ROW:
-        m_ok = m_ok & (offs_m * 0 + skip_row == 0)  # a vector compare (the interpreter)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     tl.store(lse_row + offs_m, lse, mask=m_ok)
 
@@ -590,7 +582,7 @@ def _attn_fwd_kernel(
     DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr = False,
     MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
     BIAS_GATHERED: tl.constexpr = False, MASK_BITS: tl.constexpr = False,
-    ROW_GUARD: tl.constexpr = 0, NET_CHUNK: tl.constexpr = 64,
+    CUT_ROWS: tl.constexpr = False, NET_CHUNK: tl.constexpr = 64,
 ):
     # MASK_BITS (with USE_LIST, not GATHER / VARLEN): a per-key mask whose tiles' bits come in
     # MaskBits, parallel to ListIdx (TileLists.fwd_bits); the mask itself is not read. A
@@ -604,11 +596,10 @@ def _attn_fwd_kernel(
     # GATHER: ListIdx/ListCnt are a KeyGather's idx/cnt (key indices, not tile entries) and
     # Mask is its gbits (int64 words: the mask's bits at the listed keys, see .gather).
     # VARLEN: packed sequences, see _varlen_seq; b is the sequence index.
-    # ROW_GUARD (per-key lists with their cut counts in CutRows, see .plain_rows): 1 -- only
-    # the rows the mask cuts nowhere (the kernel is launched without the mask); 2 -- only the
-    # rows it cuts, on a grid of (G, B * H) programs, each checking NET_CHUNK of its head's
-    # query tiles with one load (most calls have none: the launch costs one wave).
-    if ROW_GUARD == 2:
+    # CUT_ROWS (per-key lists with their cut counts in CutRows, see .plain_rows): only the
+    # rows the mask cuts, on a grid of (G, B * H) programs, each checking NET_CHUNK of its
+    # head's query tiles with one load (most calls have none: the launch costs one wave).
+    if CUT_ROWS:
         tl.static_assert(USE_LIST and not GATHER and not VARLEN)
         pid_bh = tl.program_id(1)
         n_q = tl.cdiv(seqlen_q, BLOCK_M)
@@ -624,7 +615,7 @@ def _attn_fwd_kernel(
                         if _row_cut(CutRows, pid_m, pid_bh, num_heads, list_hdiv,
                                     stride_ub, stride_uh, stride_um, True) > 0:
                             _attn_fwd_program(
-                                pid_m, pid_bh, 0, Q, K, V, Out, Lse, Mask, Bias, ListIdx,
+                                pid_m, pid_bh, Q, K, V, Out, Lse, Mask, Bias, ListIdx,
                                 ListCnt, MaskBits, CuQ, CuK, stride_qb, stride_qm, stride_qh,
                                 stride_kb,
                                 stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -643,14 +634,9 @@ def _attn_fwd_kernel(
             # Bottom query tiles see the most keys: launch them first to shorten the tail.
             pid_m = tl.num_programs(0) - 1 - pid_m
         pid_bh = tl.program_id(1)
-        skip_row = 0
-        if ROW_GUARD == 1:
-            tl.static_assert(USE_LIST and not GATHER and not VARLEN and not HAS_MASK)
-            skip_row = _row_cut(CutRows, pid_m, pid_bh, num_heads, list_hdiv,
-                                stride_ub, stride_uh, stride_um, True)
         _attn_fwd_program(
-            pid_m, pid_bh, skip_row, Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt, MaskBits,
-            CuQ, CuK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+            pid_m, pid_bh, Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt, MaskBits, CuQ,
+            CuK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
             stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh, stride_mb,
             stride_mh, stride_mm, stride_mn, mask_hdiv, stride_bb, stride_bh, stride_bm,
             stride_bn, bias_hdiv, stride_lb, stride_lh, stride_lm, stride_cb, stride_ch,
@@ -658,7 +644,7 @@ def _attn_fwd_kernel(
             stride_lse_h, qk_scale, cap_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_M,
             BLOCK_N, HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
             USE_LIST, HAS_SOFTCAP, DOT_UPCAST, GATHER, VARLEN, MASK_PAD, BIAS_PAD,
-            BIAS_GATHERED, MASK_BITS, ROW_GUARD == 1)
+            BIAS_GATHERED, MASK_BITS)
 
 
 @triton.jit
@@ -676,7 +662,7 @@ def _row_cut(CutRows, pid_m, pid_bh, num_heads, list_hdiv, stride_ub, stride_uh,
 # ------------------------------------------------------------------------------------------
 
 _FWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE_LIST",
-            "GATHER", "VARLEN", "MASK_BITS", "ROW_GUARD", "lq_bucket", "lk_bucket"]
+            "GATHER", "VARLEN", "MASK_BITS", "CUT_ROWS", "lq_bucket", "lk_bucket"]
 
 
 # How the forward masks a per-key mask's partial tiles (FLASH_DMATTN_TRITON_MASK_BITS):
@@ -826,18 +812,21 @@ def attention_forward(
     n_k_tiles = cdiv(Lk, block_n)
     grid = (cdiv(Lq, block_m), B * H)
     has_softcap = softcap > 0.0
-    args = (
-        q, k, v, out, lse, mask_arg, bias_arg, idx, cnt,
-        mask_bits if mask_bits is not None else q, cut if cut is not None else q, q, q,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        *ms, *bs, *lst, list_hdiv, *(tiles.cut_strides() if cut is not None else (0, 0, 0)),
-        H, H // Hkv, Lq, Lk, n_k_tiles, 0,
-        softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
-        seqlen_bucket(Lq), seqlen_bucket(Lk),
-    )
+    def kernel_args(cnt, lst):
+        return (
+            q, k, v, out, lse, mask_arg, bias_arg, idx, cnt,
+            mask_bits if mask_bits is not None else q, cut if cut is not None else q, q, q,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            *ms, *bs, *lst, list_hdiv, *(tiles.cut_strides() if cut is not None else (0, 0, 0)),
+            H, H // Hkv, Lq, Lk, n_k_tiles, 0,
+            softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
+            seqlen_bucket(Lq), seqlen_bucket(Lk),
+        )
+
+    args = kernel_args(cnt, lst)
     meta = dict(
         HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None,
@@ -853,8 +842,9 @@ def attention_forward(
         MASK_BITS=int(mask_bits is not None),
     )
     if cut is not None and split_plain_rows(
-            cut, (device, tuple(mask.shape), Lq, Lk, bool(is_causal), block_m, block_n)):
-        _launch_plain_rows(grid, args, meta, q.device)
+            cut[..., 0], (device, tuple(mask.shape), Lq, Lk, bool(is_causal), block_m, block_n)):
+        _launch_plain_rows(grid, args, meta, q.device,
+                           kernel_args(cut[..., 1:], tiles.plain_strides()))
     else:
         _launch_fwd(grid, args, meta)
     if not keep_plan:
@@ -948,10 +938,12 @@ def _launch_fwd(grid, args, meta) -> None:
     launch_tuned(_attn_fwd_kernel, _attn_fwd_tuned, grid, args, meta)
 
 
-def _launch_plain_rows(grid, args, meta, device: torch.device) -> None:
-    """The two-kernel forward of a per-key mask (see :mod:`.plain_rows`): a net of about one
-    wave over the rows the mask cuts, with it, then the other rows without it (in this order
-    a row run by both would end with the wrong output: the tests see it)."""
+def _launch_plain_rows(grid, args, meta, device: torch.device, plain_args) -> None:
+    """The two-kernel forward of a per-key mask (see :mod:`.plain_rows`): every row without
+    the mask, on counts that give the rows the mask cuts no tile (``plain_args``: the
+    arguments with those counts), then a net of about one wave that runs the cut rows again,
+    with the mask's bits, over what the first kernel stored for them."""
+    _launch_fwd(grid, plain_args, dict(meta, HAS_MASK=False, MASK_BITS=0))
     n_q, n_bh = grid
     if interpret_mode():
         programs, chunk = 2, 2  # small, so the interpreter walks several chunks per program
@@ -959,8 +951,7 @@ def _launch_plain_rows(grid, args, meta, device: torch.device) -> None:
         programs, chunk = cdiv(_sm_count(device), n_bh), 64
     net_grid = (max(1, min(n_q, programs)), n_bh)
     # Not autotuned: timing a launch that usually has nothing to do would pick at random.
-    _launch_fwd_untuned(net_grid, args, dict(meta, ROW_GUARD=2, NET_CHUNK=chunk))
-    _launch_fwd(grid, args, dict(meta, HAS_MASK=False, MASK_BITS=0, ROW_GUARD=1))
+    _launch_fwd_untuned(net_grid, args, dict(meta, CUT_ROWS=True, NET_CHUNK=chunk))
 
 
 @functools.lru_cache(maxsize=None)

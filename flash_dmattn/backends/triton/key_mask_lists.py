@@ -12,9 +12,10 @@ Beside each entry it writes the tile's ``block_n`` mask bits as one int64 (bit `
 ``tile * block_n + i`` is live), so the forward kernel masks a partial tile with a scalar
 instead of a vector load and layout change in every step (see ``MASK_BITS`` in
 :mod:`.forward`), and per list row the number of *cut* tiles: live tiles where the mask
-hides some in-range key. A row with none needs no mask at all -- its partial tiles are
-partial by causality or a ragged end only -- which lets the forward run such rows in a
-kernel that never reads the mask (:mod:`.plain_rows`).
+hides some in-range key, beside the row's live count for a kernel that runs every row
+without the mask (0 where the row has a cut tile). A row with none needs no mask at all --
+its partial tiles are partial by causality or a ragged end only -- so the forward can run
+such rows in a kernel that never reads the mask (:mod:`.plain_rows`).
 
 Equivalent plain PyTorch (``tile_liveness`` from :mod:`flash_dmattn.block_map`)::
 
@@ -25,7 +26,8 @@ Equivalent plain PyTorch (``tile_liveness`` from :mod:`flash_dmattn.block_map`):
     bits = (mask[..., 0, keys] << arange(block_n)).sum(-1)      # keys past Lk count as 0
     in_range = (Lk - (idx >> 1) * block_n).clamp(max=block_n)
     listed = arange(nK) < cnt[..., :1]
-    cut = ((mask[..., 0, keys].sum(-1) < in_range) & listed).sum(-1)   # per row
+    n_cut = ((mask[..., 0, keys].sum(-1) < in_range) & listed).sum(-1)   # per row
+    cut = stack([n_cut, where(n_cut > 0, 0, cnt[..., 0])], -1)
 """
 from __future__ import annotations
 
@@ -68,8 +70,8 @@ def per_key_lists(
         ``idx`` int32 ``(Bx, Hx, rows, nK)``, ``cnt`` int32 ``(Bx, Hx, rows, 2)`` (live, full) as
         :func:`.tiles.build_tile_lists` makes them, ``bits`` int64 of ``idx``'s shape: the
         mask bits of the tile each entry names (unspecified past the count), and ``cut``
-        int32 ``(Bx, Hx, rows)``: how many listed tiles of the row the mask cuts (some key
-        in range hidden).
+        int32 ``(Bx, Hx, rows, 2)``: how many listed tiles of the row the mask cuts (some
+        key in range hidden), and the row's live count where that is 0, else 0.
     """
     bx, hx = mask.shape[0], mask.shape[1]
     rows = cdiv(seqlen_q, block_m) if is_causal else 1
@@ -78,7 +80,8 @@ def per_key_lists(
     idx = torch.empty((bx, hx, rows, n_tiles), dtype=torch.int32, device=device)
     cnt = torch.empty((bx, hx, rows, 2), dtype=torch.int32, device=device)
     bits = torch.empty(idx.shape if with_bits else (1,), dtype=torch.int64, device=device)
-    cut = torch.empty((bx, hx, rows) if with_bits else (1,), dtype=torch.int32, device=device)
+    cut = torch.empty((bx, hx, rows, 2) if with_bits else (1,), dtype=torch.int32,
+                      device=device)
     m = mask.view(torch.uint8)
     stride_k = 0 if mask.size(3) == 1 else m.stride(3)
     stride_b = 0 if bx == 1 else m.stride(0)
@@ -143,8 +146,9 @@ def per_key_lists_reference(
     in_range = (seqlen_k - tiles * block_n).clamp(max=block_n)
     n_on = torch.gather(m.sum(-1)[:, :, None].expand(-1, -1, idx.size(2), -1), 3, tiles)
     listed = torch.arange(nk, device=mask.device) < cnt[..., :1]
-    cut = ((n_on < in_range) & listed).sum(-1, dtype=torch.int32)
-    return idx, cnt, bits.contiguous(), cut
+    n_cut = ((n_on < in_range) & listed).sum(-1, dtype=torch.int32)
+    plain = torch.where(n_cut > 0, 0, cnt[..., 0])
+    return idx, cnt, bits.contiguous(), torch.stack([n_cut, plain], -1)
 
 
 @triton.jit
@@ -236,4 +240,5 @@ def _per_key_lists_kernel(
     tl.store(Cnt + row * 2, base)
     tl.store(Cnt + row * 2 + 1, n_full)
     if WITH_BITS:
-        tl.store(Cut + row, n_cut)
+        tl.store(Cut + row * 2, n_cut)
+        tl.store(Cut + row * 2 + 1, tl.where(n_cut > 0, 0, base))

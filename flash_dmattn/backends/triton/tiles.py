@@ -52,7 +52,8 @@ class TileLists:
     Either pair may be None when not requested. ``fwd_bits`` (only for a per-key mask, when
     asked for): int64 of ``fwd_idx``'s shape, the mask bits of each listed key tile (bit ``i``
     = key ``tile * block_n + i`` live; see :mod:`.key_mask_lists`), and ``fwd_cut`` beside
-    it: int32 ``fwd_cnt.shape[:3]``, per row the number of listed tiles the mask cuts.
+    it: int32 ``fwd_cnt``'s shape, per row the number of listed tiles the mask cuts and the
+    row's live count where that is 0 (else 0).
     """
 
     block_m: int
@@ -75,6 +76,11 @@ class TileLists:
         """(b, h, m) strides of ``fwd_cut`` with 0 for broadcast dims."""
         return tuple(0 if self.fwd_cut.size(d) == 1 else self.fwd_cut.stride(d)
                      for d in range(3))
+
+    def plain_strides(self) -> Tuple[int, int, int, int, int, int]:
+        """:meth:`fwd_strides` with the counts of ``fwd_cut[..., 1:]``: the lists of a kernel
+        that runs the rows the mask cuts nowhere without it and gives the others no tile."""
+        return _row_strides(self.fwd_idx, self.fwd_cut[..., 1:])
 
     def bwd_strides(self) -> Tuple[int, int, int, int, int, int]:
         """(idx_b, idx_h, idx_n, cnt_b, cnt_h, cnt_n) with 0 for broadcast dims."""
