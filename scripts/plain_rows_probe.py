@@ -59,7 +59,7 @@ def main():
     saved_configs, saved_blocks = list(tuned.configs), fwd_mod.fwd_blocks
     lists = {bm: build_tile_lists(mask, L, L, H, True, bm, 64, q.device, with_bits=True)
              for bm in args.block_m}
-    print(f"  cut rows: {[int((t.fwd_cut > 0).sum()) for t in lists.values()]}")
+    print(f"  cut rows: {[int((t.fwd_cut[..., 0] > 0).sum()) for t in lists.values()]}")
 
     def kernel(bm, mode, mask=mask, skip=None):
         # Fixed launch configs, not the autotuner (its cache does not key on BLOCK_M): the

@@ -133,8 +133,8 @@ def main():
         print(f"  plain rows {mode:6s}: T3 kernel(s) {t_k:.3f} ms ({t_k / base:.3f}x cuDNN), public "
               f"call {t_p:.3f} ms ({t_p / base:.3f}x cuDNN)")
     os.environ.pop(PLAIN_ROWS_ENV)
-    print(f"  cut rows of the T3 lists: {int((tiles_bits.fwd_cut > 0).sum())} of "
-          f"{tiles_bits.fwd_cut.numel()}")
+    print(f"  cut rows of the T3 lists: {int((tiles_bits.fwd_cut[..., 0] > 0).sum())} of "
+          f"{tiles_bits.fwd_cut[..., 0].numel()}")
     for name, fn in [("planning", lambda: lists(mask)),
                      ("public call", public)]:
         print(f"  host time per call, {name:32s} {host_ms(fn):7.3f} ms")
