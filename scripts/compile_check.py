@@ -119,7 +119,7 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
 
     fwd_mod._launch_fwd = grab("fwd", fwd_mod._attn_fwd_tuned)
     fwd_mod._launch_fwd_untuned = grab("fwd", fwd_mod._attn_fwd_tuned)
-    fwd_mod._sm_count = lambda device: 132  # an H100 SXM / H200
+    fwd_mod.sm_count = lambda device: 132  # an H100 SXM / H200
     bwd_mod._launch_dkdv = grab("dkdv", bwd_mod._dkdv_tuned)
     bwd_mod._launch_dq = grab("dq", bwd_mod._dq_tuned)
     bwd_mod._bwd_preprocess = _NoLaunch()

@@ -198,6 +198,8 @@ def test_triton_plain_rows_are_exact(causal, monkeypatch):
 
     monkeypatch.setenv(plain_rows.PLAIN_ROWS_ENV, "auto")
     monkeypatch.setattr(plain_rows, "_MEMO", type(plain_rows._MEMO)())
+    monkeypatch.setattr(plain_rows, "SAMPLE_EVERY", 1)
+    monkeypatch.setattr(plain_rows, "MIN_WAVES", 0)  # small enough to run quickly
     monkeypatch.setattr(fwd_mod, "DEBUG_POISON", True)
     guards = []
     real = fwd_mod._launch_fwd_untuned
@@ -235,6 +237,8 @@ def test_triton_plain_rows_in_a_cuda_graph(monkeypatch):
 
     monkeypatch.setenv(plain_rows.PLAIN_ROWS_ENV, "auto")
     monkeypatch.setattr(plain_rows, "_MEMO", type(plain_rows._MEMO)())
+    monkeypatch.setattr(plain_rows, "SAMPLE_EVERY", 1)
+    monkeypatch.setattr(plain_rows, "MIN_WAVES", 0)  # small enough to run quickly
     b, l, h, hkv = 1, 1024, 4, 2
     q, k, v, _, _ = make_problem(b, l, l, h, hkv, 64, torch.bfloat16, "none", None, seed=5)
     g = torch.Generator(device="cuda").manual_seed(5)

@@ -71,9 +71,11 @@ def test_lists_match_torch_maps(case):
     bx, hx, lq, lk, causal, bm, bn, density = case
     gen = torch.Generator().manual_seed(lq * 7 + lk)
     mask = _block_mask((bx, hx, 1), lk, density, 32, gen)
-    got = per_key_lists(mask, lq, lk, causal, bm, bn, True)
-    _assert_same_lists(got, _reference_lists(mask, lq, lk, causal, bm, bn))
+    flag, ref_flag = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    got = per_key_lists(mask, lq, lk, causal, bm, bn, True, flag)
+    _assert_same_lists(got, per_key_lists_reference(mask, lq, lk, causal, bm, bn, True, ref_flag))
     idx, cnt, _, cut = got
+    assert int(flag) == int(ref_flag) == int((cut[..., 0] > 0).any())  # raised iff a row is cut
     used = torch.arange(idx.size(-1)) < cnt[..., :1]
     flags = idx & 1
     assert (flags[used] == 1).any() and (flags[used] == 0).any()  # partial and full tiles
@@ -212,6 +214,7 @@ def test_plain_rows_follow_the_previous_alike_call(monkeypatch):
     # when the mask changed since and now cuts some rows.
     monkeypatch.setenv(plain_rows.PLAIN_ROWS_ENV, "auto")
     monkeypatch.setattr(plain_rows, "_MEMO", type(plain_rows._MEMO)())
+    monkeypatch.setattr(plain_rows, "SAMPLE_EVERY", 1)
     guards = _spy_row_guards(monkeypatch)
     B, H, Lq, Lk, D = 1, 2, 48, 96, 16
     gen = torch.Generator().manual_seed(12)
@@ -234,3 +237,19 @@ def test_unknown_plain_rows_mode_is_an_error(monkeypatch):
     monkeypatch.setenv(plain_rows.PLAIN_ROWS_ENV, "sometimes")
     with pytest.raises(ValueError, match="PLAIN_ROWS"):
         plain_rows.plain_rows_mode()
+
+
+def test_lagged_verdict_samples_the_flag_every_few_calls(monkeypatch):
+    # The flag accumulates every cut raised between samples; a verdict changes only when a
+    # sample is read (the call after it here, on the CPU), and a call that is not a sample
+    # leaves the flag alone.
+    monkeypatch.setattr(plain_rows, "SAMPLE_EVERY", 3)
+    memo = plain_rows._LaggedVerdict(torch.device("cpu"))
+    seen = []
+    for raised in (0, 0, 1, 0, 0, 0, 0):
+        memo.refresh()
+        seen.append(memo.verdict)
+        memo.flag.fill_(max(int(memo.flag), raised))  # this call's planner
+        memo.sample()
+    # Samples at calls 0, 3, 6: call 0 saw no cut; calls 1-3 raised one (call 2).
+    assert seen == [None, True, True, True, False, False, False]

@@ -14,7 +14,6 @@ program walks up to its causal limit: dead key tiles cost nothing, full ones ski
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional, Tuple, Union
 
@@ -24,8 +23,9 @@ import triton.language as tl
 
 from .gather import KeyGather, gather_policy, plan_key_gather
 from .mask_summary import summarize_mask, summary_blocks, wants_summary
-from .plain_rows import split_plain_rows
+from .plain_rows import plan_plain_rows, sm_count
 from .plan import NOT_PLANNED, plan_backward
+from .key_mask_lists import per_key_eligible
 from .tiles import TileLists, build_tile_lists, build_varlen_key_lists
 from ...intmath import cdiv, next_power_of_2
 
@@ -769,6 +769,7 @@ def attention_forward(
     bias, bias_pad = aligned_rows(bias, Lq, Lk)  # read only: the forward has no dbias
     gather = None
     summary = None
+    plain = None  # the uncut-rows decision (plain_rows) of lists planned here
     planned_here = tiles is None
     if isinstance(tiles, KeyGather):
         gather, tiles = tiles, None
@@ -781,9 +782,14 @@ def attention_forward(
         gather = plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m, block_n,
                                  summary=summary, lagged=True)
         if gather is None:
+            if use_bits and mask is not None and per_key_eligible(mask, block_n):
+                plain = plan_plain_rows(
+                    (device, tuple(mask.shape), Lq, Lk, bool(is_causal), block_m, block_n),
+                    device, cdiv(Lq, block_m) * B * H)
             tiles = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m, block_n, device,
                                      need_fwd=True, need_bwd=False, summary=summary,
-                                     with_bits=use_bits)
+                                     with_bits=use_bits,
+                                     cut_flag=plain.cut_flag if plain is not None else None)
     use_list = tiles is not None or gather is not None
     if gather is not None:
         idx, cnt, lst, list_hdiv = gather.idx, gather.cnt, gather.list_strides(), gather.head_div
@@ -841,8 +847,9 @@ def attention_forward(
         BIAS_GATHERED=bias_gathered,
         MASK_BITS=int(mask_bits is not None),
     )
-    if cut is not None and split_plain_rows(
-            cut[..., 0], (device, tuple(mask.shape), Lq, Lk, bool(is_causal), block_m, block_n)):
+    if cut is not None and plain is None:  # prebuilt lists
+        plain = plan_plain_rows(None, device, grid[0] * grid[1])
+    if cut is not None and plain.split():
         _launch_plain_rows(grid, args, meta, q.device,
                            kernel_args(cut[..., 1:], tiles.plain_strides()))
     else:
@@ -948,15 +955,10 @@ def _launch_plain_rows(grid, args, meta, device: torch.device, plain_args) -> No
     if interpret_mode():
         programs, chunk = 2, 2  # small, so the interpreter walks several chunks per program
     else:
-        programs, chunk = cdiv(_sm_count(device), n_bh), 64
+        programs, chunk = cdiv(sm_count(device), n_bh), 64
     net_grid = (max(1, min(n_q, programs)), n_bh)
     # Not autotuned: timing a launch that usually has nothing to do would pick at random.
     _launch_fwd_untuned(net_grid, args, dict(meta, CUT_ROWS=True, NET_CHUNK=chunk))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch_fwd_untuned(grid, args, meta) -> None:

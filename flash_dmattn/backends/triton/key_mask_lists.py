@@ -31,7 +31,7 @@ Equivalent plain PyTorch (``tile_liveness`` from :mod:`flash_dmattn.block_map`):
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -57,6 +57,7 @@ def per_key_lists(
     block_m: int,
     block_n: int,
     with_bits: bool,
+    cut_flag: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(idx, cnt, bits, cut)`` forward lists of a per-key mask.
 
@@ -65,6 +66,8 @@ def per_key_lists(
         is_causal: bottom-right causal; then there is one list row per query tile (``nQ``),
             else one row shared by all of them.
         with_bits: also fill ``bits`` and ``cut`` (else they are 1-element placeholders).
+        cut_flag: int32 ``(1,)`` on the mask's device, raised to 1 when the mask cuts a
+            listed tile (with ``with_bits``; left as it is otherwise; see :mod:`.plain_rows`).
 
     Returns:
         ``idx`` int32 ``(Bx, Hx, rows, nK)``, ``cnt`` int32 ``(Bx, Hx, rows, 2)`` (live, full) as
@@ -102,9 +105,10 @@ def per_key_lists(
         # sm_90a, Triton 3.6 and 3.9); 64-tile chunks over 4 warps took 20 us for the T3 lists.
         chunk = max(16, min(128, 8192 // block_n))
     _per_key_lists_kernel[(bx * hx * rows,)](
-        m, idx, cnt, bits, cut, hx, rows, n_tiles, seqlen_q, seqlen_k, stride_b, stride_h, stride_k,
+        m, idx, cnt, bits, cut, cut_flag if cut_flag is not None else cnt, hx, rows, n_tiles, seqlen_q, seqlen_k, stride_b, stride_h, stride_k,
         BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk,
         IS_CAUSAL=bool(is_causal), WITH_BITS=with_bits, WORDS=words,
+        WITH_FLAG=with_bits and cut_flag is not None,
         num_warps=4 if on_cpu else 16,
     )
     return idx, cnt, bits, cut
@@ -124,6 +128,7 @@ def per_key_lists_reference(
     block_m: int,
     block_n: int,
     with_bits: bool,
+    cut_flag: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain PyTorch :func:`per_key_lists` (same counts, cut counts, entries and bits up to
     the count): the lists from the torch tile maps of :mod:`.tiles`, the bits gathered per
@@ -148,6 +153,8 @@ def per_key_lists_reference(
     listed = torch.arange(nk, device=mask.device) < cnt[..., :1]
     n_cut = ((n_on < in_range) & listed).sum(-1, dtype=torch.int32)
     plain = torch.where(n_cut > 0, 0, cnt[..., 0])
+    if cut_flag is not None:
+        cut_flag.copy_(torch.maximum(cut_flag, (n_cut > 0).any().to(cut_flag.dtype)))
     return idx, cnt, bits.contiguous(), torch.stack([n_cut, plain], -1)
 
 
@@ -193,10 +200,11 @@ def _tile_states(mask_row, start, n, q_first, offset, seqlen_k, stride_mk,
 
 @triton.jit
 def _per_key_lists_kernel(
-    Mask, Idx, Cnt, Bits, Cut, n_heads, n_rows, n_tiles, seqlen_q, seqlen_k,
+    Mask, Idx, Cnt, Bits, Cut, CutFlag, n_heads, n_rows, n_tiles, seqlen_q, seqlen_k,
     stride_mb, stride_mh, stride_mk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WITH_BITS: tl.constexpr, WORDS: tl.constexpr,
+    WITH_FLAG: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     r = row % n_rows
@@ -242,3 +250,8 @@ def _per_key_lists_kernel(
     if WITH_BITS:
         tl.store(Cut + row * 2, n_cut)
         tl.store(Cut + row * 2 + 1, tl.where(n_cut > 0, 0, base))
+        if WITH_FLAG:
+            # Read first: once raised, the other cut rows do not queue atomics on one word.
+            if n_cut > 0:
+                if tl.load(CutFlag) == 0:
+                    tl.atomic_max(CutFlag, 1)

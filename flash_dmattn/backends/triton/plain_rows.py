@@ -3,8 +3,8 @@
 A per-key mask's list row (one query tile of one batch and mask head) is *uncut* when the
 mask hides no key of any tile it lists: its partial tiles are partial only by causality or
 a ragged end, so the forward needs no mask there at all. A kernel that never reads the
-mask's bits runs such rows 3-6 % faster than the one that reads them beside every entry
-(T3 on an H200: 1.07-1.10 against 1.12-1.15 ms, ``t3-probe-2026-11-22j-*.log``), and a
+mask's bits runs such rows about 4 % faster than the one that reads them beside every entry
+(T3 on an H200: 1.094 against 1.143 ms, ``plain-rows-probe-2026-11-22k-counts.log``), and a
 block-sparse mask whose blocks align with the key tiles leaves every row uncut.
 
 Which rows are uncut is known on the device only (the planner counts each row's cut tiles
@@ -17,13 +17,19 @@ in ``TileLists.fwd_cut``); the host does not wait for it. So the forward launche
   there are none). A guard in the first kernel instead (a load deciding whether the row
   runs) cost 2.5 % of T3; the counts cost nothing there: the kernel loads a count anyway.
 
-Both compute the same attention. The second is chosen (``auto``) when the previous call with
-the same shapes had no cut row at all: its count reaches the host on a side stream, so
-neither stream nor host waits for it. ``FLASH_DMATTN_TRITON_PLAIN_ROWS`` = ``never`` /
-``always`` forces one way (A/B timing, tests).
+Both compute the same attention. Under ``auto`` the second is chosen when no alike call
+(same device, mask shape, lengths, causality, blocks) sampled since the last look had a cut
+row. The planner raises a device flag when a row is cut; every ``SAMPLE_EVERY``-th call
+copies the flag to pinned host memory behind an event and clears it, and a later call reads
+the copy once the event has passed -- nothing waits, and the host cost (two small copies and
+an event, ~30 us) is paid once per sample. Calls of fewer than ``MIN_WAVES`` waves of
+programs never split: their time is mostly the host's, and the split adds a launch.
+``FLASH_DMATTN_TRITON_PLAIN_ROWS`` = ``never`` / ``always`` forces one way (A/B timing,
+tests).
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from typing import Optional
@@ -32,6 +38,8 @@ import torch
 
 PLAIN_ROWS_ENV = "FLASH_DMATTN_TRITON_PLAIN_ROWS"
 _MODES = ("auto", "never", "always")
+SAMPLE_EVERY = 8   # calls per look at the planner's flag (tests set 1)
+MIN_WAVES = 4      # programs per SM below which a call never splits (tests set 0)
 
 
 def plain_rows_mode() -> str:
@@ -42,27 +50,46 @@ def plain_rows_mode() -> str:
     return mode
 
 
-def split_plain_rows(cut: torch.Tensor, key: tuple) -> bool:
-    """Whether this call launches the uncut rows without the mask (and a net for cut rows).
+class PlainRows:
+    """One call's decision: ``cut_flag`` (for the planner to raise, or None) and
+    :meth:`split` (asked once, after planning)."""
 
-    ``cut``: the call's per-row cut counts (device, ``TileLists.fwd_cut[..., 0]``); ``key``: what makes calls alike (device,
-    mask shape, lengths, causality, blocks). Under ``auto``, records this call's verdict for
-    the next alike call, unless a CUDA graph is being captured (the decision taken is then
-    part of the graph, and either one is correct)."""
+    def __init__(self, fixed: Optional[bool], memo: "Optional[_LaggedVerdict]" = None,
+                 capturing: bool = False):
+        self.fixed, self.memo, self.capturing = fixed, memo, capturing
+        self.cut_flag = memo.flag if memo is not None else None
+
+    def split(self) -> bool:
+        """Whether to launch the two kernels; under ``auto`` also takes this call's sample."""
+        if self.memo is None:
+            return bool(self.fixed)
+        if self.capturing:
+            return bool(self.memo.verdict)  # events may not be queried while capturing
+        self.memo.refresh()
+        split = bool(self.memo.verdict)
+        self.memo.sample()
+        return split
+
+
+def plan_plain_rows(key: Optional[tuple], device: torch.device, n_programs: int) -> PlainRows:
+    """The decision object of a call with per-key lists and mask bits; ``key`` says which
+    calls are alike (None: lists planned by the caller, no flag to read -- ``auto`` keeps
+    one kernel), ``n_programs`` is the forward's grid size."""
     mode = plain_rows_mode()
-    if mode != "auto":
-        return mode == "always"
+    if mode != "auto" or key is None:
+        return PlainRows(mode == "always")
+    if device.type == "cuda" and n_programs < MIN_WAVES * sm_count(device):
+        return PlainRows(False)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     memo = _MEMO.get(key)
     if memo is None:
-        memo = _MEMO[key] = _LaggedVerdict()
+        if capturing:  # its buffers would come from the graph's pool
+            return PlainRows(False)
+        memo = _MEMO[key] = _LaggedVerdict(device)
         while len(_MEMO) > _MEMO_KEYS:
             _MEMO.popitem(last=False)
     _MEMO.move_to_end(key)
-    if cut.is_cuda and torch.cuda.is_current_stream_capturing():
-        return bool(memo.verdict)  # events may not be queried while capturing
-    split = memo.uncut()
-    memo.record(cut)
-    return split
+    return PlainRows(None, memo, capturing)
 
 
 _MEMO: "OrderedDict[tuple, _LaggedVerdict]" = OrderedDict()
@@ -70,45 +97,38 @@ _MEMO_KEYS = 64
 
 
 class _LaggedVerdict:
-    """Whether the last call seen had no cut row; its count travels to the host on a side
-    stream. A count still in flight is not replaced, so a host running far ahead of the GPU
-    still sees a verdict of some earlier call instead of none."""
+    """The planner's cut flag for alike calls, its last copy on the host and the verdict.
+    Raced updates from several streams can only blur the verdict, which is a speed choice."""
 
-    def __init__(self):
-        self.verdict: Optional[bool] = None  # None: no alike call finished yet
-        self.host: Optional[torch.Tensor] = None
-        self.event: Optional[torch.cuda.Event] = None
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self.host = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        self.verdict: Optional[bool] = None  # True: no cut row; None: no sample read yet
+        self.pending = False
+        self.calls = 0
 
-    def uncut(self) -> bool:
-        if self.host is not None and (self.event is None or self.event.query()):
-            self.verdict = int(self.host.item()) == 0
-            self.host = self.event = None
-        return bool(self.verdict)
+    def refresh(self) -> None:
+        if self.pending and (self.event is None or self.event.query()):
+            self.verdict = int(self.host[0]) == 0
+            self.pending = False
 
-    def record(self, cut: torch.Tensor) -> None:
-        if self.host is not None:
+    def sample(self) -> None:
+        due = self.calls % SAMPLE_EVERY == 0
+        self.calls += 1
+        if not due or self.pending:
             return
-        if not cut.is_cuda:
-            self.host = cut.max().reshape(1)
-            return
-        main = torch.cuda.current_stream(cut.device)
-        side = _side_stream(cut.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            worst = cut.max().reshape(1)
-            self.host = torch.empty(1, dtype=worst.dtype, pin_memory=True)
-            self.host.copy_(worst, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record(side)
-        cut.record_stream(side)  # the main stream may free ``cut`` before the side reads it
+        # Queued after this call's planner: the copy holds every cut raised since the last
+        # sample, this call's included.
+        self.host.copy_(self.flag, non_blocking=True)
+        self.flag.zero_()
+        if self.event is not None:
+            self.event.record()
+        self.pending = True
 
 
-_SIDE_STREAMS = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
-    if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return stream
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -164,13 +164,15 @@ def build_tile_lists(
     need_bwd: bool = False,
     summary: Optional[MaskSummary] = None,
     with_bits: bool = False,
+    cut_flag: Optional[torch.Tensor] = None,
 ) -> Optional[TileLists]:
     """Build live-tile lists for ``block_m x block_n`` tiles, or None when every tile is full.
 
     Returns None without a mask and without causal: kernels then visit every tile densely.
     ``mask`` is the normalised 4-D bool view ``(Bx, Hx, Qx, Kx)``; ``summary``, when given, is
     its :class:`MaskSummary` and replaces reading it. ``with_bits``: a per-key mask's forward
-    lists also carry ``fwd_bits`` (None for other masks).
+    lists also carry ``fwd_bits`` and ``fwd_cut`` (None for other masks), and raise
+    ``cut_flag`` (int32 ``(1,)``, when given) to 1 if the mask cuts a listed tile.
     """
     if mask is None and not is_causal:
         return None
@@ -190,7 +192,7 @@ def build_tile_lists(
     if need_fwd and not need_bwd and summary is None and per_key_eligible(mask, block_n):
         plan = per_key_lists if _runs_kernels(mask.device) else per_key_lists_reference
         idx, cnt, bits, cut = plan(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n,
-                                   with_bits)
+                                   with_bits, cut_flag)
         return TileLists(block_m=block_m, block_n=block_n, num_q_tiles=cdiv(seqlen_q, block_m),
                          num_k_tiles=cdiv(seqlen_k, block_n), head_div=num_heads // mask.size(1),
                          fwd_idx=idx, fwd_cnt=cnt, bwd_idx=None, bwd_cnt=None,
