@@ -22,10 +22,10 @@ import triton
 import triton.language as tl
 
 from .gather import KeyGather, gather_policy, plan_key_gather
+from .key_mask_lists import per_key_eligible
 from .mask_summary import summarize_mask, summary_blocks, wants_summary
 from .plain_rows import plan_plain_rows, sm_count
 from .plan import NOT_PLANNED, plan_backward
-from .key_mask_lists import per_key_eligible
 from .tiles import TileLists, build_tile_lists, build_varlen_key_lists
 from ...intmath import cdiv, next_power_of_2
 
@@ -558,8 +558,6 @@ def _attn_fwd_program(
     tl.store(lse_row + offs_m, lse, mask=m_ok)
 
 
-
-
 @triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Mask, Bias, ListIdx, ListCnt, MaskBits, CutRows, CuQ, CuK,
@@ -617,17 +615,17 @@ def _attn_fwd_kernel(
                             _attn_fwd_program(
                                 pid_m, pid_bh, Q, K, V, Out, Lse, Mask, Bias, ListIdx,
                                 ListCnt, MaskBits, CuQ, CuK, stride_qb, stride_qm, stride_qh,
-                                stride_kb,
-                                stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                                stride_ob, stride_om, stride_oh, stride_mb, stride_mh,
-                                stride_mm, stride_mn, mask_hdiv, stride_bb, stride_bh,
-                                stride_bm, stride_bn, bias_hdiv, stride_lb, stride_lh,
-                                stride_lm, stride_cb, stride_ch, stride_cm, list_hdiv,
-                                num_heads, group, seqlen_q, seqlen_k, n_k_tiles, stride_lse_h,
-                                qk_scale, cap_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_M,
-                                BLOCK_N, HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB,
-                                BIAS_KB, IS_CAUSAL, USE_LIST, HAS_SOFTCAP, DOT_UPCAST, GATHER,
-                                VARLEN, MASK_PAD, BIAS_PAD, BIAS_GATHERED, MASK_BITS)
+                                stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+                                stride_vh, stride_ob, stride_om, stride_oh, stride_mb,
+                                stride_mh, stride_mm, stride_mn, mask_hdiv, stride_bb,
+                                stride_bh, stride_bm, stride_bn, bias_hdiv, stride_lb,
+                                stride_lh, stride_lm, stride_cb, stride_ch, stride_cm,
+                                list_hdiv, num_heads, group, seqlen_q, seqlen_k, n_k_tiles,
+                                stride_lse_h, qk_scale, cap_scale, softcap, HEAD_DIM, BLOCK_D,
+                                BLOCK_M, BLOCK_N, HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS,
+                                BIAS_QB, BIAS_KB, IS_CAUSAL, USE_LIST, HAS_SOFTCAP,
+                                DOT_UPCAST, GATHER, VARLEN, MASK_PAD, BIAS_PAD, BIAS_GATHERED,
+                                MASK_BITS)
     else:
         pid_m = tl.program_id(0)
         if IS_CAUSAL:
@@ -818,6 +816,7 @@ def attention_forward(
     n_k_tiles = cdiv(Lk, block_n)
     grid = (cdiv(Lq, block_m), B * H)
     has_softcap = softcap > 0.0
+
     def kernel_args(cnt, lst):
         return (
             q, k, v, out, lse, mask_arg, bias_arg, idx, cnt,
@@ -914,31 +913,27 @@ def aligned_rows(t: Optional[torch.Tensor], seqlen_q: int,
 AUTOTUNE_ENV = "FLASH_DMATTN_TRITON_AUTOTUNE"
 
 
-def launch_tuned(kernel, tuned, grid, args, meta) -> None:
+def launch_tuned(kernel, tuned, grid, args, meta, autotune: bool = True) -> None:
     """Launch ``tuned`` (an autotuner over ``kernel``), or ``kernel`` with fixed settings under
-    the interpreter / with autotuning switched off."""
+    the interpreter, with autotuning switched off, or without ``autotune``: the first of
+    ``tuned``'s (pruned) configs this GPU can fit."""
     if interpret_mode():
         kernel[grid](*args, **meta, num_warps=4, num_stages=1)
-    elif os.environ.get(AUTOTUNE_ENV, "1").strip() == "0":
-        launch_first_config(kernel, tuned, grid, args, meta)
+    elif not autotune or os.environ.get(AUTOTUNE_ENV, "1").strip() == "0":
+        configs = tuned.configs
+        prune = getattr(tuned, "early_config_prune", None)
+        if prune is not None:
+            configs = prune(configs, dict(zip(kernel.arg_names, args)), **meta)
+        # Like the autotuner, skip configs this GPU cannot fit (shared memory, registers).
+        for i, cfg in enumerate(configs):
+            try:
+                kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                return
+            except triton.runtime.errors.OutOfResources:
+                if i == len(configs) - 1:
+                    raise
     else:
         tuned[grid](*args, **meta)
-
-
-def launch_first_config(kernel, tuned, grid, args, meta) -> None:
-    """Launch ``kernel`` with the first of ``tuned``'s (pruned) configs this GPU can fit."""
-    configs = tuned.configs
-    prune = getattr(tuned, "early_config_prune", None)
-    if prune is not None:
-        configs = prune(configs, dict(zip(kernel.arg_names, args)), **meta)
-    # Like the autotuner, skip configs this GPU cannot fit (shared memory, registers).
-    for i, cfg in enumerate(configs):
-        try:
-            kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            return
-        except triton.runtime.errors.OutOfResources:
-            if i == len(configs) - 1:
-                raise
 
 
 def _launch_fwd(grid, args, meta) -> None:
@@ -962,10 +957,7 @@ def _launch_plain_rows(grid, args, meta, device: torch.device, plain_args) -> No
 
 
 def _launch_fwd_untuned(grid, args, meta) -> None:
-    if interpret_mode():
-        _attn_fwd_kernel[grid](*args, **meta, num_warps=4, num_stages=1)
-    else:
-        launch_first_config(_attn_fwd_kernel, _attn_fwd_tuned, grid, args, meta)
+    launch_tuned(_attn_fwd_kernel, _attn_fwd_tuned, grid, args, meta, autotune=False)
 
 
 def varlen_aux_4d(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
