@@ -184,13 +184,9 @@ def test_triton_lagged_gather_decisions_stay_exact():
     gather._LAGGED_TOTALS.clear()
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_triton_plain_rows_are_exact(causal, monkeypatch):
-    """A per-key mask's uncut rows run without the mask, its cut rows in the net kernel
-    (plain_rows, ``auto``): block-sparse masks (whole 128-key blocks: no row cut) alternate
-    with ones whose second head adds scattered keys in the second half (cut rows beside
-    uncut ones), so the two-kernel forward meets cut rows it did not predict. Poisoned
-    outputs; every call matches the reference, outputs and gradients."""
+def _plain_rows_auto(monkeypatch):
+    """The Triton forward module, with plain_rows in ``auto`` on fresh verdicts that sample
+    every call and split calls of any size (skips where Triton cannot run)."""
     if "triton" not in get_available_backends():
         pytest.skip("triton unavailable here")
     from flash_dmattn.backends.triton import forward as fwd_mod
@@ -200,6 +196,17 @@ def test_triton_plain_rows_are_exact(causal, monkeypatch):
     monkeypatch.setattr(plain_rows, "_MEMO", type(plain_rows._MEMO)())
     monkeypatch.setattr(plain_rows, "SAMPLE_EVERY", 1)
     monkeypatch.setattr(plain_rows, "MIN_WAVES", 0)  # small enough to run quickly
+    return fwd_mod
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_plain_rows_are_exact(causal, monkeypatch):
+    """A per-key mask's uncut rows run without the mask, its cut rows in the net kernel
+    (plain_rows, ``auto``): block-sparse masks (whole 128-key blocks: no row cut) alternate
+    with ones whose second head adds scattered keys in the second half (cut rows beside
+    uncut ones), so the two-kernel forward meets cut rows it did not predict. Poisoned
+    outputs; every call matches the reference, outputs and gradients."""
+    fwd_mod = _plain_rows_auto(monkeypatch)
     monkeypatch.setattr(fwd_mod, "DEBUG_POISON", True)
     guards = []
     real = fwd_mod._launch_fwd_untuned
@@ -230,15 +237,7 @@ def test_triton_plain_rows_in_a_cuda_graph(monkeypatch):
     """A per-key forward captured in a CUDA graph after eager calls settled the lagged verdict
     (no cut row: the split is captured) replays to the eager result, and capturing does not
     query events (not permitted while a stream captures)."""
-    if "triton" not in get_available_backends():
-        pytest.skip("triton unavailable here")
-    from flash_dmattn.backends.triton import forward as fwd_mod
-    from flash_dmattn.backends.triton import plain_rows
-
-    monkeypatch.setenv(plain_rows.PLAIN_ROWS_ENV, "auto")
-    monkeypatch.setattr(plain_rows, "_MEMO", type(plain_rows._MEMO)())
-    monkeypatch.setattr(plain_rows, "SAMPLE_EVERY", 1)
-    monkeypatch.setattr(plain_rows, "MIN_WAVES", 0)  # small enough to run quickly
+    fwd_mod = _plain_rows_auto(monkeypatch)
     b, l, h, hkv = 1, 1024, 4, 2
     q, k, v, _, _ = make_problem(b, l, l, h, hkv, 64, torch.bfloat16, "none", None, seed=5)
     g = torch.Generator(device="cuda").manual_seed(5)
