@@ -159,6 +159,9 @@ def plan_key_gather(
         return None
     union_u8, rows_per_tile = _tile_union(mask, summary, block_m)
     auto = policy == "auto"
+    # While a CUDA graph is captured no event may be waited on or queried: the plan follows
+    # what the host already knows, else tile lists (correct whatever the totals).
+    capturing = mask.is_cuda and torch.cuda.is_current_stream_capturing()
     memo_key = None
     verdict = None  # True: gather, False: tiles, None: from this call's own totals
     if auto and lagged:
@@ -166,11 +169,13 @@ def plan_key_gather(
                     block_m, block_n)
         previous = _LAGGED_TOTALS.get(memo_key)
         if previous is not None:
-            verdict = not prefers_tiles(*previous.values())
+            verdict = previous.gathers(capturing)
+    if auto and capturing and verdict is None:
+        verdict = False
     idx, cnt, totals = _compact_keys(union_u8, rows_per_tile, seqlen_q, seqlen_k, is_causal,
                                      block_m, block_n, auto)
-    on_host = _TotalsToHost(totals) if auto else None
-    if memo_key is not None:
+    on_host = _TotalsToHost(totals, verdict) if auto and not capturing else None
+    if memo_key is not None and on_host is not None:
         _LAGGED_TOTALS[memo_key] = on_host
         _LAGGED_TOTALS.move_to_end(memo_key)
         while len(_LAGGED_TOTALS) > _LAGGED_KEYS:
@@ -182,7 +187,7 @@ def plan_key_gather(
                               block_m, is_causal, skip_check)
     gbias = (_gather_bias(bias, idx, cnt, seqlen_k, skip_check)
              if _bias_per_key(bias, seqlen_k) else None)
-    if verdict is None and on_host is not None and prefers_tiles(*on_host.values()):
+    if verdict is None and on_host is not None and not on_host.gathers(False):
         return None
     return KeyGather(block_m=block_m, head_div=num_heads // mask.shape[1],
                      idx=idx, cnt=cnt, gbits=gbits, gbias=gbias)
@@ -201,10 +206,13 @@ def prefers_tiles(live_tiles: int, gathered_tiles: int) -> bool:
 
 
 class _TotalsToHost:
-    """A device tensor's values copied to the host behind an event: :meth:`values` waits for
-    the work queued before it, not for what was queued after it."""
+    """The totals of one auto plan copied to the host behind an event: :meth:`values` waits
+    for the work queued before it, not for what was queued after it; ``planned_with`` is the
+    verdict the call was planned with (None: its own totals)."""
 
-    def __init__(self, totals: torch.Tensor):
+    def __init__(self, totals: torch.Tensor, planned_with: Optional[bool] = None):
+        self.planned_with = planned_with
+        self.read = None
         self.event = None
         if totals.is_cuda:
             self.host = torch.empty(totals.shape, dtype=totals.dtype, pin_memory=True)
@@ -215,9 +223,18 @@ class _TotalsToHost:
             self.host = totals
 
     def values(self):
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.tolist()
+        if self.read is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self.read = self.host.tolist()
+        return self.read
+
+    def gathers(self, capturing: bool) -> Optional[bool]:
+        """Whether the totals choose gathering; while capturing (no waiting) the totals if
+        already read, else the verdict this call was planned with."""
+        if capturing and self.read is None:
+            return self.planned_with
+        return not prefers_tiles(*self.values())
 
 
 def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
