@@ -6,7 +6,7 @@ compiler made of them -- registers and spills (``ptxas -v``), whether the key lo
 were software-pipelined (async copies inside the loop) and how many layout conversions the
 loop body pays. Usage::
 
-    python scripts/compile_check.py [--arch 90] [--workload t2|dense|per-key|varlen] [--dump DIR]
+    python scripts/compile_check.py [--arch 90] [--workload t2|dense|per-key|varlen|decode] [--dump DIR]
                                     [--first-config]
 
 The workload's inputs are built on CPU at a small length (the kernels' code does not depend
@@ -84,9 +84,10 @@ class _Fixed:
     """A plain (not autotuned) kernel launched with fixed warps / stages, shaped like an
     autotuner for :func:`main` (``fn``, ``configs``)."""
 
-    def __init__(self, fn, num_warps, num_stages):
+    def __init__(self, fn, num_warps, num_stages, maxnreg=None):
         self.fn = fn
-        self.configs = [triton.Config({}, num_warps=num_warps, num_stages=num_stages)]
+        self.configs = [triton.Config({}, num_warps=num_warps, num_stages=num_stages,
+                                      maxnreg=maxnreg)]
 
 
 class _PlanCapture:
@@ -96,11 +97,13 @@ class _PlanCapture:
         self.name, self.kernel, self.launches = name, kernel, launches
 
     def __getitem__(self, grid):
-        def launch(*args, num_warps=4, num_stages=3, **meta):
+        def launch(*args, num_warps=4, num_stages=3, maxnreg=None, **meta):
             label = {"_compact_keys_kernel": "keys", "_gather_mask_bits_kernel": "gbits",
-                     "_gather_bias_kernel": "gbias",
-                     "_per_key_lists_kernel": "keyl"}.get(self.name, self.name[:5])
-            self.launches.append((label, _Fixed(self.kernel, num_warps, num_stages), args, meta))
+                     "_gather_bias_kernel": "gbias", "_per_key_lists_kernel": "keyl",
+                     "_decode_split_kernel": "dsplit",
+                     "_decode_combine_kernel": "dcomb"}.get(self.name, self.name[:5])
+            self.launches.append((label, _Fixed(self.kernel, num_warps, num_stages, maxnreg),
+                                  args, meta))
         return launch
 
 
@@ -143,6 +146,19 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
 
     B, H, Hkv, L, D = 1, 16, 4, seqlen, 128
     g = torch.Generator().manual_seed(0)
+    if workload == "decode":
+        # One decode step, H32/Hkv8, per-key mask + bias, with and without a part-filled cache.
+        from flash_dmattn.backends.triton import decode as dec_mod
+
+        for kname in ("_decode_split_kernel", "_decode_combine_kernel"):
+            setattr(dec_mod, kname, _PlanCapture(kname, getattr(dec_mod, kname), launches))
+        q = torch.randn(B, 1, 32, D, generator=g).to(dtype)
+        k = torch.randn(B, L, 8, D, generator=g).to(dtype)
+        v = torch.randn(B, L, 8, D, generator=g).to(dtype)
+        bias = torch.randn(B, 8, 1, L, generator=g).to(dtype)
+        for cache in (None, torch.tensor([L // 2], dtype=torch.int32)):
+            dec_mod.decode_forward(q, k, v, bias > 0, bias, D ** -0.5, False, 0.0, cache)
+        return launches
     q = torch.randn(B, L, H, D, generator=g).to(dtype)
     k = torch.randn(B, L, Hkv, D, generator=g).to(dtype)
     v = torch.randn(B, L, Hkv, D, generator=g).to(dtype)
@@ -230,7 +246,7 @@ def _loop_report(ttgir: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--workload", default="t2", choices=["t2", "dense", "per-key", "full-bias", "varlen"])
+    ap.add_argument("--workload", default="t2", choices=["t2", "dense", "per-key", "full-bias", "varlen", "decode"])
     ap.add_argument("--dump", type=Path, default=None, help="write each kernel's TTGIR here")
     ap.add_argument("--seqlen", type=int, default=512,
                     help="sequence length of the captured call (divisibility by 16 changes codegen)")
@@ -254,6 +270,8 @@ def main() -> int:
             configs = configs[:1]
         for cfg in configs:
             opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            if getattr(cfg, "maxnreg", None):
+                opts["maxnreg"] = cfg.maxnreg
             label = f"{name:8s} w{cfg.num_warps} s{cfg.num_stages}"
             try:
                 src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)

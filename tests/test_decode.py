@@ -259,6 +259,44 @@ def test_decode_kernel_splits(poison, num_splits):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("combine", ["fused-chunk1", "fused-chunk2", "kernel"])
+def test_decode_kernel_combine_paths(poison, monkeypatch, combine):
+    # Both merges of the splits: the split kernel's last program (here in chunks of 1 or 2
+    # splits, so the online rescaling and the prefetch run over several chunks, one chunk
+    # partly past the last split) and the separate combine kernel. Causal + softcap + a
+    # fully hidden batch (cache length 0) and -inf biases ride along.
+    from flash_dmattn.backends.triton import decode as decode_mod
+
+    if combine == "kernel":
+        monkeypatch.setenv(decode_mod.COMBINE_ENV, "kernel")
+    else:
+        chunk = int(combine[-1])
+        # rows 2 * 2 = 4 -> combine_m 4, block_d 16: elems per split 64.
+        monkeypatch.setattr(decode_mod, "FUSED_COMBINE_CHUNK_ELEMS", 64 * chunk)
+    bias = torch.randn(3, 2, 1, 90)
+    bias[1, :, :, :40] = float("-inf")
+    out, _ = run_decode(3, 2, 4, 2, 90, 16, "per_key", causal=True, softcap=5.0,
+                        cs=[90, 61, 0], num_splits=5, bias_override=bias)
+    assert not out.isnan().any()
+    assert (out[2] == 0).all()
+
+
+def test_fused_combine_policy(monkeypatch):
+    from flash_dmattn.backends.triton import decode as decode_mod
+
+    assert decode_mod.fused_combine(4, 128)
+    assert not decode_mod.fused_combine(64, 128)  # too large a tile: combine kernel
+    monkeypatch.setenv(decode_mod.COMBINE_ENV, "kernel")
+    assert not decode_mod.fused_combine(4, 128)
+    monkeypatch.setenv(decode_mod.COMBINE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="fused or kernel"):
+        decode_mod.fused_combine(4, 128)
+    assert decode_mod.fused_combine_chunk(6, 4, 16) == 8
+    assert decode_mod.fused_combine_chunk(100, 4, 128) == 8
+    assert decode_mod.fused_combine_chunk(3, 16, 256) == 1
+
+
+@needs_interpreter
 def test_decode_kernel_empty_rows_and_neg_inf_bias(poison):
     B, Lq, H, Hkv, Lk = 2, 2, 4, 2, 70
     mask = torch.ones(B, Hkv, Lq, Lk, dtype=torch.bool)
@@ -373,6 +411,87 @@ def test_gpu_decode_vs_reference(B, Lk, with_aux, monkeypatch):
         err = ((out.float() - ref).norm() / ref.norm()).item()
         assert err < 2e-2, err
         assert not out.isnan().any()
+
+
+def _gpu_decode_case(B, Lq, H, Hkv, D, Lk, seed):
+    dev, dtype = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(B, Lq, H, D, device=dev, dtype=dtype, generator=g)
+    k = torch.randn(B, Lk, Hkv, D, device=dev, dtype=dtype, generator=g)
+    v = torch.randn(B, Lk, Hkv, D, device=dev, dtype=dtype, generator=g)
+    bias = torch.randn(B, Hkv, 1, Lk, device=dev, dtype=dtype, generator=g)
+    mask = bias > 0
+    cs = torch.randint(0, Lk + 1, (B,), device=dev, generator=g, dtype=torch.int32)
+    cs[0] = Lk
+    return q, k, v, mask, bias, cs
+
+
+@pytest.mark.gpu
+def test_gpu_decode_fused_combine_across_calls(poison, monkeypatch):
+    # The fused combine's arrival counters must be back at zero after every call, whatever
+    # the next call's (batch, kv head) count and split count: alternate shapes (1 to 128
+    # splits, fused and combine-kernel tiles) and compare each call with the fp32 reference.
+    # Poisoned outputs: a group whose last split never merged stays NaN.
+    from flash_dmattn.backends.triton import decode as decode_mod
+
+    shapes = [(1, 1, 32, 8, 128, 4096), (3, 1, 16, 2, 64, 70000), (1, 4, 32, 8, 128, 9000),
+              (2, 1, 8, 8, 256, 3000), (1, 16, 32, 8, 128, 5000), (5, 2, 8, 1, 128, 1000)]
+    for rnd in range(2):
+        for i, (B, Lq, H, Hkv, D, Lk) in enumerate(shapes):
+            q, k, v, mask, bias, cs = _gpu_decode_case(B, Lq, H, Hkv, D, Lk, 10 * rnd + i)
+            splits = 128 if i == 1 else None
+            out, lse = decode_mod.decode_forward(q, k, v, mask, bias, D ** -0.5, Lq > 1, 0.0,
+                                                 cs, splits)
+            ref = reference_dmattn_func(q.float(), k.float(), v.float(), mask, bias.float(),
+                                        is_causal=Lq > 1, cache_seqlens=cs)
+            assert not out.isnan().any() and not lse.isnan().any(), (rnd, i)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            assert err < 2e-2, (rnd, i, err)
+    # Every counter is zero again (only eager calls on the current stream above).
+    buf = decode_mod.combine_counters(torch.device("cuda"), 1)
+    assert int(buf.count_nonzero()) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_decode_fused_combine_graph_replay_and_streams():
+    # A captured step replays to the eager result after its inputs change in place, and two
+    # streams decoding at once (each with its own counters) both get the eager results.
+    from flash_dmattn.backends.triton import decode as decode_mod
+
+    q, k, v, mask, bias, cs = _gpu_decode_case(2, 1, 32, 8, 128, 32768, 3)
+    scale = 128 ** -0.5
+
+    def step(qq):
+        return decode_mod.decode_forward(qq, k, v, mask, bias, scale, False, 0.0, cs)[0]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(q)
+    torch.cuda.current_stream().wait_stream(side)
+    static_q = q.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(static_q)
+    for seed in range(3):
+        static_q.copy_(torch.randn(q.shape, device="cuda", dtype=q.dtype,
+                                   generator=torch.Generator(device="cuda").manual_seed(seed)))
+        graph.replay()
+        torch.testing.assert_close(static_out, step(static_q), atol=0, rtol=0)
+
+    qs = [torch.randn_like(q) for _ in range(2)]
+    want = [step(x) for x in qs]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    got = [None, None]
+    for _ in range(20):
+        for j, st in enumerate(streams):
+            st.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(st):
+                got[j] = step(qs[j])
+        for st in streams:
+            torch.cuda.current_stream().wait_stream(st)
+        for j in range(2):
+            torch.testing.assert_close(got[j], want[j], atol=0, rtol=0)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,92 @@
+"""Triton decode step with the fused combine (the last split merges) against the combine
+kernel, beside cuDNN dense SDPA, on the benchmark's decode rows (GPU only).
+
+    python3 scripts/decode_combine_ab.py [--rounds 7] [--splits-x 1,2]
+
+Each variant is captured once as a CUDA graph; rounds replay every variant once in a shuffled
+order (``triton.testing.do_bench`` per replay, L2 flushed), and the median over rounds is
+reported with each row's ratio to cuDNN (K/V sliced to the used length). A few microseconds
+separate the variants at 4K keys, so a fixed order would let clock drift decide.
+``--splits-x``: also time the fused step at these multiples of the default split count.
+"""
+import argparse
+import os
+import random
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, ".")
+from benchmarks.timing import time_ms  # noqa: E402
+from benchmarks.workloads import build_case, decode_workload  # noqa: E402
+from flash_dmattn.backends.triton import decode as td  # noqa: E402
+
+
+def capture(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--splits-x", default="")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = ((1, 4096, None, False), (1, 4096, None, True), (1, 4096, 0.5, True),
+            (8, 4096, None, True), (1, 32768, None, False), (1, 32768, None, True),
+            (1, 32768, 0.5, True), (1, 131072, None, True), (1, 524288, None, True),
+            (8, 32768, None, True), (8, 131072, 0.5, True), (64, 32768, None, True))
+    mults = [float(x) for x in args.splits_x.split(",") if x]
+    print(torch.cuda.get_device_name(), f"ms per step (graph replay), median of {args.rounds} "
+          "shuffled rounds", flush=True)
+    rng = random.Random(0)
+    for B, L, fill, masked in rows:
+        w = decode_workload(B, L, masked, fill)
+        c = build_case(w, dev, torch.bfloat16)
+        scale = 128 ** -0.5
+        n0 = td.choose_num_splits(B, 8, L, dev)
+        graphs, outs = {}, {}
+        variants = [("kernel", None), ("fused", None)] + [(f"fused x{m:g}", m) for m in mults]
+        for name, mult in variants:
+            os.environ[td.COMBINE_ENV] = "kernel" if name == "kernel" else "fused"
+            n = None if mult is None else max(1, int(n0 * mult))
+            graphs[name], outs[name] = capture(
+                lambda n=n: td.decode_forward(c.q, c.k, c.v, c.mask, c.bias, scale, False, 0.0,
+                                              c.cache_seqlens, n)[0])
+        os.environ.pop(td.COMBINE_ENV, None)
+        used = w.used_k
+        qt, kt, vt = (x.transpose(1, 2) for x in (c.q, c.k[:, :used], c.v[:, :used]))
+        graphs["cudnn"], _ = capture(
+            lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+        same = bool(torch.equal(outs["kernel"], outs["fused"]))
+        diff = (outs["kernel"].float() - outs["fused"].float()).abs().max().item()
+        times = {k: [] for k in graphs}
+        for _ in range(args.rounds):
+            order = list(graphs)
+            rng.shuffle(order)
+            for k in order:
+                times[k].append(time_ms(graphs[k].replay, dev))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        label = f"B{B} Lk{L}" + (" mask+bias" if masked else "") + (f" cache{fill}" if fill else "")
+        print(f"{label:30s} splits {n0:3d} " + "  ".join(f"{k} {v:.4f}" for k, v in med.items())
+              + f"  fused/kernel {med['fused'] / med['kernel']:.3f}"
+              + f"  cudnn/fused {med['cudnn'] / med['fused']:.3f}"
+              + f"  cudnn/kernel {med['cudnn'] / med['kernel']:.3f}"
+              + f"  max|fused-kernel| {diff:.2e} bitwise {same}", flush=True)
+        del graphs
+
+
+if __name__ == "__main__":
+    main()
