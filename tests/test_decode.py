@@ -259,122 +259,15 @@ def test_decode_kernel_splits(poison, num_splits):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("combine", ["fused-chunk1", "fused-chunk2", "kernel"])
-def test_decode_kernel_combine_paths(poison, monkeypatch, combine):
-    # Both merges of the splits: the split kernel's last program (here in chunks of 1 or 2
-    # splits, so the online rescaling and the prefetch run over several chunks, one chunk
-    # partly past the last split) and the separate combine kernel. Causal + softcap + a
-    # fully hidden batch (cache length 0) and -inf biases ride along.
-    from flash_dmattn.backends.triton import decode as decode_mod
-
-    if combine == "kernel":
-        monkeypatch.setenv(decode_mod.COMBINE_ENV, "kernel")
-    else:
-        chunk = int(combine[-1])
-        # rows 2 * 2 = 4 -> combine_m 4, block_d 16: elems per split 64.
-        monkeypatch.setattr(decode_mod, "FUSED_COMBINE_CHUNK_ELEMS", 64 * chunk)
+def test_decode_kernel_split_merge_edge_rows(poison):
+    # The combine over 5 splits with causality, softcap, -inf biases on a whole prefix and a
+    # batch whose cache is empty (every split of it empty: zeros, lse -inf, no NaN).
     bias = torch.randn(3, 2, 1, 90)
     bias[1, :, :, :40] = float("-inf")
-    out, _ = run_decode(3, 2, 4, 2, 90, 16, "per_key", causal=True, softcap=5.0,
-                        cs=[90, 61, 0], num_splits=5, bias_override=bias)
+    out, lse = run_decode(3, 2, 4, 2, 90, 16, "per_key", causal=True, softcap=5.0,
+                          cs=[90, 61, 0], num_splits=5, bias_override=bias)
     assert not out.isnan().any()
-    assert (out[2] == 0).all()
-
-
-def test_fused_combine_policy(monkeypatch):
-    from flash_dmattn.backends.triton import decode as decode_mod
-
-    assert decode_mod.fused_combine(4, 128)
-    assert not decode_mod.fused_combine(64, 128)  # too large a tile: combine kernel
-    monkeypatch.setenv(decode_mod.COMBINE_ENV, "kernel")
-    assert not decode_mod.fused_combine(4, 128)
-    monkeypatch.setenv(decode_mod.COMBINE_ENV, "sometimes")
-    with pytest.raises(ValueError, match="fused or kernel"):
-        decode_mod.fused_combine(4, 128)
-    assert decode_mod.fused_combine_chunk(6, 4, 16) == 8
-    assert decode_mod.fused_combine_chunk(100, 4, 128) == 8
-    assert decode_mod.fused_combine_chunk(3, 16, 256) == 1
-
-
-@needs_interpreter
-def test_decode_kernel_empty_rows_and_neg_inf_bias(poison):
-    B, Lq, H, Hkv, Lk = 2, 2, 4, 2, 70
-    mask = torch.ones(B, Hkv, Lq, Lk, dtype=torch.bool)
-    mask[0, 1] = False  # kv head 1 of batch 0: every row fully masked
-    bias = torch.randn(B, H, Lq, Lk)
-    bias[1, :, 0] = float("-inf")  # whole rows of -inf bias
-    bias[:, :, :, ::3] = float("-inf")
-    out, lse = run_decode(B, Lq, H, Hkv, Lk, 16, cs=[70, 33], mask_override=mask,
-                          bias_override=bias, num_splits=3)
-    assert torch.isneginf(lse[0, 2:]).all() and (out[0, :, 2:] == 0).all()
-    assert torch.isneginf(lse[1, :, 0]).all()
-
-
-@needs_interpreter
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_kernel_half(poison, dtype):
-    run_decode(2, 1, 8, 2, 100, 32, "per_key", causal=True, cs=[100, 61], dtype=dtype)
-
-
-@needs_interpreter
-def test_decode_kernel_strided_inputs(poison):
-    from flash_dmattn.backends.triton.decode import decode_forward
-
-    B, Lq, H, Hkv, Lk, D = 2, 2, 4, 2, 50, 16
-    # Non-contiguous q/k/v (heads-first storage) and a transposed per-key bias.
-    q = torch.randn(B, H, Lq, D).transpose(1, 2)
-    k = torch.randn(B, Hkv, Lk, D).transpose(1, 2)
-    v = torch.randn(B, Hkv, Lk, D).transpose(1, 2)
-    bias = torch.randn(B, Lk, Hkv, 1).permute(0, 2, 3, 1)
-    mask = (torch.rand(Lk, B) > 0.3).t().reshape(B, 1, 1, Lk)
-    cs = torch.tensor([50, 20], dtype=torch.int32)
-    out, lse = decode_forward(q, k, v, mask, bias, 0.3, False, 0.0, cs, 2)
-    want_o, want_l = naive_kv(q, k, v, mask, bias, 0.3, False, 0.0, cs)
-    assert_close("out", out, want_o, 2e-5)
-    assert_close("lse", lse, want_l, 2e-5)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("causal", [False, True])
-def test_triton_backend_decode_with_grads(poison, causal):
-    # Through the public function: decode forward, main backward with the cache folded into
-    # the (per-key) mask; dq, dk, dv and dbias against the float64 oracle.
-    B, Lq, H, Hkv, Lk, D = 2, 2 if causal else 1, 4, 2, 40, 16
-    q, k, v = make(B, Lq, H, Hkv, Lk, D)
-    mask, bias = make_aux("per_key", B, Lq, H, Hkv, Lk)
-    if causal:
-        mask = mask[:, :1]  # (B, 1, 1, Lk): the folded (B, 1, Lq, Lk) mask stays O(B*Lq*Lk)
-    cs = torch.tensor([17, 40], dtype=torch.int32)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
-    out = triton_dmattn_func(*leaves[:3], mask, leaves[3], is_causal=causal, cache_seqlens=cs)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, leaves, dout)
-    nleaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
-    want, _ = naive_kv(*nleaves[:3], mask, nleaves[3], D ** -0.5, causal, 0.0, cs)
-    n_grads = torch.autograd.grad(want, nleaves, dout.double())
-    assert_close("out", out, want, 2e-5)
-    for name, gr, ng in zip(("dq", "dk", "dv", "dbias"), grads, n_grads):
-        assert_close(name, gr, ng, 5e-5)
-
-
-@needs_interpreter
-def test_triton_backend_uses_decode_kernel(monkeypatch):
-    from flash_dmattn.backends.triton import decode as decode_mod
-
-    calls = []
-    real = decode_mod.decode_forward
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decode_mod, "decode_forward", spy)
-    q, k, v = make(1, 1, 4, 2, decode_mod.DECODE_MIN_SEQLEN_K, 16)
-    with torch.no_grad():
-        out = triton_dmattn_func(q, k, v)  # long enough: decode kernel without cache_seqlens
-        want, _ = naive_kv(q, k, v, None, None, 0.25, False, 0.0, None)
-    assert calls and calls[0] == q.shape
-    assert_close("out", out, want, 2e-5)
+    assert (out[2] == 0).all() and (lse[2] == float("-inf")).all()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,13 +320,16 @@ def _gpu_decode_case(B, Lq, H, Hkv, D, Lk, seed):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_fused_combine_across_calls(poison, monkeypatch):
-    # The fused combine's arrival counters must be back at zero after every call, whatever
-    # the next call's (batch, kv head) count and split count: alternate shapes (1 to 128
-    # splits, fused and combine-kernel tiles) and compare each call with the fp32 reference.
-    # Poisoned outputs: a group whose last split never merged stays NaN.
+@pytest.mark.parametrize("pdl", ["1", "0"])
+def test_gpu_decode_alternating_shapes(poison, monkeypatch, pdl):
+    # Calls of alternating shapes (1 to 128 splits, GQA groups of 1 to 8, 1 to 16 queries,
+    # head dims 64 to 256, part-filled and empty caches) against the fp32 reference, with the
+    # combine kernel launched as a programmatic dependent of the split kernel and without.
+    # Poisoned outputs and partials: anything the combine reads before the split wrote it, or
+    # leaves unwritten, shows.
     from flash_dmattn.backends.triton import decode as decode_mod
 
+    monkeypatch.setenv(decode_mod.PDL_ENV, pdl)
     shapes = [(1, 1, 32, 8, 128, 4096), (3, 1, 16, 2, 64, 70000), (1, 4, 32, 8, 128, 9000),
               (2, 1, 8, 8, 256, 3000), (1, 16, 32, 8, 128, 5000), (5, 2, 8, 1, 128, 1000)]
     for rnd in range(2):
@@ -447,15 +343,13 @@ def test_gpu_decode_fused_combine_across_calls(poison, monkeypatch):
             assert not out.isnan().any() and not lse.isnan().any(), (rnd, i)
             err = ((out.float() - ref).norm() / ref.norm()).item()
             assert err < 2e-2, (rnd, i, err)
-    # Every counter is zero again (only eager calls on the current stream above).
-    buf = decode_mod.combine_counters(torch.device("cuda"), 1)
-    assert int(buf.count_nonzero()) == 0
 
 
 @pytest.mark.gpu
-def test_gpu_decode_fused_combine_graph_replay_and_streams():
-    # A captured step replays to the eager result after its inputs change in place, and two
-    # streams decoding at once (each with its own counters) both get the eager results.
+def test_gpu_decode_graph_replay_and_streams():
+    # A captured step (with the programmatic dependent launch on Hopper) replays to the eager
+    # result after its inputs change in place, and two streams decoding at once both get the
+    # eager results.
     from flash_dmattn.backends.triton import decode as decode_mod
 
     q, k, v, mask, bias, cs = _gpu_decode_case(2, 1, 32, 8, 128, 32768, 3)

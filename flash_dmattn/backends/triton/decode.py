@@ -10,9 +10,8 @@ reads every K/V tile once per *query head*. This kernel instead:
   so each K/V tile is loaded once per kv head;
 * splits the key range across ``num_splits`` programs per (batch, kv head) so that short
   batches still fill the GPU; each split writes an fp32 partial output and its log-sum-exp;
-* merges the splits in the same launch: the last split of each (batch, kv head) to finish
-  (an arrival counter) combines the group's partials; tiles too large for that use a small
-  combine kernel (one program per output row).
+* merges the splits in a small combine kernel (one program per output row), on Hopper
+  launched as a programmatic dependent of the split kernel (its launch overlaps the split).
 
 Mask and bias are read through their strides in any broadcast shape of SPEC §3.2 (the per-key
 ``(B, Hkv, 1, Lk)`` case loads one key vector per tile for the whole group). ``cache_seqlens``
@@ -38,6 +37,21 @@ import triton
 import triton.language as tl
 
 from ...intmath import cdiv, next_power_of_2
+
+try:  # grid dependency control (programmatic dependent launch), Triton >= 3.3, sm_90+
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
+    HAVE_GDC = True
+except ImportError:  # older Triton: the kernels are compiled with USE_PDL=False
+    HAVE_GDC = False
+
+    @triton.jit
+    def _gdc_launch_dependents():
+        pass
+
+    @triton.jit
+    def _gdc_wait():
+        pass
 from .forward import (
     LOG2E,
     _dot,
@@ -264,15 +278,18 @@ def _decode_split_kernel(
     batch, num_heads, group, seqlen_q, seqlen_k, keys_per_split,
     qk_scale, cap_scale, softcap,
     stride_btb, num_pages,
-    Counters, Out, Lse, stride_ob, stride_om, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWB: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CACHE: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr, COMBINE_M: tl.constexpr, COMBINE_S: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        # Let the combine kernel launch now: its programs wait (griddepcontrol.wait) until
+        # this grid has finished and its stores are visible, so its launch latency is hidden
+        # behind this kernel instead of following it.
+        _gdc_launch_dependents()
     # One program: key split pid_s of (batch b, kv head hk), for every query head of the group
     # and every query. Row r of the tile is query head hk*group + r // seqlen_q, query
     # r % seqlen_q. ROWB: the mask/bias value is the same for every row (per-key or per-kv-head
@@ -392,79 +409,6 @@ def _decode_split_kernel(
              mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LPart + prow, lse2, mask=row_ok)
 
-    if FUSED_COMBINE:
-        # The last split of (b, hk) to finish merges all of them: no second launch, whose
-        # start-up was ~2 us of a 15-17 us step at 4K keys (H200). Every thread's partial
-        # stores are ordered before the counter's release by the barrier; the acquire side's
-        # loads skip L1 (.cg), which is not coherent across SMs. The last split resets the
-        # counter, so it is 0 again for the next call (and for CUDA-graph replays).
-        tl.debug_barrier()
-        slot = Counters + b * tl.num_programs(2) + hk
-        ticket = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
-        if ticket == tl.num_programs(0) - 1:
-            tl.store(slot, 0)
-            _combine_group(OPart, LPart, Out, Lse, b, hk, group, seqlen_q, num_heads,
-                           batch, tl.num_programs(0), stride_ob, stride_om, stride_oh,
-                           HEAD_DIM, BLOCK_D, COMBINE_M, COMBINE_S)
-
-
-@triton.jit
-def _combine_group(OPart, LPart, Out, Lse, b, hk, group, seqlen_q, num_heads, batch,
-                   num_splits, stride_ob, stride_om, stride_oh,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, COMBINE_M: tl.constexpr,
-                   COMBINE_S: tl.constexpr):
-    """Merge the ``num_splits`` partials of the ``group * seqlen_q`` rows of (b, hk) into
-    ``Out`` / ``Lse`` (the combine kernel's arithmetic, for one group in one program).
-
-    Online over chunks of ``COMBINE_S`` splits (one 3-D load of partials each): the running
-    max, denominator and sum are rescaled as a chunk raises the max. The next chunk's loads
-    are issued before this chunk's arithmetic, so the chunks' L2 round trips overlap.
-    """
-    t = tl.arange(0, COMBINE_M)
-    t_ok = t < group * seqlen_q
-    h = hk * group + t // seqlen_q
-    qi = t % seqlen_q
-    r = (b * num_heads + h).to(tl.int64) * seqlen_q + qi  # partial row within a split
-    split_rows = (batch * num_heads * seqlen_q).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    offs_c = tl.arange(0, COMBINE_S)
-    od_ok = t_ok[None, :, None] & d_ok[None, None, :]
-
-    m = tl.full([COMBINE_M], float("-inf"), dtype=tl.float32)
-    denom = tl.zeros([COMBINE_M], dtype=tl.float32)
-    acc = tl.zeros([COMBINE_M, BLOCK_D], dtype=tl.float32)
-    rows = offs_c.to(tl.int64)[:, None] * split_rows + r[None, :]
-    s_ok = (offs_c[:, None] < num_splits) & t_ok[None, :]
-    ls = tl.load(LPart + rows, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-    o = tl.load(OPart + rows[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                mask=s_ok[:, :, None] & od_ok, other=0.0, cache_modifier=".cg")
-    for s0 in range(COMBINE_S, num_splits + COMBINE_S, COMBINE_S):
-        # Prefetch the next chunk (all masked off past the last split).
-        rows_n = (s0 + offs_c).to(tl.int64)[:, None] * split_rows + r[None, :]
-        s_ok_n = ((s0 + offs_c)[:, None] < num_splits) & t_ok[None, :]
-        ls_n = tl.load(LPart + rows_n, mask=s_ok_n, other=float("-inf"), cache_modifier=".cg")
-        o_n = tl.load(OPart + rows_n[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                      mask=s_ok_n[:, :, None] & od_ok, other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(ls, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        w = tl.exp2(ls - m_use[None, :])
-        denom = denom * alpha + tl.sum(w, 0)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
-        m = m_new
-        ls = ls_n
-        o = o_n
-    has_any = denom > 0.0
-    d_use = tl.where(has_any, denom, 1.0)
-    m_fin = tl.where(m == float("-inf"), 0.0, m)
-    out = acc / d_use[:, None]
-    lse = tl.where(has_any, (m_fin + tl.log2(d_use)) * 0.6931471805599453, float("-inf"))
-    o_ptrs = (Out + b.to(tl.int64) * stride_ob + qi.to(tl.int64)[:, None] * stride_om
-              + h.to(tl.int64)[:, None] * stride_oh + offs_d[None, :])
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=t_ok[:, None] & d_ok[None, :])
-    tl.store(Lse + r, lse, mask=t_ok)
-
 
 @triton.jit
 def _decode_combine_kernel(
@@ -472,7 +416,7 @@ def _decode_combine_kernel(
     num_splits, split_rows, num_heads, seqlen_q,
     stride_ob, stride_om, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    CHUNK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One program per output row r = (b * H + h) * Lq + i: out = sum_s w_s * o_s / sum_s w_s
     # with w_s = 2^(lse_s - max lse); empty splits have lse -inf (weight 0) and o_s = 0.
@@ -480,6 +424,8 @@ def _decode_combine_kernel(
     # step put a dependent L2 round trip per split on the critical path of every decode step.
     r = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
+    if USE_PDL:
+        _gdc_wait()  # launched early (programmatic dependent launch): the partials come first
     ls = tl.load(LPart + offs_s.to(tl.int64) * split_rows + r, mask=offs_s < num_splits,
                  other=float("-inf"))
     m = tl.max(ls, 0)
@@ -514,60 +460,24 @@ def combine_chunk(num_splits: int, block_d: int) -> int:
     return max(2, min(next_power_of_2(num_splits), 4096 // block_d))
 
 
-# Largest merged tile (rows x head block) the split kernel's last program combines itself; a
-# chunk of partials and its prefetched successor then take at most 64 fp32 registers a thread.
-FUSED_COMBINE_MAX_ELEMS = 2048
-FUSED_COMBINE_CHUNK_ELEMS = 4096
-COMBINE_ENV = "FLASH_DMATTN_TRITON_DECODE_COMBINE"
+PDL_ENV = "FLASH_DMATTN_TRITON_DECODE_PDL"
+_pdl_capable = {}
 
 
-def fused_combine(combine_m: int, block_d: int) -> bool:
-    """Whether the last split of each (batch, kv head) merges the partials (no combine launch).
+def use_pdl(device: torch.device) -> bool:
+    """Whether the combine kernel is launched as a programmatic dependent of the split kernel.
 
-    ``FLASH_DMATTN_TRITON_DECODE_COMBINE=kernel`` keeps the separate combine kernel (``fused``
-    or unset: fused where the merged tile is small enough, see ``FUSED_COMBINE_MAX_ELEMS``).
+    Hopper and newer only (``griddepcontrol``), never under the interpreter; ``FLASH_DMATTN_
+    TRITON_DECODE_PDL=0`` turns it off.
     """
-    policy = os.environ.get(COMBINE_ENV, "fused").strip().lower() or "fused"
-    if policy not in ("fused", "kernel"):
-        raise ValueError(f"{COMBINE_ENV}={policy!r}: expected fused or kernel")
-    return policy == "fused" and combine_m * block_d <= FUSED_COMBINE_MAX_ELEMS
-
-
-def fused_combine_chunk(num_splits: int, combine_m: int, block_d: int) -> int:
-    """Splits the fused combine reads per 3-D load (a power of two)."""
-    return max(1, min(next_power_of_2(num_splits),
-                      FUSED_COMBINE_CHUNK_ELEMS // (combine_m * block_d)))
-
-
-# Arrival counters of the fused combine, one int32 per (batch, kv head), per device and stream.
-# The kernel leaves them at zero, so they are zeroed once, when allocated. Per stream: two
-# decode calls running at once on different streams must not count into the same slots
-# (calls on one stream are ordered). Buffers are never freed: a captured CUDA graph keeps
-# using the one it was captured with, and holds no reference to it.
-_counters = {}
-_retired_counters = []
-MIN_COUNTERS = 4096
-
-
-def combine_counters(device: torch.device, count: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least ``count`` arrival counters for ``device``'s current
-    stream (the same buffer on every call, grown when too small).
-
-    Graphs captured on one stream share that stream's buffer: replaying two of them
-    concurrently on different streams would mix their counts (``FLASH_DMATTN_TRITON_DECODE_
-    COMBINE=kernel`` avoids the counters altogether)."""
-    if device.type == "cuda":
-        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    else:
-        key = (device.type, None)
-    buf = _counters.get(key)
-    if buf is None or buf.numel() < count:
-        if buf is not None:
-            _retired_counters.append(buf)
-        size = max(count, MIN_COUNTERS, 2 * (buf.numel() if buf is not None else 0))
-        buf = torch.zeros(size, dtype=torch.int32, device=device)
-        _counters[key] = buf
-    return buf
+    if device.type != "cuda" or not HAVE_GDC or interpret_mode():
+        return False
+    if os.environ.get(PDL_ENV, "1").strip() in ("0", "off", "false"):
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _pdl_capable:
+        _pdl_capable[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _pdl_capable[idx]
 
 
 # ------------------------------------------------------------------------------------------
@@ -744,12 +654,8 @@ def decode_forward(
         IS_CAUSAL=bool(is_causal), HAS_SOFTCAP=has_softcap, HAS_CACHE=cache_seqlens is not None,
         DOT_UPCAST=dot_upcast(q.dtype), PAGE_SIZE=page_size,
     )
-    combine_m = max(2, next_power_of_2(rows))
-    fused = fused_combine(combine_m, head_block(D))
-    counters = combine_counters(device, B * Hkv) if fused else q
-    args += (counters, out, lse, out.stride(0), out.stride(1), out.stride(2))
-    meta.update(FUSED_COMBINE=fused, COMBINE_M=combine_m,
-                COMBINE_S=fused_combine_chunk(num_splits, combine_m, head_block(D)))
+    pdl = use_pdl(device)
+    meta["USE_PDL"] = pdl
     grid = (num_splits, B, Hkv)
     if interp:
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=INTERPRET_BLOCK_N, num_warps=4,
@@ -759,14 +665,13 @@ def decode_forward(
                                                         has_softcap and block_table is not None)
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
                                    num_stages=stages, maxnreg=maxnreg)
-    if fused:
-        return out, lse
 
     _decode_combine_kernel[(split_rows,)](
         o_part, l_part, out, lse,
         num_splits, split_rows, H, Lq,
         out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_S=max(2, next_power_of_2(num_splits)),
-        CHUNK_S=combine_chunk(num_splits, head_block(D)), num_warps=4,
+        CHUNK_S=combine_chunk(num_splits, head_block(D)), USE_PDL=pdl, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out, lse
