@@ -97,7 +97,7 @@ class _PlanCapture:
         self.name, self.kernel, self.launches = name, kernel, launches
 
     def __getitem__(self, grid):
-        def launch(*args, num_warps=4, num_stages=3, maxnreg=None, launch_pdl=False, **meta):
+        def launch(*args, num_warps=4, num_stages=3, maxnreg=None, **meta):
             label = {"_compact_keys_kernel": "keys", "_gather_mask_bits_kernel": "gbits",
                      "_gather_bias_kernel": "gbias", "_per_key_lists_kernel": "keyl",
                      "_decode_split_kernel": "dsplit",
@@ -152,7 +152,6 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
 
         for kname in ("_decode_split_kernel", "_decode_combine_kernel"):
             setattr(dec_mod, kname, _PlanCapture(kname, getattr(dec_mod, kname), launches))
-        dec_mod.use_pdl = lambda device: True  # what a Hopper GPU compiles
         q = torch.randn(B, 1, 32, D, generator=g).to(dtype)
         k = torch.randn(B, L, 8, D, generator=g).to(dtype)
         v = torch.randn(B, L, 8, D, generator=g).to(dtype)

@@ -259,9 +259,16 @@ def test_decode_kernel_splits(poison, num_splits):
 
 
 @needs_interpreter
-def test_decode_kernel_split_merge_edge_rows(poison):
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_decode_kernel_split_merge_edge_rows(poison, monkeypatch, chunk):
     # The combine over 5 splits with causality, softcap, -inf biases on a whole prefix and a
-    # batch whose cache is empty (every split of it empty: zeros, lse -inf, no NaN).
+    # batch whose cache is empty (every split of it empty: zeros, lse -inf, no NaN); read in
+    # one chunk, or in chunks of 2 (the running max rescales the sums, the last chunk is
+    # partly past the last split).
+    from flash_dmattn.backends.triton import decode as decode_mod
+
+    if chunk is not None:
+        monkeypatch.setattr(decode_mod, "combine_chunk", lambda num_splits, block_d: chunk)
     bias = torch.randn(3, 2, 1, 90)
     bias[1, :, :, :40] = float("-inf")
     out, lse = run_decode(3, 2, 4, 2, 90, 16, "per_key", causal=True, softcap=5.0,
@@ -320,16 +327,13 @@ def _gpu_decode_case(B, Lq, H, Hkv, D, Lk, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", ["1", "0"])
-def test_gpu_decode_alternating_shapes(poison, monkeypatch, pdl):
-    # Calls of alternating shapes (1 to 128 splits, GQA groups of 1 to 8, 1 to 16 queries,
-    # head dims 64 to 256, part-filled and empty caches) against the fp32 reference, with the
-    # combine kernel launched as a programmatic dependent of the split kernel and without.
-    # Poisoned outputs and partials: anything the combine reads before the split wrote it, or
-    # leaves unwritten, shows.
+def test_gpu_decode_alternating_shapes(poison):
+    # Calls of alternating shapes (1 to 128 splits -- the combine then reads two chunks --,
+    # GQA groups of 1 to 8, 1 to 16 queries, head dims 64 to 256, part-filled and empty
+    # caches) against the fp32 reference. Poisoned outputs and partials: anything the combine
+    # reads unwritten, or leaves unwritten, shows.
     from flash_dmattn.backends.triton import decode as decode_mod
 
-    monkeypatch.setenv(decode_mod.PDL_ENV, pdl)
     shapes = [(1, 1, 32, 8, 128, 4096), (3, 1, 16, 2, 64, 70000), (1, 4, 32, 8, 128, 9000),
               (2, 1, 8, 8, 256, 3000), (1, 16, 32, 8, 128, 5000), (5, 2, 8, 1, 128, 1000)]
     for rnd in range(2):
@@ -347,9 +351,8 @@ def test_gpu_decode_alternating_shapes(poison, monkeypatch, pdl):
 
 @pytest.mark.gpu
 def test_gpu_decode_graph_replay_and_streams():
-    # A captured step (with the programmatic dependent launch on Hopper) replays to the eager
-    # result after its inputs change in place, and two streams decoding at once both get the
-    # eager results.
+    # A captured step replays to the eager result after its inputs change in place, and two
+    # streams decoding at once both get the eager results.
     from flash_dmattn.backends.triton import decode as decode_mod
 
     q, k, v, mask, bias, cs = _gpu_decode_case(2, 1, 32, 8, 128, 32768, 3)

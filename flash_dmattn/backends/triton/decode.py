@@ -10,8 +10,7 @@ reads every K/V tile once per *query head*. This kernel instead:
   so each K/V tile is loaded once per kv head;
 * splits the key range across ``num_splits`` programs per (batch, kv head) so that short
   batches still fill the GPU; each split writes an fp32 partial output and its log-sum-exp;
-* merges the splits in a small combine kernel (one program per output row), on Hopper
-  launched as a programmatic dependent of the split kernel (its launch overlaps the split).
+* merges the splits in a small combine kernel (one program per output row).
 
 Mask and bias are read through their strides in any broadcast shape of SPEC §3.2 (the per-key
 ``(B, Hkv, 1, Lk)`` case loads one key vector per tile for the whole group). ``cache_seqlens``
@@ -37,21 +36,6 @@ import triton
 import triton.language as tl
 
 from ...intmath import cdiv, next_power_of_2
-
-try:  # grid dependency control (programmatic dependent launch), Triton >= 3.3, sm_90+
-    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
-    from triton.language.extra.cuda import gdc_wait as _gdc_wait
-    HAVE_GDC = True
-except ImportError:  # older Triton: the kernels are compiled with USE_PDL=False
-    HAVE_GDC = False
-
-    @triton.jit
-    def _gdc_launch_dependents():
-        pass
-
-    @triton.jit
-    def _gdc_wait():
-        pass
 from .forward import (
     LOG2E,
     _dot,
@@ -71,9 +55,12 @@ DECODE_MAX_ROWS = 64
 # splitting buys nothing; calls with cache_seqlens use the decode kernel at any length.
 DECODE_MIN_SEQLEN_K = 128
 # Split-count bounds: at most this many splits (the combine reads one partial per split), and
-# at least this many keys per split so a split amortises its q load and partial write.
+# at least this many keys per split so a split amortises its q load and partial write. Short
+# caches decode faster with short splits while the programs still fit one wave: B1 H32/Hkv8
+# Lk 4K with a per-key mask + bias took 0.0158 ms at 32 splits of 128 keys against 0.0196 at
+# 16 of 256 (H200, CUDA-graph replay, decode-2026-11-22l-pdl-ab.log, "pdl x2").
 MAX_SPLITS = 128
-MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 128
 # Split boundaries are multiples of this, so every BLOCK_N (decode_config) tiles a split exactly.
 SPLIT_ALIGN = 128
 # Key tile under the CPU interpreter (small, so tiny test shapes have several tiles; tests raise
@@ -283,13 +270,8 @@ def _decode_split_kernel(
     HAS_MASK: tl.constexpr, MASK_ROWB: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CACHE: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
-    if USE_PDL:
-        # Let the combine kernel launch now: its programs wait (griddepcontrol.wait) until
-        # this grid has finished and its stores are visible, so its launch latency is hidden
-        # behind this kernel instead of following it.
-        _gdc_launch_dependents()
     # One program: key split pid_s of (batch b, kv head hk), for every query head of the group
     # and every query. Row r of the tile is query head hk*group + r // seqlen_q, query
     # r % seqlen_q. ROWB: the mask/bias value is the same for every row (per-key or per-kv-head
@@ -415,37 +397,38 @@ def _decode_combine_kernel(
     OPart, LPart, Out, Lse,
     num_splits, split_rows, num_heads, seqlen_q,
     stride_ob, stride_om, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    CHUNK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr,
 ):
     # One program per output row r = (b * H + h) * Lq + i: out = sum_s w_s * o_s / sum_s w_s
     # with w_s = 2^(lse_s - max lse); empty splits have lse -inf (weight 0) and o_s = 0.
-    # The partials are read CHUNK_S splits at a time as one 2-D load: a loop of one split per
-    # step put a dependent L2 round trip per split on the critical path of every decode step.
+    # CHUNK_S splits' log-sum-exps and partials are read together as one load each, and the
+    # running max rescales the sums (online, like the attention loop): one L2 round trip per
+    # chunk -- every split of a B1 step is one chunk -- where reading the lse first, then the
+    # partials, put two in a row on the critical path of every decode step.
     r = tl.program_id(0).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    if USE_PDL:
-        _gdc_wait()  # launched early (programmatic dependent launch): the partials come first
-    ls = tl.load(LPart + offs_s.to(tl.int64) * split_rows + r, mask=offs_s < num_splits,
-                 other=float("-inf"))
-    m = tl.max(ls, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.sum(tl.exp2(ls - m_use), 0)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_c = tl.arange(0, CHUNK_S)
+    m = float("-inf")
+    denom = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for s0 in range(0, num_splits, CHUNK_S):
         s_ok = (s0 + offs_c) < num_splits
         rows = (s0 + offs_c).to(tl.int64) * split_rows + r
-        w = tl.exp2(tl.load(LPart + rows, mask=s_ok, other=float("-inf")) - m_use)
+        ls = tl.load(LPart + rows, mask=s_ok, other=float("-inf"))
         o = tl.load(OPart + rows[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
+        m_new = tl.maximum(m, tl.max(ls, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        w = tl.exp2(ls - m_use)
+        denom = denom * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        m = m_new
     has_any = denom > 0.0
-    out = acc / tl.where(has_any, denom, 1.0)
-    lse = tl.where(has_any, (m_use + tl.log2(tl.where(has_any, denom, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
+    d_use = tl.where(has_any, denom, 1.0)
+    out = acc / d_use
+    lse = tl.where(has_any, (m + tl.log2(d_use)) * 0.6931471805599453, float("-inf"))
     i = r % seqlen_q
     bh = r // seqlen_q
     h = bh % num_heads
@@ -458,26 +441,6 @@ def _decode_combine_kernel(
 def combine_chunk(num_splits: int, block_d: int) -> int:
     """Splits the combine kernel reads per 2-D load: all of them up to 16 KiB of fp32 partials."""
     return max(2, min(next_power_of_2(num_splits), 4096 // block_d))
-
-
-PDL_ENV = "FLASH_DMATTN_TRITON_DECODE_PDL"
-_pdl_capable = {}
-
-
-def use_pdl(device: torch.device) -> bool:
-    """Whether the combine kernel is launched as a programmatic dependent of the split kernel.
-
-    Hopper and newer only (``griddepcontrol``), never under the interpreter; ``FLASH_DMATTN_
-    TRITON_DECODE_PDL=0`` turns it off.
-    """
-    if device.type != "cuda" or not HAVE_GDC or interpret_mode():
-        return False
-    if os.environ.get(PDL_ENV, "1").strip() in ("0", "off", "false"):
-        return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _pdl_capable:
-        _pdl_capable[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return _pdl_capable[idx]
 
 
 # ------------------------------------------------------------------------------------------
@@ -654,8 +617,6 @@ def decode_forward(
         IS_CAUSAL=bool(is_causal), HAS_SOFTCAP=has_softcap, HAS_CACHE=cache_seqlens is not None,
         DOT_UPCAST=dot_upcast(q.dtype), PAGE_SIZE=page_size,
     )
-    pdl = use_pdl(device)
-    meta["USE_PDL"] = pdl
     grid = (num_splits, B, Hkv)
     if interp:
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=INTERPRET_BLOCK_N, num_warps=4,
@@ -670,8 +631,7 @@ def decode_forward(
         o_part, l_part, out, lse,
         num_splits, split_rows, H, Lq,
         out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_S=max(2, next_power_of_2(num_splits)),
-        CHUNK_S=combine_chunk(num_splits, head_block(D)), USE_PDL=pdl, num_warps=4,
-        **({"launch_pdl": True} if pdl else {}),
+        HEAD_DIM=D, BLOCK_D=head_block(D), CHUNK_S=combine_chunk(num_splits, head_block(D)),
+        num_warps=4,
     )
     return out, lse

@@ -1,20 +1,21 @@
-"""Triton decode step with the combine kernel launched as a programmatic dependent of the
-split kernel (PDL) against a plain launch, beside cuDNN dense SDPA, on the benchmark's decode
-rows (GPU only).
+"""Triton decode steps beside cuDNN dense SDPA on the benchmark's decode rows (GPU only): CUDA-
+graph replays in shuffled, interleaved rounds.
 
-    python3 scripts/decode_combine_ab.py [--rounds 7] [--splits-x 1,2]
-
-(The logs ``decode-2026-11-22l-fused-combine-ab.log`` are from an earlier version of this
-script that compared a combine done by the split kernel's last program instead.)
+    python3 scripts/decode_step_time.py [--rounds 7] [--splits-x 0.5,2]
 
 Each variant is captured once as a CUDA graph; rounds replay every variant once in a shuffled
 order (``triton.testing.do_bench`` per replay, L2 flushed), and the median over rounds is
-reported with each row's ratio to cuDNN (K/V sliced to the used length). A few microseconds
-separate the variants at 4K keys, so a fixed order would let clock drift decide.
-``--splits-x``: also time the PDL step at these multiples of the default split count.
+reported with the ratio of cuDNN (K/V sliced to the used length) to the default step. A few
+microseconds separate variants at 4K keys, so a fixed order would let clock drift decide.
+``--splits-x``: also time the step at these multiples of the default split count. To compare
+two trees, run it from each in turn (``scripts/gpu_ab.sh`` style).
+
+History: ``decode-2026-11-22l-fused-combine-ab.log`` compared a combine done by the split
+kernel's last program (slower: one program merged a whole group), ``decode-2026-11-22l-pdl-
+ab.log`` the combine kernel launched as a programmatic dependent of the split kernel (no gain);
+neither was kept.
 """
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -49,7 +50,8 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = ((1, 4096, None, False), (1, 4096, None, True), (1, 4096, 0.5, True),
-            (8, 4096, None, True), (1, 32768, None, False), (1, 32768, None, True),
+            (8, 4096, None, True), (1, 8192, None, True), (2, 4096, None, True),
+            (1, 16384, None, True), (1, 32768, None, False), (1, 32768, None, True),
             (1, 32768, 0.5, True), (1, 131072, None, True), (1, 524288, None, True),
             (8, 32768, None, True), (8, 131072, 0.5, True), (64, 32768, None, True))
     mults = [float(x) for x in args.splits_x.split(",") if x]
@@ -62,19 +64,16 @@ def main():
         scale = 128 ** -0.5
         n0 = td.choose_num_splits(B, 8, L, dev)
         graphs, outs = {}, {}
-        variants = [("plain", None), ("pdl", None)] + [(f"pdl x{m:g}", m) for m in mults]
+        variants = [("default", None)] + [(f"x{m:g}", m) for m in mults]
         for name, mult in variants:
-            os.environ[td.PDL_ENV] = "0" if name == "plain" else "1"
             n = None if mult is None else max(1, int(n0 * mult))
             graphs[name], outs[name] = capture(
                 lambda n=n: td.decode_forward(c.q, c.k, c.v, c.mask, c.bias, scale, False, 0.0,
                                               c.cache_seqlens, n)[0])
-        os.environ.pop(td.PDL_ENV, None)
         used = w.used_k
         qt, kt, vt = (x.transpose(1, 2) for x in (c.q, c.k[:, :used], c.v[:, :used]))
         graphs["cudnn"], _ = capture(
             lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
-        same = bool(torch.equal(outs["plain"], outs["pdl"]))
         times = {k: [] for k in graphs}
         for _ in range(args.rounds):
             order = list(graphs)
@@ -84,10 +83,7 @@ def main():
         med = {k: statistics.median(v) for k, v in times.items()}
         label = f"B{B} Lk{L}" + (" mask+bias" if masked else "") + (f" cache{fill}" if fill else "")
         print(f"{label:30s} splits {n0:3d} " + "  ".join(f"{k} {v:.4f}" for k, v in med.items())
-              + f"  pdl/plain {med['pdl'] / med['plain']:.3f}"
-              + f"  cudnn/pdl {med['cudnn'] / med['pdl']:.3f}"
-              + f"  cudnn/plain {med['cudnn'] / med['plain']:.3f}"
-              + f"  bitwise-equal {same}", flush=True)
+              + f"  cudnn/default {med['cudnn'] / med['default']:.3f}", flush=True)
         del graphs
 
 
