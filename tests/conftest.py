@@ -13,6 +13,29 @@ import pytest  # noqa: E402
 from flash_dmattn import registry  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--record-cuda-specs", metavar="FILE", default=None,
+        help="do not build or run cuda kernels: append the name of every kernel specialisation "
+             "a test asks for to FILE and skip the test there (a device run builds the list "
+             "side by side, then runs the tests; scripts/gpu_cuda_suite.sh)")
+
+
+@pytest.fixture(autouse=True)
+def _record_cuda_specs(request, monkeypatch):
+    path = request.config.getoption("--record-cuda-specs")
+    if path:
+        from flash_dmattn.backends.cuda import jit
+
+        def record(spec, *args, **kwargs):
+            with open(path, "a") as f:
+                f.write(spec.name + "\n")
+            pytest.skip(f"recorded {spec.name}")
+
+        monkeypatch.setattr(jit, "load_kernel", record)
+    yield
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The cuda backend's whole GPU test suite with its kernel builds, in one device call (issue 4:
+# "the GPU test suite including compiles fits one 10-minute device call"), from an empty
+# kernel cache. Logs go to $OUT; the call's phases are timed in $OUT/suite-times.log.
+#   bash scripts/gpu_cuda_suite.sh      (run with carry: [".wheels"]; BUILD_P builds at once)
+# 1. first-use build of d128-bf16-mask-bias alone (issue target <= 90 s);
+# 2. the tests run once with --record-cuda-specs: every kernel module they ask for is listed
+#    and nothing is built or run (fast);
+# 3. the listed modules build side by side (BUILD_P processes, MAX_JOBS compiles each);
+# 4. every cuda GPU test runs against the built cache.
+source "$(dirname "$0")/device_common.sh"
+export FLASH_DMATTN_CACHE_DIR=$W/cache
+export MAX_JOBS=${MAX_JOBS:-4}
+device_install cutlass
+T0=$(date +%s)
+stamp() { echo "$1 at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/suite-times.log"; }
+TESTS="tests/test_cuda_backend.py tests/test_gpu.py tests/test_cuda_jit.py"
+K="cuda"
+
+MAX_JOBS=16 /usr/bin/time -f "build wall %e s" timeout 200 \
+  python3 -m flash_dmattn build d128-bf16-mask-bias >"$OUT/build-first.log" 2>&1
+tail -2 "$OUT/build-first.log"
+stamp "first build done"
+
+timeout 150 python3 -m pytest -q -p no:cacheprovider $TESTS -k "$K" \
+  --record-cuda-specs "$W/specs.txt" >"$OUT/record.log" 2>&1
+sort -u "$W/specs.txt" >"$OUT/specs.txt"
+stamp "recorded $(wc -l <"$OUT/specs.txt") modules"
+
+xargs -P "${BUILD_P:-8}" -I{} sh -c \
+  'timeout 400 python3 -m flash_dmattn build {} >"$0/build-{}.log" 2>&1 || echo "{} FAILED"' "$W" \
+  <"$OUT/specs.txt"
+for f in "$W"/build-*.log; do tail -2 "$f"; done >"$OUT/build.log"
+stamp "built $(grep -c 'built in\|already built' "$OUT/build.log") modules"
+
+timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -rs $TESTS -k "$K" \
+  >"$OUT/tests.log" 2>&1
+echo "tests rc=$?" >>"$OUT/tests.log"
+tail -4 "$OUT/tests.log"
+stamp "tests done"
+exit 0
