@@ -318,12 +318,12 @@ def full_toolchain(monkeypatch):
 
 def test_probe_on_this_machine():
     reason = cuda_backend.CudaBackend().probe()
-    assert reason is not None
     if not torch.cuda.is_available():
-        assert "no CUDA device" in reason
-    # The kernel sources ship with the package: only the machine can be missing something.
+        assert reason is not None and "no CUDA device" in reason
+    # The kernel sources ship with the package: only the machine can be missing something
+    # (on a GPU machine with nvcc, ninja and the CUTLASS headers, nothing: reason is None).
     assert jit.missing_kernel_sources() == []
-    assert "kernel sources" not in reason
+    assert reason is None or "kernel sources" not in reason
 
 
 def test_probe_reasons_one_at_a_time(full_toolchain):
@@ -378,6 +378,8 @@ def test_nvcc_discovery_honours_cuda_home(monkeypatch, tmp_path):
 
 
 def test_cuda_never_selected_while_unavailable():
+    if cuda_backend.CudaBackend().probe() is None:
+        pytest.skip("the cuda backend is available on this machine (this checks one without)")
     assert "cuda" not in get_available_backends()
     with pytest.raises(BackendUnavailableError, match="'cuda' is unavailable: "):
         registry.get_backend("cuda")

@@ -76,3 +76,51 @@ def test_fixed_launch_skips_configs_that_do_not_fit(monkeypatch):
     tuned.configs = [_Config(8, 3)]
     with pytest.raises(triton.runtime.errors.OutOfResources):
         fwd_mod.launch_tuned(kernel, tuned, (1,), ("x", 5), {})
+
+
+def test_capture_launches_untimed_specialisations_without_autotuning(monkeypatch):
+    # Under CUDA-graph capture the autotuner must not time configs (that synchronises the
+    # device): an untimed specialisation takes the first pruned config, a timed one the
+    # autotuner's choice.
+    import torch
+
+    monkeypatch.setattr(fwd_mod, "interpret_mode", lambda: False)
+    monkeypatch.delenv(fwd_mod.AUTOTUNE_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+    class _Timed(_Tuned):
+        keys = ["n"]
+
+        def __init__(self):
+            super().__init__()
+            self.cache = {}
+
+    kernel, tuned = _Kernel(), _Timed()
+    x = torch.zeros(2)
+    fwd_mod.launch_tuned(kernel, tuned, (1,), (x, 5), {"BLOCK": 16})
+    assert not tuned.calls and len(kernel.calls) == 1
+    assert (kernel.calls[0][2]["num_warps"], kernel.calls[0][2]["num_stages"]) == (8, 3)
+    tuned.cache[(5, "torch.float32")] = tuned.configs[0]
+    fwd_mod.launch_tuned(kernel, tuned, (1,), (x, 5), {"BLOCK": 16})
+    assert len(tuned.calls) == 1 and len(kernel.calls) == 1
+
+
+def test_autotuned_reads_tritons_cache_key():
+    # The key is built as triton.runtime.autotuner.Autotuner.run builds it: the key arguments
+    # in `key` order, then the dtype of every tensor argument.
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.autotune(configs=[triton.Config({}, num_warps=4), triton.Config({}, num_warps=8)],
+                     key=["n", "BLOCK"])
+    @triton.jit
+    def _k(X, Y, n, BLOCK: tl.constexpr):
+        pass
+
+    x, y = torch.zeros(2), torch.zeros(2, dtype=torch.int32)
+    assert not fwd_mod._autotuned(_k, (x, y, 7), {"BLOCK": 32})
+    _k.cache[(7, 32, "torch.float32", "torch.int32")] = _k.configs[1]
+    assert fwd_mod._autotuned(_k, (x, y, 7), {"BLOCK": 32})
+    assert not fwd_mod._autotuned(_k, (x, y, 8), {"BLOCK": 32})

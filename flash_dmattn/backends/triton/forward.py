@@ -916,10 +916,14 @@ AUTOTUNE_ENV = "FLASH_DMATTN_TRITON_AUTOTUNE"
 def launch_tuned(kernel, tuned, grid, args, meta, autotune: bool = True) -> None:
     """Launch ``tuned`` (an autotuner over ``kernel``), or ``kernel`` with fixed settings under
     the interpreter, with autotuning switched off, or without ``autotune``: the first of
-    ``tuned``'s (pruned) configs this GPU can fit."""
+    ``tuned``'s (pruned) configs this GPU can fit. During CUDA-graph capture a specialisation
+    the autotuner has not timed yet also takes the first config: timing synchronises the
+    device, which capture forbids (its choice is used once it has one)."""
     if interpret_mode():
         kernel[grid](*args, **meta, num_warps=4, num_stages=1)
-    elif not autotune or os.environ.get(AUTOTUNE_ENV, "1").strip() == "0":
+    elif (not autotune or os.environ.get(AUTOTUNE_ENV, "1").strip() == "0"
+          or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+              and not _autotuned(tuned, args, meta))):
         configs = tuned.configs
         prune = getattr(tuned, "early_config_prune", None)
         if prune is not None:
@@ -934,6 +938,21 @@ def launch_tuned(kernel, tuned, grid, args, meta, autotune: bool = True) -> None
                     raise
     else:
         tuned[grid](*args, **meta)
+
+
+def _autotuned(tuned, args, meta) -> bool:
+    """Whether ``tuned`` has a timed config for these arguments (its cache key, built as
+    Triton's ``Autotuner.run`` builds it: the key arguments, then every tensor's dtype)."""
+    if len(tuned.configs) <= 1:
+        return True
+    try:
+        named = {k: v for k, v in {**dict(zip(tuned.arg_names, args)), **meta}.items()
+                 if k in tuned.arg_names}
+        key = [named[k] for k in tuned.keys if k in named]
+        key += [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
+        return tuple(key) in tuned.cache
+    except Exception:  # noqa: BLE001  (another Triton's internals: take the safe branch)
+        return False
 
 
 def _launch_fwd(grid, args, meta) -> None:
