@@ -259,6 +259,87 @@ def test_decode_kernel_splits(poison, num_splits):
 
 
 @needs_interpreter
+def test_decode_kernel_empty_rows_and_neg_inf_bias(poison):
+    B, Lq, H, Hkv, Lk = 2, 2, 4, 2, 70
+    mask = torch.ones(B, Hkv, Lq, Lk, dtype=torch.bool)
+    mask[0, 1] = False  # kv head 1 of batch 0: every row fully masked
+    bias = torch.randn(B, H, Lq, Lk)
+    bias[1, :, 0] = float("-inf")  # whole rows of -inf bias
+    bias[:, :, :, ::3] = float("-inf")
+    out, lse = run_decode(B, Lq, H, Hkv, Lk, 16, cs=[70, 33], mask_override=mask,
+                          bias_override=bias, num_splits=3)
+    assert torch.isneginf(lse[0, 2:]).all() and (out[0, :, 2:] == 0).all()
+    assert torch.isneginf(lse[1, :, 0]).all()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_kernel_half(poison, dtype):
+    run_decode(2, 1, 8, 2, 100, 32, "per_key", causal=True, cs=[100, 61], dtype=dtype)
+
+
+@needs_interpreter
+def test_decode_kernel_strided_inputs(poison):
+    from flash_dmattn.backends.triton.decode import decode_forward
+
+    B, Lq, H, Hkv, Lk, D = 2, 2, 4, 2, 50, 16
+    # Non-contiguous q/k/v (heads-first storage) and a transposed per-key bias.
+    q = torch.randn(B, H, Lq, D).transpose(1, 2)
+    k = torch.randn(B, Hkv, Lk, D).transpose(1, 2)
+    v = torch.randn(B, Hkv, Lk, D).transpose(1, 2)
+    bias = torch.randn(B, Lk, Hkv, 1).permute(0, 2, 3, 1)
+    mask = (torch.rand(Lk, B) > 0.3).t().reshape(B, 1, 1, Lk)
+    cs = torch.tensor([50, 20], dtype=torch.int32)
+    out, lse = decode_forward(q, k, v, mask, bias, 0.3, False, 0.0, cs, 2)
+    want_o, want_l = naive_kv(q, k, v, mask, bias, 0.3, False, 0.0, cs)
+    assert_close("out", out, want_o, 2e-5)
+    assert_close("lse", lse, want_l, 2e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_backend_decode_with_grads(poison, causal):
+    # Through the public function: decode forward, main backward with the cache folded into
+    # the (per-key) mask; dq, dk, dv and dbias against the float64 oracle.
+    B, Lq, H, Hkv, Lk, D = 2, 2 if causal else 1, 4, 2, 40, 16
+    q, k, v = make(B, Lq, H, Hkv, Lk, D)
+    mask, bias = make_aux("per_key", B, Lq, H, Hkv, Lk)
+    if causal:
+        mask = mask[:, :1]  # (B, 1, 1, Lk): the folded (B, 1, Lq, Lk) mask stays O(B*Lq*Lk)
+    cs = torch.tensor([17, 40], dtype=torch.int32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    out = triton_dmattn_func(*leaves[:3], mask, leaves[3], is_causal=causal, cache_seqlens=cs)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    nleaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    want, _ = naive_kv(*nleaves[:3], mask, nleaves[3], D ** -0.5, causal, 0.0, cs)
+    n_grads = torch.autograd.grad(want, nleaves, dout.double())
+    assert_close("out", out, want, 2e-5)
+    for name, gr, ng in zip(("dq", "dk", "dv", "dbias"), grads, n_grads):
+        assert_close(name, gr, ng, 5e-5)
+
+
+@needs_interpreter
+def test_triton_backend_uses_decode_kernel(monkeypatch):
+    from flash_dmattn.backends.triton import decode as decode_mod
+
+    calls = []
+    real = decode_mod.decode_forward
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode_mod, "decode_forward", spy)
+    q, k, v = make(1, 1, 4, 2, decode_mod.DECODE_MIN_SEQLEN_K, 16)
+    with torch.no_grad():
+        out = triton_dmattn_func(q, k, v)  # long enough: decode kernel without cache_seqlens
+        want, _ = naive_kv(q, k, v, None, None, 0.25, False, 0.0, None)
+    assert calls and calls[0] == q.shape
+    assert_close("out", out, want, 2e-5)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("chunk", [None, 2])
 def test_decode_kernel_split_merge_edge_rows(poison, monkeypatch, chunk):
     # The combine over 5 splits with causality, softcap, -inf biases on a whole prefix and a
