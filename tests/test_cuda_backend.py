@@ -57,13 +57,13 @@ def test_cuda_second_process_loads_from_the_disk_cache():
     assert res.stdout.strip().endswith("ok True"), res.stdout
 
 
-def run_and_compare(problem, causal, softcap=0.0, bias_grad=True, tol_scale=1.0):
+def run_and_compare(problem, causal, softcap=0.0, bias_grad=True, tol_scale=1.0, scale=None):
     backend = _cuda()
     q, k, v, mask, bias = problem
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     if bias is not None:
         bias = bias.detach().requires_grad_(bias_grad)
-    inputs = AttentionInputs.from_args(*leaves, mask, bias, None, causal, softcap)
+    inputs = AttentionInputs.from_args(*leaves, mask, bias, scale, causal, softcap)
     assert backend.not_supported_reasons(inputs) == []
     out = backend.attention(inputs)
     ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
@@ -104,6 +104,15 @@ _MATRIX = [pytest.param(shape, m, b, id=f"{name}-{m}-{b}") for name, shape in _S
 @pytest.mark.parametrize("causal", [False, True])
 def test_cuda_matches_reference(shape, mask_kind, bias_kind, causal):
     run_and_compare(make_problem(*shape, torch.bfloat16, mask_kind, bias_kind), causal)
+
+
+@pytest.mark.parametrize("scale", [0.3, 0.0, -0.07])
+def test_cuda_softmax_scale_of_any_sign(scale):
+    # Without bias and softcap the Hopper forward folds a positive scale into the softmax's
+    # exponent (the row max taken on raw scores); zero and negative scales must not be folded.
+    # The backward reads the forward's lse, so the gradients check it too.
+    run_and_compare(make_problem(1, 300, 333, 4, 2, 128, torch.bfloat16, None, None), True,
+                    scale=scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
