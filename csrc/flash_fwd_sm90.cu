@@ -95,13 +95,6 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
   clear(acc_o);
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-  // Without softcap and bias the logits are the raw scores times the scale: a positive scale
-  // folds into the softmax's exponent (one FFMA per score instead of a multiply pass; the row
-  // max is taken on raw scores, whose order a positive scale keeps); row_max is then in raw
-  // units and scaled for the lse. A zero or negative scale keeps the multiply pass.
-  constexpr bool kFoldScale = !kSoftcap && !kHasBias;
-  const bool fold = kFoldScale && p.scale > 0.f;
-  const float exp_scale = fold ? p.scale * kLog2e : kLog2e;
 
   if (n_steps > 0) {
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)), typename Cfg::SmemQ{});
@@ -153,17 +146,15 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     auto to_logits = [&](auto& acc_s, int i) {
       const int k0 = tile_of(i) * kBlockN;
       const bool partial = partial_of(i, k0);
-      if (!fold) {  // one uniform branch around the pass, not a predicate per score
-        CUTE_UNROLL
-        for (int e = 0; e < size(acc_s); ++e) {
-          float s = acc_s(e);
-          if constexpr (kSoftcap) {
-            s = p.softcap * tanhf(s * (p.scale / p.softcap));
-          } else {
-            s *= p.scale;
-          }
-          acc_s(e) = s;
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_s); ++e) {
+        float s = acc_s(e);
+        if constexpr (kSoftcap) {
+          s = p.softcap * tanhf(s * (p.scale / p.softcap));
+        } else {
+          s *= p.scale;
         }
+        acc_s(e) = s;
       }
       // A thread's accumulator values come in pairs of adjacent columns (c, c + 1), c even: read
       // their bias / mask as one 4-byte / 2-byte word, and a bias or mask broadcast over queries
@@ -240,15 +231,15 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
           mx = fmaxf(mx, fmaxf(acc_s(make_coord(0, r, g), 0, 0), acc_s(make_coord(1, r, g), 0, 0)));
         }
         mx = quad_max(mx);
-        const float base = mx == -INFINITY ? 0.f : mx * exp_scale;
-        alpha[r] = exp2f(row_max[r] * exp_scale - base);
+        const float base = mx == -INFINITY ? 0.f : mx * kLog2e;
+        alpha[r] = exp2f(row_max[r] * kLog2e - base);
         row_max[r] = mx;
         float sum = 0.f;
         CUTE_UNROLL
         for (int g = 0; g < kGroupsS; ++g) {
           CUTE_UNROLL
           for (int c = 0; c < 2; ++c) {
-            const float pv = exp2f(acc_s(make_coord(c, r, g), 0, 0) * exp_scale - base);
+            const float pv = exp2f(acc_s(make_coord(c, r, g), 0, 0) * kLog2e - base);
             acc_s(make_coord(c, r, g), 0, 0) = pv;
             sum += pv;
           }
@@ -317,8 +308,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     const int row = q0 + get<0>(cO(make_coord(0, r, 0), 0, 0));
     if (row < Lq()) {
-      const float max_logit = fold ? row_max[r] * p.scale : row_max[r];
-      if (lane % 4 == 0) lse[row] = sum > 0.f ? max_logit + logf(sum) : -INFINITY;
+      if (lane % 4 == 0) lse[row] = sum > 0.f ? row_max[r] + logf(sum) : -INFINITY;
       Elem* orow = out + int64_t(row) * p.o_sl;
       CUTE_UNROLL
       for (int g = 0; g < kGroupsO; ++g) {

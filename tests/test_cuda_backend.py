@@ -108,9 +108,9 @@ def test_cuda_matches_reference(shape, mask_kind, bias_kind, causal):
 
 @pytest.mark.parametrize("scale", [0.3, 0.0, -0.07])
 def test_cuda_softmax_scale_of_any_sign(scale):
-    # Without bias and softcap the Hopper forward folds a positive scale into the softmax's
-    # exponent (the row max taken on raw scores); zero and negative scales must not be folded.
-    # The backward reads the forward's lse, so the gradients check it too.
+    # Zero and negative scales are legal (softmax_scale is any finite number): the row max
+    # must be taken on the scaled logits, not on raw scores. The backward reads the forward's
+    # lse, so the gradients check it too.
     run_and_compare(make_problem(1, 300, 333, 4, 2, 128, torch.bfloat16, None, None), True,
                     scale=scale)
 
