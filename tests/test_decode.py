@@ -340,31 +340,6 @@ def test_triton_backend_uses_decode_kernel(monkeypatch):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("policy", ["never", "always"])
-@pytest.mark.parametrize("kind", ["per_key", "full"])
-def test_decode_kernel_hidden_key_loads(poison, monkeypatch, policy, kind):
-    # K/V of masked keys loaded or skipped: the same result either way (causal, part-filled
-    # and empty caches, a -inf bias column).
-    from flash_dmattn.backends.triton import decode as decode_mod
-
-    monkeypatch.setenv(decode_mod.LOAD_HIDDEN_ENV, policy)
-    run_decode(3, 2, 8, 2, 130, 16, kind, causal=True, cs=[130, 47, 0], num_splits=4)
-
-
-def test_load_hidden_keys_policy(monkeypatch):
-    from flash_dmattn.backends.triton import decode as decode_mod
-
-    assert decode_mod.load_hidden_keys(128) and not decode_mod.load_hidden_keys(256)
-    monkeypatch.setenv(decode_mod.LOAD_HIDDEN_ENV, "never")
-    assert not decode_mod.load_hidden_keys(64)
-    monkeypatch.setenv(decode_mod.LOAD_HIDDEN_ENV, "always")
-    assert decode_mod.load_hidden_keys(4096)
-    monkeypatch.setenv(decode_mod.LOAD_HIDDEN_ENV, "sometimes")
-    with pytest.raises(ValueError, match="auto, always or never"):
-        decode_mod.load_hidden_keys(64)
-
-
-@needs_interpreter
 @pytest.mark.parametrize("chunk", [None, 2])
 def test_decode_kernel_split_merge_edge_rows(poison, monkeypatch, chunk):
     # The combine over 5 splits with causality, softcap, -inf biases on a whole prefix and a

@@ -270,7 +270,7 @@ def _decode_split_kernel(
     HAS_MASK: tl.constexpr, MASK_ROWB: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CACHE: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr, LOAD_HIDDEN: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     # One program: key split pid_s of (batch b, kv head hk), for every query head of the group
     # and every query. Row r of the tile is query head hk*group + r // seqlen_q, query
@@ -346,7 +346,6 @@ def _decode_split_kernel(
             key_ok = n_ld & (offs_n < kv_len)
         else:
             key_ok = n_ld
-        key_in = key_ok  # in range, whatever the mask says
         if HAS_MASK:
             if MASK_ROWB:
                 mv = tl.load(mask_base + offs_n * stride_mn, mask=n_ld, other=0)
@@ -359,7 +358,7 @@ def _decode_split_kernel(
                 vis = vis & (mv != 0)
         if IS_CAUSAL:
             vis = vis & (offs_n[None, :] <= qi[:, None] + (kv_len - seqlen_q))
-        if HAS_MASK and not LOAD_HIDDEN:
+        if HAS_MASK:
             # Loads are predicated on the keys some row can see, instead of branching over
             # fully hidden tiles: a branch around the loads stops Triton from pipelining them
             # (the masked step ran at 2.8x the dense time on an H200), while a key that no row
@@ -376,11 +375,8 @@ def _decode_split_kernel(
                 bt_base, num_pages, stride_kb, stride_vb,
                 HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST, PAGE_SIZE)
         else:
-            # No mask, or LOAD_HIDDEN: splits of one or two tiles, whose step is a chain of
-            # dependent loads rather than a stream of bytes; K/V of hidden keys are loaded too
-            # (vis still hides them), so those loads need not wait for the mask.
             acc, m_i, l_i = _decode_tile(
-                q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, key_in, n_ld, row_ok,
+                q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, key_ok, n_ld, row_ok,
                 offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
                 bt_base, num_pages, stride_kb, stride_vb,
                 HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST, PAGE_SIZE)
@@ -440,25 +436,6 @@ def _decode_combine_kernel(
     tl.store(Out + b * stride_ob + i * stride_om + h * stride_oh + offs_d,
              out.to(Out.dtype.element_ty), mask=d_ok)
     tl.store(Lse + r, lse)
-
-
-LOAD_HIDDEN_ENV = "FLASH_DMATTN_TRITON_DECODE_LOAD_HIDDEN"
-# Splits of at most this many keys (two 64-key tiles) load the K/V of masked keys too.
-LOAD_HIDDEN_MAX_KEYS = 128
-
-
-def load_hidden_keys(keys_per_split: int) -> bool:
-    """Whether a masked decode step loads K/V without waiting for the mask (``auto``: splits
-    of at most ``LOAD_HIDDEN_MAX_KEYS`` keys; ``FLASH_DMATTN_TRITON_DECODE_LOAD_HIDDEN=never``
-    / ``always`` force it). Long splits stream bytes, and skipping the hidden keys' K/V saves
-    them; a split of a tile or two is a chain of dependent loads (cache length, mask, K/V),
-    and loading K/V alongside the mask takes one link out of it."""
-    policy = os.environ.get(LOAD_HIDDEN_ENV, "auto").strip().lower() or "auto"
-    if policy not in ("auto", "always", "never"):
-        raise ValueError(f"{LOAD_HIDDEN_ENV}={policy!r}: expected auto, always or never")
-    if policy != "auto":
-        return policy == "always"
-    return keys_per_split <= LOAD_HIDDEN_MAX_KEYS
 
 
 def combine_chunk(num_splits: int, block_d: int) -> int:
@@ -639,7 +616,6 @@ def decode_forward(
         HAS_BIAS=bias is not None, BIAS_ROWB=row_invariant(bias),
         IS_CAUSAL=bool(is_causal), HAS_SOFTCAP=has_softcap, HAS_CACHE=cache_seqlens is not None,
         DOT_UPCAST=dot_upcast(q.dtype), PAGE_SIZE=page_size,
-        LOAD_HIDDEN=mask is not None and load_hidden_keys(keys_per_split),
     )
     grid = (num_splits, B, Hkv)
     if interp:
