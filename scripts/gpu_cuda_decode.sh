@@ -6,8 +6,9 @@
 #   TIME_AB=1: scripts/cuda_decode_time.py with the warp split off, then on (same build).
 #   (run with carry: [".wheels"])
 # ALL_TESTS builds 26 modules at once: about 360 s on 16 cores on 2026-11-22e, over the 400 s
-# per-build limit below on 2026-11-22f (the decode kernel has four instantiations since), so
-# that mode no longer fits one 10-minute device call with its tests; split the spec list.
+# per-build limit below on 2026-11-22f (26 x 6 compiles at once on 16 cores). The whole cuda
+# suite with its builds now runs in scripts/gpu_cuda_suite.sh (bounded concurrency, the
+# modules the tests record: 305 s on 2026-11-22l).
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=$W/cache
 export MAX_JOBS=16
