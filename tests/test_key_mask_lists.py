@@ -40,6 +40,14 @@ def _reference_lists(mask, lq, lk, causal, bm, bn):
     return per_key_lists_reference(mask, lq, lk, causal, bm, bn, True)
 
 
+def _assert_causal_forward(out, lse, q, k, v, mask):
+    """A causal forward without bias (default scale) against the float64 reference."""
+    ro, rl = naive_attention(q.double(), k.double(), v.double(), mask, None,
+                             1 / math.sqrt(q.shape[-1]), True, 0.0)
+    assert_close("out", out, ro, 2e-5)
+    assert_close("lse", lse, rl, 2e-5)
+
+
 def _assert_same_lists(got, ref):
     """Counts, cut counts, and entries and bits up to the count, equal."""
     idx, cnt, bits, cut = got
@@ -153,9 +161,7 @@ def test_forward_masks_partial_tiles_from_the_bits():
     q, k, v = (torch.randn(B, n, H, D) for n in (Lq, Lk, Lk))
     out, lse = attention_forward(q, k, v, torch.ones_like(a), None, 1 / math.sqrt(D), True, 0.0,
                                  tiles=tiles)
-    ro, rl = naive_attention(q.double(), k.double(), v.double(), a, None, 1 / math.sqrt(D), True, 0.0)
-    assert_close("out", out, ro, 2e-5)
-    assert_close("lse", lse, rl, 2e-5)
+    _assert_causal_forward(out, lse, q, k, v, a)
 
 
 def test_unknown_mask_bits_mode_is_an_error(monkeypatch):
@@ -227,10 +233,7 @@ def test_plain_rows_follow_the_previous_alike_call(monkeypatch):
         del guards[:]
         out, lse = attention_forward(q, k, v, mask, None, 1 / math.sqrt(D), True, 0.0)
         assert guards == want
-        ro, rl = naive_attention(q.double(), k.double(), v.double(), mask, None,
-                                 1 / math.sqrt(D), True, 0.0)
-        assert_close("out", out, ro, 2e-5)
-        assert_close("lse", lse, rl, 2e-5)
+        _assert_causal_forward(out, lse, q, k, v, mask)
 
 
 def test_unknown_plain_rows_mode_is_an_error(monkeypatch):

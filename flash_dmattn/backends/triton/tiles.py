@@ -74,8 +74,7 @@ class TileLists:
 
     def cut_strides(self) -> Tuple[int, int, int]:
         """(b, h, m) strides of ``fwd_cut`` with 0 for broadcast dims."""
-        return tuple(0 if self.fwd_cut.size(d) == 1 else self.fwd_cut.stride(d)
-                     for d in range(3))
+        return tuple(_bstride(self.fwd_cut, d) for d in range(3))
 
     def plain_strides(self) -> Tuple[int, int, int, int, int, int]:
         """:meth:`fwd_strides` with the counts of ``fwd_cut[..., 1:]``: the lists of a kernel
@@ -87,12 +86,14 @@ class TileLists:
         return _row_strides(self.bwd_idx, self.bwd_cnt)
 
 
-def _row_strides(idx: torch.Tensor, cnt: torch.Tensor):
-    def s(t, d):
-        # A size-1 dim is indexed with a possibly larger program index: stride 0 keeps it at 0.
-        return 0 if t.size(d) == 1 else t.stride(d)
+def _bstride(t: torch.Tensor, d: int) -> int:
+    # A size-1 dim is indexed with a possibly larger program index: stride 0 keeps it at 0.
+    return 0 if t.size(d) == 1 else t.stride(d)
 
-    return (s(idx, 0), s(idx, 1), s(idx, 2), s(cnt, 0), s(cnt, 1), s(cnt, 2))
+
+def _row_strides(idx: torch.Tensor, cnt: torch.Tensor):
+    return (_bstride(idx, 0), _bstride(idx, 1), _bstride(idx, 2),
+            _bstride(cnt, 0), _bstride(cnt, 1), _bstride(cnt, 2))
 
 
 def classify_tiles(
