@@ -18,60 +18,136 @@
 
 #if FLASH_DMATTN_SM90 && !FLASH_DMATTN_NO_SM90
 
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
 #include "flash_dmattn/wgmma.cuh"
 
 namespace flash_dmattn {
 
+// Depth of the K / V pipeline (stages of each), for tuning experiments through
+// FLASH_DMATTN_CUDA_FLAGS; the mask / bias tiles get two stages where shared memory allows.
+#ifndef FLASH_DMATTN_FWD_SM90_STAGES
+#define FLASH_DMATTN_FWD_SM90_STAGES 2
+#endif
+// 1: a warpgroup issues S(i) = Q K(i)^T before O += P(i - 1) V(i - 1) and runs the softmax of
+// tile i while that product is on the tensor cores; 0: the two products one after the other.
+// setmaxnreg budgets (128 x producer + 256 x consumer <= 64K registers). The consumers hold O,
+// S and P of 64 rows and fit 224 without spilling; the producer only computes addresses.
+#ifndef FLASH_DMATTN_FWD_SM90_PREGS
+#define FLASH_DMATTN_FWD_SM90_PREGS 64
+#endif
+#ifndef FLASH_DMATTN_FWD_SM90_CREGS
+#define FLASH_DMATTN_FWD_SM90_CREGS 224
+#endif
+#ifndef FLASH_DMATTN_FWD_SM90_OVERLAP
+#define FLASH_DMATTN_FWD_SM90_OVERLAP 1
+#endif
+
 template <int kHD>
 struct Sm90FwdConfig {
   static constexpr int kHeadDim = kHD;
-  static constexpr int kWarpGroups = 2;
-  static constexpr int kBlockM = 64 * kWarpGroups;
+  static constexpr int kConsumerWGs = 2;
+  static constexpr int kBlockM = 64 * kConsumerWGs;
   // S (kBlockN) and O (kHeadDim) accumulators share the registers: 128 + 128 fp32 values of a
   // 64-row warpgroup tile is 128 registers a thread, the most that leaves room for the rest.
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
-  static constexpr int kThreads = 128 * kWarpGroups;
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kConsumerThreads = 128 * kConsumerWGs;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  static constexpr int kStages = FLASH_DMATTN_FWD_SM90_STAGES;
+  static constexpr int kProducerRegs = FLASH_DMATTN_FWD_SM90_PREGS;
+  static constexpr int kConsumerRegs = FLASH_DMATTN_FWD_SM90_CREGS;
 
   using SmemAtom = typename GmmaTiles<kHD>::Atom;
   static constexpr int kAtomK = GmmaTiles<kHD>::kAtomK;
   using SmemQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  // K and V have two stages each: the loads of tile i + 1 run under the products of tile i.
-  using SmemK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, _2>{}));
+  using SmemK =
+      decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   // V (keys x head dim, K-major) read as its transpose: the MN-major B operand of P V.
   using SmemVt = decltype(composition(
-      SmemK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, _2>{}, Step<_2, _1, _3>{})));
+      SmemK{},
+      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
 
   using MmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
-      Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+      Layout<Shape<Int<kConsumerWGs>, _1, _1>>{}));
   using MmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+      Layout<Shape<Int<kConsumerWGs>, _1, _1>>{}));
 
-  using MaskTile = BcastTile<uint8_t, kBlockM, kBlockN, kThreads>;
-  using BiasTile = BcastTile<Elem, kBlockM, kBlockN, kThreads>;
+  using MaskTile = BcastTile<uint8_t, kBlockM, kBlockN, kProducerThreads>;
+  using BiasTile = BcastTile<Elem, kBlockM, kBlockN, kProducerThreads>;
+  static constexpr bool kHasAux = kHasMask || kHasBias;
+  static constexpr int kMaskBytes = kHasMask ? MaskTile::kBytes : 0;
+  static constexpr int kAuxBytes = kMaskBytes + (kHasBias ? BiasTile::kBytes : 0);
   // The swizzle pattern repeats every 1024 bytes and is applied to address bits: every GMMA
-  // operand starts on a 1024-byte boundary.
+  // operand starts on a 1024-byte boundary (the stage sizes are multiples of 1024).
   static constexpr int align1k(int x) { return (x + 1023) / 1024 * 1024; }
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kKVBytes = 2 * kBlockN * kHeadDim * 2;  // both stages
+  static constexpr int kStageBytes = kBlockN * kHeadDim * 2;
   static constexpr int kKOff = align1k(kQBytes);
-  static constexpr int kVOff = kKOff + align1k(kKVBytes);
-  static constexpr int kMaskOff = kVOff + align1k(kKVBytes);
-  static constexpr int kBiasOff = kMaskOff + (kHasMask ? MaskTile::kBytes : 0);
-  static constexpr int kSmem = kBiasOff + (kHasBias ? BiasTile::kBytes : 0);
-  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 limit");
+  static constexpr int kVOff = kKOff + kStages * kStageBytes;
+  static constexpr int kAuxOff = kVOff + kStages * kStageBytes;
+  // mbarriers: Q; full / empty of each K and V stage; full / empty of each mask-bias stage.
+  static constexpr int kBarriers = 1 + 4 * kStages + 4;
+  static constexpr int kSmemLimit = 227 * 1024;
+  static constexpr int kAuxStages =
+      !kHasAux ? 1 : (kAuxOff + 2 * kAuxBytes + 8 * kBarriers <= kSmemLimit ? 2 : 1);
+  static constexpr int kBarOff = kAuxOff + kAuxStages * kAuxBytes;
+  static constexpr int kSmem = kBarOff + 8 * kBarriers;
+  static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536,
+                "register budget");
+  static_assert(kStageBytes % 1024 == 0 && kAuxBytes % 16 == 0, "stage alignment");
+  static_assert(kSmem <= kSmemLimit, "shared memory over the sm_90 limit");
 };
+
+// The mbarriers of one CTA's pipeline. Full barriers count the producer's 128 threads (each
+// arrives once its cp.async copies of the stage have landed), empty barriers the consumers'
+// warps (each arrives once it stopped reading the stage).
+struct Sm90FwdBarriers {
+  uint64_t* q_full;
+  uint64_t* k_full;
+  uint64_t* k_empty;
+  uint64_t* v_full;
+  uint64_t* v_empty;
+  uint64_t* aux_full;
+  uint64_t* aux_empty;
+
+  template <typename Cfg>
+  __device__ static Sm90FwdBarriers at(char* smem) {
+    uint64_t* b = reinterpret_cast<uint64_t*>(smem + Cfg::kBarOff);
+    constexpr int S = Cfg::kStages;
+    return {b, b + 1, b + 1 + S, b + 1 + 2 * S, b + 1 + 3 * S, b + 1 + 4 * S, b + 3 + 4 * S};
+  }
+};
+
+using cutlass::arch::ClusterBarrier;
+
+// Producer side of a stage: arrive on `bar` once this thread's cp.async copies issued so far
+// have landed (the async arrive) and its plain shared-memory stores are visible (the arrive
+// releases them); the phase completes when all producer threads did both.
+__device__ __forceinline__ void stage_filled(uint64_t* bar) {
+  cutlass::arch::cpasync_barrier_arrive(bar);
+  ClusterBarrier::arrive(bar);
+}
+
+// Consumer side: this warp is done reading the stage (warpgroup MMAs reading it waited for).
+__device__ __forceinline__ void stage_released(uint64_t* bar) {
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) ClusterBarrier::arrive(bar);
+}
 
 template <bool kSoftcap>
 __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     fwd_kernel_sm90(const FwdParams p) {
   using Cfg = Sm90FwdConfig<kHeadDimBucket>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kD = kHeadDimBucket;
+  constexpr int kStages = Cfg::kStages, kAuxStages = Cfg::kAuxStages;
   extern __shared__ __align__(1024) char smem[];
 
-  const int tid = threadIdx.x;
   const QTileCoord coord = q_tile_coord(p.H, p.Hkv);
   const int m_block = coord.m_block, b = coord.b, h = coord.h;
   const int q0 = m_block * kBlockM;
@@ -82,7 +158,77 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
   const auto Lk = [&] { return seq_lk(p, sr); };
   const int32_t* list;
   const int n_steps = key_tiles_of<kBlockM, kBlockN>(p, sr, b, h, m_block, q0, list);
+  const FwdTileWalk<kBlockN> walk(p, sr, b, h, q0, list);
+  auto tile_of = [&](int i) { return walk.tile(i); };
+  auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0, Lq(), Lk()); };
+  char* mask_smem0 = smem + Cfg::kAuxOff;
+  char* bias_smem0 = smem + Cfg::kAuxOff + Cfg::kMaskBytes;
 
+  const Sm90FwdBarriers bar = Sm90FwdBarriers::at<Cfg>(smem);
+  if (threadIdx.x == 0) {
+    ClusterBarrier::init(bar.q_full, Cfg::kProducerThreads);
+    for (int s = 0; s < kStages; ++s) {
+      ClusterBarrier::init(bar.k_full + s, Cfg::kProducerThreads);
+      ClusterBarrier::init(bar.v_full + s, Cfg::kProducerThreads);
+      ClusterBarrier::init(bar.k_empty + s, Cfg::kConsumerWarps);
+      ClusterBarrier::init(bar.v_empty + s, Cfg::kConsumerWarps);
+    }
+    for (int s = 0; s < kAuxStages; ++s) {
+      ClusterBarrier::init(bar.aux_full + s, Cfg::kProducerThreads);
+      ClusterBarrier::init(bar.aux_empty + s, Cfg::kConsumerWarps);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  // ---- Producer warpgroup: copies Q once, then K, mask / bias and V of every live tile into
+  // the stage the consumers freed last, running up to kStages tiles ahead of them.
+  if (threadIdx.x < Cfg::kProducerThreads) {
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    const int ptid = threadIdx.x;
+    if (n_steps > 0) {
+      load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockM>(
+          walk.q, p.q_sl, Lq() - q0, p.D, smem, ptid);
+      stage_filled(bar.q_full);
+      for (int i = 0; i < n_steps; ++i) {
+        const int s = i % kStages;
+        const uint32_t free_phase = ((i / kStages) & 1) ^ 1;
+        const int k0 = tile_of(i) * kBlockN;
+        ClusterBarrier::wait(bar.k_empty + s, free_phase);
+        load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
+            walk.k + int64_t(k0) * p.k_sl, p.k_sl, Lk() - k0, p.D,
+            smem + Cfg::kKOff + s * Cfg::kStageBytes, ptid);
+        stage_filled(bar.k_full + s);
+        if constexpr (Cfg::kHasAux) {
+          const int a = i % kAuxStages;
+          ClusterBarrier::wait(bar.aux_empty + a, ((i / kAuxStages) & 1) ^ 1);
+          if constexpr (kHasMask) {
+            if (partial_of(i, k0)) {
+              Cfg::MaskTile::load(mask_smem0 + a * Cfg::kAuxBytes, p.mask, walk.mask, q0, k0,
+                                  Lq(), Lk(), ptid);
+            }
+          }
+          if constexpr (kHasBias) {
+            Cfg::BiasTile::load(bias_smem0 + a * Cfg::kAuxBytes, p.bias, walk.bias, q0, k0, Lq(),
+                                Lk(), ptid);
+          }
+          stage_filled(bar.aux_full + a);
+        }
+        ClusterBarrier::wait(bar.v_empty + s, free_phase);
+        load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
+            walk.v + int64_t(k0) * p.v_sl, p.v_sl, Lk() - k0, p.D,
+            smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
+        stage_filled(bar.v_full + s);
+      }
+      // Copies still in flight must not outlive their thread.
+      cp_async_wait<0>();
+    }
+    return;
+  }
+
+  // ---- Consumer warpgroups: 64 query rows each.
+  cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+  const int tid = threadIdx.x - Cfg::kProducerThreads;
   Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_sb + sr.q_row0 * p.o_sl +
               int64_t(h) * p.o_sh;
   float* lse = p.lse + lse_offset(p, sr, b, h);
@@ -102,48 +248,17 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
                             typename Cfg::SmemK{});
     Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Cfg::kVOff)),
                              typename Cfg::SmemVt{});
-    char* mask_smem = smem + Cfg::kMaskOff;
-    char* bias_smem = smem + Cfg::kBiasOff;
-
-    const FwdTileWalk<kBlockN> walk(p, sr, b, h, q0, list);
-    const Elem *qg = walk.q, *kg = walk.k, *vg = walk.v;
-    const char *mask_base = walk.mask, *bias_base = walk.bias;
-    auto tile_of = [&](int i) { return walk.tile(i); };
-    auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0, Lq(), Lk()); };
-
-    constexpr int kStageBytes = kBlockN * kD * 2;
-    auto load_k = [&](int i, int stage) {
-      const int k0 = tile_of(i) * kBlockN;
-      load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kThreads, kBlockN>(
-          kg + int64_t(k0) * p.k_sl, p.k_sl, Lk() - k0, p.D, smem + Cfg::kKOff + stage * kStageBytes,
-          tid);
-    };
-    auto load_v = [&](int i, int stage) {
-      const int k0 = tile_of(i) * kBlockN;
-      load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kThreads, kBlockN>(
-          vg + int64_t(k0) * p.v_sl, p.v_sl, Lk() - k0, p.D, smem + Cfg::kVOff + stage * kStageBytes,
-          tid);
-    };
-    auto load_mask_bias = [&](int i) {
-      const int k0 = tile_of(i) * kBlockN;
-      if constexpr (kHasMask) {
-        if (partial_of(i, k0)) {
-          Cfg::MaskTile::load(mask_smem, p.mask, mask_base, q0, k0, Lq(), Lk(), tid);
-        }
-      }
-      if constexpr (kHasBias) {
-        Cfg::BiasTile::load(bias_smem, p.bias, bias_base, q0, k0, Lq(), Lk(), tid);
-      }
-    };
-
     Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
     Tensor tSrK = thr_qk.partition_fragment_B(sK);    // (..., stage)
     Tensor tOrVt = thr_pv.partition_fragment_B(sVt);  // (..., stage)
     Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
     const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
 
-    // Raw scores of tile i -> scaled (softcapped) logits + bias, -inf where invisible.
-    auto to_logits = [&](auto& acc_s, int i) {
+    // Raw scores of tile i -> scaled (softcapped) logits + bias, -inf where invisible; the
+    // mask / bias tile is read from aux stage `a`.
+    auto to_logits = [&](auto& acc_s, int i, int a) {
+      const char* mask_smem = mask_smem0 + a * Cfg::kAuxBytes;
+      const char* bias_smem = bias_smem0 + a * Cfg::kAuxBytes;
       const int k0 = tile_of(i) * kBlockN;
       const bool partial = partial_of(i, k0);
       CUTE_UNROLL
@@ -259,43 +374,73 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       }
     };
 
-    load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kThreads, kBlockM>(qg, p.q_sl, Lq() - q0, p.D, smem,
-                                                                tid);
-    load_k(0, 0);
-    load_v(0, 0);
-    load_mask_bias(0);
-    cp_async_fence();
-
-    for (int i = 0; i < n_steps; ++i) {
-      const int stage = i & 1;
-      cp_async_wait<0>();
-      fence_async_shared();
-      // K(i), V(i) and the mask/bias tile landed; every warpgroup is done with tile i - 1, so
-      // its K/V stage can be refilled.
-      __syncthreads();
-      if (i + 1 < n_steps) {
-        load_k(i + 1, stage ^ 1);
-        load_v(i + 1, stage ^ 1);
+    Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    // P of the tile whose P V product is next, as the register A operand of that product.
+    Tensor rP = make_tensor_like<Elem>(acc_s);
+    Tensor tOrP = make_tensor(rP.data(), acc_as_gmma_a_layout(rP.layout()));
+    auto to_p = [&] {
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_s); ++e) rP(e) = Elem(acc_s(e));
+    };
+    auto issue_qk = [&](int i) {
+      const int s = i % kStages;
+      ClusterBarrier::wait(bar.k_full + s, (i / kStages) & 1);
+      Tensor tSrKs = tSrK(_, _, _, s);
+      wgmma_issue<false>(mma_qk, tSrQ, tSrKs, acc_s, /*zero=*/true);
+    };
+    auto issue_pv = [&](int i) {
+      const int s = i % kStages;
+      ClusterBarrier::wait(bar.v_full + s, (i / kStages) & 1);
+      Tensor tOrVts = tOrVt(_, _, _, s);
+      wgmma_issue<true>(mma_pv, tOrP, tOrVts, acc_o, /*zero=*/false);
+    };
+    // Scores of tile i (its S product waited for) -> probabilities; alpha as softmax_step.
+    auto scores_to_probs = [&](int i, float (&alpha)[2]) {
+      stage_released(bar.k_empty + i % kStages);
+      if constexpr (Cfg::kHasAux) {
+        const int a = i % kAuxStages;
+        ClusterBarrier::wait(bar.aux_full + a, (i / kAuxStages) & 1);
+        to_logits(acc_s, i, a);
+        stage_released(bar.aux_empty + a);
+      } else {
+        to_logits(acc_s, i, 0);
       }
-      cp_async_fence();
-
-      Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      Tensor tSrKs = tSrK(_, _, _, stage);
-      wgmma_gemm<false>(mma_qk, tSrQ, tSrKs, acc_s, /*zero=*/true);
-      to_logits(acc_s, i);
-      float alpha[2];
       softmax_step(acc_s, alpha);
-      rescale_o(alpha);
-      Tensor rP = to_type<Elem>(acc_s);
-      Tensor tOrP = make_tensor(rP.data(), acc_as_gmma_a_layout(rP.layout()));
+    };
+    auto pv_done = [&](int i) {
+      wgmma_wait<0>(acc_o);
+      warpgroup_fence_operand(rP);
+      stage_released(bar.v_empty + i % kStages);
+    };
 
-      if constexpr (kHasMask || kHasBias) {
-        __syncthreads();  // every thread is done reading this tile's mask / bias
-        if (i + 1 < n_steps) load_mask_bias(i + 1);
-        cp_async_fence();
+    ClusterBarrier::wait(bar.q_full, 0);
+    float alpha[2];
+    if constexpr (FLASH_DMATTN_FWD_SM90_OVERLAP) {
+      issue_qk(0);
+      wgmma_wait<0>(acc_s);
+      scores_to_probs(0, alpha);  // O is still zero: nothing to rescale
+      to_p();
+      for (int i = 1; i < n_steps; ++i) {
+        issue_qk(i);
+        issue_pv(i - 1);
+        wgmma_wait<1>(acc_s);  // batches complete in order: S(i) is ready, P V may still run
+        scores_to_probs(i, alpha);
+        pv_done(i - 1);
+        rescale_o(alpha);
+        to_p();
       }
-      Tensor tOrVts = tOrVt(_, _, _, stage);
-      wgmma_gemm<true>(mma_pv, tOrP, tOrVts, acc_o, /*zero=*/false);
+      issue_pv(n_steps - 1);
+      pv_done(n_steps - 1);
+    } else {
+      for (int i = 0; i < n_steps; ++i) {
+        issue_qk(i);
+        wgmma_wait<0>(acc_s);
+        scores_to_probs(i, alpha);
+        rescale_o(alpha);
+        to_p();
+        issue_pv(i);
+        pv_done(i);
+      }
     }
   }
 
