@@ -32,10 +32,12 @@ namespace flash_dmattn {
 #endif
 // 1: a warpgroup issues S(i) = Q K(i)^T before O += P(i - 1) V(i - 1) and runs the softmax of
 // tile i while that product is on the tensor cores; 0: the two products one after the other.
-// setmaxnreg budgets (128 x producer + 256 x consumer <= 64K registers). The consumers hold O,
-// S and P of 64 rows and fit 224 without spilling; the producer only computes addresses.
+// setmaxnreg budgets. They move registers within what the CTA got at launch (168 a thread for
+// 384 threads: 64512), so 128 x producer + 256 x consumer must not exceed that -- a request the
+// pool cannot meet never returns. The consumers hold O, S and P of 64 rows and fit 224 without
+// spilling; the producer only computes addresses.
 #ifndef FLASH_DMATTN_FWD_SM90_PREGS
-#define FLASH_DMATTN_FWD_SM90_PREGS 64
+#define FLASH_DMATTN_FWD_SM90_PREGS 56
 #endif
 #ifndef FLASH_DMATTN_FWD_SM90_CREGS
 #define FLASH_DMATTN_FWD_SM90_CREGS 224
@@ -98,8 +100,10 @@ struct Sm90FwdConfig {
       !kHasAux ? 1 : (kAuxOff + 2 * kAuxBytes + 8 * kBarriers <= kSmemLimit ? 2 : 1);
   static constexpr int kBarOff = kAuxOff + kAuxStages * kAuxBytes;
   static constexpr int kSmem = kBarOff + 8 * kBarriers;
-  static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536,
-                "register budget");
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // per thread, at launch
+  static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <=
+                    kThreads * kLaunchRegs,
+                "setmaxnreg requests beyond the CTA's registers never complete");
   static_assert(kStageBytes % 1024 == 0 && kAuxBytes % 16 == 0, "stage alignment");
   static_assert(kSmem <= kSmemLimit, "shared memory over the sm_90 limit");
 };
