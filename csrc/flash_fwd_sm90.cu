@@ -42,6 +42,10 @@ namespace flash_dmattn {
 #ifndef FLASH_DMATTN_FWD_SM90_CREGS
 #define FLASH_DMATTN_FWD_SM90_CREGS 224
 #endif
+// At most this many mask / bias stages (as many as fit, for the call's mask and bias shapes).
+#ifndef FLASH_DMATTN_FWD_SM90_AUX_STAGES
+#define FLASH_DMATTN_FWD_SM90_AUX_STAGES 4
+#endif
 #ifndef FLASH_DMATTN_FWD_SM90_OVERLAP
 #define FLASH_DMATTN_FWD_SM90_OVERLAP 1
 #endif
@@ -83,8 +87,6 @@ struct Sm90FwdConfig {
   using MaskTile = BcastTile<uint8_t, kBlockM, kBlockN, kProducerThreads>;
   using BiasTile = BcastTile<Elem, kBlockM, kBlockN, kProducerThreads>;
   static constexpr bool kHasAux = kHasMask || kHasBias;
-  static constexpr int kMaskBytes = kHasMask ? MaskTile::kBytes : 0;
-  static constexpr int kAuxBytes = kMaskBytes + (kHasBias ? BiasTile::kBytes : 0);
   // The swizzle pattern repeats every 1024 bytes and is applied to address bits: every GMMA
   // operand starts on a 1024-byte boundary (the stage sizes are multiples of 1024).
   static constexpr int align1k(int x) { return (x + 1023) / 1024 * 1024; }
@@ -92,20 +94,41 @@ struct Sm90FwdConfig {
   static constexpr int kStageBytes = kBlockN * kHeadDim * 2;
   static constexpr int kKOff = align1k(kQBytes);
   static constexpr int kVOff = kKOff + kStages * kStageBytes;
-  static constexpr int kAuxOff = kVOff + kStages * kStageBytes;
   // mbarriers: Q; full / empty of each K and V stage; full / empty of each mask-bias stage.
-  static constexpr int kBarriers = 1 + 4 * kStages + 4;
+  static constexpr int kMaxAuxStages = FLASH_DMATTN_FWD_SM90_AUX_STAGES;
+  static constexpr int kBarriers = 1 + 4 * kStages + 2 * kMaxAuxStages;
+  static constexpr int kBarOff = kVOff + kStages * kStageBytes;
+  static constexpr int kAuxOff = kBarOff + (8 * kBarriers + 15) / 16 * 16;
   static constexpr int kSmemLimit = 227 * 1024;
-  static constexpr int kAuxStages =
-      !kHasAux ? 1 : (kAuxOff + 2 * kAuxBytes + 8 * kBarriers <= kSmemLimit ? 2 : 1);
-  static constexpr int kBarOff = kAuxOff + kAuxStages * kAuxBytes;
-  static constexpr int kSmem = kBarOff + 8 * kBarriers;
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // per thread, at launch
   static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <=
                     kThreads * kLaunchRegs,
                 "setmaxnreg requests beyond the CTA's registers never complete");
-  static_assert(kStageBytes % 1024 == 0 && kAuxBytes % 16 == 0, "stage alignment");
-  static_assert(kSmem <= kSmemLimit, "shared memory over the sm_90 limit");
+  static_assert(kStageBytes % 1024 == 0, "stage alignment");
+  static_assert(kAuxOff + (kHasMask ? MaskTile::kBytes : 0) + (kHasBias ? BiasTile::kBytes : 0) <=
+                    kSmemLimit,
+                "shared memory over the sm_90 limit");
+
+  // The mask / bias stages are sized by the call: a mask or bias broadcast over queries is one
+  // row of the tile, so its stages are small and more of them fit (T2's per-key bias: 3 stages
+  // of mask + bias instead of 1). Same on host and device.
+  struct AuxLayout {
+    int mask_bytes;  // offset of the bias tile within a stage
+    int stride;      // bytes per stage
+    int stages;      // 1 .. kMaxAuxStages
+    int smem;        // dynamic shared memory of the launch
+  };
+  __host__ __device__ static AuxLayout aux_layout(const FwdParams& p) {
+    const int mask_bytes = kHasMask ? (p.mask.sq == 0 ? 1 : kBlockM) * MaskTile::kPitch : 0;
+    const int bias_bytes = kHasBias ? (p.bias.sq == 0 ? 1 : kBlockM) * BiasTile::kPitch : 0;
+    const int stride = mask_bytes + bias_bytes;  // pitches are multiples of 16
+    int stages = 1;
+    if (stride > 0) {
+      stages = (kSmemLimit - kAuxOff) / stride;
+      stages = stages < 1 ? 1 : (stages > kMaxAuxStages ? kMaxAuxStages : stages);
+    }
+    return {mask_bytes, stride, stages, kAuxOff + stages * stride};
+  }
 };
 
 // The mbarriers of one CTA's pipeline. Full barriers count the producer's 128 threads (each
@@ -124,7 +147,8 @@ struct Sm90FwdBarriers {
   __device__ static Sm90FwdBarriers at(char* smem) {
     uint64_t* b = reinterpret_cast<uint64_t*>(smem + Cfg::kBarOff);
     constexpr int S = Cfg::kStages;
-    return {b, b + 1, b + 1 + S, b + 1 + 2 * S, b + 1 + 3 * S, b + 1 + 4 * S, b + 3 + 4 * S};
+    constexpr int A = Cfg::kMaxAuxStages;
+    return {b, b + 1, b + 1 + S, b + 1 + 2 * S, b + 1 + 3 * S, b + 1 + 4 * S, b + 1 + 4 * S + A};
   }
 };
 
@@ -149,7 +173,9 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     fwd_kernel_sm90(const FwdParams p) {
   using Cfg = Sm90FwdConfig<kHeadDimBucket>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kD = kHeadDimBucket;
-  constexpr int kStages = Cfg::kStages, kAuxStages = Cfg::kAuxStages;
+  constexpr int kStages = Cfg::kStages;
+  const typename Cfg::AuxLayout aux = Cfg::aux_layout(p);
+  const int kAuxStages = aux.stages;
   extern __shared__ __align__(1024) char smem[];
 
   const QTileCoord coord = q_tile_coord(p.H, p.Hkv);
@@ -166,7 +192,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
   auto tile_of = [&](int i) { return walk.tile(i); };
   auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0, Lq(), Lk()); };
   char* mask_smem0 = smem + Cfg::kAuxOff;
-  char* bias_smem0 = smem + Cfg::kAuxOff + Cfg::kMaskBytes;
+  char* bias_smem0 = smem + Cfg::kAuxOff + aux.mask_bytes;
 
   const Sm90FwdBarriers bar = Sm90FwdBarriers::at<Cfg>(smem);
   if (threadIdx.x == 0) {
@@ -208,12 +234,12 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
           ClusterBarrier::wait(bar.aux_empty + a, ((i / kAuxStages) & 1) ^ 1);
           if constexpr (kHasMask) {
             if (partial_of(i, k0)) {
-              Cfg::MaskTile::load(mask_smem0 + a * Cfg::kAuxBytes, p.mask, walk.mask, q0, k0,
+              Cfg::MaskTile::load(mask_smem0 + a * aux.stride, p.mask, walk.mask, q0, k0,
                                   Lq(), Lk(), ptid);
             }
           }
           if constexpr (kHasBias) {
-            Cfg::BiasTile::load(bias_smem0 + a * Cfg::kAuxBytes, p.bias, walk.bias, q0, k0, Lq(),
+            Cfg::BiasTile::load(bias_smem0 + a * aux.stride, p.bias, walk.bias, q0, k0, Lq(),
                                 Lk(), ptid);
           }
           stage_filled(bar.aux_full + a);
@@ -261,8 +287,8 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     // Raw scores of tile i -> scaled (softcapped) logits + bias, -inf where invisible; the
     // mask / bias tile is read from aux stage `a`.
     auto to_logits = [&](auto& acc_s, int i, int a) {
-      const char* mask_smem = mask_smem0 + a * Cfg::kAuxBytes;
-      const char* bias_smem = bias_smem0 + a * Cfg::kAuxBytes;
+      const char* mask_smem = mask_smem0 + a * aux.stride;
+      const char* bias_smem = bias_smem0 + a * aux.stride;
       const int k0 = tile_of(i) * kBlockN;
       const bool partial = partial_of(i, k0);
       CUTE_UNROLL
@@ -477,11 +503,12 @@ template <bool kSoftcap>
 static cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   using Cfg = Sm90FwdConfig<kHeadDimBucket>;
   auto kernel = &fwd_kernel_sm90<kSoftcap>;
+  const int smem = Cfg::aux_layout(p).smem;
   cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid = q_tile_grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B, p.H, p.Hkv);
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(p);
+  kernel<<<grid, Cfg::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 

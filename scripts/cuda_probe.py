@@ -70,6 +70,22 @@ def main():
     step = lambda: torch.autograd.grad(attn(qg, kg, vg, is_causal=True), (qg, kg, vg), gout)
     print_kernel_times(step, "fwd+bwd kernel")
     sys.stdout.flush()
+    t2_kernels()
+
+
+def t2_kernels():
+    """Per-kernel GPU times of one T2 forward (the dynamic suite's workload), cuda and triton:
+    the attention kernel apart from the mask summary and tile lists built per call."""
+    from benchmarks.workloads import build_case, workloads_for
+
+    (w,) = workloads_for("dynamic", quick=False)
+    case = build_case(w, torch.device("cuda"), torch.bfloat16)
+    for name in ("cuda", "triton"):
+        attn = flash_dmattn_func_auto(name)
+        run = lambda: attn(case.q, case.k, case.v, case.mask, case.bias, is_causal=True)
+        print_kernel_times(run, f"T2 {name}")
+        print(f"T2 fwd {name} {time_ms(run):.3f} ms")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 # variant and AB_SPECS (the benchmarked modules) for the others (VARIANTS, '|'-separated;
 # "default" = no flags) side by side, runs the cuda tests whose ids match TEST_GREP against the
 # first variant (a kernel hang ends at TEST_S), then times the SUITES workloads matching MATCH
-# for every variant, twice, next to triton and cuDNN. Run with carry [".wheels"]; logs to $OUT.
+# for every variant, twice, next to triton and cuDNN (PROBE=1: then per-kernel times of T1 and
+# T2). Run with carry [".wheels"]; logs to $OUT.
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache} MAX_JOBS=${MAX_JOBS:-8}
 device_install cutlass
@@ -48,4 +49,10 @@ for round in 1 2; do
   done
 done
 grep -E "^== |^   " "$OUT/ab-bench.log" | head -60
+# PROBE=1: per-kernel GPU times of T1 / T2 (scripts/cuda_probe.py), default variant.
+if [ -n "${PROBE:-}" ]; then
+  FLASH_DMATTN_CUDA_FLAGS="$(flags_of "${VS[0]}")" timeout 150 python3 scripts/cuda_probe.py \
+    >"$OUT/ab-probe.log" 2>&1
+  grep -E "T1 |T2 " "$OUT/ab-probe.log" | head -30
+fi
 exit 0
