@@ -1,6 +1,6 @@
 """Which cuda forward kernel runs, and how fast, on the T1 / T2 shapes (one device call).
 
-    python3 scripts/cuda_probe.py            (FLASH_DMATTN_CUDA_FLAGS selects a build variant)
+    python3 scripts/cuda_probe.py [--t2-only]   (FLASH_DMATTN_CUDA_FLAGS selects a build variant)
 
 Prints the module's block sizes, the kernel names a profiled forward launches with their GPU
 times, the median forward time next to cuDNN SDPA on the same inputs, and the per-kernel GPU
@@ -70,12 +70,13 @@ def main():
     step = lambda: torch.autograd.grad(attn(qg, kg, vg, is_causal=True), (qg, kg, vg), gout)
     print_kernel_times(step, "fwd+bwd kernel")
     sys.stdout.flush()
-    t2_kernels()
+
 
 
 def t2_kernels():
     """Per-kernel GPU times of one T2 forward (the dynamic suite's workload), cuda and triton:
     the attention kernel apart from the mask summary and tile lists built per call."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from benchmarks.workloads import build_case, workloads_for
 
     (w,) = workloads_for("dynamic", quick=False)
@@ -89,4 +90,6 @@ def t2_kernels():
 
 
 if __name__ == "__main__":
-    main()
+    if "--t2-only" not in sys.argv:
+        main()
+    t2_kernels()
