@@ -5,6 +5,9 @@
 //
 //   fwd(q, k, v, mask, bias, out, softmax_scale, is_causal, softcap, tiles..., packed...)
 //       -> [out, lse]
+//   fwd_gathered(q, k, v, out, softmax_scale, is_causal, softcap, idx, cnt, hdiv, bits,
+//                bits_hdiv, gbias, gbias_hdiv) -> [out, lse]   (gathered key lists; modules
+//       with a mask, dense batches, sm_90 -- fwd_gathers() says whether this module has it)
 //   bwd(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, ..., packed...)
 //       -> [dq, dk, dv, dbias]
 //   decode(q, k, v, mask, bias, cache_seqlens, block_table, softmax_scale, is_causal, softcap,
@@ -26,6 +29,7 @@
 
 namespace flash_dmattn {
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream);
+bool fwd_gathers();
 cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream);
 cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream);
 int decode_max_rows();
@@ -44,6 +48,7 @@ using flash_dmattn::Bcast;
 using flash_dmattn::BwdParams;
 using flash_dmattn::DecodeParams;
 using flash_dmattn::FwdParams;
+using flash_dmattn::KeyGather;
 using flash_dmattn::TileList;
 using OptT = std::optional<at::Tensor>;
 
@@ -165,7 +170,7 @@ bool finished_without_keys(const FwdParams& p, at::Tensor& out, at::Tensor& lse)
 
 void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const OptT& mask, const OptT& bias, double scale, bool causal, double softcap,
-                 bool paged = false) {
+                 bool paged = false, bool aux = true) {
   check_qkv(q, "q");
   check_qkv(k, "k");
   check_qkv(v, "v");
@@ -185,8 +190,10 @@ void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const a
   p.D = q.size(3);
   p.Lk = k.size(1);
   p.Hkv = k.size(2);
-  p.mask = make_bcast(mask, p.H, FLASH_DMATTN_HAS_MASK, "mask", at::kBool);
-  p.bias = make_bcast(bias, p.H, FLASH_DMATTN_HAS_BIAS, "bias", kDtype);
+  if (aux) {
+    p.mask = make_bcast(mask, p.H, FLASH_DMATTN_HAS_MASK, "mask", at::kBool);
+    p.bias = make_bcast(bias, p.H, FLASH_DMATTN_HAS_BIAS, "bias", kDtype);
+  }
   p.scale = static_cast<float>(scale);
   p.softcap = static_cast<float>(softcap);
   p.causal = causal;
@@ -220,6 +227,77 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   if (finished_without_keys(p, out, lse)) return {out, lse};
   cudaError_t err = flash_dmattn::run_fwd(p, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda fwd: ", cudaGetErrorString(err));
+  return {out, lse};
+}
+
+// The forward over gathered key lists (see KeyGather in params.h): idx (Bm, Hm, nQ, >= Lk)
+// int32, cnt (Bm, Hm, nQ) int32, bits (Bm, Hm, nQ * block_m, W) int64, gbias (Bg, Hg, nQ,
+// width) in q's dtype or none; nQ = ceil(Lq / block_m). Broadcast dims have size 1.
+std::vector<at::Tensor> fwd_gathered(const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const OptT& out_, double softmax_scale,
+                                     bool is_causal, double softcap, const at::Tensor& idx,
+                                     const at::Tensor& cnt, int64_t hdiv, const at::Tensor& bits,
+                                     int64_t bits_hdiv, const OptT& gbias, int64_t gbias_hdiv) {
+  c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK(flash_dmattn::fwd_gathers(), "this kernel module has no gathered forward (it needs "
+              "a mask, dense batches and sm_90)");
+  TORCH_CHECK(gbias.has_value() == bool(FLASH_DMATTN_HAS_BIAS), "this kernel module was built ",
+              FLASH_DMATTN_HAS_BIAS ? "with" : "without", " a bias");
+  FwdParams p;
+  fill_common(p, q, k, v, std::nullopt, std::nullopt, softmax_scale, is_causal, softcap,
+              /*paged=*/false, /*aux=*/false);
+  const int64_t n_q = (p.Lq + flash_dmattn::fwd_block_m() - 1) / flash_dmattn::fwd_block_m();
+  TORCH_CHECK(idx.is_cuda() && idx.scalar_type() == at::kInt && idx.dim() == 4 &&
+                  idx.stride(3) == 1 && idx.size(2) == n_q && idx.size(3) >= p.Lk,
+              "gather idx must be int32 (B, H, ceil(Lq / block_m), >= Lk)");
+  TORCH_CHECK(cnt.is_cuda() && cnt.scalar_type() == at::kInt && cnt.dim() == 3 &&
+                  cnt.size(2) == n_q,
+              "gather cnt must be int32 (B, H, ceil(Lq / block_m))");
+  TORCH_CHECK(bits.is_cuda() && bits.scalar_type() == at::kLong && bits.dim() == 4 &&
+                  bits.stride(3) == 1 && bits.size(2) >= n_q * flash_dmattn::fwd_block_m() &&
+                  bits.size(3) * 64 >= p.Lk,
+              "gather bits must be int64 (B, H, ceil(Lq / block_m) * block_m, ceil(Lk / 64))");
+  for (const at::Tensor* t : {&idx, &cnt, &bits}) {
+    TORCH_CHECK((t->size(0) == 1 || t->size(0) == p.B) && p.H % t->size(1) == 0,
+                "gather lists must broadcast to the batch and divide the heads");
+  }
+  at::Tensor out = out_.has_value() ? *out_ : at::empty_like(q, at::MemoryFormat::Contiguous);
+  check_qkv(out, "out");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  p.out = out.data_ptr();
+  p.o_sb = out.stride(0), p.o_sl = out.stride(1), p.o_sh = out.stride(2);
+  p.lse = lse.data_ptr<float>();
+  p.lse_sb = int64_t(p.H) * p.Lq;
+  p.lse_sh = p.Lq;
+  p.gather = true;
+  KeyGather& g = p.g;
+  g.idx = idx.data_ptr<int32_t>();
+  g.idx_sb = bstride(idx, 0), g.idx_sh = bstride(idx, 1), g.idx_sm = idx.stride(2);
+  g.cnt = cnt.data_ptr<int32_t>();
+  g.cnt_sb = bstride(cnt, 0), g.cnt_sh = bstride(cnt, 1), g.cnt_sm = cnt.stride(2);
+  g.hdiv = static_cast<int>(hdiv);
+  g.bits = reinterpret_cast<const uint64_t*>(bits.data_ptr<int64_t>());
+  g.bits_sb = bstride(bits, 0), g.bits_sh = bstride(bits, 1), g.bits_sq = bits.stride(2);
+  g.bits_hdiv = static_cast<int>(bits_hdiv);
+  if (gbias.has_value()) {
+    const at::Tensor& gb = *gbias;
+    TORCH_CHECK(gb.is_cuda() && gb.scalar_type() == kDtype && gb.dim() == 4 &&
+                    gb.stride(3) == 1 && gb.size(2) == n_q && gb.size(3) % 64 == 0 &&
+                    gb.size(3) >= p.Lk && p.H % gb.size(1) == 0 &&
+                    reinterpret_cast<uintptr_t>(gb.data_ptr()) % 16 == 0 &&
+                    aligned16(gb.stride(0), 2) && aligned16(gb.stride(1), 2) &&
+                    aligned16(gb.stride(2), 2),
+                "gathered bias must be (B, H, ceil(Lq / block_m), width % 64 == 0) in q's dtype "
+                "with 16-byte aligned rows");
+    g.bias = gb.data_ptr();
+    g.bias_sb = bstride(gb, 0), g.bias_sh = bstride(gb, 1), g.bias_sm = gb.stride(2);
+    g.bias_hdiv = static_cast<int>(gbias_hdiv);
+    g.bias_width = static_cast<int>(gb.size(3));
+  }
+  if (finished_without_keys(p, out, lse)) return {out, lse};
+  cudaError_t err = flash_dmattn::run_fwd(p, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda fwd_gathered: ", cudaGetErrorString(err));
   return {out, lse};
 }
 
@@ -402,6 +480,8 @@ std::vector<int64_t> block_sizes() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flash_dmattn CUDA kernels (one head-dim / dtype / mask / bias specialisation)";
   m.def("fwd", &fwd, "attention forward -> [out, lse]");
+  m.def("fwd_gathered", &fwd_gathered, "attention forward over gathered key lists -> [out, lse]");
+  m.def("fwd_gathers", &flash_dmattn::fwd_gathers, "whether fwd_gathered is built in");
   m.def("bwd", &bwd, "attention backward -> [dq, dk, dv, dbias]");
   m.def("fused_dq", &flash_dmattn::bwd_fused_dq,
         "whether bwd(..., allow_fused_dq=True) computes dQ inside the dK/dV kernel (atomics)");

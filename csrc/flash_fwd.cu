@@ -219,7 +219,10 @@ int fwd_sm90_block_n();
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream) { return run_fwd_sm90(p, stream); }
 int fwd_block_m() { return fwd_sm90_block_m(); }
 int fwd_block_n() { return fwd_sm90_block_n(); }
+// Gathered key lists: the sm_90 forward of a dense module with a mask.
+bool fwd_gathers() { return kHasMask && !kPacked; }
 #else
+bool fwd_gathers() { return false; }
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream) {
   return p.softcap > 0.f ? launch_fwd<true>(p, stream) : launch_fwd<false>(p, stream);
 }

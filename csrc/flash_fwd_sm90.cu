@@ -105,6 +105,7 @@ struct Sm90FwdConfig {
                     kThreads * kLaunchRegs,
                 "setmaxnreg requests beyond the CTA's registers never complete");
   static_assert(kStageBytes % 1024 == 0, "stage alignment");
+  static_assert(kBlockN % 64 == 0, "a gathered tile's bits are whole words");
   static_assert(kAuxOff + (kHasMask ? MaskTile::kBytes : 0) + (kHasBias ? BiasTile::kBytes : 0) <=
                     kSmemLimit,
                 "shared memory over the sm_90 limit");
@@ -118,9 +119,17 @@ struct Sm90FwdConfig {
     int stages;      // 1 .. kMaxAuxStages
     int smem;        // dynamic shared memory of the launch
   };
+  // Gathered keys: a stage is the tile's mask bits (kBlockN / 64 words a row) and its row of
+  // the gathered bias.
+  static constexpr int kBitWords = kBlockN / 64;
+  static constexpr int kBitsBytes = kBlockM * kBitWords * 8;
+  static constexpr int kGBiasBytes = kBlockN * 2;
   __host__ __device__ static AuxLayout aux_layout(const FwdParams& p) {
-    const int mask_bytes = kHasMask ? (p.mask.sq == 0 ? 1 : kBlockM) * MaskTile::kPitch : 0;
-    const int bias_bytes = kHasBias ? (p.bias.sq == 0 ? 1 : kBlockM) * BiasTile::kPitch : 0;
+    const bool g = p.gather;
+    const int mask_bytes =
+        !kHasMask ? 0 : (g ? kBitsBytes : (p.mask.sq == 0 ? 1 : kBlockM) * MaskTile::kPitch);
+    const int bias_bytes =
+        !kHasBias ? 0 : (g ? kGBiasBytes : (p.bias.sq == 0 ? 1 : kBlockM) * BiasTile::kPitch);
     const int stride = mask_bytes + bias_bytes;  // pitches are multiples of 16
     int stages = 1;
     if (stride > 0) {
@@ -168,7 +177,38 @@ __device__ __forceinline__ void stage_released(uint64_t* bar) {
   if (threadIdx.x % 32 == 0) ClusterBarrier::arrive(bar);
 }
 
-template <bool kSoftcap>
+// Stage the mask bits of gathered tile k0 (rows q0 .., kBitWords words each) and its row of the
+// gathered bias (zero past the row's width; what lies past the list's count is never used).
+__device__ __forceinline__ void load_gathered_aux(const FwdParams& p, int b, int h, int m_block,
+                                                  int q0, int k0, char* bits_smem,
+                                                  char* bias_smem, int tid) {
+  using Cfg = Sm90FwdConfig<kHeadDimBucket>;
+  const KeyGather& g = p.g;
+  // The planner's bits have a row for every query of every tile (rows past Lq are 0).
+  const uint64_t* row = g.bits + b * g.bits_sb + (h / g.bits_hdiv) * g.bits_sh +
+                        int64_t(q0 + tid) * g.bits_sq + k0 / 64;
+  static_assert(Cfg::kProducerThreads == Cfg::kBlockM, "one bits row per producer thread");
+  CUTE_UNROLL
+  for (int w = 0; w < Cfg::kBitWords; ++w) {
+    cp_async_8(bits_smem + (tid * Cfg::kBitWords + w) * 8, row + w, 8);
+  }
+  if constexpr (kHasBias) {
+    constexpr int kChunks = Cfg::kGBiasBytes / 16;
+    if (tid < kChunks) {
+      const int col = k0 + tid * 8;
+      const Elem* src = reinterpret_cast<const Elem*>(g.bias) + b * g.bias_sb +
+                        (h / g.bias_hdiv) * g.bias_sh + m_block * g.bias_sm + col;
+      const int valid = max(0, min(16, (g.bias_width - col) * 2));
+      cp_async_16(bias_smem + tid * 16, valid > 0 ? src : reinterpret_cast<const Elem*>(g.bias),
+                  valid);
+    }
+  }
+}
+
+// kGather: walk the query tile's gathered key list (p.g) instead of key tiles: K / V rows are
+// copied by index, the mask comes as the list's bits (which also hold range and causality) and
+// a bias as the list's gathered row.
+template <bool kSoftcap, bool kGather>
 __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     fwd_kernel_sm90(const FwdParams p) {
   using Cfg = Sm90FwdConfig<kHeadDimBucket>;
@@ -187,8 +227,16 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
   const auto Lq = [&] { return seq_lq(p, sr); };
   const auto Lk = [&] { return seq_lk(p, sr); };
   const int32_t* list;
-  const int n_steps = key_tiles_of<kBlockM, kBlockN>(p, sr, b, h, m_block, q0, list);
-  const FwdTileWalk<kBlockN> walk(p, sr, b, h, q0, list);
+  int n_steps, n_keys = 0;
+  if constexpr (kGather) {
+    const int hl = h / p.g.hdiv;
+    list = p.g.idx + b * p.g.idx_sb + hl * p.g.idx_sh + m_block * p.g.idx_sm;
+    n_keys = p.g.cnt[b * p.g.cnt_sb + hl * p.g.cnt_sh + m_block * p.g.cnt_sm];
+    n_steps = (n_keys + kBlockN - 1) / kBlockN;
+  } else {
+    n_steps = key_tiles_of<kBlockM, kBlockN>(p, sr, b, h, m_block, q0, list);
+  }
+  const FwdTileWalk<kBlockN> walk(p, sr, b, h, q0, kGather ? nullptr : list);
   auto tile_of = [&](int i) { return walk.tile(i); };
   auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0, Lq(), Lk()); };
   char* mask_smem0 = smem + Cfg::kAuxOff;
@@ -223,13 +271,25 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       for (int i = 0; i < n_steps; ++i) {
         const int s = i % kStages;
         const uint32_t free_phase = ((i / kStages) & 1) ^ 1;
-        const int k0 = tile_of(i) * kBlockN;
+        const int k0 = kGather ? i * kBlockN : tile_of(i) * kBlockN;
         ClusterBarrier::wait(bar.k_empty + s, free_phase);
-        load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
-            walk.k + int64_t(k0) * p.k_sl, p.k_sl, Lk() - k0, p.D,
-            smem + Cfg::kKOff + s * Cfg::kStageBytes, ptid);
+        if constexpr (kGather) {
+          load_rows_by_index<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
+              walk.k, p.k_sl, list + k0, n_keys - k0, p.D,
+              smem + Cfg::kKOff + s * Cfg::kStageBytes, ptid);
+        } else {
+          load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
+              walk.k + int64_t(k0) * p.k_sl, p.k_sl, Lk() - k0, p.D,
+              smem + Cfg::kKOff + s * Cfg::kStageBytes, ptid);
+        }
         stage_filled(bar.k_full + s);
-        if constexpr (Cfg::kHasAux) {
+        if constexpr (kGather) {
+          const int a = i % kAuxStages;
+          ClusterBarrier::wait(bar.aux_empty + a, ((i / kAuxStages) & 1) ^ 1);
+          load_gathered_aux(p, b, h, m_block, q0, k0, mask_smem0 + a * aux.stride,
+                            bias_smem0 + a * aux.stride, ptid);
+          stage_filled(bar.aux_full + a);
+        } else if constexpr (Cfg::kHasAux) {
           const int a = i % kAuxStages;
           ClusterBarrier::wait(bar.aux_empty + a, ((i / kAuxStages) & 1) ^ 1);
           if constexpr (kHasMask) {
@@ -245,9 +305,15 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
           stage_filled(bar.aux_full + a);
         }
         ClusterBarrier::wait(bar.v_empty + s, free_phase);
-        load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
-            walk.v + int64_t(k0) * p.v_sl, p.v_sl, Lk() - k0, p.D,
-            smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
+        if constexpr (kGather) {
+          load_rows_by_index<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
+              walk.v, p.v_sl, list + k0, n_keys - k0, p.D,
+              smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
+        } else {
+          load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
+              walk.v + int64_t(k0) * p.v_sl, p.v_sl, Lk() - k0, p.D,
+              smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
+        }
         stage_filled(bar.v_full + s);
       }
       // Copies still in flight must not outlive their thread.
@@ -286,7 +352,55 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
 
     // Raw scores of tile i -> scaled (softcapped) logits + bias, -inf where invisible; the
     // mask / bias tile is read from aux stage `a`.
+    // Gathered tile i: + the gathered bias, -inf where the row's bit is clear or the column
+    // lies past the list (its bits there are not written).
+    auto gathered_logits = [&](auto& acc_s, int i, int a) {
+      const char* bits_smem = mask_smem0 + a * aux.stride;
+      const char* bias_smem = bias_smem0 + a * aux.stride;
+      const int limit = n_keys - i * kBlockN;
+      constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
+      const int lane_shift = 2 * (tid % 4);  // this thread's first column within 8
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        const int row = get<0>(cS(make_coord(0, r, 0), 0, 0));
+        uint64_t words[Cfg::kBitWords];
+        CUTE_UNROLL
+        for (int w = 0; w < Cfg::kBitWords; ++w) {
+          words[w] = reinterpret_cast<const uint64_t*>(bits_smem)[row * Cfg::kBitWords + w] >>
+                     lane_shift;
+        }
+        CUTE_UNROLL
+        for (int g = 0; g < kGroupsS; ++g) {
+          const int c = get<1>(cS(make_coord(0, r, g), 0, 0));  // 8 g + lane_shift
+          float& s0 = acc_s(make_coord(0, r, g), 0, 0);
+          float& s1 = acc_s(make_coord(1, r, g), 0, 0);
+          float x0 = s0, x1 = s1;
+          if constexpr (kSoftcap) {
+            x0 = p.softcap * tanhf(x0 * (p.scale / p.softcap));
+            x1 = p.softcap * tanhf(x1 * (p.scale / p.softcap));
+          } else {
+            x0 *= p.scale;
+            x1 *= p.scale;
+          }
+          if constexpr (kHasBias) {
+            __align__(4) Elem two[2];
+            *reinterpret_cast<uint32_t*>(two) =
+                *reinterpret_cast<const uint32_t*>(bias_smem + c * int(sizeof(Elem)));
+            x0 += float(two[0]);
+            x1 += float(two[1]);
+          }
+          const uint32_t pair = uint32_t(words[g / 8] >> (8 * (g % 8))) & 3u;
+          s0 = ((pair & 1u) != 0u) & (c < limit) ? x0 : -INFINITY;
+          s1 = ((pair & 2u) != 0u) & (c + 1 < limit) ? x1 : -INFINITY;
+        }
+      }
+    };
+
     auto to_logits = [&](auto& acc_s, int i, int a) {
+      if constexpr (kGather) {
+        gathered_logits(acc_s, i, a);
+        return;
+      }
       const char* mask_smem = mask_smem0 + a * aux.stride;
       const char* bias_smem = bias_smem0 + a * aux.stride;
       const int k0 = tile_of(i) * kBlockN;
@@ -427,7 +541,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     // Scores of tile i (its S product waited for) -> probabilities; alpha as softmax_step.
     auto scores_to_probs = [&](int i, float (&alpha)[2]) {
       stage_released(bar.k_empty + i % kStages);
-      if constexpr (Cfg::kHasAux) {
+      if constexpr (Cfg::kHasAux || kGather) {
         const int a = i % kAuxStages;
         ClusterBarrier::wait(bar.aux_full + a, (i / kAuxStages) & 1);
         to_logits(acc_s, i, a);
@@ -499,10 +613,10 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
   }
 }
 
-template <bool kSoftcap>
+template <bool kSoftcap, bool kGather>
 static cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   using Cfg = Sm90FwdConfig<kHeadDimBucket>;
-  auto kernel = &fwd_kernel_sm90<kSoftcap>;
+  auto kernel = &fwd_kernel_sm90<kSoftcap, kGather>;
   const int smem = Cfg::aux_layout(p).smem;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -513,7 +627,14 @@ static cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 }
 
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  return p.softcap > 0.f ? launch_fwd_sm90<true>(p, stream) : launch_fwd_sm90<false>(p, stream);
+  if constexpr (kHasMask && !kPacked) {
+    if (p.gather) {
+      return p.softcap > 0.f ? launch_fwd_sm90<true, true>(p, stream)
+                             : launch_fwd_sm90<false, true>(p, stream);
+    }
+  }
+  return p.softcap > 0.f ? launch_fwd_sm90<true, false>(p, stream)
+                         : launch_fwd_sm90<false, false>(p, stream);
 }
 
 int fwd_sm90_block_m() { return Sm90FwdConfig<kHeadDimBucket>::kBlockM; }

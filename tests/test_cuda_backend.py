@@ -197,6 +197,72 @@ def test_cuda_fused_dq_matches_split_dq(shape, only_dq):
         assert rel_err(fused, split.double()) < 1e-2, rel_err(fused, split.double())
 
 
+def _shared_keys_mask(b, lq, lk, hkv, keep, seed):
+    """Per-query masks whose rows mostly keep the same keys (the dynamic-mask case gather mode
+    is for): the top ``keep`` keys of a per-key score, each dropped per query with p = 0.2,
+    plus a few scattered keys per query; the first 3 rows keep nothing."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    score = torch.rand(b, hkv, 1, lk, device="cuda", generator=g)
+    top = torch.zeros_like(score, dtype=torch.bool).scatter_(
+        -1, score.topk(keep, dim=-1).indices, True)
+    mask = top & (torch.rand(b, hkv, lq, lk, device="cuda", generator=g) > 0.2)
+    mask |= torch.rand(b, hkv, lq, lk, device="cuda", generator=g) < 0.01
+    mask[:, :, :3] = False
+    return mask
+
+
+@pytest.mark.parametrize("shape,bias_kind", [
+    ((2, 511, 1537, 4, 4, 128), "per_key"), ((2, 511, 1537, 4, 4, 128), None),
+    ((1, 1000, 1100, 8, 2, 128), "per_key"), ((1, 300, 333, 4, 2, 256), "per_key"),
+    ((2, 200, 129, 2, 2, 64), "per_key")], ids=["d128", "d128-nobias", "d128-gqa", "d256", "d64"])
+@pytest.mark.parametrize("mask_kind", ["topk", "shared"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_gathered_forward_matches_reference(monkeypatch, shape, bias_kind, mask_kind,
+                                                 causal):
+    # FLASH_DMATTN_CUDA_GATHER=always: the forward walks each query tile's gathered key list
+    # (K/V rows by index, the mask as the list's bits). "topk" masks share few keys between
+    # rows (the lists are most keys), "shared" ones many (short lists, partial last step).
+    from flash_dmattn.backends.cuda import kernels
+
+    _cuda()
+    monkeypatch.setenv("FLASH_DMATTN_CUDA_GATHER", "always")
+    plans = []
+    real_plan = kernels._gather_plan
+    monkeypatch.setattr(kernels, "_gather_plan",
+                        lambda *a: plans.append(real_plan(*a)) or plans[-1])
+    q, k, v, mask, bias = make_problem(*shape, torch.bfloat16, "topk", bias_kind, seed=5)
+    if mask_kind == "shared":
+        b, lq, lk, _, hkv, _ = shape
+        mask = _shared_keys_mask(b, lq, lk, hkv, keep=max(1, lk // 6), seed=6)
+    run_and_compare((q, k, v, mask, bias), causal)
+    assert plans and plans[0] is not None, "the forward did not gather"
+
+
+def test_cuda_gathered_forward_writes_every_output():
+    from flash_dmattn.backends.cuda.kernels import kernel_module
+    from flash_dmattn.backends.triton.gather import plan_key_gather
+
+    _cuda()
+    q, k, v, _, bias = make_problem(1, 333, 400, 4, 2, 128, torch.bfloat16, None, "per_key")
+    mask = _shared_keys_mask(1, 333, 400, 2, keep=70, seed=2)
+    mask[0, 1, 100:140] = False  # fully masked rows inside a tile
+    mod = kernel_module(q, True, True)
+    bm, bn, _, _ = mod.block_sizes()
+    plan = plan_key_gather(mask, bias, 333, 400, 4, True, bm, bn, policy="always")
+    poison = torch.full_like(q, float("nan"))
+    out, lse = mod.fwd_gathered(q, k, v, poison, q.shape[-1] ** -0.5, True, 0.0, plan.idx,
+                                plan.cnt, plan.head_div, plan.gbits, plan.head_div, plan.gbias,
+                                4 // plan.gbias.size(1))
+    assert out.data_ptr() == poison.data_ptr()
+    assert not out.isnan().any() and not lse.isnan().any()
+    ref, _ = reference_attention(q.double(), k.double(), v.double(), mask, bias.double(),
+                                 q.shape[-1] ** -0.5, True, 0.0)
+    assert rel_err(out, ref) < 1.5e-2
+    # Query heads 2 and 3 read kv / mask head 1.
+    assert torch.count_nonzero(out[0, 100:140, 2:].float()) == 0
+    assert (lse[0, 2:, 100:140] == float("-inf")).all()
+
+
 def test_cuda_reasons_for_what_it_does_not_take():
     backend = _cuda()
     q, k, v, mask, _ = make_problem(1, 128, 128, 4, 2, 64, torch.bfloat16, "topk", None)

@@ -473,3 +473,29 @@ def test_packed_mask_bias_copies_start_each_sequence_aligned():
         assert torch.equal(bias_a[0, :, 0, a:a + e - s], bias[:, s:e])
     assert int(mask_a[0, :, 0, :80].sum()) == int(mask[:, :39].sum())  # padding is False
     assert _aligned_aux(None, None, cu) == (None, None, None)
+
+
+def test_cuda_gather_plan_declines_what_the_kernels_cannot_take(monkeypatch):
+    # The gathered forward needs a module that has it (sm_90, a mask, dense batches) and a
+    # bias, if any, per key (it is gathered with the keys); otherwise tile lists are used.
+    from flash_dmattn.backends.cuda import kernels
+
+    class Module:
+        def __init__(self, gathers):
+            self.gathers = gathers
+
+        def fwd_gathers(self):
+            return self.gathers
+
+    mask = torch.rand(1, 2, 256, 512) > 0.5
+    rest = (256, 512, 4, True, 128, 128, None)
+    monkeypatch.setenv(kernels.GATHER_ENV, "always")
+    assert kernels._gather_plan(Module(False), mask, None, *rest) is None
+    assert kernels._gather_plan(Module(True), None, None, *rest) is None
+    assert kernels._gather_plan(Module(True), mask, torch.randn(1, 2, 256, 512), *rest) is None
+    assert kernels._gather_plan(Module(True), mask, torch.randn(1, 2, 256, 1), *rest) is None
+    monkeypatch.setenv(kernels.GATHER_ENV, "never")
+    assert kernels._gather_plan(Module(True), mask, torch.randn(1, 2, 1, 512), *rest) is None
+    monkeypatch.setenv(kernels.GATHER_ENV, "sometimes")
+    with pytest.raises(ValueError, match="FLASH_DMATTN_CUDA_GATHER"):
+        kernels.cuda_gather_policy()

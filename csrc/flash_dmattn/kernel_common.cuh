@@ -120,6 +120,39 @@ __device__ __forceinline__ void load_tile_swizzled(const Elem* gptr, int64_t row
   }
 }
 
+// load_tile_swizzled with the tile's rows taken by index: tile row r is row keys[r] of `base`
+// (row stride in elements); rows r >= rows_valid are zero-filled and their indices not read.
+template <int kHeadDim, int kAtomK, int kThreads, int R>
+__device__ __forceinline__ void load_rows_by_index(const Elem* base, int64_t row_stride,
+                                                   const int32_t* keys, int rows_valid,
+                                                   int cols_valid, char* smem, int tid) {
+  constexpr int kRowBytes = kAtomK * 2;
+  constexpr int kChunksPerRow = kRowBytes / 16;
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  constexpr int kPasses = R / kRowsPerPass;
+  constexpr int kBlocks = kHeadDim / kAtomK;
+  static_assert(R % kRowsPerPass == 0 && kRowsPerPass % 8 == 0, "tile rows");
+  const int r0 = tid / kChunksPerRow, c = tid % kChunksPerRow;
+  const int swz = kRowBytes == 128 ? (r0 % 8) : ((r0 % 8) >> 1);
+  char* s0 = smem + (r0 / 8) * 8 * kRowBytes + (r0 % 8) * kRowBytes + ((c ^ swz) * 16);
+  const Elem* src[kPasses];
+  CUTE_UNROLL
+  for (int j = 0; j < kPasses; ++j) {
+    const int r = r0 + j * kRowsPerPass;
+    src[j] = r < rows_valid ? base + int64_t(keys[r]) * row_stride + c * 8 : nullptr;
+  }
+  CUTE_UNROLL
+  for (int b = 0; b < kBlocks; ++b) {
+    const bool col_ok = b * kAtomK + c * 8 < cols_valid;
+    CUTE_UNROLL
+    for (int j = 0; j < kPasses; ++j) {
+      const bool ok = col_ok && src[j] != nullptr;
+      cp_async_16(s0 + b * R * kRowBytes + j * kRowsPerPass * kRowBytes,
+                  ok ? src[j] + b * kAtomK : base, ok ? 16 : 0);
+    }
+  }
+}
+
 // load_tile_swizzled into a Traits SmemTile<R> tensor.
 template <typename Tr, int R, typename SmemTensor>
 __device__ __forceinline__ void load_rows(const Elem* gptr, int64_t row_stride, int rows_valid,
@@ -132,6 +165,12 @@ __device__ __forceinline__ void load_rows(const Elem* gptr, int64_t row_stride, 
 __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, int src_bytes) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem, int src_bytes) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem),
                "r"(src_bytes));
 }
 

@@ -55,6 +55,26 @@ struct TileList {
   int hdiv = 1;
 };
 
+// Gathered keys (flash_dmattn/backends/triton/gather.py, the Triton backend's planner): per
+// query tile (b, h / hdiv, m), its rows' live keys compacted into one ascending list of `cnt`
+// key indices, the mask at those keys as bits (int64 words of 64 listed keys per query row;
+// they also hold the causal limit) and a per-key bias at those keys. The forward walks the
+// list instead of the key tiles. Strides in elements (words for bits); broadcast dims 0.
+struct KeyGather {
+  const int32_t* idx = nullptr;
+  const int32_t* cnt = nullptr;
+  int64_t idx_sb = 0, idx_sh = 0, idx_sm = 0;
+  int64_t cnt_sb = 0, cnt_sh = 0, cnt_sm = 0;
+  int hdiv = 1;  // query heads per list head
+  const uint64_t* bits = nullptr;
+  int64_t bits_sb = 0, bits_sh = 0, bits_sq = 0;
+  int bits_hdiv = 1;
+  const void* bias = nullptr;  // nullptr: no bias
+  int64_t bias_sb = 0, bias_sh = 0, bias_sm = 0;
+  int bias_hdiv = 1;
+  int bias_width = 0;  // elements a row (the list width rounded up to 64)
+};
+
 // A broadcastable (B, H, Lq, Lk) operand read through strides.
 struct Bcast {
   const void* ptr = nullptr;
@@ -96,6 +116,10 @@ struct FwdParams {
   // nullptr: at cu_k[b], read element by element.
   const int32_t* cu_aux = nullptr;
   int total_q = 0;  // packed query rows (the delta kernel walks them all)
+  // Set: the forward walks these gathered key lists (sm_90 forward of a module with a mask,
+  // dense batches) instead of key tiles; `mask`, `bias` and `list` are then unused.
+  bool gather = false;
+  KeyGather g;
 };
 
 struct BwdParams : FwdParams {

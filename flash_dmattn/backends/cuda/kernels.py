@@ -1,5 +1,7 @@
-"""Host side of the ``cuda`` backend: pick the compiled specialisation, build live-tile lists,
-call the extension's ``fwd`` / ``bwd``, and reduce per-key dbias partials to the bias's shape.
+"""Host side of the ``cuda`` backend: pick the compiled specialisation, build live-tile lists
+(or, for a per-query mask whose query tiles share few keys, gathered key lists), call the
+extension's ``fwd`` / ``fwd_gathered`` / ``bwd``, and reduce per-key dbias partials to the
+bias's shape.
 
 The live-tile lists are the ones the Triton kernels use (:mod:`..triton.tiles`), built at the
 CUDA kernels' own tile sizes (the extension reports them), so dead tiles cost no loads and no
@@ -8,7 +10,6 @@ matrix products and full tiles no element checks.
 from __future__ import annotations
 
 import os
-
 from typing import List, Optional, Tuple
 
 import torch
@@ -69,17 +70,58 @@ def _vector_ready(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
-def _lists(mask, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n, device, need_bwd):
+def _summary(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n):
+    """The one-pass classification of a per-query mask (as in the Triton backend), or None."""
+    from ..triton.mask_summary import summarize_mask, wants_summary
+
+    if not wants_summary(mask, seqlen_q, seqlen_k):
+        return None
+    return summarize_mask(mask, block_m, block_n, is_causal)
+
+
+def _lists(mask, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n, device, need_bwd,
+           summary=None):
     """Live-tile lists at the kernels' tile sizes (None: no mask, not causal). A per-query mask
     is classified by the one-pass summary kernel, as in the Triton backend, instead of
     several torch reductions over the whole mask."""
-    from ..triton.mask_summary import summarize_mask, wants_summary
     from ..triton.tiles import build_tile_lists
 
-    summary = (summarize_mask(mask, block_m, block_n, is_causal)
-               if wants_summary(mask, seqlen_q, seqlen_k) else None)
+    if summary is None:
+        summary = _summary(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n)
     return build_tile_lists(mask, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n, device,
                             need_fwd=True, need_bwd=need_bwd, summary=summary)
+
+
+# FLASH_DMATTN_CUDA_GATHER=auto (default) | always | never: whether the forward walks gathered
+# key lists (the union of each query tile's live keys, see backends/triton/gather.py) instead
+# of key tiles. "auto" gathers when that visits at most 3/4 of the live tiles; "always" when
+# the inputs allow it (tests).
+GATHER_ENV = "FLASH_DMATTN_CUDA_GATHER"
+
+
+def cuda_gather_policy() -> str:
+    policy = os.environ.get(GATHER_ENV, "auto").strip().lower() or "auto"
+    if policy not in ("auto", "always", "never"):
+        raise ValueError(f"{GATHER_ENV} must be auto, always or never, got {policy!r}")
+    return policy
+
+
+def _gather_plan(mod, mask, bias, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n,
+                 summary):
+    """Gathered key lists for the forward, or None (tile lists instead): the module must have
+    the gathered forward and a bias must be per key (gathered with the keys)."""
+    policy = cuda_gather_policy()
+    if policy == "never" or mask is None or not mod.fwd_gathers():
+        return None
+    if bias is not None and not (bias.size(2) == 1 and bias.size(3) == seqlen_k):
+        return None
+    from ..triton.gather import plan_key_gather
+
+    gather = plan_key_gather(mask, bias, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n,
+                             policy=policy, summary=summary, lagged=True)
+    if gather is None or (bias is not None and gather.gbias is None):
+        return None
+    return gather
 
 
 def _read_ready(mask, bias, seqlen_q, seqlen_k):
@@ -108,7 +150,17 @@ def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=N
     mod = kernel_module(q, mask is not None, bias is not None)
     block_m, block_n, _, _ = mod.block_sizes()
     mask, bias = _read_ready(mask, bias, Lq, Lk)
-    lists = _lists(mask, Lq, Lk, H, is_causal, block_m, block_n, q.device, need_bwd=False)
+    summary = _summary(mask, Lq, Lk, is_causal, block_m, block_n)
+    gather = _gather_plan(mod, mask, bias, Lq, Lk, H, is_causal, block_m, block_n, summary)
+    if gather is not None:
+        gbias = gather.gbias
+        out, lse = mod.fwd_gathered(
+            q, k, v, None, float(scale), bool(is_causal), float(softcap), gather.idx, gather.cnt,
+            gather.head_div, gather.gbits, gather.head_div, gbias,
+            H // gbias.size(1) if gbias is not None else 1)
+        return out, lse
+    lists = _lists(mask, Lq, Lk, H, is_causal, block_m, block_n, q.device, need_bwd=False,
+                   summary=summary)
     idx = cnt = None
     hdiv = 1
     if lists is not None:
