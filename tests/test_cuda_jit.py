@@ -499,3 +499,31 @@ def test_cuda_gather_plan_declines_what_the_kernels_cannot_take(monkeypatch):
     monkeypatch.setenv(kernels.GATHER_ENV, "sometimes")
     with pytest.raises(ValueError, match="FLASH_DMATTN_CUDA_GATHER"):
         kernels.cuda_gather_policy()
+
+
+def test_cuda_auto_dispatch_takes_forward_only_calls_on_hopper(monkeypatch):
+    # Measured faster than triton on Hopper for forward-only calls (T1-T3); slower for
+    # forward + backward, decode and untested for other GPUs: those keep their skip reason.
+    from flash_dmattn.backends.cuda import kernels
+
+    backend = cuda_backend.CudaBackend()
+    capability = {"cc": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["cc"])
+    monkeypatch.setattr(AttentionInputs, "device", property(lambda self: torch.device("cuda")))
+
+    def inputs_for(Lq, Lk, grad=False, **kw):
+        q = torch.randn(1, Lq, 8, 16, requires_grad=grad)
+        k = torch.randn(1, Lk, 2, 16)
+        return AttentionInputs.from_args(q, k, k, None, None, None, False, **kw)
+
+    prefill = inputs_for(512, 512)
+    assert not kernels.use_cuda_decode(512, 8, 2, 512, False)
+    assert backend.auto_skip_reasons(prefill) == []
+    assert backend.auto_skip_reasons(inputs_for(512, 512, grad=True)) != []
+    with torch.no_grad():
+        assert backend.auto_skip_reasons(inputs_for(512, 512, grad=True)) == []
+    assert backend.auto_skip_reasons(inputs_for(1, 4096)) != []  # the decode kernel
+    capability["cc"] = (8, 0)
+    assert backend.auto_skip_reasons(prefill) != []
+    monkeypatch.setenv("FLASH_DMATTN_CUDA_AUTO", "1")
+    assert backend.auto_skip_reasons(prefill) == []

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import torch
 
+from ...inputs import AttentionInputs
 from ..base import Backend
 from . import jit, toolchain
 from .spec import KernelSpec
@@ -113,14 +114,20 @@ class CudaBackend(Backend):
         return cuda_varlen_op().attention(inputs)
 
     def auto_skip_reasons(self, inputs) -> List[str]:
-        # Auto-dispatch passes over these kernels until the benchmark measures them at least as
-        # fast as triton on the issue's workloads. On an H200 (2026-11-21) the Hopper forward is
-        # faster on the dynamic-mask workload and level on dense causal, but forward + backward
-        # is still slower; FLASH_DMATTN_CUDA_AUTO=1 opts in.
+        # Auto-dispatch takes these kernels where the benchmark measured them at least as fast
+        # as triton: forward-only calls (inference; nothing needs a gradient) on Hopper, whose
+        # warp-specialised forward is the faster one (H200, 2026-11-22m: T1 2.04-2.08 vs
+        # 2.36 ms, T2 0.62 vs 0.69-0.81 ms, T3 1.09 vs 1.10 ms). Forward + backward is still
+        # slower (T1 10.13 vs 10.04 ms, T2 5.0 vs 3.1 ms), and so are its decode kernel with a
+        # mask + bias and packed sequences (not measured against triton): those stay with
+        # triton unless FLASH_DMATTN_CUDA_AUTO=1.
         if os.environ.get("FLASH_DMATTN_CUDA_AUTO", "0") not in ("", "0"):
             return []
-        return ["forward + backward not yet as fast as triton (H200: dense causal 11.4 vs 9.9 ms); "
-                "set FLASH_DMATTN_CUDA_AUTO=1 to prefer it"]
+        if _hopper_forward_only(inputs):
+            return []
+        return ["forward + backward not yet as fast as triton (H200: dense causal 10.13 vs "
+                "10.04 ms); forward-only calls on Hopper use it; set FLASH_DMATTN_CUDA_AUTO=1 "
+                "to prefer it everywhere"]
 
     def kernel_module(self, spec: KernelSpec, device=None):
         """The compiled extension for ``spec`` on ``device`` (built and cached on first use)."""
@@ -163,3 +170,20 @@ def cuda_varlen_op():
 
         _varlen_op = VarlenAttentionOp("cuda_varlen", cuda_varlen_forward, cuda_varlen_backward)
     return _varlen_op
+
+
+def _hopper_forward_only(inputs) -> bool:
+    """A dense (not packed, not decode) call on an sm_90 GPU where nothing needs a gradient."""
+    if not isinstance(inputs, AttentionInputs) or inputs.device.type != "cuda":
+        return False
+    if inputs.cache_seqlens is not None or getattr(inputs, "block_table", None) is not None:
+        return False
+    from .kernels import use_cuda_decode
+
+    q, k = inputs.query, inputs.key
+    if use_cuda_decode(q.shape[1], q.shape[2], k.shape[2], k.shape[1], False):
+        return False
+    leaves = [inputs.query, inputs.key, inputs.value, inputs.attn_bias]
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves):
+        return False
+    return torch.cuda.get_device_capability(inputs.device) == (9, 0)
