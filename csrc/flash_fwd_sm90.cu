@@ -1,16 +1,23 @@
 // Hopper forward kernel (sm_90a): the same algorithm and tile skipping as flash_fwd.cu, with
-// both products on warpgroup MMAs (wgmma) instead of mma.sync.
+// both products on warpgroup MMAs (wgmma) instead of mma.sync, and warp-specialised.
 //
-// One CTA per (128-row query tile, b * H + h), two warpgroups of 64 rows each. Q, K and V are
-// staged with cp.async into the GMMA-canonical swizzled shared-memory layouts; S = Q K^T reads
-// both operands from shared memory, O += P V takes P from registers (the S accumulator
-// converted in place: an m64nN fp32 accumulator holds exactly the A fragments of the next
-// k16 products) and V from shared memory read as its transpose (MN-major B).
+// One CTA per (128-row query tile, b * H + h), three warpgroups:
+// * the producer copies Q once, then K, the mask / bias tile and V of every live key tile
+//   with cp.async into the GMMA-canonical swizzled layouts: two stages of K and of V, and as
+//   many mask / bias stages as fit (a tile broadcast over queries is one row). Each stage has
+//   a full mbarrier (every producer thread arrives once its copies landed) and an empty one
+//   (every consumer warp arrives once it stopped reading), so the producer runs up to two
+//   tiles ahead and nobody waits on a CTA-wide barrier;
+// * two consumers of 64 query rows each: S = Q K^T reads both operands from shared memory,
+//   O += P V takes P from registers (an m64nN fp32 accumulator holds exactly the A fragments
+//   of the next k16 products) and V from shared memory read as its transpose (MN-major B).
+//   A consumer issues S(i) before O += P(i-1) V(i-1), then scales, biases, masks and
+//   softmaxes tile i while that product runs, and waits for it only to rescale O.
+// setmaxnreg moves registers from the producer (address arithmetic only) to the consumers.
 //
-// Per live key tile i (stage i % 2):  wait for K(i), V(i) and its mask/bias tile -> issue K,V(i+1)
-// into the other stage -> S = Q K^T -> scale, softcap, + bias, mask, causal and ragged bounds
-// -> online softmax -> (barrier) issue the mask/bias tile of i + 1 -> O += P V. The K/V loads
-// of the next tile overlap all of this tile's work, its mask/bias tile the P V product.
+// Gathered keys (p.gather, modules with a mask): the walk is the query tile's list of live
+// keys (the Triton backend's planner); K / V rows are copied by index and the mask comes as
+// the list's bits, which already encode range and causality.
 //
 // Built only when the module targets sm_90a (the JIT passes -DFLASH_DMATTN_SM90=1 there);
 // -DFLASH_DMATTN_NO_SM90=1 keeps the sm80 kernel on Hopper for comparisons.
