@@ -139,16 +139,22 @@ __device__ __forceinline__ void load_tile_rows(RowPtr row_ptr, const Elem* fallb
   // Every row this thread copies has the same row within the 8-row swizzle atom.
   const int swz = kRowBytes == 128 ? (r0 % 8) : ((r0 % 8) >> 1);
   char* s0 = smem + (r0 / 8) * 8 * kRowBytes + (r0 % 8) * kRowBytes + ((c ^ swz) * 16);
+  // Every row address first, then the copies: addresses that come from memory (a page table,
+  // a key list) are then fetched together, not one round trip per row before its copy (the
+  // interleaved order cost the gathered T2 forward 0.63 -> 0.70 ms on an H200).
+  const Elem* g[kPasses];
   CUTE_UNROLL
   for (int j = 0; j < kPasses; ++j) {
     const int r = r0 + j * kRowsPerPass;
-    const bool row_ok = r < rows_valid;
-    const Elem* g = row_ok ? row_ptr(r) + c * 8 : fallback;
+    g[j] = r < rows_valid ? row_ptr(r) + c * 8 : nullptr;
+  }
+  CUTE_UNROLL
+  for (int j = 0; j < kPasses; ++j) {
     CUTE_UNROLL
     for (int b = 0; b < kBlocks; ++b) {
-      const bool ok = row_ok && b * kAtomK + c * 8 < cols_valid;
+      const bool ok = g[j] != nullptr && b * kAtomK + c * 8 < cols_valid;
       cp_async_16(s0 + b * R * kRowBytes + j * kRowsPerPass * kRowBytes,
-                  ok ? g + b * kAtomK : fallback, ok ? 16 : 0);
+                  ok ? g[j] + b * kAtomK : fallback, ok ? 16 : 0);
     }
   }
 }
