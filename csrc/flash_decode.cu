@@ -54,6 +54,38 @@ struct DecodeConfig {
   }
 };
 
+// Copy an (R x kHeadDim) tile into the swizzled SmemTile<R> layout like load_tile_swizzled,
+// but with each row's address from row_ptr(r) (paged keys, packed query heads). Rows >=
+// rows_valid and columns >= cols_valid are zero-filled (`fallback` is a valid address that
+// zero-byte copies name).
+template <int kHeadDim, int kAtomK, int kThreads, int R, typename RowPtr>
+__device__ __forceinline__ void load_tile_rows(RowPtr row_ptr, const Elem* fallback,
+                                               int rows_valid, int cols_valid, char* smem,
+                                               int tid) {
+  constexpr int kRowBytes = kAtomK * 2;
+  constexpr int kChunksPerRow = kRowBytes / 16;
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  constexpr int kPasses = R / kRowsPerPass;
+  constexpr int kBlocks = kHeadDim / kAtomK;
+  static_assert(R % kRowsPerPass == 0 && kRowsPerPass % 8 == 0, "tile rows");
+  const int r0 = tid / kChunksPerRow, c = tid % kChunksPerRow;
+  // Every row this thread copies has the same row within the 8-row swizzle atom.
+  const int swz = kRowBytes == 128 ? (r0 % 8) : ((r0 % 8) >> 1);
+  char* s0 = smem + (r0 / 8) * 8 * kRowBytes + (r0 % 8) * kRowBytes + ((c ^ swz) * 16);
+  CUTE_UNROLL
+  for (int j = 0; j < kPasses; ++j) {
+    const int r = r0 + j * kRowsPerPass;
+    const bool row_ok = r < rows_valid;
+    const Elem* g = row_ok ? row_ptr(r) + c * 8 : fallback;
+    CUTE_UNROLL
+    for (int b = 0; b < kBlocks; ++b) {
+      const bool ok = row_ok && b * kAtomK + c * 8 < cols_valid;
+      cp_async_16(s0 + b * R * kRowBytes + j * kRowsPerPass * kRowBytes,
+                  ok ? g + b * kAtomK : fallback, ok ? 16 : 0);
+    }
+  }
+}
+
 // One stage of a mask / bias tile: rows r < n_rows (n_rows = 1 when shared) of the decode
 // CTA, columns k0 .. k0 + kBlockN, zero beyond `cols`. row_base(r) is the byte address of
 // row r's key k0.

@@ -281,10 +281,9 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
         const int k0 = kGather ? i * kBlockN : tile_of(i) * kBlockN;
         ClusterBarrier::wait(bar.k_empty + s, free_phase);
         if constexpr (kGather) {
-          const int32_t* keys = list + k0;
-          load_tile_rows<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
-              [&](int r) { return walk.k + int64_t(keys[r]) * p.k_sl; }, walk.k,
-              n_keys - k0, p.D, smem + Cfg::kKOff + s * Cfg::kStageBytes, ptid);
+          load_rows_by_index<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
+              walk.k, p.k_sl, list + k0, n_keys - k0, p.D,
+              smem + Cfg::kKOff + s * Cfg::kStageBytes, ptid);
         } else {
           load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
               walk.k + int64_t(k0) * p.k_sl, p.k_sl, Lk() - k0, p.D,
@@ -314,10 +313,9 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
         }
         ClusterBarrier::wait(bar.v_empty + s, free_phase);
         if constexpr (kGather) {
-          const int32_t* keys = list + k0;
-          load_tile_rows<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
-              [&](int r) { return walk.v + int64_t(keys[r]) * p.v_sl; }, walk.v,
-              n_keys - k0, p.D, smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
+          load_rows_by_index<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
+              walk.v, p.v_sl, list + k0, n_keys - k0, p.D,
+              smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
         } else {
           load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
               walk.v + int64_t(k0) * p.v_sl, p.v_sl, Lk() - k0, p.D,

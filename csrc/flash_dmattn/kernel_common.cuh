@@ -120,15 +120,17 @@ __device__ __forceinline__ void load_tile_swizzled(const Elem* gptr, int64_t row
   }
 }
 
-// Copy an (R x kHeadDim) tile into the swizzled SmemTile<R> layout like load_tile_swizzled,
-// but with each row's address from row_ptr(r) (paged keys, packed query heads, gathered
-// keys). Rows >=
-// rows_valid and columns >= cols_valid are zero-filled (`fallback` is a valid address that
-// zero-byte copies name).
-template <int kHeadDim, int kAtomK, int kThreads, int R, typename RowPtr>
-__device__ __forceinline__ void load_tile_rows(RowPtr row_ptr, const Elem* fallback,
-                                               int rows_valid, int cols_valid, char* smem,
-                                               int tid) {
+// load_tile_swizzled with the tile's rows taken by index: tile row r is row keys[r] of `base`
+// (row stride in elements); rows r >= rows_valid are zero-filled and their indices not read.
+// Unlike the decode kernel's load_tile_rows (flash_decode.cu), every index is read before the
+// first copy: with one index load and its copies per row in turn (load_tile_rows' order) the
+// gathered T2 forward took 0.70 instead of 0.63 ms on an H200 (2026-11-22m). Making
+// load_tile_rows fetch its addresses first and serve both is the way to one loader; that
+// version was not run on a GPU yet.
+template <int kHeadDim, int kAtomK, int kThreads, int R>
+__device__ __forceinline__ void load_rows_by_index(const Elem* base, int64_t row_stride,
+                                                   const int32_t* keys, int rows_valid,
+                                                   int cols_valid, char* smem, int tid) {
   constexpr int kRowBytes = kAtomK * 2;
   constexpr int kChunksPerRow = kRowBytes / 16;
   constexpr int kRowsPerPass = kThreads / kChunksPerRow;
@@ -136,25 +138,22 @@ __device__ __forceinline__ void load_tile_rows(RowPtr row_ptr, const Elem* fallb
   constexpr int kBlocks = kHeadDim / kAtomK;
   static_assert(R % kRowsPerPass == 0 && kRowsPerPass % 8 == 0, "tile rows");
   const int r0 = tid / kChunksPerRow, c = tid % kChunksPerRow;
-  // Every row this thread copies has the same row within the 8-row swizzle atom.
   const int swz = kRowBytes == 128 ? (r0 % 8) : ((r0 % 8) >> 1);
   char* s0 = smem + (r0 / 8) * 8 * kRowBytes + (r0 % 8) * kRowBytes + ((c ^ swz) * 16);
-  // Every row address first, then the copies: addresses that come from memory (a page table,
-  // a key list) are then fetched together, not one round trip per row before its copy (the
-  // interleaved order cost the gathered T2 forward 0.63 -> 0.70 ms on an H200).
-  const Elem* g[kPasses];
+  const Elem* src[kPasses];
   CUTE_UNROLL
   for (int j = 0; j < kPasses; ++j) {
     const int r = r0 + j * kRowsPerPass;
-    g[j] = r < rows_valid ? row_ptr(r) + c * 8 : nullptr;
+    src[j] = r < rows_valid ? base + int64_t(keys[r]) * row_stride + c * 8 : nullptr;
   }
   CUTE_UNROLL
-  for (int j = 0; j < kPasses; ++j) {
+  for (int b = 0; b < kBlocks; ++b) {
+    const bool col_ok = b * kAtomK + c * 8 < cols_valid;
     CUTE_UNROLL
-    for (int b = 0; b < kBlocks; ++b) {
-      const bool ok = g[j] != nullptr && b * kAtomK + c * 8 < cols_valid;
+    for (int j = 0; j < kPasses; ++j) {
+      const bool ok = col_ok && src[j] != nullptr;
       cp_async_16(s0 + b * R * kRowBytes + j * kRowsPerPass * kRowBytes,
-                  ok ? g[j] + b * kAtomK : fallback, ok ? 16 : 0);
+                  ok ? src[j] + b * kAtomK : base, ok ? 16 : 0);
     }
   }
 }
