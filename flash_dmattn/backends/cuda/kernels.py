@@ -100,6 +100,7 @@ GATHER_ENV = "FLASH_DMATTN_CUDA_GATHER"
 
 
 def cuda_gather_policy() -> str:
+    """``$FLASH_DMATTN_CUDA_GATHER`` (``auto`` when unset), validated."""
     policy = os.environ.get(GATHER_ENV, "auto").strip().lower() or "auto"
     if policy not in ("auto", "always", "never"):
         raise ValueError(f"{GATHER_ENV} must be auto, always or never, got {policy!r}")
