@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ...envs import env_choice
 from . import jit, toolchain
 from .spec import DTYPES, HEAD_DIM_BUCKETS, KernelSpec
 
@@ -101,10 +102,7 @@ GATHER_ENV = "FLASH_DMATTN_CUDA_GATHER"
 
 def cuda_gather_policy() -> str:
     """``$FLASH_DMATTN_CUDA_GATHER`` (``auto`` when unset), validated."""
-    policy = os.environ.get(GATHER_ENV, "auto").strip().lower() or "auto"
-    if policy not in ("auto", "always", "never"):
-        raise ValueError(f"{GATHER_ENV} must be auto, always or never, got {policy!r}")
-    return policy
+    return env_choice(GATHER_ENV, ("auto", "always", "never"), "auto")
 
 
 def _gather_plan(mod, mask, bias, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n,

@@ -28,13 +28,13 @@ backend declines paged calls that need gradients or more rows than it takes
 """
 from __future__ import annotations
 
-import os
 from typing import List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ...envs import env_choice
 from ...intmath import cdiv, next_power_of_2
 from .forward import (
     LOG2E,
@@ -85,10 +85,7 @@ DECODE_ENV = "FLASH_DMATTN_TRITON_DECODE"
 
 
 def _decode_policy() -> str:
-    policy = os.environ.get(DECODE_ENV, "auto").strip().lower() or "auto"
-    if policy not in ("auto", "always", "never"):
-        raise ValueError(f"{DECODE_ENV}={policy!r}: expected auto, always or never")
-    return policy
+    return env_choice(DECODE_ENV, ("auto", "always", "never"), "auto")
 
 
 def use_decode_kernel(seqlen_q: int, num_heads: int, num_kv_heads: int, seqlen_k: int,

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...envs import env_choice
 from .gather import KeyGather, gather_policy, plan_key_gather
 from .key_mask_lists import per_key_eligible
 from .mask_summary import summarize_mask, summary_blocks, wants_summary
@@ -671,10 +672,7 @@ MASK_BITS_ENV = "FLASH_DMATTN_TRITON_MASK_BITS"
 
 def mask_bits_mode() -> str:
     """The per-key mask mode of the forward, ``"on"`` or ``"off"`` (see ``MASK_BITS_ENV``)."""
-    mode = os.environ.get(MASK_BITS_ENV, "on").strip().lower()
-    if mode not in ("on", "off"):
-        raise ValueError(f"{MASK_BITS_ENV}={mode!r}: expected 'on' or 'off'")
-    return mode
+    return env_choice(MASK_BITS_ENV, ("on", "off"), "on")
 
 
 def fwd_blocks(head_dim: int) -> Tuple[int, int]:

@@ -33,7 +33,6 @@ kernels read nothing past a tile's count. No (B, H, Lq, Lk) temporary is made: t
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -42,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...envs import env_choice
 from ...block_map import block_reduce
 from ...intmath import cdiv
 from .mask_summary import MaskSummary
@@ -62,12 +62,7 @@ DEFAULT_POLICY = {"forward": "auto", "dq": "auto"}
 def gather_policy(kernel: str = "forward") -> str:
     """``FLASH_DMATTN_TRITON_GATHER``: ``auto`` (gather when it saves work), ``always`` (when
     the inputs allow it; for tests) or ``never``; unset: :data:`DEFAULT_POLICY` of ``kernel``."""
-    policy = os.environ.get("FLASH_DMATTN_TRITON_GATHER", "").strip().lower()
-    if not policy:
-        return DEFAULT_POLICY[kernel]
-    if policy not in _POLICIES:
-        raise ValueError(f"FLASH_DMATTN_TRITON_GATHER must be one of {_POLICIES}, got {policy!r}")
-    return policy
+    return env_choice("FLASH_DMATTN_TRITON_GATHER", _POLICIES, DEFAULT_POLICY[kernel])
 
 
 @dataclass(frozen=True)

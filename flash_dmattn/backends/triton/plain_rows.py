@@ -30,11 +30,11 @@ tests).
 from __future__ import annotations
 
 import functools
-import os
 from collections import OrderedDict
 from typing import Optional
 
 import torch
+from ...envs import env_choice
 
 PLAIN_ROWS_ENV = "FLASH_DMATTN_TRITON_PLAIN_ROWS"
 _MODES = ("auto", "never", "always")
@@ -44,10 +44,7 @@ MIN_WAVES = 4      # programs per SM below which a call never splits (tests set 
 
 def plain_rows_mode() -> str:
     """``auto`` (default), ``never`` or ``always`` (see ``PLAIN_ROWS_ENV``)."""
-    mode = os.environ.get(PLAIN_ROWS_ENV, "auto").strip().lower()
-    if mode not in _MODES:
-        raise ValueError(f"{PLAIN_ROWS_ENV}={mode!r}: expected one of {', '.join(_MODES)}")
-    return mode
+    return env_choice(PLAIN_ROWS_ENV, _MODES, "auto")
 
 
 class PlainRows:
