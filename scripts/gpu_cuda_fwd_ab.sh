@@ -28,12 +28,10 @@ tail -qn 1 "$W"/b-*.log >"$OUT/ab-build.log"
 echo "built in $(( $(date +%s) - T0 )) s" | tee -a "$OUT/ab-build.log"
 python3 -m pytest --collect-only -q tests/test_cuda_backend.py 2>/dev/null |
   grep -E "${TEST_GREP:-lq<lk|poisoned|neg_inf|scale_of_any}" >"$W/ids.txt"
-for v in "${VS[0]}"; do
-  echo "== variant: $v ($(wc -l <"$W/ids.txt") tests)" >>"$OUT/ab-tests.log"
-  FLASH_DMATTN_CUDA_FLAGS="$(flags_of "$v")" timeout "${TEST_S:-150}" python3 -m pytest -q \
-    -p no:cacheprovider -x $(cat "$W/ids.txt") >>"$OUT/ab-tests.log" 2>&1
-  echo "tests rc=$?" >>"$OUT/ab-tests.log"
-done
+echo "== variant: ${VS[0]} ($(wc -l <"$W/ids.txt") tests)" >>"$OUT/ab-tests.log"
+FLASH_DMATTN_CUDA_FLAGS="$(flags_of "${VS[0]}")" timeout "${TEST_S:-150}" python3 -m pytest -q \
+  -p no:cacheprovider -x $(cat "$W/ids.txt") >>"$OUT/ab-tests.log" 2>&1
+echo "tests rc=$?" >>"$OUT/ab-tests.log"
 grep -E "== variant|passed|failed|rc=|Error" "$OUT/ab-tests.log" | tail -12
 MATCH=${MATCH:-"top-2048,L16384 D128 causal"}
 SUITES=${SUITES:-dynamic,dense}
@@ -49,10 +47,13 @@ for round in 1 2; do
   done
 done
 grep -E "^== |^   " "$OUT/ab-bench.log" | head -60
-# PROBE=1: per-kernel GPU times of T1 / T2 (scripts/cuda_probe.py), default variant.
+# PROBE=1: per-kernel GPU times of T1 / T2 (scripts/cuda_probe.py $PROBE_ARGS), every variant.
 if [ -n "${PROBE:-}" ]; then
-  FLASH_DMATTN_CUDA_FLAGS="$(flags_of "${VS[0]}")" timeout 150 python3 scripts/cuda_probe.py \
-    >"$OUT/ab-probe.log" 2>&1
+  for v in "${VS[@]}"; do
+    echo "== variant $v" >>"$OUT/ab-probe.log"
+    FLASH_DMATTN_CUDA_FLAGS="$(flags_of "$v")" timeout 150 python3 scripts/cuda_probe.py \
+      ${PROBE_ARGS:-} >>"$OUT/ab-probe.log" 2>&1
+  done
   grep -E "T1 |T2 " "$OUT/ab-probe.log" | head -30
 fi
 exit 0
