@@ -1,10 +1,12 @@
 """Where the forward + backward time of T1-T3 goes, cuda next to triton (one device call).
 
-    python3 scripts/bwd_probe.py [--only T1,T2,T3] [--backends cuda,triton]
+    python3 scripts/bwd_probe.py [--only T1,T2,T3] [--backends cuda,triton] [--ncu]
 
 For each workload and backend: the per-kernel GPU times of one forward + backward (profiler,
 after a warm-up call) and the median time of the whole step (``do_bench``), so the kernel
-that separates the backends shows by name. T1 is the dense suite's L16384 D128 causal row,
+that separates the backends shows by name. ``--ncu``: instead, run each workload's step
+(first backend) a few times, then once inside an NVTX range named after the workload (for
+``ncu --nvtx --nvtx-include T2/``). T1 is the dense suite's L16384 D128 causal row,
 T2 the dynamic suite's workload, T3 the block-sparse one.
 """
 import argparse
@@ -31,6 +33,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="T1,T2,T3")
     ap.add_argument("--backends", default="cuda,triton")
+    ap.add_argument("--ncu", action="store_true")
     args = ap.parse_args()
     print(f"== backward probe on {torch.cuda.get_device_name()}")
     for tag, w in workloads().items():
@@ -43,16 +46,26 @@ def main():
         for name in args.backends.split(","):
             attn = flash_dmattn_func_auto(name)
 
-            def step():
-                out = attn(q, k, v, case.mask, bias, is_causal=w.causal)
-                return torch.autograd.grad(out, inputs, case.grad_out)
+            def step(attn=attn, q=q, k=k, v=v, mask=case.mask, bias=bias, inputs=inputs,
+                     gout=case.grad_out, causal=w.causal):
+                out = attn(q, k, v, mask, bias, is_causal=causal)
+                return torch.autograd.grad(out, inputs, gout)
 
+            if args.ncu:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_push(tag)
+                step()
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_pop()
+                break
             print(f"-- {tag} {name}: {w.name}")
             print_kernel_times(step, f"{tag} {name}")
             ms = triton.testing.do_bench(step, warmup=10, rep=100, return_mode="median")
             print(f"{tag} fwd+bwd {name} {ms:.3f} ms")
             sys.stdout.flush()
-        del case, q, k, v, bias
+        del case, q, k, v, bias, inputs, step
         torch.cuda.empty_cache()
 
 

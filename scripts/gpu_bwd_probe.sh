@@ -2,6 +2,8 @@
 # Per-kernel times of T1-T3 forward + backward, cuda next to triton (scripts/bwd_probe.py), on
 # the device. Builds the cuda specialisations first (run with carry: [".wheels"]).
 #   ONLY=T2 BACKENDS=cuda,triton FLAGS="-D..." bash scripts/gpu_bwd_probe.sh
+# UNFUSED=1 adds a cuda-only pass with FLASH_DMATTN_CUDA_FUSED_DQ=0 (separate dQ kernel);
+# NCU="T1 T2" reads the cuda dK/dV kernel of those workloads with Nsight Compute.
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}
 export FLASH_DMATTN_CUDA_FLAGS=${FLAGS:-}
@@ -12,4 +14,19 @@ timeout 240 python3 -m flash_dmattn build ${SPECS:-d128-bf16 d128-bf16-mask-bias
 echo "build rc=$?" | tee -a "$OUT/bwd-probe-build.log"
 timeout "${PROBE_S:-300}" python3 scripts/bwd_probe.py --only "${ONLY:-T1,T2,T3}" \
   --backends "${BACKENDS:-cuda,triton}" 2>&1 | tee "$OUT/bwd-probe.log"
+if [ "${UNFUSED:-0}" = 1 ]; then
+  FLASH_DMATTN_CUDA_FUSED_DQ=0 timeout "${PROBE_S:-300}" python3 scripts/bwd_probe.py \
+    --only "${ONLY:-T1,T2,T3}" --backends cuda 2>&1 | tee "$OUT/bwd-probe-unfused.log" | grep -v "at::native"
+fi
+for r in ${NCU:-}; do
+  bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout "${NCU_S:-150}" "$bin" --clock-control none --nvtx --nvtx-include "$r/" -k regex:dkdv \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+    --section SchedulerStats --section Occupancy --section LaunchStats --section InstructionStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 scripts/bwd_probe.py --ncu --only "$r" --backends cuda >"$OUT/ncu-bwd-$r.txt" 2>&1
+  echo "== ncu $r rc=$?"
+  grep -E "Duration|DRAM Throughput|L2 Hit|Registers Per|Issued Warp|Executed Ipc|Achieved Occ|stalled|SM Busy|Compute \(SM\)|Memory Throughput" \
+    "$OUT/ncu-bwd-$r.txt" | awk '$NF+0 > 0.1 || !/stalled/' | head -40
+done
 exit 0
