@@ -5,8 +5,9 @@
 For each workload and backend: the per-kernel GPU times of one forward + backward (profiler,
 after a warm-up call) and the median time of the whole step (``do_bench``), so the kernel
 that separates the backends shows by name. ``--ncu``: instead, run each workload's step
-(first backend) a few times, then once inside an NVTX range named after the workload (for
-``ncu --nvtx --nvtx-include T2/``). T1 is the dense suite's L16384 D128 causal row,
+(first backend) three times, then once more inside an NVTX range named after the workload
+(the backward's kernels run on autograd's thread, outside the range: ``ncu -k regex:dkdv -s 3
+-c 1`` picks the last). T1 is the dense suite's L16384 D128 causal row,
 T2 the dynamic suite's workload, T3 the block-sparse one.
 """
 import argparse
