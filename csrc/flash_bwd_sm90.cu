@@ -23,7 +23,16 @@
 
 #if FLASH_DMATTN_SM90_BWD
 
+#include "flash_dmattn/pipeline.cuh"
 #include "flash_dmattn/wgmma.cuh"
+
+// setmaxnreg budgets of the dK/dV kernel's producer / consumers (FLASH_DMATTN_CUDA_FLAGS).
+#ifndef FLASH_DMATTN_BWD_SM90_PREGS
+#define FLASH_DMATTN_BWD_SM90_PREGS 24
+#endif
+#ifndef FLASH_DMATTN_BWD_SM90_CREGS
+#define FLASH_DMATTN_BWD_SM90_CREGS 240
+#endif
 
 namespace flash_dmattn {
 
@@ -52,6 +61,18 @@ struct Sm90BwdConfig {
       One{}));
   using MaskTile = BcastTile<uint8_t, kBlockM, kBlockN, kThreads>;
   using BiasTile = BcastTile<Elem, kBlockM, kBlockN, kThreads>;
+
+  // Warp-specialised dK/dV kernel: a producer warpgroup and two consumer warpgroups (64 keys
+  // each). setmaxnreg moves registers within the 168 a thread the CTA got at launch.
+  static constexpr int kKvProducerThreads = 128;
+  static constexpr int kKvThreads = kKvProducerThreads + kThreads;
+  static constexpr int kKvProducerRegs = FLASH_DMATTN_BWD_SM90_PREGS;
+  static constexpr int kKvConsumerRegs = FLASH_DMATTN_BWD_SM90_CREGS;
+  static_assert(kKvProducerThreads * kKvProducerRegs + kThreads * kKvConsumerRegs <=
+                    kKvThreads * (65536 / kKvThreads / 8 * 8),
+                "setmaxnreg requests beyond the CTA's registers never complete");
+  using MaskTileP = BcastTile<uint8_t, kBlockM, kBlockN, kKvProducerThreads>;
+  using BiasTileP = BcastTile<Elem, kBlockM, kBlockN, kKvProducerThreads>;
 
   // Fused dQ. Each warpgroup stages its dS^T (64 keys x 64 queries, K-major over queries) as a
   // 64-column GMMA tile and reads it back as an MN-major A operand (64 queries x 64 keys).
@@ -84,13 +105,25 @@ struct Sm90BwdConfig {
   static constexpr int kDqCols = 32;
   static constexpr int kDqStage = 64 * kDqCols * 4;
   static constexpr int kKvDqOff = (kKvSmemBase + 127) / 128 * 128;
-  static constexpr int kKvSmem = kKvDqOff + 2 * kDqStage;
+  // mbarriers: K/V landed; full / empty of each of the two Q / dO / lse / delta / aux stages.
+  static constexpr int kKvBarOff = kKvDqOff + 2 * kDqStage;
+  static constexpr int kKvSmem = kKvBarOff + 5 * 8;
   // dQ: [Q][dO] [K0][K1][V0][V1] x 2 stages, mask / bias x 2 stages.
   static constexpr int kQMaskOff = 10 * kT;
   static constexpr int kQBiasOff = kQMaskOff + (kHasMask ? 2 * MaskTile::kBytes : 0);
   static constexpr int kQSmem = kQBiasOff + (kHasBias ? 2 * BiasTile::kBytes : 0);
   static_assert(kKvSmem <= 227 * 1024 && kQSmem <= 227 * 1024, "shared memory over the sm_90 limit");
 };
+
+// Named barriers of the dK/dV kernel (0 is __syncthreads): 1 + wg for one consumer warpgroup,
+// kBarDsExchange for both (their dS^T halves), and kBarDsFree + wg: warpgroup wg is done
+// reading the other's dS^T buffer (it arrives, the other syncs before overwriting it).
+constexpr int kBarDsExchange = 3;
+constexpr int kBarDsFree = 4;
+
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // Copy a 64-row tile (rows from `g`, `rows_valid` of them) into the GMMA layout at `dst`.
 template <typename Cfg>
@@ -126,7 +159,7 @@ __device__ __forceinline__ void stage_ds_t(char* smem, int wg, int tid, Frag con
   }
   fence_async_shared();
   if constexpr (Cfg::kSplitD) {
-    __syncthreads();  // both halves of dS feed each warpgroup's dQ columns
+    named_barrier_sync(kBarDsExchange, 256);  // both halves of dS feed each warpgroup's dQ columns
   } else {
     named_barrier_sync(1 + wg, 128);  // this warpgroup's four warps wrote its dS
   }
@@ -191,8 +224,16 @@ __device__ __forceinline__ void reduce_dq_partial(char* smem, float* dst, int wg
 // ---------------------------------------------------------------------------------------------
 // dK, dV (+ per-key dbias partials)
 // ---------------------------------------------------------------------------------------------
+// Warp-specialised: the producer warpgroup copies K / V once, then Q, dO, lse, delta and the
+// mask / bias tile of every step (query head of the group x live query tile) into one of two
+// stages, each with a full mbarrier (cp.async completion) and an empty one (consumer warps
+// done reading). The consumers never meet at a CTA barrier: one warpgroup's scores and softmax
+// run while the other's products are on the tensor cores. With fused dQ at kHD = 128 they still
+// exchange their dS^T halves once a step (kBarDsExchange), and a warpgroup overwrites its dS^T
+// buffer only after the other finished reading it (kBarDsFree).
 template <bool kSoftcap>
-__global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
+__global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
+    dkdv_kernel_sm90(const BwdParams p) {
   using Cfg = Sm90BwdConfig<kHeadDimBucket>;
   constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kD = kHeadDimBucket, kT = Cfg::kT;
   using MaskT = typename Cfg::MaskTile;
@@ -202,14 +243,15 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
   float* delta_s = lse_s + 2 * kBM;
   char* mask_smem = smem + Cfg::kKvMaskOff;
   char* bias_smem = smem + Cfg::kKvBiasOff;
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Cfg::kKvBarOff);
+  uint64_t* full = kv_full + 1;   // [2]
+  uint64_t* empty = kv_full + 3;  // [2]
 
-  const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
   int n_block, slot;
   dkdv_block_of(p.causal, n_block, slot);
   const int group = p.H / p.Hkv;
   const int b = slot / p.Hkv, hkv = slot % p.Hkv;
   const int k0 = n_block * kBN;
-  const int kw = 64 * wg;  // this warpgroup's keys: k0 + kw + [0, 64)
   const SeqRows sr = seq_rows(p, b);
   // Lengths read where used: dense calls straight from the parameters (kept uniform).
   const auto Lq = [&] { return seq_lq(p, sr); };
@@ -217,22 +259,96 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
   // Packed calls size the grid by the longest sequence: tiles past this one's end do nothing.
   if (kPacked && k0 >= Lk()) return;
   const int m_tiles = (Lq() + kBM - 1) / kBM;
+  // The query tiles of head hh of the group: (list or nullptr, first, count, key_partial).
+  struct HeadWalk {
+    const int32_t* list;
+    int first, steps;
+    bool key_partial;
+    __device__ int tile(int i) const { return list ? (list[i] >> 1) : first + i; }
+  };
+  auto walk_of = [&](int hh) {
+    HeadWalk w;
+    w.list = dkdv_query_tiles<kBM, kBN>(p, sr, b, hkv * group + hh, n_block, m_tiles, w.steps,
+                                        w.first, w.key_partial);
+    return w;
+  };
+  auto partial_of = [&](const HeadWalk& w, int i) -> bool {
+    return w.list ? (w.list[i] & 1) != 0
+                  : dkdv_tile_partial<kBM, kBN>(p, sr, w.key_partial, k0, w.tile(i) * kBM);
+  };
+
+  if (threadIdx.x == 0) {
+    ClusterBarrier::init(kv_full, Cfg::kKvProducerThreads);
+    for (int s = 0; s < 2; ++s) {
+      ClusterBarrier::init(full + s, Cfg::kKvProducerThreads);
+      ClusterBarrier::init(empty + s, Cfg::kThreads / 32);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  // ---- Producer warpgroup.
+  if (threadIdx.x < Cfg::kKvProducerThreads) {
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kKvProducerRegs>();
+    const int ptid = threadIdx.x;
+    constexpr int kPT = Cfg::kKvProducerThreads;
+    auto load64 = [&](const Elem* g, int64_t row_stride, int rows_valid, char* dst) {
+      load_tile_swizzled<kD, Cfg::kAtomK, kPT, 64>(g, row_stride, rows_valid, p.D, dst, ptid);
+    };
+    const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb +
+                     (sr.k_row0 + k0) * p.k_sl + int64_t(hkv) * p.k_sh;
+    const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb +
+                     (sr.k_row0 + k0) * p.v_sl + int64_t(hkv) * p.v_sh;
+    CUTE_UNROLL
+    for (int w = 0; w < 2; ++w) {
+      load64(kg + int64_t(64 * w) * p.k_sl, p.k_sl, Lk() - k0 - 64 * w, smem + w * kT);
+      load64(vg + int64_t(64 * w) * p.v_sl, p.v_sl, Lk() - k0 - 64 * w, smem + (2 + w) * kT);
+    }
+    stage_filled(kv_full);
+    int step = 0;
+    for (int hh = 0; hh < group; ++hh) {
+      const int h = hkv * group + hh;
+      const HeadWalk walk = walk_of(hh);
+      const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb +
+                       sr.q_row0 * p.q_sl + int64_t(h) * p.q_sh;
+      const Elem* dog = reinterpret_cast<const Elem*>(p.dout) + int64_t(b) * p.do_sb +
+                        sr.q_row0 * p.do_sl + int64_t(h) * p.do_sh;
+      const float* lse_g = p.lse + lse_offset(p, sr, b, h);
+      const float* delta_g = p.delta + lse_offset(p, sr, b, h);
+      const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.aux_row0) : nullptr;
+      const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.aux_row0) : nullptr;
+      for (int i = 0; i < walk.steps; ++i, ++step) {
+        const int st = step & 1;
+        const int q0 = walk.tile(i) * kBM;
+        ClusterBarrier::wait(empty + st, ((step >> 1) & 1) ^ 1);
+        load64(qg + int64_t(q0) * p.q_sl, p.q_sl, Lq() - q0, smem + (4 + 2 * st) * kT);
+        load64(dog + int64_t(q0) * p.do_sl, p.do_sl, Lq() - q0, smem + (5 + 2 * st) * kT);
+        load_floats<kBM>(lse_s + st * kBM, lse_g + q0, Lq() - q0, ptid, kPT);
+        load_floats<kBM>(delta_s + st * kBM, delta_g + q0, Lq() - q0, ptid, kPT);
+        if constexpr (kHasMask) {
+          if (partial_of(walk, i))
+            Cfg::MaskTileP::load(mask_smem + st * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq(),
+                                 Lk(), ptid);
+        }
+        if constexpr (kHasBias) {
+          Cfg::BiasTileP::load(bias_smem + st * BiasT::kBytes, p.bias, bias_base, q0, k0, Lq(),
+                               Lk(), ptid);
+        }
+        stage_filled(full + st);
+      }
+    }
+    // Copies still in flight must not outlive their thread.
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ---- Consumer warpgroups: 64 keys each.
+  cutlass::arch::warpgroup_reg_alloc<Cfg::kKvConsumerRegs>();
+  const int tid = threadIdx.x - Cfg::kKvProducerThreads, wg = tid / 128, lane = tid % 32;
+  const int kw = 64 * wg;  // this warpgroup's keys: k0 + kw + [0, 64)
   // Query tiles per (b, h) of the fused-dQ accumulator (dense calls only).
   const int accum_m_tiles = (p.Lq + kBM - 1) / kBM;
   auto at = [&](int off) { return make_smem_ptr(reinterpret_cast<Elem*>(smem + off)); };
-
-  const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb +
-                   (sr.k_row0 + k0) * p.k_sl + int64_t(hkv) * p.k_sh;
-  const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb +
-                   (sr.k_row0 + k0) * p.v_sl + int64_t(hkv) * p.v_sh;
-  CUTE_UNROLL
-  for (int w = 0; w < 2; ++w) {
-    load_tile64<Cfg>(kg + int64_t(64 * w) * p.k_sl, p.k_sl, Lk() - k0 - 64 * w, p.D,
-                     smem + w * kT, tid);
-    load_tile64<Cfg>(vg + int64_t(64 * w) * p.v_sl, p.v_sl, Lk() - k0 - 64 * w, p.D,
-                     smem + (2 + w) * kT, tid);
-  }
-  cp_async_fence();
 
   typename Cfg::MmaScores mma_s;
   typename Cfg::MmaGrad mma_g;
@@ -253,58 +369,25 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
   const bool fused_dq = !kPacked && p.dq_accum != nullptr;
   typename Cfg::MmaDq mma_q;
   auto thr_q = mma_q.get_thread_slice(tid % 128);
+  // Fused dQ at kHD = 128 reads the other warpgroup's dS^T buffer: before overwriting its own,
+  // a warpgroup waits until the other has read it (every step after the first).
+  const bool exchange = fused_dq && Cfg::kSplitD;
+  int total_steps = 0;
+  if (exchange) {
+    for (int hh = 0; hh < group; ++hh) total_steps += walk_of(hh).steps;
+  }
 
+  ClusterBarrier::wait(kv_full, 0);
+  int step = 0;
   for (int hh = 0; hh < group; ++hh) {
     const int h = hkv * group + hh;
-    int m_steps, m_first;
-    bool key_partial;
-    const int32_t* list = dkdv_query_tiles<kBM, kBN>(p, sr, b, h, n_block, m_tiles, m_steps,
-                                                     m_first, key_partial);
+    const HeadWalk walk = walk_of(hh);
     float key_dbias[2] = {0.f, 0.f};
 
-    const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb +
-                     sr.q_row0 * p.q_sl + int64_t(h) * p.q_sh;
-    const Elem* dog = reinterpret_cast<const Elem*>(p.dout) + int64_t(b) * p.do_sb +
-                      sr.q_row0 * p.do_sl + int64_t(h) * p.do_sh;
-    const float* lse_g = p.lse + lse_offset(p, sr, b, h);
-    const float* delta_g = p.delta + lse_offset(p, sr, b, h);
-    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.aux_row0) : nullptr;
-    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.aux_row0) : nullptr;
-    auto tile_of = [&](int i) { return list ? (list[i] >> 1) : m_first + i; };
-    auto partial_of = [&](int i) -> bool {
-      return list ? (list[i] & 1) != 0
-                  : dkdv_tile_partial<kBM, kBN>(p, sr, key_partial, k0, tile_of(i) * kBM);
-    };
-    auto issue = [&](int i) {
-      const int q0 = tile_of(i) * kBM, st = i & 1;
-      load_tile64<Cfg>(qg + int64_t(q0) * p.q_sl, p.q_sl, Lq() - q0, p.D, smem + (4 + 2 * st) * kT, tid);
-      load_tile64<Cfg>(dog + int64_t(q0) * p.do_sl, p.do_sl, Lq() - q0, p.D,
-                       smem + (5 + 2 * st) * kT, tid);
-      load_floats<kBM>(lse_s + st * kBM, lse_g + q0, Lq() - q0, tid, Cfg::kThreads);
-      load_floats<kBM>(delta_s + st * kBM, delta_g + q0, Lq() - q0, tid, Cfg::kThreads);
-      if constexpr (kHasMask) {
-        if (partial_of(i))
-          MaskT::load(mask_smem + st * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq(), Lk(), tid);
-      }
-      if constexpr (kHasBias) {
-        BiasT::load(bias_smem + st * BiasT::kBytes, p.bias, bias_base, q0, k0, Lq(), Lk(), tid);
-      }
-    };
-
-    if (m_steps > 0) {
-      __syncthreads();  // the previous head's last step is done with stage 0
-      issue(0);
-      cp_async_fence();
-    }
-    for (int i = 0; i < m_steps; ++i) {
-      const int st = i & 1, q0 = tile_of(i) * kBM;
-      const bool partial = partial_of(i);
-      cp_async_wait<0>();
-      fence_async_shared();
-      // Step i's tiles landed; both warpgroups are done with step i - 1's stage.
-      __syncthreads();
-      if (i + 1 < m_steps) issue(i + 1);
-      cp_async_fence();
+    for (int i = 0; i < walk.steps; ++i, ++step) {
+      const int st = step & 1, q0 = walk.tile(i) * kBM;
+      const bool partial = partial_of(walk, i);
+      ClusterBarrier::wait(full + st, (step >> 1) & 1);
 
       Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, _64>{});   // S^T
       Tensor acc_dp = partition_fragment_C(mma_s, Shape<_64, _64>{});  // dP^T
@@ -322,26 +405,44 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
       const char* mtile = mask_smem + st * MaskT::kBytes;
       const char* btile = bias_smem + st * BiasT::kBytes;
       const bool check = partial || (q0 + kBM > Lq()) || (k0 + kw + 64 > Lk());
+      const bool use_mask = kHasMask && partial;
+      // A thread's values of S^T share two keys (one per r) and come in pairs of adjacent
+      // queries (c2): per key, the range / causal bounds become one query interval and a mask
+      // or bias broadcast over queries one read; lse / delta are read a pair at a time. Fewer
+      // instructions and registers than per-element tests (the mask + bias module spilled).
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
+        const int kr = kw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));  // key in the tile
+        const int kj = k0 + kr;
+        int q_lo = 0, q_hi = kBM;  // queries q0 + [q_lo, q_hi) of the tile see key kj
+        if (check) {
+          q_hi = kj < Lk() ? Lq() - q0 : 0;
+          if (p.causal) q_lo = kj - (Lk() - Lq()) - q0;
+        }
+        float key_bias = 0.f;
+        if constexpr (kHasBias) {
+          if (!bias_rows) key_bias = float(BiasT::read(btile, false, 0, kr));
+        }
+        bool key_mask = true;
+        if constexpr (kHasMask) {
+          if (use_mask && !mask_rows) key_mask = MaskT::read(mtile, false, 0, kr) != 0;
+        }
         CUTE_UNROLL
         for (int g = 0; g < kGroups; ++g) {
+          const int qc0 = get<1>(cS(make_coord(make_coord(0, r, g), 0, 0)));  // even
           CUTE_UNROLL
           for (int c2 = 0; c2 < 2; ++c2) {
             const auto e = make_coord(make_coord(c2, r, g), 0, 0);
-            const int kr = kw + get<0>(cS(e)), qc = get<1>(cS(e));  // key in the CTA tile, query
+            const int qc = qc0 + c2;
             float dt;
             float s = score<kSoftcap>(acc_s(e), p, dt);
-            if constexpr (kHasBias) s += float(BiasT::read(btile, bias_rows, qc, kr));
-            bool visible = true;
-            if (check) {
-              const int qi = q0 + qc, kj = k0 + kr;
-              // Bitwise, not short-circuit: no per-element branches.
-              visible = (qi < Lq()) & (kj < Lk());
-              visible &= !p.causal | (kj <= qi + Lk() - Lq());
-              if constexpr (kHasMask) {
-                visible &= !partial | (MaskT::read(mtile, mask_rows, qc, kr) != 0);
-              }
+            if constexpr (kHasBias) {
+              s += bias_rows ? float(BiasT::read(btile, true, qc, kr)) : key_bias;
+            }
+            // Bitwise, not short-circuit: no per-element branches.
+            bool visible = (qc >= q_lo) & (qc < q_hi) & key_mask;
+            if constexpr (kHasMask) {
+              if (use_mask && mask_rows) visible &= MaskT::read(mtile, true, qc, kr) != 0;
             }
             float l = lse_t[qc];
             l = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
@@ -355,7 +456,10 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
       }
       Tensor rP = to_type<Elem>(acc_s);
       Tensor rdS = to_type<Elem>(acc_dp);
-      if (fused_dq) stage_ds_t<Cfg>(smem, wg, tid, rdS);
+      if (fused_dq) {
+        if (exchange && step > 0) named_barrier_sync(kBarDsFree + (1 - wg), 256);
+        stage_ds_t<Cfg>(smem, wg, tid, rdS);
+      }
       Tensor tOrP = make_tensor(rP.data(), acc_as_gmma_a_layout(rP.layout()));
       Tensor tOrdS = make_tensor(rdS.data(), acc_as_gmma_a_layout(rdS.layout()));
       Tensor tBdOt = thr_g.partition_fragment_B(make_tensor(at((5 + 2 * st) * kT), typename Cfg::TileT{}));
@@ -368,8 +472,12 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const BwdParams p) {
       warpgroup_fence_operand(acc_dk);
       warpgroup_fence_operand(tOrP);
       warpgroup_fence_operand(tOrdS);
+      // This warp read the stage's last byte (Q^T, dO^T, lse, delta, mask, bias).
+      stage_released(empty + st);
       if (fused_dq) {
         warpgroup_fence_operand(acc_dq);
+        // Done reading the other warpgroup's dS^T: it may overwrite it for its next step.
+        if (exchange && step + 1 < total_steps) named_barrier_arrive(kBarDsFree + wg, 256);
         // Accumulator layout (B, H, query tile, kHD / 32 column blocks, 64, 32).
         float* dst = p.dq_accum + ((int64_t(b) * p.H + h) * accum_m_tiles + q0 / kBM) * (64 * kD) +
                      (Cfg::kSplitD ? wg * 64 * 64 : 0);
@@ -631,7 +739,7 @@ static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kKvSmem);
     if (err != cudaSuccess) return err;
     dim3 grid((p.Lk + Cfg::kBlockN - 1) / Cfg::kBlockN, p.B * p.Hkv);
-    kernel<<<grid, Cfg::kThreads, Cfg::kKvSmem, stream>>>(p);
+    kernel<<<grid, Cfg::kKvThreads, Cfg::kKvSmem, stream>>>(p);
   }
   if (fused_dq && p.need_dq) {
     const int64_t n = int64_t(p.B) * p.Lq * p.H * (p.D / 2);

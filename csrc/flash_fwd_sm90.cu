@@ -25,9 +25,7 @@
 
 #if FLASH_DMATTN_SM90 && !FLASH_DMATTN_NO_SM90
 
-#include <cutlass/arch/barrier.h>
-#include <cutlass/arch/reg_reconfig.h>
-
+#include "flash_dmattn/pipeline.cuh"
 #include "flash_dmattn/wgmma.cuh"
 
 namespace flash_dmattn {
@@ -167,22 +165,6 @@ struct Sm90FwdBarriers {
     return {b, b + 1, b + 1 + S, b + 1 + 2 * S, b + 1 + 3 * S, b + 1 + 4 * S, b + 1 + 4 * S + A};
   }
 };
-
-using cutlass::arch::ClusterBarrier;
-
-// Producer side of a stage: arrive on `bar` once this thread's cp.async copies issued so far
-// have landed (the async arrive) and its plain shared-memory stores are visible (the arrive
-// releases them); the phase completes when all producer threads did both.
-__device__ __forceinline__ void stage_filled(uint64_t* bar) {
-  cutlass::arch::cpasync_barrier_arrive(bar);
-  ClusterBarrier::arrive(bar);
-}
-
-// Consumer side: this warp is done reading the stage (warpgroup MMAs reading it waited for).
-__device__ __forceinline__ void stage_released(uint64_t* bar) {
-  __syncwarp();
-  if (threadIdx.x % 32 == 0) ClusterBarrier::arrive(bar);
-}
 
 // Stage the mask bits of gathered tile k0 (rows q0 .., kBitWords words each) and its row of the
 // gathered bias (zero past the row's width; what lies past the list's count is never used).

@@ -9,7 +9,7 @@
 # 3. the listed modules build side by side (BUILD_P processes, MAX_JOBS compiles each);
 # 4. every cuda GPU test runs against the built cache.
 source "$(dirname "$0")/device_common.sh"
-export FLASH_DMATTN_CACHE_DIR=$W/cache
+export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}  # start it empty
 export MAX_JOBS=${MAX_JOBS:-4}
 device_install cutlass
 T0=$(date +%s)
