@@ -105,9 +105,17 @@ struct Sm90BwdConfig {
   static constexpr int kDqCols = 32;
   static constexpr int kDqStage = 64 * kDqCols * 4;
   static constexpr int kKvDqOff = (kKvSmemBase + 127) / 128 * 128;
-  // mbarriers: K/V landed; full / empty of each of the two Q / dO / lse / delta / aux stages.
+  // mbarriers: K/V landed; full / empty of each of the two Q / dO / lse / delta / aux stages;
+  // then each stage's step entry (query tile << 1 | partial), written by the producer.
   static constexpr int kKvBarOff = kKvDqOff + 2 * kDqStage;
-  static constexpr int kKvSmem = kKvBarOff + 5 * 8;
+  static constexpr int kKvInfoOff = kKvBarOff + 5 * 8;
+  static constexpr int kKvSmem = kKvInfoOff + 2 * 4;
+  // A per-element mask tile reaches the consumers as bits, one 64-bit word of query bits per
+  // key (kKeyBitsBytes a stage, in the second mask tile's space); the producer lands the raw
+  // bytes in the first tile's space and transposes them. One word per producer thread.
+  static constexpr int kKeyBitsBytes = kBlockN * 8;
+  static_assert(kBlockN == kKvProducerThreads && kBlockM == 64, "one key's query bits per producer thread");
+  static_assert(2 * kKeyBitsBytes <= MaskTile::kBytes, "key bits fit the second mask tile");
   // dQ: [Q][dO] [K0][K1][V0][V1] x 2 stages, mask / bias x 2 stages.
   static constexpr int kQMaskOff = 10 * kT;
   static constexpr int kQBiasOff = kQMaskOff + (kHasMask ? 2 * MaskTile::kBytes : 0);
@@ -120,6 +128,7 @@ struct Sm90BwdConfig {
 // reading the other's dS^T buffer (it arrives, the other syncs before overwriting it).
 constexpr int kBarDsExchange = 3;
 constexpr int kBarDsFree = 4;
+constexpr int kBarProducer = 6;  // the producer warpgroup alone
 
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -246,6 +255,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Cfg::kKvBarOff);
   uint64_t* full = kv_full + 1;   // [2]
   uint64_t* empty = kv_full + 3;  // [2]
+  int* step_info = reinterpret_cast<int*>(smem + Cfg::kKvInfoOff);  // [2]
 
   int n_block, slot;
   dkdv_block_of(p.causal, n_block, slot);
@@ -319,21 +329,46 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.aux_row0) : nullptr;
       for (int i = 0; i < walk.steps; ++i, ++step) {
         const int st = step & 1;
-        const int q0 = walk.tile(i) * kBM;
+        const int tile = walk.tile(i);
+        const int q0 = tile * kBM;
+        const bool partial = partial_of(walk, i);
         ClusterBarrier::wait(empty + st, ((step >> 1) & 1) ^ 1);
+        const bool mask_bits = kHasMask && partial && p.mask.sq != 0;
+        if constexpr (kHasMask) {
+          if (mask_bits) {
+            // Raw bytes first, as their own group: transposed below while the rest lands.
+            Cfg::MaskTileP::load(mask_smem, p.mask, mask_base, q0, k0, Lq(), Lk(), ptid);
+            cp_async_fence();
+          } else if (partial) {
+            Cfg::MaskTileP::load(mask_smem + st * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq(),
+                                 Lk(), ptid);
+          }
+        }
         load64(qg + int64_t(q0) * p.q_sl, p.q_sl, Lq() - q0, smem + (4 + 2 * st) * kT);
         load64(dog + int64_t(q0) * p.do_sl, p.do_sl, Lq() - q0, smem + (5 + 2 * st) * kT);
         load_floats<kBM>(lse_s + st * kBM, lse_g + q0, Lq() - q0, ptid, kPT);
         load_floats<kBM>(delta_s + st * kBM, delta_g + q0, Lq() - q0, ptid, kPT);
-        if constexpr (kHasMask) {
-          if (partial_of(walk, i))
-            Cfg::MaskTileP::load(mask_smem + st * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq(),
-                                 Lk(), ptid);
-        }
         if constexpr (kHasBias) {
           Cfg::BiasTileP::load(bias_smem + st * BiasT::kBytes, p.bias, bias_base, q0, k0, Lq(),
                                Lk(), ptid);
         }
+        if constexpr (kHasMask) {
+          if (mask_bits) {
+            cp_async_wait<0>();  // the committed group: this thread's raw mask chunks
+            named_barrier_sync(kBarProducer, kPT);  // everyone's
+            // Key ptid's bits over the tile's 64 queries (rows past Lq hold stale bytes: the
+            // consumers' query bound excludes them).
+            uint64_t bits = 0;
+#pragma unroll 8
+            for (int q = 0; q < kBM; ++q) {
+              bits |= uint64_t(mask_smem[q * MaskT::kPitch + ptid] != 0) << q;
+            }
+            reinterpret_cast<uint64_t*>(mask_smem + MaskT::kBytes + st * Cfg::kKeyBitsBytes)[ptid] =
+                bits;
+            named_barrier_sync(kBarProducer, kPT);  // raw bytes read before the next step's copy
+          }
+        }
+        if (ptid == 0) step_info[st] = (tile << 1) | int(partial);
         stage_filled(full + st);
       }
     }
@@ -381,13 +416,16 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
   int step = 0;
   for (int hh = 0; hh < group; ++hh) {
     const int h = hkv * group + hh;
-    const HeadWalk walk = walk_of(hh);
+    const int steps = walk_of(hh).steps;
     float key_dbias[2] = {0.f, 0.f};
 
-    for (int i = 0; i < walk.steps; ++i, ++step) {
-      const int st = step & 1, q0 = walk.tile(i) * kBM;
-      const bool partial = partial_of(walk, i);
+    for (int i = 0; i < steps; ++i, ++step) {
+      const int st = step & 1;
       ClusterBarrier::wait(full + st, (step >> 1) & 1);
+      // The producer's entry: no list read (global latency) on the consumers' path.
+      const int entry = step_info[st];
+      const int q0 = (entry >> 1) * kBM;
+      const bool partial = (entry & 1) != 0;
 
       Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, _64>{});   // S^T
       Tensor acc_dp = partition_fragment_C(mma_s, Shape<_64, _64>{});  // dP^T
@@ -424,8 +462,14 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
           if (!bias_rows) key_bias = float(BiasT::read(btile, false, 0, kr));
         }
         bool key_mask = true;
+        uint64_t query_bits = ~uint64_t(0);  // this key's bits, from this thread's first query
         if constexpr (kHasMask) {
           if (use_mask && !mask_rows) key_mask = MaskT::read(mtile, false, 0, kr) != 0;
+          if (use_mask && mask_rows) {
+            query_bits = reinterpret_cast<const uint64_t*>(mask_smem + MaskT::kBytes +
+                                                           st * Cfg::kKeyBitsBytes)[kr] >>
+                         (2 * (lane % 4));
+          }
         }
         CUTE_UNROLL
         for (int g = 0; g < kGroups; ++g) {
@@ -442,7 +486,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
             // Bitwise, not short-circuit: no per-element branches.
             bool visible = (qc >= q_lo) & (qc < q_hi) & key_mask;
             if constexpr (kHasMask) {
-              if (use_mask && mask_rows) visible &= MaskT::read(mtile, true, qc, kr) != 0;
+              visible &= ((query_bits >> (8 * g + c2)) & 1u) != 0;  // qc - 2 (lane % 4)
             }
             float l = lse_t[qc];
             l = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
