@@ -2,8 +2,11 @@
 // atomics, so gradients are bitwise reproducible and deterministic=True costs nothing -- with
 // every product on warpgroup MMAs.
 //
-// * dkdv_kernel_sm90: one CTA per (128-key tile, b * Hkv + hkv), two warpgroups of 64 keys. For
-//   each query head of the group and each of its live 64-query tiles:
+// * dkdv_kernel_sm90: one CTA per (128-key tile, b * Hkv + hkv), warp-specialised: a producer
+//   warpgroup copies K / V once and each step's Q, dO, lse, delta, mask and bias tiles into two
+//   mbarrier stages (a per-element mask transposed to one word of query bits per key); two
+//   consumer warpgroups of 64 keys each run, for each query head of the group and each of its
+//   live 64-query tiles:
 //     S^T = K Q^T and dP^T = V dO^T       both operands in shared memory, issued as one batch
 //     P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta)   (+ per-key dbias: row sums of dS^T)
 //     dV += P^T dO and dK += dS^T Q       P^T, dS^T from registers; dO, Q read as transposes
@@ -16,8 +19,8 @@
 //   and adds it to an fp32 dQ accumulator with one bulk asynchronous reduction per warpgroup
 //   and step; dq_kernel_sm90 is skipped and a conversion kernel writes dQ. Five products per step instead of 4 + 3 across two kernels,
 //   at the price of run-to-run bitwise reproducibility (the order of the additions varies).
-// The next step's tiles (Q/dO/lse/delta, or K/V) and its mask/bias tile are loaded with
-// cp.async into the other of two stages while this step computes. Both kernels walk the
+// dQ kernel: the next step's K/V and mask/bias tiles are loaded with cp.async into the other of
+// two stages while this step computes. Both kernels walk the
 // host's live-tile lists, built at 64 queries x 128 keys (bwd_block_m / bwd_block_n).
 #include "flash_dmattn/kernel_common.cuh"
 
@@ -287,6 +290,10 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
                   : dkdv_tile_partial<kBM, kBN>(p, sr, w.key_partial, k0, w.tile(i) * kBM);
   };
 
+  // Steps over all heads of the group: a CTA with none (a dead key tile) reads no K / V.
+  int total_steps = 0;
+  for (int hh = 0; hh < group; ++hh) total_steps += walk_of(hh).steps;
+
   if (threadIdx.x == 0) {
     ClusterBarrier::init(kv_full, Cfg::kKvProducerThreads);
     for (int s = 0; s < 2; ++s) {
@@ -309,6 +316,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
                      (sr.k_row0 + k0) * p.k_sl + int64_t(hkv) * p.k_sh;
     const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb +
                      (sr.k_row0 + k0) * p.v_sl + int64_t(hkv) * p.v_sh;
+    if (total_steps == 0) return;
     CUTE_UNROLL
     for (int w = 0; w < 2; ++w) {
       load64(kg + int64_t(64 * w) * p.k_sl, p.k_sl, Lk() - k0 - 64 * w, smem + w * kT);
@@ -407,12 +415,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
   // Fused dQ at kHD = 128 reads the other warpgroup's dS^T buffer: before overwriting its own,
   // a warpgroup waits until the other has read it (every step after the first).
   const bool exchange = fused_dq && Cfg::kSplitD;
-  int total_steps = 0;
-  if (exchange) {
-    for (int hh = 0; hh < group; ++hh) total_steps += walk_of(hh).steps;
-  }
-
-  ClusterBarrier::wait(kv_full, 0);
+  if (total_steps > 0) ClusterBarrier::wait(kv_full, 0);
   int step = 0;
   for (int hh = 0; hh < group; ++hh) {
     const int h = hkv * group + hh;
