@@ -36,6 +36,11 @@
 #ifndef FLASH_DMATTN_BWD_SM90_CREGS
 #define FLASH_DMATTN_BWD_SM90_CREGS 240
 #endif
+// 1: the dK/dV producer transposes a per-element mask tile into query bits per key; 0: the
+// consumers read its bytes (A/B experiment, FLASH_DMATTN_CUDA_FLAGS).
+#ifndef FLASH_DMATTN_BWD_SM90_MASK_BITS
+#define FLASH_DMATTN_BWD_SM90_MASK_BITS 1
+#endif
 
 namespace flash_dmattn {
 
@@ -341,7 +346,8 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
         const int q0 = tile * kBM;
         const bool partial = partial_of(walk, i);
         ClusterBarrier::wait(empty + st, ((step >> 1) & 1) ^ 1);
-        const bool mask_bits = kHasMask && partial && p.mask.sq != 0;
+        const bool mask_bits =
+            FLASH_DMATTN_BWD_SM90_MASK_BITS && kHasMask && partial && p.mask.sq != 0;
         if constexpr (kHasMask) {
           if (mask_bits) {
             // Raw bytes first, as their own group: transposed below while the rest lands.
@@ -468,7 +474,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
         uint64_t query_bits = ~uint64_t(0);  // this key's bits, from this thread's first query
         if constexpr (kHasMask) {
           if (use_mask && !mask_rows) key_mask = MaskT::read(mtile, false, 0, kr) != 0;
-          if (use_mask && mask_rows) {
+          if (FLASH_DMATTN_BWD_SM90_MASK_BITS && use_mask && mask_rows) {
             query_bits = reinterpret_cast<const uint64_t*>(mask_smem + MaskT::kBytes +
                                                            st * Cfg::kKeyBitsBytes)[kr] >>
                          (2 * (lane % 4));
@@ -490,6 +496,9 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
             bool visible = (qc >= q_lo) & (qc < q_hi) & key_mask;
             if constexpr (kHasMask) {
               visible &= ((query_bits >> (8 * g + c2)) & 1u) != 0;  // qc - 2 (lane % 4)
+              if (!FLASH_DMATTN_BWD_SM90_MASK_BITS && use_mask && mask_rows) {
+                visible &= MaskT::read(mtile, true, qc, kr) != 0;
+              }
             }
             float l = lse_t[qc];
             l = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
