@@ -501,9 +501,10 @@ def test_cuda_gather_plan_declines_what_the_kernels_cannot_take(monkeypatch):
         kernels.cuda_gather_policy()
 
 
-def test_cuda_auto_dispatch_takes_forward_only_calls_on_hopper(monkeypatch):
-    # Measured faster than triton on Hopper for forward-only calls (T1-T3); slower for
-    # forward + backward, decode and untested for other GPUs: those keep their skip reason.
+def test_cuda_auto_dispatch_takes_measured_calls_on_hopper(monkeypatch):
+    # Measured faster than triton on Hopper for forward-only calls (T1-T3) and for mask-free
+    # calls with gradients (the dense suite); slower for forward + backward with a mask or
+    # bias, decode, and untested for other GPUs: those keep their skip reason.
     from flash_dmattn.backends.cuda import kernels
 
     backend = cuda_backend.CudaBackend()
@@ -511,17 +512,22 @@ def test_cuda_auto_dispatch_takes_forward_only_calls_on_hopper(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["cc"])
     monkeypatch.setattr(AttentionInputs, "device", property(lambda self: torch.device("cuda")))
 
-    def inputs_for(Lq, Lk, grad=False, **kw):
+    def inputs_for(Lq, Lk, grad=False, mask=False, bias=False, **kw):
         q = torch.randn(1, Lq, 8, 16, requires_grad=grad)
         k = torch.randn(1, Lk, 2, 16)
-        return AttentionInputs.from_args(q, k, k, None, None, None, False, **kw)
+        m = torch.ones(1, 2, Lq, Lk, dtype=torch.bool) if mask else None
+        b = torch.zeros(1, 2, 1, Lk) if bias else None
+        return AttentionInputs.from_args(q, k, k, m, b, None, False, **kw)
 
     prefill = inputs_for(512, 512)
     assert not kernels.use_cuda_decode(512, 8, 2, 512, False)
     assert backend.auto_skip_reasons(prefill) == []
-    assert backend.auto_skip_reasons(inputs_for(512, 512, grad=True)) != []
+    assert backend.auto_skip_reasons(inputs_for(512, 512, grad=True)) == []  # mask-free training
+    assert backend.auto_skip_reasons(inputs_for(512, 512, mask=True)) == []  # masked inference
+    assert backend.auto_skip_reasons(inputs_for(512, 512, grad=True, mask=True)) != []
+    assert backend.auto_skip_reasons(inputs_for(512, 512, grad=True, bias=True)) != []
     with torch.no_grad():
-        assert backend.auto_skip_reasons(inputs_for(512, 512, grad=True)) == []
+        assert backend.auto_skip_reasons(inputs_for(512, 512, grad=True, mask=True)) == []
     assert backend.auto_skip_reasons(inputs_for(1, 4096)) != []  # the decode kernel
     capability["cc"] = (8, 0)
     assert backend.auto_skip_reasons(prefill) != []

@@ -115,19 +115,20 @@ class CudaBackend(Backend):
 
     def auto_skip_reasons(self, inputs) -> List[str]:
         # Auto-dispatch takes these kernels where the benchmark measured them at least as fast
-        # as triton: forward-only calls (inference; nothing needs a gradient) on Hopper, whose
-        # warp-specialised forward is the faster one (H200, 2026-11-22m: T1 2.04-2.08 vs
-        # 2.36 ms, T2 0.62 vs 0.69-0.81 ms, T3 1.09 vs 1.10 ms). Forward + backward is still
-        # slower (T1 10.13 vs 10.04 ms, T2 5.0 vs 3.1 ms), and so are its decode kernel with a
-        # mask + bias and packed sequences (not measured against triton): those stay with
-        # triton unless FLASH_DMATTN_CUDA_AUTO=1.
+        # as triton, on Hopper: forward-only calls (nothing needs a gradient; H200 2026-11-22n:
+        # T1 2.10 vs 2.38 ms, T2 0.63 vs 0.69 ms, T3 1.11 vs 1.07 ms) and calls with neither
+        # mask nor bias, with gradients too (the warp-specialised dK/dV: every dense row of the
+        # benchmark, e.g. L16384 D128 causal 9.38 vs 10.19 ms, L4096 D64 causal 0.64 vs 1.23 ms).
+        # With a mask or bias, forward + backward is still slower (T2 3.93 vs 3.10 ms, T3 5.29
+        # vs 4.79 ms), and so are its decode kernel with a mask + bias and packed sequences (not
+        # measured against triton): those stay with triton unless FLASH_DMATTN_CUDA_AUTO=1.
         if os.environ.get("FLASH_DMATTN_CUDA_AUTO", "0") not in ("", "0"):
             return []
-        if _hopper_forward_only(inputs):
+        if _hopper_measured_faster(inputs):
             return []
-        return ["forward + backward not yet as fast as triton (H200: dense causal 10.13 vs "
-                "10.04 ms); forward-only calls on Hopper use it; set FLASH_DMATTN_CUDA_AUTO=1 "
-                "to prefer it everywhere"]
+        return ["forward + backward with a mask or bias not yet as fast as triton (H200: "
+                "dynamic mask 3.93 vs 3.10 ms); on Hopper, forward-only and mask-free calls use "
+                "it; set FLASH_DMATTN_CUDA_AUTO=1 to prefer it everywhere"]
 
     def kernel_module(self, spec: KernelSpec, device=None):
         """The compiled extension for ``spec`` on ``device`` (built and cached on first use)."""
@@ -172,8 +173,9 @@ def cuda_varlen_op():
     return _varlen_op
 
 
-def _hopper_forward_only(inputs) -> bool:
-    """A dense (not packed, not decode) call on an sm_90 GPU where nothing needs a gradient."""
+def _hopper_measured_faster(inputs) -> bool:
+    """A call on an sm_90 GPU (not packed, not decode, no paged / used-length cache) where
+    nothing needs a gradient or that has neither mask nor bias."""
     if not isinstance(inputs, AttentionInputs) or inputs.device.type != "cuda":
         return False
     if inputs.cache_seqlens is not None or getattr(inputs, "block_table", None) is not None:
@@ -184,6 +186,7 @@ def _hopper_forward_only(inputs) -> bool:
     if use_cuda_decode(q.shape[1], q.shape[2], k.shape[2], k.shape[1], False):
         return False
     leaves = [inputs.query, inputs.key, inputs.value, inputs.attn_bias]
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves):
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
+    if needs_grad and (inputs.attn_mask is not None or inputs.attn_bias is not None):
         return False
     return torch.cuda.get_device_capability(inputs.device) == (9, 0)
