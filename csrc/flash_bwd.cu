@@ -115,18 +115,17 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
     Tensor sQ = make_tensor(make_smem_ptr(elem_at(0)), SL{});
     Tensor sdO = make_tensor(make_smem_ptr(elem_at(kT)), SL{});
 
-    const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb +
-                     (sr.q_row0 + q0) * p.q_sl + int64_t(h) * p.q_sh;
-    const Elem* dog = reinterpret_cast<const Elem*>(p.dout) + int64_t(b) * p.do_sb +
-                      (sr.q_row0 + q0) * p.do_sl + int64_t(h) * p.do_sh;
+    const BwdHeadOperands g = bwd_head_operands(p, sr, b, h);
+    const Elem* qg = g.q + int64_t(q0) * p.q_sl;
+    const Elem* dog = g.dout + int64_t(q0) * p.do_sl;
     const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb +
                      sr.k_row0 * p.k_sl + int64_t(hkv) * p.k_sh;
     const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb +
                      sr.k_row0 * p.v_sl + int64_t(hkv) * p.v_sh;
-    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.aux_row0) : nullptr;
-    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.aux_row0) : nullptr;
-    const float* lse_g = p.lse + lse_offset(p, sr, b, h);
-    const float* delta_g = p.delta + lse_offset(p, sr, b, h);
+    const char* mask_base = g.mask;
+    const char* bias_base = g.bias;
+    const float* lse_g = g.lse;
+    const float* delta_g = g.delta;
 
     auto tile_of = [&](int i) { return list ? (list[i] >> 1) : i; };
     // Element checks: the list's flag or a tile crossing the causal diagonal (a dense list's
@@ -347,14 +346,13 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
     CUTE_UNROLL
     for (int r = 0; r < kRowSlots; ++r) key_dbias[r] = 0.f;
 
-    const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb +
-                     sr.q_row0 * p.q_sl + int64_t(h) * p.q_sh;
-    const Elem* dog = reinterpret_cast<const Elem*>(p.dout) + int64_t(b) * p.do_sb +
-                      sr.q_row0 * p.do_sl + int64_t(h) * p.do_sh;
-    const float* lse_g = p.lse + lse_offset(p, sr, b, h);
-    const float* delta_g = p.delta + lse_offset(p, sr, b, h);
-    const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.aux_row0) : nullptr;
-    const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.aux_row0) : nullptr;
+    const BwdHeadOperands g = bwd_head_operands(p, sr, b, h);
+    const Elem* qg = g.q;
+    const Elem* dog = g.dout;
+    const float* lse_g = g.lse;
+    const float* delta_g = g.delta;
+    const char* mask_base = g.mask;
+    const char* bias_base = g.bias;
     auto tile_of = [&](int i) { return list ? (list[i] >> 1) : m_first + i; };
     auto partial_of = [&](int i) -> bool {
       return list ? (list[i] & 1) != 0

@@ -332,14 +332,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
     for (int hh = 0; hh < group; ++hh) {
       const int h = hkv * group + hh;
       const HeadWalk walk = walk_of(hh);
-      const Elem* qg = reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb +
-                       sr.q_row0 * p.q_sl + int64_t(h) * p.q_sh;
-      const Elem* dog = reinterpret_cast<const Elem*>(p.dout) + int64_t(b) * p.do_sb +
-                        sr.q_row0 * p.do_sl + int64_t(h) * p.do_sh;
-      const float* lse_g = p.lse + lse_offset(p, sr, b, h);
-      const float* delta_g = p.delta + lse_offset(p, sr, b, h);
-      const char* mask_base = kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.aux_row0) : nullptr;
-      const char* bias_base = kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.aux_row0) : nullptr;
+      const BwdHeadOperands g = bwd_head_operands(p, sr, b, h);
       for (int i = 0; i < walk.steps; ++i, ++step) {
         const int st = step & 1;
         const int tile = walk.tile(i);
@@ -351,19 +344,19 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
         if constexpr (kHasMask) {
           if (mask_bits) {
             // Raw bytes first, as their own group: transposed below while the rest lands.
-            Cfg::MaskTileP::load(mask_smem, p.mask, mask_base, q0, k0, Lq(), Lk(), ptid);
+            Cfg::MaskTileP::load(mask_smem, p.mask, g.mask, q0, k0, Lq(), Lk(), ptid);
             cp_async_fence();
           } else if (partial) {
-            Cfg::MaskTileP::load(mask_smem + st * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq(),
+            Cfg::MaskTileP::load(mask_smem + st * MaskT::kBytes, p.mask, g.mask, q0, k0, Lq(),
                                  Lk(), ptid);
           }
         }
-        load64(qg + int64_t(q0) * p.q_sl, p.q_sl, Lq() - q0, smem + (4 + 2 * st) * kT);
-        load64(dog + int64_t(q0) * p.do_sl, p.do_sl, Lq() - q0, smem + (5 + 2 * st) * kT);
-        load_floats<kBM>(lse_s + st * kBM, lse_g + q0, Lq() - q0, ptid, kPT);
-        load_floats<kBM>(delta_s + st * kBM, delta_g + q0, Lq() - q0, ptid, kPT);
+        load64(g.q + int64_t(q0) * p.q_sl, p.q_sl, Lq() - q0, smem + (4 + 2 * st) * kT);
+        load64(g.dout + int64_t(q0) * p.do_sl, p.do_sl, Lq() - q0, smem + (5 + 2 * st) * kT);
+        load_floats<kBM>(lse_s + st * kBM, g.lse + q0, Lq() - q0, ptid, kPT);
+        load_floats<kBM>(delta_s + st * kBM, g.delta + q0, Lq() - q0, ptid, kPT);
         if constexpr (kHasBias) {
-          Cfg::BiasTileP::load(bias_smem + st * BiasT::kBytes, p.bias, bias_base, q0, k0, Lq(),
+          Cfg::BiasTileP::load(bias_smem + st * BiasT::kBytes, p.bias, g.bias, q0, k0, Lq(),
                                Lk(), ptid);
         }
         if constexpr (kHasMask) {

@@ -284,6 +284,30 @@ __device__ __forceinline__ int64_t lse_offset(const FwdParams& p, const SeqRows&
   return int64_t(b) * p.lse_sb + int64_t(h) * p.lse_sh + s.q_row0;
 }
 
+// What the backward reads of query head h of batch entry b (sequence b of a packed call): Q and
+// dO from the sequence's first query row, its lse / delta rows, and the (b, h) slices of the
+// mask and bias (nullptr where the module has none).
+struct BwdHeadOperands {
+  const Elem* q;
+  const Elem* dout;
+  const float* lse;
+  const float* delta;
+  const char* mask;
+  const char* bias;
+};
+
+__device__ __forceinline__ BwdHeadOperands bwd_head_operands(const BwdParams& p, const SeqRows& sr,
+                                                             int b, int h) {
+  return {reinterpret_cast<const Elem*>(p.q) + int64_t(b) * p.q_sb + sr.q_row0 * p.q_sl +
+              int64_t(h) * p.q_sh,
+          reinterpret_cast<const Elem*>(p.dout) + int64_t(b) * p.do_sb + sr.q_row0 * p.do_sl +
+              int64_t(h) * p.do_sh,
+          p.lse + lse_offset(p, sr, b, h),
+          p.delta + lse_offset(p, sr, b, h),
+          kHasMask ? bcast_base<uint8_t>(p.mask, b, h, sr.aux_row0) : nullptr,
+          kHasBias ? bcast_base<Elem>(p.bias, b, h, sr.aux_row0) : nullptr};
+}
+
 // Per-key dbias partials of (b, h) from the sequence's first key: dense (B, H, Lk), packed
 // (H, total_k).
 __device__ __forceinline__ int64_t dbias_key_offset(const BwdParams& p, const SeqRows& s, int b,
