@@ -497,7 +497,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
             l = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
             const float pr = visible ? __expf(s - l) : 0.f;
             const float ds = pr * (acc_dp(e) - delta_t[qc]);
-            if (keys_dbias) key_dbias[r] += ds;
+            key_dbias[r] += ds;  // unconditional: a branch here costs spills
             acc_s(e) = pr;
             acc_dp(e) = ds * dt;
           }
