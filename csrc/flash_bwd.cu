@@ -533,6 +533,7 @@ cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream) {
 int bwd_block_m() { return BwdConfig<kHeadDimBucket>::kBlockM; }
 int bwd_block_n() { return BwdConfig<kHeadDimBucket>::kBlockN; }
 bool bwd_fused_dq() { return false; }  // the sm80 backward always runs its own dQ kernel
+bool bwd_gathers() { return false; }
 
 #else  // FLASH_DMATTN_SM90_BWD
 // flash_bwd_sm90.cu: the wgmma backward, used whenever the module is built for sm_90a and the
@@ -541,10 +542,12 @@ cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream);
 int bwd_sm90_block_m();
 int bwd_sm90_block_n();
 bool bwd_sm90_fused_dq();
+bool bwd_sm90_gathers();
 cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream) { return run_bwd_sm90(p, stream); }
 int bwd_block_m() { return bwd_sm90_block_m(); }
 int bwd_block_n() { return bwd_sm90_block_n(); }
 bool bwd_fused_dq() { return bwd_sm90_fused_dq(); }
+bool bwd_gathers() { return bwd_sm90_gathers(); }
 #endif  // FLASH_DMATTN_SM90_BWD
 
 }  // namespace flash_dmattn

@@ -45,6 +45,7 @@
 namespace flash_dmattn {
 
 void launch_delta(const BwdParams& p, cudaStream_t stream);  // flash_bwd.cu
+cudaError_t run_dq_gathered_sm90(const BwdParams& p, cudaStream_t stream);  // flash_dq_gathered_sm90.cu
 
 template <int kHD>
 struct Sm90BwdConfig {
@@ -448,55 +449,71 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       const bool use_mask = kHasMask && partial;
       // A thread's values of S^T share two keys (one per r) and come in pairs of adjacent
       // queries (c2): per key, the range / causal bounds become one query interval and a mask
-      // or bias broadcast over queries one read; lse / delta are read a pair at a time. Fewer
-      // instructions and registers than per-element tests (the mask + bias module spilled).
+      // or bias broadcast over queries one read. The queries are the outer loop so each lse /
+      // delta value is read and used once for both keys: with the keys outer, the 16 queries'
+      // lse and delta stayed live across the loop and spilled (T2's mask + bias module).
+      int q_lo[2], q_hi[2];  // queries q0 + [q_lo, q_hi) of the tile see key r
+      float key_bias[2];
+      bool key_mask[2];
+      uint64_t query_bits[2];  // key r's bits, from this thread's first query
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
         const int kr = kw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));  // key in the tile
         const int kj = k0 + kr;
-        int q_lo = 0, q_hi = kBM;  // queries q0 + [q_lo, q_hi) of the tile see key kj
+        q_lo[r] = 0;
+        q_hi[r] = kBM;
         if (check) {
-          q_hi = kj < Lk() ? Lq() - q0 : 0;
-          if (p.causal) q_lo = kj - (Lk() - Lq()) - q0;
+          q_hi[r] = kj < Lk() ? Lq() - q0 : 0;
+          if (p.causal) q_lo[r] = kj - (Lk() - Lq()) - q0;
         }
-        float key_bias = 0.f;
+        key_bias[r] = 0.f;
         if constexpr (kHasBias) {
-          if (!bias_rows) key_bias = float(BiasT::read(btile, false, 0, kr));
+          if (!bias_rows) key_bias[r] = float(BiasT::read(btile, false, 0, kr));
         }
-        bool key_mask = true;
-        uint64_t query_bits = ~uint64_t(0);  // this key's bits, from this thread's first query
+        key_mask[r] = true;
+        query_bits[r] = ~uint64_t(0);
         if constexpr (kHasMask) {
-          if (use_mask && !mask_rows) key_mask = MaskT::read(mtile, false, 0, kr) != 0;
+          if (use_mask && !mask_rows) key_mask[r] = MaskT::read(mtile, false, 0, kr) != 0;
           if (FLASH_DMATTN_BWD_SM90_MASK_BITS && use_mask && mask_rows) {
-            query_bits = reinterpret_cast<const uint64_t*>(mask_smem + MaskT::kBytes +
-                                                           st * Cfg::kKeyBitsBytes)[kr] >>
-                         (2 * (lane % 4));
+            query_bits[r] = reinterpret_cast<const uint64_t*>(mask_smem + MaskT::kBytes +
+                                                              st * Cfg::kKeyBitsBytes)[kr] >>
+                            (2 * (lane % 4));
           }
         }
+      }
+      CUTE_UNROLL
+      for (int g = 0; g < kGroups; ++g) {
+        const int qc0 = get<1>(cS(make_coord(make_coord(0, 0, g), 0, 0)));  // even, same for r
         CUTE_UNROLL
-        for (int g = 0; g < kGroups; ++g) {
-          const int qc0 = get<1>(cS(make_coord(make_coord(0, r, g), 0, 0)));  // even
+        for (int c2 = 0; c2 < 2; ++c2) {
+          const int qc = qc0 + c2;
+          float l = lse_t[qc];
+          l = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
+          const float dl = delta_t[qc];
           CUTE_UNROLL
-          for (int c2 = 0; c2 < 2; ++c2) {
+          for (int r = 0; r < 2; ++r) {
             const auto e = make_coord(make_coord(c2, r, g), 0, 0);
-            const int qc = qc0 + c2;
             float dt;
             float s = score<kSoftcap>(acc_s(e), p, dt);
             if constexpr (kHasBias) {
-              s += bias_rows ? float(BiasT::read(btile, true, qc, kr)) : key_bias;
+              if (bias_rows) {
+                const int kr = kw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
+                s += float(BiasT::read(btile, true, qc, kr));
+              } else {
+                s += key_bias[r];
+              }
             }
             // Bitwise, not short-circuit: no per-element branches.
-            bool visible = (qc >= q_lo) & (qc < q_hi) & key_mask;
+            bool visible = (qc >= q_lo[r]) & (qc < q_hi[r]) & key_mask[r];
             if constexpr (kHasMask) {
-              visible &= ((query_bits >> (8 * g + c2)) & 1u) != 0;  // qc - 2 (lane % 4)
+              visible &= ((query_bits[r] >> (8 * g + c2)) & 1u) != 0;  // qc - 2 (lane % 4)
               if (!FLASH_DMATTN_BWD_SM90_MASK_BITS && use_mask && mask_rows) {
+                const int kr = kw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
                 visible &= MaskT::read(mtile, true, qc, kr) != 0;
               }
             }
-            float l = lse_t[qc];
-            l = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
             const float pr = visible ? __expf(s - l) : 0.f;
-            const float ds = pr * (acc_dp(e) - delta_t[qc]);
+            const float ds = pr * (acc_dp(e) - dl);
             key_dbias[r] += ds;  // unconditional: a branch here costs spills
             acc_s(e) = pr;
             acc_dp(e) = ds * dt;
@@ -774,7 +791,11 @@ static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using Cfg = Sm90BwdConfig<kHeadDimBucket>;
   launch_delta(p, stream);
   const bool fused_dq = p.dq_accum != nullptr;
-  if ((p.need_dq && !fused_dq) || p.dbias_full != nullptr) {
+  if (p.need_dq && p.gather) {
+    // The host passes gathered lists only with per-key (or no) dbias: nothing else to write.
+    cudaError_t err = run_dq_gathered_sm90(p, stream);
+    if (err != cudaSuccess) return err;
+  } else if ((p.need_dq && !fused_dq) || p.dbias_full != nullptr) {
     auto kernel = &dq_kernel_sm90<kSoftcap>;
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kQSmem);

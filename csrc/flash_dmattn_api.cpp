@@ -8,8 +8,9 @@
 //   fwd_gathered(q, k, v, out, softmax_scale, is_causal, softcap, idx, cnt, hdiv, bits,
 //                bits_hdiv, gbias, gbias_hdiv) -> [out, lse]   (gathered key lists; modules
 //       with a mask, dense batches, sm_90 -- fwd_gathers() says whether this module has it)
-//   bwd(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, ..., packed...)
-//       -> [dq, dk, dv, dbias]
+//   bwd(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, ..., packed...,
+//       gathered lists...) -> [dq, dk, dv, dbias]   (gathered lists: the forward's, for a dQ
+//       kernel over them -- bwd_gathers() says whether this module has it)
 //   decode(q, k, v, mask, bias, cache_seqlens, block_table, softmax_scale, is_causal, softcap,
 //          num_splits, poison) -> [out, lse]      (split-KV, forward only; k / v may be pools)
 // Packed sequences (cu_seqlens_q / cu_seqlens_k given): q / k / v are the packed
@@ -40,6 +41,7 @@ int fwd_block_n();
 int bwd_block_m();
 int bwd_block_n();
 bool bwd_fused_dq();
+bool bwd_gathers();
 }  // namespace flash_dmattn
 
 namespace {
@@ -230,22 +232,15 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   return {out, lse};
 }
 
-// The forward over gathered key lists (see KeyGather in params.h): idx (Bm, Hm, nQ, >= Lk)
-// int32, cnt (Bm, Hm, nQ) int32, bits (Bm, Hm, nQ * block_m, W) int64, gbias (Bg, Hg, nQ,
-// width) in q's dtype or none; nQ = ceil(Lq / block_m). Broadcast dims have size 1.
-std::vector<at::Tensor> fwd_gathered(const at::Tensor& q, const at::Tensor& k,
-                                     const at::Tensor& v, const OptT& out_, double softmax_scale,
-                                     bool is_causal, double softcap, const at::Tensor& idx,
-                                     const at::Tensor& cnt, int64_t hdiv, const at::Tensor& bits,
-                                     int64_t bits_hdiv, const OptT& gbias, int64_t gbias_hdiv) {
-  c10::cuda::CUDAGuard guard(q.device());
-  TORCH_CHECK(flash_dmattn::fwd_gathers(), "this kernel module has no gathered forward (it needs "
-              "a mask, dense batches and sm_90)");
+// The gathered key lists of a call (see KeyGather in params.h): idx (Bm, Hm, nQ, >= Lk) int32,
+// cnt (Bm, Hm, nQ) int32, bits (Bm, Hm, nQ * block_m, W) int64, gbias (Bg, Hg, nQ, width) in
+// q's dtype or none; nQ = ceil(Lq / block_m) at the forward's block_m (the gathered dQ kernel
+// uses the same query tiles). Broadcast dims have size 1.
+void fill_gather(FwdParams& p, const at::Tensor& idx, const at::Tensor& cnt, int64_t hdiv,
+                 const at::Tensor& bits, int64_t bits_hdiv, const OptT& gbias,
+                 int64_t gbias_hdiv) {
   TORCH_CHECK(gbias.has_value() == bool(FLASH_DMATTN_HAS_BIAS), "this kernel module was built ",
               FLASH_DMATTN_HAS_BIAS ? "with" : "without", " a bias");
-  FwdParams p;
-  fill_common(p, q, k, v, std::nullopt, std::nullopt, softmax_scale, is_causal, softcap,
-              /*paged=*/false, /*aux=*/false);
   const int64_t n_q = (p.Lq + flash_dmattn::fwd_block_m() - 1) / flash_dmattn::fwd_block_m();
   TORCH_CHECK(idx.is_cuda() && idx.scalar_type() == at::kInt && idx.dim() == 4 &&
                   idx.stride(3) == 1 && idx.size(2) == n_q && idx.size(3) >= p.Lk,
@@ -261,15 +256,6 @@ std::vector<at::Tensor> fwd_gathered(const at::Tensor& q, const at::Tensor& k,
     TORCH_CHECK((t->size(0) == 1 || t->size(0) == p.B) && p.H % t->size(1) == 0,
                 "gather lists must broadcast to the batch and divide the heads");
   }
-  at::Tensor out = out_.has_value() ? *out_ : at::empty_like(q, at::MemoryFormat::Contiguous);
-  check_qkv(out, "out");
-  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
-  at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
-  p.out = out.data_ptr();
-  p.o_sb = out.stride(0), p.o_sl = out.stride(1), p.o_sh = out.stride(2);
-  p.lse = lse.data_ptr<float>();
-  p.lse_sb = int64_t(p.H) * p.Lq;
-  p.lse_sh = p.Lq;
   p.gather = true;
   KeyGather& g = p.g;
   g.idx = idx.data_ptr<int32_t>();
@@ -295,6 +281,32 @@ std::vector<at::Tensor> fwd_gathered(const at::Tensor& q, const at::Tensor& k,
     g.bias_hdiv = static_cast<int>(gbias_hdiv);
     g.bias_width = static_cast<int>(gb.size(3));
   }
+}
+
+// The forward over gathered key lists (see KeyGather in params.h): idx (Bm, Hm, nQ, >= Lk)
+// int32, cnt (Bm, Hm, nQ) int32, bits (Bm, Hm, nQ * block_m, W) int64, gbias (Bg, Hg, nQ,
+// width) in q's dtype or none; nQ = ceil(Lq / block_m). Broadcast dims have size 1.
+std::vector<at::Tensor> fwd_gathered(const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const OptT& out_, double softmax_scale,
+                                     bool is_causal, double softcap, const at::Tensor& idx,
+                                     const at::Tensor& cnt, int64_t hdiv, const at::Tensor& bits,
+                                     int64_t bits_hdiv, const OptT& gbias, int64_t gbias_hdiv) {
+  c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK(flash_dmattn::fwd_gathers(), "this kernel module has no gathered forward (it needs "
+              "a mask, dense batches and sm_90)");
+  FwdParams p;
+  fill_common(p, q, k, v, std::nullopt, std::nullopt, softmax_scale, is_causal, softcap,
+              /*paged=*/false, /*aux=*/false);
+  at::Tensor out = out_.has_value() ? *out_ : at::empty_like(q, at::MemoryFormat::Contiguous);
+  check_qkv(out, "out");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  p.out = out.data_ptr();
+  p.o_sb = out.stride(0), p.o_sl = out.stride(1), p.o_sh = out.stride(2);
+  p.lse = lse.data_ptr<float>();
+  p.lse_sb = int64_t(p.H) * p.Lq;
+  p.lse_sh = p.Lq;
+  fill_gather(p, idx, cnt, hdiv, bits, bits_hdiv, gbias, gbias_hdiv);
   if (finished_without_keys(p, out, lse)) return {out, lse};
   cudaError_t err = flash_dmattn::run_fwd(p, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda fwd_gathered: ", cudaGetErrorString(err));
@@ -310,7 +322,10 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
                             int64_t dbias_mode, const OptT& fwd_idx, const OptT& fwd_cnt,
                             const OptT& bwd_idx, const OptT& bwd_cnt, int64_t list_hdiv,
                             bool allow_fused_dq, const OptT& cu_q, const OptT& cu_k,
-                            const OptT& cu_aux, int64_t max_q, int64_t max_k) {
+                            const OptT& cu_aux, int64_t max_q, int64_t max_k,
+                            const OptT& gather_idx, const OptT& gather_cnt, int64_t gather_hdiv,
+                            const OptT& gather_bits, int64_t gather_bits_hdiv,
+                            const OptT& gather_bias, int64_t gather_bias_hdiv) {
   c10::cuda::CUDAGuard guard(q.device());
   BwdParams p;
   fill_common(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap);
@@ -364,12 +379,26 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     p.dbk_sh = packed ? total_k : p.Lk;
   }
   TORCH_CHECK(!packed || dbias_mode != 1, "packed sequences take per-key biases only");
+  // Gathered dQ: the forward's key lists (fwd_gathered) drive a dQ kernel that walks only the
+  // query tile's live keys; dK / dV still walk key tiles with the mask itself.
+  const bool gathered_dq = gather_idx.has_value();
+  if (gathered_dq) {
+    TORCH_CHECK(flash_dmattn::bwd_gathers(), "this kernel module has no gathered dQ kernel (it "
+                "needs a mask, dense batches, sm_90 and head dim <= 128)");
+    TORCH_CHECK(gather_cnt.has_value() && gather_bits.has_value(),
+                "gathered dQ needs the lists' idx, cnt and bits");
+    TORCH_CHECK(dbias_mode != 1 && !packed,
+                "gathered dQ takes per-key biases of dense batches only");
+    fill_gather(p, *gather_idx, *gather_cnt, gather_hdiv, *gather_bits, gather_bits_hdiv,
+                gather_bias, gather_bias_hdiv);
+  }
   at::Tensor dq_accum;
   // Fused dQ: the dK/dV kernel adds dS K into a zeroed fp32 accumulator with atomics (not
   // bitwise reproducible, so only when the caller allows it); a full per-element dbias still
   // needs the dQ kernel, which writes it.
   // Not for packed calls: the accumulator would be padded to the longest sequence.
-  if (allow_fused_dq && need_dq && dbias_mode != 1 && !packed && flash_dmattn::bwd_fused_dq()) {
+  if (allow_fused_dq && need_dq && dbias_mode != 1 && !packed && !gathered_dq &&
+      flash_dmattn::bwd_fused_dq()) {
     const int64_t q_rows = (p.Lq + 63) / 64 * 64;
     dq_accum = at::zeros({p.B, p.H, q_rows, FLASH_DMATTN_HEADDIM}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();
@@ -482,6 +511,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &fwd, "attention forward -> [out, lse]");
   m.def("fwd_gathered", &fwd_gathered, "attention forward over gathered key lists -> [out, lse]");
   m.def("fwd_gathers", &flash_dmattn::fwd_gathers, "whether fwd_gathered is built in");
+  m.def("bwd_gathers", &flash_dmattn::bwd_gathers,
+        "whether bwd takes gathered key lists (a gathered dQ kernel is built in)");
   m.def("bwd", &bwd, "attention backward -> [dq, dk, dv, dbias]");
   m.def("fused_dq", &flash_dmattn::bwd_fused_dq,
         "whether bwd(..., allow_fused_dq=True) computes dQ inside the dK/dV kernel (atomics)");

@@ -263,6 +263,47 @@ def test_cuda_gathered_forward_writes_every_output():
     assert (lse[0, 2:, 100:140] == float("-inf")).all()
 
 
+@pytest.mark.parametrize("lq,lk,h,hkv,bias_kind,causal,softcap", [
+    (333, 400, 4, 2, "per_key", True, 0.0), (333, 400, 4, 2, None, False, 0.0),
+    (257, 1100, 8, 2, "per_key", True, 0.0), (190, 190, 2, 1, "per_key", True, 5.0)],
+    ids=["gqa-causal", "nobias", "lq<lk", "softcap"])
+def test_cuda_gathered_dq_matches_reference_and_writes_every_row(lq, lk, h, hkv, bias_kind,
+                                                                causal, softcap):
+    # The backward's dQ kernel over the forward's gathered lists (64 listed keys a step, a
+    # partial last step, tiles whose list is empty, fully masked rows), called through the
+    # extension; dq's memory is recycled NaN so rows the kernel does not write show.
+    from flash_dmattn.backends.cuda.kernels import _gather_args, kernel_module
+    from flash_dmattn.backends.triton.gather import plan_key_gather
+
+    _cuda()
+    q, k, v, _, bias = make_problem(1, lq, lk, h, hkv, 128, torch.bfloat16, None, bias_kind,
+                                    seed=lq)
+    mask = _shared_keys_mask(1, lq, lk, hkv, keep=max(1, lk // 5), seed=3)
+    g = h // hkv
+    mask[0, -1, 128:256] = False  # a whole query tile of the last kv head without keys
+    mask[0, 0, 100:110] = False  # fully masked rows inside a tile
+    mod = kernel_module(q, True, bias is not None)
+    assert mod.bwd_gathers()
+    bm, bn, _, _ = mod.block_sizes()
+    plan = plan_key_gather(mask, bias, lq, lk, h, causal, bm, bn, policy="always")
+    assert plan is not None and int(plan.cnt.min()) == 0
+    scale = 128 ** -0.5
+    out, lse = mod.fwd_gathered(q, k, v, None, scale, causal, softcap, *_gather_args(plan, h))
+    dout = torch.randn_like(out)
+    torch.full_like(q, float("nan"))  # freed at once: its block is dq's next
+    dq = mod.bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, True, False, 0,
+                 None, None, None, None, 1, False, None, None, None, 0, 0,
+                 *_gather_args(plan, h))[0]
+    assert not dq.isnan().any()
+    leaves = [t.detach().double().requires_grad_(i == 0) for i, t in enumerate((q, k, v))]
+    ref, _ = reference_attention(*leaves, mask, bias.double() if bias is not None else None,
+                                 scale, causal, softcap)
+    (want,) = torch.autograd.grad(ref, leaves[0], dout.double())
+    assert rel_err(dq, want) < 3e-2, rel_err(dq, want)
+    assert torch.count_nonzero(dq[0, 128:256, h - g:].float()) == 0
+    assert torch.count_nonzero(dq[0, 100:110, :g].float()) == 0
+
+
 def test_cuda_reasons_for_what_it_does_not_take():
     backend = _cuda()
     q, k, v, mask, _ = make_problem(1, 128, 128, 4, 2, 64, torch.bfloat16, "topk", None)

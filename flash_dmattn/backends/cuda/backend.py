@@ -152,9 +152,10 @@ def cuda_op():
     global _op
     if _op is None:
         from ...ops import AttentionOp
-        from .kernels import cuda_backward, cuda_forward
+        from .kernels import cuda_backward, cuda_forward, cuda_planned_forward
 
-        _op = AttentionOp("cuda", cuda_forward, cuda_backward)
+        _op = AttentionOp("cuda", cuda_forward, cuda_backward,
+                          planned_forward=cuda_planned_forward)
     return _op
 
 

@@ -40,7 +40,7 @@ logger = logging.getLogger("flash_dmattn")
 # selected with the macros of :meth:`KernelSpec.defines`.
 KERNEL_SOURCES = (
     "flash_dmattn_api.cpp", "flash_fwd.cu", "flash_fwd_sm90.cu", "flash_bwd.cu", "flash_bwd_sm90.cu",
-    "flash_decode.cu",
+    "flash_dq_gathered_sm90.cu", "flash_decode.cu",
 )
 # Headers may be included by any source, so all of them are hashed into the key.
 _HASHED_SUFFIXES = {".cpp", ".cu", ".cuh", ".h", ".hpp", ".inl"}

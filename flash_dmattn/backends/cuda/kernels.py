@@ -133,6 +133,28 @@ def _read_ready(mask, bias, seqlen_q, seqlen_k):
     return mask, bias
 
 
+class CudaPlan:
+    """What a forward worked out for its backward (kept on the autograd node, see
+    :class:`...ops._PlannedAttention`): the gathered key lists the forward walked, or None when
+    it walked key tiles. The backward's dQ kernel walks the same lists."""
+
+    __slots__ = ("gather",)
+
+    def __init__(self, gather=None):
+        self.gather = gather
+
+
+def cuda_planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None):
+    """:func:`cuda_forward` plus its :class:`CudaPlan` (``(out, lse, plan)``)."""
+    if use_cuda_decode(q.shape[1], q.shape[2], k.shape[2], k.shape[1], cache_seqlens is not None):
+        # Decode shapes gather nothing; a KV cache's backward folds its lengths into the mask.
+        out, lse = cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap,
+                                       cache_seqlens, None)
+        return out, lse, CudaPlan()
+    out, lse, gather = _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap)
+    return out, lse, CudaPlan(gather)
+
+
 def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
                  block_table=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out (B, Lq, H, D), lse (B, H, Lq) fp32)`` through the compiled kernels.
@@ -143,6 +165,13 @@ def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=N
                                                   cache_seqlens is not None):
         return cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
                                    block_table)
+    out, lse, _ = _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap)
+    return out, lse
+
+
+def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap):
+    """``(out, lse, gather)``: the forward over gathered key lists (``gather``, the planner's
+    KeyGather) or over live key tiles (``gather`` None)."""
     q, k, v = _vector_ready(q), _vector_ready(k), _vector_ready(v)
     B, Lq, H, _ = q.shape
     Lk = k.shape[1]
@@ -152,12 +181,9 @@ def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=N
     summary = _summary(mask, Lq, Lk, is_causal, block_m, block_n)
     gather = _gather_plan(mod, mask, bias, Lq, Lk, H, is_causal, block_m, block_n, summary)
     if gather is not None:
-        gbias = gather.gbias
-        out, lse = mod.fwd_gathered(
-            q, k, v, None, float(scale), bool(is_causal), float(softcap), gather.idx, gather.cnt,
-            gather.head_div, gather.gbits, gather.head_div, gbias,
-            H // gbias.size(1) if gbias is not None else 1)
-        return out, lse
+        out, lse = mod.fwd_gathered(q, k, v, None, float(scale), bool(is_causal), float(softcap),
+                                    *_gather_args(gather, H))
+        return out, lse, gather
     lists = _lists(mask, Lq, Lk, H, is_causal, block_m, block_n, q.device, need_bwd=False,
                    summary=summary)
     idx = cnt = None
@@ -166,7 +192,15 @@ def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=N
         idx, cnt, hdiv = lists.fwd_idx, lists.fwd_cnt, lists.head_div
     out, lse = mod.fwd(q, k, v, mask, bias, None, float(scale), bool(is_causal), float(softcap),
                        idx, cnt, hdiv, None, None, None, 0, 0)
-    return out, lse
+    return out, lse, None
+
+
+def _gather_args(gather, heads: int) -> tuple:
+    """The extension's gathered-list arguments ``(idx, cnt, hdiv, bits, bits_hdiv, gbias,
+    gbias_hdiv)`` of a KeyGather."""
+    gbias = gather.gbias
+    return (gather.idx, gather.cnt, gather.head_div, gather.gbits, gather.head_div, gbias,
+            heads // gbias.size(1) if gbias is not None else 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,6 +288,14 @@ def _reduce_key_partials(partial: torch.Tensor, bias: torch.Tensor) -> torch.Ten
 
 
 FUSED_DQ_ENV = "FLASH_DMATTN_CUDA_FUSED_DQ"
+# FLASH_DMATTN_CUDA_GATHER_DQ=0: the backward's dQ walks key tiles even where the forward
+# gathered keys (A/B timing, debugging).
+GATHER_DQ_ENV = "FLASH_DMATTN_CUDA_GATHER_DQ"
+
+
+def gathered_dq_allowed() -> bool:
+    """Whether the backward may run the gathered dQ kernel (``$FLASH_DMATTN_CUDA_GATHER_DQ``)."""
+    return os.environ.get(GATHER_DQ_ENV, "1").strip() != "0"
 
 
 def fused_dq_allowed() -> bool:
@@ -263,8 +305,12 @@ def fused_dq_allowed() -> bool:
 
 
 def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
-                  needs, cache_seqlens=None):
+                  needs, cache_seqlens=None, plan: Optional[CudaPlan] = None):
     """``(dq, dk, dv, dbias)`` with None where ``needs`` did not ask.
+
+    Where the forward walked gathered key lists (``plan``, or planned again here when the call
+    came without one), dQ walks the same lists: a deterministic kernel over the query tile's
+    live keys instead of every partly live key tile.
 
     ``deterministic=False`` lets the Hopper backward compute dQ inside the dK/dV kernel, adding
     each key tile's ``dS K`` into an fp32 accumulator with atomics (one kernel and 5 products
@@ -280,6 +326,7 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
 
         mask = fold_cache_seqlens(mask, cache_seqlens, q.shape[1], k.shape[1], is_causal)
         is_causal = False
+        plan = CudaPlan()  # the forward's lists were for the unfolded mask: no gathering
     dout, q, k, v, out = (_vector_ready(t) for t in (dout, q, k, v, out))
     B, Lq, H, _ = q.shape
     Lk = k.shape[1]
@@ -292,14 +339,24 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
         raise ValueError(f"cuda backend: no dbias for a bias of shape {tuple(bias.shape)} "
                          f"(per-query rows shared by several heads or batches)")
     mask, bias = _read_ready(mask, bias, Lq, Lk)
+    gather = None
+    if need_dq and mode != 1 and mod.bwd_gathers() and gathered_dq_allowed():
+        if plan is not None:
+            gather = plan.gather
+        else:
+            fwd_m, fwd_n, _, _ = mod.block_sizes()
+            gather = _gather_plan(mod, mask, bias, Lq, Lk, H, is_causal, fwd_m, fwd_n,
+                                  _summary(mask, Lq, Lk, is_causal, fwd_m, fwd_n))
     lists = _lists(mask, Lq, Lk, H, is_causal, block_m, block_n, q.device, need_bwd=True)
     args = (None, None, None, None, 1)
     if lists is not None:
         args = (lists.fwd_idx, lists.fwd_cnt, lists.bwd_idx, lists.bwd_cnt, lists.head_div)
+    gargs = _gather_args(gather, H) if gather is not None else (None, None, 1, None, 1, None, 1)
     dq, dk, dv, db = mod.bwd(dout, q, k, v, mask, bias, out, lse.contiguous(), float(scale),
                              bool(is_causal), float(softcap), bool(need_dq),
                              bool(need_dk or need_dv), int(mode), *args,
-                             bool(not deterministic and fused_dq_allowed()), None, None, None, 0, 0)
+                             bool(not deterministic and fused_dq_allowed()), None, None, None, 0, 0,
+                             *gargs)
     dbias = None
     if mode == 1:
         dbias = db
@@ -405,7 +462,8 @@ def cuda_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, ou
     dq, dk, dv, db = mod.bwd(dout[None], q[None], k[None], v[None], mask_a, bias_a, out[None],
                              lse.contiguous(), float(scale), bool(is_causal), float(softcap),
                              bool(need_dq), bool(need_dk or need_dv), mode, idx, cnt, None, None,
-                             hdiv, False, cu_q, cu_k, cu_aux, int(max_q), int(max_k))
+                             hdiv, False, cu_q, cu_k, cu_aux, int(max_q), int(max_k),
+                             None, None, 1, None, 1, None, 1)
     dbias = None
     if mode == 2:
         hx, total_k = bias.shape
