@@ -316,7 +316,8 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
     const int ptid = threadIdx.x;
     constexpr int kPT = Cfg::kKvProducerThreads;
     auto load64 = [&](const Elem* g, int64_t row_stride, int rows_valid, char* dst) {
-      load_tile_swizzled<kD, Cfg::kAtomK, kPT, 64>(g, row_stride, rows_valid, p.D, dst, ptid);
+      load_tile_swizzled<kD, Cfg::kAtomK, kPT, 64, /*kRolled=*/true>(g, row_stride, rows_valid,
+                                                                      p.D, dst, ptid);
     };
     const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb +
                      (sr.k_row0 + k0) * p.k_sl + int64_t(hkv) * p.k_sh;
@@ -345,10 +346,10 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
         if constexpr (kHasMask) {
           if (mask_bits) {
             // Raw bytes first, as their own group: transposed below while the rest lands.
-            Cfg::MaskTileP::load(mask_smem, p.mask, g.mask, q0, k0, Lq(), Lk(), ptid);
+            Cfg::MaskTileP::template load<true>(mask_smem, p.mask, g.mask, q0, k0, Lq(), Lk(), ptid);
             cp_async_fence();
           } else if (partial) {
-            Cfg::MaskTileP::load(mask_smem + st * MaskT::kBytes, p.mask, g.mask, q0, k0, Lq(),
+            Cfg::MaskTileP::template load<true>(mask_smem + st * MaskT::kBytes, p.mask, g.mask, q0, k0, Lq(),
                                  Lk(), ptid);
           }
         }
@@ -357,7 +358,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
         load_floats<kBM>(lse_s + st * kBM, g.lse + q0, Lq() - q0, ptid, kPT);
         load_floats<kBM>(delta_s + st * kBM, g.delta + q0, Lq() - q0, ptid, kPT);
         if constexpr (kHasBias) {
-          Cfg::BiasTileP::load(bias_smem + st * BiasT::kBytes, p.bias, g.bias, q0, k0, Lq(),
+          Cfg::BiasTileP::template load<true>(bias_smem + st * BiasT::kBytes, p.bias, g.bias, q0, k0, Lq(),
                                Lk(), ptid);
         }
         if constexpr (kHasMask) {

@@ -122,9 +122,9 @@ __global__ void __launch_bounds__(Sm90DqGatherConfig<kHeadDimBucket>::kThreads, 
                       int64_t(q0) * p.do_sl + int64_t(h) * p.do_sh;
     CUTE_UNROLL
     for (int w = 0; w < 2; ++w) {
-      load_tile_swizzled<kD, Cfg::kAtomK, kPT, 64>(walk.q + int64_t(64 * w) * p.q_sl, p.q_sl,
+      load_tile_swizzled<kD, Cfg::kAtomK, kPT, 64, true>(walk.q + int64_t(64 * w) * p.q_sl, p.q_sl,
                                                     p.Lq - q0 - 64 * w, p.D, smem + w * kT, ptid);
-      load_tile_swizzled<kD, Cfg::kAtomK, kPT, 64>(dog + int64_t(64 * w) * p.do_sl, p.do_sl,
+      load_tile_swizzled<kD, Cfg::kAtomK, kPT, 64, true>(dog + int64_t(64 * w) * p.do_sl, p.do_sl,
                                                     p.Lq - q0 - 64 * w, p.D, smem + (2 + w) * kT,
                                                     ptid);
     }

@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     const int ptid = threadIdx.x;
     if (n_steps > 0) {
-      load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockM>(
+      load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockM, true>(
           walk.q, p.q_sl, Lq() - q0, p.D, smem, ptid);
       stage_filled(bar.q_full);
       for (int i = 0; i < n_steps; ++i) {
@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
               walk.k, p.k_sl, list + k0, n_keys - k0, p.D,
               smem + Cfg::kKOff + s * Cfg::kStageBytes, ptid);
         } else {
-          load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
+          load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN, true>(
               walk.k + int64_t(k0) * p.k_sl, p.k_sl, Lk() - k0, p.D,
               smem + Cfg::kKOff + s * Cfg::kStageBytes, ptid);
         }
@@ -283,12 +283,12 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
           ClusterBarrier::wait(bar.aux_empty + a, ((i / kAuxStages) & 1) ^ 1);
           if constexpr (kHasMask) {
             if (partial_of(i, k0)) {
-              Cfg::MaskTile::load(mask_smem0 + a * aux.stride, p.mask, walk.mask, q0, k0,
+              Cfg::MaskTile::template load<true>(mask_smem0 + a * aux.stride, p.mask, walk.mask, q0, k0,
                                   Lq(), Lk(), ptid);
             }
           }
           if constexpr (kHasBias) {
-            Cfg::BiasTile::load(bias_smem0 + a * aux.stride, p.bias, walk.bias, q0, k0, Lq(),
+            Cfg::BiasTile::template load<true>(bias_smem0 + a * aux.stride, p.bias, walk.bias, q0, k0, Lq(),
                                 Lk(), ptid);
           }
           stage_filled(bar.aux_full + a);
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
               walk.v, p.v_sl, list + k0, n_keys - k0, p.D,
               smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
         } else {
-          load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
+          load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN, true>(
               walk.v + int64_t(k0) * p.v_sl, p.v_sl, Lk() - k0, p.D,
               smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
         }

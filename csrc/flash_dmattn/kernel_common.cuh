@@ -92,7 +92,11 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int sr
 // them. Byte offset of (row r, 16-byte chunk c of column block b):
 //   b * R * kRowBytes + (r / 8) * 8 * kRowBytes + (r % 8) * kRowBytes + ((c ^ f(r % 8)) * 16)
 // with kRowBytes = 128, f = identity (128-byte swizzle) or 64, f = r % 8 / 2 (64-byte).
-template <int kHeadDim, int kAtomK, int kThreads, int R>
+// kRolled: one chunk at a time with a running source pointer, for the producer warpgroups of
+// the warp-specialised kernels, which run on 24 registers: unrolled, the compiler keeps every
+// chunk's 64-bit address live (hoisted out of the step loop) and spills them -- and with almost
+// all of L1 given to shared memory the spills go to L2, on the producer's critical path.
+template <int kHeadDim, int kAtomK, int kThreads, int R, bool kRolled = false>
 __device__ __forceinline__ void load_tile_swizzled(const Elem* gptr, int64_t row_stride,
                                                    int rows_valid, int cols_valid, char* smem,
                                                    int tid) {
@@ -107,6 +111,21 @@ __device__ __forceinline__ void load_tile_swizzled(const Elem* gptr, int64_t row
   const int swz = kRowBytes == 128 ? (r0 % 8) : ((r0 % 8) >> 1);
   char* s0 = smem + (r0 / 8) * 8 * kRowBytes + (r0 % 8) * kRowBytes + ((c ^ swz) * 16);
   const Elem* g0 = gptr + int64_t(r0) * row_stride + c * 8;
+  if constexpr (kRolled) {
+    const int64_t pass_stride = int64_t(kRowsPerPass) * row_stride;
+#pragma unroll 1
+    for (int j = 0; j < kPasses; ++j) {
+      const bool row_ok = r0 + j * kRowsPerPass < rows_valid;
+      CUTE_UNROLL
+      for (int b = 0; b < kBlocks; ++b) {
+        const bool ok = row_ok && b * kAtomK + c * 8 < cols_valid;
+        cp_async_16(s0 + b * R * kRowBytes, ok ? g0 + b * kAtomK : gptr, ok ? 16 : 0);
+      }
+      s0 += kRowsPerPass * kRowBytes;
+      g0 += pass_stride;
+    }
+    return;
+  }
   CUTE_UNROLL
   for (int b = 0; b < kBlocks; ++b) {
     const bool col_ok = b * kAtomK + c * 8 < cols_valid;
@@ -198,6 +217,8 @@ struct BcastTile {
   static constexpr int kPitch = kTileK * int(sizeof(T)) + 16;
   static constexpr int kBytes = kTileQ * kPitch;
 
+  // kRolled: no unrolling (the 24-register producer warpgroups; see load_tile_swizzled).
+  template <bool kRolled = false>
   __device__ static void load(char* smem, const Bcast& p, const char* base, int q0, int k0,
                               int Lq, int Lk, int tid) {
     const int rows = p.sq == 0 ? 1 : min(kTileQ, Lq - q0);
@@ -206,6 +227,7 @@ struct BcastTile {
     if (p.vec) {
       constexpr int kChunks = kTileK * int(sizeof(T)) / 16;
       const int total = rows * kChunks;
+#pragma unroll(kRolled ? 1 : 4)
       for (int c = tid; c < total; c += kThreads) {
         const int r = c / kChunks, ch = c % kChunks;
         const int valid = max(0, min(16, (cols * int(sizeof(T))) - ch * 16));
@@ -214,6 +236,7 @@ struct BcastTile {
       }
     } else {
       const T* gt = reinterpret_cast<const T*>(g);
+#pragma unroll(kRolled ? 1 : 4)
       for (int e = tid; e < rows * kTileK; e += kThreads) {
         const int r = e / kTileK, c = e % kTileK;
         T val = T(0);
