@@ -235,9 +235,11 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
 // The gathered key lists of a call (see KeyGather in params.h): idx (Bm, Hm, nQ, >= Lk) int32,
 // cnt (Bm, Hm, nQ) int32, bits (Bm, Hm, nQ * block_m, W) int64, gbias (Bg, Hg, nQ, width) in
 // q's dtype or none; nQ = ceil(Lq / block_m) at the forward's block_m (the gathered dQ kernel
-// uses the same query tiles). Broadcast dims have size 1.
+// uses the same query tiles). Broadcast dims have size 1 (or stride 0). Without bits (the dQ
+// kernel only) the lists are a per-key mask's live keys, each row 16-byte aligned: every
+// listed key is visible up to causality.
 void fill_gather(FwdParams& p, const at::Tensor& idx, const at::Tensor& cnt, int64_t hdiv,
-                 const at::Tensor& bits, int64_t bits_hdiv, const OptT& gbias,
+                 const OptT& bits_, int64_t bits_hdiv, const OptT& gbias,
                  int64_t gbias_hdiv) {
   TORCH_CHECK(gbias.has_value() == bool(FLASH_DMATTN_HAS_BIAS), "this kernel module was built ",
               FLASH_DMATTN_HAS_BIAS ? "with" : "without", " a bias");
@@ -248,12 +250,23 @@ void fill_gather(FwdParams& p, const at::Tensor& idx, const at::Tensor& cnt, int
   TORCH_CHECK(cnt.is_cuda() && cnt.scalar_type() == at::kInt && cnt.dim() == 3 &&
                   cnt.size(2) == n_q,
               "gather cnt must be int32 (B, H, ceil(Lq / block_m))");
-  TORCH_CHECK(bits.is_cuda() && bits.scalar_type() == at::kLong && bits.dim() == 4 &&
-                  bits.stride(3) == 1 && bits.size(2) >= n_q * flash_dmattn::fwd_block_m() &&
-                  bits.size(3) * 64 >= p.Lk,
-              "gather bits must be int64 (B, H, ceil(Lq / block_m) * block_m, ceil(Lk / 64))");
-  for (const at::Tensor* t : {&idx, &cnt, &bits}) {
+  if (bits_.has_value()) {
+    const at::Tensor& bits = *bits_;
+    TORCH_CHECK(bits.is_cuda() && bits.scalar_type() == at::kLong && bits.dim() == 4 &&
+                    bits.stride(3) == 1 && bits.size(2) >= n_q * flash_dmattn::fwd_block_m() &&
+                    bits.size(3) * 64 >= p.Lk,
+                "gather bits must be int64 (B, H, ceil(Lq / block_m) * block_m, ceil(Lk / 64))");
+  } else {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(idx.data_ptr()) % 16 == 0 &&
+                    idx.stride(0) % 4 == 0 && idx.stride(1) % 4 == 0 && idx.stride(2) % 4 == 0,
+                "gather idx rows without bits must be 16-byte aligned");
+  }
+  for (const at::Tensor* t : {&idx, &cnt}) {
     TORCH_CHECK((t->size(0) == 1 || t->size(0) == p.B) && p.H % t->size(1) == 0,
+                "gather lists must broadcast to the batch and divide the heads");
+  }
+  if (bits_.has_value()) {
+    TORCH_CHECK((bits_->size(0) == 1 || bits_->size(0) == p.B) && p.H % bits_->size(1) == 0,
                 "gather lists must broadcast to the batch and divide the heads");
   }
   p.gather = true;
@@ -263,9 +276,12 @@ void fill_gather(FwdParams& p, const at::Tensor& idx, const at::Tensor& cnt, int
   g.cnt = cnt.data_ptr<int32_t>();
   g.cnt_sb = bstride(cnt, 0), g.cnt_sh = bstride(cnt, 1), g.cnt_sm = cnt.stride(2);
   g.hdiv = static_cast<int>(hdiv);
-  g.bits = reinterpret_cast<const uint64_t*>(bits.data_ptr<int64_t>());
-  g.bits_sb = bstride(bits, 0), g.bits_sh = bstride(bits, 1), g.bits_sq = bits.stride(2);
-  g.bits_hdiv = static_cast<int>(bits_hdiv);
+  if (bits_.has_value()) {
+    const at::Tensor& bits = *bits_;
+    g.bits = reinterpret_cast<const uint64_t*>(bits.data_ptr<int64_t>());
+    g.bits_sb = bstride(bits, 0), g.bits_sh = bstride(bits, 1), g.bits_sq = bits.stride(2);
+    g.bits_hdiv = static_cast<int>(bits_hdiv);
+  }
   if (gbias.has_value()) {
     const at::Tensor& gb = *gbias;
     TORCH_CHECK(gb.is_cuda() && gb.scalar_type() == kDtype && gb.dim() == 4 &&
@@ -385,11 +401,10 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   if (gathered_dq) {
     TORCH_CHECK(flash_dmattn::bwd_gathers(), "this kernel module has no gathered dQ kernel (it "
                 "needs a mask, dense batches, sm_90 and head dim <= 128)");
-    TORCH_CHECK(gather_cnt.has_value() && gather_bits.has_value(),
-                "gathered dQ needs the lists' idx, cnt and bits");
+    TORCH_CHECK(gather_cnt.has_value(), "gathered dQ needs the lists' idx and cnt");
     TORCH_CHECK(dbias_mode != 1 && !packed,
                 "gathered dQ takes per-key biases of dense batches only");
-    fill_gather(p, *gather_idx, *gather_cnt, gather_hdiv, *gather_bits, gather_bits_hdiv,
+    fill_gather(p, *gather_idx, *gather_cnt, gather_hdiv, gather_bits, gather_bits_hdiv,
                 gather_bias, gather_bias_hdiv);
   }
   at::Tensor dq_accum;

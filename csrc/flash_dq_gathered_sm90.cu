@@ -16,6 +16,11 @@
 //   step i runs while that product is on the tensor cores.
 // dQ is a plain register accumulator written once (no atomics: deterministic). The key
 // gradients and a per-key dbias come from the dK/dV kernel, which walks key tiles as before.
+//
+// kBits = false (no bits: p.g.bits == nullptr): the list of a per-key mask, one row of live keys
+// shared by every query tile (the host's key_list_gather). Visibility is then the list's length
+// and, for causal calls, the listed key index against the query row; the producer stages the
+// step's 64 indices where the bits would go.
 #include "flash_dmattn/kernel_common.cuh"
 
 #if FLASH_DMATTN_SM90_BWD
@@ -78,9 +83,10 @@ struct Sm90DqGatherConfig {
   static constexpr int kSmem = kBarOff + (1 + 2 * kStages) * 8;
   static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 limit");
   static_assert(kProducerThreads == kBlockM, "one bits row per producer thread");
+  static_assert(kBlockN * 4 <= kBitsBytes, "a step's key indices fit its bits stage");
 };
 
-template <bool kSoftcap>
+template <bool kSoftcap, bool kBits>
 __global__ void __launch_bounds__(Sm90DqGatherConfig<kHeadDimBucket>::kThreads, 1)
     dq_gathered_kernel_sm90(const BwdParams p) {
   using Cfg = Sm90DqGatherConfig<kHeadDimBucket>;
@@ -131,7 +137,9 @@ __global__ void __launch_bounds__(Sm90DqGatherConfig<kHeadDimBucket>::kThreads, 
     stage_filled(q_full);
     // The planner's bits have a row for every query of every tile (rows past Lq are 0).
     const uint64_t* bits_row =
-        g.bits + b * g.bits_sb + (h / g.bits_hdiv) * g.bits_sh + int64_t(q0 + ptid) * g.bits_sq;
+        kBits ? g.bits + b * g.bits_sb + (h / g.bits_hdiv) * g.bits_sh +
+                    int64_t(q0 + ptid) * g.bits_sq
+              : nullptr;
     const Elem* bias_row = kHasBias ? reinterpret_cast<const Elem*>(g.bias) + b * g.bias_sb +
                                           (h / g.bias_hdiv) * g.bias_sh + m_block * g.bias_sm
                                     : nullptr;
@@ -144,7 +152,13 @@ __global__ void __launch_bounds__(Sm90DqGatherConfig<kHeadDimBucket>::kThreads, 
                                                      kv, ptid);
       load_rows_by_index<kD, Cfg::kAtomK, kPT, kBN>(walk.v, p.v_sl, list + k0, n_keys - k0, p.D,
                                                      kv + kT, ptid);
-      cp_async_8(smem + Cfg::kBitsOff + s * Cfg::kBitsBytes + ptid * 8, bits_row + i, 8);
+      if constexpr (kBits) {
+        cp_async_8(smem + Cfg::kBitsOff + s * Cfg::kBitsBytes + ptid * 8, bits_row + i, 8);
+      } else if (ptid < kBN / 4) {  // the step's key indices, 4 a copy
+        const int valid = max(0, min(16, (n_keys - k0 - ptid * 4) * 4));
+        cp_async_16(smem + Cfg::kBitsOff + s * Cfg::kBitsBytes + ptid * 16,
+                    valid > 0 ? list + k0 + ptid * 4 : list, valid);
+      }
       if constexpr (kHasBias) {
         constexpr int kChunks = Cfg::kBiasBytes / 16;
         if (ptid < kChunks) {
@@ -198,6 +212,14 @@ __global__ void __launch_bounds__(Sm90DqGatherConfig<kHeadDimBucket>::kThreads, 
     Tensor rdS = make_tensor_like<Elem>(acc_s);
     Tensor tOrdS = make_tensor(rdS.data(), acc_as_gmma_a_layout(rdS.layout()));
     const int lane_shift = 2 * (tid % 4);  // this thread's first key column within 8
+    // No bits, causal: key j is visible to query row i iff j <= i + Lk - Lq.
+    int last_key[2];
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      last_key[r] = p.causal ? q0 + qw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0))) +
+                                   p.Lk - p.Lq
+                             : INT_MAX;
+    }
 
     auto issue_scores = [&](int i) {
       const int s = i % kStages;
@@ -224,7 +246,8 @@ __global__ void __launch_bounds__(Sm90DqGatherConfig<kHeadDimBucket>::kThreads, 
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
         const int row = qw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
-        const uint64_t word = reinterpret_cast<const uint64_t*>(bits_smem)[row] >> lane_shift;
+        const uint64_t word =
+            kBits ? reinterpret_cast<const uint64_t*>(bits_smem)[row] >> lane_shift : 0;
         CUTE_UNROLL
         for (int gi = 0; gi < kGroups; ++gi) {
           const int c = get<1>(cS(make_coord(make_coord(0, r, gi), 0, 0)));  // 8 gi + lane_shift
@@ -236,7 +259,13 @@ __global__ void __launch_bounds__(Sm90DqGatherConfig<kHeadDimBucket>::kThreads, 
             b0 = float(two[0]);
             b1 = float(two[1]);
           }
-          const uint32_t pair = uint32_t(word >> (8 * gi)) & 3u;
+          uint32_t pair;
+          if constexpr (kBits) {
+            pair = uint32_t(word >> (8 * gi)) & 3u;
+          } else {
+            const int2 keys = *reinterpret_cast<const int2*>(bits_smem + c * 4);
+            pair = uint32_t(keys.x <= last_key[r]) | (uint32_t(keys.y <= last_key[r]) << 1);
+          }
           CUTE_UNROLL
           for (int c2 = 0; c2 < 2; ++c2) {
             const auto e = make_coord(make_coord(c2, r, gi), 0, 0);
@@ -285,10 +314,10 @@ __global__ void __launch_bounds__(Sm90DqGatherConfig<kHeadDimBucket>::kThreads, 
   store_wg_rows(dq, p.dq_sl, q0 + qw, p.Lq, p.D, p.scale, acc_dq, cQ);
 }
 
-template <bool kSoftcap>
+template <bool kSoftcap, bool kBits>
 static cudaError_t launch_dq_gathered(const BwdParams& p, cudaStream_t stream) {
   using Cfg = Sm90DqGatherConfig<kHeadDimBucket>;
-  auto kernel = &dq_gathered_kernel_sm90<kSoftcap>;
+  auto kernel = &dq_gathered_kernel_sm90<kSoftcap, kBits>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
   if (err != cudaSuccess) return err;
@@ -299,8 +328,12 @@ static cudaError_t launch_dq_gathered(const BwdParams& p, cudaStream_t stream) {
 
 cudaError_t run_dq_gathered_sm90(const BwdParams& p, cudaStream_t stream) {
   if constexpr (kHasMask && !kPacked) {
-    return p.softcap > 0.f ? launch_dq_gathered<true>(p, stream)
-                           : launch_dq_gathered<false>(p, stream);
+    if (p.g.bits != nullptr) {
+      return p.softcap > 0.f ? launch_dq_gathered<true, true>(p, stream)
+                             : launch_dq_gathered<false, true>(p, stream);
+    }
+    return p.softcap > 0.f ? launch_dq_gathered<true, false>(p, stream)
+                           : launch_dq_gathered<false, false>(p, stream);
   }
   return cudaErrorNotSupported;  // the host asks bwd_gathers() first
 }

@@ -304,6 +304,26 @@ def test_cuda_gathered_dq_matches_reference_and_writes_every_row(lq, lk, h, hkv,
     assert torch.count_nonzero(dq[0, 100:110, :g].float()) == 0
 
 
+@pytest.mark.parametrize("shape,mask_kind,bias_kind,causal", [
+    ((2, 333, 700, 4, 2, 128), "block_sparse", "per_key", True),
+    ((1, 700, 300, 8, 2, 128), "scattered_key", None, True),
+    ((2, 129, 65, 4, 4, 64), "scattered_key", "per_key", False)],
+    ids=["blocks-gqa-lq<lk", "scattered-lq>lk", "d64-noncausal"])
+def test_cuda_per_key_mask_dq_walks_the_live_keys(monkeypatch, shape, mask_kind, bias_kind,
+                                                   causal):
+    # A per-key mask's backward runs dQ over its live keys (key_list_gather: no bits, causality
+    # from the listed indices), every gradient against the reference.
+    from flash_dmattn.backends.cuda import kernels
+
+    _cuda()
+    built = []
+    real = kernels.key_list_gather
+    monkeypatch.setattr(kernels, "key_list_gather",
+                        lambda *a: built.append(real(*a)) or built[-1])
+    run_and_compare(make_problem(*shape, torch.bfloat16, mask_kind, bias_kind, seed=9), causal)
+    assert built and built[0] is not None, "dQ did not walk the key list"
+
+
 def test_cuda_reasons_for_what_it_does_not_take():
     backend = _cuda()
     q, k, v, mask, _ = make_problem(1, 128, 128, 4, 2, 64, torch.bfloat16, "topk", None)

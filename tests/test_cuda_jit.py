@@ -533,3 +533,39 @@ def test_cuda_auto_dispatch_takes_measured_calls_on_hopper(monkeypatch):
     assert backend.auto_skip_reasons(prefill) != []
     monkeypatch.setenv("FLASH_DMATTN_CUDA_AUTO", "1")
     assert backend.auto_skip_reasons(prefill) == []
+
+
+@pytest.mark.parametrize("causal,lq,lk", [(True, 300, 700), (True, 700, 300), (False, 129, 65)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_key_list_gather_lists_each_tiles_visible_live_keys(causal, lq, lk, with_bias):
+    # The gathered dQ kernel's lists for a per-key mask, against a per-tile brute force: the
+    # row is the live keys in order, the count is how many of them the tile's last row sees
+    # (bottom-right causal), and the gathered bias holds the bias of each listed key.
+    from flash_dmattn.backends.cuda.kernels import key_list_gather
+
+    g = torch.Generator().manual_seed(lq + lk)
+    B, H, Hm, Hb, bm = 2, 6, 2, 3, 128
+    mask = torch.rand(B, Hm, 1, lk, generator=g) > 0.6
+    mask[1, 0] = False  # a row with no live key
+    bias = torch.randn(1, Hb, 1, lk, generator=g) if with_bias else None
+    lists = key_list_gather(mask, bias, lq, lk, H, causal, bm)
+    n_q = -(-lq // bm)
+    assert lists.idx.shape[:3] == (B, Hm, n_q) and lists.idx.shape[3] % 64 == 0
+    assert lists.head_div == H // Hm
+    for b in range(B):
+        for hm in range(Hm):
+            live = torch.nonzero(mask[b, hm, 0]).flatten()
+            for t in range(n_q):
+                last = min(lq, (t + 1) * bm) - 1
+                limit = last + lk - lq + 1 if causal else lk
+                n = int((live < limit).sum())
+                assert int(lists.cnt[b, hm, t]) == n
+                assert lists.idx[b, hm, t, :n].tolist() == live[:n].tolist()
+    if with_bias:
+        for b in range(B):
+            for h in range(H):
+                live = torch.nonzero(mask[b, h // (H // Hm), 0]).flatten()
+                got = lists.gbias[b, h // lists.bias_head_div, 0, :live.numel()]
+                assert torch.equal(got, bias[0, h // (H // Hb), 0, live])
+    assert key_list_gather(mask.expand(B, Hm, lq, lk), None, lq, lk, H, causal, bm) is None
+    assert key_list_gather(mask, torch.randn(1, 1, lq, lk), lq, lk, H, causal, bm) is None

@@ -195,10 +195,71 @@ def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap):
     return out, lse, None
 
 
+class KeyListGather:
+    """A per-key mask's live keys as the gathered dQ kernel's lists (no bits): one row of key
+    indices per (batch, mask head), shared by every query tile (stride 0), and per tile the
+    count of those keys the tile's last row can see; a per-key bias gathered along the same
+    indices. Built with a few tensor ops and no host sync."""
+
+    __slots__ = ("idx", "cnt", "head_div", "gbits", "gbias", "bias_head_div")
+
+    def __init__(self, idx, cnt, head_div, gbias, bias_head_div):
+        self.idx, self.cnt, self.head_div = idx, cnt, head_div
+        self.gbits = None
+        self.gbias, self.bias_head_div = gbias, bias_head_div
+
+
+def key_list_gather(mask, bias, seqlen_q: int, seqlen_k: int, heads: int, is_causal: bool,
+                    block_m: int) -> Optional[KeyListGather]:
+    """:class:`KeyListGather` for a per-key ``mask`` ``(B|1, Hm, 1, Lk)`` and a bias that is
+    None or per key ``(B|1, Hb, 1, Lk)``; None for other shapes."""
+    # (Row-aligned copies may be wider than Lk: the keys are the first Lk columns.)
+    if mask is None or mask.size(2) != 1 or mask.size(3) < seqlen_k or seqlen_k <= 1:
+        return None
+    if bias is not None and (bias.size(2) != 1 or bias.size(3) < seqlen_k):
+        return None
+    dev = mask.device
+    m = mask[:, :, 0, :seqlen_k]
+    bm, hm = m.shape[0], m.shape[1]
+    width = -(-seqlen_k // 64) * 64
+    live_upto = m.to(torch.int32).cumsum(-1)  # live keys among 0..j
+    # Live key j goes to position live_upto[j] - 1; dead keys to a spare slot past the row.
+    dest = torch.where(m, live_upto - 1, torch.full_like(live_upto, width)).long()
+    keys = torch.arange(seqlen_k, device=dev, dtype=torch.int32).expand(bm, hm, seqlen_k)
+    row = torch.zeros(bm, hm, width + 1, device=dev, dtype=torch.int32).scatter_(-1, dest, keys)
+    row = row[..., :width]
+    n_q = -(-seqlen_q // block_m)
+    if is_causal:
+        # Keys < limit are visible to the tile's last row (bottom-right aligned).
+        last_row = torch.clamp(torch.arange(1, n_q + 1, device=dev) * block_m, max=seqlen_q)
+        limit = torch.clamp(last_row + (seqlen_k - seqlen_q), 0, seqlen_k)
+        below = torch.nn.functional.pad(live_upto, (1, 0))  # live keys among 0..x-1
+        cnt = below.gather(-1, limit.expand(bm, hm, n_q))
+    else:
+        cnt = live_upto[..., -1:].expand(bm, hm, n_q)
+    cnt = cnt.to(torch.int32).contiguous()
+    idx = row.unsqueeze(2).expand(bm, hm, n_q, width)
+    gbias, bias_hdiv = None, 1
+    if bias is not None:
+        import math
+
+        hb = bias.shape[1]
+        hx = hm * hb // math.gcd(hm, hb)  # heads fine enough for both (divides `heads`)
+        bx = max(bm, bias.shape[0])
+        idx_x = row.repeat_interleave(hx // hm, dim=1).expand(bx, hx, width).long()
+        bias_x = bias[:, :, 0, :seqlen_k].repeat_interleave(hx // hb, dim=1)
+        bias_x = bias_x.expand(bx, hx, seqlen_k)
+        gbias = bias_x.gather(-1, idx_x).unsqueeze(2).expand(bx, hx, n_q, width)
+        bias_hdiv = heads // hx
+    return KeyListGather(idx, cnt, heads // hm, gbias, bias_hdiv)
+
+
 def _gather_args(gather, heads: int) -> tuple:
     """The extension's gathered-list arguments ``(idx, cnt, hdiv, bits, bits_hdiv, gbias,
     gbias_hdiv)`` of a KeyGather."""
     gbias = gather.gbias
+    if isinstance(gather, KeyListGather):
+        return (gather.idx, gather.cnt, gather.head_div, None, 1, gbias, gather.bias_head_div)
     return (gather.idx, gather.cnt, gather.head_div, gather.gbits, gather.head_div, gbias,
             heads // gbias.size(1) if gbias is not None else 1)
 
@@ -310,7 +371,8 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
 
     Where the forward walked gathered key lists (``plan``, or planned again here when the call
     came without one), dQ walks the same lists: a deterministic kernel over the query tile's
-    live keys instead of every partly live key tile.
+    live keys instead of every partly live key tile. A per-key mask's live keys are walked the
+    same way (:func:`key_list_gather`).
 
     ``deterministic=False`` lets the Hopper backward compute dQ inside the dK/dV kernel, adding
     each key tile's ``dS K`` into an fp32 accumulator with atomics (one kernel and 5 products
@@ -347,6 +409,10 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
             fwd_m, fwd_n, _, _ = mod.block_sizes()
             gather = _gather_plan(mod, mask, bias, Lq, Lk, H, is_causal, fwd_m, fwd_n,
                                   _summary(mask, Lq, Lk, is_causal, fwd_m, fwd_n))
+        if gather is None:
+            # A per-key mask (block-sparse, padding, top-k per key): dQ over its live keys
+            # instead of a fused dQ whose fp32 accumulator outgrows L2 on long sequences.
+            gather = key_list_gather(mask, bias, Lq, Lk, H, is_causal, mod.block_sizes()[0])
     lists = _lists(mask, Lq, Lk, H, is_causal, block_m, block_n, q.device, need_bwd=True)
     args = (None, None, None, None, 1)
     if lists is not None:
