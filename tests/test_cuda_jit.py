@@ -551,6 +551,8 @@ def test_key_list_gather_lists_each_tiles_visible_live_keys(causal, lq, lk, with
     lists = key_list_gather(mask, bias, lq, lk, H, causal, bm)
     n_q = -(-lq // bm)
     assert lists.idx.shape[:3] == (B, Hm, n_q) and lists.idx.shape[3] % 64 == 0
+    # The kernel copies 4 indices (16 bytes) at a time from every row.
+    assert all(s % 4 == 0 for s in lists.idx.stride()[:3]) and lists.idx.stride(3) == 1
     assert lists.head_div == H // Hm
     for b in range(B):
         for hm in range(Hm):

@@ -223,10 +223,11 @@ def key_list_gather(mask, bias, seqlen_q: int, seqlen_k: int, heads: int, is_cau
     bm, hm = m.shape[0], m.shape[1]
     width = -(-seqlen_k // 64) * 64
     live_upto = m.to(torch.int32).cumsum(-1)  # live keys among 0..j
-    # Live key j goes to position live_upto[j] - 1; dead keys to a spare slot past the row.
+    # Live key j goes to position live_upto[j] - 1; dead keys to a spare slot past the row
+    # (64 of them, so every row stays 16-byte aligned: the kernel copies 4 indices at a time).
     dest = torch.where(m, live_upto - 1, torch.full_like(live_upto, width)).long()
     keys = torch.arange(seqlen_k, device=dev, dtype=torch.int32).expand(bm, hm, seqlen_k)
-    row = torch.zeros(bm, hm, width + 1, device=dev, dtype=torch.int32).scatter_(-1, dest, keys)
+    row = torch.zeros(bm, hm, width + 64, device=dev, dtype=torch.int32).scatter_(-1, dest, keys)
     row = row[..., :width]
     n_q = -(-seqlen_q // block_m)
     if is_causal:
