@@ -291,10 +291,6 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
                                         w.first, w.key_partial);
     return w;
   };
-  auto partial_of = [&](const HeadWalk& w, int i) -> bool {
-    return w.list ? (w.list[i] & 1) != 0
-                  : dkdv_tile_partial<kBM, kBN>(p, sr, w.key_partial, k0, w.tile(i) * kBM);
-  };
 
   // Steps over all heads of the group: a CTA with none (a dead key tile) reads no K / V.
   int total_steps = 0;
@@ -335,11 +331,18 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       const int h = hkv * group + hh;
       const HeadWalk walk = walk_of(hh);
       const BwdHeadOperands g = bwd_head_operands(p, sr, b, h);
+      // A list's entries are read a step ahead: the load is synchronous (the step's addresses
+      // need it), so read where used it put a global round trip on every step.
+      int entry_next = walk.list != nullptr && walk.steps > 0 ? walk.list[0] : 0;
       for (int i = 0; i < walk.steps; ++i, ++step) {
         const int st = step & 1;
-        const int tile = walk.tile(i);
+        const int entry = entry_next;
+        if (walk.list != nullptr && i + 1 < walk.steps) entry_next = walk.list[i + 1];
+        const int tile = walk.list != nullptr ? entry >> 1 : walk.first + i;
         const int q0 = tile * kBM;
-        const bool partial = partial_of(walk, i);
+        const bool partial = walk.list != nullptr
+                                 ? (entry & 1) != 0
+                                 : dkdv_tile_partial<kBM, kBN>(p, sr, walk.key_partial, k0, q0);
         ClusterBarrier::wait(empty + st, ((step >> 1) & 1) ^ 1);
         const bool mask_bits =
             FLASH_DMATTN_BWD_SM90_MASK_BITS && kHasMask && partial && p.mask.sq != 0;

@@ -143,15 +143,18 @@ __global__ void __launch_bounds__(Sm90DqGatherConfig<kHeadDimBucket>::kThreads, 
     const Elem* bias_row = kHasBias ? reinterpret_cast<const Elem*>(g.bias) + b * g.bias_sb +
                                           (h / g.bias_hdiv) * g.bias_sh + m_block * g.bias_sm
                                     : nullptr;
+    // Each step's row indices are read a step ahead (RowIndices).
+    RowIndices<Cfg::kAtomK, kPT, kBN> rows, rows_next;
+    rows_next.fetch(list, n_keys, ptid);
     for (int i = 0; i < n_steps; ++i) {
       const int s = i % kStages;
       const int k0 = i * kBN;
+      rows = rows_next;
+      if (i + 1 < n_steps) rows_next.fetch(list + k0 + kBN, n_keys - k0 - kBN, ptid);
       ClusterBarrier::wait(empty + s, ((i / kStages) & 1) ^ 1);
       char* kv = smem + Cfg::kKvOff + s * 2 * kT;
-      load_rows_by_index<kD, Cfg::kAtomK, kPT, kBN>(walk.k, p.k_sl, list + k0, n_keys - k0, p.D,
-                                                     kv, ptid);
-      load_rows_by_index<kD, Cfg::kAtomK, kPT, kBN>(walk.v, p.v_sl, list + k0, n_keys - k0, p.D,
-                                                     kv + kT, ptid);
+      load_rows_by_index<kD, Cfg::kAtomK, kPT, kBN>(walk.k, p.k_sl, rows, p.D, kv, ptid);
+      load_rows_by_index<kD, Cfg::kAtomK, kPT, kBN>(walk.v, p.v_sl, rows, p.D, kv + kT, ptid);
       if constexpr (kBits) {
         cp_async_8(smem + Cfg::kBitsOff + s * Cfg::kBitsBytes + ptid * 8, bits_row + i, 8);
       } else if (ptid < kBN / 4) {  // the step's key indices, 4 a copy

@@ -257,15 +257,22 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockM, true>(
           walk.q, p.q_sl, Lq() - q0, p.D, smem, ptid);
       stage_filled(bar.q_full);
+      using Rows = RowIndices<Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>;
+      Rows rows, rows_next;
+      if constexpr (kGather) rows_next.fetch(list, n_keys, ptid);
       for (int i = 0; i < n_steps; ++i) {
         const int s = i % kStages;
         const uint32_t free_phase = ((i / kStages) & 1) ^ 1;
         const int k0 = kGather ? i * kBlockN : tile_of(i) * kBlockN;
+        if constexpr (kGather) {
+          // This step's rows were fetched last step; fetch the next step's now.
+          rows = rows_next;
+          if (i + 1 < n_steps) rows_next.fetch(list + k0 + kBlockN, n_keys - k0 - kBlockN, ptid);
+        }
         ClusterBarrier::wait(bar.k_empty + s, free_phase);
         if constexpr (kGather) {
           load_rows_by_index<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
-              walk.k, p.k_sl, list + k0, n_keys - k0, p.D,
-              smem + Cfg::kKOff + s * Cfg::kStageBytes, ptid);
+              walk.k, p.k_sl, rows, p.D, smem + Cfg::kKOff + s * Cfg::kStageBytes, ptid);
         } else {
           load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN, true>(
               walk.k + int64_t(k0) * p.k_sl, p.k_sl, Lk() - k0, p.D,
@@ -296,8 +303,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
         ClusterBarrier::wait(bar.v_empty + s, free_phase);
         if constexpr (kGather) {
           load_rows_by_index<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
-              walk.v, p.v_sl, list + k0, n_keys - k0, p.D,
-              smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
+              walk.v, p.v_sl, rows, p.D, smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
         } else {
           load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN, true>(
               walk.v + int64_t(k0) * p.v_sl, p.v_sl, Lk() - k0, p.D,

@@ -139,40 +139,51 @@ __device__ __forceinline__ void load_tile_swizzled(const Elem* gptr, int64_t row
   }
 }
 
-// load_tile_swizzled with the tile's rows taken by index: tile row r is row keys[r] of `base`
-// (row stride in elements); rows r >= rows_valid are zero-filled and their indices not read.
-// Unlike the decode kernel's load_tile_rows (flash_decode.cu), every index is read before the
-// first copy: with one index load and its copies per row in turn (load_tile_rows' order) the
-// gathered T2 forward took 0.70 instead of 0.63 ms on an H200 (2026-11-22m). Making
-// load_tile_rows fetch its addresses first and serve both is the way to one loader; that
-// version was not run on a GPU yet.
-template <int kHeadDim, int kAtomK, int kThreads, int R>
-__device__ __forceinline__ void load_rows_by_index(const Elem* base, int64_t row_stride,
-                                                   const int32_t* keys, int rows_valid,
-                                                   int cols_valid, char* smem, int tid) {
-  constexpr int kRowBytes = kAtomK * 2;
-  constexpr int kChunksPerRow = kRowBytes / 16;
-  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-  constexpr int kPasses = R / kRowsPerPass;
-  constexpr int kBlocks = kHeadDim / kAtomK;
+// The key indices of the rows a thread copies in load_rows_by_index (kPasses of them, -1 past
+// the list). The producers read them a step ahead of the copies that use them, so the global
+// loads' latency is off their critical path (they are synchronous loads: an address needs them).
+template <int kAtomK, int kThreads, int R>
+struct RowIndices {
+  static constexpr int kChunksPerRow = kAtomK * 2 / 16;
+  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  static constexpr int kPasses = R / kRowsPerPass;
   static_assert(R % kRowsPerPass == 0 && kRowsPerPass % 8 == 0, "tile rows");
-  const int r0 = tid / kChunksPerRow, c = tid % kChunksPerRow;
-  const int swz = kRowBytes == 128 ? (r0 % 8) : ((r0 % 8) >> 1);
-  char* s0 = smem + (r0 / 8) * 8 * kRowBytes + (r0 % 8) * kRowBytes + ((c ^ swz) * 16);
-  const Elem* src[kPasses];
-  CUTE_UNROLL
-  for (int j = 0; j < kPasses; ++j) {
-    const int r = r0 + j * kRowsPerPass;
-    src[j] = r < rows_valid ? base + int64_t(keys[r]) * row_stride + c * 8 : nullptr;
-  }
-  CUTE_UNROLL
-  for (int b = 0; b < kBlocks; ++b) {
-    const bool col_ok = b * kAtomK + c * 8 < cols_valid;
+  int idx[kPasses];
+
+  // Rows r >= rows_valid of the tile get -1 (zero-filled, their index not read).
+  __device__ __forceinline__ void fetch(const int32_t* keys, int rows_valid, int tid) {
+    const int r0 = tid / kChunksPerRow;
     CUTE_UNROLL
     for (int j = 0; j < kPasses; ++j) {
-      const bool ok = col_ok && src[j] != nullptr;
-      cp_async_16(s0 + b * R * kRowBytes + j * kRowsPerPass * kRowBytes,
-                  ok ? src[j] + b * kAtomK : base, ok ? 16 : 0);
+      const int r = r0 + j * kRowsPerPass;
+      idx[j] = r < rows_valid ? keys[r] : -1;
+    }
+  }
+};
+
+// load_tile_swizzled with the tile's rows taken by index: tile row r is row rows.idx of `base`
+// (row stride in elements), fetched beforehand (RowIndices::fetch); rows with index -1 are
+// zero-filled. (The decode kernel's load_tile_rows reads each row's index just before its
+// copies; with that order the gathered T2 forward took 0.70 instead of 0.63 ms on an H200.)
+template <int kHeadDim, int kAtomK, int kThreads, int R>
+__device__ __forceinline__ void load_rows_by_index(const Elem* base, int64_t row_stride,
+                                                   const RowIndices<kAtomK, kThreads, R>& rows,
+                                                   int cols_valid, char* smem, int tid) {
+  using Ri = RowIndices<kAtomK, kThreads, R>;
+  constexpr int kRowBytes = kAtomK * 2;
+  constexpr int kBlocks = kHeadDim / kAtomK;
+  const int r0 = tid / Ri::kChunksPerRow, c = tid % Ri::kChunksPerRow;
+  const int swz = kRowBytes == 128 ? (r0 % 8) : ((r0 % 8) >> 1);
+  char* s0 = smem + (r0 / 8) * 8 * kRowBytes + (r0 % 8) * kRowBytes + ((c ^ swz) * 16);
+  CUTE_UNROLL
+  for (int j = 0; j < Ri::kPasses; ++j) {
+    const bool row_ok = rows.idx[j] >= 0;
+    const Elem* src = base + int64_t(row_ok ? rows.idx[j] : 0) * row_stride + c * 8;
+    CUTE_UNROLL
+    for (int b = 0; b < kBlocks; ++b) {
+      const bool ok = row_ok && b * kAtomK + c * 8 < cols_valid;
+      cp_async_16(s0 + b * R * kRowBytes + j * Ri::kRowsPerPass * kRowBytes,
+                  ok ? src + b * kAtomK : base, ok ? 16 : 0);
     }
   }
 }
