@@ -649,15 +649,8 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
     issue(0);
     cp_async_fence();
 
-    // lse / delta of this thread's two rows (rows beyond Lq: lse = +inf so P = 0).
     float row_lse[2], row_delta[2];
-    CUTE_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      const int qi = q0 + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
-      const float l = qi < Lq() ? lse_g[qi] : INFINITY;
-      row_lse[r] = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
-      row_delta[r] = qi < Lq() ? delta_g[qi] : 0.f;
-    }
+    load_row_stats(lse_g, delta_g, q0, Lq(), cS, row_lse, row_delta);
     Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(at(0), typename Cfg::Tile{}));
     Tensor tSrdO = thr_s.partition_fragment_A(make_tensor(at(kT), typename Cfg::Tile{}));
     const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;

@@ -199,13 +199,7 @@ __global__ void __launch_bounds__(Sm90DqGatherConfig<kHeadDimBucket>::kThreads, 
     const float* lse_g = p.lse + lse_offset(p, sr, b, h);
     const float* delta_g = p.delta + lse_offset(p, sr, b, h);
     float row_lse[2], row_delta[2];
-    CUTE_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      const int qi = q0 + qw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
-      const float l = qi < p.Lq ? lse_g[qi] : INFINITY;
-      row_lse[r] = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
-      row_delta[r] = qi < p.Lq ? delta_g[qi] : 0.f;
-    }
+    load_row_stats(lse_g, delta_g, q0 + qw, p.Lq, cS, row_lse, row_delta);
     Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(at(wg * kT), typename Cfg::Tile{}));
     Tensor tSrdO =
         thr_s.partition_fragment_A(make_tensor(at((2 + wg) * kT), typename Cfg::Tile{}));

@@ -7,7 +7,8 @@
 # 2. the tests run once with --record-cuda-specs: every kernel module they ask for is listed
 #    and nothing is built or run (fast);
 # 3. the listed modules build side by side (BUILD_P processes, MAX_JOBS compiles each);
-# 4. every cuda GPU test runs against the built cache.
+# 4. every cuda GPU test runs against the built cache;
+# 5. (DENSE_BENCH_S set) the dense benchmark suite.
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}  # start it empty
 export MAX_JOBS=${MAX_JOBS:-4}
@@ -38,4 +39,12 @@ timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -rs $TESTS -k 
 echo "tests rc=$?" >>"$OUT/tests.log"
 tail -4 "$OUT/tests.log"
 stamp "tests done"
+# DENSE_BENCH_S=N: then the dense suite's forward + backward rows (every backend) for N seconds,
+# on the modules just built (auto-dispatch takes cuda for mask-free training on Hopper).
+if [ -n "${DENSE_BENCH_S:-}" ]; then
+  timeout "$DENSE_BENCH_S" python3 -m benchmarks.run --out "$W/dense" --suite dense \
+    >"$OUT/dense-bench.log" 2>&1
+  grep -E "^== |^   " "$OUT/dense-bench.log" | head -40
+  stamp "dense bench done"
+fi
 exit 0

@@ -144,4 +144,20 @@ __device__ __forceinline__ void store_wg_rows(Elem* base, int64_t row_stride, in
   }
 }
 
+// lse and delta of a thread's two accumulator rows (row0 + the row of value (0, r, 0)) for a
+// backward's P = exp(S - lse), dS = P (dP - delta): rows past Lq and fully masked rows (lse
+// -inf) get lse = +inf, so P = 0 without a NaN.
+template <typename Coord>
+__device__ __forceinline__ void load_row_stats(const float* lse, const float* delta, int row0,
+                                               int Lq, Coord const& coord, float (&row_lse)[2],
+                                               float (&row_delta)[2]) {
+  CUTE_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int qi = row0 + get<0>(coord(make_coord(make_coord(0, r, 0), 0, 0)));
+    const float l = qi < Lq ? lse[qi] : INFINITY;
+    row_lse[r] = l == -INFINITY ? INFINITY : l;
+    row_delta[r] = qi < Lq ? delta[qi] : 0.f;
+  }
+}
+
 }  // namespace flash_dmattn
