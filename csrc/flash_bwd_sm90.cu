@@ -19,6 +19,9 @@
 //   and adds it to an fp32 dQ accumulator with one bulk asynchronous reduction per warpgroup
 //   and step; dq_kernel_sm90 is skipped and a conversion kernel writes dQ. Five products per step instead of 4 + 3 across two kernels,
 //   at the price of run-to-run bitwise reproducibility (the order of the additions varies).
+// * Gathered dQ (p.gather: the forward's gathered key lists, or a per-key mask's live keys): the
+//   warp-specialised kernel of flash_dq_gathered_sm90.cu computes dQ instead of dq_kernel_sm90
+//   or the fused path, and the dK/dV kernel runs without fused dQ.
 // dQ kernel: the next step's K/V and mask/bias tiles are loaded with cp.async into the other of
 // two stages while this step computes. Both kernels walk the
 // host's live-tile lists, built at 64 queries x 128 keys (bwd_block_m / bwd_block_n).
