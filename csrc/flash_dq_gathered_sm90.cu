@@ -240,37 +240,42 @@ __global__ void __launch_bounds__(Sm90DqGatherConfig<kHeadDimBucket>::kThreads, 
       const char* bits_smem = smem + Cfg::kBitsOff + s * Cfg::kBitsBytes;
       const char* bias_smem = smem + Cfg::kBiasOff + s * Cfg::kBiasBytes;
       const int limit = n_keys - i * kBN;
+      // Columns outer: a column pair's bias, key indices and range test serve both rows.
+      uint64_t words[2];
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
         const int row = qw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
-        const uint64_t word =
-            kBits ? reinterpret_cast<const uint64_t*>(bits_smem)[row] >> lane_shift : 0;
+        words[r] = kBits ? reinterpret_cast<const uint64_t*>(bits_smem)[row] >> lane_shift : 0;
+      }
+      CUTE_UNROLL
+      for (int gi = 0; gi < kGroups; ++gi) {
+        const int c = get<1>(cS(make_coord(make_coord(0, 0, gi), 0, 0)));  // 8 gi + lane_shift
+        float b0 = 0.f, b1 = 0.f;
+        if constexpr (kHasBias) {
+          __align__(4) Elem two[2];
+          *reinterpret_cast<uint32_t*>(two) =
+              *reinterpret_cast<const uint32_t*>(bias_smem + c * int(sizeof(Elem)));
+          b0 = float(two[0]);
+          b1 = float(two[1]);
+        }
+        int2 keys = make_int2(0, 0);
+        if constexpr (!kBits) keys = *reinterpret_cast<const int2*>(bits_smem + c * 4);
+        const uint32_t in_list = uint32_t(c < limit) | (uint32_t(c + 1 < limit) << 1);
         CUTE_UNROLL
-        for (int gi = 0; gi < kGroups; ++gi) {
-          const int c = get<1>(cS(make_coord(make_coord(0, r, gi), 0, 0)));  // 8 gi + lane_shift
-          float b0 = 0.f, b1 = 0.f;
-          if constexpr (kHasBias) {
-            __align__(4) Elem two[2];
-            *reinterpret_cast<uint32_t*>(two) =
-                *reinterpret_cast<const uint32_t*>(bias_smem + c * int(sizeof(Elem)));
-            b0 = float(two[0]);
-            b1 = float(two[1]);
-          }
+        for (int r = 0; r < 2; ++r) {
           uint32_t pair;
           if constexpr (kBits) {
-            pair = uint32_t(word >> (8 * gi)) & 3u;
+            pair = uint32_t(words[r] >> (8 * gi)) & in_list;
           } else {
-            const int2 keys = *reinterpret_cast<const int2*>(bits_smem + c * 4);
-            pair = uint32_t(keys.x <= last_key[r]) | (uint32_t(keys.y <= last_key[r]) << 1);
+            pair = (uint32_t(keys.x <= last_key[r]) | (uint32_t(keys.y <= last_key[r]) << 1)) &
+                   in_list;
           }
           CUTE_UNROLL
           for (int c2 = 0; c2 < 2; ++c2) {
             const auto e = make_coord(make_coord(c2, r, gi), 0, 0);
             float dt;
             const float x = score<kSoftcap>(acc_s(e), p, dt) + (c2 == 0 ? b0 : b1);
-            // Bitwise, not short-circuit: no per-element branches.
-            const bool visible = (((pair >> c2) & 1u) != 0u) & (c + c2 < limit);
-            const float pr = visible ? __expf(x - row_lse[r]) : 0.f;
+            const float pr = ((pair >> c2) & 1u) != 0u ? __expf(x - row_lse[r]) : 0.f;
             acc_s(e) = pr * (acc_dp(e) - row_delta[r]) * dt;
           }
         }
