@@ -127,16 +127,12 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
     Tensor sdO = make_tensor(make_smem_ptr(elem_at(kT)), SL{});
 
     const BwdHeadOperands g = bwd_head_operands(p, sr, b, h);
-    const Elem* qg = g.q + int64_t(q0) * p.q_sl;
+    const Elem* qg = g.q + int64_t(q0) * p.q_sl;  // this tile's rows
     const Elem* dog = g.dout + int64_t(q0) * p.do_sl;
     const Elem* kg = reinterpret_cast<const Elem*>(p.k) + int64_t(b) * p.k_sb +
                      sr.k_row0 * p.k_sl + int64_t(hkv) * p.k_sh;
     const Elem* vg = reinterpret_cast<const Elem*>(p.v) + int64_t(b) * p.v_sb +
                      sr.k_row0 * p.v_sl + int64_t(hkv) * p.v_sh;
-    const char* mask_base = g.mask;
-    const char* bias_base = g.bias;
-    const float* lse_g = g.lse;
-    const float* delta_g = g.delta;
 
     auto tile_of = [&](int i) { return list ? (list[i] >> 1) : i; };
     // Element checks: the list's flag or a tile crossing the causal diagonal (a dense list's
@@ -155,10 +151,10 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
       load_rows<Tr, 64>(vg + int64_t(k0) * p.v_sl, p.v_sl, Lk() - k0, p.D, sV, tid);
       if constexpr (kHasMask) {
         if (partial_of(i))
-          MaskT::load(mask_smem + buf * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq(), Lk(), tid);
+          MaskT::load(mask_smem + buf * MaskT::kBytes, p.mask, g.mask, q0, k0, Lq(), Lk(), tid);
       }
       if constexpr (kHasBias) {
-        BiasT::load(bias_smem + buf * BiasT::kBytes, p.bias, bias_base, q0, k0, Lq(), Lk(), tid);
+        BiasT::load(bias_smem + buf * BiasT::kBytes, p.bias, g.bias, q0, k0, Lq(), Lk(), tid);
       }
     };
 
@@ -184,9 +180,9 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrQ::kThreads)
       CUTE_UNROLL
       for (int half = 0; half < 2; ++half) {
         const int qi = q0 + get<0>(cQ(half * 2, mi, 0));
-        float l = qi < Lq() ? lse_g[qi] : INFINITY;
+        float l = qi < Lq() ? g.lse[qi] : INFINITY;
         row_lse[mi * 2 + half] = l == -INFINITY ? INFINITY : l;  // fully masked row: P = 0
-        row_delta[mi * 2 + half] = qi < Lq() ? delta_g[qi] : 0.f;
+        row_delta[mi * 2 + half] = qi < Lq() ? g.delta[qi] : 0.f;
       }
     }
     const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
@@ -358,12 +354,6 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
     for (int r = 0; r < kRowSlots; ++r) key_dbias[r] = 0.f;
 
     const BwdHeadOperands g = bwd_head_operands(p, sr, b, h);
-    const Elem* qg = g.q;
-    const Elem* dog = g.dout;
-    const float* lse_g = g.lse;
-    const float* delta_g = g.delta;
-    const char* mask_base = g.mask;
-    const char* bias_base = g.bias;
     auto tile_of = [&](int i) { return list ? (list[i] >> 1) : m_first + i; };
     auto partial_of = [&](int i) -> bool {
       return list ? (list[i] & 1) != 0
@@ -373,16 +363,16 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDimBucket>::TrKV::kThreads)
       const int m = tile_of(i), q0 = m * kBM, buf = i & 1;
       Tensor sQ = make_tensor(make_smem_ptr(elem_at((2 + 2 * buf) * kT)), SL{});
       Tensor sdO = make_tensor(make_smem_ptr(elem_at((3 + 2 * buf) * kT)), SL{});
-      load_rows<Tr, 64>(qg + int64_t(q0) * p.q_sl, p.q_sl, Lq() - q0, p.D, sQ, tid);
-      load_rows<Tr, 64>(dog + int64_t(q0) * p.do_sl, p.do_sl, Lq() - q0, p.D, sdO, tid);
-      load_floats<kBM>(lse_s + buf * kBM, lse_g + q0, Lq() - q0, tid, kThreads);
-      load_floats<kBM>(delta_s + buf * kBM, delta_g + q0, Lq() - q0, tid, kThreads);
+      load_rows<Tr, 64>(g.q + int64_t(q0) * p.q_sl, p.q_sl, Lq() - q0, p.D, sQ, tid);
+      load_rows<Tr, 64>(g.dout + int64_t(q0) * p.do_sl, p.do_sl, Lq() - q0, p.D, sdO, tid);
+      load_floats<kBM>(lse_s + buf * kBM, g.lse + q0, Lq() - q0, tid, kThreads);
+      load_floats<kBM>(delta_s + buf * kBM, g.delta + q0, Lq() - q0, tid, kThreads);
       if constexpr (kHasMask) {
         if (partial_of(i))
-          MaskT::load(mask_smem + buf * MaskT::kBytes, p.mask, mask_base, q0, k0, Lq(), Lk(), tid);
+          MaskT::load(mask_smem + buf * MaskT::kBytes, p.mask, g.mask, q0, k0, Lq(), Lk(), tid);
       }
       if constexpr (kHasBias) {
-        BiasT::load(bias_smem + buf * BiasT::kBytes, p.bias, bias_base, q0, k0, Lq(), Lk(), tid);
+        BiasT::load(bias_smem + buf * BiasT::kBytes, p.bias, g.bias, q0, k0, Lq(), Lk(), tid);
       }
     };
 
