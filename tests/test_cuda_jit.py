@@ -567,7 +567,7 @@ def test_key_list_gather_lists_each_tiles_visible_live_keys(causal, lq, lk, with
         for b in range(B):
             for h in range(H):
                 live = torch.nonzero(mask[b, h // (H // Hm), 0]).flatten()
-                got = lists.gbias[b, h // lists.bias_head_div, 0, :live.numel()]
+                got = lists.gbias[b, h // (H // lists.gbias.size(1)), 0, :live.numel()]
                 assert torch.equal(got, bias[0, h // (H // Hb), 0, live])
     assert key_list_gather(mask.expand(B, Hm, lq, lk), None, lq, lk, H, causal, bm) is None
     assert key_list_gather(mask, torch.randn(1, 1, lq, lk), lq, lk, H, causal, bm) is None

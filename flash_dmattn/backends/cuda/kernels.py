@@ -9,6 +9,7 @@ matrix products and full tiles no element checks.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import List, Optional, Tuple
 
@@ -199,14 +200,15 @@ class KeyListGather:
     """A per-key mask's live keys as the gathered dQ kernel's lists (no bits): one row of key
     indices per (batch, mask head), shared by every query tile (stride 0), and per tile the
     count of those keys the tile's last row can see; a per-key bias gathered along the same
-    indices. Built with a few tensor ops and no host sync."""
+    indices. Built with a few tensor ops and no host sync. Same fields as the planner's
+    KeyGather, with no bits (``gbits`` None)."""
 
-    __slots__ = ("idx", "cnt", "head_div", "gbits", "gbias", "bias_head_div")
+    __slots__ = ("idx", "cnt", "head_div", "gbits", "gbias")
 
-    def __init__(self, idx, cnt, head_div, gbias, bias_head_div):
+    def __init__(self, idx, cnt, head_div, gbias):
         self.idx, self.cnt, self.head_div = idx, cnt, head_div
         self.gbits = None
-        self.gbias, self.bias_head_div = gbias, bias_head_div
+        self.gbias = gbias
 
 
 def key_list_gather(mask, bias, seqlen_q: int, seqlen_k: int, heads: int, is_causal: bool,
@@ -240,10 +242,8 @@ def key_list_gather(mask, bias, seqlen_q: int, seqlen_k: int, heads: int, is_cau
         cnt = live_upto[..., -1:].expand(bm, hm, n_q)
     cnt = cnt.to(torch.int32).contiguous()
     idx = row.unsqueeze(2).expand(bm, hm, n_q, width)
-    gbias, bias_hdiv = None, 1
+    gbias = None
     if bias is not None:
-        import math
-
         hb = bias.shape[1]
         hx = hm * hb // math.gcd(hm, hb)  # heads fine enough for both (divides `heads`)
         bx = max(bm, bias.shape[0])
@@ -251,16 +251,13 @@ def key_list_gather(mask, bias, seqlen_q: int, seqlen_k: int, heads: int, is_cau
         bias_x = bias[:, :, 0, :seqlen_k].repeat_interleave(hx // hb, dim=1)
         bias_x = bias_x.expand(bx, hx, seqlen_k)
         gbias = bias_x.gather(-1, idx_x).unsqueeze(2).expand(bx, hx, n_q, width)
-        bias_hdiv = heads // hx
-    return KeyListGather(idx, cnt, heads // hm, gbias, bias_hdiv)
+    return KeyListGather(idx, cnt, heads // hm, gbias)
 
 
 def _gather_args(gather, heads: int) -> tuple:
     """The extension's gathered-list arguments ``(idx, cnt, hdiv, bits, bits_hdiv, gbias,
-    gbias_hdiv)`` of a KeyGather."""
+    gbias_hdiv)`` of a KeyGather or KeyListGather (bits None)."""
     gbias = gather.gbias
-    if isinstance(gather, KeyListGather):
-        return (gather.idx, gather.cnt, gather.head_div, None, 1, gbias, gather.bias_head_div)
     return (gather.idx, gather.cnt, gather.head_div, gather.gbits, gather.head_div, gbias,
             heads // gbias.size(1) if gbias is not None else 1)
 
