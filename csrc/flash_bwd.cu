@@ -535,6 +535,7 @@ int bwd_block_m() { return BwdConfig<kHeadDimBucket>::kBlockM; }
 int bwd_block_n() { return BwdConfig<kHeadDimBucket>::kBlockN; }
 bool bwd_fused_dq() { return false; }  // the sm80 backward always runs its own dQ kernel
 bool bwd_gathers() { return false; }
+bool bwd_key_bits() { return false; }  // the sm80 dK/dV kernel reads the mask tile itself
 
 #else  // FLASH_DMATTN_SM90_BWD
 // flash_bwd_sm90.cu: the wgmma backward, used whenever the module is built for sm_90a and the
@@ -549,6 +550,7 @@ int bwd_block_m() { return bwd_sm90_block_m(); }
 int bwd_block_n() { return bwd_sm90_block_n(); }
 bool bwd_fused_dq() { return bwd_sm90_fused_dq(); }
 bool bwd_gathers() { return bwd_sm90_gathers(); }
+bool bwd_key_bits() { return kHasMask && !kPacked; }
 #endif  // FLASH_DMATTN_SM90_BWD
 
 }  // namespace flash_dmattn

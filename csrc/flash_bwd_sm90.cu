@@ -334,6 +334,9 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       const int h = hkv * group + hh;
       const HeadWalk walk = walk_of(hh);
       const BwdHeadOperands g = bwd_head_operands(p, sr, b, h);
+      // This thread's two keys of the head's key bits (when given), less the query word.
+      const uint64_t* key_bits = p.kbits + int64_t(b) * p.kbits_sb +
+                                 int64_t(h / p.kbits_hdiv) * p.kbits_sh + k0 + 2 * ptid;
       // A list's entries are read a step ahead: the load is synchronous (the step's addresses
       // need it), so read where used it put a global round trip on every step.
       int entry_next = walk.list != nullptr && walk.steps > 0 ? walk.list[0] : 0;
@@ -350,7 +353,18 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
         const bool mask_bits =
             FLASH_DMATTN_BWD_SM90_MASK_BITS && kHasMask && partial && p.mask.sq != 0;
         if constexpr (kHasMask) {
-          if (mask_bits) {
+          if (mask_bits && FLASH_DMATTN_BWD_SM90_MASK_BITS == 2) {
+            // TIMING ONLY (wrong results): every element live, no raw mask load.
+            reinterpret_cast<uint64_t*>(mask_smem + MaskT::kBytes + st * Cfg::kKeyBitsBytes)[ptid] =
+                ~0ull;
+          } else if (mask_bits && p.kbits != nullptr) {
+            // The summary's key bits: 8 bytes a key, copied like the rest of the stage.
+            static_assert(kBM == 64 && Cfg::kKeyBitsBytes / 16 <= kPT, "one word a key, one chunk a thread");
+            if (ptid < Cfg::kKeyBitsBytes / 16) {
+              cp_async_16(mask_smem + MaskT::kBytes + st * Cfg::kKeyBitsBytes + 16 * ptid,
+                          key_bits + int64_t(tile) * p.kbits_sw, 16);
+            }
+          } else if (mask_bits) {
             // Raw bytes first, as their own group: transposed below while the rest lands.
             Cfg::MaskTileP::template load<true>(mask_smem, p.mask, g.mask, q0, k0, Lq(), Lk(), ptid);
             cp_async_fence();
@@ -368,7 +382,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
                                Lk(), ptid);
         }
         if constexpr (kHasMask) {
-          if (mask_bits) {
+          if (mask_bits && FLASH_DMATTN_BWD_SM90_MASK_BITS != 2 && p.kbits == nullptr) {
             cp_async_wait<0>();  // the committed group: this thread's raw mask chunks
             named_barrier_sync(kBarProducer, kPT);  // everyone's
             // Key ptid's bits over the tile's 64 queries (rows past Lq hold stale bytes: the

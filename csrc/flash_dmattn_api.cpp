@@ -9,8 +9,9 @@
 //                bits_hdiv, gbias, gbias_hdiv) -> [out, lse]   (gathered key lists; modules
 //       with a mask, dense batches, sm_90 -- fwd_gathers() says whether this module has it)
 //   bwd(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, ..., packed...,
-//       gathered lists...) -> [dq, dk, dv, dbias]   (gathered lists: the forward's, for a dQ
-//       kernel over them -- bwd_gathers() says whether this module has it)
+//       gathered lists..., key_bits, key_bits_hdiv) -> [dq, dk, dv, dbias]   (gathered lists:
+//       the forward's, for a dQ kernel over them -- bwd_gathers() says whether this module has
+//       it; key bits: a per-query mask's, from the mask summary -- bwd_key_bits())
 //   decode(q, k, v, mask, bias, cache_seqlens, block_table, softmax_scale, is_causal, softcap,
 //          num_splits, poison) -> [out, lse]      (split-KV, forward only; k / v may be pools)
 // Packed sequences (cu_seqlens_q / cu_seqlens_k given): q / k / v are the packed
@@ -42,6 +43,7 @@ int bwd_block_m();
 int bwd_block_n();
 bool bwd_fused_dq();
 bool bwd_gathers();
+bool bwd_key_bits();
 }  // namespace flash_dmattn
 
 namespace {
@@ -341,7 +343,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
                             const OptT& cu_aux, int64_t max_q, int64_t max_k,
                             const OptT& gather_idx, const OptT& gather_cnt, int64_t gather_hdiv,
                             const OptT& gather_bits, int64_t gather_bits_hdiv,
-                            const OptT& gather_bias, int64_t gather_bias_hdiv) {
+                            const OptT& gather_bias, int64_t gather_bias_hdiv,
+                            const OptT& key_bits, int64_t key_bits_hdiv) {
   c10::cuda::CUDAGuard guard(q.device());
   BwdParams p;
   fill_common(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap);
@@ -406,6 +409,27 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
                 "gathered dQ takes per-key biases of dense batches only");
     fill_gather(p, *gather_idx, *gather_cnt, gather_hdiv, gather_bits, gather_bits_hdiv,
                 gather_bias, gather_bias_hdiv);
+  }
+  if (key_bits.has_value()) {
+    // The mask summary's key bits (see BwdParams::kbits): read 16 bytes at a time from key
+    // tile starts, so rows must be 16-byte aligned and long enough for the last tile.
+    const at::Tensor& kb = *key_bits;
+    const int64_t padded_k = (p.Lk + 127) / 128 * 128;
+    TORCH_CHECK(flash_dmattn::bwd_key_bits() && mask.has_value() && p.mask.sq != 0 && !packed,
+                "key bits go with a per-query mask of a dense batch");
+    TORCH_CHECK(kb.is_cuda() && kb.scalar_type() == at::kLong && kb.dim() == 4 &&
+                    kb.stride(3) == 1 && kb.size(2) == (p.Lq + 63) / 64 &&
+                    kb.size(3) >= padded_k && p.H % kb.size(1) == 0 &&
+                    p.H / kb.size(1) == key_bits_hdiv &&
+                    (kb.size(0) == 1 || kb.size(0) == p.B) &&
+                    reinterpret_cast<uintptr_t>(kb.data_ptr()) % 16 == 0 &&
+                    aligned16(kb.stride(0), 8) && aligned16(kb.stride(1), 8) &&
+                    aligned16(kb.stride(2), 8),
+                "key bits must be int64 (B, H / hdiv, ceil(Lq / 64), >= Lk rounded up to 128) "
+                "with 16-byte aligned rows");
+    p.kbits = reinterpret_cast<const uint64_t*>(kb.data_ptr<int64_t>());
+    p.kbits_sb = bstride(kb, 0), p.kbits_sh = bstride(kb, 1), p.kbits_sw = kb.stride(2);
+    p.kbits_hdiv = static_cast<int>(key_bits_hdiv);
   }
   at::Tensor dq_accum;
   // Fused dQ: the dK/dV kernel adds dS K into a zeroed fp32 accumulator with atomics (not
@@ -528,6 +552,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd_gathers", &flash_dmattn::fwd_gathers, "whether fwd_gathered is built in");
   m.def("bwd_gathers", &flash_dmattn::bwd_gathers,
         "whether bwd takes gathered key lists (a gathered dQ kernel is built in)");
+  m.def("bwd_key_bits", &flash_dmattn::bwd_key_bits,
+        "whether bwd reads a per-query mask's key bits (the mask summary's, bwd(..., key_bits))");
   m.def("bwd", &bwd, "attention backward -> [dq, dk, dv, dbias]");
   m.def("fused_dq", &flash_dmattn::bwd_fused_dq,
         "whether bwd(..., allow_fused_dq=True) computes dQ inside the dK/dV kernel (atomics)");

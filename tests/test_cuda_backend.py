@@ -324,6 +324,47 @@ def test_cuda_per_key_mask_dq_walks_the_live_keys(monkeypatch, shape, mask_kind,
     assert built and built[0] is not None, "dQ did not walk the key list"
 
 
+@pytest.mark.parametrize("shape,causal,one_mask_head", [
+    ((1, 333, 400, 4, 2, 128), True, False), ((2, 200, 130, 4, 1, 64), False, True),
+    ((1, 129, 700, 8, 2, 128), True, True)], ids=["gqa-lq<lk", "d64-lq>lk", "mask-head-1"])
+def test_cuda_dkdv_reads_key_bits_like_the_mask(monkeypatch, shape, causal, one_mask_head):
+    # A per-query mask's dK/dV kernel reads the key bits that the forward's one pass over the
+    # mask wrote, instead of transposing each step's mask tile: the same gradients bit for
+    # bit, planned in the forward or (custom-op path, no plan) in the backward, and one
+    # summary pass per training step.
+    from flash_dmattn.backends.cuda import kernels
+
+    _cuda()
+    q, k, v, mask, bias = make_problem(*shape, torch.bfloat16, "topk", "per_key", seed=5)
+    if one_mask_head:
+        mask = mask[:, :1]
+    made = []
+    real = kernels._summary
+    monkeypatch.setattr(kernels, "_summary", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    scale = shape[-1] ** -0.5
+    dout = torch.randn_like(q)
+
+    def planned():
+        out, lse, plan = kernels.cuda_planned_forward(q, k, v, mask, bias, scale, causal, 0.0)
+        return kernels.cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, causal, 0.0,
+                                     True, (True, True, True, True), plan=plan)
+
+    def unplanned():
+        out, lse = kernels.cuda_forward(q, k, v, mask, bias, scale, causal, 0.0)
+        return kernels.cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, causal, 0.0,
+                                     True, (True, True, True, True))
+
+    made.clear()
+    with_bits = planned()
+    assert len(made) == 1 and made[0].key_bits is not None, "the step did not summarise once"
+    assert torch.equal(unplanned()[1], with_bits[1])
+    monkeypatch.setenv(kernels.KEY_BITS_ENV, "0")
+    transposed = planned()
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), with_bits, transposed):
+        assert torch.equal(a, b), name
+    run_and_compare((q, k, v, mask, bias), causal)
+
+
 def test_cuda_reasons_for_what_it_does_not_take():
     backend = _cuda()
     q, k, v, mask, _ = make_problem(1, 128, 128, 4, 2, 64, torch.bfloat16, "topk", None)

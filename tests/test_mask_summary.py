@@ -14,6 +14,7 @@ except ModuleNotFoundError as exc:
 
 from flash_dmattn.backends.triton.gather import plan_key_gather  # noqa: E402
 from flash_dmattn.backends.triton.mask_summary import (  # noqa: E402
+    key_bits_reference,
     summarize_mask,
     summary_blocks,
     wants_summary,
@@ -46,6 +47,46 @@ def test_summary_matches_block_reductions(Lq, Lk, block):
         want_all = block_reduce(block_reduce(mask, 2, block[0], "all"), 3, block[1], "all")
         assert torch.equal(s.row_any, want_any), name
         assert torch.equal(s.tile_all, want_all), name
+
+
+def _decode_key_bits(bits, Lq, Lk):
+    """``(Bx, Hx, rows, width)`` bools: bit ``q % 64`` of word ``[q // 64, k]``, read back."""
+    bx, hx, n_w, width = bits.shape
+    shifts = torch.arange(64, device=bits.device)
+    flags = (bits.unsqueeze(3) >> shifts[:, None]) & 1  # (Bx, Hx, n_w, 64, width)
+    return flags.reshape(bx, hx, n_w * 64, width).bool()
+
+
+@pytest.mark.parametrize("Lq,Lk,block,causal", [(63, 200, (64, 16), True), (130, 65, (64, 64), False),
+                                                 (129, 129, (128, 32), True),
+                                                 (65, 260, (128, 128), False)])
+def test_key_bits_hold_each_live_visible_element_once(Lq, Lk, block, causal):
+    # Words kernel (Lk % 4 == 0, contiguous), byte kernel (odd Lk, strided); broadcast dims.
+    gen = torch.Generator().manual_seed(Lq * 7 + Lk)
+    for name, mask in _masks(Lq, Lk, gen):
+        mask = mask.to(DEVICE)
+        s = summarize_mask(mask, *block, causal=causal, key_bits=True)
+        bits = s.key_bits
+        assert bits.shape == (mask.size(0), mask.size(1), -(-Lq // 64), -(-Lk // 128) * 128)
+        want = mask.clone()
+        if causal:
+            q = torch.arange(Lq, device=mask.device)[:, None]
+            k = torch.arange(Lk, device=mask.device)[None, :]
+            want &= k <= q + (Lk - Lq)
+        got = _decode_key_bits(bits, Lq, Lk)
+        assert torch.equal(got[:, :, :Lq, :Lk], want), name
+        # Padding rows and keys hold no bits (the kernels read whole 128-key tiles).
+        assert not got[:, :, Lq:].any() and not got[..., Lk:].any(), name
+        assert torch.equal(bits, key_bits_reference(mask, causal)), name
+        # The summary itself is the same with or without the bits.
+        plain = summarize_mask(mask, *block, causal=causal)
+        assert torch.equal(plain.row_any, s.row_any) and torch.equal(plain.tile_all, s.tile_all)
+
+
+def test_key_bits_need_whole_words_of_rows():
+    with pytest.raises(ValueError, match="multiples of 64"):
+        summarize_mask(torch.ones(1, 1, 40, 40, dtype=torch.bool, device=DEVICE), 32, 16,
+                       key_bits=True)
 
 
 def test_derived_tile_maps_equal_direct_ones():

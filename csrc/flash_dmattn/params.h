@@ -147,6 +147,14 @@ struct BwdParams : FwdParams {
   bool need_dq = true;
   bool need_dkv = true;
   TileList bwd_list;  // per (b, h, key tile): live query tiles
+  // A per-query mask as key bits (flash_dmattn/backends/triton/mask_summary.py, written by the
+  // mask summary's one pass): bit q % 64 of word (b, h / kbits_hdiv, q / 64, k) is
+  // mask[b, h, q, k], 0 past the causal limit. The Hopper dK/dV producer copies a step's 128
+  // words instead of transposing the step's 8 KB mask tile (a synchronous load every step).
+  // Rows hold at least Lk rounded up to 128 words, 16-byte aligned. nullptr: transpose.
+  const uint64_t* kbits = nullptr;
+  int64_t kbits_sb = 0, kbits_sh = 0, kbits_sw = 0;
+  int kbits_hdiv = 1;
 };
 
 // Split-KV decode (flash_decode.cu): few queries against a long, possibly paged, KV cache.

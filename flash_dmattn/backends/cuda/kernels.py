@@ -72,13 +72,35 @@ def _vector_ready(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
-def _summary(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n):
-    """The one-pass classification of a per-query mask (as in the Triton backend), or None."""
+def _summary(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n, key_bits=False):
+    """The one-pass classification of a per-query mask (as in the Triton backend), or None;
+    ``key_bits``: with the mask's key bits (what the sm_90 dK/dV kernel reads)."""
     from ..triton.mask_summary import summarize_mask, wants_summary
 
     if not wants_summary(mask, seqlen_q, seqlen_k):
         return None
-    return summarize_mask(mask, block_m, block_n, is_causal)
+    return summarize_mask(mask, block_m, block_n, is_causal, key_bits=key_bits)
+
+
+def _backward_summary_blocks(mod) -> Tuple[int, int]:
+    """``(row_block, key_block)`` of a summary that serves the forward's and the backward's
+    tiles (and key bits, 64 rows a word)."""
+    from ..triton.mask_summary import KEY_BITS_ROWS, summary_blocks
+
+    fwd_m, fwd_n, bwd_m, bwd_n = mod.block_sizes()
+    rows, keys = summary_blocks((fwd_m, fwd_n), (bwd_m, bwd_n))
+    if mod.bwd_key_bits():
+        rows = math.gcd(rows, KEY_BITS_ROWS)
+    return rows, keys
+
+
+def _summary_serves(summary, mod) -> bool:
+    """Whether a forward's summary answers the backward's tile questions (and carries the
+    key bits the module reads)."""
+    _, _, bwd_m, bwd_n = mod.block_sizes()
+    if summary is None or bwd_m % summary.row_block or bwd_n % summary.key_block:
+        return False
+    return summary.key_bits is not None or not mod.bwd_key_bits()
 
 
 def _lists(mask, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n, device, need_bwd,
@@ -136,13 +158,16 @@ def _read_ready(mask, bias, seqlen_q, seqlen_k):
 
 class CudaPlan:
     """What a forward worked out for its backward (kept on the autograd node, see
-    :class:`...ops._PlannedAttention`): the gathered key lists the forward walked, or None when
-    it walked key tiles. The backward's dQ kernel walks the same lists."""
+    :class:`...ops._PlannedAttention`): the gathered key lists the forward walked (None when it
+    walked key tiles), which the backward's dQ kernel walks too, and the per-query mask's
+    summary, at tiles that serve the backward's lists, with the key bits its dK/dV kernel
+    reads (None: no per-query mask)."""
 
-    __slots__ = ("gather",)
+    __slots__ = ("gather", "summary")
 
-    def __init__(self, gather=None):
+    def __init__(self, gather=None, summary=None):
         self.gather = gather
+        self.summary = summary
 
 
 def cuda_planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None):
@@ -152,8 +177,9 @@ def cuda_planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_s
         out, lse = cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap,
                                        cache_seqlens, None)
         return out, lse, CudaPlan()
-    out, lse, gather = _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap)
-    return out, lse, CudaPlan(gather)
+    out, lse, gather, summary = _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap,
+                                               for_backward=True)
+    return out, lse, CudaPlan(gather, summary)
 
 
 def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
@@ -166,25 +192,31 @@ def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=N
                                                   cache_seqlens is not None):
         return cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
                                    block_table)
-    out, lse, _ = _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap)
+    out, lse, _, _ = _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap)
     return out, lse
 
 
-def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap):
-    """``(out, lse, gather)``: the forward over gathered key lists (``gather``, the planner's
-    KeyGather) or over live key tiles (``gather`` None)."""
+def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap, for_backward=False):
+    """``(out, lse, gather, summary)``: the forward over gathered key lists (``gather``, the
+    planner's KeyGather) or over live key tiles (``gather`` None). ``for_backward``: the mask
+    summary (None without a per-query mask) is made at tiles the backward can use too, with
+    the key bits it reads, so that a training step reads the mask once."""
     q, k, v = _vector_ready(q), _vector_ready(k), _vector_ready(v)
     B, Lq, H, _ = q.shape
     Lk = k.shape[1]
     mod = kernel_module(q, mask is not None, bias is not None)
     block_m, block_n, _, _ = mod.block_sizes()
     mask, bias = _read_ready(mask, bias, Lq, Lk)
-    summary = _summary(mask, Lq, Lk, is_causal, block_m, block_n)
+    if for_backward:
+        rows, keys = _backward_summary_blocks(mod)
+        summary = _summary(mask, Lq, Lk, is_causal, rows, keys, key_bits=mod.bwd_key_bits())
+    else:
+        summary = _summary(mask, Lq, Lk, is_causal, block_m, block_n)
     gather = _gather_plan(mod, mask, bias, Lq, Lk, H, is_causal, block_m, block_n, summary)
     if gather is not None:
         out, lse = mod.fwd_gathered(q, k, v, None, float(scale), bool(is_causal), float(softcap),
                                     *_gather_args(gather, H))
-        return out, lse, gather
+        return out, lse, gather, summary
     lists = _lists(mask, Lq, Lk, H, is_causal, block_m, block_n, q.device, need_bwd=False,
                    summary=summary)
     idx = cnt = None
@@ -193,7 +225,7 @@ def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap):
         idx, cnt, hdiv = lists.fwd_idx, lists.fwd_cnt, lists.head_div
     out, lse = mod.fwd(q, k, v, mask, bias, None, float(scale), bool(is_causal), float(softcap),
                        idx, cnt, hdiv, None, None, None, 0, 0)
-    return out, lse, None
+    return out, lse, None, summary
 
 
 class KeyListGather:
@@ -350,11 +382,18 @@ FUSED_DQ_ENV = "FLASH_DMATTN_CUDA_FUSED_DQ"
 # FLASH_DMATTN_CUDA_GATHER_DQ=0: the backward's dQ walks key tiles even where the forward
 # gathered keys (A/B timing, debugging).
 GATHER_DQ_ENV = "FLASH_DMATTN_CUDA_GATHER_DQ"
+KEY_BITS_ENV = "FLASH_DMATTN_CUDA_KEY_BITS"
 
 
 def gathered_dq_allowed() -> bool:
     """Whether the backward may run the gathered dQ kernel (``$FLASH_DMATTN_CUDA_GATHER_DQ``)."""
     return os.environ.get(GATHER_DQ_ENV, "1").strip() != "0"
+
+
+def key_bits_allowed() -> bool:
+    """Whether the dK/dV kernel may read the summary's key bits instead of transposing mask
+    tiles (``$FLASH_DMATTN_CUDA_KEY_BITS``, ``0``: off, for A/B timing)."""
+    return os.environ.get(KEY_BITS_ENV, "1").strip() != "0"
 
 
 def fused_dq_allowed() -> bool:
@@ -399,28 +438,34 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
         raise ValueError(f"cuda backend: no dbias for a bias of shape {tuple(bias.shape)} "
                          f"(per-query rows shared by several heads or batches)")
     mask, bias = _read_ready(mask, bias, Lq, Lk)
+    summary = plan.summary if plan is not None else None
+    if not _summary_serves(summary, mod):
+        rows, keys = _backward_summary_blocks(mod)
+        summary = _summary(mask, Lq, Lk, is_causal, rows, keys, key_bits=mod.bwd_key_bits())
     gather = None
     if need_dq and mode != 1 and mod.bwd_gathers() and gathered_dq_allowed():
         if plan is not None:
             gather = plan.gather
         else:
             fwd_m, fwd_n, _, _ = mod.block_sizes()
-            gather = _gather_plan(mod, mask, bias, Lq, Lk, H, is_causal, fwd_m, fwd_n,
-                                  _summary(mask, Lq, Lk, is_causal, fwd_m, fwd_n))
+            gather = _gather_plan(mod, mask, bias, Lq, Lk, H, is_causal, fwd_m, fwd_n, summary)
         if gather is None:
             # A per-key mask (block-sparse, padding, top-k per key): dQ over its live keys
             # instead of a fused dQ whose fp32 accumulator outgrows L2 on long sequences.
             gather = key_list_gather(mask, bias, Lq, Lk, H, is_causal, mod.block_sizes()[0])
-    lists = _lists(mask, Lq, Lk, H, is_causal, block_m, block_n, q.device, need_bwd=True)
+    lists = _lists(mask, Lq, Lk, H, is_causal, block_m, block_n, q.device, need_bwd=True,
+                   summary=summary)
     args = (None, None, None, None, 1)
     if lists is not None:
         args = (lists.fwd_idx, lists.fwd_cnt, lists.bwd_idx, lists.bwd_cnt, lists.head_div)
     gargs = _gather_args(gather, H) if gather is not None else (None, None, 1, None, 1, None, 1)
+    key_bits = summary.key_bits if summary is not None and key_bits_allowed() else None
+    kargs = (key_bits, H // key_bits.size(1) if key_bits is not None else 1)
     dq, dk, dv, db = mod.bwd(dout, q, k, v, mask, bias, out, lse.contiguous(), float(scale),
                              bool(is_causal), float(softcap), bool(need_dq),
                              bool(need_dk or need_dv), int(mode), *args,
                              bool(not deterministic and fused_dq_allowed()), None, None, None, 0, 0,
-                             *gargs)
+                             *gargs, *kargs)
     dbias = None
     if mode == 1:
         dbias = db

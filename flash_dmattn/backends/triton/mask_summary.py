@@ -18,6 +18,14 @@ plain PyTorch for the two summaries (what the torch fallback computes)::
 
     row_any  = block_reduce(mask, 2, row_block, "any")
     tile_all = block_reduce(block_reduce(mask, 2, row_block, "all"), 3, key_block, "all")
+
+On request the same pass also writes the mask as **key bits** (``key_bits``), what the cuda
+backward's dK/dV kernel reads instead of transposing each 64-query mask tile itself:
+
+* ``key_bits`` ``(Bx, Hx, ceil(Lq / 64), ceil(Lk / 128) * 128)`` int64 -- bit ``q % 64`` of
+  ``key_bits[b, h, q // 64, k]`` is ``mask[b, h, q, k]``, and 0 where key ``k`` lies past
+  query ``q``'s bottom-right causal limit (causal summaries); 0 for keys ``>= Lk`` and rows
+  ``>= Lq``. An eighth of the mask's size (see :func:`key_bits_reference`).
 """
 from __future__ import annotations
 
@@ -43,6 +51,7 @@ class MaskSummary:
     seqlen_k: int
     row_any: torch.Tensor
     tile_all: torch.Tensor
+    key_bits: Optional[torch.Tensor] = None
 
     def tiles(self, block_q: int, block_k: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(live, full)`` maps ``(Bx, Hx, nQ, nK)`` of ``block_q x block_k`` tiles (no causal)."""
@@ -65,6 +74,29 @@ class MaskSummary:
         if block_q == self.row_block:
             return self.row_any
         return block_reduce(self.row_any, 2, block_q // self.row_block, "any")
+
+
+# Key bits cover 64 queries a word and are padded to whole 128-key tiles (the dK/dV kernel's
+# key tile; its 16-byte copies never cross a row's end).
+KEY_BITS_ROWS = 64
+KEY_BITS_KEY_PAD = 128
+
+
+def key_bits_reference(mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Plain-PyTorch ``key_bits`` of a 4-D bool mask (see the module docstring)."""
+    bx, hx, seqlen_q, seqlen_k = mask.shape
+    n_w = cdiv(seqlen_q, KEY_BITS_ROWS)
+    width = cdiv(seqlen_k, KEY_BITS_KEY_PAD) * KEY_BITS_KEY_PAD
+    live = mask.to(torch.bool)
+    if causal:
+        q = torch.arange(seqlen_q, device=mask.device)[:, None]
+        k = torch.arange(seqlen_k, device=mask.device)[None, :]
+        live = live & (k <= q + (seqlen_k - seqlen_q))
+    padded = torch.zeros((bx, hx, n_w * KEY_BITS_ROWS, width), dtype=torch.int64, device=mask.device)
+    padded[:, :, :seqlen_q, :seqlen_k] = live.to(torch.int64)
+    shifts = torch.arange(KEY_BITS_ROWS, device=mask.device, dtype=torch.int64)[:, None]
+    # Distinct bits: the sum over a word's 64 rows is their OR (bit 63 wraps to the sign).
+    return (padded.view(bx, hx, n_w, KEY_BITS_ROWS, width) << shifts).sum(3)
 
 
 def summary_blocks(*shapes: Tuple[int, int]) -> Tuple[int, int]:
@@ -119,10 +151,11 @@ def _tile_setup(num_heads_m, seqlen_q, seqlen_k, n_cols, n_row_blocks, KEYS_PER_
 # H200 for the T2 mask against 0.22 ms for this one (round 2026-11-21e), so it was reverted.
 @triton.jit
 def _mask_summary_kernel(
-    Mask, RowAny, TileAll,
+    Mask, RowAny, TileAll, KeyBits,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    num_heads_m, seqlen_q, seqlen_k, n_row_blocks, n_key_blocks,
+    num_heads_m, seqlen_q, seqlen_k, n_row_blocks, n_key_blocks, n_bit_rows, bits_width,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    KEY_BITS: tl.constexpr,
 ):
     # IS_CAUSAL: a tile no row of which can see any key (bottom-right aligned) is not read and
     # summarised as dead; causal callers discard it anyway, and it is half of a square mask.
@@ -135,15 +168,35 @@ def _mask_summary_kernel(
     # Out-of-range elements do not make a ragged edge tile partial.
     full = tl.min(tl.min(tl.where(ok, live, 1), 1), 0)
     tl.store(TileAll + row * n_key_blocks + pid_k, full.to(tl.uint8))
+    if KEY_BITS:
+        _store_key_bits(KeyBits, live, offs_m, offs_n, pid_q, seqlen_q, seqlen_k, n_bit_rows,
+                        bits_width, num_heads_m, b, h, BLOCK_Q, IS_CAUSAL)
+
+
+@triton.jit
+def _store_key_bits(KeyBits, live, offs_m, keys, pid_q, seqlen_q, seqlen_k, n_bit_rows,
+                    bits_width, num_heads_m, b, h, BLOCK_Q: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """Key bits (module docstring) of a tile's keys ``keys`` from ``live`` (int32 0/1,
+    ``(BLOCK_Q, len(keys))``, 0 outside the mask): one word per key per 64 rows."""
+    WORDS: tl.constexpr = BLOCK_Q // 64
+    if IS_CAUSAL:
+        live = tl.where(keys[None, :] <= (offs_m + (seqlen_k - seqlen_q))[:, None], live, 0)
+    bits = live.to(tl.int64) << (tl.arange(0, BLOCK_Q) % 64).to(tl.int64)[:, None]
+    words = tl.sum(tl.reshape(bits, (WORDS, 64, keys.shape[0])), 1)
+    wrow = pid_q * WORDS + tl.arange(0, WORDS)
+    base = ((b * num_heads_m + h) * n_bit_rows + wrow.to(tl.int64)) * bits_width
+    tl.store(KeyBits + base[:, None] + keys[None, :], words,
+             mask=(wrow < n_bit_rows)[:, None] & (keys < bits_width)[None, :])
 
 
 def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int,
-                   causal: bool = False) -> MaskSummary:
+                   causal: bool = False, key_bits: bool = False) -> MaskSummary:
     """Read a 4-D bool mask ``(Bx, Hx, Lq, Lk)`` (any strides) once into a :class:`MaskSummary`.
 
     ``causal``: the summary is only used together with bottom-right causal masking, so tiles
     that no query of theirs can see are not read (they summarise as dead: no live key, not
-    full).
+    full). ``key_bits``: also write the mask's key bits (module docstring) in the same pass;
+    ``row_block`` must then be a multiple of 64.
     """
     bx, hx, seqlen_q, seqlen_k = mask.shape
     n_q = cdiv(seqlen_q, row_block)
@@ -151,27 +204,40 @@ def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int,
     device = mask.device
     row_any = torch.empty((bx, hx, n_q, seqlen_k), dtype=torch.uint8, device=device)
     tile_all = torch.empty((bx, hx, n_q, n_k), dtype=torch.uint8, device=device)
+    bits = None
+    n_bit_rows, bits_width = cdiv(seqlen_q, KEY_BITS_ROWS), 0
+    if key_bits:
+        if row_block % KEY_BITS_ROWS:
+            raise ValueError(f"key bits need row blocks that are multiples of {KEY_BITS_ROWS}, "
+                             f"not {row_block}")
+        bits_width = cdiv(seqlen_k, KEY_BITS_KEY_PAD) * KEY_BITS_KEY_PAD
+        bits = torch.empty((bx, hx, n_bit_rows, bits_width), dtype=torch.int64, device=device)
+        # Keys past the last summary tile (key_block < 128) are padding no program writes.
+        bits[..., n_k * key_block:].zero_()
+    bits_arg = bits if bits is not None else tile_all
     words = _as_words(mask, key_block)
     if row_any.numel() and words is not None:
         _mask_summary_words_kernel[(n_k, n_q, bx * hx)](
-            words, row_any.view(torch.int32), tile_all,
+            words, row_any.view(torch.int32), tile_all, bits_arg,
             words.stride(0), words.stride(1), words.stride(2),
-            hx, seqlen_q, seqlen_k, n_q, n_k,
+            hx, seqlen_q, seqlen_k, n_q, n_k, n_bit_rows, bits_width,
             BLOCK_Q=row_block, BLOCK_W=key_block // 4, IS_CAUSAL=bool(causal),
-            num_warps=4,
+            KEY_BITS=bits is not None, num_warps=4,
         )
     elif row_any.numel():
         mask_u8 = mask.view(torch.uint8)
         _mask_summary_kernel[(n_k, n_q, bx * hx)](
-            mask_u8, row_any, tile_all,
+            mask_u8, row_any, tile_all, bits_arg,
             mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2), mask_u8.stride(3),
-            hx, seqlen_q, seqlen_k, n_q, n_k,
+            hx, seqlen_q, seqlen_k, n_q, n_k, n_bit_rows, bits_width,
             BLOCK_Q=row_block, BLOCK_K=key_block, IS_CAUSAL=bool(causal),
-            num_warps=4,
+            KEY_BITS=bits is not None, num_warps=4,
         )
+    elif bits is not None:
+        bits.zero_()
     return MaskSummary(row_block=row_block, key_block=key_block, seqlen_q=seqlen_q,
                        seqlen_k=seqlen_k, row_any=row_any.view(torch.bool),
-                       tile_all=tile_all.view(torch.bool))
+                       tile_all=tile_all.view(torch.bool), key_bits=bits)
 
 
 def _as_words(mask: torch.Tensor, key_block: int) -> Optional[torch.Tensor]:
@@ -200,10 +266,11 @@ def _and(a, b):
 
 @triton.jit
 def _mask_summary_words_kernel(
-    Words, RowAnyW, TileAll,
+    Words, RowAnyW, TileAll, KeyBits,
     stride_wb, stride_wh, stride_wm,
-    num_heads_m, seqlen_q, seqlen_k, n_row_blocks, n_key_blocks,
+    num_heads_m, seqlen_q, seqlen_k, n_row_blocks, n_key_blocks, n_bit_rows, bits_width,
     BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    KEY_BITS: tl.constexpr,
 ):
     """``_mask_summary_kernel`` on 4-key words (see :func:`_as_words`); Lk % 4 == 0."""
     n_words = seqlen_k // 4
@@ -216,3 +283,11 @@ def _mask_summary_words_kernel(
     all_w = tl.reduce(tl.where(m_ok[:, None], w, 0x01010101), 0, _and)
     full = tl.min(tl.where(w_ok, (all_w == 0x01010101).to(tl.int32), 1), 0)
     tl.store(TileAll + row * n_key_blocks + pid_k, full.to(tl.uint8))
+    if KEY_BITS:
+        # Each word's four bytes as four keys, back in key order: lane j of word i is key
+        # 4 i + j (join puts lanes (0, 2) | (1, 3) pairs so that the reshape interleaves them).
+        lanes = tl.join(tl.join(w & 1, (w >> 16) & 1), tl.join((w >> 8) & 1, (w >> 24) & 1))
+        live = tl.reshape(lanes, (BLOCK_Q, 4 * BLOCK_W))
+        keys = pid_k * (4 * BLOCK_W) + tl.arange(0, 4 * BLOCK_W)
+        _store_key_bits(KeyBits, live, offs_m, keys, pid_q, seqlen_q, seqlen_k, n_bit_rows,
+                        bits_width, num_heads_m, b, h, BLOCK_Q, IS_CAUSAL)
