@@ -293,7 +293,7 @@ def test_cuda_gathered_dq_matches_reference_and_writes_every_row(lq, lk, h, hkv,
     torch.full_like(q, float("nan"))  # freed at once: its block is dq's next
     dq = mod.bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, True, False, 0,
                  None, None, None, None, 1, False, None, None, None, 0, 0,
-                 *_gather_args(plan, h))[0]
+                 *_gather_args(plan, h), None, 1)[0]
     assert not dq.isnan().any()
     leaves = [t.detach().double().requires_grad_(i == 0) for i, t in enumerate((q, k, v))]
     ref, _ = reference_attention(*leaves, mask, bias.double() if bias is not None else None,

@@ -572,7 +572,7 @@ def cuda_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, ou
                              lse.contiguous(), float(scale), bool(is_causal), float(softcap),
                              bool(need_dq), bool(need_dk or need_dv), mode, idx, cnt, None, None,
                              hdiv, False, cu_q, cu_k, cu_aux, int(max_q), int(max_k),
-                             None, None, 1, None, 1, None, 1)
+                             None, None, 1, None, 1, None, 1, None, 1)
     dbias = None
     if mode == 2:
         hx, total_k = bias.shape
