@@ -228,6 +228,32 @@ def _written(g):
     return torch.where(live, g.idx, 0), torch.where(written, g.gbits, 0)
 
 
+@pytest.mark.parametrize("Lq,Lk,block_m,causal", [(130, 136, 64, True), (65, 129, 128, False),
+                                                   (60, 140, 128, True)])
+def test_gather_bits_from_key_bits_equal_bits_from_the_mask(Lq, Lk, block_m, causal):
+    # A summary with key bits makes the plan build gbits from them (a bit transpose of the
+    # listed keys' words) instead of from the mask rows: the same plan, word for word, and
+    # the plain PyTorch definition of that kernel agrees. Tiles with no listed key and rows
+    # past Lq (60 rows in a 128-row tile) included.
+    from flash_dmattn.backends.triton import gather
+
+    gen = torch.Generator().manual_seed(5 * Lq + Lk)
+    for name, mask in list(_masks(Lq, Lk, gen))[:2]:  # the layouts matter to the summary only
+        mask = mask.to(DEVICE)
+        plain = summarize_mask(mask, 64, 16, causal=causal)
+        with_bits = summarize_mask(mask, 64, 16, causal=causal, key_bits=True)
+        want = plan_key_gather(mask, None, Lq, Lk, 6, causal, block_m, 16, policy="always",
+                               summary=plain)
+        got = plan_key_gather(mask, None, Lq, Lk, 6, causal, block_m, 16, policy="always",
+                              summary=with_bits)
+        assert torch.equal(got.cnt, want.cnt), name
+        for a, b in zip(_written(got), _written(want)):
+            assert torch.equal(a, b), name
+        ref = gather.gather_key_bits_reference(with_bits.key_bits, got.idx, got.cnt, Lq, block_m)
+        assert torch.equal(_written(got)[1], _written(gather.KeyGather(
+            block_m, 1, got.idx, got.cnt, ref))[1]), name
+
+
 def _tile_unions(mask, Lq, Lk, block_m, causal, rows_per_tile=None):
     """Bool (Bx, Hx, nQ, Lk): each query tile's live keys, cut at its causal limit (``mask``
     may also be row-block unions, ``rows_per_tile`` of them per tile)."""

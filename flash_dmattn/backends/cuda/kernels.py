@@ -75,10 +75,11 @@ def _vector_ready(t: torch.Tensor) -> torch.Tensor:
 def _summary(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n, key_bits=False):
     """The one-pass classification of a per-query mask (as in the Triton backend), or None;
     ``key_bits``: with the mask's key bits (what the sm_90 dK/dV kernel reads)."""
-    from ..triton.mask_summary import summarize_mask, wants_summary
+    from ..triton.mask_summary import KEY_BITS_ROWS, summarize_mask, wants_summary
 
     if not wants_summary(mask, seqlen_q, seqlen_k):
         return None
+    key_bits = key_bits and block_m % KEY_BITS_ROWS == 0
     return summarize_mask(mask, block_m, block_n, is_causal, key_bits=key_bits)
 
 
@@ -207,11 +208,15 @@ def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap, for_backward=
     mod = kernel_module(q, mask is not None, bias is not None)
     block_m, block_n, _, _ = mod.block_sizes()
     mask, bias = _read_ready(mask, bias, Lq, Lk)
+    # Key bits serve the gathered forward's bits (and the backward's dK/dV): written in the
+    # summary's pass over the mask, they spare the planner a second one.
+    key_bits = mod.fwd_gathers() and cuda_gather_policy() != "never"
     if for_backward:
         rows, keys = _backward_summary_blocks(mod)
-        summary = _summary(mask, Lq, Lk, is_causal, rows, keys, key_bits=mod.bwd_key_bits())
+        summary = _summary(mask, Lq, Lk, is_causal, rows, keys,
+                           key_bits=key_bits or mod.bwd_key_bits())
     else:
-        summary = _summary(mask, Lq, Lk, is_causal, block_m, block_n)
+        summary = _summary(mask, Lq, Lk, is_causal, block_m, block_n, key_bits=key_bits)
     gather = _gather_plan(mod, mask, bias, Lq, Lk, H, is_causal, block_m, block_n, summary)
     if gather is not None:
         out, lse = mod.fwd_gathered(q, k, v, None, float(scale), bool(is_causal), float(softcap),

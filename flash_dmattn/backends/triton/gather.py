@@ -178,8 +178,12 @@ def plan_key_gather(
     if verdict is False:
         return None
     skip_check = totals if verdict is None else None  # a decided plan is built whatever they say
-    gbits = _gather_mask_bits(mask.view(torch.uint8), union_u8, rows_per_tile, seqlen_q,
-                              block_m, is_causal, skip_check)
+    if summary is not None and summary.key_bits is not None and block_m % 64 == 0:
+        # The summary's key bits hold the mask (and causality) at an eighth of its size.
+        gbits = _gather_key_bits(summary.key_bits, idx, cnt, seqlen_q, block_m, skip_check)
+    else:
+        gbits = _gather_mask_bits(mask.view(torch.uint8), union_u8, rows_per_tile, seqlen_q,
+                                  block_m, is_causal, skip_check)
     gbias = (_gather_bias(bias, idx, cnt, seqlen_k, skip_check)
              if _bias_per_key(bias, seqlen_k) else None)
     if verdict is None and on_host is not None and not on_host.gathers(False):
@@ -345,6 +349,50 @@ def _gather_mask_bits(mask_u8: torch.Tensor, union_u8: torch.Tensor, rows_per_ti
         num_warps=warps, num_stages=stages,
     )
     return gbits
+
+
+def _gather_key_bits(key_bits: torch.Tensor, idx: torch.Tensor, cnt: torch.Tensor,
+                     seqlen_q: int, block_m: int,
+                     totals: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``gbits`` (module docstring) from a summary's key bits (``MaskSummary.key_bits``, which
+    already hold the causal limit) and the compacted lists: for each 64 rows and 64 listed
+    keys, the keys' words are loaded (512 bytes, where the mask rows were 4 KB) and turned
+    into the rows' words, a 64 x 64 bit transpose. Written up to each tile's count;
+    ``block_m`` a multiple of 64. ``totals``: skip the work when :func:`prefers_tiles`.
+    Equivalent plain PyTorch: :func:`gather_key_bits_reference`."""
+    bx, hx, n_q, width = idx.shape
+    n_bit_rows = key_bits.size(2)
+    words = max(cdiv(width, 64), 1)
+    gbits = _empty((bx, hx, n_q * block_m, words), torch.int64, idx.device)
+    # Four words a program: 32 contiguous bytes of each row's output, and every load of a
+    # program in flight at once (no loop whose steps wait on each other's loads).
+    chunks = 4
+    num, den = GATHER_MAX_RATIO
+    _gather_key_bits_kernel[(n_q * (block_m // 64), cdiv(words, chunks), bx * hx)](
+        key_bits, idx, cnt, gbits, totals if totals is not None else cnt,
+        key_bits.stride(0) if key_bits.size(0) > 1 else 0,
+        key_bits.stride(1) if key_bits.size(1) > 1 else 0, key_bits.stride(2),
+        hx, n_bit_rows, n_q, words, width,
+        BLOCK_M=block_m, CHUNKS=chunks, CHECK_TOTALS=totals is not None,
+        RATIO_NUM=num, RATIO_DEN=den, num_warps=4,
+    )
+    return gbits
+
+
+def gather_key_bits_reference(key_bits: torch.Tensor, idx: torch.Tensor, cnt: torch.Tensor,
+                              seqlen_q: int, block_m: int,
+                              totals: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Plain PyTorch :func:`_gather_key_bits` (0 past the counts; ``totals`` ignored)."""
+    bx, hx, n_q, width = idx.shape
+    n_bit_rows = key_bits.size(2)
+    live = torch.arange(width, device=idx.device) < cnt[..., None]
+    keys = torch.where(live, idx, 0).long()
+    rows = torch.zeros((bx, hx, n_q * block_m, width), dtype=torch.uint8, device=idx.device)
+    for i in range(min(n_q * block_m, n_bit_rows * 64)):
+        m, w, bit = i // block_m, i // 64, i % 64
+        words = torch.gather(key_bits[:, :, w].expand(bx, hx, -1), -1, keys[:, :, m])
+        rows[:, :, i] = torch.where(live[:, :, m], (words >> bit) & 1, 0).to(torch.uint8)
+    return pack_bits_reference(rows)
 
 
 def pack_bits_reference(flags: torch.Tensor) -> torch.Tensor:
@@ -633,6 +681,52 @@ def _gather_mask_bits_kernel(
         acc, fill, word = _pack_word(u2, m2, lanes, acc, fill, word, out_rows, BLOCK_R)
         acc, fill, word = _pack_word(u3, m3, lanes, acc, fill, word, out_rows, BLOCK_R)
     tl.store(out_rows + word, acc.to(tl.int64, bitcast=True), mask=_rows_flag(fill > 0, BLOCK_R))
+
+
+@triton.jit
+def _gather_key_bits_kernel(
+    KeyBits, Idx, Cnt, GBits, Totals,
+    stride_kb, stride_kh, stride_kw,
+    num_heads_m, n_bit_rows, n_q, n_words, width,
+    BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, CHECK_TOTALS: tl.constexpr,
+    RATIO_NUM: tl.constexpr, RATIO_DEN: tl.constexpr,
+):
+    """64 gbits rows x CHUNKS words: the listed keys' key-bit words of the rows' 64-query
+    word, transposed. 32-bit math on the words' halves (rows 0-31 read the low half, 32-63
+    the high one), each output word packed as two 32-key halves (distinct bits: sums)."""
+    HALVES: tl.constexpr = BLOCK_M // 64
+    m = tl.program_id(0) // HALVES
+    qw = tl.program_id(0)  # the rows' key-bits word row: m * HALVES + half
+    bh = tl.program_id(2)
+    b = (bh // num_heads_m).to(tl.int64)
+    h = (bh % num_heads_m).to(tl.int64)
+    cnt = tl.load(Cnt + bh.to(tl.int64) * n_q + m)
+    if CHECK_TOTALS:
+        cnt = tl.where(_skip_for_tiles(Totals, RATIO_NUM, RATIO_DEN), 0, cnt)
+    word0 = tl.program_id(1) * CHUNKS
+    if word0 * 64 < cnt:
+        cols = word0 * 64 + tl.arange(0, CHUNKS * 64)
+        ok = cols < cnt
+        keys = tl.load(Idx + (bh.to(tl.int64) * n_q + m) * width + cols, mask=ok, other=0)
+        kw = tl.load(KeyBits + b * stride_kb + h * stride_kh + qw.to(tl.int64) * stride_kw + keys,
+                     mask=ok & ((cols * 0 + qw) < n_bit_rows), other=0)  # vector: interpreter
+        lo = kw.to(tl.int32)  # the low 32 bits (truncation)
+        hi = (kw >> 32).to(tl.int32)
+        rows = tl.arange(0, 64)
+        half_word = tl.where((rows < 32)[:, None], lo[None, :], hi[None, :])
+        bit = (half_word >> (rows % 32)[:, None]) & 1  # (64 rows, CHUNKS * 64 keys)
+        lane = tl.arange(0, CHUNKS * 64) % 64
+        val = bit << (lane % 32)[None, :]
+        val3 = tl.reshape(val, (64, CHUNKS, 64))
+        low_keys = (tl.arange(0, 64) < 32)[None, None, :]
+        got_lo = tl.sum(tl.where(low_keys, val3, 0), 2)
+        got_hi = tl.sum(tl.where(low_keys, 0, val3), 2)
+        word = (got_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+                | (got_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32))
+        out_words = word0 + tl.arange(0, CHUNKS)
+        out_rows = (bh.to(tl.int64) * n_q * BLOCK_M + qw * 64 + rows) * n_words
+        tl.store(GBits + out_rows[:, None] + out_words[None, :], word.to(tl.int64, bitcast=True),
+                 mask=(out_words * 64 < cnt)[None, :])
 
 
 @triton.jit
