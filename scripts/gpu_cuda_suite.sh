@@ -8,7 +8,8 @@
 #    and nothing is built or run (fast);
 # 3. the listed modules build side by side (BUILD_P processes, MAX_JOBS compiles each);
 # 4. every cuda GPU test runs against the built cache;
-# 5. (DENSE_BENCH_S set) the dense benchmark suite.
+# 5. the planner's Triton kernel tests on the GPU (PLANNER_TESTS=0 skips them);
+# 6. (DENSE_BENCH_S set) the dense benchmark suite.
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}  # start it empty
 export MAX_JOBS=${MAX_JOBS:-4}
@@ -39,6 +40,14 @@ timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -rs $TESTS -k 
 echo "tests rc=$?" >>"$OUT/tests.log"
 tail -4 "$OUT/tests.log"
 stamp "tests done"
+# The planner's Triton kernels that feed the cuda kernels (mask summary, key bits, gathered
+# lists), compiled for the GPU (CPU CI runs them in the interpreter).
+if [ "${PLANNER_TESTS:-1}" = 1 ]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_mask_summary.py \
+    >"$OUT/planner-tests.log" 2>&1
+  echo "planner tests rc=$?: $(tail -n 1 "$OUT/planner-tests.log")"
+  stamp "planner tests done"
+fi
 # DENSE_BENCH_S=N: then the dense suite's forward + backward rows (every backend) for N seconds,
 # on the modules just built (auto-dispatch takes cuda for mask-free training on Hopper).
 if [ -n "${DENSE_BENCH_S:-}" ]; then
