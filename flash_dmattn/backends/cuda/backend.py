@@ -115,20 +115,22 @@ class CudaBackend(Backend):
 
     def auto_skip_reasons(self, inputs) -> List[str]:
         # Auto-dispatch takes these kernels where the benchmark measured them at least as fast
-        # as triton, on Hopper: forward-only calls (nothing needs a gradient; H200 2026-11-22n:
-        # T1 2.10 vs 2.38 ms, T2 0.63 vs 0.69 ms, T3 1.11 vs 1.07 ms) and calls with neither
-        # mask nor bias, with gradients too (the warp-specialised dK/dV: every dense row of the
-        # benchmark, e.g. L16384 D128 causal 9.38 vs 10.19 ms, L4096 D64 causal 0.64 vs 1.23 ms).
-        # With a mask or bias, forward + backward is still slower (T2 3.93 vs 3.10 ms, T3 5.29
-        # vs 4.79 ms), and so are its decode kernel with a mask + bias and packed sequences (not
-        # measured against triton): those stay with triton unless FLASH_DMATTN_CUDA_AUTO=1.
+        # as triton, on Hopper: forward-only calls (nothing needs a gradient; H200 2026-11-23:
+        # T1 1.78 vs 2.32 ms, T2 0.61 vs 0.69 ms, T3 1.02 vs 1.06 ms), calls with neither mask
+        # nor bias, with gradients too (the warp-specialised dK/dV: every dense row of the
+        # benchmark, e.g. L16384 D128 causal 8.8 vs 9.9 ms), and training with a per-query
+        # mask (the key-bits dK/dV: T2 2.65 vs 3.09 ms). With a per-key mask or a bias alone,
+        # forward + backward is still slower (T3 4.95 vs 4.65 ms), and so are its decode kernel
+        # with a mask + bias and packed sequences (not measured against triton): those stay
+        # with triton unless FLASH_DMATTN_CUDA_AUTO=1.
         if os.environ.get("FLASH_DMATTN_CUDA_AUTO", "0") not in ("", "0"):
             return []
         if _hopper_measured_faster(inputs):
             return []
-        return ["forward + backward with a mask or bias not yet as fast as triton (H200: "
-                "dynamic mask 3.93 vs 3.10 ms); on Hopper, forward-only and mask-free calls use "
-                "it; set FLASH_DMATTN_CUDA_AUTO=1 to prefer it everywhere"]
+        return ["forward + backward with a per-key mask or a bias alone not yet as fast as "
+                "triton (H200: block-sparse 4.95 vs 4.65 ms); on Hopper, forward-only, mask-free "
+                "and per-query-mask calls use it; set FLASH_DMATTN_CUDA_AUTO=1 to prefer it "
+                "everywhere"]
 
     def kernel_module(self, spec: KernelSpec, device=None):
         """The compiled extension for ``spec`` on ``device`` (built and cached on first use)."""
@@ -176,7 +178,8 @@ def cuda_varlen_op():
 
 def _hopper_measured_faster(inputs) -> bool:
     """A call on an sm_90 GPU (not packed, not decode, no paged / used-length cache) where
-    nothing needs a gradient or that has neither mask nor bias."""
+    nothing needs a gradient, that has neither mask nor bias, or whose mask varies per query
+    (:func:`_per_query_mask_training`)."""
     if not isinstance(inputs, AttentionInputs) or inputs.device.type != "cuda":
         return False
     if inputs.cache_seqlens is not None or getattr(inputs, "block_table", None) is not None:
@@ -188,6 +191,18 @@ def _hopper_measured_faster(inputs) -> bool:
         return False
     leaves = [inputs.query, inputs.key, inputs.value, inputs.attn_bias]
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
-    if needs_grad and (inputs.attn_mask is not None or inputs.attn_bias is not None):
+    if needs_grad and not _per_query_mask_training(inputs) and (
+            inputs.attn_mask is not None or inputs.attn_bias is not None):
         return False
     return torch.cuda.get_device_capability(inputs.device) == (9, 0)
+
+
+def _per_query_mask_training(inputs) -> bool:
+    """The dynamic-mask workload's shape: a mask that varies per query (the forward gathers
+    its tiles' live keys, the dK/dV kernel reads its key bits), with no bias or a per-key one
+    (T2 on an H200, 2026-11-23: 2.65 vs triton 3.09 ms forward + backward)."""
+    mask, bias = inputs.attn_mask, inputs.attn_bias
+    q, k = inputs.query, inputs.key
+    if mask is None or mask.dim() != 4 or mask.size(2) != q.shape[1] or q.shape[1] <= 1:
+        return False
+    return bias is None or (bias.dim() == 4 and bias.size(2) == 1 and bias.size(3) == k.shape[1])
