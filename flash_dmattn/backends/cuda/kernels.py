@@ -464,7 +464,9 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     if lists is not None:
         args = (lists.fwd_idx, lists.fwd_cnt, lists.bwd_idx, lists.bwd_cnt, lists.head_div)
     gargs = _gather_args(gather, H) if gather is not None else (None, None, 1, None, 1, None, 1)
-    key_bits = summary.key_bits if summary is not None and key_bits_allowed() else None
+    key_bits = None
+    if summary is not None and mod.bwd_key_bits() and key_bits_allowed():
+        key_bits = summary.key_bits  # (the forward's may carry them for its gather alone)
     kargs = (key_bits, H // key_bits.size(1) if key_bits is not None else 1)
     dq, dk, dv, db = mod.bwd(dout, q, k, v, mask, bias, out, lse.contiguous(), float(scale),
                              bool(is_causal), float(softcap), bool(need_dq),
