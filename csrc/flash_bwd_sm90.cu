@@ -353,11 +353,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
         const bool mask_bits =
             FLASH_DMATTN_BWD_SM90_MASK_BITS && kHasMask && partial && p.mask.sq != 0;
         if constexpr (kHasMask) {
-          if (mask_bits && FLASH_DMATTN_BWD_SM90_MASK_BITS == 2) {
-            // TIMING ONLY (wrong results): every element live, no raw mask load.
-            reinterpret_cast<uint64_t*>(mask_smem + MaskT::kBytes + st * Cfg::kKeyBitsBytes)[ptid] =
-                ~0ull;
-          } else if (mask_bits && p.kbits != nullptr) {
+          if (mask_bits && p.kbits != nullptr) {
             // The summary's key bits: 8 bytes a key, copied like the rest of the stage.
             static_assert(kBM == 64 && Cfg::kKeyBitsBytes / 16 <= kPT, "one word a key, one chunk a thread");
             if (ptid < Cfg::kKeyBitsBytes / 16) {
@@ -382,7 +378,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
                                Lk(), ptid);
         }
         if constexpr (kHasMask) {
-          if (mask_bits && FLASH_DMATTN_BWD_SM90_MASK_BITS != 2 && p.kbits == nullptr) {
+          if (mask_bits && p.kbits == nullptr) {
             cp_async_wait<0>();  // the committed group: this thread's raw mask chunks
             named_barrier_sync(kBarProducer, kPT);  // everyone's
             // Key ptid's bits over the tile's 64 queries (rows past Lq hold stale bytes: the
