@@ -1,6 +1,6 @@
 """Where the forward + backward time of T1-T3 goes, cuda next to triton (one device call).
 
-    python3 scripts/bwd_probe.py [--only T1,T2,T3] [--backends cuda,triton] [--ncu]
+    python3 scripts/bwd_probe.py [--only T1,T2,T3] [--backends cuda,triton] [--ncu] [--fwd]
 
 For each workload and backend: the per-kernel GPU times of one forward + backward (profiler,
 after a warm-up call) and the median time of the whole step (``do_bench``), so the kernel
@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--only", default="T1,T2,T3")
     ap.add_argument("--backends", default="cuda,triton")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--fwd", action="store_true", help="also the inference forward's kernels")
     args = ap.parse_args()
     print(f"== backward probe on {torch.cuda.get_device_name()}")
     for tag, w in workloads().items():
@@ -62,6 +63,14 @@ def main():
                 torch.cuda.nvtx.range_pop()
                 break
             print(f"-- {tag} {name}: {w.name}")
+            if args.fwd:
+                def infer(attn=attn, q=q, k=k, v=v, mask=case.mask, bias=bias, causal=w.causal):
+                    with torch.no_grad():
+                        return attn(q, k, v, mask, bias, is_causal=causal)
+
+                print_kernel_times(infer, f"{tag} {name} fwd")
+                ms = triton.testing.do_bench(infer, warmup=10, rep=100, return_mode="median")
+                print(f"{tag} fwd {name} {ms:.3f} ms")
             print_kernel_times(step, f"{tag} {name}")
             ms = triton.testing.do_bench(step, warmup=10, rep=100, return_mode="median")
             print(f"{tag} fwd+bwd {name} {ms:.3f} ms")

@@ -210,11 +210,11 @@ def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap, for_backward=
     mask, bias = _read_ready(mask, bias, Lq, Lk)
     # Key bits serve the gathered forward's bits (and the backward's dK/dV): written in the
     # summary's pass over the mask, they spare the planner a second one.
-    key_bits = mod.fwd_gathers() and cuda_gather_policy() != "never"
+    key_bits = mod.fwd_gathers() and cuda_gather_policy() != "never" and key_bits_allowed()
     if for_backward:
         rows, keys = _backward_summary_blocks(mod)
         summary = _summary(mask, Lq, Lk, is_causal, rows, keys,
-                           key_bits=key_bits or mod.bwd_key_bits())
+                           key_bits=key_bits or (mod.bwd_key_bits() and key_bits_allowed()))
     else:
         summary = _summary(mask, Lq, Lk, is_causal, block_m, block_n, key_bits=key_bits)
     gather = _gather_plan(mod, mask, bias, Lq, Lk, H, is_causal, block_m, block_n, summary)
@@ -396,8 +396,9 @@ def gathered_dq_allowed() -> bool:
 
 
 def key_bits_allowed() -> bool:
-    """Whether the dK/dV kernel may read the summary's key bits instead of transposing mask
-    tiles (``$FLASH_DMATTN_CUDA_KEY_BITS``, ``0``: off, for A/B timing)."""
+    """Whether the planner writes key bits in the mask summary's pass (for the gathered
+    forward's bits and the dK/dV kernel, which otherwise transposes mask tiles):
+    ``$FLASH_DMATTN_CUDA_KEY_BITS``, ``0``: off, for A/B timing."""
     return os.environ.get(KEY_BITS_ENV, "1").strip() != "0"
 
 
@@ -446,7 +447,8 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     summary = plan.summary if plan is not None else None
     if not _summary_serves(summary, mod):
         rows, keys = _backward_summary_blocks(mod)
-        summary = _summary(mask, Lq, Lk, is_causal, rows, keys, key_bits=mod.bwd_key_bits())
+        summary = _summary(mask, Lq, Lk, is_causal, rows, keys,
+                           key_bits=mod.bwd_key_bits() and key_bits_allowed())
     gather = None
     if need_dq and mode != 1 and mod.bwd_gathers() and gathered_dq_allowed():
         if plan is not None:
