@@ -95,13 +95,19 @@ def _backward_summary_blocks(mod) -> Tuple[int, int]:
     return rows, keys
 
 
+def _wants_key_bits(mod) -> bool:
+    """Whether a training step's summary should carry key bits: the module's dK/dV reads them
+    and ``$FLASH_DMATTN_CUDA_KEY_BITS`` allows them."""
+    return mod.bwd_key_bits() and key_bits_allowed()
+
+
 def _summary_serves(summary, mod) -> bool:
     """Whether a forward's summary answers the backward's tile questions (and carries the
     key bits the module reads)."""
     _, _, bwd_m, bwd_n = mod.block_sizes()
     if summary is None or bwd_m % summary.row_block or bwd_n % summary.key_block:
         return False
-    return summary.key_bits is not None or not mod.bwd_key_bits()
+    return summary.key_bits is not None or not _wants_key_bits(mod)
 
 
 def _lists(mask, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n, device, need_bwd,
@@ -212,8 +218,7 @@ def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap, for_backward=
         # The key bits the dK/dV kernel reads; the gathered forward's bits are then made from
         # them too (T2, H200: 0.12 ms against 0.17 from the mask rows).
         rows, keys = _backward_summary_blocks(mod)
-        summary = _summary(mask, Lq, Lk, is_causal, rows, keys,
-                           key_bits=mod.bwd_key_bits() and key_bits_allowed())
+        summary = _summary(mask, Lq, Lk, is_causal, rows, keys, key_bits=_wants_key_bits(mod))
     else:
         # Inference writes no key bits: the summary kernel takes 0.36 ms with them against
         # 0.04 without (T2, H200, cuda-planner-ab-2026-11-23b-*), more than they save.
@@ -448,8 +453,7 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     summary = plan.summary if plan is not None else None
     if not _summary_serves(summary, mod):
         rows, keys = _backward_summary_blocks(mod)
-        summary = _summary(mask, Lq, Lk, is_causal, rows, keys,
-                           key_bits=mod.bwd_key_bits() and key_bits_allowed())
+        summary = _summary(mask, Lq, Lk, is_causal, rows, keys, key_bits=_wants_key_bits(mod))
     gather = None
     if need_dq and mode != 1 and mod.bwd_gathers() and gathered_dq_allowed():
         if plan is not None:
@@ -467,9 +471,9 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     if lists is not None:
         args = (lists.fwd_idx, lists.fwd_cnt, lists.bwd_idx, lists.bwd_cnt, lists.head_div)
     gargs = _gather_args(gather, H) if gather is not None else (None, None, 1, None, 1, None, 1)
-    key_bits = None
-    if summary is not None and mod.bwd_key_bits() and key_bits_allowed():
-        key_bits = summary.key_bits  # (the forward's may carry them for its gather alone)
+    # Summaries carry key bits only where _wants_key_bits (a plan made with them switched off
+    # by the environment since would not serve, see _summary_serves).
+    key_bits = summary.key_bits if summary is not None and _wants_key_bits(mod) else None
     kargs = (key_bits, H // key_bits.size(1) if key_bits is not None else 1)
     dq, dk, dv, db = mod.bwd(dout, q, k, v, mask, bias, out, lse.contiguous(), float(scale),
                              bool(is_causal), float(softcap), bool(need_dq),
