@@ -365,6 +365,34 @@ def test_cuda_dkdv_reads_key_bits_like_the_mask(monkeypatch, shape, causal, one_
     run_and_compare((q, k, v, mask, bias), causal)
 
 
+def test_cuda_inference_gather_reads_key_bits_like_the_mask(monkeypatch):
+    # An inference forward's summary carries key bits (KEY_BITS "1") and the gathered
+    # forward's bits are made from them; with "train" they are made from the mask rows:
+    # the same output and lse bit for bit.
+    from flash_dmattn.backends.cuda import kernels
+
+    _cuda()
+    monkeypatch.setenv("FLASH_DMATTN_CUDA_GATHER", "always")
+    q, k, v, _, bias = make_problem(1, 333, 400, 4, 2, 128, torch.bfloat16, None, "per_key")
+    mask = _shared_keys_mask(1, 333, 400, 2, keep=70, seed=3)
+    made, plans = [], []
+    real_summary, real_plan = kernels._summary, kernels._gather_plan
+    monkeypatch.setattr(kernels, "_summary", lambda *a, **kw: made.append(real_summary(*a, **kw)) or made[-1])
+    monkeypatch.setattr(kernels, "_gather_plan", lambda *a: plans.append(real_plan(*a)) or plans[-1])
+    got = {}
+    for mode in ("1", "train"):
+        monkeypatch.setenv(kernels.KEY_BITS_ENV, mode)
+        made.clear()
+        plans.clear()
+        got[mode] = kernels.cuda_forward(q, k, v, mask, bias, q.shape[-1] ** -0.5, True, 0.0)
+        assert len(made) == 1 and (made[0].key_bits is not None) == (mode == "1"), mode
+        assert plans[0] is not None, "the forward did not gather"
+    assert torch.equal(got["1"][0], got["train"][0]) and torch.equal(got["1"][1], got["train"][1])
+    ref, _ = reference_attention(q.double(), k.double(), v.double(), mask, bias.double(),
+                                 q.shape[-1] ** -0.5, True, 0.0)
+    assert rel_err(got["1"][0], ref) < 1.5e-2
+
+
 def test_cuda_reasons_for_what_it_does_not_take():
     backend = _cuda()
     q, k, v, mask, _ = make_problem(1, 128, 128, 4, 2, 64, torch.bfloat16, "topk", None)

@@ -59,7 +59,8 @@ def _decode_key_bits(bits, Lq, Lk):
 
 @pytest.mark.parametrize("Lq,Lk,block,causal", [(63, 200, (64, 16), True), (130, 65, (64, 64), False),
                                                  (129, 129, (128, 32), True),
-                                                 (65, 260, (128, 128), False)])
+                                                 (65, 260, (128, 128), False),
+                                                 (130, 68, (64, 16), True)])
 def test_key_bits_hold_each_live_visible_element_once(Lq, Lk, block, causal):
     # Words kernel (Lk % 4 == 0, contiguous), byte kernel (odd Lk, strided); broadcast dims.
     gen = torch.Generator().manual_seed(Lq * 7 + Lk)

@@ -220,9 +220,10 @@ def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap, for_backward=
         rows, keys = _backward_summary_blocks(mod)
         summary = _summary(mask, Lq, Lk, is_causal, rows, keys, key_bits=_wants_key_bits(mod))
     else:
-        # Inference writes no key bits: the summary kernel takes 0.36 ms with them against
-        # 0.04 without (T2, H200, cuda-planner-ab-2026-11-23b-*), more than they save.
-        summary = _summary(mask, Lq, Lk, is_causal, block_m, block_n)
+        # Key bits only serve the gathered forward's bits here: worth their write when the
+        # summary kernel makes them at little more than its own cost (module notes).
+        summary = _summary(mask, Lq, Lk, is_causal, block_m, block_n,
+                           key_bits=key_bits_allowed(training=False))
     gather = _gather_plan(mod, mask, bias, Lq, Lk, H, is_causal, block_m, block_n, summary)
     if gather is not None:
         out, lse = mod.fwd_gathered(q, k, v, None, float(scale), bool(is_causal), float(softcap),
@@ -396,22 +397,30 @@ GATHER_DQ_ENV = "FLASH_DMATTN_CUDA_GATHER_DQ"
 KEY_BITS_ENV = "FLASH_DMATTN_CUDA_KEY_BITS"
 
 
+_ON_OFF = ("1", "0")
+# Where summaries carry key bits: "1" every per-query-mask forward (the gathered forward's
+# bits are made from them), "train" only training forwards (for the dK/dV kernel), "0" none.
+KEY_BITS_MODES = ("1", "train", "0")
+DEFAULT_KEY_BITS = "1"
+
+
 def gathered_dq_allowed() -> bool:
     """Whether the backward may run the gathered dQ kernel (``$FLASH_DMATTN_CUDA_GATHER_DQ``)."""
-    return os.environ.get(GATHER_DQ_ENV, "1").strip() != "0"
+    return env_choice(GATHER_DQ_ENV, _ON_OFF, "1") == "1"
 
 
-def key_bits_allowed() -> bool:
+def key_bits_allowed(training: bool = True) -> bool:
     """Whether the planner writes key bits in the mask summary's pass (for the gathered
     forward's bits and the dK/dV kernel, which otherwise transposes mask tiles):
-    ``$FLASH_DMATTN_CUDA_KEY_BITS``, ``0``: off, for A/B timing."""
-    return os.environ.get(KEY_BITS_ENV, "1").strip() != "0"
+    ``$FLASH_DMATTN_CUDA_KEY_BITS`` (:data:`KEY_BITS_MODES`; A/B timing)."""
+    mode = env_choice(KEY_BITS_ENV, KEY_BITS_MODES, DEFAULT_KEY_BITS)
+    return mode == "1" or (mode == "train" and training)
 
 
 def fused_dq_allowed() -> bool:
     """Whether a non-deterministic backward may use the fused (atomic) dQ; the environment
     variable ``FLASH_DMATTN_CUDA_FUSED_DQ=0`` turns it off (A/B timing, debugging)."""
-    return os.environ.get(FUSED_DQ_ENV, "1").strip() != "0"
+    return env_choice(FUSED_DQ_ENV, _ON_OFF, "1") == "1"
 
 
 def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,

@@ -284,10 +284,47 @@ def _mask_summary_words_kernel(
     full = tl.min(tl.where(w_ok, (all_w == 0x01010101).to(tl.int32), 1), 0)
     tl.store(TileAll + row * n_key_blocks + pid_k, full.to(tl.uint8))
     if KEY_BITS:
-        # Each word's four bytes as four keys, back in key order: lane j of word i is key
-        # 4 i + j (join puts lanes (0, 2) | (1, 3) pairs so that the reshape interleaves them).
-        lanes = tl.join(tl.join(w & 1, (w >> 16) & 1), tl.join((w >> 8) & 1, (w >> 24) & 1))
-        live = tl.reshape(lanes, (BLOCK_Q, 4 * BLOCK_W))
-        keys = pid_k * (4 * BLOCK_W) + tl.arange(0, 4 * BLOCK_W)
-        _store_key_bits(KeyBits, live, offs_m, keys, pid_q, seqlen_q, seqlen_k, n_bit_rows,
-                        bits_width, num_heads_m, b, h, BLOCK_Q, IS_CAUSAL)
+        _store_word_key_bits(KeyBits, w, offs_m, offs_w, pid_q, pid_k, seqlen_q, seqlen_k,
+                             n_bit_rows, bits_width, num_heads_m, b, h, BLOCK_Q, BLOCK_W,
+                             IS_CAUSAL)
+
+
+@triton.jit
+def _store_word_key_bits(KeyBits, w, offs_m, offs_w, pid_q, pid_k, seqlen_q, seqlen_k,
+                         n_bit_rows, bits_width, num_heads_m, b, h, BLOCK_Q: tl.constexpr,
+                         BLOCK_W: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """Key bits (module docstring) of a tile of 4-key words ``w`` ``(BLOCK_Q, BLOCK_W)``
+    (bytes 0 or 1, 0 outside the mask), in 32-bit math on the words themselves.
+
+    Shifting row ``r``'s word left by ``r % 8`` moves its four keys' flags to bit ``r % 8``
+    of bytes 0-3, so OR-ing each group of 8 rows gives one word whose byte ``j`` holds key
+    ``j``'s 8 row bits; a 64-bit key word is then 8 such bytes. Unpacking the words into
+    one element per key first (join + reshape + int64 shifts on the whole tile) cost 8x the
+    kernel's memory time (0.356 against 0.044 ms on T2, H200).
+    """
+    if IS_CAUSAL:
+        # Keys past a row's causal limit lose their byte; tiles wholly inside it skip this.
+        first_row = pid_q * BLOCK_Q
+        last_key = (pid_k + 1) * (4 * BLOCK_W) - 1
+        if last_key > first_row + (seqlen_k - seqlen_q):
+            seen = (offs_m + (seqlen_k - seqlen_q) + 1)[:, None] - 4 * offs_w[None, :]
+            seen = tl.minimum(tl.maximum(seen, 0), 4)
+            keep = tl.where(seen >= 4, -1, (1 << (8 * tl.minimum(seen, 3))) - 1)
+            w = w & keep
+    GROUPS: tl.constexpr = BLOCK_Q // 8
+    WORDS: tl.constexpr = BLOCK_Q // 64
+    rows8 = tl.reshape(w << (tl.arange(0, BLOCK_Q) % 8)[:, None], (GROUPS, 8, BLOCK_W))
+    eights = tl.reshape(tl.reduce(rows8, 1, _or), (WORDS, 8, BLOCK_W))
+    # Byte g of a key word is group g's byte for that key.
+    at = (8 * tl.arange(0, 8)).to(tl.int64)[None, :, None]
+    k0 = tl.sum((eights & 0xFF).to(tl.int64) << at, 1)
+    k1 = tl.sum(((eights >> 8) & 0xFF).to(tl.int64) << at, 1)
+    k2 = tl.sum(((eights >> 16) & 0xFF).to(tl.int64) << at, 1)
+    k3 = tl.sum(((eights >> 24) & 0xFF).to(tl.int64) << at, 1)
+    # (k0, k1, k2, k3) interleaved back into key order: join's pairs (0, 2) | (1, 3).
+    words = tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), (WORDS, 4 * BLOCK_W))
+    keys = pid_k * (4 * BLOCK_W) + tl.arange(0, 4 * BLOCK_W)
+    wrow = pid_q * WORDS + tl.arange(0, WORDS)
+    base = ((b * num_heads_m + h) * n_bit_rows + wrow.to(tl.int64)) * bits_width
+    tl.store(KeyBits + base[:, None] + keys[None, :], words,
+             mask=(wrow < n_bit_rows)[:, None] & (keys < bits_width)[None, :])
