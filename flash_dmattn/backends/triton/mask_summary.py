@@ -189,6 +189,10 @@ def _store_key_bits(KeyBits, live, offs_m, keys, pid_q, seqlen_q, seqlen_k, n_bi
              mask=(wrow < n_bit_rows)[:, None] & (keys < bits_width)[None, :])
 
 
+# Timing switch (scripts/summary_time.py): False runs the tile kernel on word layouts.
+_ROWS_KERNEL = [True]
+
+
 def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int,
                    causal: bool = False, key_bits: bool = False) -> MaskSummary:
     """Read a 4-D bool mask ``(Bx, Hx, Lq, Lk)`` (any strides) once into a :class:`MaskSummary`.
@@ -216,7 +220,21 @@ def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int,
         bits[..., n_k * key_block:].zero_()
     bits_arg = bits if bits is not None else tile_all
     words = _as_words(mask, key_block)
-    if row_any.numel() and words is not None:
+    if row_any.numel() and words is not None and row_block % 8 == 0 and _ROWS_KERNEL[0]:
+        # One warp's lanes across the chunk (4 words each), 8 rows in registers; short
+        # chunks on the interpreter (quicker, and tests cover several chunks a row).
+        chunk_w = max(16 if device.type == "cpu" else 128, key_block // 4)
+        n_c = cdiv(n_k * key_block // 4, chunk_w)
+        if bits is not None:
+            bits[..., n_c * chunk_w * 4:].zero_()
+        _mask_summary_rows_kernel[(n_c, n_q, bx * hx)](
+            words, row_any.view(torch.int32), tile_all, bits_arg,
+            words.stride(0), words.stride(1), words.stride(2),
+            hx, seqlen_q, seqlen_k, seqlen_k // 4, n_q, n_k, n_bit_rows, bits_width,
+            BLOCK_Q=row_block, BLOCK_W=key_block // 4, CHUNK_W=chunk_w,
+            IS_CAUSAL=bool(causal), KEY_BITS=bits is not None, num_warps=1,
+        )
+    elif row_any.numel() and words is not None:
         _mask_summary_words_kernel[(n_k, n_q, bx * hx)](
             words, row_any.view(torch.int32), tile_all, bits_arg,
             words.stride(0), words.stride(1), words.stride(2),
@@ -328,3 +346,90 @@ def _store_word_key_bits(KeyBits, w, offs_m, offs_w, pid_q, pid_k, seqlen_q, seq
     base = ((b * num_heads_m + h) * n_bit_rows + wrow.to(tl.int64)) * bits_width
     tl.store(KeyBits + base[:, None] + keys[None, :], words,
              mask=(wrow < n_bit_rows)[:, None] & (keys < bits_width)[None, :])
+
+
+@triton.jit
+def _mask_summary_rows_kernel(
+    Words, RowAnyW, TileAll, KeyBits,
+    stride_wb, stride_wh, stride_wm,
+    num_heads_m, seqlen_q, seqlen_k, n_words, n_row_blocks, n_key_blocks, n_bit_rows, bits_width,
+    BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK_W: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, KEY_BITS: tl.constexpr,
+):
+    """The summary of ``BLOCK_Q`` rows x ``CHUNK_W`` 4-key words (a whole number of key
+    blocks of ``BLOCK_W`` words) on :func:`_as_words`, walked 8 rows at a time.
+
+    Eight rows across a chunk wide enough for one warp's lanes keep every reduction inside a
+    thread: the tile kernel's 64 x 64 tiles put rows on lanes and warps, and the key bits'
+    row reductions then cost shuffles and barriers (0.25-0.40 ms on T2, H200, against a
+    memory time of 0.04). Key bits: shifting row ``r``'s word left by ``r % 8`` moves its
+    four keys' flags to bit ``r % 8`` of bytes 0-3, so OR-ing 8 rows gives a word whose
+    byte ``j`` holds key ``j``'s 8 row bits, and a 64-row key word is 8 such bytes; the
+    causal limit is then one mask a key word.
+    """
+    pid_c = tl.program_id(0)
+    pid_q = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = (pid_bh // num_heads_m).to(tl.int64)
+    h = (pid_bh % num_heads_m).to(tl.int64)
+    # n_words (Lk / 4) is an argument so that its divisibility reaches the compiler: the
+    # loads' masks are then whole 16-byte vectors.
+    causal_off = seqlen_k - seqlen_q
+    first_row = pid_q * BLOCK_Q
+    offs_w = pid_c * CHUNK_W + tl.arange(0, CHUNK_W)
+    w_ok = offs_w < n_words
+    cols = w_ok
+    if IS_CAUSAL:
+        # Key blocks no row of the block can see are not read (summarised as dead), as in
+        # the tile kernel: whole blocks, so that row_any is not cut at each row's limit.
+        last_row = tl.minimum(first_row + BLOCK_Q, seqlen_q) - 1
+        block_key = (offs_w // BLOCK_W) * (4 * BLOCK_W)
+        cols = cols & (block_key <= last_row + causal_off)
+    base = Words + b * stride_wb + h * stride_wh + offs_w[None, :]
+    any_w = tl.zeros([CHUNK_W], dtype=tl.int32)
+    all_w = tl.full([CHUNK_W], 0x01010101, dtype=tl.int32)
+    r8 = tl.arange(0, 8)
+    # Rows in runs of up to 64 (one key-bits word each): a loop, not unrolled, so that the
+    # compiler does not hoist every run's loads into registers at once (BLOCK_Q 128 spilled).
+    RUN: tl.constexpr = 64 if BLOCK_Q >= 64 else BLOCK_Q
+    for run in range(BLOCK_Q // RUN):
+        k0 = tl.zeros([CHUNK_W], dtype=tl.int64)
+        k1 = tl.zeros([CHUNK_W], dtype=tl.int64)
+        k2 = tl.zeros([CHUNK_W], dtype=tl.int64)
+        k3 = tl.zeros([CHUNK_W], dtype=tl.int64)
+        for g in tl.static_range(RUN // 8):
+            rows = first_row + run * RUN + g * 8 + r8
+            r_ok = rows < seqlen_q
+            x = tl.load(base + rows.to(tl.int64)[:, None] * stride_wm,
+                        mask=r_ok[:, None] & cols[None, :], other=0)
+            any_w = any_w | tl.reduce(x, 0, _or)
+            # Rows past Lq do not make a ragged edge block partial.
+            all_w = all_w & tl.reduce(tl.where(r_ok[:, None], x, 0x01010101), 0, _and)
+            if KEY_BITS:
+                eight = tl.reduce(x << r8[:, None], 0, _or)
+                k0 = k0 | ((eight & 0xFF).to(tl.int64) << (8 * g))
+                k1 = k1 | (((eight >> 8) & 0xFF).to(tl.int64) << (8 * g))
+                k2 = k2 | (((eight >> 16) & 0xFF).to(tl.int64) << (8 * g))
+                k3 = k3 | (((eight >> 24) & 0xFF).to(tl.int64) << (8 * g))
+        if KEY_BITS:
+            # Key k's 64 rows from R0, in key order (join's pairs (0, 2) | (1, 3)).
+            words = tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), (4 * CHUNK_W,))
+            keys = pid_c * (4 * CHUNK_W) + tl.arange(0, 4 * CHUNK_W)
+            wrow = first_row // 64 + run
+            if IS_CAUSAL:
+                # Rows below R0 + k - (Lk - Lq) cannot see key k: clear the word's bits below
+                # that row (one mask a key word, not a test an element).
+                cut = keys - causal_off - wrow * 64
+                low = (1 << tl.minimum(tl.maximum(cut, 0), 63).to(tl.int64)) - 1
+                words = tl.where(cut >= 64, 0, words & ~low)
+            dst = KeyBits + ((b * num_heads_m + h) * n_bit_rows + wrow) * bits_width + keys
+            # (a tensor: the interpreter rejects a scalar predicate in a tensor mask)
+            ok = (tl.zeros([4 * CHUNK_W], dtype=tl.int32) + wrow) < n_bit_rows
+            tl.store(dst, words, mask=ok & (keys < bits_width))
+    row = pid_bh.to(tl.int64) * n_row_blocks + pid_q
+    tl.store(RowAnyW + row * n_words + offs_w, any_w, mask=w_ok)
+    BLOCKS: tl.constexpr = CHUNK_W // BLOCK_W
+    whole = tl.where(w_ok, (all_w == 0x01010101).to(tl.int32), 1)
+    full = tl.min(tl.reshape(whole, (BLOCKS, BLOCK_W)), 1)
+    kb = pid_c * BLOCKS + tl.arange(0, BLOCKS)
+    tl.store(TileAll + row * n_key_blocks + kb, full.to(tl.uint8), mask=kb < n_key_blocks)
