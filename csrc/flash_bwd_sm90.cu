@@ -44,6 +44,12 @@
 #ifndef FLASH_DMATTN_BWD_SM90_MASK_BITS
 #define FLASH_DMATTN_BWD_SM90_MASK_BITS 1
 #endif
+// Timing-only bounds of the dK/dV kernel (wrong results; A/B runs through
+// FLASH_DMATTN_CUDA_FLAGS): 1, the producer copies nothing after the first two stages (the
+// consumers' bound); 2, the consumers skip their element work too (the MMAs' bound).
+#ifndef FLASH_DMATTN_BWD_SM90_BOUND
+#define FLASH_DMATTN_BWD_SM90_BOUND 0
+#endif
 
 namespace flash_dmattn {
 
@@ -369,10 +375,12 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
                                  Lk(), ptid);
           }
         }
-        load64(g.q + int64_t(q0) * p.q_sl, p.q_sl, Lq() - q0, smem + (4 + 2 * st) * kT);
-        load64(g.dout + int64_t(q0) * p.do_sl, p.do_sl, Lq() - q0, smem + (5 + 2 * st) * kT);
-        load_floats<kBM>(lse_s + st * kBM, g.lse + q0, Lq() - q0, ptid, kPT);
-        load_floats<kBM>(delta_s + st * kBM, g.delta + q0, Lq() - q0, ptid, kPT);
+        if (FLASH_DMATTN_BWD_SM90_BOUND == 0 || step < 2) {
+          load64(g.q + int64_t(q0) * p.q_sl, p.q_sl, Lq() - q0, smem + (4 + 2 * st) * kT);
+          load64(g.dout + int64_t(q0) * p.do_sl, p.do_sl, Lq() - q0, smem + (5 + 2 * st) * kT);
+          load_floats<kBM>(lse_s + st * kBM, g.lse + q0, Lq() - q0, ptid, kPT);
+          load_floats<kBM>(delta_s + st * kBM, g.delta + q0, Lq() - q0, ptid, kPT);
+        }
         if constexpr (kHasBias) {
           Cfg::BiasTileP::template load<true>(bias_smem + st * BiasT::kBytes, p.bias, g.bias, q0, k0, Lq(),
                                Lk(), ptid);
@@ -499,7 +507,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
         }
       }
       CUTE_UNROLL
-      for (int g = 0; g < kGroups; ++g) {
+      for (int g = 0; g < (FLASH_DMATTN_BWD_SM90_BOUND == 2 ? 0 : kGroups); ++g) {
         const int qc0 = get<1>(cS(make_coord(make_coord(0, 0, g), 0, 0)));  // even, same for r
         CUTE_UNROLL
         for (int c2 = 0; c2 < 2; ++c2) {

@@ -37,7 +37,7 @@ if [ "${PROBE:-1}" = 1 ]; then
     echo "== variant: $v" | tee -a "$OUT/bwd-probe.log"
     FLASH_DMATTN_CACHE_DIR=$(cache_of $i) FLASH_DMATTN_CUDA_FLAGS="$(flags_of "$v")" \
       timeout "${PROBE_S:-300}" python3 scripts/bwd_probe.py --only "${ONLY:-T1,T2,T3}" \
-      --backends "$backends" $PROBE_ARGS 2>&1 | tee -a "$OUT/bwd-probe.log" | grep -E "^== |^-- |dkdv|_dq_|dq_gathered|fwd\+bwd|summary|gather|fwd_kernel|fwd "
+      --backends "$backends" ${PROBE_ARGS:-} 2>&1 | tee -a "$OUT/bwd-probe.log" | grep -E "^== |^-- |dkdv|_dq_|dq_gathered|fwd\+bwd|summary|gather|fwd_kernel|fwd "
     backends=cuda
     i=$((i + 1))
   done
@@ -48,7 +48,7 @@ j=0
 for e in "${PASSES[@]}"; do
   echo "== env pass: $e" | tee "$OUT/bwd-probe-env$j.log"
   env $e FLASH_DMATTN_CACHE_DIR=$(cache_of 0) timeout "${PROBE_S:-300}" \
-    python3 scripts/bwd_probe.py --only "${ONLY:-T1,T2,T3}" --backends cuda $PROBE_ARGS 2>&1 |
+    python3 scripts/bwd_probe.py --only "${ONLY:-T1,T2,T3}" --backends cuda ${PROBE_ARGS:-} 2>&1 |
     tee -a "$OUT/bwd-probe-env$j.log" | grep -E "^== |^-- |dkdv|_dq_|dq_gathered|fwd\+bwd|summary|gather|fwd_kernel|fwd "
   j=$((j + 1))
 done

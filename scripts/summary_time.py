@@ -3,7 +3,6 @@ with and without key bits (GPU).
 
     python3 scripts/summary_time.py        (from the root of the tree whose package to time)
 """
-import itertools
 import sys
 
 import torch
@@ -13,7 +12,7 @@ from triton.testing import do_bench  # noqa: E402
 
 import flash_dmattn  # noqa: E402
 from benchmarks.workloads import build_case, workloads_for  # noqa: E402
-from flash_dmattn.backends.triton import mask_summary  # noqa: E402
+from flash_dmattn.block_map import block_reduce  # noqa: E402
 from flash_dmattn.backends.triton.mask_summary import key_bits_reference, summarize_mask  # noqa: E402
 
 
@@ -21,28 +20,39 @@ def main():
     w = workloads_for("dynamic", quick=False)[0]
     c = build_case(w, torch.device("cuda"), torch.bfloat16)
     print("package:", flash_dmattn.__file__)
-    # Both kernels, and the plain-PyTorch key bits, agree on the T2 mask (compiled code).
+    # The compiled kernel against the plain-PyTorch summary and key bits.
     want_bits = key_bits_reference(c.mask, True)
+    L = c.mask.size(-1)
     for blocks in ((128, 64), (64, 64), (64, 128), (128, 128)):
-        got = []
-        for rows_kernel in (True, False):
-            mask_summary._ROWS_KERNEL[0] = rows_kernel
-            got.append(summarize_mask(c.mask, *blocks, True, key_bits=True))
-        same = all(torch.equal(getattr(got[0], f), getattr(got[1], f))
-                   for f in ("row_any", "tile_all", "key_bits"))
-        print(f"check {blocks}: kernels agree {same}, key bits = reference "
-              f"{torch.equal(got[0].key_bits, want_bits)}", flush=True)
-    for rows_kernel, blocks in itertools.product((True, False), ((128, 64), (64, 64), (64, 128), (128, 128))):
-        mask_summary._ROWS_KERNEL[0] = rows_kernel
+        got = summarize_mask(c.mask, *blocks, True, key_bits=True)
+        live, _ = got.tiles(*blocks)
+        want_live = block_reduce(block_reduce(c.mask, 2, blocks[0], "any"), 3, blocks[1], "any")
+        want_full = block_reduce(block_reduce(c.mask, 2, blocks[0], "all"), 3, blocks[1], "all")
+        print(f"check {blocks}: key bits = reference {torch.equal(got.key_bits, want_bits)}, "
+              f"maps = reference (seen tiles) "
+              f"{_seen_equal(blocks, L, L, live, got.tile_all, want_live, want_full)}",
+              flush=True)
+    for blocks in ((128, 64), (64, 64), (64, 128), (128, 128)):
         for bits in (False, True):
             def run(blocks=blocks, bits=bits):
                 return summarize_mask(c.mask, *blocks, True, key_bits=bits)
 
             run()
             ms = do_bench(run, warmup=25, rep=200, return_mode="median")
-            kernel = "rows" if rows_kernel else "tiles"
-            print(f"summary {kernel} {blocks[0]}x{blocks[1]} causal key_bits={int(bits)}: {ms:.4f} ms",
+            print(f"summary {blocks[0]}x{blocks[1]} causal key_bits={int(bits)}: {ms:.4f} ms",
                   flush=True)
+
+
+def _seen_equal(blocks, lq, lk, live, full, want_live, want_full):
+    """A causal summary leaves tiles that no row of theirs can see dead (unread): the maps
+    must equal the reference on every other tile."""
+    bq, bk = blocks
+    n_q, n_k = live.shape[-2:]
+    last_row = torch.clamp(torch.arange(1, n_q + 1, device=live.device) * bq, max=lq) - 1
+    first_key = torch.arange(n_k, device=live.device) * bk
+    seen = first_key[None, :] <= last_row[:, None] + (lk - lq)
+    return bool(torch.equal(live[..., seen], want_live[..., seen])
+                and torch.equal(full[..., seen], want_full[..., seen]))
 
 
 if __name__ == "__main__":

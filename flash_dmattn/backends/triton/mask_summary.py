@@ -146,9 +146,12 @@ def _tile_setup(num_heads_m, seqlen_q, seqlen_k, n_cols, n_row_blocks, KEYS_PER_
     return pid_k, pid_q, b, h, row, offs_m, offs_c, m_ok, c_ok, fetch
 
 
-# One program per fine tile (row_block x key_block), one load of the whole tile. A variant that
-# streamed 8 x 512 strips per program (fewer, longer programs) measured 2.3 ms per pass on the
-# H200 for the T2 mask against 0.22 ms for this one (round 2026-11-21e), so it was reverted.
+# Masks that are not whole 4-key words (odd Lk, strided keys): one program per fine tile
+# (row_block x key_block), one load of the whole tile. Word layouts take the rows kernel
+# below (8 x 512-key strips, 16-byte loads: 0.044 ms on T2 against 0.048-0.099 for this
+# tile kernel on words, and 0.05-0.06 against 0.23-0.40 with key bits; H200,
+# summary-time-2026-11-23c-rows.log). An early strip variant with byte loads measured 2.3 ms
+# (2026-11-21e).
 @triton.jit
 def _mask_summary_kernel(
     Mask, RowAny, TileAll, KeyBits,
@@ -189,10 +192,6 @@ def _store_key_bits(KeyBits, live, offs_m, keys, pid_q, seqlen_q, seqlen_k, n_bi
              mask=(wrow < n_bit_rows)[:, None] & (keys < bits_width)[None, :])
 
 
-# Timing switch (scripts/summary_time.py): False runs the tile kernel on word layouts.
-_ROWS_KERNEL = [True]
-
-
 def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int,
                    causal: bool = False, key_bits: bool = False) -> MaskSummary:
     """Read a 4-D bool mask ``(Bx, Hx, Lq, Lk)`` (any strides) once into a :class:`MaskSummary`.
@@ -220,7 +219,7 @@ def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int,
         bits[..., n_k * key_block:].zero_()
     bits_arg = bits if bits is not None else tile_all
     words = _as_words(mask, key_block)
-    if row_any.numel() and words is not None and row_block % 8 == 0 and _ROWS_KERNEL[0]:
+    if row_any.numel() and words is not None and row_block % 8 == 0:
         # One warp's lanes across the chunk (4 words each), 8 rows in registers; short
         # chunks on the interpreter (quicker, and tests cover several chunks a row).
         chunk_w = max(16 if device.type == "cpu" else 128, key_block // 4)
@@ -233,14 +232,6 @@ def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int,
             hx, seqlen_q, seqlen_k, seqlen_k // 4, n_q, n_k, n_bit_rows, bits_width,
             BLOCK_Q=row_block, BLOCK_W=key_block // 4, CHUNK_W=chunk_w,
             IS_CAUSAL=bool(causal), KEY_BITS=bits is not None, num_warps=1,
-        )
-    elif row_any.numel() and words is not None:
-        _mask_summary_words_kernel[(n_k, n_q, bx * hx)](
-            words, row_any.view(torch.int32), tile_all, bits_arg,
-            words.stride(0), words.stride(1), words.stride(2),
-            hx, seqlen_q, seqlen_k, n_q, n_k, n_bit_rows, bits_width,
-            BLOCK_Q=row_block, BLOCK_W=key_block // 4, IS_CAUSAL=bool(causal),
-            KEY_BITS=bits is not None, num_warps=4,
         )
     elif row_any.numel():
         mask_u8 = mask.view(torch.uint8)
@@ -280,72 +271,6 @@ def _or(a, b):
 @triton.jit
 def _and(a, b):
     return a & b
-
-
-@triton.jit
-def _mask_summary_words_kernel(
-    Words, RowAnyW, TileAll, KeyBits,
-    stride_wb, stride_wh, stride_wm,
-    num_heads_m, seqlen_q, seqlen_k, n_row_blocks, n_key_blocks, n_bit_rows, bits_width,
-    BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    KEY_BITS: tl.constexpr,
-):
-    """``_mask_summary_kernel`` on 4-key words (see :func:`_as_words`); Lk % 4 == 0."""
-    n_words = seqlen_k // 4
-    pid_k, pid_q, b, h, row, offs_m, offs_w, m_ok, w_ok, fetch = _tile_setup(
-        num_heads_m, seqlen_q, seqlen_k, n_words, n_row_blocks, 4, BLOCK_Q, BLOCK_W, IS_CAUSAL)
-    ptrs = Words + b * stride_wb + h * stride_wh + offs_m[:, None] * stride_wm + offs_w[None, :]
-    w = tl.load(ptrs, mask=fetch, other=0)
-    tl.store(RowAnyW + row * n_words + offs_w, tl.reduce(w, 0, _or), mask=w_ok)
-    # Rows past Lq do not make a ragged edge tile partial; every key of a word is in range.
-    all_w = tl.reduce(tl.where(m_ok[:, None], w, 0x01010101), 0, _and)
-    full = tl.min(tl.where(w_ok, (all_w == 0x01010101).to(tl.int32), 1), 0)
-    tl.store(TileAll + row * n_key_blocks + pid_k, full.to(tl.uint8))
-    if KEY_BITS:
-        _store_word_key_bits(KeyBits, w, offs_m, offs_w, pid_q, pid_k, seqlen_q, seqlen_k,
-                             n_bit_rows, bits_width, num_heads_m, b, h, BLOCK_Q, BLOCK_W,
-                             IS_CAUSAL)
-
-
-@triton.jit
-def _store_word_key_bits(KeyBits, w, offs_m, offs_w, pid_q, pid_k, seqlen_q, seqlen_k,
-                         n_bit_rows, bits_width, num_heads_m, b, h, BLOCK_Q: tl.constexpr,
-                         BLOCK_W: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """Key bits (module docstring) of a tile of 4-key words ``w`` ``(BLOCK_Q, BLOCK_W)``
-    (bytes 0 or 1, 0 outside the mask), in 32-bit math on the words themselves.
-
-    Shifting row ``r``'s word left by ``r % 8`` moves its four keys' flags to bit ``r % 8``
-    of bytes 0-3, so OR-ing each group of 8 rows gives one word whose byte ``j`` holds key
-    ``j``'s 8 row bits; a 64-bit key word is then 8 such bytes. Unpacking the words into
-    one element per key first (join + reshape + int64 shifts on the whole tile) cost 8x the
-    kernel's memory time (0.356 against 0.044 ms on T2, H200).
-    """
-    if IS_CAUSAL:
-        # Keys past a row's causal limit lose their byte; tiles wholly inside it skip this.
-        first_row = pid_q * BLOCK_Q
-        last_key = (pid_k + 1) * (4 * BLOCK_W) - 1
-        if last_key > first_row + (seqlen_k - seqlen_q):
-            seen = (offs_m + (seqlen_k - seqlen_q) + 1)[:, None] - 4 * offs_w[None, :]
-            seen = tl.minimum(tl.maximum(seen, 0), 4)
-            keep = tl.where(seen >= 4, -1, (1 << (8 * tl.minimum(seen, 3))) - 1)
-            w = w & keep
-    GROUPS: tl.constexpr = BLOCK_Q // 8
-    WORDS: tl.constexpr = BLOCK_Q // 64
-    rows8 = tl.reshape(w << (tl.arange(0, BLOCK_Q) % 8)[:, None], (GROUPS, 8, BLOCK_W))
-    eights = tl.reshape(tl.reduce(rows8, 1, _or), (WORDS, 8, BLOCK_W))
-    # Byte g of a key word is group g's byte for that key.
-    at = (8 * tl.arange(0, 8)).to(tl.int64)[None, :, None]
-    k0 = tl.sum((eights & 0xFF).to(tl.int64) << at, 1)
-    k1 = tl.sum(((eights >> 8) & 0xFF).to(tl.int64) << at, 1)
-    k2 = tl.sum(((eights >> 16) & 0xFF).to(tl.int64) << at, 1)
-    k3 = tl.sum(((eights >> 24) & 0xFF).to(tl.int64) << at, 1)
-    # (k0, k1, k2, k3) interleaved back into key order: join's pairs (0, 2) | (1, 3).
-    words = tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), (WORDS, 4 * BLOCK_W))
-    keys = pid_k * (4 * BLOCK_W) + tl.arange(0, 4 * BLOCK_W)
-    wrow = pid_q * WORDS + tl.arange(0, WORDS)
-    base = ((b * num_heads_m + h) * n_bit_rows + wrow.to(tl.int64)) * bits_width
-    tl.store(KeyBits + base[:, None] + keys[None, :], words,
-             mask=(wrow < n_bit_rows)[:, None] & (keys < bits_width)[None, :])
 
 
 @triton.jit
