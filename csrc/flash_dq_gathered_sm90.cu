@@ -200,6 +200,10 @@ __global__ void __launch_bounds__(Sm90DqGatherConfig<kHeadDimBucket>::kThreads, 
     const float* delta_g = p.delta + lse_offset(p, sr, b, h);
     float row_lse[2], row_delta[2];
     load_row_stats(lse_g, delta_g, q0 + qw, p.Lq, cS, row_lse, row_delta);
+    const float scale2 = p.scale * kLog2e;
+    float row_lse2[2];  // +inf for fully masked and out-of-range rows: P = 0
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) row_lse2[r] = row_lse[r] * kLog2e;
     Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(at(wg * kT), typename Cfg::Tile{}));
     Tensor tSrdO =
         thr_s.partition_fragment_A(make_tensor(at((2 + wg) * kT), typename Cfg::Tile{}));
@@ -273,10 +277,18 @@ __global__ void __launch_bounds__(Sm90DqGatherConfig<kHeadDimBucket>::kThreads, 
           CUTE_UNROLL
           for (int c2 = 0; c2 < 2; ++c2) {
             const auto e = make_coord(make_coord(c2, r, gi), 0, 0);
-            float dt;
-            const float x = score<kSoftcap>(acc_s(e), p, dt) + (c2 == 0 ? b0 : b1);
-            const float pr = ((pair >> c2) & 1u) != 0u ? __expf(x - row_lse[r]) : 0.f;
-            acc_s(e) = pr * (acc_dp(e) - row_delta[r]) * dt;
+            const bool live = ((pair >> c2) & 1u) != 0u;
+            if constexpr (kSoftcap) {
+              float dt;
+              const float x = score<kSoftcap>(acc_s(e), p, dt) + (c2 == 0 ? b0 : b1);
+              const float pr = live ? __expf(x - row_lse[r]) : 0.f;
+              acc_s(e) = pr * (acc_dp(e) - row_delta[r]) * dt;
+            } else {
+              // Base 2: one FFMA and one EX2 (the scale, log2 e and lse folded in).
+              const float b2 = kHasBias ? (c2 == 0 ? b0 : b1) * kLog2e - row_lse2[r] : -row_lse2[r];
+              const float pr = live ? exp2f(fmaf(acc_s(e), scale2, b2)) : 0.f;
+              acc_s(e) = pr * (acc_dp(e) - row_delta[r]);
+            }
           }
         }
       }
