@@ -50,8 +50,16 @@
 #ifndef FLASH_DMATTN_BWD_SM90_BOUND
 #define FLASH_DMATTN_BWD_SM90_BOUND 0
 #endif
+// Modules whose dK/dV kernel has the plain path for whole visible tiles: 2, those without a
+// bias; 1, all; 0, none (A/B runs).
+#ifndef FLASH_DMATTN_BWD_SM90_PLAIN
+#define FLASH_DMATTN_BWD_SM90_PLAIN 2
+#endif
 
 namespace flash_dmattn {
+
+constexpr bool kPlainPath =
+    FLASH_DMATTN_BWD_SM90_PLAIN == 1 || (FLASH_DMATTN_BWD_SM90_PLAIN == 2 && !kHasBias);
 
 void launch_delta(const BwdParams& p, cudaStream_t stream);  // flash_bwd.cu
 cudaError_t run_dq_gathered_sm90(const BwdParams& p, cudaStream_t stream);  // flash_dq_gathered_sm90.cu
@@ -511,9 +519,12 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       // one FFMA and one EX2 an element. The general path below costs about three times the
       // instructions (range, mask and causal tests, a 64-bit shift per element), and this
       // element work, not the MMAs, set T3's dK/dV time (H200: 2.37 ms, 1.29 without it).
-      const bool plain = !kSoftcap && !check && !use_mask && !(kHasBias && bias_rows);
+      // Compiled where it pays (kPlainPath): modules without a bias, whose masks are per key
+      // or absent (whole visible tiles); T2's per-query mask + bias module, where few tiles
+      // are whole, measured slower with it (1.38 against 1.26 ms).
+      const bool plain = kPlainPath && !kSoftcap && !check && !use_mask && !(kHasBias && bias_rows);
+      const float scale2 = p.scale * kLog2e;
       if (plain && FLASH_DMATTN_BWD_SM90_BOUND != 2) {
-        const float scale2 = p.scale * kLog2e;
         float key_bias2[2];
         CUTE_UNROLL
         for (int r = 0; r < 2; ++r) key_bias2[r] = key_bias[r] * kLog2e;
@@ -549,14 +560,13 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
           CUTE_UNROLL
           for (int r = 0; r < 2; ++r) {
             const auto e = make_coord(make_coord(c2, r, g), 0, 0);
-            float dt;
-            float s = score<kSoftcap>(acc_s(e), p, dt);
+            float bias = 0.f;
             if constexpr (kHasBias) {
               if (bias_rows) {
                 const int kr = kw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
-                s += float(BiasT::read(btile, true, qc, kr));
+                bias = float(BiasT::read(btile, true, qc, kr));
               } else {
-                s += key_bias[r];
+                bias = key_bias[r];
               }
             }
             // Bitwise, not short-circuit: no per-element branches.
@@ -568,7 +578,12 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
                 visible &= MaskT::read(mtile, true, qc, kr) != 0;
               }
             }
-            const float pr = visible ? __expf(s - l) : 0.f;
+            float dt = 1.f, pr;
+            if constexpr (kSoftcap) {
+              pr = visible ? __expf(score<kSoftcap>(acc_s(e), p, dt) + bias - l) : 0.f;
+            } else {
+              pr = visible ? exp2f(fmaf(acc_s(e), scale2, fmaf(bias, kLog2e, -l * kLog2e))) : 0.f;
+            }
             const float ds = pr * (acc_dp(e) - dl);
             key_dbias[r] += ds;  // unconditional: a branch here costs spills
             acc_s(e) = pr;
