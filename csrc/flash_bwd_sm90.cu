@@ -44,12 +44,6 @@
 #ifndef FLASH_DMATTN_BWD_SM90_MASK_BITS
 #define FLASH_DMATTN_BWD_SM90_MASK_BITS 1
 #endif
-// Timing-only bounds of the dK/dV kernel (wrong results; A/B runs through
-// FLASH_DMATTN_CUDA_FLAGS): 1, the producer copies nothing after the first two stages (the
-// consumers' bound); 2, the consumers skip their element work too (the MMAs' bound).
-#ifndef FLASH_DMATTN_BWD_SM90_BOUND
-#define FLASH_DMATTN_BWD_SM90_BOUND 0
-#endif
 // Modules whose dK/dV kernel has the plain path for whole visible tiles: 2, those without a
 // bias; 1, all; 0, none (A/B runs).
 #ifndef FLASH_DMATTN_BWD_SM90_PLAIN
@@ -383,12 +377,10 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
                                  Lk(), ptid);
           }
         }
-        if (FLASH_DMATTN_BWD_SM90_BOUND == 0 || step < 2) {
-          load64(g.q + int64_t(q0) * p.q_sl, p.q_sl, Lq() - q0, smem + (4 + 2 * st) * kT);
-          load64(g.dout + int64_t(q0) * p.do_sl, p.do_sl, Lq() - q0, smem + (5 + 2 * st) * kT);
-          load_floats<kBM>(lse_s + st * kBM, g.lse + q0, Lq() - q0, ptid, kPT);
-          load_floats<kBM>(delta_s + st * kBM, g.delta + q0, Lq() - q0, ptid, kPT);
-        }
+        load64(g.q + int64_t(q0) * p.q_sl, p.q_sl, Lq() - q0, smem + (4 + 2 * st) * kT);
+        load64(g.dout + int64_t(q0) * p.do_sl, p.do_sl, Lq() - q0, smem + (5 + 2 * st) * kT);
+        load_floats<kBM>(lse_s + st * kBM, g.lse + q0, Lq() - q0, ptid, kPT);
+        load_floats<kBM>(delta_s + st * kBM, g.delta + q0, Lq() - q0, ptid, kPT);
         if constexpr (kHasBias) {
           Cfg::BiasTileP::template load<true>(bias_smem + st * BiasT::kBytes, p.bias, g.bias, q0, k0, Lq(),
                                Lk(), ptid);
@@ -518,13 +510,14 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       // one (most steps: whole live tiles off the diagonal): P = 2^(S log2e - lse log2e),
       // one FFMA and one EX2 an element. The general path below costs about three times the
       // instructions (range, mask and causal tests, a 64-bit shift per element), and this
-      // element work, not the MMAs, set T3's dK/dV time (H200: 2.37 ms, 1.29 without it).
+      // element work, not the MMAs, set T3's dK/dV time (H200: 2.37 ms, 1.29 in a timing-only
+      // build without it; cuda-bwd-bounds-2026-11-23c-T3-probe.log).
       // Compiled where it pays (kPlainPath): modules without a bias, whose masks are per key
       // or absent (whole visible tiles); T2's per-query mask + bias module, where few tiles
       // are whole, measured slower with it (1.38 against 1.26 ms).
       const bool plain = kPlainPath && !kSoftcap && !check && !use_mask && !(kHasBias && bias_rows);
       const float scale2 = p.scale * kLog2e;
-      if (plain && FLASH_DMATTN_BWD_SM90_BOUND != 2) {
+      if (plain) {
         float key_bias2[2];
         CUTE_UNROLL
         for (int r = 0; r < 2; ++r) key_bias2[r] = key_bias[r] * kLog2e;
@@ -549,7 +542,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
         }
       }
       CUTE_UNROLL
-      for (int g = 0; g < (FLASH_DMATTN_BWD_SM90_BOUND == 2 || plain ? 0 : kGroups); ++g) {
+      for (int g = 0; g < (plain ? 0 : kGroups); ++g) {
         const int qc0 = get<1>(cS(make_coord(make_coord(0, 0, g), 0, 0)));  // even, same for r
         CUTE_UNROLL
         for (int c2 = 0; c2 < 2; ++c2) {
