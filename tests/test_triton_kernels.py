@@ -461,6 +461,34 @@ def test_lagged_gather_plan_follows_the_previous_call_of_its_shape():
                            policy="auto", lagged=True) is not None
 
 
+def test_lagged_verdict_does_not_wait_for_totals_still_on_their_way():
+    # A lagged plan whose previous totals have not reached the host takes the previous call's
+    # own verdict instead of waiting (waiting drained the device's queue); a call that was
+    # planned from its own totals (no verdict to fall back on) is waited for.
+    from flash_dmattn.backends.triton.gather import _TotalsToHost
+
+    class InFlight:
+        waited = False
+
+        def query(self):
+            return False
+
+        def synchronize(self):
+            InFlight.waited = True
+
+    totals = torch.tensor([10, 2], dtype=torch.int32)  # 2 gathered of 10 live tiles: gather
+    for planned_with, want, waits in ((False, False, False), (True, True, False),
+                                      (None, True, True)):
+        on_host = _TotalsToHost(totals, planned_with)
+        on_host.event = InFlight()
+        InFlight.waited = False
+        assert on_host.gathers(False, wait=False) is want, planned_with
+        assert InFlight.waited is waits, planned_with
+    on_host = _TotalsToHost(totals, False)
+    on_host.event = InFlight()
+    assert on_host.gathers(False) is True  # waiting (the default) reads the totals
+
+
 def test_lagged_gather_decision_keeps_outputs_exact(gather_auto_poisoned):
     # A plan decided from another call's totals (gathered for a dense mask, tiles for a
     # sparse one) still computes this call's attention.
