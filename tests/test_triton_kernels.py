@@ -439,10 +439,13 @@ def test_gather_plan_auto_prefers_gather_only_when_it_saves_work():
     assert plan_key_gather(sparse, None, Lq, Lk, 4, True, 16, 16, "never") is None
 
 
-def test_lagged_gather_plan_follows_the_previous_call_of_its_shape():
+def test_lagged_gather_plan_follows_the_previous_call_of_its_shape(monkeypatch):
     # The kernels' own planning decides "auto" from the previous call of the same shapes (no
     # host wait); the first call of a shape decides from its own totals.
+    from flash_dmattn.backends.triton import gather
     from flash_dmattn.backends.triton.gather import plan_key_gather
+
+    monkeypatch.setattr(gather, "LAGGED_SAMPLE_EVERY", 1)  # every call counts its tiles
 
     Lq = Lk = 256
     sparse = _topk_mask(1, 2, Lq, Lk, keep=20, causal=True)
@@ -459,6 +462,30 @@ def test_lagged_gather_plan_follows_the_previous_call_of_its_shape():
     # Another shape keeps its own history.
     assert plan_key_gather(sparse[..., :128, :], None, 128, Lk, 4, True, 16, 16,
                            policy="auto", lagged=True) is not None
+
+
+def test_lagged_gather_plans_count_tiles_every_few_calls(monkeypatch):
+    # Alike lagged calls count their tiles every LAGGED_SAMPLE_EVERY-th call and follow the
+    # last count in between; a call decided on tile lists that does not count builds nothing.
+    from flash_dmattn.backends.triton import gather
+
+    monkeypatch.setattr(gather, "LAGGED_SAMPLE_EVERY", 3)
+    Lq = Lk = 256
+    sparse = _topk_mask(1, 2, Lq, Lk, keep=20, causal=True)
+    dense = torch.rand(1, 2, Lq, Lk) > 0.5
+    counted = []
+    real = gather._compact_keys
+    monkeypatch.setattr(gather, "_compact_keys",
+                        lambda *a: counted.append(a[-1]) or real(*a))
+    plan = lambda m: gather.plan_key_gather(m, None, Lq, Lk, 4, True, 16, 16, policy="auto",
+                                            lagged=True)
+    got = [plan(m) is not None for m in (dense, sparse, sparse, sparse, sparse, sparse)]
+    # Counts at calls 0 (its own: tiles) and 3 (sparse): calls 1-3 follow call 0, 4-5 call 3.
+    assert got == [False, False, False, False, True, True]
+    assert counted == [True, True, False, False]  # calls 1-2 built nothing, 4-5 no count
+    g = plan(sparse)
+    assert g is not None and torch.equal(g.cnt, gather.plan_key_gather(
+        sparse, None, Lq, Lk, 4, True, 16, 16, policy="always").cnt)
 
 
 def test_lagged_verdict_does_not_wait_for_totals_still_on_their_way():

@@ -142,8 +142,8 @@ def plan_key_gather(
     bits kernels skip their work on the device when the totals say "tiles").
 
     ``lagged`` (the kernels' own planning): decide ``auto`` from the totals of the previous
-    call with the same shapes and block sizes when there was one, so the host does not wait
-    at all: a training step's forward would otherwise wait for the previous step's backward
+    counted call with the same shapes and block sizes when there was one (alike calls count
+    every :data:`LAGGED_SAMPLE_EVERY`-th time), so the host does not wait at all: a training step's forward would otherwise wait for the previous step's backward
     to drain before it can queue its own kernels. When those totals have not reached the
     host yet (the host runs more than a call ahead of the device), the previous call's own
     verdict serves: waiting for them drained the device's queue, and a T2 forward measured
@@ -162,19 +162,28 @@ def plan_key_gather(
     capturing = mask.is_cuda and torch.cuda.is_current_stream_capturing()
     memo_key = None
     verdict = None  # True: gather, False: tiles, None: from this call's own totals
+    sample = True  # this call counts its tiles for the verdicts of later calls
     if auto and lagged:
         memo_key = (mask.device, tuple(mask.shape), seqlen_q, seqlen_k, bool(is_causal),
                     block_m, block_n)
-        previous = _LAGGED_TOTALS.get(memo_key)
-        if previous is not None:
-            verdict = previous.gathers(capturing, wait=False)
+        memo = _LAGGED_TOTALS.get(memo_key)
+        if memo is not None:
+            verdict = memo.on_host.gathers(capturing, wait=False)
+            memo.calls += 1
+            sample = memo.calls % LAGGED_SAMPLE_EVERY == 0
     if auto and capturing and verdict is None:
         verdict = False
+    count = auto and sample and not capturing
+    if verdict is False and not count:
+        return None  # decided on tile lists, and nothing to count for later calls
     idx, cnt, totals = _compact_keys(union_u8, rows_per_tile, seqlen_q, seqlen_k, is_causal,
-                                     block_m, block_n, auto)
-    on_host = _TotalsToHost(totals, verdict) if auto and not capturing else None
+                                     block_m, block_n, count)
+    on_host = _TotalsToHost(totals, verdict) if count else None
     if memo_key is not None and on_host is not None:
-        _LAGGED_TOTALS[memo_key] = on_host
+        memo = _LAGGED_TOTALS.get(memo_key)
+        if memo is None:
+            memo = _LAGGED_TOTALS[memo_key] = _LaggedTotals(on_host)
+        memo.on_host = on_host
         _LAGGED_TOTALS.move_to_end(memo_key)
         while len(_LAGGED_TOTALS) > _LAGGED_KEYS:
             _LAGGED_TOTALS.popitem(last=False)
@@ -195,8 +204,22 @@ def plan_key_gather(
                      idx=idx, cnt=cnt, gbits=gbits, gbias=gbias)
 
 
+class _LaggedTotals:
+    """The last counted totals of alike lagged plans and how many plans have used them."""
+
+    __slots__ = ("on_host", "calls")
+
+    def __init__(self, on_host: "_TotalsToHost"):
+        self.on_host = on_host
+        self.calls = 0
+
+
+# Lagged plans of alike calls count their tiles (a zeroed device counter, a pinned copy and
+# an event: host time on every call of a host-bound forward) every this many calls; the
+# others follow the last count. Tests set 1.
+LAGGED_SAMPLE_EVERY = 8
 # Totals of the last lagged auto plan per (device, mask shape, lengths, causal, blocks).
-_LAGGED_TOTALS: "OrderedDict[tuple, _TotalsToHost]" = OrderedDict()
+_LAGGED_TOTALS: "OrderedDict[tuple, _LaggedTotals]" = OrderedDict()
 _LAGGED_KEYS = 64
 
 

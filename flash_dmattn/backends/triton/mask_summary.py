@@ -215,8 +215,6 @@ def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int,
                              f"not {row_block}")
         bits_width = cdiv(seqlen_k, KEY_BITS_KEY_PAD) * KEY_BITS_KEY_PAD
         bits = torch.empty((bx, hx, n_bit_rows, bits_width), dtype=torch.int64, device=device)
-        # Keys past the last summary tile (key_block < 128) are padding no program writes.
-        bits[..., n_k * key_block:].zero_()
     bits_arg = bits if bits is not None else tile_all
     words = _as_words(mask, key_block)
     if row_any.numel() and words is not None and row_block % 8 == 0:
@@ -224,7 +222,7 @@ def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int,
         # chunks on the interpreter (quicker, and tests cover several chunks a row).
         chunk_w = max(16 if device.type == "cpu" else 128, key_block // 4)
         n_c = cdiv(n_k * key_block // 4, chunk_w)
-        if bits is not None:
+        if bits is not None and n_c * chunk_w * 4 < bits_width:
             bits[..., n_c * chunk_w * 4:].zero_()
         _mask_summary_rows_kernel[(n_c, n_q, bx * hx)](
             words, row_any.view(torch.int32), tile_all, bits_arg,
@@ -234,6 +232,9 @@ def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int,
             IS_CAUSAL=bool(causal), KEY_BITS=bits is not None, num_warps=1,
         )
     elif row_any.numel():
+        if bits is not None and n_k * key_block < bits_width:
+            # Keys past the last summary tile (key_block < 128): padding no program writes.
+            bits[..., n_k * key_block:].zero_()
         mask_u8 = mask.view(torch.uint8)
         _mask_summary_kernel[(n_k, n_q, bx * hx)](
             mask_u8, row_any, tile_all, bits_arg,
