@@ -502,10 +502,10 @@ def test_cuda_gather_plan_declines_what_the_kernels_cannot_take(monkeypatch):
 
 
 def test_cuda_auto_dispatch_takes_measured_calls_on_hopper(monkeypatch):
-    # Measured faster than triton on Hopper for forward-only calls (T1-T3), for mask-free
-    # calls with gradients (the dense suite) and for training with a per-query mask (T2);
-    # slower for forward + backward with a per-key mask (T3) or a bias alone, decode, and
-    # untested for other GPUs: those keep their skip reason.
+    # Measured faster than triton on Hopper for forward-only calls (T1-T3), for calls with
+    # gradients and no bias (the dense suite, T3's per-key mask) and for training with a
+    # per-query mask (T2); not for training with a bias alone (or with a per-key mask),
+    # decode, and untested for other GPUs: those keep their skip reason.
     from flash_dmattn.backends.cuda import kernels
 
     backend = cuda_backend.CudaBackend()
@@ -531,7 +531,12 @@ def test_cuda_auto_dispatch_takes_measured_calls_on_hopper(monkeypatch):
     per_key_mask = AttentionInputs.from_args(
         torch.randn(1, 512, 8, 16, requires_grad=True), torch.randn(1, 512, 2, 16),
         torch.randn(1, 512, 2, 16), torch.ones(1, 2, 1, 512, dtype=torch.bool), None, None, False)
-    assert backend.auto_skip_reasons(per_key_mask) != []  # block-sparse training: triton
+    assert backend.auto_skip_reasons(per_key_mask) == []  # block-sparse training (T3)
+    per_key_mask_bias = AttentionInputs.from_args(
+        torch.randn(1, 512, 8, 16, requires_grad=True), torch.randn(1, 512, 2, 16),
+        torch.randn(1, 512, 2, 16), torch.ones(1, 2, 1, 512, dtype=torch.bool),
+        torch.zeros(1, 2, 1, 512), None, False)
+    assert backend.auto_skip_reasons(per_key_mask_bias) != []
     assert backend.auto_skip_reasons(inputs_for(512, 512, grad=True, bias=True)) != []
     with torch.no_grad():
         assert backend.auto_skip_reasons(inputs_for(512, 512, grad=True, mask=True)) == []

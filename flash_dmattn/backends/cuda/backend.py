@@ -115,21 +115,21 @@ class CudaBackend(Backend):
 
     def auto_skip_reasons(self, inputs) -> List[str]:
         # Auto-dispatch takes these kernels where the benchmark measured them at least as fast
-        # as triton, on Hopper: forward-only calls (nothing needs a gradient; H200 2026-11-23:
-        # T1 1.78 vs 2.32 ms, T2 0.61 vs 0.69 ms, T3 1.02 vs 1.06 ms), calls with neither mask
-        # nor bias, with gradients too (the warp-specialised dK/dV: every dense row of the
-        # benchmark, e.g. L16384 D128 causal 8.8 vs 9.9 ms), and training with a per-query
-        # mask (the key-bits dK/dV: T2 2.65 vs 3.09 ms). With a per-key mask or a bias alone,
-        # forward + backward is still slower (T3 4.95 vs 4.65 ms), and so are its decode kernel
-        # with a mask + bias and packed sequences (not measured against triton): those stay
-        # with triton unless FLASH_DMATTN_CUDA_AUTO=1.
+        # as triton, on Hopper (H200, 2026-11-23): forward-only calls (nothing needs a
+        # gradient; T1 1.97 vs 2.39 ms, T2 0.54 vs 0.66 ms, T3 1.07 vs 1.09 ms), calls with
+        # neither mask nor bias, with gradients too (the warp-specialised dK/dV: every dense
+        # row of the benchmark, e.g. L16384 D128 causal 8.7 vs 10.1 ms), training with a mask
+        # and no bias (T3's per-key mask: 4.38-4.62 vs 4.69-4.83 ms) and training with a
+        # per-query mask and a per-key bias (T2: 2.26 vs 3.00 ms). Training with a bias and a
+        # per-key mask or none, its decode kernel with a mask + bias and packed sequences are
+        # not measured at least as fast: those stay with triton unless FLASH_DMATTN_CUDA_AUTO=1.
         if os.environ.get("FLASH_DMATTN_CUDA_AUTO", "0") not in ("", "0"):
             return []
         if _hopper_measured_faster(inputs):
             return []
-        return ["forward + backward with a per-key mask or a bias alone not yet as fast as "
-                "triton (H200: block-sparse 4.95 vs 4.65 ms); on Hopper, forward-only, mask-free "
-                "and per-query-mask calls use it; set FLASH_DMATTN_CUDA_AUTO=1 to prefer it "
+        return ["forward + backward with a bias, without a per-query mask, not measured as fast "
+                "as triton; on Hopper, forward-only calls, training without a bias and "
+                "per-query-mask training use it; set FLASH_DMATTN_CUDA_AUTO=1 to prefer it "
                 "everywhere"]
 
     def kernel_module(self, spec: KernelSpec, device=None):
@@ -178,7 +178,7 @@ def cuda_varlen_op():
 
 def _hopper_measured_faster(inputs) -> bool:
     """A call on an sm_90 GPU (not packed, not decode, no paged / used-length cache) where
-    nothing needs a gradient, that has neither mask nor bias, or whose mask varies per query
+    nothing needs a gradient, that has no bias, or whose mask varies per query
     (:func:`_per_query_mask_training`)."""
     if not isinstance(inputs, AttentionInputs) or inputs.device.type != "cuda":
         return False
@@ -191,8 +191,7 @@ def _hopper_measured_faster(inputs) -> bool:
         return False
     leaves = [inputs.query, inputs.key, inputs.value, inputs.attn_bias]
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
-    if needs_grad and not _per_query_mask_training(inputs) and (
-            inputs.attn_mask is not None or inputs.attn_bias is not None):
+    if needs_grad and inputs.attn_bias is not None and not _per_query_mask_training(inputs):
         return False
     return torch.cuda.get_device_capability(inputs.device) == (9, 0)
 
