@@ -220,11 +220,12 @@ def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap, for_backward=
         rows, keys = _backward_summary_blocks(mod)
         summary = _summary(mask, Lq, Lk, is_causal, rows, keys, key_bits=_wants_key_bits(mod))
     else:
-        # Key bits only serve the gathered forward's bits here, and pay: T2 on an H200, the
-        # summary 0.051 ms with them against 0.044 without, the gathered bits from them 0.120
-        # against 0.166 from the mask rows (summary-time-2026-11-23c-rows.log).
+        # Key bits only serve the gathered forward's bits here (so only modules that gather
+        # write them), and pay: T2 on an H200, the summary 0.051 ms with them against 0.044
+        # without, the gathered bits from them 0.120 against 0.166 from the mask rows
+        # (summary-time-2026-11-23c-rows.log).
         summary = _summary(mask, Lq, Lk, is_causal, block_m, block_n,
-                           key_bits=key_bits_allowed(training=False))
+                           key_bits=mod.fwd_gathers() and key_bits_allowed(training=False))
     gather = _gather_plan(mod, mask, bias, Lq, Lk, H, is_causal, block_m, block_n, summary)
     if gather is not None:
         out, lse = mod.fwd_gathered(q, k, v, None, float(scale), bool(is_causal), float(softcap),

@@ -145,11 +145,11 @@ def plan_key_gather(
     counted call with the same shapes and block sizes when there was one (alike calls count
     every :data:`LAGGED_SAMPLE_EVERY`-th time), so the host does not wait at all: a training
     step's forward would otherwise wait for the previous step's backward to drain before it
-    can queue its own kernels. When those totals have not reached the
-    host yet (the host runs more than a call ahead of the device), the previous call's own
-    verdict serves: waiting for them drained the device's queue, and a T2 forward measured
-    0.84 ms against 0.55 ms of kernels (H200, 2026-11-23). Either choice computes the same
-    attention; only its speed depends on the choice.
+    can queue its own kernels. When those totals have not reached the host yet (the host
+    runs more than a call ahead of the device), the previous call's own verdict serves:
+    waiting for them drained the device's queue, and a T2 forward measured 0.84 ms against
+    0.55 ms of kernels (H200, 2026-11-23). Either choice computes the same attention; only
+    its speed depends on the choice.
     """
     policy = gather_policy(kernel) if policy is None else policy
     if policy == "never" or not gather_eligible(mask, bias, seqlen_q, seqlen_k, block_m):
