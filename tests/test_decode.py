@@ -340,19 +340,24 @@ def test_triton_backend_uses_decode_kernel(monkeypatch):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("chunk", [None, 2])
-def test_decode_kernel_split_merge_edge_rows(poison, monkeypatch, chunk):
+@pytest.mark.parametrize("chunk,cols", [(None, 1), (2, 1), (None, 2), (2, 4)])
+def test_decode_kernel_split_merge_edge_rows(poison, monkeypatch, chunk, cols):
     # The combine over 5 splits with causality, softcap, -inf biases on a whole prefix and a
     # batch whose cache is empty (every split of it empty: zeros, lse -inf, no NaN); read in
     # one chunk, or in chunks of 2 (the running max rescales the sums, the last chunk is
-    # partly past the last split).
+    # partly past the last split); one program per row, or the head dim cut into column
+    # blocks (each writes its columns, only the first the lse: the poison shows the rest).
     from flash_dmattn.backends.triton import decode as decode_mod
 
+    monkeypatch.setattr(decode_mod, "COMBINE_COLUMN_BLOCKS", cols)
     if chunk is not None:
-        monkeypatch.setattr(decode_mod, "combine_chunk", lambda num_splits, block_d: chunk)
+        real = decode_mod.combine_config
+        monkeypatch.setattr(decode_mod, "combine_config",
+                            lambda num_splits, block_d: (chunk, *real(num_splits, block_d)[1:]))
     bias = torch.randn(3, 2, 1, 90)
     bias[1, :, :, :40] = float("-inf")
-    out, lse = run_decode(3, 2, 4, 2, 90, 16, "per_key", causal=True, softcap=5.0,
+    # Head dim 64: up to four 16-column blocks.
+    out, lse = run_decode(3, 2, 4, 2, 90, 64, "per_key", causal=True, softcap=5.0,
                           cs=[90, 61, 0], num_splits=5, bias_override=bias)
     assert not out.isnan().any()
     assert (out[2] == 0).all() and (lse[2] == float("-inf")).all()

@@ -396,14 +396,17 @@ def _decode_combine_kernel(
     stride_ob, stride_om, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr,
 ):
-    # One program per output row r = (b * H + h) * Lq + i: out = sum_s w_s * o_s / sum_s w_s
-    # with w_s = 2^(lse_s - max lse); empty splits have lse -inf (weight 0) and o_s = 0.
+    # Program (r, c): output row r = (b * H + h) * Lq + i, head-dim columns
+    # [c * BLOCK_D, (c + 1) * BLOCK_D): out = sum_s w_s * o_s / sum_s w_s with
+    # w_s = 2^(lse_s - max lse); empty splits have lse -inf (weight 0) and o_s = 0.
     # CHUNK_S splits' log-sum-exps and partials are read together as one load each, and the
     # running max rescales the sums (online, like the attention loop): one L2 round trip per
-    # chunk -- every split of a B1 step is one chunk -- where reading the lse first, then the
-    # partials, put two in a row on the critical path of every decode step.
+    # chunk, where reading the lse first, then the partials, put two in a row on the critical
+    # path of every decode step. Column blocks (combine_config) spread a row's partials over
+    # more programs, so fewer bytes wait behind each program's loads.
     r = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
+    c = tl.program_id(1)
+    offs_d = c * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_c = tl.arange(0, CHUNK_S)
     m = float("-inf")
@@ -425,19 +428,31 @@ def _decode_combine_kernel(
     has_any = denom > 0.0
     d_use = tl.where(has_any, denom, 1.0)
     out = acc / d_use
-    lse = tl.where(has_any, (m + tl.log2(d_use)) * 0.6931471805599453, float("-inf"))
     i = r % seqlen_q
     bh = r // seqlen_q
     h = bh % num_heads
     b = bh // num_heads
     tl.store(Out + b * stride_ob + i * stride_om + h * stride_oh + offs_d,
              out.to(Out.dtype.element_ty), mask=d_ok)
-    tl.store(Lse + r, lse)
+    if c == 0:
+        lse = tl.where(has_any, (m + tl.log2(d_use)) * 0.6931471805599453, float("-inf"))
+        tl.store(Lse + r, lse)
 
 
-def combine_chunk(num_splits: int, block_d: int) -> int:
-    """Splits the combine kernel reads per 2-D load: all of them up to 16 KiB of fp32 partials."""
-    return max(2, min(next_power_of_2(num_splits), 4096 // block_d))
+# Combine launch: at most this many fp32 partial elements per program load (16 KiB), and the
+# number of column blocks a row's head dim is cut into (1: one program per row).
+COMBINE_MAX_ELEMS = 4096
+COMBINE_COLUMN_BLOCKS = 1
+COMBINE_WARPS = 4
+
+
+def combine_config(num_splits: int, block_d: int) -> Tuple[int, int, int]:
+    """``(CHUNK_S, column_blocks, num_warps)`` of the combine kernel: all splits in one load
+    up to ``COMBINE_MAX_ELEMS`` partial elements per program, each row cut into
+    ``COMBINE_COLUMN_BLOCKS`` blocks of its head dim."""
+    cols = max(1, min(COMBINE_COLUMN_BLOCKS, block_d // 16))
+    chunk = max(2, min(next_power_of_2(num_splits), COMBINE_MAX_ELEMS * cols // block_d))
+    return chunk, cols, COMBINE_WARPS
 
 
 # ------------------------------------------------------------------------------------------
@@ -624,11 +639,11 @@ def decode_forward(
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
                                    num_stages=stages, maxnreg=maxnreg)
 
-    _decode_combine_kernel[(split_rows,)](
+    chunk, cols, combine_warps = combine_config(num_splits, head_block(D))
+    _decode_combine_kernel[(split_rows, cols)](
         o_part, l_part, out, lse,
         num_splits, split_rows, H, Lq,
         out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=D, BLOCK_D=head_block(D), CHUNK_S=combine_chunk(num_splits, head_block(D)),
-        num_warps=4,
+        HEAD_DIM=D, BLOCK_D=head_block(D) // cols, CHUNK_S=chunk, num_warps=combine_warps,
     )
     return out, lse
