@@ -28,12 +28,19 @@ from flash_dmattn.backends.triton import decode as td  # noqa: E402
 # name -> (module overrides, per_sm or None, split-kernel (BLOCK_N, num_warps, num_stages) or None)
 VARIANTS = {
     "base": ({}, None, None),
+    # The launch before 2026-11-23d: one 4-warp combine program per row, two stages always.
+    "old": ({"COMBINE_COLUMN_BLOCKS": 1, "use_deep_pipeline": lambda *a: False}, None, None),
+    "nodeep": ({"use_deep_pipeline": lambda *a: False}, None, None),
     "c64": ({"COMBINE_MAX_ELEMS": 8192}, None, None),
     "c64w8": ({"COMBINE_MAX_ELEMS": 8192, "COMBINE_WARPS": 8}, None, None),
     "cols2": ({"COMBINE_COLUMN_BLOCKS": 2}, None, None),
     "cols4": ({"COMBINE_COLUMN_BLOCKS": 4}, None, None),
     "cols4w2": ({"COMBINE_COLUMN_BLOCKS": 4, "COMBINE_WARPS": 2}, None, None),
     "cols8w1": ({"COMBINE_COLUMN_BLOCKS": 8, "COMBINE_WARPS": 1}, None, None),
+    "cols8w2": ({"COMBINE_COLUMN_BLOCKS": 8, "COMBINE_WARPS": 2}, None, None),
+    "cols4w1": ({"COMBINE_COLUMN_BLOCKS": 4, "COMBINE_WARPS": 1}, None, None),
+    "cols2w1": ({"COMBINE_COLUMN_BLOCKS": 2, "COMBINE_WARPS": 1}, None, None),
+    "cols8w1-sm2s3": ({"COMBINE_COLUMN_BLOCKS": 8, "COMBINE_WARPS": 1}, 2, (64, 4, 3)),
     "sm2s3": ({"COMBINE_COLUMN_BLOCKS": 4}, 2, (64, 4, 3)),
     "sm2s4": ({"COMBINE_COLUMN_BLOCKS": 4}, 2, (64, 4, 4)),
     "sm2n128": ({"COMBINE_COLUMN_BLOCKS": 4}, 2, (128, 4, 2)),
@@ -82,7 +89,7 @@ def capture(fn):
 
 
 def kernel_times(graph, replays=20):
-    """Median-free mean device microseconds per replay of each kernel in ``graph``."""
+    """Mean device microseconds per replay of each kernel in ``graph``."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -94,7 +101,7 @@ def kernel_times(graph, replays=20):
     for e in prof.key_averages():
         if e.device_type.name == "CUDA" and e.count:
             t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            res[e.key[:48]] = t / replays
+            res[e.key[:28]] = t / replays
     return res
 
 
@@ -141,7 +148,7 @@ def main():
               f"cudnn/best {med['cudnn'] / med[best]:.3f} maxdiff {max(diffs.values()):.2e}",
               flush=True)
         if args.profile:
-            for k in (names[0], "cudnn"):
+            for k in graphs:
                 kt_ = kernel_times(graphs[k])
                 print(f"  kernels {k}: " + "; ".join(f"{n} {t:.2f}us" for n, t in kt_.items()),
                       flush=True)

@@ -349,11 +349,13 @@ def test_decode_kernel_split_merge_edge_rows(poison, monkeypatch, chunk, cols):
     # blocks (each writes its columns, only the first the lse: the poison shows the rest).
     from flash_dmattn.backends.triton import decode as decode_mod
 
-    monkeypatch.setattr(decode_mod, "COMBINE_COLUMN_BLOCKS", cols)
-    if chunk is not None:
-        real = decode_mod.combine_config
-        monkeypatch.setattr(decode_mod, "combine_config",
-                            lambda num_splits, block_d: (chunk, *real(num_splits, block_d)[1:]))
+    real = decode_mod.combine_config
+
+    def config(num_splits, block_d, split_rows, device):
+        natural = real(num_splits, block_d, split_rows, device)[0] * cols
+        return (chunk or natural), cols, 1
+
+    monkeypatch.setattr(decode_mod, "combine_config", config)
     bias = torch.randn(3, 2, 1, 90)
     bias[1, :, :, :40] = float("-inf")
     # Head dim 64: up to four 16-column blocks.
@@ -361,6 +363,30 @@ def test_decode_kernel_split_merge_edge_rows(poison, monkeypatch, chunk, cols):
                           cs=[90, 61, 0], num_splits=5, bias_override=bias)
     assert not out.isnan().any()
     assert (out[2] == 0).all() and (lse[2] == float("-inf")).all()
+
+
+def test_decode_launch_rules(monkeypatch):
+    # The combine's column blocks aim at ~4 programs per SM (8 at most, >= 16 columns each,
+    # one warp each; a single 4-warp program per row when rows alone fill the GPU), and the
+    # split kernel's three-stage pipeline applies without mask or bias while B * Hkv fits two
+    # programs per SM. Pure Python: the SM count is patched.
+    from flash_dmattn.backends.triton import decode as decode_mod
+
+    monkeypatch.setattr(decode_mod, "_sm_count", lambda device: 132)
+    gpu = torch.device("cuda")
+    assert decode_mod.combine_config(64, 128, 32, gpu) == (64, 8, 1)    # B1 H32
+    assert decode_mod.combine_config(8, 128, 256, gpu) == (8, 2, 1)     # B8 H32
+    assert decode_mod.combine_config(1, 128, 2048, gpu) == (2, 1, 4)    # B64 H32
+    assert decode_mod.combine_config(100, 128, 512, gpu) == (32, 1, 4)  # chunks of 16 KiB
+    assert decode_mod.combine_config(64, 64, 32, gpu) == (64, 4, 1)     # >= 16 columns
+    assert decode_mod.combine_config(64, 256, 16, gpu) == (64, 8, 1)
+    assert decode_mod.use_deep_pipeline(1, 8, False, gpu)
+    assert decode_mod.use_deep_pipeline(33, 8, False, gpu)
+    assert not decode_mod.use_deep_pipeline(34, 8, False, gpu)
+    assert not decode_mod.use_deep_pipeline(1, 8, True, gpu)
+    assert not decode_mod.use_deep_pipeline(1, 8, False, torch.device("cpu"))
+    assert decode_mod.decode_config(128, 16, False, True)[2] == 3
+    assert decode_mod.decode_config(128, 16)[2] == 2
 
 
 # ---------------------------------------------------------------------------------------------

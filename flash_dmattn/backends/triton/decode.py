@@ -287,6 +287,11 @@ def _decode_split_kernel(
     d_ok = offs_d < HEAD_DIM
     offs_n0 = tl.arange(0, BLOCK_N)
 
+    # q first: it does not depend on the cache length, whose load heads the chain (length ->
+    # split bounds -> mask -> K/V) of a short step.
+    q_ptrs = (Q + b64 * stride_qb + qi[:, None].to(tl.int64) * stride_qm
+              + h[:, None].to(tl.int64) * stride_qh + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if HAS_CACHE:
         # Clamped: values are not checked on the GPU (that would sync), memory stays safe.
         kv_len = tl.minimum(tl.maximum(tl.load(CacheSeqlens + b), 0), seqlen_k)
@@ -304,9 +309,6 @@ def _decode_split_kernel(
     start = pid_s * keys_per_split
     end = tl.minimum(start + keys_per_split, kv_end)
 
-    q_ptrs = (Q + b64 * stride_qb + qi[:, None].to(tl.int64) * stride_qm
-              + h[:, None].to(tl.int64) * stride_qh + offs_d[None, :])
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if PAGE_SIZE > 0:
         # Paged: stride_kb / stride_vb are the pools' page strides, applied per key tile.
         k_base = K + hk.to(tl.int64) * stride_kh
@@ -439,29 +441,43 @@ def _decode_combine_kernel(
         tl.store(Lse + r, lse)
 
 
-# Combine launch: at most this many fp32 partial elements per program load (16 KiB), and the
-# number of column blocks a row's head dim is cut into (1: one program per row).
+# Combine launch: at most this many fp32 partial elements per program load (16 KiB); a row's
+# head dim is cut into up to this many column blocks (of >= 16 columns) so that the kernel has
+# about COMBINE_PROGRAMS_PER_SM programs per SM.
 COMBINE_MAX_ELEMS = 4096
-COMBINE_COLUMN_BLOCKS = 1
-COMBINE_WARPS = 4
+COMBINE_COLUMN_BLOCKS = 8
+COMBINE_PROGRAMS_PER_SM = 4
 
 
-def combine_config(num_splits: int, block_d: int) -> Tuple[int, int, int]:
-    """``(CHUNK_S, column_blocks, num_warps)`` of the combine kernel: all splits in one load
-    up to ``COMBINE_MAX_ELEMS`` partial elements per program, each row cut into
-    ``COMBINE_COLUMN_BLOCKS`` blocks of its head dim."""
-    cols = max(1, min(COMBINE_COLUMN_BLOCKS, block_d // 16))
+def combine_config(num_splits: int, block_d: int, split_rows: int, device: torch.device
+                   ) -> Tuple[int, int, int]:
+    """``(CHUNK_S, column_blocks, num_warps)`` of the combine kernel.
+
+    A decode step's combine waits for the whole split kernel, so its own latency is on the
+    step's critical path. With one 4-warp program per output row, a B1 H32 step ran 32
+    programs, each reading 64 splits x 128 columns in two chunks: 4.3 us of a 50 us step
+    (cuDNN's reduction kernel: 3.0 us). Cut into 8 column blocks, one warp each, one chunk:
+    2.1-2.3 us; with 256 rows (B8), 2 blocks: 2.2 against 3.0 us; with 2048 rows (B64), one
+    4-warp program per row stays best (3.5 us; 4 blocks took 6.5). H200, profiler device time,
+    ``scripts/decode_variants.py --profile`` (``decode-2026-11-23d-variants-combine2.log``).
+    """
+    target = COMBINE_PROGRAMS_PER_SM * (_sm_count(device) if device.type == "cuda" else 1)
+    cols = 1
+    while (cols * 2 <= COMBINE_COLUMN_BLOCKS and cols * 2 <= block_d // 16
+           and split_rows * cols * 2 <= target):
+        cols *= 2
     chunk = max(2, min(next_power_of_2(num_splits), COMBINE_MAX_ELEMS * cols // block_d))
-    return chunk, cols, COMBINE_WARPS
+    return chunk, cols, 1 if cols > 1 else 4
 
 
 # ------------------------------------------------------------------------------------------
 # Launch configuration
 # ------------------------------------------------------------------------------------------
 
-def decode_config(block_d: int, block_m: int, softcap_and_paged: bool = False
-                  ) -> Tuple[int, int, int, Optional[int]]:
+def decode_config(block_d: int, block_m: int, softcap_and_paged: bool = False,
+                  deep: bool = False) -> Tuple[int, int, int, Optional[int]]:
     """``(BLOCK_N, num_warps, num_stages, maxnreg)`` of the split kernel: fixed, not autotuned.
+    ``deep``: the three-stage pipeline of :func:`use_deep_pipeline` (two programs per SM).
 
     The autotuner chose among configs whose times lie within a few percent on some rows and
     up to 1.7x apart on others, and its choice changed between processes. Every config was
@@ -482,7 +498,29 @@ def decode_config(block_d: int, block_m: int, softcap_and_paged: bool = False
     cap spilled there: 8-16 bytes with softcap and paging, hundreds with 64 rows).
     """
     maxnreg = 128 if block_m <= 16 and block_d <= 128 and not softcap_and_paged else None
-    return 64, 4, 2, maxnreg
+    return 64, 4, 3 if deep else 2, maxnreg
+
+
+# Programs per SM of the three-stage split kernel (two 32 KiB K/V buffers each at head dim 128).
+DEEP_PER_SM = 2
+
+
+def use_deep_pipeline(batch: int, num_kv_heads: int, has_mask_or_bias: bool,
+                      device: torch.device) -> bool:
+    """Whether the split kernel runs three stages at two programs per SM instead of two stages
+    at four: without a mask or bias, when every ``(batch, kv head)`` still gets a program in
+    one wave.
+
+    Two programs with two tiles in flight each kept more bytes moving than four with one:
+    B1 H32/Hkv8 Lk 32K, split kernel 33.4 against 34.7 us (cuDNN's 33.5), the step 0.0474
+    against 0.0482 ms; Lk 128K / 512K 0.1360 / 0.4794 against 0.1368 / 0.4830; B8 Lk 32K
+    0.2524 against 0.2541 (H200, ``decode-2026-11-23d-variants-*.log``, variant sm2s3). With a
+    per-key mask + bias it was slower (B1 Lk 32K 0.0489 against 0.0416: the masked loop is
+    bound by instruction issue, which four programs per SM hide better), and with more
+    ``(batch, kv head)`` pairs than two per SM it runs a second wave (B64 2.13 against 1.90).
+    """
+    return (device.type == "cuda" and not has_mask_or_bias
+            and batch * num_kv_heads <= DEEP_PER_SM * _sm_count(device))
 
 
 _sm_count_cache = {}
@@ -588,8 +626,9 @@ def decode_forward(
         return out, lse
 
     interp = interpret_mode()
+    deep = not interp and use_deep_pipeline(B, Hkv, mask is not None or bias is not None, device)
     if num_splits is None:
-        num_splits = choose_num_splits(B, Hkv, Lk, device)
+        num_splits = choose_num_splits(B, Hkv, Lk, device, per_sm=DEEP_PER_SM if deep else 4)
     align = 16 if interp else SPLIT_ALIGN
     keys_per_split = cdiv(cdiv(Lk, max(1, num_splits)), align) * align
     num_splits = cdiv(Lk, keys_per_split)  # no split that starts past the capacity
@@ -634,12 +673,12 @@ def decode_forward(
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=INTERPRET_BLOCK_N, num_warps=4,
                                    num_stages=1)
     else:
-        block_n, warps, stages, maxnreg = decode_config(head_block(D), block_m,
-                                                        has_softcap and block_table is not None)
+        block_n, warps, stages, maxnreg = decode_config(
+            head_block(D), block_m, has_softcap and block_table is not None, deep)
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
                                    num_stages=stages, maxnreg=maxnreg)
 
-    chunk, cols, combine_warps = combine_config(num_splits, head_block(D))
+    chunk, cols, combine_warps = combine_config(num_splits, head_block(D), split_rows, device)
     _decode_combine_kernel[(split_rows, cols)](
         o_part, l_part, out, lse,
         num_splits, split_rows, H, Lq,
