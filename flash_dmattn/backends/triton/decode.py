@@ -10,7 +10,8 @@ reads every K/V tile once per *query head*. This kernel instead:
   so each K/V tile is loaded once per kv head;
 * splits the key range across ``num_splits`` programs per (batch, kv head) so that short
   batches still fill the GPU; each split writes an fp32 partial output and its log-sum-exp;
-* merges the splits in a small combine kernel (one program per output row).
+* merges the splits in a small combine kernel (one program per output row, or per column block
+  of it: :func:`combine_config`); with a single split the split kernel writes the output.
 
 Mask and bias are read through their strides in any broadcast shape of SPEC §3.2 (the per-key
 ``(B, Hkv, 1, Lk)`` case loads one key vector per tile for the whole group). ``cache_seqlens``
@@ -261,13 +262,13 @@ def _decode_split_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn, bias_hdiv,
     batch, num_heads, group, seqlen_q, seqlen_k, keys_per_split,
     qk_scale, cap_scale, softcap,
-    stride_btb, num_pages,
+    stride_btb, num_pages, stride_ob, stride_om, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWB: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CACHE: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
 ):
     # One program: key split pid_s of (batch b, kv head hk), for every query head of the group
     # and every query. Row r of the tile is query head hk*group + r // seqlen_q, query
@@ -384,11 +385,20 @@ def _decode_split_kernel(
     l_use = tl.where(has_any, l_i, 1.0)
     out = acc / l_use[:, None]
     lse2 = tl.where(has_any, m_i + tl.log2(l_use), float("-inf"))  # log2 domain
-    # Partial row index: ((split * B + b) * H + h) * Lq + i, rows of (B, H, Lq) per split.
-    prow = ((pid_s * batch + b) * num_heads + h).to(tl.int64) * seqlen_q + qi
-    tl.store(OPart + prow[:, None] * HEAD_DIM + offs_d[None, :], out,
-             mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LPart + prow, lse2, mask=row_ok)
+    if SINGLE_SPLIT:
+        # One split holds every key: OPart / LPart are the output (B, Lq, H, D) and its lse
+        # (B, H, Lq, natural log), and no combine runs after this kernel.
+        o_ptrs = (OPart + b64 * stride_ob + qi[:, None].to(tl.int64) * stride_om
+                  + h[:, None].to(tl.int64) * stride_oh + offs_d[None, :])
+        tl.store(o_ptrs, out.to(OPart.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LPart + (b * num_heads + h).to(tl.int64) * seqlen_q + qi,
+                 lse2 * 0.6931471805599453, mask=row_ok)
+    else:
+        # Partial row index: ((split * B + b) * H + h) * Lq + i, rows of (B, H, Lq) per split.
+        prow = ((pid_s * batch + b) * num_heads + h).to(tl.int64) * seqlen_q + qi
+        tl.store(OPart + prow[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LPart + prow, lse2, mask=row_ok)
 
 
 @triton.jit
@@ -634,8 +644,12 @@ def decode_forward(
     num_splits = cdiv(Lk, keys_per_split)  # no split that starts past the capacity
 
     split_rows = B * H * Lq
-    o_part = alloc_output((num_splits, split_rows, D), torch.float32, device)
-    l_part = alloc_output((num_splits, split_rows), torch.float32, device)
+    single = num_splits == 1  # the split kernel writes out / lse itself, no combine launch
+    if single:
+        o_part, l_part = out, lse
+    else:
+        o_part = alloc_output((num_splits, split_rows, D), torch.float32, device)
+        l_part = alloc_output((num_splits, split_rows), torch.float32, device)
 
     mask_arg = mask.view(torch.uint8) if mask is not None else q
     ms = broadcast_strides(mask, H)
@@ -660,13 +674,14 @@ def decode_forward(
         B, H, G, Lq, Lk, keys_per_split,
         softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
         block_table.stride(0) if block_table is not None else 0, num_pages,
+        out.stride(0), out.stride(1), out.stride(2),
     )
     meta = dict(
         HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_M=block_m,
         HAS_MASK=mask is not None, MASK_ROWB=row_invariant(mask),
         HAS_BIAS=bias is not None, BIAS_ROWB=row_invariant(bias),
         IS_CAUSAL=bool(is_causal), HAS_SOFTCAP=has_softcap, HAS_CACHE=cache_seqlens is not None,
-        DOT_UPCAST=dot_upcast(q.dtype), PAGE_SIZE=page_size,
+        DOT_UPCAST=dot_upcast(q.dtype), PAGE_SIZE=page_size, SINGLE_SPLIT=single,
     )
     grid = (num_splits, B, Hkv)
     if interp:
@@ -678,6 +693,8 @@ def decode_forward(
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
                                    num_stages=stages, maxnreg=maxnreg)
 
+    if single:
+        return out, lse
     chunk, cols, combine_warps = combine_config(num_splits, head_block(D), split_rows, device)
     _decode_combine_kernel[(split_rows, cols)](
         o_part, l_part, out, lse,
