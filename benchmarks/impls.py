@@ -48,6 +48,7 @@ class RunContext:
     quick: bool
     memory_bytes: int  # device memory (GPU) or physical RAM (CPU)
     backward: bool
+    skip: tuple = ()  # implementations whose name contains one of these are left out
 
     @property
     def cuda(self) -> bool:
@@ -427,4 +428,4 @@ def implementations(w: Workload, ctx: RunContext, backends: List[str]) -> List[I
     if w.has_mask_or_bias:
         impls.append(SdpaMaterialised())
     impls.append(FlexDirect(compiled=ctx.cuda))
-    return impls
+    return [i for i in impls if not any(part in i.name for part in ctx.skip)]

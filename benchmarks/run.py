@@ -374,6 +374,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--match", default=None,
                         help="comma list of substrings: run only workloads whose name contains one "
                              "(e.g. 'L16384 D128 causal')")
+    parser.add_argument("--skip", default="",
+                        help="comma list of substrings: leave out implementations whose name "
+                             "contains one (e.g. 'flex' to spare its compiles)")
     args = parser.parse_args(argv)
     args.suites = list(SUITES) if args.suite.strip() == "all" else _parse_list(args.suite, SUITES, "suite", parser)
     args.backend_list = _parse_list(args.backends, PRIORITY, "backend", parser) if args.backends else None
@@ -441,7 +444,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # bf16 is what GPUs train in; CPU kernels for bf16 are slow and not what anyone deploys.
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    ctx = RunContext(device, dtype, args.quick, _device_memory(device), backward=not args.no_bwd)
+    ctx = RunContext(device, dtype, args.quick, _device_memory(device), backward=not args.no_bwd,
+                     skip=tuple(p for p in args.skip.split(",") if p))
     backends, unavailable = _resolve_backends(args.backend_list)
     for name in args.backend_list or []:
         if name in unavailable:
