@@ -31,6 +31,8 @@ VARIANTS = {
     # The launch before 2026-11-23d: one 4-warp combine program per row, two stages always.
     "old": ({"COMBINE_COLUMN_BLOCKS": 1, "use_deep_pipeline": lambda *a: False}, None, None),
     "nodeep": ({"use_deep_pipeline": lambda *a: False}, None, None),
+    "deep": ({"use_deep_pipeline": lambda *a: True}, None, None),
+    "keyids": ({"PAGE_ID_PER_TILE": False}, None, None),
     "c64": ({"COMBINE_MAX_ELEMS": 8192}, None, None),
     "c64w8": ({"COMBINE_MAX_ELEMS": 8192, "COMBINE_WARPS": 8}, None, None),
     "cols2": ({"COMBINE_COLUMN_BLOCKS": 2}, None, None),
@@ -46,8 +48,15 @@ VARIANTS = {
     "sm2n128": ({"COMBINE_COLUMN_BLOCKS": 4}, 2, (128, 4, 2)),
     "sm3s2": ({"COMBINE_COLUMN_BLOCKS": 4}, 3, (64, 4, 2)),
 }
-# (B, Lk, cache fill, mask + bias)
+# (B, Lk, cache fill, mask + bias[, page size]): with a page size, K/V are read from shuffled
+# page pools through a block table (like the benchmark's paged rows).
 ROWS = {
+    "p-b1-512k": (1, 524288, None, False, 64), "p-b1-512k-mb": (1, 524288, None, True, 64),
+    "p-b1-32k": (1, 32768, None, False, 64), "p-b1-32k-mb": (1, 32768, None, True, 64),
+    "p-b8-128k": (8, 131072, None, False, 64), "p-b8-128k-mb": (8, 131072, None, True, 64),
+    "p-b64-32k": (64, 32768, None, False, 64), "p-b64-32k-mb": (64, 32768, None, True, 64),
+    "p16-b1-512k-mb": (1, 524288, None, True, 16), "p16-b64-32k-mb": (64, 32768, None, True, 16),
+    "b8-128k": (8, 131072, None, False), "b8-128k-mb": (8, 131072, None, True),
     "b1-4k": (1, 4096, None, False), "b1-4k-mb": (1, 4096, None, True),
     "b1-4k-mb-c50": (1, 4096, 0.5, True), "b1-32k": (1, 32768, None, False),
     "b1-32k-mb": (1, 32768, None, True), "b1-32k-mb-c50": (1, 32768, 0.5, True),
@@ -72,6 +81,17 @@ def overrides(values, config):
         for k, v in saved.items():
             setattr(td, k, v)
         td.decode_config = cfg
+
+
+def to_pages(k, v, page):
+    """K/V copied into page pools in a shuffled page order, and the block table."""
+    B, Lk, Hkv, D = k.shape
+    pages = Lk // page
+    perm = torch.randperm(B * pages, generator=torch.Generator().manual_seed(0)).to(k.device)
+    k_pool, v_pool = k.new_empty(B * pages, page, Hkv, D), v.new_empty(B * pages, page, Hkv, D)
+    k_pool[perm] = k.reshape(B * pages, page, Hkv, D)
+    v_pool[perm] = v.reshape(B * pages, page, Hkv, D)
+    return k_pool, v_pool, perm.view(B, pages).to(torch.int32)
 
 
 def capture(fn):
@@ -119,16 +139,19 @@ def main():
     rng = random.Random(0)
     scale = 128 ** -0.5
     for row in args.rows.split(","):
-        B, L, fill, masked = ROWS[row]
+        B, L, fill, masked, *paged = ROWS[row]
         c = build_case(decode_workload(B, L, masked, fill), dev, torch.bfloat16)
+        k, v, table = c.k, c.v, None
+        if paged:
+            k, v, table = to_pages(c.k, c.v, paged[0])
         graphs, outs = {}, {}
         for name in names:
             values, per_sm, config = VARIANTS[name]
             n = None if per_sm is None else td.choose_num_splits(B, 8, L, dev, per_sm=per_sm)
             with overrides(values, config):
                 graphs[name], outs[name] = capture(
-                    lambda n=n: td.decode_forward(c.q, c.k, c.v, c.mask, c.bias, scale, False,
-                                                  0.0, c.cache_seqlens, n)[0])
+                    lambda n=n: td.decode_forward(c.q, k, v, c.mask, c.bias, scale, False,
+                                                  0.0, c.cache_seqlens, n, table)[0])
         ref = outs[names[0]]
         diffs = {k: (o.float() - ref.float()).abs().max().item() for k, o in outs.items()}
         used = L if fill is None else int(L * fill)

@@ -380,11 +380,12 @@ def test_decode_launch_rules(monkeypatch):
     assert decode_mod.combine_config(100, 128, 512, gpu) == (32, 1, 4)  # chunks of 16 KiB
     assert decode_mod.combine_config(64, 64, 32, gpu) == (64, 4, 1)     # >= 16 columns
     assert decode_mod.combine_config(64, 256, 16, gpu) == (64, 8, 1)
-    assert decode_mod.use_deep_pipeline(1, 8, False, gpu)
-    assert decode_mod.use_deep_pipeline(33, 8, False, gpu)
-    assert not decode_mod.use_deep_pipeline(34, 8, False, gpu)
-    assert not decode_mod.use_deep_pipeline(1, 8, True, gpu)
-    assert not decode_mod.use_deep_pipeline(1, 8, False, torch.device("cpu"))
+    assert decode_mod.use_deep_pipeline(1, 8, False, False, gpu)
+    assert decode_mod.use_deep_pipeline(33, 8, False, False, gpu)
+    assert not decode_mod.use_deep_pipeline(34, 8, False, False, gpu)
+    assert not decode_mod.use_deep_pipeline(1, 8, True, False, gpu)
+    assert not decode_mod.use_deep_pipeline(1, 8, False, True, gpu)  # paged
+    assert not decode_mod.use_deep_pipeline(1, 8, False, False, torch.device("cpu"))
     assert decode_mod.decode_config(128, 16, False, True)[2] == 3
     assert decode_mod.decode_config(128, 16)[2] == 2
 

@@ -280,6 +280,34 @@ def test_decode_paged_splits_and_tiles_spanning_pages(poison, monkeypatch, num_s
 
 
 @needs_interpreter
+@pytest.mark.parametrize("block_n,per_tile", [(16, True), (16, False), (64, True)])
+def test_decode_paged_invalid_ids_past_used_length(poison, monkeypatch, block_n, per_tile):
+    # Table entries past each batch's used length hold ids no page has (-1, 10**6), as a
+    # server's unallocated slots may: the kernel reads them (page ids load for every in-bounds
+    # key, mask or not) but clamps them and never loads those keys' K/V, so the result equals
+    # the reference on the used keys. Page ids per tile (16-key tiles on 32-key pages) and per
+    # key (64-key tiles, or forced).
+    from flash_dmattn.backends.triton import decode as decode_mod
+
+    monkeypatch.setattr(decode_mod, "INTERPRET_BLOCK_N", block_n)
+    monkeypatch.setattr(decode_mod, "PAGE_ID_PER_TILE", per_tile)
+    B, Lq, H, Hkv, page, P, D = 3, 1, 4, 2, 32, 4, 16
+    q, k, v = make(B, Lq, H, Hkv, P * page, D)
+    mask, bias = make_aux("per_key", B, Lq, H, Hkv, P * page)
+    k_pool, v_pool, table = to_pages(k, v, page)
+    cs = [33, 70, 0]
+    for b, used in enumerate(cs):
+        first_unused = -(-used // page)
+        table[b, first_unused:] = torch.tensor([-1, 10**6] * P, dtype=torch.int32)[: P - first_unused]
+    cs_t = torch.tensor(cs, dtype=torch.int32)
+    out, lse = decode_mod.decode_forward(q, k_pool, v_pool, mask, bias, D ** -0.5, False, 0.0,
+                                         cs_t, 2, block_table=table)
+    want_o, want_l = naive_kv(q, k, v, mask, bias, D ** -0.5, False, 0.0, cs_t)
+    assert_close("out", out, want_o, TOL[torch.float32])
+    assert_close("lse", lse, want_l, TOL[torch.float32])
+
+
+@needs_interpreter
 @pytest.mark.parametrize("kind", ["none", "full", "padding"])
 def test_decode_paged_broadcast_shapes(poison, kind):
     run_paged(2, 2, 4, 2, 2, 32, kind=kind, cs=[17, 64])

@@ -64,6 +64,9 @@ MAX_SPLITS = 128
 MIN_KEYS_PER_SPLIT = 128
 # Split boundaries are multiples of this, so every BLOCK_N (decode_config) tiles a split exactly.
 SPLIT_ALIGN = 128
+# Paged K/V whose pages hold whole key tiles load one page id per tile (False: one per key,
+# the layout-independent path; for A/B runs).
+PAGE_ID_PER_TILE = True
 # Key tile under the CPU interpreter (small, so tiny test shapes have several tiles; tests raise
 # it to make tiles span several 16-key pages).
 INTERPRET_BLOCK_N = 16
@@ -201,29 +204,17 @@ def fold_cache_seqlens(mask: Optional[torch.Tensor], cache_seqlens: torch.Tensor
 # ------------------------------------------------------------------------------------------
 
 @triton.jit
-def _decode_tile(q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok, aux_ok, row_ok,
-                 offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
-                 bt_base, num_pages, stride_kp, stride_vp,
+def _decode_tile(q, acc, m_i, l_i, vis, k_base, v_base, bias_base, k_off, v_off, offs_n, n_ok,
+                 aux_ok, row_ok, offs_d, d_ok, stride_bn, qk_scale, cap_scale, softcap,
                  HAS_BIAS: tl.constexpr, BIAS_ROWB: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr):
+                 DOT_UPCAST: tl.constexpr):
     """One key tile of the online softmax (log2 domain); returns the updated acc, m, l.
 
-    ``n_ok``: the keys whose K, V (and page id) are loaded; the others read as zeros and
-    must be hidden by ``vis``. ``aux_ok``: the keys whose bias is loaded (it may include
-    hidden in-bounds keys: a tile-aligned bound keeps those loads vectorised).
-    ``PAGE_SIZE > 0``: paged K/V; each key's page comes from the block table (loaded only for
-    keys in ``n_ok``, so unused table entries past the used length are never read).
+    ``k_off`` / ``v_off``: each key's row offset in K / V (:func:`_key_offsets`). ``n_ok``:
+    the keys whose K, V are loaded; the others read as zeros and must be hidden by ``vis``.
+    ``aux_ok``: the keys whose bias is loaded (it may include hidden in-bounds keys: a
+    tile-aligned bound keeps those loads vectorised).
     """
-    if PAGE_SIZE > 0:
-        page = tl.load(bt_base + offs_n // PAGE_SIZE, mask=n_ok, other=0)
-        # Clamped: page ids are not checked on the GPU (that would sync); memory stays safe.
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
-        slot = (offs_n % PAGE_SIZE).to(tl.int64)
-        k_off = page * stride_kp + slot * stride_kn
-        v_off = page * stride_vp + slot * stride_vn
-    else:
-        k_off = offs_n * stride_kn
-        v_off = offs_n * stride_vn
     kt = tl.load(k_base + k_off[None, :] + offs_d[:, None],
                  mask=n_ok[None, :] & d_ok[:, None], other=0.0)
     s = _dot(q, kt, DOT_UPCAST)
@@ -253,6 +244,34 @@ def _decode_tile(q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, n_ok,
 
 
 @triton.jit
+def _key_offsets(offs_n, n0, n_ld, bt_base, num_pages, stride_kn, stride_vn, stride_kp,
+                 stride_vp, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 TILE_PAGE: tl.constexpr):
+    """Row offsets in K and V of the tile's keys ``offs_n = n0 + arange(BLOCK_N)``.
+
+    ``PAGE_SIZE > 0``: paged pools; key ``j`` lives in page ``block_table[j // PAGE_SIZE]``,
+    slot ``j % PAGE_SIZE``. ``TILE_PAGE``: pages hold whole tiles (``n0`` is a multiple of
+    ``BLOCK_N``, which divides ``PAGE_SIZE``), so one page id is loaded per tile; else one per
+    key. The ids
+    are loaded for every in-bounds key (``n_ld``), never predicated on the mask: the id loads
+    then run beside the mask load instead of after it, and only the K/V loads wait for both.
+    Ids past a cache's used length are read (they lie inside the table) but clamped like any
+    other, and those keys' K/V are never loaded.
+    """
+    if PAGE_SIZE > 0:
+        if TILE_PAGE:
+            page = tl.load(bt_base + n0 // PAGE_SIZE)
+            slot = (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        else:
+            page = tl.load(bt_base + offs_n // PAGE_SIZE, mask=n_ld, other=0)
+            slot = (offs_n % PAGE_SIZE).to(tl.int64)
+        # Clamped: page ids are not checked on the GPU (that would sync); memory stays safe.
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+        return page * stride_kp + slot * stride_kn, page * stride_vp + slot * stride_vn
+    return offs_n * stride_kn, offs_n * stride_vn
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, Mask, Bias, CacheSeqlens, BlockTable, OPart, LPart,
     stride_qb, stride_qm, stride_qh,
@@ -268,7 +287,8 @@ def _decode_split_kernel(
     HAS_MASK: tl.constexpr, MASK_ROWB: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CACHE: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_PAGE: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
 ):
     # One program: key split pid_s of (batch b, kv head hk), for every query head of the group
     # and every query. Row r of the tile is query head hk*group + r // seqlen_q, query
@@ -338,6 +358,8 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_n0
         n_ld = offs_n < end  # in-bounds keys (up to whole tiles past the used length)
+        k_off, v_off = _key_offsets(offs_n, n0, n_ld, bt_base, num_pages, stride_kn, stride_vn,
+                                    stride_kb, stride_vb, BLOCK_N, PAGE_SIZE, TILE_PAGE)
         # Visibility is built on the key vector first and broadcast once: the masked step is
         # bound by instruction issue, so every 2-D operation per element shows in its time.
         # Padding rows (past G * Lq) are not hidden: their q is zero and their output is
@@ -370,16 +392,14 @@ def _decode_split_kernel(
             else:
                 key_live = tl.max(vis.to(tl.int32), 0) > 0
             acc, m_i, l_i = _decode_tile(
-                q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, key_live, key_live, row_ok,
-                offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
-                bt_base, num_pages, stride_kb, stride_vb,
-                HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST, PAGE_SIZE)
+                q, acc, m_i, l_i, vis, k_base, v_base, bias_base, k_off, v_off, offs_n,
+                key_live, key_live, row_ok, offs_d, d_ok, stride_bn, qk_scale, cap_scale,
+                softcap, HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST)
         else:
             acc, m_i, l_i = _decode_tile(
-                q, acc, m_i, l_i, vis, k_base, v_base, bias_base, offs_n, key_ok, n_ld, row_ok,
-                offs_d, d_ok, stride_kn, stride_vn, stride_bn, qk_scale, cap_scale, softcap,
-                bt_base, num_pages, stride_kb, stride_vb,
-                HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST, PAGE_SIZE)
+                q, acc, m_i, l_i, vis, k_base, v_base, bias_base, k_off, v_off, offs_n, key_ok,
+                n_ld, row_ok, offs_d, d_ok, stride_bn, qk_scale, cap_scale, softcap,
+                HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST)
 
     has_any = l_i > 0.0
     l_use = tl.where(has_any, l_i, 1.0)
@@ -515,11 +535,11 @@ def decode_config(block_d: int, block_m: int, softcap_and_paged: bool = False,
 DEEP_PER_SM = 2
 
 
-def use_deep_pipeline(batch: int, num_kv_heads: int, has_mask_or_bias: bool,
+def use_deep_pipeline(batch: int, num_kv_heads: int, has_mask_or_bias: bool, paged: bool,
                       device: torch.device) -> bool:
     """Whether the split kernel runs three stages at two programs per SM instead of two stages
-    at four: without a mask or bias, when every ``(batch, kv head)`` still gets a program in
-    one wave.
+    at four: contiguous K/V without a mask or bias, when every ``(batch, kv head)`` still gets
+    a program in one wave.
 
     Two programs with two tiles in flight each kept more bytes moving than four with one:
     B1 H32/Hkv8 Lk 32K, split kernel 33.4 against 34.7 us (cuDNN's 33.5), the step 0.0474
@@ -528,8 +548,10 @@ def use_deep_pipeline(batch: int, num_kv_heads: int, has_mask_or_bias: bool,
     per-key mask + bias it was slower (B1 Lk 32K 0.0489 against 0.0416: the masked loop is
     bound by instruction issue, which four programs per SM hide better), and with more
     ``(batch, kv head)`` pairs than two per SM it runs a second wave (B64 2.13 against 1.90).
+    Paged K/V without a mask was slower too (B1 Lk 512K, 64-key pages: 0.671 against 0.503
+    ms; ``decode-2026-11-23d-bench-deep.log`` against ``decode-2026-11-22f-bench.log``).
     """
-    return (device.type == "cuda" and not has_mask_or_bias
+    return (device.type == "cuda" and not has_mask_or_bias and not paged
             and batch * num_kv_heads <= DEEP_PER_SM * _sm_count(device))
 
 
@@ -636,10 +658,19 @@ def decode_forward(
         return out, lse
 
     interp = interpret_mode()
-    deep = not interp and use_deep_pipeline(B, Hkv, mask is not None or bias is not None, device)
+    has_softcap = softcap > 0.0
+    block_m = max(16, next_power_of_2(rows))
+    deep = not interp and use_deep_pipeline(B, Hkv, mask is not None or bias is not None,
+                                            block_table is not None, device)
+    if interp:
+        block_n, warps, stages, maxnreg = INTERPRET_BLOCK_N, 4, 1, None
+    else:
+        block_n, warps, stages, maxnreg = decode_config(
+            head_block(D), block_m, has_softcap and block_table is not None, deep)
     if num_splits is None:
         num_splits = choose_num_splits(B, Hkv, Lk, device, per_sm=DEEP_PER_SM if deep else 4)
-    align = 16 if interp else SPLIT_ALIGN
+    # Splits start on whole tiles (so a page of whole tiles holds each tile entirely).
+    align = max(16 if interp else SPLIT_ALIGN, block_n)
     keys_per_split = cdiv(cdiv(Lk, max(1, num_splits)), align) * align
     num_splits = cdiv(Lk, keys_per_split)  # no split that starts past the capacity
 
@@ -661,8 +692,6 @@ def decode_forward(
         # the head dim is not per query head (or the group has one head).
         return t is not None and (t.size(2) == 1 or Lq == 1) and (t.size(1) != H or G == 1)
 
-    has_softcap = softcap > 0.0
-    block_m = max(16, next_power_of_2(rows))
     cache_arg = cache_seqlens if cache_seqlens is not None else q
     table_arg = block_table if block_table is not None else q
     args = (
@@ -681,17 +710,14 @@ def decode_forward(
         HAS_MASK=mask is not None, MASK_ROWB=row_invariant(mask),
         HAS_BIAS=bias is not None, BIAS_ROWB=row_invariant(bias),
         IS_CAUSAL=bool(is_causal), HAS_SOFTCAP=has_softcap, HAS_CACHE=cache_seqlens is not None,
-        DOT_UPCAST=dot_upcast(q.dtype), PAGE_SIZE=page_size, SINGLE_SPLIT=single,
+        DOT_UPCAST=dot_upcast(q.dtype), PAGE_SIZE=page_size,
+        TILE_PAGE=PAGE_ID_PER_TILE and page_size > 0 and page_size % block_n == 0,
+        SINGLE_SPLIT=single,
     )
     grid = (num_splits, B, Hkv)
-    if interp:
-        _decode_split_kernel[grid](*args, **meta, BLOCK_N=INTERPRET_BLOCK_N, num_warps=4,
-                                   num_stages=1)
-    else:
-        block_n, warps, stages, maxnreg = decode_config(
-            head_block(D), block_m, has_softcap and block_table is not None, deep)
-        _decode_split_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
-                                   num_stages=stages, maxnreg=maxnreg)
+    launch = dict(maxnreg=maxnreg) if maxnreg is not None else {}
+    _decode_split_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
+                               num_stages=stages, **launch)
 
     if single:
         return out, lse
