@@ -147,7 +147,9 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
     B, H, Hkv, L, D = 1, 16, 4, seqlen, 128
     g = torch.Generator().manual_seed(0)
     if workload == "decode":
-        # One decode step, H32/Hkv8, per-key mask + bias, with and without a part-filled cache.
+        # One decode step, H32/Hkv8, per-key mask + bias, with and without a part-filled cache;
+        # then without mask or bias, and paged (64-key pages: one page id per tile; 16-key
+        # pages: one per key).
         from flash_dmattn.backends.triton import decode as dec_mod
 
         for kname in ("_decode_split_kernel", "_decode_combine_kernel"):
@@ -159,6 +161,14 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
         for cache in (None, torch.tensor([L // 2], dtype=torch.int32)):
             # 66 splits: what an H200 (132 SMs) runs for B1 Hkv8.
             dec_mod.decode_forward(q, k, v, bias > 0, bias, D ** -0.5, False, 0.0, cache, 66)
+        dec_mod.decode_forward(q, k, v, None, None, D ** -0.5, False, 0.0, None, 66)
+        for page in (64, 16):
+            pages = L // page
+            table = torch.randperm(B * pages, generator=g).view(B, pages).to(torch.int32)
+            pool = k.reshape(B * pages, page, 8, D)
+            dec_mod.decode_forward(q, pool, pool, bias > 0, bias, D ** -0.5, False, 0.0,
+                                   torch.tensor([L // 2], dtype=torch.int32), 66,
+                                   block_table=table)
         return launches
     q = torch.randn(B, L, H, D, generator=g).to(dtype)
     k = torch.randn(B, L, Hkv, D, generator=g).to(dtype)

@@ -267,8 +267,13 @@ def _key_offsets(offs_n, n0, n_ld, bt_base, num_pages, stride_kn, stride_vn, str
             slot = (offs_n % PAGE_SIZE).to(tl.int64)
         # Clamped: page ids are not checked on the GPU (that would sync); memory stays safe.
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
-        return page * stride_kp + slot * stride_kn, page * stride_vp + slot * stride_vn
-    return offs_n * stride_kn, offs_n * stride_vn
+        k_off = page * stride_kp + slot * stride_kn
+        v_off = page * stride_vp + slot * stride_vn
+    else:
+        k_off = offs_n * stride_kn
+        v_off = offs_n * stride_vn
+    # One return: the compiler checks every return statement's types, constexpr branch or not.
+    return k_off, v_off
 
 
 @triton.jit
