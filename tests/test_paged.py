@@ -280,13 +280,13 @@ def test_decode_paged_splits_and_tiles_spanning_pages(poison, monkeypatch, num_s
 
 
 @needs_interpreter
-@pytest.mark.parametrize("block_n,per_tile", [(16, True), (16, False), (64, True)])
+@pytest.mark.parametrize("block_n,per_tile", [(16, True), (16, False), (64, True), (64, False)])
 def test_decode_paged_invalid_ids_past_used_length(poison, monkeypatch, block_n, per_tile):
     # Table entries past each batch's used length hold ids no page has (-1, 10**6), as a
     # server's unallocated slots may: the kernel reads them (page ids load for every in-bounds
     # key, mask or not) but clamps them and never loads those keys' K/V, so the result equals
-    # the reference on the used keys. Page ids per tile (16-key tiles on 32-key pages) and per
-    # key (64-key tiles, or forced).
+    # the reference on the used keys. Page ids per tile (16-key tiles on 32-key pages: one;
+    # 64-key tiles: two) or per key (forced).
     from flash_dmattn.backends.triton import decode as decode_mod
 
     monkeypatch.setattr(decode_mod, "INTERPRET_BLOCK_N", block_n)

@@ -64,12 +64,23 @@ MAX_SPLITS = 128
 MIN_KEYS_PER_SPLIT = 128
 # Split boundaries are multiples of this, so every BLOCK_N (decode_config) tiles a split exactly.
 SPLIT_ALIGN = 128
-# Paged K/V whose pages hold whole key tiles load one page id per tile (False: one per key,
+# Paged K/V whose pages and key tiles nest load only the tile's page ids (False: one per key,
 # the layout-independent path; for A/B runs).
 PAGE_ID_PER_TILE = True
 # Key tile under the CPU interpreter (small, so tiny test shapes have several tiles; tests raise
 # it to make tiles span several 16-key pages).
 INTERPRET_BLOCK_N = 16
+
+
+def tile_pages(page_size: int, block_n: int) -> int:
+    """Page ids a key tile loads (see ``_key_offsets``): 1 when a page holds whole tiles,
+    ``block_n // page_size`` when a tile holds whole pages, 0 (one per key) otherwise or
+    without pages."""
+    if page_size <= 0:
+        return 0
+    if page_size % block_n == 0:
+        return 1
+    return block_n // page_size if block_n % page_size == 0 else 0
 
 
 def decode_rows(seqlen_q: int, num_heads: int, num_kv_heads: int) -> int:
@@ -244,24 +255,30 @@ def _decode_tile(q, acc, m_i, l_i, vis, k_base, v_base, bias_base, k_off, v_off,
 
 
 @triton.jit
-def _key_offsets(offs_n, n0, n_ld, bt_base, num_pages, stride_kn, stride_vn, stride_kp,
+def _key_offsets(offs_n, n0, n_ld, end, bt_base, num_pages, stride_kn, stride_vn, stride_kp,
                  stride_vp, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 TILE_PAGE: tl.constexpr):
+                 TILE_PAGES: tl.constexpr):
     """Row offsets in K and V of the tile's keys ``offs_n = n0 + arange(BLOCK_N)``.
 
     ``PAGE_SIZE > 0``: paged pools; key ``j`` lives in page ``block_table[j // PAGE_SIZE]``,
-    slot ``j % PAGE_SIZE``. ``TILE_PAGE``: pages hold whole tiles (``n0`` is a multiple of
-    ``BLOCK_N``, which divides ``PAGE_SIZE``), so one page id is loaded per tile; else one per
-    key. The ids
+    slot ``j % PAGE_SIZE``. ``TILE_PAGES > 0``: the tile's keys lie in this many whole pages,
+    or in one page (``n0`` is a multiple of ``BLOCK_N``, and one of ``BLOCK_N`` and
+    ``PAGE_SIZE`` divides the other), so only those ids are loaded and each key takes its
+    page's; ``0``: one id per key. The ids
     are loaded for every in-bounds key (``n_ld``), never predicated on the mask: the id loads
     then run beside the mask load instead of after it, and only the K/V loads wait for both.
     Ids past a cache's used length are read (they lie inside the table) but clamped like any
     other, and those keys' K/V are never loaded.
     """
     if PAGE_SIZE > 0:
-        if TILE_PAGE:
+        if TILE_PAGES == 1:
             page = tl.load(bt_base + n0 // PAGE_SIZE)
             slot = (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        elif TILE_PAGES > 1:
+            ids = tl.load(bt_base + n0 // PAGE_SIZE + tl.arange(0, TILE_PAGES),
+                          mask=n0 + tl.arange(0, TILE_PAGES) * PAGE_SIZE < end, other=0)
+            page = tl.reshape(tl.broadcast_to(ids[:, None], [TILE_PAGES, PAGE_SIZE]), [BLOCK_N])
+            slot = (tl.arange(0, BLOCK_N) % PAGE_SIZE).to(tl.int64)
         else:
             page = tl.load(bt_base + offs_n // PAGE_SIZE, mask=n_ld, other=0)
             slot = (offs_n % PAGE_SIZE).to(tl.int64)
@@ -292,7 +309,7 @@ def _decode_split_kernel(
     HAS_MASK: tl.constexpr, MASK_ROWB: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CACHE: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_PAGE: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
 ):
     # One program: key split pid_s of (batch b, kv head hk), for every query head of the group
@@ -363,8 +380,9 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_n0
         n_ld = offs_n < end  # in-bounds keys (up to whole tiles past the used length)
-        k_off, v_off = _key_offsets(offs_n, n0, n_ld, bt_base, num_pages, stride_kn, stride_vn,
-                                    stride_kb, stride_vb, BLOCK_N, PAGE_SIZE, TILE_PAGE)
+        k_off, v_off = _key_offsets(offs_n, n0, n_ld, end, bt_base, num_pages, stride_kn,
+                                    stride_vn, stride_kb, stride_vb, BLOCK_N, PAGE_SIZE,
+                                    TILE_PAGES)
         # Visibility is built on the key vector first and broadcast once: the masked step is
         # bound by instruction issue, so every 2-D operation per element shows in its time.
         # Padding rows (past G * Lq) are not hidden: their q is zero and their output is
@@ -716,7 +734,7 @@ def decode_forward(
         HAS_BIAS=bias is not None, BIAS_ROWB=row_invariant(bias),
         IS_CAUSAL=bool(is_causal), HAS_SOFTCAP=has_softcap, HAS_CACHE=cache_seqlens is not None,
         DOT_UPCAST=dot_upcast(q.dtype), PAGE_SIZE=page_size,
-        TILE_PAGE=PAGE_ID_PER_TILE and page_size > 0 and page_size % block_n == 0,
+        TILE_PAGES=tile_pages(page_size, block_n) if PAGE_ID_PER_TILE else 0,
         SINGLE_SPLIT=single,
     )
     grid = (num_splits, B, Hkv)
