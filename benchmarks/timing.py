@@ -40,6 +40,23 @@ def time_ms(fn: Callable[[], object], device: torch.device, cpu_repeats: int = 3
     return statistics.median(samples)
 
 
+def capture_graph(fn: Callable[[], object]):
+    """``(graph, out)``: ``fn`` warmed up twice on a side stream (as ``torch.cuda.graphs``
+    asks), then captured once in a CUDA graph; ``out`` is what the captured call returned
+    (its memory is the graph's: each replay rewrites it)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
 def graph_time_ms(fn: Callable[[], object], device: torch.device) -> Tuple[Optional[float], str]:
     """Median milliseconds of one replay of ``fn`` captured in a CUDA graph, or (None, why).
 
@@ -51,16 +68,7 @@ def graph_time_ms(fn: Callable[[], object], device: torch.device) -> Tuple[Optio
     if device.type != "cuda":
         return None, "no CUDA graphs off CUDA"
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up on a side stream, as torch.cuda.graphs asks
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        torch.cuda.synchronize()
+        graph, _ = capture_graph(fn)
     except Exception as exc:  # noqa: BLE001  (an implementation that cannot be captured)
         torch.cuda.synchronize()
         return None, f"CUDA graph capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"

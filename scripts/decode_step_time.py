@@ -17,30 +17,15 @@ neither was kept.
 """
 import argparse
 import random
-import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, ".")
-from benchmarks.timing import time_ms  # noqa: E402
+from benchmarks.timing import capture_graph as capture  # noqa: E402
 from benchmarks.workloads import build_case, decode_workload  # noqa: E402
 from flash_dmattn.backends.triton import decode as td  # noqa: E402
-
-
-def capture(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    torch.cuda.synchronize()
-    return graph, out
+from scripts.decode_variants import cudnn_graph, round_medians  # noqa: E402
 
 
 def main():
@@ -70,17 +55,8 @@ def main():
             graphs[name], outs[name] = capture(
                 lambda n=n: td.decode_forward(c.q, c.k, c.v, c.mask, c.bias, scale, False, 0.0,
                                               c.cache_seqlens, n)[0])
-        used = w.used_k
-        qt, kt, vt = (x.transpose(1, 2) for x in (c.q, c.k[:, :used], c.v[:, :used]))
-        graphs["cudnn"], _ = capture(
-            lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
-        times = {k: [] for k in graphs}
-        for _ in range(args.rounds):
-            order = list(graphs)
-            rng.shuffle(order)
-            for k in order:
-                times[k].append(time_ms(graphs[k].replay, dev))
-        med = {k: statistics.median(v) for k, v in times.items()}
+        graphs["cudnn"] = cudnn_graph(c, w.used_k)
+        med = round_medians(graphs, args.rounds, rng, dev)
         label = f"B{B} Lk{L}" + (" mask+bias" if masked else "") + (f" cache{fill}" if fill else "")
         print(f"{label:30s} splits {n0:3d} " + "  ".join(f"{k} {v:.4f}" for k, v in med.items())
               + f"  cudnn/default {med['cudnn'] / med['default']:.3f}", flush=True)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, ".")
-from benchmarks.timing import time_ms  # noqa: E402
+from benchmarks.timing import capture_graph as capture, time_ms  # noqa: E402
 from benchmarks.workloads import build_case, decode_workload  # noqa: E402
 from flash_dmattn.backends.triton import decode as td  # noqa: E402
 
@@ -94,18 +94,22 @@ def to_pages(k, v, page):
     return k_pool, v_pool, perm.view(B, pages).to(torch.int32)
 
 
-def capture(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    torch.cuda.synchronize()
-    return graph, out
+def cudnn_graph(c, used):
+    """Dense cuDNN SDPA on the case's K/V sliced to the ``used`` keys, captured."""
+    qt, kt, vt = (x.transpose(1, 2) for x in (c.q, c.k[:, :used], c.v[:, :used]))
+    return capture(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))[0]
+
+
+def round_medians(graphs, rounds, rng, device):
+    """Median ms of each graph over ``rounds`` rounds, each replaying every graph once in a
+    shuffled order (clock drift then spreads over all of them)."""
+    times = {k: [] for k in graphs}
+    for _ in range(rounds):
+        order = list(graphs)
+        rng.shuffle(order)
+        for k in order:
+            times[k].append(time_ms(graphs[k].replay, device))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def kernel_times(graph, replays=20):
@@ -154,17 +158,8 @@ def main():
                                                   0.0, c.cache_seqlens, n, table)[0])
         ref = outs[names[0]]
         diffs = {k: (o.float() - ref.float()).abs().max().item() for k, o in outs.items()}
-        used = L if fill is None else int(L * fill)
-        qt, kt, vt = (x.transpose(1, 2) for x in (c.q, c.k[:, :used], c.v[:, :used]))
-        graphs["cudnn"], _ = capture(
-            lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
-        times = {k: [] for k in graphs}
-        for _ in range(args.rounds):
-            order = list(graphs)
-            rng.shuffle(order)
-            for k in order:
-                times[k].append(time_ms(graphs[k].replay, dev))
-        med = {k: statistics.median(v) for k, v in times.items()}
+        graphs["cudnn"] = cudnn_graph(c, L if fill is None else int(L * fill))
+        med = round_medians(graphs, args.rounds, rng, dev)
         best = min((k for k in med if k != "cudnn"), key=med.get)
         print(f"{row:14s} " + " ".join(f"{k} {v:.4f}" for k, v in med.items())
               + f" | cudnn/base {med['cudnn'] / med[names[0]]:.3f} best {best} "
