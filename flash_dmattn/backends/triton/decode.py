@@ -264,11 +264,10 @@ def _key_offsets(offs_n, n0, n_ld, end, bt_base, num_pages, stride_kn, stride_vn
     slot ``j % PAGE_SIZE``. ``TILE_PAGES > 0``: the tile's keys lie in this many whole pages,
     or in one page (``n0`` is a multiple of ``BLOCK_N``, and one of ``BLOCK_N`` and
     ``PAGE_SIZE`` divides the other), so only those ids are loaded and each key takes its
-    page's; ``0``: one id per key. The ids
-    are loaded for every in-bounds key (``n_ld``), never predicated on the mask: the id loads
-    then run beside the mask load instead of after it, and only the K/V loads wait for both.
-    Ids past a cache's used length are read (they lie inside the table) but clamped like any
-    other, and those keys' K/V are never loaded.
+    page's; ``0``: one id per key. Ids are loaded for every in-bounds key (``n_ld``), never
+    predicated on the mask: the id loads then run beside the mask load instead of after it,
+    and only the K/V loads wait for both. Ids past a cache's used length are read (they lie
+    inside the table) but clamped like any other, and those keys' K/V are never loaded.
     """
     if PAGE_SIZE > 0:
         if TILE_PAGES == 1:
@@ -554,7 +553,7 @@ def decode_config(block_d: int, block_m: int, softcap_and_paged: bool = False,
     return 64, 4, 3 if deep else 2, maxnreg
 
 
-# Programs per SM of the three-stage split kernel (two 32 KiB K/V buffers each at head dim 128).
+# Programs per SM that the split count plans for the three-stage split kernel.
 DEEP_PER_SM = 2
 
 
