@@ -145,6 +145,20 @@ class FlashDmattn(Impl):
 PAGED_PAGE_SIZE = 64
 
 
+def shuffled_page_pools(k: torch.Tensor, v: torch.Tensor, page: int):
+    """``(k_pool, v_pool, block_table)``: K/V ``(B, Lk, Hkv, D)`` (``Lk`` a multiple of
+    ``page``) copied into pools of ``page``-key pages laid out in a shuffled order (seed 0),
+    and the int32 ``(B, Lk // page)`` table that maps each batch's logical pages to them."""
+    B, Lk, Hkv, D = k.shape
+    pages = Lk // page
+    perm = torch.randperm(B * pages, generator=torch.Generator().manual_seed(0)).to(k.device)
+    k_pool = k.new_empty(B * pages, page, Hkv, D)
+    v_pool = v.new_empty(B * pages, page, Hkv, D)
+    k_pool[perm] = k.reshape(B * pages, page, Hkv, D)
+    v_pool[perm] = v.reshape(B * pages, page, Hkv, D)
+    return k_pool, v_pool, perm.view(B, pages).to(torch.int32)
+
+
 class FlashDmattnPaged(FlashDmattn):
     """``FlashDmattn`` on a paged KV cache (``block_table``): decode workloads, forward only.
 
@@ -160,18 +174,11 @@ class FlashDmattnPaged(FlashDmattn):
 
     def setup(self, case: Case, ctx: RunContext) -> None:
         super().setup(case, ctx)
-        B, Lk, Hkv, D = case.k.shape
+        Lk = case.k.shape[1]
         page = PAGED_PAGE_SIZE
-        pages = -(-Lk // page)
-        if pages * page != Lk:
+        if Lk % page:
             raise Declined(f"Lk {Lk} is not a multiple of the page size {page}")
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        perm = torch.randperm(B * pages, generator=gen).to(case.device)
-        self.block_table = perm.view(B, pages).to(torch.int32)
-        self.k_pool = case.k.new_empty(B * pages, page, Hkv, D)
-        self.v_pool = case.v.new_empty(B * pages, page, Hkv, D)
-        self.k_pool[perm] = case.k.reshape(B * pages, page, Hkv, D)
-        self.v_pool[perm] = case.v.reshape(B * pages, page, Hkv, D)
+        self.k_pool, self.v_pool, self.block_table = shuffled_page_pools(case.k, case.v, page)
         self.notes.append(f"paged KV: {page}-key pages in shuffled order")
 
     def backward_skip_reason(self, ctx: RunContext) -> Optional[str]:

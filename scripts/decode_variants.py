@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, ".")
+from benchmarks.impls import shuffled_page_pools  # noqa: E402
 from benchmarks.timing import capture_graph as capture, time_ms  # noqa: E402
 from benchmarks.workloads import build_case, decode_workload  # noqa: E402
 from flash_dmattn.backends.triton import decode as td  # noqa: E402
@@ -83,17 +84,6 @@ def overrides(values, config):
         td.decode_config = cfg
 
 
-def to_pages(k, v, page):
-    """K/V copied into page pools in a shuffled page order, and the block table."""
-    B, Lk, Hkv, D = k.shape
-    pages = Lk // page
-    perm = torch.randperm(B * pages, generator=torch.Generator().manual_seed(0)).to(k.device)
-    k_pool, v_pool = k.new_empty(B * pages, page, Hkv, D), v.new_empty(B * pages, page, Hkv, D)
-    k_pool[perm] = k.reshape(B * pages, page, Hkv, D)
-    v_pool[perm] = v.reshape(B * pages, page, Hkv, D)
-    return k_pool, v_pool, perm.view(B, pages).to(torch.int32)
-
-
 def cudnn_graph(c, used):
     """Dense cuDNN SDPA on the case's K/V sliced to the ``used`` keys, captured."""
     qt, kt, vt = (x.transpose(1, 2) for x in (c.q, c.k[:, :used], c.v[:, :used]))
@@ -147,7 +137,7 @@ def main():
         c = build_case(decode_workload(B, L, masked, fill), dev, torch.bfloat16)
         k, v, table = c.k, c.v, None
         if paged:
-            k, v, table = to_pages(c.k, c.v, paged[0])
+            k, v, table = shuffled_page_pools(c.k, c.v, paged[0])
         graphs, outs = {}, {}
         for name in names:
             values, per_sm, config = VARIANTS[name]
