@@ -20,6 +20,7 @@ from .api import (
     triton_dmattn_func,
 )
 from .inputs import AttentionInputs, VarlenInputs
+from .masks import KeyIntervals
 from .registry import BackendUnavailableError, get_available_backends
 from .utils.dynamic import apply_dynamic_mask_attention, dynamic_mask_bias
 from .utils.mask import create_mask
@@ -47,6 +48,7 @@ __all__ = [
     "dynamic_mask_bias",
     "apply_dynamic_mask_attention",
     "AttentionInputs",
+    "KeyIntervals",
     "VarlenInputs",
     "BackendUnavailableError",
     "CUDA_AVAILABLE",

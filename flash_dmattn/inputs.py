@@ -12,6 +12,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .masks import KeyIntervals
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -154,6 +156,29 @@ def normalise_mask_or_bias(
     return t
 
 
+def check_key_intervals(
+    intervals: KeyIntervals, query: torch.Tensor, batch: int, num_heads: int, num_kv_heads: int,
+    seqlen_k: int,
+) -> torch.Tensor:
+    """Check a :class:`KeyIntervals` mask against the call; return its ``(2, Bx, Hx, Lk)``
+    int32 bounds (``Bx in {1, B}``, ``Hx in {1, Hkv, H}``)."""
+    bounds = intervals.bounds
+    if bounds.device != query.device:
+        raise ValueError(
+            f"attn_mask (KeyIntervals {intervals.shape}) is on {bounds.device} but query is on "
+            f"{query.device}"
+        )
+    bx, hx, lk = bounds.shape[1:]
+    if bx not in (1, batch) or hx not in (1, num_kv_heads, num_heads) or lk != seqlen_k:
+        raise ValueError(
+            f"attn_mask (KeyIntervals with start/end of shape {(bx, hx, lk)}) does not "
+            f"broadcast to (batch, heads, seqlen_k) = ({batch}, {num_heads}, {seqlen_k}); the "
+            f"heads dim may be 1, num_kv_heads={num_kv_heads} or num_heads={num_heads}, and the "
+            f"last dim must be seqlen_k"
+        )
+    return bounds.contiguous()
+
+
 def _check_cache_seqlens(cache_seqlens, query: torch.Tensor, batch: int, seqlen_k: int):
     """Validate ``cache_seqlens`` (per-batch used length of a KV cache); return it as int32.
 
@@ -271,6 +296,7 @@ class AttentionInputs:
     return_attn_probs: bool
     cache_seqlens: Optional[torch.Tensor] = None
     block_table: Optional[torch.Tensor] = None
+    key_intervals: Optional[torch.Tensor] = None
 
     @staticmethod
     def from_args(
@@ -313,6 +339,10 @@ class AttentionInputs:
             )
         scale, cap = _scale_and_softcap(softmax_scale, softcap, d)
         dims = dict(query=query, batch=b, num_heads=h, num_kv_heads=hkv, seqlen_q=lq, seqlen_k=lk)
+        intervals = None
+        if isinstance(attn_mask, KeyIntervals):
+            intervals = check_key_intervals(attn_mask, query, b, h, hkv, lk)
+            attn_mask = None
         mask = normalise_mask_or_bias("attn_mask", attn_mask, **dims)
         bias = normalise_mask_or_bias("attn_bias", attn_bias, **dims)
         if mask is not None:
@@ -333,6 +363,7 @@ class AttentionInputs:
             return_attn_probs=bool(return_attn_probs),
             cache_seqlens=cache_seqlens,
             block_table=block_table,
+            key_intervals=intervals,
         )
 
     # Shapes -------------------------------------------------------------------------------
@@ -394,6 +425,8 @@ class AttentionInputs:
         parts = [f"query {_fmt(self.query)}", f"key {tuple(self.key.shape)}"]
         if self.attn_mask is not None:
             parts.append(f"mask {tuple(self.attn_mask.shape)}")
+        if self.key_intervals is not None:
+            parts.append(f"key intervals {tuple(self.key_intervals.shape[1:])}")
         if self.attn_bias is not None:
             parts.append(f"bias {tuple(self.attn_bias.shape)}")
         if self.is_causal:

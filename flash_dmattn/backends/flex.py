@@ -241,6 +241,8 @@ class FlexBackend(Backend):
 
     def not_supported_reasons(self, inputs) -> List[str]:
         reasons = []
+        if getattr(inputs, "key_intervals", None) is not None:
+            reasons.append("key-interval masks (KeyIntervals) are not supported by flex yet")
         if inputs.block_table is not None:
             # FlexAttention reads K/V as (B, Hkv, Lk, D) tensors; pages would need a gather.
             reasons.append(

@@ -83,6 +83,11 @@ class CudaBackend(Backend):
 
     def not_supported_reasons(self, inputs) -> List[str]:
         reasons = self._call_reasons(inputs)
+        if getattr(inputs, "key_intervals", None) is not None:
+            reasons.append(
+                "key-interval masks (KeyIntervals) have no cuda kernel yet; triton runs them"
+            )
+            return reasons
         from .kernels import input_reasons
 
         reasons.extend(r for r in input_reasons(

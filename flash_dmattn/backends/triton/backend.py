@@ -153,6 +153,8 @@ class TritonBackend(Backend):
 
     def not_supported_reasons(self, inputs) -> List[str]:
         reasons = _kernel_reasons(inputs)
+        if getattr(inputs, "key_intervals", None) is not None:
+            reasons.append("key-interval masks (KeyIntervals) are not supported by triton yet")
         if inputs.cache_seqlens is not None:
             from .decode import cache_seqlens_reasons
 
