@@ -12,8 +12,10 @@ An implementation supplies two plain functions:
   needs) -> (dq, dk, dv, dbias)`` with ``None`` for gradients ``needs`` did not ask for.
 
 Both also receive ``cache_seqlens=<(B,) int32 tensor>`` as a keyword, but only on calls that
-have one (KV-cache decoding), so implementations that never get it need not accept it. The
-forward likewise receives ``block_table=<(B, P) int32 tensor>`` only on paged-KV calls (k and v
+have one (KV-cache decoding), so implementations that never get it need not accept it; and
+likewise ``key_intervals=<(2, Bx, Hx, Lk) int32 tensor>`` (the bounds of a
+:class:`~flash_dmattn.masks.KeyIntervals` mask, combined with ``mask`` and causal like any
+mask) only on calls that have one. The forward likewise receives ``block_table=<(B, P) int32 tensor>`` only on paged-KV calls (k and v
 are then page pools); there is no backward for those: a backend that takes paged KV with
 gradients must differentiate outside the op (the reference gathers the pages first).
 """
@@ -32,6 +34,17 @@ def laid_out_like(t: Tensor, value: Tensor) -> Tensor:
         return value
     result.copy_(value)
     return result
+
+
+def _optional_kwargs(cache_seqlens: Optional[Tensor], key_intervals: Optional[Tensor]) -> dict:
+    """The optional tensors an implementation receives as keywords: only those present, so an
+    implementation that never gets one need not accept it."""
+    extra = {}
+    if cache_seqlens is not None:
+        extra["cache_seqlens"] = cache_seqlens
+    if key_intervals is not None:
+        extra["key_intervals"] = key_intervals
+    return extra
 
 
 def _grads_as_outputs(inputs, grads) -> Tuple[Tensor, ...]:
@@ -107,8 +120,8 @@ class AttentionOp:
         self._planned_forward = planned_forward
 
         def run_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
-                        block_table):
-            extra = {} if cache_seqlens is None else {"cache_seqlens": cache_seqlens}
+                        block_table, key_intervals=None):
+            extra = _optional_kwargs(cache_seqlens, key_intervals)
             if block_table is not None:
                 extra["block_table"] = block_table
             out, lse = forward(q, k, v, mask, bias, scale, is_causal, softcap, **extra)
@@ -130,13 +143,14 @@ class AttentionOp:
             deterministic: bool,
             cache_seqlens: Optional[Tensor] = None,
             block_table: Optional[Tensor] = None,
+            key_intervals: Optional[Tensor] = None,
         ) -> Tuple[Tensor, Tensor]:
             return run_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
-                               block_table)
+                               block_table, key_intervals)
 
         @fwd_op.register_fake
         def _(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, cache_seqlens=None,
-              block_table=None):
+              block_table=None, key_intervals=None):
             B, Lq, H, _ = q.shape
             out = q.new_empty(B, Lq, H, v.shape[-1])
             return out, q.new_empty(B, H, Lq, dtype=lse_dtype(q.dtype))
@@ -157,8 +171,9 @@ class AttentionOp:
             deterministic: bool,
             needs: List[bool],
             cache_seqlens: Optional[Tensor] = None,
+            key_intervals: Optional[Tensor] = None,
         ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-            extra = {} if cache_seqlens is None else {"cache_seqlens": cache_seqlens}
+            extra = _optional_kwargs(cache_seqlens, key_intervals)
             grads = backward(
                 dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
                 tuple(needs), **extra,
@@ -167,15 +182,15 @@ class AttentionOp:
 
         @bwd_op.register_fake
         def _(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs,
-              cache_seqlens=None):
+              cache_seqlens=None, key_intervals=None):
             return _fake_grads((q, k, v, bias), needs)
 
         def setup_context(ctx, inputs, output):
             (q, k, v, mask, bias, scale, is_causal, softcap, deterministic, cache_seqlens,
-             block_table) = inputs
+             block_table, key_intervals) = inputs
             out, lse = output
             ctx.paged = block_table is not None
-            ctx.save_for_backward(q, k, v, mask, bias, out, lse, cache_seqlens)
+            ctx.save_for_backward(q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals)
             ctx.config = (scale, is_causal, softcap, deterministic)
             ctx.has_bias = bias is not None
 
@@ -186,7 +201,7 @@ class AttentionOp:
                     f"flash_dmattn::{name}: no backward for paged KV (block_table); use the "
                     f"torch-reference backend for gradients"
                 )
-            q, k, v, mask, bias, out, lse, cache_seqlens = ctx.saved_tensors
+            q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals = ctx.saved_tensors
             needs = [
                 ctx.needs_input_grad[0],
                 ctx.needs_input_grad[1],
@@ -194,43 +209,47 @@ class AttentionOp:
                 ctx.has_bias and ctx.needs_input_grad[4],
             ]
             grads = bwd_op(
-                dout.contiguous(), q, k, v, mask, bias, out, lse, *ctx.config, needs, cache_seqlens
+                dout.contiguous(), q, k, v, mask, bias, out, lse, *ctx.config, needs, cache_seqlens,
+                key_intervals,
             )
             dq, dk, dv, dbias = (g if n else None for g, n in zip(grads, needs))
-            return dq, dk, dv, None, dbias, None, None, None, None, None, None
+            return dq, dk, dv, None, dbias, None, None, None, None, None, None, None
 
         fwd_op.register_autograd(backward_formula, setup_context=setup_context)
         self._fwd = fwd_op
 
     def __call__(
         self, q, k, v, mask, bias, scale, is_causal, softcap, deterministic=False, cache_seqlens=None,
-        block_table=None,
+        block_table=None, key_intervals=None,
     ):
         """``(out, lse)``; differentiable in q, k, v and bias. lse is returned as float32.
 
         ``cache_seqlens``: optional int32 ``(B,)`` used KV-cache lengths (KV-cache decoding).
         ``block_table``: optional int32 ``(B, P)`` page ids; k/v are then page pools
         (forward only).
+        ``key_intervals``: optional int32 ``(2, Bx, Hx, Lk)`` bounds of a
+        :class:`~flash_dmattn.masks.KeyIntervals` mask (see ``AttentionInputs.key_intervals``).
 
         Eager calls that need no gradient run the implementation without the custom op
         (:func:`eager_inference`); eager calls that do, with an implementation that plans its
         backward in the forward (``planned_forward``), run as a :class:`_PlannedAttention`.
         The results are the same.
         """
-        tensors = (q, k, v, mask, bias, cache_seqlens, block_table)
+        tensors = (q, k, v, mask, bias, cache_seqlens, block_table, key_intervals)
         if eager_inference(*tensors):
             out, lse = self._run_forward(q, k, v, mask, bias, float(scale), bool(is_causal),
-                                         float(softcap), cache_seqlens, block_table)
+                                         float(softcap), cache_seqlens, block_table,
+                                         key_intervals)
         elif (self._planned_forward is not None and block_table is None
               and plain_eager(*tensors)):
             out, lse = _PlannedAttention.apply(
                 self, q, k, v, mask, bias, float(scale), bool(is_causal), float(softcap),
-                bool(deterministic), cache_seqlens,
+                bool(deterministic), cache_seqlens, key_intervals,
             )
         else:
             out, lse = self._fwd(
                 q, k, v, mask, bias, float(scale), bool(is_causal), float(softcap),
-                bool(deterministic), cache_seqlens, block_table,
+                bool(deterministic), cache_seqlens, block_table, key_intervals,
             )
         return out, lse.to(torch.float32)
 
@@ -238,8 +257,8 @@ class AttentionOp:
 class _PlannedAttention(torch.autograd.Function):
     """Eager autograd for an :class:`AttentionOp` whose forward also plans its backward.
 
-    ``planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=...)``
-    returns ``(out, lse, plan)``; the plan (any Python object, e.g. tile lists worked out from
+    ``planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=...,
+    key_intervals=...)`` (each keyword only when given) returns ``(out, lse, plan)``; the plan (any Python object, e.g. tile lists worked out from
     the mask) stays on the autograd node and reaches ``backward(..., plan=plan)``, so a
     training step does not plan twice. Compiled and traced calls take the custom ops, whose
     tensors-only interface has no room for it: there the backward plans again.
@@ -247,12 +266,12 @@ class _PlannedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, op, q, k, v, mask, bias, scale, is_causal, softcap, deterministic,
-                cache_seqlens):
-        extra = {} if cache_seqlens is None else {"cache_seqlens": cache_seqlens}
+                cache_seqlens, key_intervals=None):
+        extra = _optional_kwargs(cache_seqlens, key_intervals)
         out, lse, plan = op._planned_forward(q, k, v, mask, bias, scale, is_causal, softcap,
                                              **extra)
         out, lse = out.contiguous(), lse.contiguous()
-        ctx.save_for_backward(q, k, v, mask, bias, out, lse, cache_seqlens)
+        ctx.save_for_backward(q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals)
         ctx.op, ctx.plan = op, plan
         ctx.config = (scale, is_causal, softcap, deterministic)
         ctx.mark_non_differentiable(lse)
@@ -260,10 +279,10 @@ class _PlannedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, mask, bias, out, lse, cache_seqlens = ctx.saved_tensors
+        q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals = ctx.saved_tensors
         needs = (ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3],
                  bias is not None and ctx.needs_input_grad[5])
-        extra = {} if cache_seqlens is None else {"cache_seqlens": cache_seqlens}
+        extra = _optional_kwargs(cache_seqlens, key_intervals)
         if ctx.plan is not None:
             extra["plan"] = ctx.plan
         dq, dk, dv, dbias = ctx.op._backward(dout.contiguous(), q, k, v, mask, bias, out, lse,
@@ -271,7 +290,7 @@ class _PlannedAttention(torch.autograd.Function):
         ctx.plan = None  # the lists are not needed again (retain_graph plans anew)
         grads = [None if not n else g for g, n in zip((dq, dk, dv, dbias), needs)]
         return (None, grads[0], grads[1], grads[2], None, grads[3], None, None, None, None,
-                None)
+                None, None)
 
 
 class VarlenAttentionOp:

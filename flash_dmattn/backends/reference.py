@@ -31,13 +31,11 @@ class ReferenceBackend(Backend):
             value = gather_kv_pages(value, inputs.block_table)
         args = (inputs.query, key, value, inputs.attn_mask, inputs.attn_bias)
         cfg = (inputs.softmax_scale, inputs.is_causal, inputs.softcap)
-        out, lse = reference_attention(*args, *cfg, cache_seqlens=inputs.cache_seqlens)
+        extra = dict(cache_seqlens=inputs.cache_seqlens, key_intervals=inputs.key_intervals)
+        out, lse = reference_attention(*args, *cfg, **extra)
         if not inputs.return_attn_probs:
             return out
-        probs = reference_probs(
-            inputs.query, key, inputs.attn_mask, inputs.attn_bias, *cfg,
-            cache_seqlens=inputs.cache_seqlens,
-        )
+        probs = reference_probs(inputs.query, key, inputs.attn_mask, inputs.attn_bias, *cfg, **extra)
         return out, lse, probs
 
     def varlen_attention(self, inputs):

@@ -45,7 +45,8 @@ def _chunk_rows(batch: int, heads: int, seqlen_k: int) -> int:
 class _Geometry:
     """Shapes and the per-chunk score computation shared by forward, backward and probs."""
 
-    def __init__(self, q, k, mask, bias, scale, is_causal, softcap, cache_seqlens=None):
+    def __init__(self, q, k, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
+                 key_intervals=None):
         self.B, self.Lq, self.H, self.D = q.shape
         self.Lk, self.Hkv = k.shape[1], k.shape[2]
         self.g = self.H // self.Hkv
@@ -60,6 +61,12 @@ class _Geometry:
         if cache_seqlens is not None:
             n = cache_seqlens.to(torch.int64).clamp(0, self.Lk)
             self.used = n.view(self.B, 1, 1, 1, 1)
+        # Key intervals: (2, Bx, Hx, Lk) bounds as two (Bx, Hkv|1, g|1, 1, Lk) views, compared
+        # against one chunk of query positions at a time (never an (Lq, Lk) tensor).
+        self.starts5 = self.ends5 = None
+        if key_intervals is not None:
+            self.starts5 = _group_aux(key_intervals[0].unsqueeze(2), self.H, self.Hkv)
+            self.ends5 = _group_aux(key_intervals[1].unsqueeze(2), self.H, self.Hkv)
 
     def chunks(self):
         for i0 in range(0, self.Lq, self.rows):
@@ -103,9 +110,25 @@ class _Geometry:
             rows = torch.arange(i0, i1, device=qc.device).unsqueeze(1)
             causal = cols <= rows + (self.Lk - self.Lq)
             visible = causal if visible is None else visible & causal
+        if self.starts5 is not None:
+            inside = self.interval_visible(i0, i1, qc.device)
+            visible = inside if visible is None else visible & inside
         if visible is not None:
             s = s.masked_fill(~visible, _NEG_INF)
         return s, tanh
+
+    def interval_visible(self, i0: int, i1: int, device) -> Tensor:
+        """Bool ``(Bx|B, Hkv|1, g|1, rows, Lk)``: key intervals seen from query rows i0..i1.
+
+        A query's position is its causal diagonal: ``i + Lk - Lq``, or ``i + n - Lq`` with a
+        used KV-cache length ``n`` (the queries are the last ones of the used cache).
+        """
+        rows = torch.arange(i0, i1, device=device, dtype=torch.int64).view(-1, 1)
+        if self.used is not None:
+            pos = rows + (self.used - self.Lq)  # (B, 1, 1, rows, 1)
+        else:
+            pos = rows + (self.Lk - self.Lq)  # (rows, 1)
+        return (self.starts5 <= pos) & (pos < self.ends5)
 
     @staticmethod
     def grouped_matmul(a5: Tensor, b4: Tensor) -> Tensor:
@@ -132,8 +155,9 @@ def _softmax_parts(s: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return p, denom, lse
 
 
-def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None):
-    geo = _Geometry(q, k, mask, bias, scale, is_causal, softcap, cache_seqlens)
+def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
+             key_intervals=None):
+    geo = _Geometry(q, k, mask, bias, scale, is_causal, softcap, cache_seqlens, key_intervals)
     B, Lq, H, D = q.shape
     out = torch.zeros(B, Lq, H, v.shape[-1], dtype=q.dtype, device=q.device)
     # Kept in the accumulation dtype so a float64 backward is exact; callers get float32.
@@ -159,9 +183,9 @@ def _reduce_like(x: Tensor, target_shape) -> Tensor:
 
 
 def _backward(ctx_flags, dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap,
-              cache_seqlens=None):
+              cache_seqlens=None, key_intervals=None):
     need_dq, need_dk, need_dv, need_dbias = ctx_flags
-    geo = _Geometry(q, k, mask, bias, scale, is_causal, softcap, cache_seqlens)
+    geo = _Geometry(q, k, mask, bias, scale, is_causal, softcap, cache_seqlens, key_intervals)
     acc = geo.acc
     B, Lq, H, D = q.shape
     dq = torch.zeros(B, Lq, H, D, dtype=acc, device=q.device) if need_dq else None
@@ -210,10 +234,11 @@ def _backward(ctx_flags, dout, q, k, v, mask, bias, out, lse, scale, is_causal, 
 
 
 def _backward_op(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, _det, needs,
-                 cache_seqlens=None):
+                 cache_seqlens=None, key_intervals=None):
     # The reference is deterministic whatever was asked.
     return _backward(
-        needs, dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, cache_seqlens
+        needs, dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, cache_seqlens,
+        key_intervals,
     )
 
 
@@ -232,6 +257,7 @@ def reference_attention(
     is_causal: bool = False,
     softcap: float = 0.0,
     cache_seqlens: Optional[Tensor] = None,
+    key_intervals: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention with mask, bias, GQA, causal and softcap; returns ``(out, lse)``.
 
@@ -250,10 +276,15 @@ def reference_attention(
 
     ``cache_seqlens`` (int32 ``(B,)``, KV-cache decoding) adds, with ``n = cache_seqlens[b]``,
     ``visible &= j < n`` and aligns the causal diagonal with it: ``j <= i + n - Lq``.
+
+    ``key_intervals`` (int32 ``(2, Bx, Hx, Lk)``, the bounds of a
+    :class:`~flash_dmattn.masks.KeyIntervals`) adds ``visible &= start[j] <= p < end[j]`` with
+    the query position ``p = i + Lk - Lq`` (``i + n - Lq`` with ``cache_seqlens``: the causal
+    diagonal), evaluated one chunk of query rows at a time.
     """
     return _REFERENCE_OP(
         query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
-        cache_seqlens=cache_seqlens,
+        cache_seqlens=cache_seqlens, key_intervals=key_intervals,
     )
 
 
@@ -273,12 +304,14 @@ def gather_kv_pages(pool: Tensor, block_table: Tensor) -> Tensor:
 
 
 def reference_probs(
-    query, key, attn_mask, attn_bias, softmax_scale, is_causal, softcap, cache_seqlens=None
+    query, key, attn_mask, attn_bias, softmax_scale, is_causal, softcap, cache_seqlens=None,
+    key_intervals=None,
 ) -> Tensor:
     """The normalised attention probabilities ``(B, H, Lq, Lk)`` (a testing aid; no gradient)."""
     with torch.no_grad():
         geo = _Geometry(
-            query, key, attn_mask, attn_bias, softmax_scale, is_causal, softcap, cache_seqlens
+            query, key, attn_mask, attn_bias, softmax_scale, is_causal, softcap, cache_seqlens,
+            key_intervals,
         )
         B, Lq, H, _ = query.shape
         probs = torch.zeros(B, H, Lq, geo.Lk, dtype=geo.acc, device=query.device)
