@@ -1,0 +1,264 @@
+"""Exact top-W key selections of a per-key bias, as key intervals.
+
+Dynamic Mask Attention keeps, for every query, the ``W`` keys with the largest bias. When the
+bias is per key (shape ``(B, H, 1, L)``, as the DMA bias is), every query ranks the keys the
+same way, so the queries that keep a given key form one interval of query positions, and the
+selection is a :class:`~flash_dmattn.masks.KeyIntervals` mask: two integers per key instead
+of an ``(L, L)`` bool mask.
+
+* Not causal: one shared top-W over all candidate keys; a kept key is seen by every query.
+* Causal (query ``i`` keeps the W best candidates among keys ``0..i``): key ``j`` is kept by
+  queries ``j .. t_j - 1`` where ``t_j`` is the position of the W-th candidate (in position
+  order) that outranks ``j`` ("outranks" = larger bias, or the same bias and a lower index).
+
+Computing ``t_j`` for every key
+-------------------------------
+Sort the keys once by rank (a stable descending sort of the bias; non-candidates last) and let
+``P`` be the key positions in rank order. The keys that outrank ``j`` are ``P[0 : rank_j]``,
+so ``t_j`` is the W-th smallest value of a prefix of ``P``. :func:`kth_smallest_of_prefixes`
+answers such queries for all keys at once with a radix wavelet tree over ``P``: level by
+level (``_RADIX_BITS`` bits of the position at a time, most significant first) each query
+walks down to the child block of positions that holds its answer, using per-level prefix
+counts of each child digit. Since ``P`` is a permutation of ``0..L-1``, every block of
+positions is full except the last, which makes each node's start a closed form; a level is a
+handful of vectorised ops over all ``(batch, head)`` rows, with no data-dependent shapes and
+no host synchronisation. Work O(L · R · log_R L) and memory O(L · R) per row (R = 16), never
+anything of size (L, L) or (L, L / C).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..masks import KeyIntervals
+
+__all__ = ["topk_intervals", "kth_smallest_of_prefixes"]
+
+# Bits of the key position resolved per wavelet level: R = 2 ** _RADIX_BITS children per node.
+# Larger radices mean fewer levels (fewer kernel launches: 4 levels for L = 32K) at the cost
+# of R counters per key and level.
+_RADIX_BITS = 4
+
+# "Before every query" / "after every query" bounds of a key that every query sees; the same
+# clamp value as KeyIntervals uses, so the bounds survive its int32 normalisation unchanged.
+_ALWAYS = 1 << 30
+
+
+def _check_window(window_size) -> int:
+    # bool is a subclass of int; accepting True as a window of 1 would hide caller bugs.
+    if isinstance(window_size, bool) or not isinstance(window_size, int):
+        raise TypeError(f"window_size must be an int, got {type(window_size).__name__}")
+    if window_size < 1:
+        raise ValueError(f"window_size must be >= 1, got {window_size}")
+    return window_size
+
+
+def _check_inputs(attention_bias, window_size, is_causal, padding_mask, min_dtype):
+    """Validate the arguments; return ``(bias (B, H, L), padding (B|1, L) or None, min_dtype)``."""
+    _check_window(window_size)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if not isinstance(attention_bias, torch.Tensor):
+        raise TypeError(f"attention_bias must be a torch.Tensor, got {type(attention_bias).__name__}")
+    if not attention_bias.is_floating_point():
+        raise TypeError(
+            f"attention_bias must be a floating-point tensor, got dtype {attention_bias.dtype}"
+        )
+    if attention_bias.dim() != 4 or attention_bias.shape[2] != 1:
+        raise ValueError(
+            f"attention_bias must be a per-key bias of shape (batch, heads, 1, L), got shape "
+            f"{tuple(attention_bias.shape)}"
+        )
+    bias = attention_bias.detach()[:, :, 0]
+    batch, _, length = bias.shape
+    if padding_mask is not None:
+        if not isinstance(padding_mask, torch.Tensor):
+            raise TypeError(
+                f"padding_mask must be a bool torch.Tensor or None, got {type(padding_mask).__name__}"
+            )
+        if padding_mask.dtype != torch.bool:
+            raise TypeError(
+                f"padding_mask must be a bool tensor (True = real token), got dtype {padding_mask.dtype}"
+            )
+        if padding_mask.dim() != 2 or padding_mask.shape[1] != length or (
+            padding_mask.shape[0] not in (1, batch) and batch != 1
+        ):
+            raise ValueError(
+                f"padding_mask must have shape (batch, L) = ({batch}, {length}), got "
+                f"{tuple(padding_mask.shape)}"
+            )
+        if padding_mask.device != bias.device:
+            raise ValueError(
+                f"padding_mask is on {padding_mask.device} but attention_bias is on {bias.device}"
+            )
+    if min_dtype is None:
+        min_dtype = torch.finfo(bias.dtype).min
+    elif isinstance(min_dtype, torch.Tensor):
+        if min_dtype.numel() != 1:
+            raise ValueError(f"min_dtype must be a scalar, got a tensor of shape {tuple(min_dtype.shape)}")
+        min_dtype = float(min_dtype)
+    elif isinstance(min_dtype, bool) or not isinstance(min_dtype, (int, float)):
+        raise TypeError(f"min_dtype must be a float or None, got {type(min_dtype).__name__}")
+    return bias, padding_mask, min_dtype
+
+
+def kth_smallest_of_prefixes(perm: torch.Tensor, prefix_len: torch.Tensor, k: int) -> torch.Tensor:
+    """For every query ``q``: the ``k``-th smallest value of ``perm[n, :prefix_len[n, q]]``.
+
+    Args:
+        perm: int64 ``(N, L)``; every row a permutation of ``0..L-1``.
+        prefix_len: int64 ``(N, Q)``, every entry in ``k..L``.
+        k: ``1 <= k <= L`` (1 = the smallest).
+
+    Returns int64 ``(N, Q)``. Equivalent plain PyTorch (O(N·Q·L))::
+
+        out = torch.empty_like(prefix_len)
+        for n in range(N):
+            for q in range(Q):
+                out[n, q] = perm[n, :prefix_len[n, q]].sort().values[k - 1]
+
+    How: a wavelet tree over positions in radix ``R = 2 ** _RADIX_BITS``. At the level of child
+    size ``s``, ``seq`` lists the values block by block (blocks of ``R * s`` consecutive values,
+    in value order) and, inside a block, in the order they have in ``perm``. A query sits in
+    block ``[a, a + R*s)`` and knows ``m``, how many of the block's values lie in its prefix —
+    they are the block's first ``m`` entries of ``seq``. Per-digit prefix counts over ``seq``
+    say how many of those fall into each child; the query moves to the child holding its
+    ``k``-th value. Blocks before ``a`` are full, so each has exactly ``s`` values per child and
+    the counts before ``a`` are ``a / R`` per digit (closed form, no second lookup). ``seq`` of
+    the next level is a stable partition of each block by digit (a scatter).
+    """
+    rows, length = perm.shape
+    device = perm.device
+    radix = 1 << _RADIX_BITS
+    # Positions take ceil(log2 L) bits; round up to whole levels. Values past L-1 never exist:
+    # they only leave the last block, and some children of it, short or empty.
+    bits = max(1, (length - 1).bit_length())
+    levels = -(-bits // _RADIX_BITS)
+    top = levels * _RADIX_BITS
+
+    digits = torch.arange(radix, device=device)
+    pos = torch.arange(length, device=device)
+    seq = perm
+    a = torch.zeros_like(prefix_len)  # start of the query's block (values and seq indices alike)
+    m = prefix_len.clone()  # how many of the block's values lie in the query's prefix
+    kk = torch.full_like(prefix_len, k)  # rank of the wanted value inside the block
+    for level in range(levels):
+        shift = top - _RADIX_BITS * (level + 1)
+        child = 1 << shift  # values per child block
+        digit = (seq >> shift) & (radix - 1)  # (N, L)
+        # counts[n, i, d]: how many of seq[n, :i+1] have digit d (inclusive prefix counts).
+        counts = (digit.unsqueeze(-1) == digits).cumsum(1, dtype=torch.int32)  # (N, L, R)
+
+        # Query step: per child, the block's values within the prefix (m >= kk >= 1 holds, so
+        # a + m - 1 is an index inside the block).
+        idx = (a + m - 1).unsqueeze(-1).expand(rows, prefix_len.shape[1], radix)
+        in_child = counts.gather(1, idx) - (a // radix).unsqueeze(-1).to(torch.int32)
+        passed = in_child.cumsum(-1, dtype=torch.int32) < kk.unsqueeze(-1)  # children wholly below kk
+        pick = passed.sum(-1, dtype=torch.int64)  # the child holding the kk-th value
+        kk = kk - (in_child * passed).sum(-1, dtype=torch.int64)
+        m = in_child.gather(-1, pick.unsqueeze(-1)).squeeze(-1).to(torch.int64)
+        a = a + pick * child
+
+        if level + 1 < levels:
+            # Stable partition of every block by digit: entry i goes to its block start, plus its
+            # child's offset, plus the number of same-digit entries before it in the block.
+            block = (pos >> (shift + _RADIX_BITS)) << (shift + _RADIX_BITS)  # (L,)
+            before = counts.gather(-1, digit.unsqueeze(-1)).squeeze(-1).to(torch.int64) - 1
+            dest = block + digit * child + before - block // radix
+            seq = torch.empty_like(seq).scatter_(1, dest, seq)
+    return a
+
+
+def topk_intervals(
+    attention_bias: torch.Tensor,
+    window_size: int,
+    is_causal: bool = True,
+    padding_mask: Optional[torch.Tensor] = None,
+    min_dtype: Optional[float] = None,
+) -> KeyIntervals:
+    """The top-``window_size`` selection of a per-key bias as a :class:`KeyIntervals` mask.
+
+    Args:
+        attention_bias: float ``(B, H, 1, L)``, one bias per key (``H`` usually ``Hkv``). It is
+            detached: no gradient flows through the selection.
+        window_size: keys kept per query (an int >= 1); with ``L <= window_size`` every
+            candidate is kept.
+        is_causal: ``False``: one shared top-W over all keys (every query keeps the same
+            keys). ``True``: query ``i`` keeps the W best candidates among keys ``0..i``.
+        padding_mask: None or bool ``(B, L)`` (True = real token); padded keys are never
+            candidates.
+        min_dtype: bias value meaning "masked"; None means ``torch.finfo(bias.dtype).min``. A
+            key is a candidate iff ``bias > min_dtype`` (so never ``-inf`` or NaN) and padding
+            allows it.
+
+    Ties go to the lower key index. Returns ``KeyIntervals`` with start/end of shape
+    ``(B, H, L)``:
+
+    * ``is_causal=False``: a kept key gets ``[-2**30, 2**30)`` (every query), the others
+      ``[0, 0)``. ``to_dense(L)`` equals ``create_mask(bias, padding_mask, B, L, L,
+      window_size, min_dtype)`` (expanded over queries).
+    * ``is_causal=True``: key ``j`` gets ``[j, t_j)`` with ``t_j`` the position of the W-th
+      candidate (in position order) that outranks it, or ``L`` if fewer than W do. Keys that
+      are never kept (``t_j <= j``, or not candidates) get the empty interval ``[0, 0)``.
+      ``to_dense(L) & causal`` (i.e. the intervals with ``is_causal=True`` in the attention
+      call) equals ``causal_topk_mask(bias, padding_mask, window_size, min_dtype)``. Built over
+      the whole sequence, the intervals also serve a KV-cache step whose queries are the last
+      positions (bottom-right alignment).
+
+    Cost: one stable sort per (batch, head) row plus ``ceil(log2(L) / 4)`` levels of
+    vectorised O(16 L) ops (causal only); O(16 L) memory per row; no host synchronisation.
+
+    Equivalent plain PyTorch (dense, O(L^2))::
+
+        valid = (bias > min_dtype)[:, :, 0] & padding_mask[:, None, :]          # (B, H, L)
+        if not is_causal:
+            keep = create_mask(bias, padding_mask, B, L, L, W, min_dtype)[:, :, 0]
+            start = torch.where(keep, -2**30, 0); end = torch.where(keep, 2**30, 0)
+        else:
+            dense = causal_topk_mask(bias, padding_mask, W, min_dtype)          # (B, H, L, L)
+            j = torch.arange(L)
+            seen = dense.any(2)                                                 # kept by some query
+            last = L - 1 - dense.flip(2).int().argmax(2)                        # last query keeping j
+            start = torch.where(seen, j, 0); end = torch.where(seen, last + 1, 0)
+    """
+    bias, padding, min_dtype = _check_inputs(attention_bias, window_size, is_causal, padding_mask, min_dtype)
+    # Comparing with `>` (as create_mask does) also rejects -inf and NaN.
+    valid = bias > min_dtype
+    if padding is not None:
+        valid = valid & padding[:, None, :]
+    batch, heads, length = valid.shape
+    device = valid.device
+    pos = torch.arange(length, device=device, dtype=torch.int32)
+
+    def result(keep: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> KeyIntervals:
+        zero = torch.zeros((), dtype=torch.int32, device=device)
+        bounds = torch.stack([torch.where(keep, start, zero), torch.where(keep, end, zero)])
+        return KeyIntervals.from_bounds(bounds.to(torch.int32).contiguous())
+
+    always_lo = torch.tensor(-_ALWAYS, dtype=torch.int32, device=device)
+    always_hi = torch.tensor(_ALWAYS, dtype=torch.int32, device=device)
+    if length <= window_size or valid.numel() == 0:
+        # Every candidate fits in the window.
+        if not is_causal:
+            return result(valid, always_lo, always_hi)
+        return result(valid, pos, torch.tensor(length, dtype=torch.int32, device=device))
+
+    # Rank the keys: a stable descending sort puts equal biases in ascending key order (ties
+    # go to the lower index) and the non-candidates (-inf here) last. `+ 0.0` turns -0.0 into
+    # +0.0, which the dense helpers' comparisons treat as equal but a radix sort might not.
+    score = torch.where(valid, bias + 0.0, torch.tensor(float("-inf"), dtype=bias.dtype, device=device))
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices  # (B, H, L) int64
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length, device=device).expand_as(order))
+    if not is_causal:
+        return result(valid & (rank < window_size), always_lo, always_hi)
+
+    # t_j: the W-th smallest position among the keys that outrank j, i.e. in order[:rank_j].
+    # Keys with fewer than W keys above them are kept to the end; their query is run on a
+    # valid prefix length and its answer discarded.
+    rows = batch * heads
+    first = rank.reshape(rows, length).clamp(min=window_size)
+    t = kth_smallest_of_prefixes(order.reshape(rows, length), first, window_size)
+    t = torch.where(rank.reshape(rows, length) < window_size, length, t).view(batch, heads, length)
+    keep = valid & (t > pos)
+    return result(keep, pos, t.to(torch.int32))
