@@ -9,6 +9,10 @@
 * ``cache_seqlens`` (KV-cache decoding) -> ``mask_mod`` reads the per-batch used length
   (``kv < n[b]``, causal diagonal at ``n[b] - Lq``); the block map drops key tiles past it and
   marks no tile full, so ``mask_mod`` runs on every live tile.
+* key intervals (:class:`~flash_dmattn.masks.KeyIntervals`) -> ``mask_mod`` reads the two
+  bounds by (batch, head, key) and compares them with the query position (the causal
+  diagonal); the block map classifies tiles from the bounds, one query tile against all keys
+  at a time, so no (Lq, Lk) tensor is made.
 
 On CUDA the call is compiled (fused kernels). On CPU FlexAttention runs its eager
 implementation, which has no backward and materialises the score matrix; auto-dispatch
@@ -24,7 +28,7 @@ from typing import List, Optional
 
 import torch
 
-from ..block_map import tile_liveness
+from ..block_map import block_reduce, tile_liveness
 from ..intmath import cdiv
 from .base import Backend
 
@@ -80,9 +84,11 @@ _causal_cache: "OrderedDict" = OrderedDict()
 
 def _block_mask(inputs):
     """BlockMask from the compact mask and causal flag, or None when every key is visible."""
-    if inputs.attn_mask is None and not inputs.is_causal and inputs.cache_seqlens is None:
+    intervals = inputs.key_intervals
+    if (inputs.attn_mask is None and not inputs.is_causal and inputs.cache_seqlens is None
+            and intervals is None):
         return None
-    if inputs.attn_mask is None and inputs.cache_seqlens is None:
+    if inputs.attn_mask is None and inputs.cache_seqlens is None and intervals is None:
         # A causal-only map depends on the lengths alone: build it once per shape.
         key = (inputs.seqlen_q, inputs.seqlen_k, inputs.device, inputs.needs_grad)
         if key not in _causal_cache:
@@ -123,14 +129,73 @@ def _tile_maps(mask, lq: int, lk: int, causal: bool, device, use_summary: Option
     return classify_tiles(mask, lq, lk, causal, BLOCK, BLOCK, device, summary)
 
 
+# Elements of one (Bx, Hx, query tiles, Lk) block of the key-interval tile classification.
+_INTERVAL_CHUNK_ELEMENTS = 1 << 24
+
+
+def _interval_tiles(bounds, lq: int, lk: int):
+    """``(live, full)`` ``(Bx, Hx, nQ, nK)`` tile maps of key intervals ``(2, Bx, Hx, Lk)``.
+
+    A key is live in a query tile when its interval meets the tile's positions, full when its
+    interval covers all of them; a tile is live when any of its keys is, full when all its
+    (in-range) keys are. Query tiles are taken a chunk at a time against all keys: at most
+    ``_INTERVAL_CHUNK_ELEMENTS`` booleans, never (Lq, Lk).
+    """
+    start = bounds[0].to(torch.int64).unsqueeze(2)  # (Bx, Hx, 1, Lk)
+    end = bounds[1].to(torch.int64).unsqueeze(2)
+    bx, hx = bounds.shape[1], bounds.shape[2]
+    tile_q0 = torch.arange(0, lq, BLOCK, device=bounds.device)
+    first = (tile_q0 + (lk - lq)).view(-1, 1)  # first query position of each tile
+    stop = (torch.clamp(tile_q0 + BLOCK, max=lq) + (lk - lq)).view(-1, 1)  # one past its last
+    step = max(1, _INTERVAL_CHUNK_ELEMENTS // max(1, bx * hx * lk))
+    lives, fulls = [], []
+    for t0 in range(0, tile_q0.numel(), step):
+        p0, p1 = first[t0:t0 + step], stop[t0:t0 + step]
+        live_keys = torch.maximum(start, p0) < torch.minimum(end, p1)
+        full_keys = (start <= p0) & (p1 <= end)
+        lives.append(block_reduce(live_keys, 3, BLOCK, "any"))
+        fulls.append(block_reduce(full_keys, 3, BLOCK, "all"))
+    return torch.cat(lives, 2), torch.cat(fulls, 2)
+
+
+def _per_query_head(t, num_heads: int, group: int):
+    """A tile map with one entry per kv head -> one per query head (small)."""
+    return t if t.shape[1] in (1, num_heads) else t.repeat_interleave(group, dim=1)
+
+
+def _read_intervals(bounds, num_heads: int, num_kv_heads: int):
+    """A function ``(b, h, kv) -> (start, end)`` honouring size-1 dims and per-kv-head bounds."""
+    starts, ends = bounds[0], bounds[1]
+    bx, hx = starts.shape[0], starts.shape[1]
+    group = num_heads // num_kv_heads
+    per_kv_head = hx == num_kv_heads and hx != num_heads
+
+    def read(b, h, kv):
+        bi = b if bx > 1 else 0
+        hi = (h // group if per_kv_head else h) if hx > 1 else 0
+        return starts[bi, hi, kv], ends[bi, hi, kv]
+
+    return read
+
+
 def _build_block_mask(inputs):
     fa = _flex_module()
     lq, lk = inputs.seqlen_q, inputs.seqlen_k
     cache = inputs.cache_seqlens
+    intervals = inputs.key_intervals
     # With a per-batch used length the causal diagonal moves per batch: classify tiles from the
     # mask alone (a superset of the live tiles) and let mask_mod decide inside them.
     live, full = _tile_maps(inputs.attn_mask, lq, lk, inputs.is_causal and cache is None,
                             inputs.device)
+    if intervals is not None and cache is None:
+        # (With cache_seqlens the query positions move per batch; the tiles stay a superset
+        # and mask_mod decides, as for the causal diagonal.)
+        heads, group = inputs.num_heads, inputs.group_size
+        i_live, i_full = _interval_tiles(intervals, lq, lk)
+        live = _per_query_head(live.to(inputs.device), heads, group) & _per_query_head(
+            i_live, heads, group)
+        full = _per_query_head(full.to(inputs.device), heads, group) & _per_query_head(
+            i_full, heads, group)
     n_q, n_k = cdiv(lq, BLOCK), cdiv(lk, BLOCK)
     if cache is not None:
         # (B, 1, 1, nK): key tiles that start before the used length; nothing is full.
@@ -151,6 +216,11 @@ def _build_block_mask(inputs):
         if inputs.attn_mask is not None
         else None
     )
+    read_bounds = (
+        _read_intervals(intervals, inputs.num_heads, inputs.num_kv_heads)
+        if intervals is not None
+        else None
+    )
     causal = inputs.is_causal
 
     if cache is not None:
@@ -161,6 +231,11 @@ def _build_block_mask(inputs):
             visible = (kv <= q + (n - lq)) if causal else (kv < n)
             if read_mask is not None:
                 visible = visible & read_mask(b, h, q, kv)
+            if read_bounds is not None:
+                # The query's position is the causal diagonal: q + n - Lq.
+                start, end = read_bounds(b, h, kv)
+                pos = q + (n - lq)
+                visible = visible & (start <= pos) & (pos < end)
             return visible
 
         return _from_kv_blocks(fa, partial, full, mask_mod, lq, lk, inputs.needs_grad)
@@ -169,6 +244,10 @@ def _build_block_mask(inputs):
         visible = kv <= q + offset if causal else q >= 0
         if read_mask is not None:
             visible = visible & read_mask(b, h, q, kv)
+        if read_bounds is not None:
+            start, end = read_bounds(b, h, kv)
+            pos = q + offset
+            visible = visible & (start <= pos) & (pos < end)
         return visible
 
     return _from_kv_blocks(fa, partial, full, mask_mod, lq, lk, inputs.needs_grad)
@@ -241,8 +320,6 @@ class FlexBackend(Backend):
 
     def not_supported_reasons(self, inputs) -> List[str]:
         reasons = []
-        if getattr(inputs, "key_intervals", None) is not None:
-            reasons.append("key-interval masks (KeyIntervals) are not supported by flex yet")
         if inputs.block_table is not None:
             # FlexAttention reads K/V as (B, Hkv, Lk, D) tensors; pages would need a gather.
             reasons.append(
