@@ -115,7 +115,14 @@ def markdown(rows: List[Row], env: dict, suites: List[str]) -> str:
         if varlen:
             cols += ["packed/sequential fwd / fwd+bwd", "packed/padded fwd / fwd+bwd"]
         cols += ["peak extra MiB", "rel err", "notes"]
-        out += [f"## {suite}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        out += [f"## {suite}", ""]
+        if suite == "dma_long":
+            from .dma_long import summary_markdown
+
+            out += ["One line per workload and flash_dmattn row (its time beside the dense and "
+                    "selected-keys SDPA rows of the same workload); every row in full below.", ""]
+            out += summary_markdown(suite_rows) + [""]
+        out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         previous = None
         for r in suite_rows:
             label = r.workload if r.workload != previous else ""
@@ -146,6 +153,10 @@ def markdown(rows: List[Row], env: dict, suites: List[str]) -> str:
         "BlockMask is built outside the timed region; the materialised SDPA mask inside it.",
         "",
     ]
+    if "dma_long" in suites:
+        from .dma_long import READING
+
+        out += [READING, ""]
     if "varlen" in suites:
         out += [
             "varlen: FLOPs count the real tokens only (Σ over sequences of 4·H·L²·D, halved when "

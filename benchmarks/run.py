@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m benchmarks.run [--suite dense,dynamic,block_sparse,upstream,decode,varlen | all]
+    python -m benchmarks.run [--suite dense,dynamic,block_sparse,upstream,decode,varlen,dma_long | all]
                              [--quick] [--out benchmarks/results] [--backends flex,...] [--no-bwd]
 
 Writes ``<out>/<device-slug>/<tag>.json``, ``.md`` and ``.png`` (``<device-slug>`` is the GPU
@@ -302,6 +302,10 @@ def run_workload(w: Workload, ctx: RunContext, backends: List[str]) -> List[Row]
         from .varlen import run_varlen_workload
 
         return run_varlen_workload(w, ctx, backends)
+    if w.suite == "dma_long":  # KeyIntervals, selection build and layer steps (benchmarks/dma_long.py)
+        from .dma_long import run_dma_long_workload
+
+        return run_dma_long_workload(w, ctx, backends)
     print(f"== {w.name}", flush=True)
     try:
         case = build_case(w, ctx.device, ctx.dtype)
@@ -378,7 +382,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma list of substrings: leave out implementations whose name "
                              "contains one (e.g. 'flex' to spare its compiles)")
     args = parser.parse_args(argv)
-    args.suites = list(SUITES) if args.suite.strip() == "all" else _parse_list(args.suite, SUITES, "suite", parser)
+    # Hyphens are accepted for underscores (``dma-long`` is ``dma_long``).
+    suite_text = args.suite.replace("-", "_")
+    args.suites = list(SUITES) if suite_text.strip() == "all" else _parse_list(suite_text, SUITES, "suite", parser)
     args.backend_list = _parse_list(args.backends, PRIORITY, "backend", parser) if args.backends else None
     return args
 
@@ -456,10 +462,16 @@ def main(argv=None) -> int:
 
     rows: List[Row] = []
     for suite in args.suites:
+        suite_backends = backends
+        if suite == "dma_long" and args.backend_list is None:
+            # Its rows are auto-dispatch plus explicit backends; by default just triton (GPU).
+            from .dma_long import default_backends
+
+            suite_backends = default_backends(ctx)
         for w in workloads_for(suite, args.quick):
             if args.match and not any(m.strip() and m.strip() in w.name for m in args.match.split(",")):
                 continue
-            rows.extend(run_workload(w, ctx, backends))
+            rows.extend(run_workload(w, ctx, suite_backends))
     for r in rows:
         r.fwd_ms, r.fwd_bwd_ms = report.finite_or_none(r.fwd_ms), report.finite_or_none(r.fwd_bwd_ms)
         r.rel_err = report.finite_or_none(r.rel_err)

@@ -23,9 +23,17 @@ def timing_method(device: torch.device, cpu_repeats: int) -> str:
     return f"time.perf_counter, median of {cpu_repeats} runs after 1 warm-up"
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, cpu_repeats: int = 3) -> float:
-    """Median milliseconds of one call of ``fn`` (which has already been warmed up once)."""
+def time_ms(fn: Callable[[], object], device: torch.device, cpu_repeats: int = 3,
+            min_runs: Optional[int] = None) -> float:
+    """Median milliseconds of one call of ``fn`` (which has already been warmed up once).
+
+    ``min_runs`` (CUDA): time with CUDA events and at least that many timed calls (after at
+    least 2 warm-up calls) whatever the time budget; ``do_bench`` times a call of more than
+    100 ms only once or twice.
+    """
     if device.type == "cuda":
+        if min_runs is not None:
+            return _cuda_event_median(fn, min_reps=min_runs, min_warmup=2)
         if _do_bench is not None:
             try:
                 return float(_do_bench(fn, warmup=25, rep=100, return_mode="median"))
@@ -78,8 +86,10 @@ def graph_time_ms(fn: Callable[[], object], device: torch.device) -> Tuple[Optio
         del graph
 
 
-def _cuda_event_median(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
-    # Same budget as do_bench: estimate one call, then warm up and repeat for fixed times.
+def _cuda_event_median(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 100.0,
+                       min_reps: int = 5, min_warmup: int = 1) -> float:
+    # Same budget as do_bench: estimate one call, then warm up and repeat for fixed times
+    # (at least min_warmup / min_reps calls).
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(3):
@@ -87,10 +97,10 @@ def _cuda_event_median(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms
     end.record()
     torch.cuda.synchronize()
     estimate = max(start.elapsed_time(end) / 3, 1e-3)
-    for _ in range(max(1, int(warmup_ms / estimate))):
+    for _ in range(max(min_warmup, int(warmup_ms / estimate))):
         fn()
     samples = []
-    for _ in range(min(1000, max(5, int(rep_ms / estimate)))):
+    for _ in range(min(1000, max(min_reps, int(rep_ms / estimate)))):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()

@@ -13,7 +13,7 @@ import torch
 
 from flash_dmattn.utils.mask import create_mask
 
-SUITES = ("dense", "dynamic", "block_sparse", "upstream", "decode", "varlen")
+SUITES = ("dense", "dynamic", "block_sparse", "upstream", "decode", "varlen", "dma_long")
 
 
 @dataclass(frozen=True)
@@ -223,6 +223,11 @@ def workloads_for(suite: str, quick: bool) -> List[Workload]:
         from .varlen import varlen_workloads
 
         return varlen_workloads(quick)
+    if suite == "dma_long":
+        # Long-sequence DMA with a KeyIntervals mask: its own workload type and runner (dma_long.py).
+        from .dma_long import dma_long_workloads
+
+        return dma_long_workloads(quick)
     raise ValueError(f"unknown suite {suite!r}; expected one of {', '.join(SUITES)}")
 
 
