@@ -94,7 +94,8 @@ def _scale_and_softcap(softmax_scale, softcap, head_dim: int) -> Tuple[float, fl
 def _check_aux_type(name: str, t, query: torch.Tensor) -> None:
     """A mask must be bool; a bias float in the query's dtype or fp32; both on its device."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        kinds = "a bool torch.Tensor, a KeyIntervals" if name == "attn_mask" else "a torch.Tensor"
+        raise TypeError(f"{name} must be {kinds} or None, got {type(t).__name__}")
     if name == "attn_mask":
         if t.dtype != torch.bool:
             raise TypeError(
@@ -451,6 +452,11 @@ class VarlenInputs:
     1-D of equal length ``n + 1`` on the query's device. ``attn_mask`` / ``attn_bias`` are
     None or 2-D views ``(1|Hkv|H, total_k)``: one value per key, shared by every query of
     that key's sequence.
+
+    ``key_intervals`` is None or the int32 contiguous ``(2, Hx, total_k)`` bounds of a
+    :class:`~flash_dmattn.masks.KeyIntervals` mask (``Hx in {1, Hkv, H}``; ``attn_mask`` is
+    then None): query ``i`` of a sequence of lengths ``(lq, lk)`` sees that sequence's key
+    ``j`` iff ``start[j] <= i + lk - lq < end[j]`` (positions are per sequence).
     """
 
     query: torch.Tensor
@@ -467,6 +473,7 @@ class VarlenInputs:
     softcap: float
     deterministic: bool
     return_attn_probs: bool
+    key_intervals: Optional[torch.Tensor] = None
 
     @staticmethod
     def from_args(
@@ -508,6 +515,10 @@ class VarlenInputs:
                 f"{cu_seqlens_k.numel()}; both must hold n+1 offsets"
             )
         scale, cap = _scale_and_softcap(softmax_scale, softcap, d)
+        intervals = None
+        if isinstance(attn_mask, KeyIntervals):
+            intervals = _check_varlen_key_intervals(attn_mask, query, h, hkv, total_k)
+            attn_mask = None
         mask = _normalise_varlen_per_key("attn_mask", attn_mask, query, h, hkv, total_k)
         bias = _normalise_varlen_per_key("attn_bias", attn_bias, query, h, hkv, total_k)
         return VarlenInputs(
@@ -525,6 +536,7 @@ class VarlenInputs:
             softcap=cap,
             deterministic=bool(deterministic),
             return_attn_probs=bool(return_attn_probs),
+            key_intervals=intervals,
         )
 
     @property
@@ -563,6 +575,8 @@ class VarlenInputs:
         ]
         if self.attn_mask is not None:
             parts.append(f"mask {tuple(self.attn_mask.shape)}")
+        if self.key_intervals is not None:
+            parts.append(f"key intervals {tuple(self.key_intervals.shape[1:])}")
         if self.attn_bias is not None:
             parts.append(f"bias {tuple(self.attn_bias.shape)}")
         if self.is_causal:
@@ -583,3 +597,25 @@ def _normalise_varlen_per_key(name, t, query, h, hkv, total_k):
             f"got {tuple(t.shape)}"
         )
     return t
+
+
+def _check_varlen_key_intervals(intervals: KeyIntervals, query, h, hkv, total_k) -> torch.Tensor:
+    """Check a varlen :class:`KeyIntervals` mask; return its ``(2, Hx, total_k)`` int32 bounds.
+
+    Like a varlen mask it is per key: start/end of shape ``(total_k,)``, ``(Hkv, total_k)`` or
+    ``(H, total_k)`` (no batch dim: the sequences are packed along the keys).
+    """
+    bounds = intervals.bounds
+    if bounds.device != query.device:
+        raise ValueError(
+            f"attn_mask (KeyIntervals {intervals.shape}) is on {bounds.device} but query is on "
+            f"{query.device}"
+        )
+    bx, hx, lk = bounds.shape[1:]
+    if bx != 1 or hx not in (1, hkv, h) or lk != total_k:
+        raise ValueError(
+            f"varlen attn_mask (KeyIntervals with start/end of shape {(bx, hx, lk)}) must have "
+            f"start/end of shape (total_k,), (num_kv_heads, total_k) or (num_heads, total_k) = "
+            f"({total_k},), ({hkv}, {total_k}) or ({h}, {total_k})"
+        )
+    return bounds[:, 0].contiguous()

@@ -415,6 +415,12 @@ class VarlenAttentionOp:
 
     def attention(self, inputs) -> Tensor:
         """The output of a validated :class:`~flash_dmattn.inputs.VarlenInputs` call."""
+        if getattr(inputs, "key_intervals", None) is not None:
+            # The varlen op has no key-interval argument: refuse rather than ignore the mask.
+            raise RuntimeError(
+                f"flash_dmattn::{self.name}: key-interval masks (KeyIntervals) are not supported "
+                f"by this varlen path; use the torch-reference backend"
+            )
         out, _ = self(
             inputs.query, inputs.key, inputs.value, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
             inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.attn_mask, inputs.attn_bias,

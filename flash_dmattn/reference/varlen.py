@@ -24,6 +24,11 @@ def _per_key(t: Optional[Tensor], k0: int, k1: int) -> Optional[Tensor]:
     return None if t is None else t[:, k0:k1].unsqueeze(0).unsqueeze(2)
 
 
+def _key_intervals(bounds: Optional[Tensor], k0: int, k1: int) -> Optional[Tensor]:
+    # (2, Hx, total_k) -> (2, 1, Hx, Lk_i): positions are per sequence, as in a dense call.
+    return None if bounds is None else bounds[:, :, k0:k1].unsqueeze(1)
+
+
 def reference_varlen_attention(inputs):
     """Run :func:`reference_attention` sequence by sequence on packed inputs.
 
@@ -34,6 +39,9 @@ def reference_varlen_attention(inputs):
             qs, ks = slice(cu_q[i], cu_q[i+1]), slice(cu_k[i], cu_k[i+1])
             out[qs] = dense_attention(q[None, qs], k[None, ks], v[None, ks],
                                       mask[:, ks][None, :, None], bias[:, ks][None, :, None])[0]
+
+    Key intervals (``inputs.key_intervals``) are sliced per sequence the same way, their
+    positions relative to the sequence.
     """
     q, k, v = inputs.query, inputs.key, inputs.value
     total_q, H, D = q.shape
@@ -49,8 +57,10 @@ def reference_varlen_attention(inputs):
             _per_key(inputs.attn_mask, k0, k1),
             _per_key(inputs.attn_bias, k0, k1),
         )
+        intervals = _key_intervals(inputs.key_intervals, k0, k1)
         out_i, lse_i = reference_attention(
-            *args, inputs.softmax_scale, inputs.is_causal, inputs.softcap
+            *args, inputs.softmax_scale, inputs.is_causal, inputs.softcap,
+            key_intervals=intervals,
         )
         outs.append(out_i[0])
         lses.append(lse_i[0])
@@ -58,6 +68,7 @@ def reference_varlen_attention(inputs):
             p = reference_probs(
                 args[0], args[1], args[3], args[4],
                 inputs.softmax_scale, inputs.is_causal, inputs.softcap,
+                key_intervals=intervals,
             )[0]
             padded = p.new_zeros(H, inputs.max_seqlen_q, inputs.max_seqlen_k)
             padded[:, : p.shape[1], : p.shape[2]] = p[:, : inputs.max_seqlen_q, : inputs.max_seqlen_k]

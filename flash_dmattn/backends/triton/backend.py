@@ -167,7 +167,10 @@ class TritonBackend(Backend):
 
     def varlen_not_supported_reasons(self, inputs) -> List[str]:
         """Why the packed-sequence kernels cannot run ``inputs`` (a VarlenInputs)."""
-        return _kernel_reasons(inputs)
+        reasons = _kernel_reasons(inputs)
+        if getattr(inputs, "key_intervals", None) is not None:
+            reasons.append("key-interval masks (KeyIntervals) are not supported by triton varlen")
+        return reasons
 
     def varlen_attention(self, inputs):
         """Packed-sequence attention (SPEC §4) through the ``triton_varlen`` custom ops."""
