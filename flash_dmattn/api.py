@@ -27,7 +27,12 @@ def flash_dmattn_func(
     Args:
         query: ``(B, Lq, H, D)``; key, value: ``(B, Lk, Hkv, D)`` with ``H % Hkv == 0``.
         attn_mask: bool, broadcastable to ``(B, H, Lq, Lk)`` (head dim may be ``Hkv``);
-            True = attend. Never expanded in memory.
+            True = attend. Never expanded in memory. Or a
+            :class:`~flash_dmattn.masks.KeyIntervals` ``(start, end)`` with start/end
+            broadcastable to ``(B, H or Hkv, Lk)``: query i sees key j iff
+            ``start[j] <= i + Lk - Lq < end[j]`` (the query's position; with ``cache_seqlens``
+            it is ``i + cache_seqlens[b] - Lq``), O(Lk) numbers instead of an (Lq, Lk) mask.
+            Combines with ``is_causal`` and ``attn_bias`` like a bool mask.
         attn_bias: float (query dtype or float32), same broadcast rules; added to the scaled
             scores. Its gradient has exactly its shape.
         softmax_scale: default ``1/sqrt(D)``; ``0.0`` is valid (uniform attention).
@@ -69,6 +74,10 @@ def flash_dmattn_func(
         used = j < n                                        # (B, 1, 1, Lk)
         visible = attn_mask & used & ((j <= i + n - Lq) if is_causal else True)
 
+    With ``attn_mask=KeyIntervals(start, end)``, the same with the dense mask::
+
+        attn_mask = KeyIntervals(start, end).to_dense(Lq)   # (Bx, Hx, Lq, Lk) bool
+
     With ``block_table`` (``P = block_table.shape[1]``, ``S = key.shape[1]``), first gather
     the pages into contiguous K/V, then proceed as above::
 
@@ -103,6 +112,10 @@ def flash_dmattn_varlen_func(
     ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` (and likewise for keys). ``attn_mask`` /
     ``attn_bias`` are per key: ``(total_k,)``, ``(Hkv, total_k)`` or ``(H, total_k)``, applying to
     every query of that key's sequence. Causal alignment is per sequence (bottom-right).
+    ``attn_mask`` may also be a :class:`~flash_dmattn.masks.KeyIntervals` whose start/end have
+    those per-key shapes; positions are per sequence: query ``i`` of a sequence of lengths
+    ``(lq, lk)`` sees its key ``j`` iff ``start[j] <= i + lk - lq < end[j]`` (torch-reference
+    runs it; the kernels' varlen paths decline it).
     Returns ``(total_q, H, D)`` (or ``(out, lse (H, total_q), probs)``). Equivalent::
 
         for i in range(len(cu_seqlens_q) - 1):
