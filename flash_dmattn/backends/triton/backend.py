@@ -27,7 +27,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None, block_table=None):
+def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None, block_table=None,
+             key_intervals=None):
+    if key_intervals is not None:
+        from .intervals import interval_forward
+
+        out, lse, _ = interval_forward(q, k, v, bias, key_intervals, scale, is_causal, softcap)
+        return out, lse
     from .decode import decode_forward, use_decode_kernel
 
     if block_table is not None:
@@ -45,8 +51,14 @@ def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
     return attention_forward(q, k, v, mask, bias, scale, is_causal, softcap)
 
 
-def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None):
+def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
+                     key_intervals=None):
     """``_forward`` plus the backward's plan (see :mod:`.plan`); None where it has none."""
+    if key_intervals is not None:
+        from .intervals import interval_forward, plan_for
+
+        plan = plan_for(q, k, key_intervals, is_causal, backward=True)
+        return interval_forward(q, k, v, bias, key_intervals, scale, is_causal, softcap, plan)
     from .decode import use_decode_kernel
     if use_decode_kernel(q.shape[1], q.shape[2], k.shape[2], k.shape[1], cache_seqlens is not None):
         return (*_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens), None)
@@ -55,7 +67,12 @@ def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqle
 
 
 def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs,
-              cache_seqlens=None, plan=None):
+              cache_seqlens=None, plan=None, key_intervals=None):
+    if key_intervals is not None:
+        from .intervals import interval_backward
+
+        return interval_backward(dout, q, k, v, bias, key_intervals, out, lse, scale, is_causal,
+                                 softcap, deterministic, needs, plan=plan)
     from .backward import attention_backward
 
     if cache_seqlens is not None:
@@ -133,6 +150,18 @@ def _kernel_reasons(inputs) -> List[str]:
     return reasons
 
 
+def _interval_reasons(inputs) -> List[str]:
+    """Why the key-interval kernels cannot run a call with a KeyIntervals mask."""
+    reasons = []
+    if inputs.cache_seqlens is not None or inputs.block_table is not None:
+        reasons.append("key-interval masks with a KV cache (cache_seqlens / block_table) are "
+                       "not supported by triton yet")
+    if inputs.attn_bias is not None and inputs.attn_bias.shape[2] != 1:
+        reasons.append("with a key-interval mask the triton kernels take a per-key bias "
+                       f"(Bx, Hx, 1, Lk); got bias {tuple(inputs.attn_bias.shape)}")
+    return reasons
+
+
 class TritonBackend(Backend):
     name = "triton"
 
@@ -154,7 +183,7 @@ class TritonBackend(Backend):
     def not_supported_reasons(self, inputs) -> List[str]:
         reasons = _kernel_reasons(inputs)
         if getattr(inputs, "key_intervals", None) is not None:
-            reasons.append("key-interval masks (KeyIntervals) are not supported by triton yet")
+            reasons.extend(_interval_reasons(inputs))
         if inputs.cache_seqlens is not None:
             from .decode import cache_seqlens_reasons
 
@@ -206,5 +235,6 @@ class TritonBackend(Backend):
             inputs.query, inputs.key, inputs.value, inputs.attn_mask, inputs.attn_bias,
             inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
             cache_seqlens=inputs.cache_seqlens, block_table=inputs.block_table,
+            key_intervals=inputs.key_intervals,
         )
         return out

@@ -1,0 +1,502 @@
+"""Triton kernels for key-interval masks: attention at the cost of the selected keys.
+
+A :class:`~flash_dmattn.masks.KeyIntervals` mask lets key ``j`` be seen by the query positions
+``[start_j, end_j)``. The planner (:mod:`flash_dmattn.planning.key_lists`) turns that into
+
+* per query tile, the position-sorted list of keys whose range meets the tile: the forward
+  and the dQ kernel load exactly those K/V rows by index (a gather, 2·D bytes a row) and test
+  the interval arithmetically — no mask memory is read, and no key tile is visited for one
+  live key;
+* key blocks of up to ``block_n`` keys with the union ``[q_lo, q_hi)`` of their query ranges:
+  the dK/dV kernel holds a block's K/V in registers and walks those queries (for every query
+  head of the kv head's group), accumulating dK, dV and the per-key dbias.
+
+Scores follow the dense kernels' conventions: ``s = scale·q·k`` (``softcap·tanh(s/softcap)``
+when soft-capped) ``+ bias``, in base 2 inside the kernels; rows that see no key give 0 and
+``lse = -inf``.
+
+Long key blocks (a key that stays selected for most of the sequence) are cut into query
+segments run by separate programs, whose partial dK/dV/dbias meet by atomic adds in fp32
+buffers; ``deterministic=True`` keeps one program per block, so every element is written by
+one add onto zero.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ...intmath import cdiv
+from ...planning.key_lists import IntervalPlan, plan_intervals
+from .forward import LN2, LOG2E, _dot, _tanh, alloc_output, dot_upcast, head_block, interpret_mode
+
+# Query rows one dK/dV program walks at most; a longer block range is split over programs.
+SEGMENT_ROWS = 4096
+
+
+def full_bounds(bounds: torch.Tensor, batch: int, num_heads: int, num_kv_heads: int):
+    """The bounds expanded to one row per (batch, mask head): ``(2, B, Hx', Lk)`` with
+    ``Hx' = Hkv`` for bounds shared by a kv head's group (or by all heads) and ``H`` for
+    bounds per query head. Returns the tensor and whether it is per query head."""
+    _, bx, hx, lk = bounds.shape
+    per_qhead = hx == num_heads and num_heads != num_kv_heads
+    heads = num_heads if per_qhead else num_kv_heads
+    return bounds.expand(2, batch, heads, lk).contiguous(), per_qhead
+
+
+def _fwd_config(head_dim: int, interp: bool) -> Tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) of the forward and dQ kernels."""
+    if interp:
+        return 16, 16, 4, 1
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128:
+        return 128, 64, 8, 2
+    return 64, 32, 8, 2
+
+
+def _bwd_config(head_dim: int, interp: bool) -> Tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) of the dK/dV kernel."""
+    if interp:
+        return 16, 16, 4, 1
+    if head_dim <= 128:
+        return 64, 64, 4, 2
+    return 32, 32, 4, 2
+
+
+# ------------------------------------------------------------------------------------------
+# Device helpers
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scores(q, k_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale, softcap,
+            HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
+            UPCAST: tl.constexpr):
+    """Base-2 scores of a (queries, keys) tile with the interval test applied (-inf where
+    hidden), and the tanh of the soft cap (for the backward; 0 without soft cap)."""
+    s = _dot(q, k_t, UPCAST)
+    if SOFTCAP:
+        t = _tanh(s * (qk_scale / softcap))
+        s = t * (softcap * LOG2E)
+    else:
+        t = s * 0.0
+        s = s * (qk_scale * LOG2E)
+    if HAS_BIAS:
+        s += bias[None, :] * LOG2E
+    vis = (sb[None, :] <= pos[:, None]) & (pos[:, None] < eb[None, :])
+    vis = vis & kvalid[None, :] & qvalid[:, None]
+    if CAUSAL:
+        vis = vis & (kidx[None, :] <= pos[:, None])
+    s = tl.where(vis, s, float("-inf"))
+    return s, t
+
+
+# ------------------------------------------------------------------------------------------
+# Forward
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ki_fwd_kernel(
+    Q, K, V, Bias, Bounds, TileStart, TileLen, Keys, Out, Lse,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_biasb, stride_biash, stride_biask, bias_hdiv,
+    row_heads, row_hdiv, bound_plane,
+    H, G, Lq, Lk, n_tiles, pos_off, qk_scale, softcap,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+):
+    m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    row = b * row_heads + h // row_hdiv
+
+    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    qvalid = offs_m < Lq
+    dvalid = offs_d < HEAD_DIM
+    pos = offs_m + pos_off
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=qvalid[:, None] & dvalid[None, :], other=0.0)
+
+    start = tl.load(TileStart + row * n_tiles + m)
+    length = tl.load(TileLen + row * n_tiles + m)
+    keys = Keys + start
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    bias_base = Bias + b * stride_biasb + (h // bias_hdiv) * stride_biash
+    s_base = Bounds + row * Lk
+    e_base = s_base + bound_plane
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n0 in range(0, length, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kvalid = offs_n < length
+        kidx = tl.load(keys + offs_n, mask=kvalid, other=0)
+        k_t = tl.load(k_base + kidx[None, :] * stride_kn + offs_d[:, None],
+                      mask=kvalid[None, :] & dvalid[:, None], other=0.0)
+        sb = tl.load(s_base + kidx, mask=kvalid, other=0)
+        eb = tl.load(e_base + kidx, mask=kvalid, other=0)
+        if HAS_BIAS:
+            bias = tl.load(bias_base + kidx * stride_biask, mask=kvalid, other=0.0).to(tl.float32)
+        else:
+            bias = sb * 0.0
+        s, _t = _scores(q, k_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale, softcap,
+                        HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + kidx[:, None] * stride_vn + offs_d[None, :],
+                    mask=kvalid[:, None] & dvalid[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=qvalid[:, None] & dvalid[None, :])
+    tl.store(Lse + bh * Lq + offs_m, lse, mask=qvalid)
+
+
+# ------------------------------------------------------------------------------------------
+# Backward: dQ over the forward's lists
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ki_dq_kernel(
+    Q, K, V, Bias, Bounds, TileStart, TileLen, Keys, DO, Lse, Delta, DQ,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_biasb, stride_biash, stride_biask, bias_hdiv,
+    row_heads, row_hdiv, bound_plane,
+    H, G, Lq, Lk, n_tiles, pos_off, qk_scale, softcap,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+):
+    m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    row = b * row_heads + h // row_hdiv
+
+    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    qvalid = offs_m < Lq
+    dvalid = offs_d < HEAD_DIM
+    qd = qvalid[:, None] & dvalid[None, :]
+    pos = offs_m + pos_off
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=qd, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+                 + offs_d[None, :], mask=qd, other=0.0)
+    lse = tl.load(Lse + bh * Lq + offs_m, mask=qvalid, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    delta = tl.load(Delta + bh * Lq + offs_m, mask=qvalid, other=0.0)
+
+    start = tl.load(TileStart + row * n_tiles + m)
+    length = tl.load(TileLen + row * n_tiles + m)
+    keys = Keys + start
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    bias_base = Bias + b * stride_biasb + (h // bias_hdiv) * stride_biash
+    s_base = Bounds + row * Lk
+    e_base = s_base + bound_plane
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n0 in range(0, length, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kvalid = offs_n < length
+        kidx = tl.load(keys + offs_n, mask=kvalid, other=0)
+        kd = kvalid[:, None] & dvalid[None, :]
+        k = tl.load(k_base + kidx[:, None] * stride_kn + offs_d[None, :], mask=kd, other=0.0)
+        v = tl.load(v_base + kidx[:, None] * stride_vn + offs_d[None, :], mask=kd, other=0.0)
+        sb = tl.load(s_base + kidx, mask=kvalid, other=0)
+        eb = tl.load(e_base + kidx, mask=kvalid, other=0)
+        if HAS_BIAS:
+            bias = tl.load(bias_base + kidx * stride_biask, mask=kvalid, other=0.0).to(tl.float32)
+        else:
+            bias = sb * 0.0
+        s, t = _scores(q, tl.trans(k), bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale,
+                       softcap, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
+        p = tl.exp2(s - lse2[:, None])
+        dp = _dot(do, tl.trans(v), UPCAST)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq += _dot(ds.to(k.dtype), k, UPCAST)
+    dq = dq * qk_scale
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=qd)
+
+
+# ------------------------------------------------------------------------------------------
+# Backward: dK, dV, dbias over key blocks
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ki_dkv_kernel(
+    Q, K, V, Bias, Bounds, BlkKeys, BlkRow, BlkQlo, BlkQhi, DO, Lse, Delta, DK, DV, DBias,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_biasb, stride_biash, stride_biask, bias_hdiv,
+    row_heads, bound_plane,
+    H, G, Lq, Lk, pos_off, qk_scale, softcap, segment_rows,
+    HAS_BIAS: tl.constexpr, NEED_DBIAS: tl.constexpr, PER_QHEAD: tl.constexpr,
+    CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    seg = tl.program_id(1)
+    row = tl.load(BlkRow + blk)
+    q_lo = tl.load(BlkQlo + blk) + seg * segment_rows
+    q_hi = tl.minimum(tl.load(BlkQhi + blk), q_lo + segment_rows)
+    if q_lo < q_hi:
+        b = row // row_heads
+        hx = row % row_heads
+        if PER_QHEAD:
+            hk = hx // G
+            h0 = hx
+            n_heads = 1
+        else:
+            hk = hx
+            h0 = hx * G
+            n_heads = G
+
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        dvalid = offs_d < HEAD_DIM
+        kidx = tl.load(BlkKeys + blk * BLOCK_N + offs_n)
+        kvalid = kidx >= 0
+        kidx = tl.where(kvalid, kidx, 0)
+        kd = kvalid[:, None] & dvalid[None, :]
+        k = tl.load(K + b * stride_kb + hk * stride_kh + kidx[:, None] * stride_kn
+                    + offs_d[None, :], mask=kd, other=0.0)
+        v = tl.load(V + b * stride_vb + hk * stride_vh + kidx[:, None] * stride_vn
+                    + offs_d[None, :], mask=kd, other=0.0)
+        sb = tl.load(Bounds + row * Lk + kidx, mask=kvalid, other=0)
+        eb = tl.load(Bounds + bound_plane + row * Lk + kidx, mask=kvalid, other=0)
+        k_t = tl.trans(k)
+        v_t = tl.trans(v)
+
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        for hh in range(0, n_heads):
+            h = h0 + hh
+            bh = b * H + h
+            if HAS_BIAS:
+                bias = tl.load(Bias + b * stride_biasb + (h // bias_hdiv) * stride_biash
+                               + kidx * stride_biask, mask=kvalid, other=0.0).to(tl.float32)
+            else:
+                bias = sb * 0.0
+            dbias = tl.zeros([BLOCK_N], dtype=tl.float32)
+            q_base = Q + b * stride_qb + h * stride_qh
+            do_base = DO + b * stride_dob + h * stride_doh
+            for m0 in range(q_lo, q_hi, BLOCK_M):
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                qvalid = offs_m < q_hi
+                qd = qvalid[:, None] & dvalid[None, :]
+                q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=qd,
+                            other=0.0)
+                do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=qd,
+                             other=0.0)
+                lse = tl.load(Lse + bh * Lq + offs_m, mask=qvalid, other=0.0)
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+                delta = tl.load(Delta + bh * Lq + offs_m, mask=qvalid, other=0.0)
+                pos = offs_m + pos_off
+                s, t = _scores(q, k_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale,
+                               softcap, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
+                p = tl.exp2(s - lse2[:, None])
+                dv += _dot(tl.trans(p.to(do.dtype)), do, UPCAST)
+                dp = _dot(do, v_t, UPCAST)
+                ds = p * (dp - delta[:, None])
+                if NEED_DBIAS:
+                    dbias += tl.sum(ds, 0)
+                if SOFTCAP:
+                    ds = ds * (1.0 - t * t)
+                dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST)
+            if NEED_DBIAS:
+                tl.atomic_add(DBias + bh * Lk + kidx, dbias, mask=kvalid)
+        dk = dk * qk_scale
+        dk_head = hx if PER_QHEAD else hk
+        tl.atomic_add(DK + b * stride_dkb + dk_head * stride_dkh + kidx[:, None] * stride_dkn
+                      + offs_d[None, :], dk, mask=kd)
+        tl.atomic_add(DV + b * stride_dkb + dk_head * stride_dkh + kidx[:, None] * stride_dkn
+                      + offs_d[None, :], dv, mask=kd)
+
+
+# ------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------
+
+
+def _bias_args(bias: Optional[torch.Tensor], num_heads: int):
+    """(tensor, stride_b, stride_h, stride_k, head_div) of a per-key ``(Bx, Hb, 1, Lk)`` bias."""
+    if bias is None:
+        return None, 0, 0, 0, 1
+    sb = 0 if bias.shape[0] == 1 else bias.stride(0)
+    sh = 0 if bias.shape[1] == 1 else bias.stride(1)
+    sk = 0 if bias.shape[3] == 1 else bias.stride(3)
+    return bias, sb, sh, sk, num_heads // bias.shape[1]
+
+
+def supports_bias(bias: Optional[torch.Tensor]) -> bool:
+    """The kernels read a bias with one value per key (``Qx == 1``) or none."""
+    return bias is None or bias.shape[2] == 1
+
+
+def plan_for(q, k, bounds, is_causal, backward: bool):
+    """Plan a call: ``(plan, full bounds, per_qhead)``."""
+    B, Lq, H, D = q.shape
+    Lk, Hkv = k.shape[1], k.shape[2]
+    fb, per_qhead = full_bounds(bounds, B, H, Hkv)
+    interp = interpret_mode()
+    bm, _, _, _ = _fwd_config(D, interp)
+    bm_b, bn_b, _, _ = _bwd_config(D, interp)
+    plan = plan_intervals(fb, Lq, Lk, is_causal, bm, bn_b, backward)
+    return plan, fb, per_qhead
+
+
+def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None):
+    """``(out, lse, (plan, full_bounds, per_qhead))`` of a key-interval call."""
+    B, Lq, H, D = q.shape
+    Lk, Hkv = k.shape[1], k.shape[2]
+    if plan is None:
+        plan = plan_for(q, k, bounds, is_causal, backward=False)
+    ivp, fb, per_qhead = plan
+    interp = interpret_mode()
+    bm, bn, warps, stages = _fwd_config(D, interp)
+    out = alloc_output((B, Lq, H, D), q.dtype, q.device)
+    lse = alloc_output((B, H, Lq), torch.float32, q.device)
+    if B * H * Lq == 0:
+        return out, lse, plan
+    bias_t, sbb, sbh, sbk, bdiv = _bias_args(bias, H)
+    heads_x = fb.shape[2]
+    grid = (cdiv(Lq, bm), B * H)
+    _ki_fwd_kernel[grid](
+        q, k, v, bias_t if bias_t is not None else q, fb, ivp.tile_start, ivp.tile_len, ivp.keys,
+        out, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        sbb, sbh, sbk, bdiv,
+        heads_x, H // heads_x, fb[0].numel(),
+        H, H // Hkv, Lq, Lk, ivp.n_tiles, Lk - Lq, float(scale), float(softcap),
+        HAS_BIAS=bias is not None, CAUSAL=bool(is_causal), SOFTCAP=softcap > 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=head_block(D), HEAD_DIM=D,
+        UPCAST=dot_upcast(q.dtype), num_warps=warps, num_stages=stages,
+    )
+    return out, lse, plan
+
+
+def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, softcap,
+                      deterministic, needs, plan=None):
+    """``(dq, dk, dv, dbias)`` of a key-interval call (None where ``needs`` says no)."""
+    need_dq, need_dk, need_dv, need_dbias = needs
+    B, Lq, H, D = q.shape
+    Lk, Hkv = k.shape[1], k.shape[2]
+    G = H // Hkv
+    if plan is None or plan[0].blk_keys is None:
+        plan = plan_for(q, k, bounds, is_causal, backward=True)
+    ivp, fb, per_qhead = plan
+    interp = interpret_mode()
+    heads_x = fb.shape[2]
+    bias_t, sbb, sbh, sbk, bdiv = _bias_args(bias, H)
+    bias_arg = bias_t if bias_t is not None else q
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, Lq)
+    lse = lse.contiguous()
+    common = dict(HAS_BIAS=bias is not None, CAUSAL=bool(is_causal), SOFTCAP=softcap > 0,
+                  BLOCK_D=head_block(D), HEAD_DIM=D, UPCAST=dot_upcast(q.dtype))
+
+    dq = None
+    if need_dq:
+        dq = alloc_output((B, Lq, H, D), q.dtype, q.device)
+        bm, bn, warps, stages = _fwd_config(D, interp)
+        if B * H * Lq:
+            _ki_dq_kernel[(cdiv(Lq, bm), B * H)](
+                q, k, v, bias_arg, fb, ivp.tile_start, ivp.tile_len, ivp.keys, dout, lse, delta,
+                dq,
+                q.stride(0), q.stride(1), q.stride(2),
+                k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2),
+                dout.stride(0), dout.stride(1), dout.stride(2),
+                dq.stride(0), dq.stride(1), dq.stride(2),
+                sbb, sbh, sbk, bdiv,
+                heads_x, H // heads_x, fb[0].numel(),
+                H, G, Lq, Lk, ivp.n_tiles, Lk - Lq, float(scale), float(softcap),
+                BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
+            )
+
+    dk = dv = dbias = None
+    if need_dk or need_dv or need_dbias:
+        bm, bn, warps, stages = _bwd_config(D, interp)
+        dk_heads = H if per_qhead else Hkv
+        dk32 = torch.zeros((B, Lk, dk_heads, D), dtype=torch.float32, device=q.device)
+        dv32 = torch.zeros_like(dk32)
+        db32 = (torch.zeros((B, H, Lk), dtype=torch.float32, device=q.device)
+                if need_dbias else dk32)
+        n_blocks = ivp.n_blocks
+        if n_blocks and Lq:
+            seg = 1 << 30 if deterministic else SEGMENT_ROWS
+            longest = int((ivp.blk_qhi - ivp.blk_qlo).max().item())
+            n_seg = max(1, cdiv(max(longest, 1), seg))
+            _ki_dkv_kernel[(n_blocks, n_seg)](
+                q, k, v, bias_arg, fb, ivp.blk_keys, ivp.blk_row, ivp.blk_qlo, ivp.blk_qhi,
+                dout, lse, delta, dk32, dv32, db32,
+                q.stride(0), q.stride(1), q.stride(2),
+                k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2),
+                dout.stride(0), dout.stride(1), dout.stride(2),
+                dk32.stride(0), dk32.stride(1), dk32.stride(2),
+                sbb, sbh, sbk, bdiv,
+                heads_x, fb[0].numel(),
+                H, G, Lq, Lk, Lk - Lq, float(scale), float(softcap), seg,
+                NEED_DBIAS=need_dbias, PER_QHEAD=per_qhead,
+                BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
+            )
+        if per_qhead:
+            dk32 = dk32.view(B, Lk, Hkv, G, D).sum(3)
+            dv32 = dv32.view(B, Lk, Hkv, G, D).sum(3)
+        dk = dk32.to(k.dtype) if need_dk else None
+        dv = dv32.to(v.dtype) if need_dv else None
+        if need_dbias:
+            dbias = _reduce_dbias(db32, bias)
+    return dq, dk, dv, dbias
+
+
+def _reduce_dbias(db32: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Sum a ``(B, H, Lk)`` per-head dbias down to the bias's own ``(Bx, Hb, 1, Lk)`` shape."""
+    B, H, Lk = db32.shape
+    bx, hb, _, kx = bias.shape
+    g = db32.view(B, hb, H // hb, Lk).sum(2)
+    if bx == 1:
+        g = g.sum(0, keepdim=True)
+    if kx == 1:
+        g = g.sum(-1, keepdim=True)
+    return g.unsqueeze(2).to(bias.dtype)

@@ -1,0 +1,189 @@
+"""Work lists for key-interval masks: which keys each query tile reads, and the key blocks of
+the backward.
+
+A :class:`~flash_dmattn.masks.KeyIntervals` mask gives each key ``j`` one range of query
+positions ``[start_j, end_j)``. Intersected with the call's queries (and with ``j <= pos`` when
+causal) it becomes a range of query *indices* ``[a_j, b_j)``; a key with ``a_j >= b_j`` is seen
+by nobody and costs nothing. From those ranges:
+
+* **Forward / dQ lists** (query-tile major): for each query tile of ``block_m`` rows, the
+  position-sorted indices of the keys whose range meets the tile. A key appears in
+  ``last - first + 1`` lists, so the total length is about ``(Lq / block_m) * (W + block_m)``
+  for a top-W selection: the kernels' work follows the selected keys, not the key tiles. The
+  lists of one mask row are stored back to back; ``tile_start``/``tile_len`` index them.
+* **Backward key blocks** (key major): the keys seen by anyone, grouped ``block_n`` at a time;
+  each block carries the union ``[q_lo, q_hi)`` of its keys' ranges, which its dK/dV program
+  walks. Each key is in exactly one block, so dK/dV/dbias are written without atomics. Keys
+  are grouped by coarse end and then by start, so that a block's keys share most of their
+  ranges: for a shared selection (every range ends at ``Lq``) this is position order; for a
+  causal per-query selection it keeps keys that stop being selected at about the same query
+  together.
+
+Everything here is plain PyTorch on the bounds' device: O(B·H·Lk) numbers plus the lists,
+never an (Lq, Lk) tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..intmath import cdiv
+
+
+@dataclass(frozen=True)
+class KeyRanges:
+    """Per mask row ``r`` (``r = b_idx * Hx + h_idx``, ``(R, Lk)`` each) the query-index range
+    ``[lo, hi)`` that sees each key; empty where ``lo >= hi``."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+    @property
+    def live(self) -> torch.Tensor:
+        return self.lo < self.hi
+
+
+def key_ranges(bounds: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool) -> KeyRanges:
+    """Query-index ranges of every key of a ``(2, Bx, Hx, Lk)`` bounds tensor."""
+    start = bounds[0].reshape(-1, seqlen_k).to(torch.int64)
+    end = bounds[1].reshape(-1, seqlen_k).to(torch.int64)
+    off = seqlen_k - seqlen_q  # query index i sits at key position i + off
+    lo = start - off
+    if is_causal:
+        j = torch.arange(seqlen_k, device=bounds.device)
+        lo = torch.maximum(lo, j - off)
+    lo = lo.clamp(0, seqlen_q)
+    hi = (end - off).clamp(0, seqlen_q)
+    return KeyRanges(lo.to(torch.int32), hi.to(torch.int32))
+
+
+@dataclass
+class IntervalPlan:
+    """The lists of one key-interval call (see the module docstring).
+
+    ``tile_start``/``tile_len`` ``(R, n_tiles)`` int32 index ``keys`` (int32 key indices,
+    position-sorted within a tile). ``blk_keys (n_blocks, block_n)`` int32 key indices (``-1``
+    pads a row's last block), ``blk_row``/``blk_qlo``/``blk_qhi`` ``(n_blocks,)`` int32.
+    ``pairs`` counts the (query, key) pairs the forward visits per head (tile rows times list
+    lengths) and ``visible`` the pairs the mask keeps: their ratio is the forward's efficiency.
+    """
+
+    block_m: int
+    block_n: int
+    rows: int
+    tile_start: torch.Tensor
+    tile_len: torch.Tensor
+    keys: torch.Tensor
+    blk_keys: Optional[torch.Tensor] = None
+    blk_row: Optional[torch.Tensor] = None
+    blk_qlo: Optional[torch.Tensor] = None
+    blk_qhi: Optional[torch.Tensor] = None
+
+    @property
+    def n_tiles(self) -> int:
+        return self.tile_start.shape[1]
+
+    @property
+    def n_blocks(self) -> int:
+        return 0 if self.blk_keys is None else self.blk_keys.shape[0]
+
+
+def tile_lists(ranges: KeyRanges, seqlen_q: int, block_m: int):
+    """``(tile_start, tile_len, keys)``: per (row, query tile) the keys whose range meets it."""
+    lo, hi = ranges.lo.to(torch.int64), ranges.hi.to(torch.int64)
+    rows, lk = lo.shape
+    device = lo.device
+    n_tiles = max(1, cdiv(seqlen_q, block_m))
+    live = lo < hi
+    first = torch.div(lo, block_m, rounding_mode="floor")
+    last = torch.div(hi - 1, block_m, rounding_mode="floor")
+    count = torch.where(live, last - first + 1, torch.zeros_like(lo)).flatten()
+    # One entry per (key, tile it meets), generated in (row, key, tile) order; a stable sort
+    # by (row, tile) then leaves each tile's keys in position order.
+    owner = torch.repeat_interleave(torch.arange(rows * lk, device=device), count)
+    if owner.numel():
+        base = torch.cumsum(count, 0) - count
+        step = torch.arange(owner.numel(), device=device) - base[owner]
+        tile = first.flatten()[owner] + step
+        slot = torch.div(owner, lk, rounding_mode="floor") * n_tiles + tile
+        slot, order = torch.sort(slot, stable=True)
+        keys = (owner[order] % lk).to(torch.int32)
+        tile_len = torch.bincount(slot, minlength=rows * n_tiles)
+    else:
+        keys = torch.zeros(0, dtype=torch.int32, device=device)
+        tile_len = torch.zeros(rows * n_tiles, dtype=torch.int64, device=device)
+    tile_start = torch.cumsum(tile_len, 0) - tile_len
+    return (tile_start.view(rows, n_tiles).to(torch.int32),
+            tile_len.view(rows, n_tiles).to(torch.int32), keys)
+
+
+def key_blocks(ranges: KeyRanges, seqlen_q: int, block_n: int, end_bucket: int):
+    """``(blk_keys, blk_row, blk_qlo, blk_qhi)``: the live keys of each row, ``block_n`` at a
+    time, grouped by ``hi // end_bucket`` and then by ``lo`` (see the module docstring)."""
+    lo, hi = ranges.lo.to(torch.int64), ranges.hi.to(torch.int64)
+    rows, lk = lo.shape
+    device = lo.device
+    live = lo < hi
+    span = seqlen_q + 1
+    n_buckets = cdiv(span, end_bucket) + 1
+    # Dead keys sort last; the key fits int64 for any realistic length.
+    order_key = torch.where(
+        live,
+        torch.div(hi, end_bucket, rounding_mode="floor") * span + lo,
+        torch.full_like(lo, n_buckets * span),
+    )
+    order = torch.sort(order_key, dim=1, stable=True).indices
+    n_live = live.sum(dim=1)
+    padded = cdiv(lk, block_n) * block_n
+    if padded != lk:
+        order = torch.cat([order, order.new_zeros(rows, padded - lk)], dim=1)
+    slot = torch.arange(padded, device=device)
+    keys = torch.where(slot[None, :] < n_live[:, None], order, torch.full_like(order, -1))
+    keys = keys.view(rows, padded // block_n, block_n)
+    used = torch.arange(padded // block_n, device=device)[None, :] * block_n < n_live[:, None]
+    blk_keys = keys[used]  # (n_blocks, block_n)
+    blk_row = torch.arange(rows, device=device)[:, None].expand_as(used)[used]
+    valid = blk_keys >= 0
+    safe = blk_keys.clamp(min=0)
+    row_lo = lo[blk_row[:, None], safe]
+    row_hi = hi[blk_row[:, None], safe]
+    big = torch.full_like(row_lo, seqlen_q)
+    blk_qlo = torch.where(valid, row_lo, big).amin(dim=1)
+    blk_qhi = torch.where(valid, row_hi, torch.zeros_like(row_hi)).amax(dim=1)
+    return (blk_keys.to(torch.int32).contiguous(), blk_row.to(torch.int32),
+            blk_qlo.to(torch.int32), blk_qhi.to(torch.int32))
+
+
+def plan_intervals(
+    bounds: torch.Tensor,
+    seqlen_q: int,
+    seqlen_k: int,
+    is_causal: bool,
+    block_m: int,
+    block_n: int,
+    backward: bool,
+    end_bucket: Optional[int] = None,
+) -> IntervalPlan:
+    """Plan a key-interval call: forward lists always, backward key blocks when asked."""
+    ranges = key_ranges(bounds, seqlen_q, seqlen_k, is_causal)
+    tile_start, tile_len, keys = tile_lists(ranges, seqlen_q, block_m)
+    plan = IntervalPlan(block_m, block_n, ranges.lo.shape[0], tile_start, tile_len, keys)
+    if backward:
+        bucket = end_bucket if end_bucket is not None else 4 * block_m
+        (plan.blk_keys, plan.blk_row, plan.blk_qlo,
+         plan.blk_qhi) = key_blocks(ranges, seqlen_q, block_n, bucket)
+    return plan
+
+
+def plan_cost(plan: IntervalPlan, ranges: KeyRanges, seqlen_q: int) -> dict:
+    """Pairs the kernels visit against the pairs the mask keeps, per mask row (diagnostics
+    for tuning the grouping; no kernel reads this)."""
+    visible = (ranges.hi - ranges.lo).clamp(min=0).to(torch.int64).sum().item()
+    fwd = plan.tile_len.to(torch.int64).sum().item() * plan.block_m
+    bwd = 0
+    if plan.blk_keys is not None:
+        bwd = ((plan.blk_qhi - plan.blk_qlo).clamp(min=0).to(torch.int64).sum().item()
+               * plan.block_n)
+    return {"visible": visible, "forward": fwd, "backward": bwd}
