@@ -110,3 +110,58 @@ def test_profile_tables(tmp_path):
     assert "| torch-reference | fwd+bwd" in text
     assert "flash_dmattn::reference_fwd" in text or "aten::" in text
     assert "not run" not in text
+
+
+def test_quick_dma_long_benchmark(tmp_path):
+    """The dma-long suite (KeyIntervals from topk_intervals, selection build, dense and
+    selected-keys SDPA, layer steps) on CPU with torch-reference, float32, L 256-512."""
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    for name in ("FLASH_DMATTN_BACKEND", "FLASH_DMATTN_DISABLE", "TRITON_INTERPRET"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--suite", "dma-long", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
+
+    out_dir = tmp_path / "cpu"
+    doc = json.loads((out_dir / "quick-dma_long.json").read_text())
+    rows = doc["rows"]
+    assert {r["suite"] for r in rows} == {"dma_long"}
+    errors = [(r["workload"], r["impl"], r["notes"]) for r in rows if r["status"] != "ok"]
+    assert not errors, errors
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    attention = [w for w in workloads if "layer step" not in w]
+    layers = [w for w in workloads if "layer step" in w]
+    assert any("shared top-" in w for w in attention) and any("causal top-" in w for w in attention)
+    assert layers
+
+    def rows_of(workload):
+        return {r["impl"]: r for r in rows if r["workload"] == workload}
+
+    for w in attention:
+        mine = rows_of(w)
+        assert set(mine) == {"topk_intervals (selection)", "flash_dmattn[auto]", "flash_dmattn[torch-reference]",
+                             "sdpa (dense causal)", "sdpa (selected keys only)"}, sorted(mine)
+        sel = mine["topk_intervals (selection)"]
+        assert sel["fwd_ms"] > 0 and sel["fwd_bwd_ms"] is None
+        for impl in ("flash_dmattn[auto]", "flash_dmattn[torch-reference]"):
+            r = mine[impl]
+            assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0, r
+            # out, dq, dk, dv, dbias against the float32 oracle on the dense form of the intervals
+            assert {"out", "dq", "dk", "dv", "dbias"} <= set(r["rel_err_detail"]), r
+            assert r["rel_err"] < 1e-4, r
+            assert set(r["ratios"]) == {f"/{o} {p}" for o in ("dense", "selected") for p in ("fwd", "fwd+bwd")}
+        assert mine["sdpa (dense causal)"]["is_speedup_baseline"]
+        assert mine["sdpa (selected keys only)"]["fwd_bwd_ms"] > 0
+    for w in layers:
+        mine = rows_of(w)
+        assert set(mine) == {"DynamicMaskAttention[auto]", "DynamicMaskAttention[torch-reference]",
+                             "dense layer (sdpa causal)"}, sorted(mine)
+        for r in mine.values():
+            assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0, r
+        assert set(mine["DynamicMaskAttention[auto]"]["ratios"]) == {"/dense fwd", "/dense fwd+bwd"}
+
+    md = (out_dir / "quick-dma_long.md").read_text()
+    assert "## dma_long" in md and "÷dense fwd / fwd+bwd" in md and "select ms" in md
+    assert "÷selected fwd / fwd+bwd" in res.stdout  # the summary table is printed
