@@ -1,0 +1,244 @@
+"""Key-interval masks on the Triton kernels: outputs and every gradient against the reference
+run on the same mask in dense form (float64), plus the planner's lists against brute force.
+
+On CPU the kernels run under Triton's interpreter at small shapes; on a GPU the ``gpu`` cases
+run larger bf16 problems and are judged against the reference at float64, with the error of
+the reference run at bf16 as the yardstick (as FlashAttention's tests do).
+"""
+import os
+
+import pytest
+import torch
+
+import flash_dmattn as fd
+from flash_dmattn import KeyIntervals
+from flash_dmattn.planning.key_lists import key_ranges, plan_intervals
+
+triton = pytest.importorskip("triton")
+
+ON_GPU = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+needs_kernels = pytest.mark.skipif(not (ON_GPU or INTERP),
+                                   reason="needs a GPU or TRITON_INTERPRET=1")
+
+
+def _intervals(gen, shape, lk, lo=-4, span=None):
+    span = span or lk
+    start = torch.randint(lo, lk, shape, generator=gen)
+    end = start + torch.randint(-3, span, shape, generator=gen)
+    return start, end
+
+
+def _run(fn, q, k, v, mask, bias, causal, softcap, deterministic=False):
+    out = fn(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=causal, softcap=softcap,
+             deterministic=deterministic)
+    return out
+
+
+def _grads(out, inputs, g):
+    return torch.autograd.grad(out, [t for t in inputs if t is not None], g)
+
+
+def check_case(B, Lq, Lk, H, Hkv, D, bounds_shape, bias_shape, causal, softcap=0.0,
+               device="cpu", dtype=torch.float32, seed=0, empty_rows=False, neg_inf_bias=False,
+               intervals=None):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Lq, H, D, generator=gen)
+    k = torch.randn(B, Lk, Hkv, D, generator=gen)
+    v = torch.randn(B, Lk, Hkv, D, generator=gen)
+    bias = None if bias_shape is None else torch.randn(*bias_shape, generator=gen)
+    if bias is not None and neg_inf_bias:
+        bias = bias.masked_fill(torch.rand(bias.shape, generator=gen) < 0.2, float("-inf"))
+    if intervals is None:
+        start, end = _intervals(gen, bounds_shape, Lk)
+        if empty_rows:
+            # No key reaches the first third of the queries.
+            start = start.clamp(min=Lk - Lq + Lq // 3)
+        intervals = KeyIntervals(start, end)
+    dense = intervals.to_dense(Lq)
+
+    def leaf(t, dt):
+        return None if t is None else t.to(device, dt).requires_grad_(True)
+
+    qt, kt, vt, bt = (leaf(t, dtype) for t in (q, k, v, bias))
+    ki = intervals.to(device)
+    out = _run(fd.triton_dmattn_func, qt, kt, vt, ki, bt, causal, softcap)
+    g = torch.randn(out.shape, generator=gen).to(device, dtype)
+    grads = _grads(out, (qt, kt, vt, bt), g)
+
+    q64, k64, v64, b64 = (leaf(t, torch.float64) for t in (q, k, v, bias))
+    ref = _run(fd.reference_dmattn_func, q64, k64, v64, dense.to(device), b64, causal, softcap)
+    ref_grads = _grads(ref, (q64, k64, v64, b64), g.double())
+
+    assert not torch.isnan(out).any()
+    if dtype == torch.float32:
+        tol = dict(atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(out.double(), ref, **tol)
+        for a, r in zip(grads, ref_grads):
+            assert not torch.isnan(a).any()
+            torch.testing.assert_close(a.double(), r, **tol)
+        return out
+    # Low precision: the kernel's error against float64 stays within a small multiple of the
+    # error of the reference itself run at the same precision.
+    qb, kb, vb, bb = (leaf(t, dtype) for t in (q, k, v, bias))
+    low = _run(fd.reference_dmattn_func, qb, kb, vb, dense.to(device), bb, causal, softcap)
+    low_grads = _grads(low, (qb, kb, vb, bb), g)
+    for a, lo_, r in zip((out, *grads), (low, *low_grads), (ref, *ref_grads)):
+        assert not torch.isnan(a).any()
+        err = (a.double() - r).abs().max().item()
+        base = (lo_.double() - r).abs().max().item()
+        assert err <= 3 * base + 1e-3 * r.abs().max().item() + 1e-5, (err, base)
+    return out
+
+
+CPU_CASES = [
+    # (B, Lq, Lk, H, Hkv, D, bounds shape, bias shape, causal)
+    (2, 37, 45, 4, 2, 16, (2, 2, 45), (2, 2, 1, 45), False),
+    (2, 37, 45, 4, 2, 16, (2, 2, 45), (2, 2, 1, 45), True),
+    (1, 45, 37, 2, 1, 16, (1, 1, 37), (1, 1, 1, 37), True),       # Lq > Lk
+    (1, 5, 40, 4, 2, 16, (1, 2, 40), (1, 2, 1, 40), True),        # few queries, Lq < Lk
+    (2, 33, 33, 4, 2, 24, (2, 4, 33), (2, 4, 1, 33), True),       # bounds per query head
+    (2, 33, 33, 4, 2, 16, (33,), (1, 1, 1, 33), True),            # bounds shared by all
+    (2, 33, 33, 4, 1, 16, (1, 1, 33), None, False),               # MQA, no bias
+    (2, 30, 30, 2, 2, 16, (2, 1, 30), (1, 2, 1, 30), True),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", CPU_CASES)
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+def test_intervals_match_dense(case, softcap, monkeypatch):
+    if ON_GPU:
+        pytest.skip("interpreter sizes; the GPU runs test_intervals_gpu")
+    from flash_dmattn.backends.triton import forward
+
+    monkeypatch.setattr(forward, "DEBUG_POISON", True)  # unwritten outputs show as NaN
+    check_case(*case, softcap=softcap)
+
+
+@needs_kernels
+def test_empty_rows_and_neg_inf_bias(monkeypatch):
+    if ON_GPU:
+        pytest.skip("interpreter sizes")
+    from flash_dmattn.backends.triton import forward
+
+    monkeypatch.setattr(forward, "DEBUG_POISON", True)
+    out = check_case(2, 31, 31, 4, 2, 16, (2, 2, 31), (2, 2, 1, 31), True, empty_rows=True,
+                     neg_inf_bias=True)
+    assert (out[:, : 31 // 3] == 0).all()
+
+
+@needs_kernels
+def test_segmented_dkv_and_deterministic(monkeypatch):
+    """Key blocks split over several programs (atomic partial sums) give the same gradients;
+    deterministic=True keeps one program per block and is bitwise reproducible."""
+    if ON_GPU:
+        pytest.skip("interpreter sizes")
+    from flash_dmattn.backends.triton import intervals
+
+    monkeypatch.setattr(intervals, "SEGMENT_ROWS", 16)
+    check_case(1, 70, 70, 2, 1, 16, (1, 1, 70), (1, 1, 1, 70), True, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 40, 2, 16, generator=gen, requires_grad=True)
+    k = torch.randn(1, 40, 1, 16, generator=gen, requires_grad=True)
+    v = torch.randn(1, 40, 1, 16, generator=gen, requires_grad=True)
+    ki = KeyIntervals(*_intervals(gen, (1, 1, 40), 40))
+    runs = []
+    for _ in range(2):
+        out = fd.triton_dmattn_func(q, k, v, attn_mask=ki, is_causal=True, deterministic=True)
+        runs.append(torch.autograd.grad(out.sum(), (q, k, v)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("causal_selection", [False, True])
+def test_topk_selection_with_ties(causal_selection):
+    """The library's own selections (random and tied biases, padding) through the kernels."""
+    if ON_GPU:
+        pytest.skip("interpreter sizes")
+    from flash_dmattn.planning.selection import topk_intervals
+
+    gen = torch.Generator().manual_seed(5)
+    B, L, H, Hkv, D, W = 2, 48, 4, 2, 16, 7
+    bias = torch.randint(0, 3, (B, Hkv, 1, L), generator=gen).float()
+    pad = torch.ones(B, L, dtype=torch.bool)
+    pad[1, -9:] = False
+    ki = topk_intervals(bias, W, is_causal=causal_selection, padding_mask=pad)
+    check_case(B, L, L, H, Hkv, D, None, (B, Hkv, 1, L), True, intervals=ki)
+
+
+def test_plan_lists_match_brute_force():
+    gen = torch.Generator().manual_seed(1)
+    Lq, Lk = 53, 61
+    start, end = _intervals(gen, (3, Lk), Lk)
+    bounds = KeyIntervals(start, end).bounds
+    for causal in (False, True):
+        plan = plan_intervals(bounds, Lq, Lk, causal, block_m=16, block_n=8, backward=True,
+                              end_bucket=16)
+        dense = KeyIntervals.from_bounds(bounds).to_dense(Lq)[0]  # (3, Lq, Lk)
+        if causal:
+            i = torch.arange(Lq)[:, None] + (Lk - Lq)
+            dense = dense & (torch.arange(Lk)[None, :] <= i)
+        for r in range(3):
+            for m in range(plan.n_tiles):
+                s, n = plan.tile_start[r, m].item(), plan.tile_len[r, m].item()
+                got = plan.keys[s:s + n].tolist()
+                want = dense[r, m * 16:(m + 1) * 16].any(0).nonzero().flatten().tolist()
+                assert got == want
+        # Key blocks: every seen key exactly once, each block's range covers its keys'.
+        ranges = key_ranges(bounds, Lq, Lk, causal)
+        seen = []
+        for blk in range(plan.n_blocks):
+            r = plan.blk_row[blk].item()
+            for key in plan.blk_keys[blk].tolist():
+                if key < 0:
+                    continue
+                seen.append((r, key))
+                assert plan.blk_qlo[blk] <= ranges.lo[r, key]
+                assert ranges.hi[r, key] <= plan.blk_qhi[blk]
+        want = {(r, j) for r in range(3) for j in range(Lk) if dense[r, :, j].any()}
+        assert sorted(seen) == sorted(want)
+
+
+def test_triton_declines_per_query_bias():
+    from flash_dmattn.inputs import AttentionInputs
+    from flash_dmattn.backends.triton.backend import _interval_reasons
+
+    q = torch.randn(1, 8, 2, 16)
+    k = torch.randn(1, 8, 1, 16)
+    ki = KeyIntervals(torch.zeros(8, dtype=torch.int64), torch.full((8,), 8))
+    inputs = AttentionInputs.from_args(q, k, k, ki, torch.randn(1, 1, 8, 8))
+    assert any("per-key bias" in r for r in _interval_reasons(inputs))
+
+
+GPU_CASES = [
+    (2, 1000, 1000, 8, 2, 128, (2, 2, 1000), (2, 2, 1, 1000), True),
+    (1, 777, 1500, 8, 2, 64, (1, 8, 1500), (1, 8, 1, 1500), True),
+    (2, 513, 300, 4, 4, 128, (1, 1, 300), None, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_intervals_gpu(case, dtype, monkeypatch):
+    from flash_dmattn.backends.triton import forward
+
+    monkeypatch.setattr(forward, "DEBUG_POISON", True)
+    check_case(*case, device="cuda", dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal_selection", [False, True])
+def test_topk_selection_gpu(causal_selection, monkeypatch):
+    from flash_dmattn.backends.triton import forward, intervals
+    from flash_dmattn.planning.selection import topk_intervals
+
+    monkeypatch.setattr(forward, "DEBUG_POISON", True)
+    monkeypatch.setattr(intervals, "SEGMENT_ROWS", 256)
+    B, L, H, Hkv, D, W = 1, 3000, 8, 2, 128, 256
+    bias = torch.randn(B, Hkv, 1, L, device="cuda")
+    ki = topk_intervals(bias, W, is_causal=causal_selection)
+    check_case(B, L, L, H, Hkv, D, None, (B, Hkv, 1, L), True, device="cuda",
+               dtype=torch.bfloat16, intervals=ki.to("cpu"))
