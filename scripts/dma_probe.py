@@ -1,0 +1,85 @@
+"""Quick timings of key-interval attention on a GPU (fast iteration beside benchmarks' dma_long).
+
+    python3 scripts/dma_probe.py [L ...] [--window W] [--kinds shared,causal] [--profile]
+
+Per L and selection kind: topk_intervals build, the planner alone, triton forward and
+forward+backward (planning included, as a user's call), dense causal cuDNN SDPA, and cuDNN
+over the W gathered keys ("selected keys only"); medians of do_bench, bf16, B1 H16/Hkv4 D128.
+"""
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+import flash_dmattn as fd
+from flash_dmattn.planning.selection import topk_intervals
+
+
+def med(fn, rep=200):
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("lengths", nargs="*", type=int, default=[16384, 32768])
+    ap.add_argument("--window", type=int, default=2048)
+    ap.add_argument("--kinds", default="shared,causal")
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    dev, dt = "cuda", torch.bfloat16
+    B, H, Hkv, D, W = 1, 16, 4, 128, a.window
+    print(torch.cuda.get_device_name(), flush=True)
+    for L in a.lengths:
+        q = torch.randn(B, L, H, D, device=dev, dtype=dt, requires_grad=True)
+        k = torch.randn(B, L, Hkv, D, device=dev, dtype=dt, requires_grad=True)
+        v = torch.randn(B, L, Hkv, D, device=dev, dtype=dt, requires_grad=True)
+        bias = torch.randn(B, Hkv, 1, L, device=dev, dtype=dt, requires_grad=True)
+        g = torch.randn(B, L, H, D, device=dev, dtype=dt)
+        qh, kh, vh = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+        gh = g.transpose(1, 2).contiguous()
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            def dense_f():
+                return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+            dense_fwd = med(dense_f)
+            dense_fb = med(lambda: torch.autograd.grad(dense_f(), (qh, kh, vh), gh))
+            idx = bias.detach()[0, :, 0].topk(W, dim=-1).indices.sort(-1).values  # (Hkv, W)
+            kg = torch.stack([kh[0, h, idx[h]] for h in range(Hkv)])[None].detach().requires_grad_()
+            vg = torch.stack([vh[0, h, idx[h]] for h in range(Hkv)])[None].detach().requires_grad_()
+            def sel_f():
+                return F.scaled_dot_product_attention(qh, kg, vg, enable_gqa=True)
+            sel_fwd = med(sel_f)
+            sel_fb = med(lambda: torch.autograd.grad(sel_f(), (qh, kg, vg), gh))
+        print(f"L{L} W{W} dense causal cuDNN fwd {dense_fwd:.3f} fwd+bwd {dense_fb:.3f} | "
+              f"selected-keys fwd {sel_fwd:.3f} fwd+bwd {sel_fb:.3f}", flush=True)
+        for kind in a.kinds.split(","):
+            causal_sel = kind == "causal"
+            ki = topk_intervals(bias.detach(), W, is_causal=causal_sel)
+            t_sel = med(lambda: topk_intervals(bias.detach(), W, is_causal=causal_sel))
+            from flash_dmattn.backends.triton.intervals import plan_for
+            t_plan = med(lambda: plan_for(q, k, ki.bounds, True, backward=True))
+
+            def f():
+                return fd.triton_dmattn_func(q, k, v, attn_mask=ki, attn_bias=bias, is_causal=True)
+            t_f = med(f)
+            t_fb = med(lambda: torch.autograd.grad(f(), (q, k, v, bias), g))
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            torch.autograd.grad(f(), (q, k, v, bias), g)
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            print(f"  {kind:6s} select {t_sel:.3f} plan {t_plan:.3f} | fwd {t_f:.3f} "
+                  f"({t_f / dense_fwd:.3f}x dense, {t_f / sel_fwd:.2f}x sel) | fwd+bwd {t_fb:.3f} "
+                  f"({t_fb / dense_fb:.3f}x dense, {t_fb / sel_fb:.2f}x sel) | peak extra "
+                  f"{peak:.0f} MiB", flush=True)
+            if a.profile:
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        torch.autograd.grad(f(), (q, k, v, bias), g)
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
+
+
+if __name__ == "__main__":
+    main()
