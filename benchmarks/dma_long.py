@@ -671,6 +671,10 @@ def run_dma_long_workload(w: DmaLongWorkload, ctx: RunContext, backends: List[st
             r.speedup_fwd = r.speedup_fwd_bwd = None
     fill_ratios(rows)
     del case, ref
+    if ctx.cuda:
+        # Auto-dispatch may take flex, which compiles per shape: dropping its kernels keeps
+        # the compile cache below torch's recompile limit (as the other suites do).
+        torch.compiler.reset()
     _free(ctx.device)
     return rows
 
