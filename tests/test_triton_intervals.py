@@ -242,3 +242,29 @@ def test_topk_selection_gpu(causal_selection, monkeypatch):
     ki = topk_intervals(bias, W, is_causal=causal_selection)
     check_case(B, L, L, H, Hkv, D, None, (B, Hkv, 1, L), True, device="cuda",
                dtype=torch.bfloat16, intervals=ki.to("cpu"))
+
+
+def test_intervals_that_hide_nothing_take_the_dense_path(monkeypatch):
+    """Plain causal as intervals ([j, L)) runs the dense kernels, not the gathering ones."""
+    from flash_dmattn.backends.triton import backend, intervals
+
+    calls = []
+    real = intervals.interval_forward
+    monkeypatch.setattr(intervals, "interval_forward",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    if not (ON_GPU or INTERP):
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    dev = "cuda" if ON_GPU else "cpu"
+    L = 40
+    q = torch.randn(1, L, 2, 16, device=dev)
+    k = torch.randn(1, L, 1, 16, device=dev)
+    j = torch.arange(L, device=dev)
+    with torch.no_grad():
+        out = fd.triton_dmattn_func(q, k, k, attn_mask=KeyIntervals(j, torch.full_like(j, L)),
+                                    is_causal=True)
+        ref = fd.triton_dmattn_func(q, k, k, is_causal=True)
+        assert not calls
+        torch.testing.assert_close(out, ref)
+        fd.triton_dmattn_func(q, k, k, attn_mask=KeyIntervals(j, torch.full_like(j, L - 1)),
+                              is_causal=True)
+        assert calls

@@ -11,6 +11,7 @@ from typing import List, Optional
 
 import torch
 
+from ...ops import plain_eager
 from ..base import Backend
 from . import triton_unavailable_reason
 
@@ -150,6 +151,18 @@ def _kernel_reasons(inputs) -> List[str]:
     return reasons
 
 
+def _sees_everything(inputs) -> bool:
+    """Whether the intervals hide nothing that ``is_causal`` does not hide already: every
+    key's interval reaches the last query and starts no later than the first query that may
+    see the key (query 0, or with ``is_causal`` the key's own position)."""
+    bounds = inputs.key_intervals
+    first = inputs.seqlen_k - inputs.seqlen_q  # position of query 0
+    earliest = first
+    if inputs.is_causal:
+        earliest = torch.arange(inputs.seqlen_k, device=bounds.device).clamp(min=first)
+    return bool(((bounds[0] <= earliest) & (bounds[1] >= inputs.seqlen_k)).all())
+
+
 def _interval_reasons(inputs) -> List[str]:
     """Why the key-interval kernels cannot run a call with a KeyIntervals mask."""
     reasons = []
@@ -208,6 +221,10 @@ class TritonBackend(Backend):
     def auto_skip_reasons(self, inputs) -> List[str]:
         if inputs.device.type == "cpu":
             return ["on CPU the Triton interpreter is a testing aid, far slower than torch-reference"]
+        if getattr(inputs, "key_intervals", None) is not None:
+            # Key-interval masks: these kernels visit only the selected keys; flex visits
+            # whole 128-key blocks, every one of which a scattered selection keeps live.
+            return []
         if not TUNED:
             # Step aside for flex only: where flex cannot run (varlen, paged KV, ...) these
             # kernels still beat the torch-reference fallback by far.
@@ -231,10 +248,15 @@ class TritonBackend(Backend):
         return []
 
     def attention(self, inputs):
+        intervals = inputs.key_intervals
+        if intervals is not None and plain_eager(intervals) and _sees_everything(inputs):
+            # A mask that hides nothing (e.g. intervals of a plain causal call): the dense
+            # kernels with their causal tile skipping cost less than gathering every key.
+            intervals = None
         out, _ = triton_op()(
             inputs.query, inputs.key, inputs.value, inputs.attn_mask, inputs.attn_bias,
             inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
             cache_seqlens=inputs.cache_seqlens, block_table=inputs.block_table,
-            key_intervals=inputs.key_intervals,
+            key_intervals=intervals,
         )
         return out
