@@ -72,11 +72,25 @@ def _bwd_config(head_dim: int, interp: bool) -> Tuple[int, int, int, int]:
 
 
 @triton.jit
-def _scores(q, k_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale, softcap,
+def _all_visible(sb, eb, kidx, kvalid, pos_first, pos_last, CAUSAL: tl.constexpr):
+    """Whether every (query, key) pair of a tile is visible: all keys real, every interval
+    covering the tile's positions ``pos_first..pos_last`` (and causally before the first)."""
+    big = 1 << 30
+    full = (tl.max(tl.where(kvalid, sb, -big), 0) <= pos_first)
+    full = full & (tl.min(tl.where(kvalid, eb, big), 0) > pos_last)
+    full = full & (tl.min(kvalid.to(tl.int32), 0) > 0)
+    if CAUSAL:
+        full = full & (tl.max(tl.where(kvalid, kidx, big), 0) <= pos_first)
+    return full
+
+
+@triton.jit
+def _scores(q, k_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale, softcap, full,
             HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
             UPCAST: tl.constexpr):
     """Base-2 scores of a (queries, keys) tile with the interval test applied (-inf where
-    hidden), and the tanh of the soft cap (for the backward; 0 without soft cap)."""
+    hidden) unless ``full`` says every pair is visible, and the tanh of the soft cap (for
+    the backward; 0 without soft cap)."""
     s = _dot(q, k_t, UPCAST)
     if SOFTCAP:
         t = _tanh(s * (qk_scale / softcap))
@@ -86,11 +100,12 @@ def _scores(q, k_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale, softcap,
         s = s * (qk_scale * LOG2E)
     if HAS_BIAS:
         s += bias[None, :] * LOG2E
-    vis = (sb[None, :] <= pos[:, None]) & (pos[:, None] < eb[None, :])
-    vis = vis & kvalid[None, :] & qvalid[:, None]
-    if CAUSAL:
-        vis = vis & (kidx[None, :] <= pos[:, None])
-    s = tl.where(vis, s, float("-inf"))
+    if not full:
+        vis = (sb[None, :] <= pos[:, None]) & (pos[:, None] < eb[None, :])
+        vis = vis & kvalid[None, :] & qvalid[:, None]
+        if CAUSAL:
+            vis = vis & (kidx[None, :] <= pos[:, None])
+        s = tl.where(vis, s, float("-inf"))
     return s, t
 
 
@@ -125,6 +140,8 @@ def _ki_fwd_kernel(
     qvalid = offs_m < Lq
     dvalid = offs_d < HEAD_DIM
     pos = offs_m + pos_off
+    pos_first = m * BLOCK_M + pos_off
+    pos_last = tl.minimum(m * BLOCK_M + BLOCK_M, Lq) - 1 + pos_off
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
                 mask=qvalid[:, None] & dvalid[None, :], other=0.0)
 
@@ -152,8 +169,9 @@ def _ki_fwd_kernel(
             bias = tl.load(bias_base + kidx * stride_biask, mask=kvalid, other=0.0).to(tl.float32)
         else:
             bias = sb * 0.0
+        full = _all_visible(sb, eb, kidx, kvalid, pos_first, pos_last, CAUSAL)
         s, _t = _scores(q, k_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale, softcap,
-                        HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
+                        full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -206,6 +224,8 @@ def _ki_dq_kernel(
     dvalid = offs_d < HEAD_DIM
     qd = qvalid[:, None] & dvalid[None, :]
     pos = offs_m + pos_off
+    pos_first = m * BLOCK_M + pos_off
+    pos_last = tl.minimum(m * BLOCK_M + BLOCK_M, Lq) - 1 + pos_off
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
                 mask=qd, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
@@ -237,8 +257,9 @@ def _ki_dq_kernel(
             bias = tl.load(bias_base + kidx * stride_biask, mask=kvalid, other=0.0).to(tl.float32)
         else:
             bias = sb * 0.0
+        full = _all_visible(sb, eb, kidx, kvalid, pos_first, pos_last, CAUSAL)
         s, t = _scores(q, tl.trans(k), bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale,
-                       softcap, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
+                       softcap, full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
         p = tl.exp2(s - lse2[:, None])
         dp = _dot(do, tl.trans(v), UPCAST)
         ds = p * (dp - delta[:, None])
@@ -329,8 +350,12 @@ def _ki_dkv_kernel(
                 lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
                 delta = tl.load(Delta + bh * Lq + offs_m, mask=qvalid, other=0.0)
                 pos = offs_m + pos_off
+                pos_last = tl.minimum(m0 + BLOCK_M, q_hi) - 1 + pos_off
+                # Rows past q_hi read as zeros; the mask keeps them out of the sums.
+                full = _all_visible(sb, eb, kidx, kvalid, m0 + pos_off, pos_last, CAUSAL)
+                full = full & (m0 + BLOCK_M <= q_hi)
                 s, t = _scores(q, k_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale,
-                               softcap, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
+                               softcap, full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
                 p = tl.exp2(s - lse2[:, None])
                 dv += _dot(tl.trans(p.to(do.dtype)), do, UPCAST)
                 dp = _dot(do, v_t, UPCAST)
