@@ -129,6 +129,7 @@ def kth_smallest_of_prefixes(perm: torch.Tensor, prefix_len: torch.Tensor, k: in
     the next level is a stable partition of each block by digit (a scatter).
     """
     rows, length = perm.shape
+    queries = prefix_len.shape[1]
     device = perm.device
     radix = 1 << _RADIX_BITS
     # Positions take ceil(log2 L) bits; round up to whole levels. Values past L-1 never exist:
@@ -136,8 +137,10 @@ def kth_smallest_of_prefixes(perm: torch.Tensor, prefix_len: torch.Tensor, k: in
     bits = max(1, (length - 1).bit_length())
     levels = -(-bits // _RADIX_BITS)
     top = levels * _RADIX_BITS
+    # Counts are kept for the digits 0..R-2 only: "digit <= R-1" holds for every entry.
+    lower = torch.arange(radix - 1, device=device).view(1, radix - 1, 1)
+    count_dtype = torch.int32 if rows * (radix - 1) * length < 2**31 else torch.int64
 
-    digits = torch.arange(radix, device=device)
     pos = torch.arange(length, device=device)
     seq = perm
     a = torch.zeros_like(prefix_len)  # start of the query's block (values and seq indices alike)
@@ -147,25 +150,37 @@ def kth_smallest_of_prefixes(perm: torch.Tensor, prefix_len: torch.Tensor, k: in
         shift = top - _RADIX_BITS * (level + 1)
         child = 1 << shift  # values per child block
         digit = (seq >> shift) & (radix - 1)  # (N, L)
-        # counts[n, i, d]: how many of seq[n, :i+1] have digit d (inclusive prefix counts).
-        counts = (digit.unsqueeze(-1) == digits).cumsum(1, dtype=torch.int32)  # (N, L, R)
+        # le[n, d, i]: how many of seq[n, :i+1] have a digit <= d. One flat scan over all rows
+        # (torch runs 1-D scans as a single device-wide scan; row-wise scans of short inner
+        # dims, or along an outer dim, are many times slower on GPUs), then each row's own
+        # start is subtracted.
+        below_eq = (digit.unsqueeze(1) <= lower).view(rows * (radix - 1), length)
+        le = below_eq.view(-1).cumsum(0, dtype=count_dtype).view(rows * (radix - 1), length)
+        le = (le - (le[:, :1] - below_eq[:, :1].to(count_dtype))).view(rows, radix - 1, length)
 
-        # Query step: per child, the block's values within the prefix (m >= kk >= 1 holds, so
-        # a + m - 1 is an index inside the block).
-        idx = (a + m - 1).unsqueeze(-1).expand(rows, prefix_len.shape[1], radix)
-        in_child = counts.gather(1, idx) - (a // radix).unsqueeze(-1).to(torch.int32)
-        passed = in_child.cumsum(-1, dtype=torch.int32) < kk.unsqueeze(-1)  # children wholly below kk
-        pick = passed.sum(-1, dtype=torch.int64)  # the child holding the kk-th value
-        kk = kk - (in_child * passed).sum(-1, dtype=torch.int64)
-        m = in_child.gather(-1, pick.unsqueeze(-1)).squeeze(-1).to(torch.int64)
+        # Query step. The block's prefix entries are seq[a : a + m] (m >= kk >= 1, so a + m - 1
+        # lies in the block); blocks before a hold a / R entries per child.
+        idx = (a + m - 1).unsqueeze(1).expand(rows, radix - 1, queries)
+        cum = le.gather(2, idx) - (a // radix).unsqueeze(1) * (lower + 1)  # entries in children <= d
+        passed = cum < kk.unsqueeze(1)  # children wholly below the kk-th entry
+        pick = passed.sum(1)  # the child holding it (R-1 when every lower child passed)
+        below = torch.where(passed, cum, 0).amax(1)  # entries in the children before pick
+        upto = torch.where(passed, m.unsqueeze(1), cum).amin(1).clamp(max=m)  # ... up to pick
+        kk = kk - below
+        m = upto - below
         a = a + pick * child
 
         if level + 1 < levels:
             # Stable partition of every block by digit: entry i goes to its block start, plus its
-            # child's offset, plus the number of same-digit entries before it in the block.
+            # child's offset, plus the number of same-digit entries before it in the block
+            # (entries with digit <= d minus those with digit <= d - 1, before the block and
+            # at i itself excluded).
             block = (pos >> (shift + _RADIX_BITS)) << (shift + _RADIX_BITS)  # (L,)
-            before = counts.gather(-1, digit.unsqueeze(-1)).squeeze(-1).to(torch.int64) - 1
-            dest = block + digit * child + before - block // radix
+            le_d = le.gather(1, digit.clamp(max=radix - 2).unsqueeze(1)).squeeze(1)
+            le_d = torch.where(digit == radix - 1, pos + 1, le_d)
+            le_prev = le.gather(1, (digit - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+            le_prev = torch.where(digit == 0, 0, le_prev)
+            dest = block + digit * child + (le_d - le_prev - 1) - block // radix
             seq = torch.empty_like(seq).scatter_(1, dest, seq)
     return a
 
@@ -231,27 +246,28 @@ def topk_intervals(
     device = valid.device
     pos = torch.arange(length, device=device, dtype=torch.int32)
 
-    def result(keep: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> KeyIntervals:
-        zero = torch.zeros((), dtype=torch.int32, device=device)
-        bounds = torch.stack([torch.where(keep, start, zero), torch.where(keep, end, zero)])
-        return KeyIntervals.from_bounds(bounds.to(torch.int32).contiguous())
+    # Scalars stay Python numbers (no host-to-device copies, so the function can be captured
+    # in a CUDA graph).
+    def result(keep: torch.Tensor, start, end) -> KeyIntervals:
+        bounds = torch.empty((2, batch, heads, length), dtype=torch.int32, device=device)
+        bounds[0] = torch.where(keep, start, 0)
+        bounds[1] = torch.where(keep, end, 0)
+        return KeyIntervals.from_bounds(bounds)
 
-    always_lo = torch.tensor(-_ALWAYS, dtype=torch.int32, device=device)
-    always_hi = torch.tensor(_ALWAYS, dtype=torch.int32, device=device)
     if length <= window_size or valid.numel() == 0:
         # Every candidate fits in the window.
         if not is_causal:
-            return result(valid, always_lo, always_hi)
-        return result(valid, pos, torch.tensor(length, dtype=torch.int32, device=device))
+            return result(valid, -_ALWAYS, _ALWAYS)
+        return result(valid, pos, length)
 
     # Rank the keys: a stable descending sort puts equal biases in ascending key order (ties
     # go to the lower index) and the non-candidates (-inf here) last. `+ 0.0` turns -0.0 into
     # +0.0, which the dense helpers' comparisons treat as equal but a radix sort might not.
-    score = torch.where(valid, bias + 0.0, torch.tensor(float("-inf"), dtype=bias.dtype, device=device))
+    score = torch.where(valid, bias + 0.0, float("-inf"))
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices  # (B, H, L) int64
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length, device=device).expand_as(order))
     if not is_causal:
-        return result(valid & (rank < window_size), always_lo, always_hi)
+        return result(valid & (rank < window_size), -_ALWAYS, _ALWAYS)
 
     # t_j: the W-th smallest position among the keys that outrank j, i.e. in order[:rank_j].
     # Keys with fewer than W keys above them are kept to the end; their query is run on a
@@ -261,4 +277,4 @@ def topk_intervals(
     t = kth_smallest_of_prefixes(order.reshape(rows, length), first, window_size)
     t = torch.where(rank.reshape(rows, length) < window_size, length, t).view(batch, heads, length)
     keep = valid & (t > pos)
-    return result(keep, pos, t.to(torch.int32))
+    return result(keep, pos, t)

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["create_mask", "causal_topk_mask"]
+__all__ = ["create_mask", "causal_topk_mask", "topk_intervals"]
 
 # Upper bound on the number of elements of any float/int temporary built per chunk of
 # query rows. Module level so tests can shrink it to exercise the chunked path.
@@ -336,3 +336,7 @@ def causal_topk_mask(
 def _type_name(obj) -> str:
     # `type` is shadowed by create_mask's parameter, so error messages go through here.
     return obj.__class__.__name__
+
+
+# The interval form of the top-W selections above (O(L) memory); it lives with the planners.
+from ..planning.selection import topk_intervals  # noqa: E402
