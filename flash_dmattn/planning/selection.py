@@ -139,13 +139,17 @@ def kth_smallest_of_prefixes(perm: torch.Tensor, prefix_len: torch.Tensor, k: in
     top = levels * _RADIX_BITS
     # Counts are kept for the digits 0..R-2 only: "digit <= R-1" holds for every entry.
     lower = torch.arange(radix - 1, device=device).view(1, radix - 1, 1)
+    # The flat scan counts up to rows * (R - 1) * L.
     count_dtype = torch.int32 if rows * (radix - 1) * length < 2**31 else torch.int64
 
-    pos = torch.arange(length, device=device)
-    seq = perm
-    a = torch.zeros_like(prefix_len)  # start of the query's block (values and seq indices alike)
-    m = prefix_len.clone()  # how many of the block's values lie in the query's prefix
-    kk = torch.full_like(prefix_len, k)  # rank of the wanted value inside the block
+    # Positions, counts and query state fit in int32 (L < 2**31); only gather/scatter indices
+    # are int64, as torch requires.
+    pos = torch.arange(length, device=device, dtype=torch.int32)
+    lower = lower.to(count_dtype)
+    seq = perm.to(torch.int32)
+    a = torch.zeros(prefix_len.shape, dtype=count_dtype, device=device)  # the query's block start
+    m = prefix_len.to(count_dtype)  # how many of the block's values lie in the query's prefix
+    kk = torch.full_like(m, k)  # rank of the wanted value inside the block
     for level in range(levels):
         shift = top - _RADIX_BITS * (level + 1)
         child = 1 << shift  # values per child block
@@ -157,15 +161,18 @@ def kth_smallest_of_prefixes(perm: torch.Tensor, prefix_len: torch.Tensor, k: in
         below_eq = (digit.unsqueeze(1) <= lower).view(rows * (radix - 1), length)
         le = below_eq.view(-1).cumsum(0, dtype=count_dtype).view(rows * (radix - 1), length)
         le = (le - (le[:, :1] - below_eq[:, :1].to(count_dtype))).view(rows, radix - 1, length)
+        del below_eq
 
         # Query step. The block's prefix entries are seq[a : a + m] (m >= kk >= 1, so a + m - 1
         # lies in the block); blocks before a hold a / R entries per child.
-        idx = (a + m - 1).unsqueeze(1).expand(rows, radix - 1, queries)
-        cum = le.gather(2, idx) - (a // radix).unsqueeze(1) * (lower + 1)  # entries in children <= d
+        idx = (a + m - 1).to(torch.int64).unsqueeze(1).expand(rows, radix - 1, queries)
+        cum = le.gather(2, idx)
+        cum -= (a // radix).unsqueeze(1) * (lower + 1)  # entries in the children <= d
         passed = cum < kk.unsqueeze(1)  # children wholly below the kk-th entry
-        pick = passed.sum(1)  # the child holding it (R-1 when every lower child passed)
+        pick = passed.sum(1, dtype=count_dtype)  # the child holding it (R-1: every lower one passed)
         below = torch.where(passed, cum, 0).amax(1)  # entries in the children before pick
         upto = torch.where(passed, m.unsqueeze(1), cum).amin(1).clamp(max=m)  # ... up to pick
+        del cum, passed
         kk = kk - below
         m = upto - below
         a = a + pick * child
@@ -176,13 +183,14 @@ def kth_smallest_of_prefixes(perm: torch.Tensor, prefix_len: torch.Tensor, k: in
             # (entries with digit <= d minus those with digit <= d - 1, before the block and
             # at i itself excluded).
             block = (pos >> (shift + _RADIX_BITS)) << (shift + _RADIX_BITS)  # (L,)
-            le_d = le.gather(1, digit.clamp(max=radix - 2).unsqueeze(1)).squeeze(1)
+            le_d = le.gather(1, digit.clamp(max=radix - 2).to(torch.int64).unsqueeze(1)).squeeze(1)
             le_d = torch.where(digit == radix - 1, pos + 1, le_d)
-            le_prev = le.gather(1, (digit - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+            le_prev = le.gather(1, (digit - 1).clamp(min=0).to(torch.int64).unsqueeze(1)).squeeze(1)
             le_prev = torch.where(digit == 0, 0, le_prev)
+            del le
             dest = block + digit * child + (le_d - le_prev - 1) - block // radix
-            seq = torch.empty_like(seq).scatter_(1, dest, seq)
-    return a
+            seq = torch.empty_like(seq).scatter_(1, dest.to(torch.int64), seq)
+    return a.to(torch.int64)
 
 
 def topk_intervals(
