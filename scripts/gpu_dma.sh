@@ -11,7 +11,7 @@ device_install
 cat "$OUT/env.txt"
 if [ "${TEST_S:-240}" -gt 0 ]; then
   timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -x \
-    tests/test_triton_intervals.py tests/test_topk_intervals.py tests/test_key_intervals.py \
+    $(ls tests/test_triton_intervals.py tests/test_topk_intervals.py tests/test_key_intervals.py 2>/dev/null) \
     >"$OUT/tests.log" 2>&1
   echo "tests rc=$?" >>"$OUT/tests.log"
   tail -4 "$OUT/tests.log"

@@ -30,7 +30,11 @@ import triton.language as tl
 
 from ...intmath import cdiv
 from ...planning.key_lists import IntervalPlan, plan_intervals
-from .forward import LN2, LOG2E, _dot, _tanh, alloc_output, dot_upcast, head_block, interpret_mode
+from .forward import _dot, _tanh, alloc_output, dot_upcast, head_block, interpret_mode
+
+# Kernels read module constants only as constexprs.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 # Query rows one dK/dV program walks at most; a longer block range is split over programs.
 SEGMENT_ROWS = 4096
@@ -62,8 +66,8 @@ def _bwd_config(head_dim: int, interp: bool) -> Tuple[int, int, int, int]:
     if interp:
         return 16, 16, 4, 1
     if head_dim <= 128:
-        return 64, 64, 4, 2
-    return 32, 32, 4, 2
+        return 32, 64, 8, 2
+    return 32, 32, 8, 2
 
 
 # ------------------------------------------------------------------------------------------
