@@ -396,6 +396,58 @@ def test_dma_top_k_ties_keep_lower_indices():
         compare_dma(m, hidden(2, 9))
 
 
+def _dense_key_mask(m, bias, padding):
+    """The layer's former mask: the dense bool top-k mask of the dense helpers."""
+    from flash_dmattn.utils.mask import causal_topk_mask, create_mask
+
+    batch, _, _, length = bias.shape
+    if length <= m.window_size:
+        return None if padding is None else padding.view(batch, 1, 1, length)
+    min_dtype = torch.finfo(bias.dtype).min
+    if m.is_causal:
+        return causal_topk_mask(bias, padding, m.window_size, min_dtype)
+    return create_mask(bias, padding, batch, length, length, m.window_size, min_dtype)
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("tied", [False, True])
+def test_dma_key_intervals_equal_the_dense_mask_path(is_causal, tied, monkeypatch):
+    # Beyond the window the layer hands the kernel KeyIntervals; on the reference backend its
+    # outputs and gradients equal those of the dense (B, Hkv, L, L) mask it used to build.
+    from flash_dmattn.masks import KeyIntervals
+
+    m = make_dma(is_causal=is_causal, window_size=5, backend="torch-reference")
+    if tied:
+        with torch.no_grad():
+            m.dt_proj.weight.mul_(torch.rand_like(m.dt_proj.weight) < 0.1)  # few distinct biases
+    x = hidden(3, 23)
+    pad = torch.ones(3, 23, dtype=torch.bool)
+    pad[1, :4] = False
+    pad[2, -6:] = False
+    seen = []
+    original = DynamicMaskAttention._key_mask
+
+    def spy(self, bias, padding):
+        mask = original(self, bias, padding)
+        seen.append(mask)
+        return mask
+
+    results = []
+    for key_mask in (spy, lambda self, bias, padding: _dense_key_mask(self, bias, padding)):
+        monkeypatch.setattr(DynamicMaskAttention, "_key_mask", key_mask)
+        xx = x.clone().requires_grad_(True)
+        m.zero_grad()
+        out = m(xx, pad)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), xx.grad, {n: p.grad.clone() for n, p in m.named_parameters()}))
+    assert isinstance(seen[0], KeyIntervals) and seen[0].shape == (3, m.num_kv_heads, 23)
+    (o1, gx1, gp1), (o2, gx2, gp2) = results
+    torch.testing.assert_close(o1, o2, **TOL)
+    torch.testing.assert_close(gx1, gx2, **TOL)
+    for n in gp2:
+        torch.testing.assert_close(gp1[n], gp2[n], **TOL, msg=n)
+
+
 def test_dma_explicit_backend_and_float32():
     m = make_dma(backend="torch-reference")
     compare_dma(m, hidden(1, 13))

@@ -3,13 +3,14 @@ per-key bias that is added to the scores and, for long sequences, selects the ke
 query attends to."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import nn
 
+from ..masks import KeyIntervals
+from ..planning.selection import topk_intervals
 from ..utils.dynamic import dynamic_mask_bias
-from ..utils.mask import causal_topk_mask, create_mask
 from ._common import attention_function, check_backend_name, check_positive_int
 
 __all__ = ["DynamicMaskAttention", "apply_rotary_pos_emb", "rotate_half"]
@@ -72,9 +73,13 @@ class DynamicMaskAttention(nn.Module):
     ``(L, D)``, applied to q and k as in Llama. Rows with no visible key (e.g. a left-padded
     query under causal attention) output ``o_proj(0)``.
 
-    The mask memory: for ``L > window_size`` with ``is_causal`` the key selection is per query
-    (a key may only take a slot of a query that can see it), so a ``(B, Hkv, L, L)`` bool
-    mask is built; otherwise the mask is at most ``(B, Hkv, 1, L)``.
+    The mask memory: for ``L > window_size`` the key selection is handed to the kernel as a
+    :class:`~flash_dmattn.masks.KeyIntervals` mask (two int32 per key and kv head, built by
+    :func:`~flash_dmattn.planning.selection.topk_intervals` in O(L log L)): with ``is_causal``
+    each query keeps the ``window_size`` best keys it can see (key ``j`` is kept by the
+    queries ``j .. t_j - 1``), otherwise every query keeps the same ``window_size`` keys. No
+    ``(L, L)`` mask is ever built; for shorter sequences the mask is at most the
+    ``(B, 1, 1, L)`` padding mask.
 
     Equivalent plain PyTorch::
 
@@ -213,21 +218,21 @@ class DynamicMaskAttention(nn.Module):
         return cos, sin
 
     # Mask -------------------------------------------------------------------------------------
-    def _key_mask(self, bias: torch.Tensor, padding: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The bool mask (True = attend) handed to the kernel, or None."""
+    def _key_mask(
+        self, bias: torch.Tensor, padding: Optional[torch.Tensor]
+    ) -> Optional[Union[torch.Tensor, KeyIntervals]]:
+        """The mask handed to the kernel: None, the bool padding mask, or the key intervals of
+        the top-``window_size`` selection."""
         batch, _, _, length = bias.shape
         if length <= self.window_size:
             # Every candidate fits in the window; causality is left to the kernel's is_causal.
             return None if padding is None else padding.view(batch, 1, 1, length)
-        min_dtype = torch.finfo(bias.dtype).min
-        if not self.is_causal:
-            # One selection per key row, shared by all queries: (B, Hkv, 1, L).
-            return create_mask(bias, padding, batch, length, length, self.window_size, min_dtype)
-        # Causal: the window must be filled from the keys each query can see, otherwise
-        # slots go to future keys that the kernel then masks (and early queries could be
-        # left with no key at all). The bias is per key, so causal_topk_mask gives exactly
-        # create_mask's result from one sort per (batch, head) instead of a top-k per row.
-        return causal_topk_mask(bias, padding, self.window_size, min_dtype)
+        # Causal: the window is filled from the keys each query can see (otherwise slots go
+        # to future keys that the kernel then masks, and early queries could be left with no
+        # key at all). The bias is per key, so each key is kept by one interval of queries;
+        # the intervals give exactly the dense top-k masks (create_mask / causal_topk_mask)
+        # in O(L) memory. Not causal: one shared selection, every query sees the kept keys.
+        return topk_intervals(bias, self.window_size, is_causal=self.is_causal, padding_mask=padding)
 
     # Forward ------------------------------------------------------------------------------------
     def forward(
