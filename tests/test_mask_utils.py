@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flash_dmattn.masks import KeyIntervals
 from flash_dmattn.utils import mask as mask_mod
 from flash_dmattn.utils.dynamic import (
     _dynamic_mask_and_bias,
@@ -423,23 +424,54 @@ def test_dynamic_topk_mask_matches_naive(keep_window_size):
     if keep_window_size >= 40:
         assert mask is None
     else:
-        assert mask.shape == (2, 2, 40, 40)
-        assert torch.equal(mask, keep)
-        assert (mask.sum(-1) == torch.arange(1, 41).clamp(max=8)).all()
+        # No candidate mask: the selection is a KeyIntervals mask, applied with is_causal.
+        assert isinstance(mask, KeyIntervals) and mask.shape == (2, 2, 40)
+        dense = mask.to_dense(40) & _causal(40, 40)
+        assert torch.equal(dense, keep)
+        assert (dense.sum(-1) == torch.arange(1, 41).clamp(max=8)).all()
     torch.testing.assert_close(bias, dynamic_mask_bias(v, w, A, heads_first=True))
 
 
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("lq", [40, 7, 1])
+def test_dynamic_key_intervals_equal_the_dense_path(is_causal, lq):
+    # A per-key candidate mask (padding, bool or additive, per batch or per kv head) and
+    # Lq <= Lk give KeyIntervals; they must select exactly what create_mask selects from the
+    # candidates written out per query row (what the dense path does).
+    q, k, v, w, A = _dma_inputs(Lq=lq)
+    g = torch.Generator().manual_seed(lq)
+    causal = _causal(lq, 40) if is_causal else torch.ones(1, 1, lq, 40, dtype=torch.bool)
+    for per_key in (
+        None,
+        torch.rand(2, 1, 1, 40, generator=g) > 0.3,
+        torch.rand(2, 2, 1, 40, generator=g) > 0.3,
+        torch.zeros(1, 1, 1, 40).masked_fill(torch.rand(1, 1, 1, 40, generator=g) > 0.7, float("-inf")),
+    ):
+        mask, bias = _dynamic_mask_and_bias(q, k, v, w, A, per_key, 8, is_causal)
+        assert isinstance(mask, KeyIntervals) and mask.shape[2] == 40
+        allowed = torch.ones(1, 1, 1, 40, dtype=torch.bool) if per_key is None else per_key
+        if allowed.dtype != torch.bool:
+            allowed = allowed == 0
+        dense = create_mask(bias, causal & allowed, 2, lq, 40, 8, F32_MIN)
+        got = mask.to_dense(lq) & causal  # the kernel applies is_causal on top
+        assert torch.equal(got, dense.expand_as(got))
+
+
 def test_dynamic_topk_mask_chunked(monkeypatch):
+    # The dense path (a candidate mask per query row) built in chunks of query rows.
     import flash_dmattn.utils.dynamic as dyn
 
     q, k, v, w, A = _dma_inputs(Lq=13, Lk=21)
-    full, _ = _dynamic_mask_and_bias(q, k, v, w, A, None, 5, True)
+    rows = torch.ones(1, 1, 13, 21, dtype=torch.bool)
+    full, _ = _dynamic_mask_and_bias(q, k, v, w, A, rows, 5, True)
     monkeypatch.setattr(dyn, "_CHUNK_ELEMENTS", 90)
     monkeypatch.setattr(mask_mod, "_CHUNK_ELEMENTS", 90)
-    chunked, _ = _dynamic_mask_and_bias(q, k, v, w, A, None, 5, True)
+    chunked, _ = _dynamic_mask_and_bias(q, k, v, w, A, rows, 5, True)
     assert torch.equal(full, chunked)
     _, keep = _naive_dma(q, k, v, w, A, _causal(13, 21), 5)
     assert torch.equal(chunked, keep)
+    intervals, _ = _dynamic_mask_and_bias(q, k, v, w, A, None, 5, True)
+    assert torch.equal(intervals.to_dense(13) & _causal(13, 21), keep)
 
 
 def test_dynamic_mask_with_float_and_per_query_head_masks():

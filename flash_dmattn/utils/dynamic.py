@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..planning.selection import topk_intervals
 from .mask import _CHUNK_ELEMENTS, create_mask
 
 __all__ = ["dynamic_mask_bias", "apply_dynamic_mask_attention"]
@@ -109,7 +110,12 @@ def _dynamic_mask_and_bias(
     keep_window_size: int,
     is_causal: bool,
 ):
-    """Validate inputs and return ``(mask or None, bias)`` for the attention call."""
+    """Validate inputs and return ``(mask or None, bias)`` for the attention call.
+
+    The mask is a :class:`~flash_dmattn.masks.KeyIntervals` when the selection allows it (a per-key candidate
+    mask or none, and ``Lq <= Lk``), else a dense bool mask; see
+    :func:`apply_dynamic_mask_attention`.
+    """
     for name, t in (("query", query), ("key", key), ("value", value)):
         _require_tensor(name, t)
         if t.dim() != 4:
@@ -157,6 +163,17 @@ def _dynamic_mask_and_bias(
         return allowed, bias
 
     min_dtype = torch.finfo(bias.dtype).min
+    if (allowed is None or allowed.shape[2] == 1) and query_len <= key_len:
+        # The candidates are the same for every query (up to causality), so the top-k is one
+        # interval of query positions per key: O(L) numbers instead of an (Lq, Lk) mask. Key
+        # positions serve the queries as the last Lq positions (bottom-right, like is_causal),
+        # so a KV-cache step (Lq < Lk) gets exactly the rows of the full causal selection.
+        # A per-key candidate mask is folded into the bias the selection ranks: a -inf bias is
+        # never a candidate, exactly like a disallowed key.
+        ranked = bias.detach()
+        if allowed is not None:
+            ranked = ranked.masked_fill(~allowed, float("-inf"))
+        return topk_intervals(ranked, keep_window_size, is_causal=is_causal, min_dtype=min_dtype), bias
     if not is_causal:
         return create_mask(bias, allowed, batch, query_len, key_len, keep_window_size, min_dtype), bias
 
@@ -196,7 +213,7 @@ def apply_dynamic_mask_attention(
         causal_mask: optional bool (True = attend) or additive float (0 = keep, any other
             value, e.g. ``-inf`` / dtype min, = masked) tensor broadcastable to
             ``(B, 1|Hkv|H, Lq, Lk)``. Restricts the top-k candidates and is passed to the
-            kernel as the attention mask.
+            kernel as (part of) the attention mask.
         keep_window_size: keys kept per query when ``Lk > keep_window_size``; otherwise
             no top-k selection happens.
         is_causal: bottom-right aligned causal attention (query ``i`` sees keys
@@ -204,6 +221,14 @@ def apply_dynamic_mask_attention(
 
     Returns:
         ``(B, H, Lq, D)`` attention output.
+
+    The mask handed to the kernel when ``Lk > keep_window_size``: if ``causal_mask`` is None
+    or per key (a padding mask, shape ``(B|1, 1|Hkv|H, 1, Lk|1)``) and ``Lq <= Lk``, the
+    selection is a :class:`~flash_dmattn.masks.KeyIntervals` mask built by
+    :func:`~flash_dmattn.planning.selection.topk_intervals` (two int32 per key and head, no
+    ``(Lq, Lk)`` tensor; with ``is_causal`` each query keeps the best keys it can see).
+    Otherwise (a mask with a query dim, or ``Lq > Lk``) a dense bool ``(B, Hkv|H, Lq, Lk)``
+    mask is built, one chunk of query rows at a time. Both give the same result.
 
     Equivalent plain PyTorch (for Lq >= 1 and every query row seeing at least one key)::
 
