@@ -231,6 +231,76 @@ def test_legacy_window_size_topk():
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def _legacy_both_ways(monkeypatch, kernel_spy, q, k, v, mask, bias, window, module=None):
+    """The 1.2.x call with its interval selection and with the dense one forced."""
+    from flash_dmattn.integrations import flash_dynamic_mask_attention as legacy
+
+    module = _Module() if module is None else module
+    out, _ = flash_dynamic_mask_attention_forward(module, q, k, v, mask, bias, window_size=window)
+    used = kernel_spy[-1]["attn_mask"]
+    with monkeypatch.context() as mp:
+        mp.setattr(legacy, "_interval_selection", lambda *a: None)
+        dense, _ = flash_dynamic_mask_attention_forward(module, q, k, v, mask, bias, window_size=window)
+    assert isinstance(kernel_spy[-1]["attn_mask"], torch.Tensor)
+    torch.testing.assert_close(out, dense, atol=1e-6, rtol=1e-6)
+    return out, used
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("lq", [9, 4, 1])
+@pytest.mark.parametrize("tied", [False, True])
+def test_legacy_window_topk_builds_key_intervals(monkeypatch, kernel_spy, is_causal, lq, tied):
+    from flash_dmattn.masks import KeyIntervals
+
+    q, k, v = _qkv(lq=lq, lk=9, seed=6)
+    g = torch.Generator().manual_seed(lq)
+    bias = torch.randint(0, 3, (2, 2, 9), generator=g).float() if tied else torch.randn(2, 2, 9, generator=g)
+    pad = torch.ones(2, 9, dtype=torch.long)
+    pad[0, :2] = 0
+    pad[1, 5] = 0
+    for mask in (None, pad):
+        _, used = _legacy_both_ways(monkeypatch, kernel_spy, q, k, v, mask, bias, 3, _Module(is_causal))
+        # (with no mask, a causal prefill of an empty static cache attends to the first Lq keys)
+        keys = kernel_spy[-2]["key"].shape[1]
+        assert isinstance(used, KeyIntervals) and used.shape == (2, 2, keys)
+
+
+def test_legacy_window_topk_reads_the_padding_record(monkeypatch, kernel_spy):
+    # A (B, 1, L, L) bool mask that dmattn_mask built as "causal + padding" carries a record;
+    # the selection then comes from the record's (B, L) padding as key intervals. The same
+    # mask without a record (or edited in place) keeps the dense path.
+    from flash_dmattn.integrations import hf_varlen
+    from flash_dmattn.masks import KeyIntervals
+
+    q, k, v = _qkv(lq=10, lk=10, seed=7)
+    bias = torch.randn(2, 2, 1, 10, generator=torch.Generator().manual_seed(1))
+    pad = torch.ones(2, 10, dtype=torch.bool)
+    pad[0, :3] = False
+    i, j = torch.arange(10)[:, None], torch.arange(10)[None, :]
+    mask = ((j <= i) & pad[:, None, None, :]).reshape(2, 1, 10, 10)
+    record = hf_varlen.PaddingRecord(padding=pad, version=mask._version, causal=True, q_offset=0)
+    hf_varlen.attach_record(mask, record)
+    out, used = _legacy_both_ways(monkeypatch, kernel_spy, q, k, v, mask, bias, 4)
+    assert isinstance(used, KeyIntervals) and kernel_spy[-2]["is_causal"]
+    plain = mask.clone()  # no record
+    out2, used2 = _legacy_both_ways(monkeypatch, kernel_spy, q, k, v, plain, bias, 4)
+    assert isinstance(used2, torch.Tensor)
+    torch.testing.assert_close(out, out2, atol=1e-6, rtol=1e-6)
+    mask[0, 0, 0, 0] = False  # edited in place: the record no longer describes the mask
+    _, used3 = _legacy_both_ways(monkeypatch, kernel_spy, q, k, v, mask, bias, 4)
+    assert isinstance(used3, torch.Tensor)
+
+
+def test_legacy_window_topk_dense_where_intervals_do_not_apply(kernel_spy):
+    # A bias with a query dim, or a 4-D user mask: the dense selection.
+    q, k, v = _qkv(lq=6, lk=6, seed=8)
+    flash_dynamic_mask_attention_forward(_Module(), q, k, v, None, torch.randn(2, 2, 6, 6), window_size=2)
+    assert isinstance(kernel_spy[-1]["attn_mask"], torch.Tensor)
+    user = torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(0)) > 0.3
+    flash_dynamic_mask_attention_forward(_Module(), q, k, v, user, torch.randn(2, 2, 6), window_size=2)
+    assert isinstance(kernel_spy[-1]["attn_mask"], torch.Tensor)
+
+
 # ---------------------------------------------------------------------------------------------
 # whole models
 # ---------------------------------------------------------------------------------------------
