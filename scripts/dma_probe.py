@@ -74,11 +74,17 @@ def main():
                   f"{peak:.0f} MiB", flush=True)
             if a.profile:
                 from torch.profiler import ProfilerActivity, profile
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(3):
-                        torch.autograd.grad(f(), (q, k, v, bias), g)
-                    torch.cuda.synchronize()
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
+                for what, fn in (("plan", lambda: plan_for(q, k, ki.bounds, True, backward=True)),
+                                 ("select", lambda: topk_intervals(bias.detach(), W,
+                                                                   is_causal=causal_sel)),
+                                 ("fwd+bwd", lambda: torch.autograd.grad(f(), (q, k, v, bias), g))):
+                    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                        for _ in range(3):
+                            fn()
+                        torch.cuda.synchronize()
+                    print(f"--- {kind} {what} (3 calls)")
+                    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
+                                                    max_name_column_width=60))
 
 
 if __name__ == "__main__":
