@@ -1,0 +1,70 @@
+"""Sweep the key-interval kernels' block configs on a GPU (kernel time only, plan prebuilt).
+
+    python3 scripts/dma_tune.py [L] [--window W] [--kinds shared,causal] [--which fwd,dq,dkv]
+
+For each selection kind, each config of the forward (and of the dQ / dK-dV kernels) is timed
+with do_bench (median) on bf16, B1 H16/Hkv4 D128, per-key bias; the planner's lists are built
+once per config outside the timed region.
+"""
+import argparse
+
+import torch
+from triton.testing import do_bench
+
+from flash_dmattn.backends.triton import intervals as iv
+from flash_dmattn.planning.selection import topk_intervals
+
+FWD = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
+       (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 2)]
+DKV = [(32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3),
+       (16, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 3), (16, 128, 8, 2)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("length", nargs="?", type=int, default=32768)
+    ap.add_argument("--window", type=int, default=2048)
+    ap.add_argument("--kinds", default="shared,causal")
+    ap.add_argument("--which", default="fwd,dq,dkv")
+    a = ap.parse_args()
+    dev, dt = "cuda", torch.bfloat16
+    B, H, Hkv, D, L, W = 1, 16, 4, 128, a.length, a.window
+    print(torch.cuda.get_device_name(), f"L{L} W{W}", flush=True)
+    q = torch.randn(B, L, H, D, device=dev, dtype=dt)
+    k = torch.randn(B, L, Hkv, D, device=dev, dtype=dt)
+    v = torch.randn(B, L, Hkv, D, device=dev, dtype=dt)
+    bias = torch.randn(B, Hkv, 1, L, device=dev, dtype=dt)
+    do = torch.randn_like(q)
+    base_fwd, base_bwd = iv._fwd_config, iv._bwd_config
+    for kind in a.kinds.split(","):
+        ki = topk_intervals(bias, W, is_causal=kind == "causal")
+        for which in a.which.split(","):
+            for cfg in (FWD if which in ("fwd", "dq") else DKV):
+                if which in ("fwd", "dq"):
+                    iv._fwd_config = lambda d, interp, c=cfg: c
+                    iv._bwd_config = base_bwd
+                else:
+                    iv._fwd_config = base_fwd
+                    iv._bwd_config = lambda d, interp, c=cfg: c
+                try:
+                    plan = iv.plan_for(q, k, ki.bounds, True, backward=True)
+                    out, lse, _ = iv.interval_forward(q, k, v, bias, ki.bounds, 0.088, True, 0.0,
+                                                      plan=plan)
+                    if which == "fwd":
+                        fn = lambda: iv.interval_forward(q, k, v, bias, ki.bounds, 0.088, True,
+                                                         0.0, plan=plan)
+                    else:
+                        needs = (True, False, False, False) if which == "dq" else (False, True, True, True)
+                        fn = lambda: iv.interval_backward(do, q, k, v, bias, ki.bounds, out, lse,
+                                                          0.088, True, 0.0, False, needs,
+                                                          plan=plan)
+                    t = do_bench(fn, warmup=10, rep=100, return_mode="median")
+                    print(f"{kind:6s} {which:3s} {cfg}: {t:.3f} ms", flush=True)
+                except Exception as exc:  # a config that does not compile or fit
+                    print(f"{kind:6s} {which:3s} {cfg}: failed {type(exc).__name__}: "
+                          f"{str(exc)[:120]}", flush=True)
+    iv._fwd_config, iv._bwd_config = base_fwd, base_bwd
+
+
+if __name__ == "__main__":
+    main()
