@@ -268,3 +268,20 @@ def test_intervals_that_hide_nothing_take_the_dense_path(monkeypatch):
         fd.triton_dmattn_func(q, k, k, attn_mask=KeyIntervals(j, torch.full_like(j, L - 1)),
                               is_causal=True)
         assert calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("causal", [False, True])
+def test_list_kernel_matches_reference(causal):
+    from flash_dmattn.planning.key_lists import tile_lists, tile_lists_reference
+
+    if ON_GPU:
+        pytest.skip("interpreter sizes")
+    gen = torch.Generator().manual_seed(7)
+    for Lq, Lk in ((53, 61), (70, 40), (16, 16)):
+        start, end = _intervals(gen, (3, Lk), Lk)
+        ranges = key_ranges(KeyIntervals(start, end).bounds, Lq, Lk, causal)
+        got = tile_lists(ranges, Lq, 16, causal)
+        want = tile_lists_reference(ranges, Lq, 16)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)

@@ -113,6 +113,30 @@ def _scores(q, k_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale, softcap, 
     return s, t
 
 
+@triton.jit
+def _scores_t(k, q_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale, softcap, full,
+              HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
+              UPCAST: tl.constexpr):
+    """:func:`_scores` transposed: a (keys, queries) tile from ``k (N, D)`` and ``q_t (D, M)``,
+    the orientation in which the dK/dV kernel keeps its operands."""
+    s = _dot(k, q_t, UPCAST)
+    if SOFTCAP:
+        t = _tanh(s * (qk_scale / softcap))
+        s = t * (softcap * LOG2E)
+    else:
+        t = s * 0.0
+        s = s * (qk_scale * LOG2E)
+    if HAS_BIAS:
+        s += bias[:, None] * LOG2E
+    if not full:
+        vis = (sb[:, None] <= pos[None, :]) & (pos[None, :] < eb[:, None])
+        vis = vis & kvalid[:, None] & qvalid[None, :]
+        if CAUSAL:
+            vis = vis & (kidx[:, None] <= pos[None, :])
+        s = tl.where(vis, s, float("-inf"))
+    return s, t
+
+
 # ------------------------------------------------------------------------------------------
 # Forward
 # ------------------------------------------------------------------------------------------
@@ -165,8 +189,8 @@ def _ki_fwd_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kvalid = offs_n < length
         kidx = tl.load(keys + offs_n, mask=kvalid, other=0)
-        k_t = tl.load(k_base + kidx[None, :] * stride_kn + offs_d[:, None],
-                      mask=kvalid[None, :] & dvalid[:, None], other=0.0)
+        k = tl.load(k_base + kidx[:, None] * stride_kn + offs_d[None, :],
+                    mask=kvalid[:, None] & dvalid[None, :], other=0.0)
         sb = tl.load(s_base + kidx, mask=kvalid, other=0)
         eb = tl.load(e_base + kidx, mask=kvalid, other=0)
         if HAS_BIAS:
@@ -174,8 +198,8 @@ def _ki_fwd_kernel(
         else:
             bias = sb * 0.0
         full = _all_visible(sb, eb, kidx, kvalid, pos_first, pos_last, CAUSAL)
-        s, _t = _scores(q, k_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale, softcap,
-                        full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
+        s, _t = _scores(q, tl.trans(k), bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale,
+                        softcap, full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -326,8 +350,6 @@ def _ki_dkv_kernel(
                     + offs_d[None, :], mask=kd, other=0.0)
         sb = tl.load(Bounds + row * Lk + kidx, mask=kvalid, other=0)
         eb = tl.load(Bounds + bound_plane + row * Lk + kidx, mask=kvalid, other=0)
-        k_t = tl.trans(k)
-        v_t = tl.trans(v)
 
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -345,11 +367,10 @@ def _ki_dkv_kernel(
             for m0 in range(q_lo, q_hi, BLOCK_M):
                 offs_m = m0 + tl.arange(0, BLOCK_M)
                 qvalid = offs_m < q_hi
-                qd = qvalid[:, None] & dvalid[None, :]
-                q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=qd,
-                            other=0.0)
-                do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=qd,
-                             other=0.0)
+                q_t = tl.load(q_base + offs_m[None, :] * stride_qm + offs_d[:, None],
+                              mask=qvalid[None, :] & dvalid[:, None], other=0.0)
+                do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :],
+                             mask=qvalid[:, None] & dvalid[None, :], other=0.0)
                 lse = tl.load(Lse + bh * Lq + offs_m, mask=qvalid, other=0.0)
                 lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
                 delta = tl.load(Delta + bh * Lq + offs_m, mask=qvalid, other=0.0)
@@ -358,17 +379,17 @@ def _ki_dkv_kernel(
                 # Rows past q_hi read as zeros; the mask keeps them out of the sums.
                 full = _all_visible(sb, eb, kidx, kvalid, m0 + pos_off, pos_last, CAUSAL)
                 full = full & (m0 + BLOCK_M <= q_hi)
-                s, t = _scores(q, k_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale,
-                               softcap, full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
-                p = tl.exp2(s - lse2[:, None])
-                dv += _dot(tl.trans(p.to(do.dtype)), do, UPCAST)
-                dp = _dot(do, v_t, UPCAST)
-                ds = p * (dp - delta[:, None])
+                s_t, t_t = _scores_t(k, q_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale,
+                                     softcap, full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
+                p_t = tl.exp2(s_t - lse2[None, :])
+                dv += _dot(p_t.to(do.dtype), do, UPCAST)
+                dp_t = _dot(v, tl.trans(do), UPCAST)
+                ds_t = p_t * (dp_t - delta[None, :])
                 if NEED_DBIAS:
-                    dbias += tl.sum(ds, 0)
+                    dbias += tl.sum(ds_t, 1)
                 if SOFTCAP:
-                    ds = ds * (1.0 - t * t)
-                dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST)
+                    ds_t = ds_t * (1.0 - t_t * t_t)
+                dk += _dot(ds_t.to(q_t.dtype), tl.trans(q_t), UPCAST)
             if NEED_DBIAS:
                 tl.atomic_add(DBias + bh * Lk + kidx, dbias, mask=kvalid)
         dk = dk * qk_scale
@@ -458,7 +479,7 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
     heads_x = fb.shape[2]
     bias_t, sbb, sbh, sbk, bdiv = _bias_args(bias, H)
     bias_arg = bias_t if bias_t is not None else q
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, Lq)
+    delta = _delta(dout, out)
     lse = lse.contiguous()
     common = dict(HAS_BIAS=bias is not None, CAUSAL=bool(is_causal), SOFTCAP=softcap > 0,
                   BLOCK_D=head_block(D), HEAD_DIM=D, UPCAST=dot_upcast(q.dtype))
@@ -493,8 +514,8 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
         n_blocks = ivp.n_blocks
         if n_blocks and Lq:
             seg = 1 << 30 if deterministic else SEGMENT_ROWS
-            longest = int((ivp.blk_qhi - ivp.blk_qlo).max().item())
-            n_seg = max(1, cdiv(max(longest, 1), seg))
+            # Segments past a block's range exit at once: no need to read the ranges here.
+            n_seg = max(1, cdiv(Lq, seg))
             _ki_dkv_kernel[(n_blocks, n_seg)](
                 q, k, v, bias_arg, fb, ivp.blk_keys, ivp.blk_row, ivp.blk_qlo, ivp.blk_qhi,
                 dout, lse, delta, dk32, dv32, db32,
@@ -517,6 +538,37 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
         if need_dbias:
             dbias = _reduce_dbias(db32, bias)
     return dq, dk, dv, dbias
+
+
+@triton.jit
+def _delta_kernel(O, DO, Delta, stride_ob, stride_om, stride_oh, stride_dob, stride_dom,
+                  stride_doh, H, Lq, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  HEAD_DIM: tl.constexpr):
+    m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_m < Lq)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+                mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+                 + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(Delta + bh * Lq + offs_m, tl.sum(o * do, 1), mask=offs_m < Lq)
+
+
+def _delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``rowsum(dO * O)`` as fp32 ``(B, H, Lq)`` (the softmax backward's per-row term)."""
+    B, Lq, H, D = out.shape
+    delta = torch.empty((B, H, Lq), dtype=torch.float32, device=out.device)
+    if delta.numel():
+        bm = 64
+        _delta_kernel[(cdiv(Lq, bm), B * H)](
+            out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0),
+            dout.stride(1), dout.stride(2), H, Lq, BLOCK_M=bm, BLOCK_D=head_block(D),
+            HEAD_DIM=D)
+    return delta
 
 
 def _reduce_dbias(db32: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
