@@ -92,7 +92,7 @@ class KeyIntervals:
 
         def norm(t):
             t = t.reshape((1,) * (3 - t.dim()) + tuple(t.shape)).expand(shape)
-            return t.clamp(-_CLAMP, _CLAMP).to(torch.int32)
+            return t.to(torch.int64).clamp(-_CLAMP, _CLAMP).to(torch.int32)
 
         self.bounds = torch.stack([norm(start), norm(end)])
 
