@@ -272,16 +272,21 @@ def test_intervals_that_hide_nothing_take_the_dense_path(monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("causal", [False, True])
-def test_list_kernel_matches_reference(causal):
-    from flash_dmattn.planning.key_lists import tile_lists, tile_lists_reference
+def test_planner_kernels_match_reference(causal):
+    """The planner's kernels give the plain-PyTorch planner's lists and equivalent blocks."""
+    from flash_dmattn.planning.key_lists import plan_intervals_reference
+    from flash_dmattn.planning.list_kernels import plan_fast
 
     if ON_GPU:
         pytest.skip("interpreter sizes")
     gen = torch.Generator().manual_seed(7)
-    for Lq, Lk in ((53, 61), (70, 40), (16, 16)):
-        start, end = _intervals(gen, (3, Lk), Lk)
-        ranges = key_ranges(KeyIntervals(start, end).bounds, Lq, Lk, causal)
-        got = tile_lists(ranges, Lq, 16, causal)
-        want = tile_lists_reference(ranges, Lq, 16)
-        for a, b in zip(got, want):
-            assert torch.equal(a, b)
+    for Lq, Lk in ((53, 61), (70, 40), (16, 16), (5, 40)):
+        start, end = _intervals(gen, (2, 3, Lk), Lk)
+        bounds = KeyIntervals(start, end).bounds
+        ref = plan_intervals_reference(bounds, Lq, Lk, causal, 16, 8, True, 16)
+        tile_start, tile_len, keys, blocks = plan_fast(bounds, Lq, Lk, causal, 16, 8, True, 16)
+        assert torch.equal(tile_start, ref.tile_start)
+        assert torch.equal(tile_len, ref.tile_len)
+        assert torch.equal(keys, ref.keys)
+        for got, want in zip(blocks, (ref.blk_keys, ref.blk_row, ref.blk_qlo, ref.blk_qhi)):
+            assert torch.equal(got, want)

@@ -96,54 +96,9 @@ class IntervalPlan:
         return 0 if self.blk_keys is None else self.blk_keys.shape[0]
 
 
-def tile_lists(ranges: KeyRanges, seqlen_q: int, block_m: int, is_causal: bool = False):
-    """``(tile_start, tile_len, keys)``: per (row, query tile) the keys whose range meets it,
-    in position order.
-
-    Counts come from a difference array over each key's first and last tile; the lists are
-    then written by :func:`.list_kernels.fill_tile_lists`, one program per (tile, row) over
-    the row's live keys (only those at or before the tile's last query when ``is_causal``,
-    since a later key cannot be seen). One host sync reads the total length. Where Triton
-    cannot run (CPU without its interpreter), :func:`tile_lists_reference` does the same in
-    plain PyTorch.
-    """
-    from . import list_kernels
-
-    if not list_kernels.available(ranges.lo.device):
-        return tile_lists_reference(ranges, seqlen_q, block_m)
-    lo, hi = ranges.lo, ranges.hi
-    rows, lk = lo.shape
-    device = lo.device
-    n_tiles = max(1, cdiv(seqlen_q, block_m))
-    live = lo < hi
-    first = torch.where(live, torch.div(lo, block_m, rounding_mode="floor"), n_tiles)
-    last = torch.where(live, torch.div(hi - 1, block_m, rounding_mode="floor") + 1, n_tiles)
-    diff = torch.zeros(rows, n_tiles + 1, dtype=torch.int32, device=device)
-    one = torch.ones_like(lo)
-    diff.scatter_add_(1, first.long(), one)
-    diff.scatter_add_(1, last.long(), -one)
-    tile_len = torch.cumsum(diff[:, :n_tiles], dim=1, dtype=torch.int32)
-    flat = tile_len.flatten()
-    ends = torch.cumsum(flat, 0, dtype=torch.int64)
-    total = int(ends[-1].item()) if flat.numel() else 0
-    tile_start = (ends - flat).view(rows, n_tiles).to(torch.int32)
-    keys = torch.empty(total, dtype=torch.int32, device=device)
-    # The live keys of each row, position-sorted, back to back at the row's start.
-    slot = torch.cumsum(live, dim=1, dtype=torch.int32) - 1
-    n_live = live.sum(dim=1, dtype=torch.int32)
-    dump = torch.where(live, slot, lk).long()
-    c_idx = torch.full((rows, lk + 1), lk, dtype=torch.int32, device=device)
-    c_idx.scatter_(1, dump, torch.arange(lk, dtype=torch.int32, device=device).expand(rows, lk))
-    c_idx = c_idx[:, :lk].contiguous()
-    c_lo = lo.gather(1, c_idx.clamp(max=lk - 1).long()).contiguous()
-    c_hi = hi.gather(1, c_idx.clamp(max=lk - 1).long()).contiguous()
-    list_kernels.fill_tile_lists(c_idx, c_lo, c_hi, n_live, tile_start, keys, seqlen_q,
-                                 seqlen_q - lk, block_m, is_causal)
-    return tile_start, tile_len, keys
-
-
 def tile_lists_reference(ranges: KeyRanges, seqlen_q: int, block_m: int):
-    """:func:`tile_lists` in plain PyTorch (a sort of every (key, tile) pair)."""
+    """``(tile_start, tile_len, keys)``: per (row, query tile) the keys whose range meets it,
+    in position order, by a stable sort of every (key, tile) pair."""
     lo, hi = ranges.lo.to(torch.int64), ranges.hi.to(torch.int64)
     rows, lk = lo.shape
     device = lo.device
@@ -191,7 +146,7 @@ def key_blocks(ranges: KeyRanges, seqlen_q: int, block_n: int, end_bucket: int):
         (n_buckets - torch.div(hi, end_bucket, rounding_mode="floor")) * span + lo,
         torch.full_like(lo, (n_buckets + 1) * span),  # dead keys sort last
     )
-    order_key, order = torch.sort(order_key, dim=1)
+    order_key, order = torch.sort(order_key, dim=1, stable=True)
     n_blk = cdiv(lk, block_n)
     padded = n_blk * block_n
     keys = torch.where(order_key < (n_buckets + 1) * span, order, torch.full_like(order, -1))
@@ -219,14 +174,36 @@ def plan_intervals(
     backward: bool,
     end_bucket: Optional[int] = None,
 ) -> IntervalPlan:
-    """Plan a key-interval call: forward lists always, backward key blocks when asked."""
+    """Plan a key-interval call: forward lists always, backward key blocks when asked.
+
+    On a GPU (or under Triton's interpreter) the planner's own kernels do it
+    (:func:`.list_kernels.plan_fast`); elsewhere the plain-PyTorch functions of this module.
+    Both give the same lists.
+    """
+    from . import list_kernels
+
+    bucket = end_bucket if end_bucket is not None else END_BUCKET
+    if list_kernels.available(bounds.device):
+        tile_start, tile_len, keys, blocks = list_kernels.plan_fast(
+            bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward, bucket)
+        plan = IntervalPlan(block_m, block_n, tile_start.shape[0], tile_start, tile_len, keys)
+        if blocks is not None:
+            plan.blk_keys, plan.blk_row, plan.blk_qlo, plan.blk_qhi = blocks
+        return plan
+    return plan_intervals_reference(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n,
+                                    backward, bucket)
+
+
+def plan_intervals_reference(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
+                             end_bucket=END_BUCKET) -> IntervalPlan:
+    """:func:`plan_intervals` in plain PyTorch (a sort of every (key, tile) pair for the
+    lists)."""
     ranges = key_ranges(bounds, seqlen_q, seqlen_k, is_causal)
-    tile_start, tile_len, keys = tile_lists(ranges, seqlen_q, block_m, is_causal)
+    tile_start, tile_len, keys = tile_lists_reference(ranges, seqlen_q, block_m)
     plan = IntervalPlan(block_m, block_n, ranges.lo.shape[0], tile_start, tile_len, keys)
     if backward:
-        bucket = end_bucket if end_bucket is not None else END_BUCKET
         (plan.blk_keys, plan.blk_row, plan.blk_qlo,
-         plan.blk_qhi) = key_blocks(ranges, seqlen_q, block_n, bucket)
+         plan.blk_qhi) = key_blocks(ranges, seqlen_q, block_n, end_bucket)
     return plan
 
 

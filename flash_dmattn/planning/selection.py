@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from ..masks import KeyIntervals
+from . import selection_kernels as _kernels
 
 __all__ = ["topk_intervals", "kth_smallest_of_prefixes"]
 
@@ -231,6 +232,9 @@ def topk_intervals(
 
     Cost: one stable sort per (batch, head) row plus ``ceil(log2(L) / 4)`` levels of
     vectorised O(16 L) ops (causal only); O(16 L) memory per row; no host synchronisation.
+    On CUDA (and on CPU under ``TRITON_INTERPRET=1``) the causal selection runs as Triton
+    kernels (:mod:`~flash_dmattn.planning.selection_kernels`): a score pass, the sort, and one
+    launch per tree level plus one for all queries; the same results bit for bit.
 
     Equivalent plain PyTorch (dense, O(L^2))::
 
@@ -246,6 +250,35 @@ def topk_intervals(
             start = torch.where(seen, j, 0); end = torch.where(seen, last + 1, 0)
     """
     bias, padding, min_dtype = _check_inputs(attention_bias, window_size, is_causal, padding_mask, min_dtype)
+    batch = max(bias.shape[0], 1 if padding is None else padding.shape[0])
+    heads, length = bias.shape[1], bias.shape[2]
+    if batch * heads * length > 0 and _kernels.available(bias.device):
+        # Triton: one score pass, the sort and (causal) a launch per tree level plus one for
+        # all queries; the same integers as the plain path below.
+        if length <= window_size:
+            bounds = _kernels.all_kept_bounds(bias, padding, min_dtype, batch, heads, is_causal)
+            return KeyIntervals.from_bounds(bounds)
+        if is_causal:
+            bounds = _kernels.causal_bounds(bias, padding, min_dtype, window_size, batch, heads)
+            return KeyIntervals.from_bounds(bounds)
+    return _plain_intervals(bias, window_size, is_causal, padding, min_dtype)
+
+
+def _topk_intervals_torch(
+    attention_bias: torch.Tensor,
+    window_size: int,
+    is_causal: bool = True,
+    padding_mask: Optional[torch.Tensor] = None,
+    min_dtype: Optional[float] = None,
+) -> KeyIntervals:
+    """:func:`topk_intervals` by the plain-PyTorch path only (the CPU fallback; the tests'
+    reference for the Triton path)."""
+    bias, padding, min_dtype = _check_inputs(attention_bias, window_size, is_causal, padding_mask, min_dtype)
+    return _plain_intervals(bias, window_size, is_causal, padding, min_dtype)
+
+
+def _plain_intervals(bias, window_size, is_causal, padding, min_dtype) -> KeyIntervals:
+    """The plain-PyTorch path on validated inputs (``bias (B|1, H, L)``)."""
     # Comparing with `>` (as create_mask does) also rejects -inf and NaN.
     valid = bias > min_dtype
     if padding is not None:

@@ -51,23 +51,27 @@ def full_bounds(bounds: torch.Tensor, batch: int, num_heads: int, num_kv_heads: 
 
 
 def _fwd_config(head_dim: int, interp: bool) -> Tuple[int, int, int, int]:
-    """(block_m, block_n, num_warps, num_stages) of the forward and dQ kernels."""
+    """(block_m, block_n, num_warps, num_stages) of the forward and dQ kernels.
+
+    Narrow key chunks win: each chunk's rows are gathered by index, and 32-key chunks with
+    three stages in flight kept the gathers ahead of the tensor cores better than 64 or 128
+    (``scripts/dma_tune.py``; results in ``benchmarks/results/``).
+    """
     if interp:
         return 16, 16, 4, 1
-    if head_dim <= 64:
-        return 128, 64, 4, 3
     if head_dim <= 128:
-        return 128, 64, 8, 2
-    return 64, 32, 8, 2
+        return 128, 32, 4, 3
+    return 64, 32, 4, 2
 
 
 def _bwd_config(head_dim: int, interp: bool) -> Tuple[int, int, int, int]:
-    """(block_m, block_n, num_warps, num_stages) of the dK/dV kernel."""
+    """(block_m, block_n, num_warps, num_stages) of the dK/dV kernel: 64-key blocks held in
+    registers, 32 queries a step (``scripts/dma_tune.py``)."""
     if interp:
         return 16, 16, 4, 1
     if head_dim <= 128:
-        return 32, 64, 8, 2
-    return 32, 32, 8, 2
+        return 32, 64, 4, 3
+    return 16, 32, 4, 2
 
 
 # ------------------------------------------------------------------------------------------

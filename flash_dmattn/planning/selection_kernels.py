@@ -1,0 +1,337 @@
+"""Triton kernels of the causal top-W selection (:func:`flash_dmattn.planning.selection.topk_intervals`).
+
+The plain-PyTorch path answers the per-key queries "W-th smallest position among the keys that
+outrank key j" with a radix wavelet tree built and walked by a few dozen small torch ops per
+level. Here the same tree is built by one kernel per level and walked by one kernel for all
+levels, so a causal call is a handful of launches:
+
+1. ``_score_kernel``: candidate mask and sort key (``-inf`` for non-candidates, ``-0.0`` made
+   ``+0.0``), one pass over the bias.
+2. ``torch.sort`` (stable, descending): ``order``, the key positions in rank order.
+3. ``_prep_kernel``: ``order`` as int32 (the level-0 sequence) and per-block digit counts of
+   level 0; it also zeroes the count tables of the later levels.
+4. ``_partition_kernel``, once per level but the last: the stable partition of every node of
+   the level by digit (the next level's sequence), the next level's per-block digit counts
+   (integer atomics, so the result does not depend on their order) and the level's
+   checkpoint table: cumulative digit counts every ``CHECK`` entries of the sequence.
+5. ``_query_kernel``: every key walks all levels (checkpoint + at most ``CHECK - 1`` entries
+   give any prefix count) and writes its interval bounds directly.
+
+Keys of a row are processed in blocks of ``n_sub * SUB`` entries: one program per block, so
+that at most ``MAX_BLOCKS`` blocks precede any entry (a program sums their counts itself; no
+separate scan launch) while a row of up to 1M keys still has enough programs.
+
+Everything is exact integer work on the same tree as the torch path, so the results are equal
+bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import struct
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the selection then uses its plain-PyTorch path
+    triton = None
+
+# Entries of the one-hot (entry, digit) tile a partition step holds: SUB = _TILE // R.
+_TILE = 8192
+# At most this many blocks per row (each program sums the counts of the blocks before it).
+MAX_BLOCKS = 64
+# Checkpoint spacing of the per-level count tables: a query scans fewer than CHECK entries.
+CHECK = 32
+# Keys per query program.
+QUERY_BLOCK = 64
+# Elementwise block of the score kernel.
+SCORE_BLOCK = 1024
+# Bounds of a key every query sees (as selection._ALWAYS).
+_ALWAYS = 1 << 30
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def available(device: torch.device) -> bool:
+    """Whether the selection kernels run for tensors on ``device``."""
+    if triton is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and _interpreting())
+
+
+def radix_bits(length: int) -> int:
+    """Bits per level: 5 where that saves a level over 4 (fewer launches), else 4."""
+    bits = max(1, (length - 1).bit_length())
+    return 5 if -(-bits // 5) < -(-bits // 4) else 4
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["min_hi", "min_lo"])
+    def _score_kernel(Bias, Pad, Out, min_f32, min_hi, min_lo, heads, L, rows,
+                      s_bb, s_bh, s_bl, s_pb, s_pl,
+                      HAS_PAD: tl.constexpr, F64: tl.constexpr, MODE: tl.constexpr,
+                      ALWAYS: tl.constexpr, BLOCK: tl.constexpr):
+        """MODE 0: ``Out`` (rows, L) = the sort key (bias dtype). MODE 1/2: ``Out`` = the bounds
+        (2, rows, L) int32 of "every candidate kept": ``[j, L)`` (1) or ``[-ALWAYS, ALWAYS)``
+        (2), ``[0, 0)`` for the others."""
+        pid = tl.program_id(0)
+        row = tl.program_id(1)
+        b = row // heads
+        h = row % heads
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < L
+        x = tl.load(Bias + b.to(tl.int64) * s_bb + h.to(tl.int64) * s_bh + offs.to(tl.int64) * s_bl,
+                    mask=ok, other=0.0)
+        # torch compares with the threshold converted to the bias dtype; that value is exact in
+        # fp32 (fp16/bf16/fp32 biases) or fp64, and so is the bias, so the comparison is too.
+        if F64:
+            bits = (min_hi.to(tl.int64) << 32) | (min_lo.to(tl.int64) & 0xFFFFFFFF)
+            xc = x.to(tl.float64)
+            valid = xc > bits.to(tl.float64, bitcast=True)
+        else:
+            xc = x.to(tl.float32)
+            valid = xc > min_f32
+        if HAS_PAD:
+            pad = tl.load(Pad + b.to(tl.int64) * s_pb + offs.to(tl.int64) * s_pl, mask=ok, other=0)
+            valid = valid & (pad != 0)
+        out_off = row.to(tl.int64) * L + offs
+        if MODE == 0:
+            # + 0.0 turns -0.0 into +0.0 (equal biases must sort as equal keys).
+            score = tl.where(valid, xc + 0.0, float("-inf"))
+            tl.store(Out + out_off, score.to(Out.dtype.element_ty), mask=ok)
+        else:
+            if MODE == 1:
+                lo = offs
+                hi = offs * 0 + L
+            else:
+                lo = offs * 0 - ALWAYS
+                hi = offs * 0 + ALWAYS
+            tl.store(Out + out_off, tl.where(valid, lo, 0), mask=ok)
+            tl.store(Out + rows * L + out_off, tl.where(valid, hi, 0), mask=ok)
+
+    @triton.jit
+    def _prep_kernel(Order, Seq, Tot, L, n_sub, n_blocks, rows, shift0, n_tables,
+                     R: tl.constexpr, SUB: tl.constexpr):
+        """Block ``b`` of every row: ``Seq[0] = order`` as int32, the level-0 digit counts of the
+        block into ``Tot[0]``, zeros into ``Tot[1:]`` (later levels add to them)."""
+        blk = tl.program_id(0)
+        row = tl.program_id(1).to(tl.int64)
+        digits = tl.arange(0, R)
+        hist = tl.zeros([R], dtype=tl.int32)
+        for sb in range(n_sub):
+            offs = (blk * n_sub + sb) * SUB + tl.arange(0, SUB)
+            ok = offs < L
+            v = tl.load(Order + row * L + offs, mask=ok, other=0).to(tl.int32)
+            tl.store(Seq + row * L + offs, v, mask=ok)
+            d = (v >> shift0) & (R - 1)
+            hit = (d[:, None] == digits[None, :]) & ok[:, None]
+            hist += tl.sum(hit.to(tl.int32), 0)
+        tl.store(Tot + (row * n_blocks + blk) * R + digits, hist)
+        for t in range(1, n_tables):
+            tl.store(Tot + ((t * rows + row) * n_blocks + blk) * R + digits,
+                     tl.zeros([R], dtype=tl.int32))
+
+    @triton.jit
+    def _partition_kernel(SeqIn, SeqOut, TotIn, TotOut, Ck, L, n_sub, n_blocks, n_ck, shift,
+                          R: tl.constexpr, RB: tl.constexpr, SUB: tl.constexpr,
+                          CHK: tl.constexpr, TB: tl.constexpr, NEXT_COUNTS: tl.constexpr):
+        """One level, block ``b`` of a row (see the module docstring).
+
+        The sequence lists the values node by node (a node: ``R * child`` consecutive values)
+        and inside a node in rank order. Every node but the last is full, so the entries of a
+        digit before a node number ``node_start / R``; with the row-wide count ``c`` of the
+        entry's digit before it, the entry goes to ``node_start + digit * child + c -
+        node_start / R`` of the next level (a stable partition of each node by digit).
+        """
+        blk = tl.program_id(0)
+        row = tl.program_id(1).to(tl.int64)
+        digits = tl.arange(0, R)
+        # Per-digit counts of the blocks before this one (at most MAX_BLOCKS of them).
+        before = tl.zeros([R], dtype=tl.int32)
+        for j0 in range(0, blk, TB):
+            j = j0 + tl.arange(0, TB)
+            cnt = tl.load(TotIn + (row * n_blocks + j)[:, None] * R + digits[None, :],
+                          mask=(j < blk)[:, None], other=0)
+            before += tl.sum(cnt, 0)
+        if blk == 0:
+            tl.store(Ck + row * n_ck * R + digits, tl.zeros([R], dtype=tl.int32))
+        child = 1 << shift
+        span = n_sub * SUB
+        for sb in range(n_sub):
+            start = (blk * n_sub + sb) * SUB
+            offs = start + tl.arange(0, SUB)
+            ok = offs < L
+            v = tl.load(SeqIn + row * L + offs, mask=ok, other=0)
+            d = (v >> shift) & (R - 1)
+            hit = ((d[:, None] == digits[None, :]) & ok[:, None]).to(tl.int32)
+            # Row-wide count of each digit up to and including every entry.
+            incl = tl.cumsum(hit, 0) + before[None, :]
+            same = tl.sum(tl.where(hit != 0, incl, 0), 1)
+            # Checkpoints: cumulative (digit <= d) counts at the end of every CHK entries.
+            chunk = tl.sum(tl.reshape(hit, [SUB // CHK, CHK, R]), 1)
+            at_end = tl.cumsum(chunk, 0) + before[None, :]
+            le = tl.cumsum(at_end, 1)
+            c = start // CHK + 1 + tl.arange(0, SUB // CHK)
+            tl.store(Ck + (row * n_ck + c)[:, None] * R + digits[None, :], le,
+                     mask=(c < n_ck)[:, None])
+            before += tl.sum(hit, 0)
+            # Stable partition into the next level.
+            node = (v >> (shift + RB)) << (shift + RB)
+            dest = node + d * child + (same - 1) - node // R
+            tl.store(SeqOut + row * L + dest, v, mask=ok)
+            if NEXT_COUNTS:
+                # The next level's per-block digit counts (it is partitioned in turn).
+                nd = (v >> (shift - RB)) & (R - 1)
+                tl.atomic_add(TotOut + (row * n_blocks + dest // span) * R + nd, 1, mask=ok,
+                              sem="relaxed")
+
+    @triton.jit
+    def _query_kernel(Seq, Sorted, Ck, Bounds, L, W, n_ck, rows, n_levels, top,
+                      R: tl.constexpr, RB: tl.constexpr, CHK: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        """Keys of ranks ``i`` in the block: ``t`` = the W-th smallest of ``order[:max(i, W)]``
+        (a walk down the tree, as kth_smallest_of_prefixes), then the key's bounds."""
+        qb = tl.program_id(0)
+        row = tl.program_id(1).to(tl.int64)
+        i = qb * BLOCK + tl.arange(0, BLOCK)
+        ok = i < L
+        key = tl.load(Seq + row * L + i, mask=ok, other=0)  # level 0 is the rank order
+        s = tl.load(Sorted + row * L + i, mask=ok, other=float("-inf"))
+        valid = s > float("-inf")
+        digits = tl.arange(0, R)
+        g = tl.arange(0, CHK)
+        a = tl.zeros([BLOCK], dtype=tl.int32)  # node start
+        m = tl.maximum(i, W)  # entries of the node inside the prefix
+        kk = tl.zeros([BLOCK], dtype=tl.int32) + W  # rank of the wanted value in the node
+        for lev in range(n_levels - 1):
+            shift = top - RB * (lev + 1)
+            seq = Seq + (lev * rows + row) * L
+            x = a + m  # the prefix ends at seq[x - 1]
+            c = x // CHK
+            pos = (c * CHK)[:, None] + g[None, :]
+            tm = (pos < x[:, None]) & ok[:, None]
+            tv = tl.load(seq + pos, mask=tm, other=0)
+            td = tl.where(tm, (tv >> shift) & (R - 1), R)  # R: past every digit
+            ck = tl.load(Ck + ((lev * rows + row) * n_ck + c)[:, None] * R + digits[None, :],
+                         mask=ok[:, None], other=0)
+            off = a // R  # entries per digit in the (full) nodes before this one
+            below = tl.zeros([BLOCK], dtype=tl.int32)
+            upto = m
+            pick = tl.zeros([BLOCK], dtype=tl.int32)
+            for dd in tl.static_range(R - 1):
+                le = (tl.sum(tl.where(digits[None, :] == dd, ck, 0), 1)
+                      + tl.sum((td <= dd).to(tl.int32), 1) - off * (dd + 1))
+                passed = le < kk  # every child up to dd lies below the kk-th entry
+                pick += passed.to(tl.int32)
+                below = tl.where(passed, le, below)
+                upto = tl.minimum(upto, tl.where(passed, m, le))
+            kk -= below
+            m = upto - below
+            a += pick << shift
+        # Last level: a node of at most R values a .. a+R-1, its first m entries in the prefix.
+        last = Seq + ((n_levels - 1) * rows + row) * L
+        tm = (digits[None, :] < m[:, None]) & ok[:, None]
+        w = tl.load(last + a[:, None] + digits[None, :], mask=tm, other=0) - a[:, None]
+        w = tl.where(tm, w, R)
+        pick = tl.zeros([BLOCK], dtype=tl.int32)
+        for dd in tl.static_range(R - 1):
+            pick += (tl.sum((w <= dd).to(tl.int32), 1) < kk).to(tl.int32)
+        t = a + pick
+        t = tl.where(i < W, L, t)  # fewer than W keys outrank it: kept to the end
+        keep = valid & (t > key)
+        tl.store(Bounds + row * L + key, tl.where(keep, key, 0), mask=ok)
+        tl.store(Bounds + (rows + row) * L + key, tl.where(keep, t, 0), mask=ok)
+
+
+def _threshold_args(min_dtype: float, dtype: torch.dtype):
+    """``(min_f32, min_hi, min_lo)``: the threshold converted to the bias dtype (as torch's
+    comparison does), as an fp32 value, or for fp64 biases as the two int32 halves of its bits."""
+    value = torch.tensor(float(min_dtype), dtype=torch.float64).to(dtype).item()
+    if dtype == torch.float64:
+        bits = struct.unpack("<q", struct.pack("<d", value))[0]
+        hi = bits >> 32
+        lo = bits & 0xFFFFFFFF
+        lo = lo - (1 << 32) if lo >= 1 << 31 else lo
+        return 0.0, hi, lo
+    return value, 0, 0
+
+
+def _launch_score(bias, padding, min_dtype, batch, heads, out, mode):
+    length = bias.shape[-1]
+    rows = batch * heads
+    bb = bias.stride(0) if bias.shape[0] != 1 else 0
+    if padding is not None:
+        pad = padding.view(torch.uint8)
+        pb = pad.stride(0) if pad.shape[0] != 1 else 0
+        pl = pad.stride(1)
+    else:
+        pad, pb, pl = bias, 0, 0
+    min_f32, min_hi, min_lo = _threshold_args(min_dtype, bias.dtype)
+    grid = (triton.cdiv(length, SCORE_BLOCK), rows)
+    _score_kernel[grid](
+        bias, pad, out, min_f32, min_hi, min_lo, heads, length, rows,
+        bb, bias.stride(1), bias.stride(2), pb, pl,
+        HAS_PAD=padding is not None, F64=bias.dtype == torch.float64, MODE=mode,
+        ALWAYS=_ALWAYS, BLOCK=SCORE_BLOCK, num_warps=4,
+    )
+
+
+def all_kept_bounds(bias, padding, min_dtype, batch, heads, is_causal) -> torch.Tensor:
+    """``(2, B, H, L)`` int32 bounds when every candidate is kept (``L <= W``): one launch."""
+    length = bias.shape[-1]
+    bounds = torch.empty((2, batch, heads, length), dtype=torch.int32, device=bias.device)
+    _launch_score(bias, padding, min_dtype, batch, heads, bounds, 1 if is_causal else 2)
+    return bounds
+
+
+def causal_bounds(bias, padding, min_dtype, window, batch, heads) -> torch.Tensor:
+    """The causal top-``window`` bounds ``(2, B, H, L)`` int32, as the torch path computes them.
+
+    ``bias`` ``(B|1, H, L)`` (any strides), ``padding`` None or bool ``(B|1, L)``; requires
+    ``window < L``.
+    """
+    length = bias.shape[-1]
+    device = bias.device
+    rows = batch * heads
+    score = torch.empty((batch, heads, length), dtype=bias.dtype, device=device)
+    _launch_score(bias, padding, min_dtype, batch, heads, score, 0)
+    # Rank order: a stable descending sort (ties to the lower index, non-candidates last).
+    ranked, order = torch.sort(score, dim=-1, descending=True, stable=True)
+
+    rb = radix_bits(length)
+    radix = 1 << rb
+    bits = max(1, (length - 1).bit_length())
+    levels = -(-bits // rb)
+    top = levels * rb
+    sub = _TILE // radix
+    n_sub = triton.cdiv(triton.cdiv(length, sub), MAX_BLOCKS)
+    n_blocks = triton.cdiv(length, sub * n_sub)
+    n_ck = length // CHECK + 1
+    tables = max(levels - 1, 1)
+
+    seq = torch.empty((levels, rows, length), dtype=torch.int32, device=device)
+    tot = torch.empty((tables, rows, n_blocks, radix), dtype=torch.int32, device=device)
+    ck = torch.empty((tables, rows, n_ck, radix), dtype=torch.int32, device=device)
+    bounds = torch.empty((2, batch, heads, length), dtype=torch.int32, device=device)
+
+    _prep_kernel[(n_blocks, rows)](
+        order, seq, tot, length, n_sub, n_blocks, rows, top - rb, tables,
+        R=radix, SUB=sub, num_warps=4,
+    )
+    for level in range(levels - 1):
+        # The last level is only read by the queries: no counts for it.
+        more = level + 2 < levels
+        _partition_kernel[(n_blocks, rows)](
+            seq[level], seq[level + 1], tot[level], tot[level + 1] if more else tot[level],
+            ck[level], length, n_sub, n_blocks, n_ck, top - rb * (level + 1),
+            R=radix, RB=rb, SUB=sub, CHK=CHECK, TB=MAX_BLOCKS, NEXT_COUNTS=more, num_warps=8,
+        )
+    _query_kernel[(triton.cdiv(length, QUERY_BLOCK), rows)](
+        seq, ranked, ck, bounds, length, window, n_ck, rows, levels, top,
+        R=radix, RB=rb, CHK=CHECK, BLOCK=QUERY_BLOCK, num_warps=4,
+    )
+    return bounds
