@@ -245,29 +245,37 @@ def test_topk_selection_gpu(causal_selection, monkeypatch):
 
 
 def test_intervals_that_hide_nothing_take_the_dense_path(monkeypatch):
-    """Plain causal as intervals ([j, L)) runs the dense kernels, not the gathering ones."""
-    from flash_dmattn.backends.triton import backend, intervals
+    """Plain causal as intervals ([j, L)) runs the dense kernels, not the gathering ones,
+    forward and backward; one hidden pair sends the call to the interval kernels."""
+    from flash_dmattn.backends.triton import intervals
 
-    calls = []
-    real = intervals.interval_forward
-    monkeypatch.setattr(intervals, "interval_forward",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
     if not (ON_GPU or INTERP):
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    calls = []
+    for name in ("interval_forward", "interval_backward"):
+        real = getattr(intervals, name)
+        monkeypatch.setattr(intervals, name,
+                            lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
     dev = "cuda" if ON_GPU else "cpu"
+    dt = torch.bfloat16 if ON_GPU else torch.float32
     L = 40
-    q = torch.randn(1, L, 2, 16, device=dev)
-    k = torch.randn(1, L, 1, 16, device=dev)
+    q = torch.randn(1, L, 2, 16, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(1, L, 1, 16, device=dev, dtype=dt, requires_grad=True)
     j = torch.arange(L, device=dev)
-    with torch.no_grad():
-        out = fd.triton_dmattn_func(q, k, k, attn_mask=KeyIntervals(j, torch.full_like(j, L)),
+    for start in (j, torch.full_like(j, -5)):
+        out = fd.triton_dmattn_func(q, k, k, attn_mask=KeyIntervals(start, torch.full_like(j, L)),
                                     is_causal=True)
+        grads = torch.autograd.grad(out.float().sum(), (q, k))
         ref = fd.triton_dmattn_func(q, k, k, is_causal=True)
+        ref_grads = torch.autograd.grad(ref.float().sum(), (q, k))
         assert not calls
         torch.testing.assert_close(out, ref)
-        fd.triton_dmattn_func(q, k, k, attn_mask=KeyIntervals(j, torch.full_like(j, L - 1)),
-                              is_causal=True)
-        assert calls
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b)
+    out = fd.triton_dmattn_func(q, k, k, attn_mask=KeyIntervals(j, torch.full_like(j, L - 1)),
+                                is_causal=True)
+    torch.autograd.grad(out.float().sum(), (q, k))
+    assert calls == ["interval_forward", "interval_backward"]
 
 
 @needs_kernels

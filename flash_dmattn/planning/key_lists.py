@@ -72,8 +72,8 @@ class IntervalPlan:
     ``tile_start``/``tile_len`` ``(R, n_tiles)`` int32 index ``keys`` (int32 key indices,
     position-sorted within a tile). ``blk_keys (n_blocks, block_n)`` int32 key indices (``-1``
     pads a row's last block), ``blk_row``/``blk_qlo``/``blk_qhi`` ``(n_blocks,)`` int32.
-    ``pairs`` counts the (query, key) pairs the forward visits per head (tile rows times list
-    lengths) and ``visible`` the pairs the mask keeps: their ratio is the forward's efficiency.
+    ``hides_nothing``: the mask shows every pair that ``is_causal`` alone shows (then no lists
+    are built, and the call belongs on the dense kernels).
     """
 
     block_m: int
@@ -82,6 +82,7 @@ class IntervalPlan:
     tile_start: torch.Tensor
     tile_len: torch.Tensor
     keys: torch.Tensor
+    hides_nothing: bool = False
     blk_keys: Optional[torch.Tensor] = None
     blk_row: Optional[torch.Tensor] = None
     blk_qlo: Optional[torch.Tensor] = None
@@ -184,8 +185,11 @@ def plan_intervals(
 
     bucket = end_bucket if end_bucket is not None else END_BUCKET
     if list_kernels.available(bounds.device):
-        tile_start, tile_len, keys, blocks = list_kernels.plan_fast(
+        built = list_kernels.plan_fast(
             bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward, bucket)
+        if built is None:
+            return _dense_equivalent(bounds, seqlen_q, block_m, block_n)
+        tile_start, tile_len, keys, blocks = built
         plan = IntervalPlan(block_m, block_n, tile_start.shape[0], tile_start, tile_len, keys)
         if blocks is not None:
             plan.blk_keys, plan.blk_row, plan.blk_qlo, plan.blk_qhi = blocks
@@ -199,12 +203,27 @@ def plan_intervals_reference(bounds, seqlen_q, seqlen_k, is_causal, block_m, blo
     """:func:`plan_intervals` in plain PyTorch (a sort of every (key, tile) pair for the
     lists)."""
     ranges = key_ranges(bounds, seqlen_q, seqlen_k, is_causal)
+    plain = key_ranges(torch.tensor([-(1 << 30), 1 << 30], dtype=torch.int32,
+                                    device=bounds.device).view(2, 1, 1, 1).expand_as(bounds),
+                       seqlen_q, seqlen_k, is_causal)
+    if bool(((ranges.lo <= plain.lo) | (plain.lo >= plain.hi)).all()
+            & ((ranges.hi >= plain.hi) | (plain.lo >= plain.hi)).all()):
+        return _dense_equivalent(bounds, seqlen_q, block_m, block_n)
     tile_start, tile_len, keys = tile_lists_reference(ranges, seqlen_q, block_m)
     plan = IntervalPlan(block_m, block_n, ranges.lo.shape[0], tile_start, tile_len, keys)
     if backward:
         (plan.blk_keys, plan.blk_row, plan.blk_qlo,
          plan.blk_qhi) = key_blocks(ranges, seqlen_q, block_n, end_bucket)
     return plan
+
+
+def _dense_equivalent(bounds, seqlen_q, block_m, block_n) -> IntervalPlan:
+    rows = bounds.shape[1] * bounds.shape[2]
+    n_tiles = max(1, cdiv(seqlen_q, block_m))
+    empty = torch.zeros((rows, n_tiles), dtype=torch.int32, device=bounds.device)
+    return IntervalPlan(block_m, block_n, rows, empty, empty,
+                        torch.zeros(0, dtype=torch.int32, device=bounds.device),
+                        hides_nothing=True)
 
 
 def plan_cost(plan: IntervalPlan, ranges: KeyRanges, seqlen_q: int) -> dict:

@@ -73,7 +73,7 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _ranges_kernel(Bounds, Lo, Hi, OrderKey, ChunkCount, TileDiff, Lq, Lk, pos_off,
+    def _ranges_kernel(Bounds, Lo, Hi, OrderKey, ChunkCount, TileDiff, Hides, Lq, Lk, pos_off,
                        plane, n_tiles, n_chunks, span, n_buckets, end_bucket,
                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, CAUSAL: tl.constexpr):
         """Per key: its query range ``[lo, hi)``, the backward's grouping key; per chunk of
@@ -90,6 +90,12 @@ if triton is not None:
         lo = tl.minimum(tl.maximum(lo, 0), Lq)
         hi = tl.minimum(tl.maximum(end + pos_off, 0), Lq)
         live = ok & (lo < hi)
+        # Does the mask hide a pair that is_causal alone would show?
+        plain = tl.zeros([CHUNK], tl.int32)
+        if CAUSAL:
+            plain = tl.minimum(tl.maximum(j + pos_off, 0), Lq)
+        hides = ok & ((lo > plain) | ((hi < Lq) & (plain < Lq)))
+        tl.atomic_max(Hides, tl.max(hides.to(tl.int32), 0))
         tl.store(Lo + r * Lk + j, lo, mask=ok)
         tl.store(Hi + r * Lk + j, hi, mask=ok)
         # Long ranges first (latest end bucket), then by start; dead keys last.
@@ -138,10 +144,12 @@ if triton is not None:
 
 
 def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward, end_bucket):
-    """The planner on the device in ~10 launches and one host wait (the lists' total length).
+    """The planner on the device in ~10 launches and one host wait (the lists' total length,
+    and whether the mask hides anything beyond ``is_causal``).
 
-    Returns ``(tile_start, tile_len, keys, blocks)`` with ``blocks`` None or ``(blk_keys,
-    blk_row, blk_qlo, blk_qhi)``; the same lists as the plain-PyTorch planner.
+    Returns None for a mask that hides nothing (the caller runs the dense kernels), else
+    ``(tile_start, tile_len, keys, blocks)`` with ``blocks`` None or ``(blk_keys, blk_row,
+    blk_qlo, blk_qhi)``: the same lists as the plain-PyTorch planner.
     """
     rows = bounds.shape[1] * bounds.shape[2]
     lk, lq = seqlen_k, seqlen_q
@@ -156,15 +164,19 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
     order_key = torch.empty((rows, lk), dtype=torch.int64, device=device)
     chunk_count = torch.empty((rows, n_chunks), dtype=torch.int32, device=device)
     tile_diff = torch.zeros((rows, n_tiles + 1), dtype=torch.int32, device=device)
+    hides = torch.zeros(1, dtype=torch.int32, device=device)
     b = bounds.contiguous()
     if lk:
         _ranges_kernel[(n_chunks, rows)](
-            b, lo, hi, order_key, chunk_count, tile_diff, lq, lk, lq - lk, rows * lk, n_tiles,
+            b, lo, hi, order_key, chunk_count, tile_diff, hides, lq, lk, lq - lk, rows * lk,
+            n_tiles,
             n_chunks, span, n_buckets, end_bucket, BLOCK_M=block_m, CHUNK=chunk,
             CAUSAL=bool(is_causal), num_warps=4)
     tile_len = torch.cumsum(tile_diff[:, :n_tiles], dim=1, dtype=torch.int32)
     ends = torch.cumsum(tile_len.flatten(), 0, dtype=torch.int64)
-    total = int(ends[-1].item())
+    total, hidden = torch.stack([ends[-1], hides[0].to(torch.int64)]).tolist()
+    if not hidden:
+        return None
     tile_start = (ends.view(rows, n_tiles) - tile_len).to(torch.int32)
     keys = torch.empty(total, dtype=torch.int32, device=device)
     if total:

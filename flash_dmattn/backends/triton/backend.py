@@ -11,7 +11,6 @@ from typing import List, Optional
 
 import torch
 
-from ...ops import plain_eager
 from ..base import Backend
 from . import triton_unavailable_reason
 
@@ -31,10 +30,15 @@ def _interpreting() -> bool:
 def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None, block_table=None,
              key_intervals=None):
     if key_intervals is not None:
-        from .intervals import interval_forward
+        from .intervals import interval_forward, plan_for
 
-        out, lse, _ = interval_forward(q, k, v, bias, key_intervals, scale, is_causal, softcap)
-        return out, lse
+        plan = plan_for(q, k, key_intervals, is_causal, backward=False)
+        if not plan[0].hides_nothing:
+            out, lse, _ = interval_forward(q, k, v, bias, key_intervals, scale, is_causal,
+                                           softcap, plan)
+            return out, lse
+        # A mask that hides nothing beyond is_causal: the dense kernels, which skip tiles
+        # past the diagonal instead of gathering every key.
     from .decode import decode_forward, use_decode_kernel
 
     if block_table is not None:
@@ -56,10 +60,14 @@ def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqle
                      key_intervals=None):
     """``_forward`` plus the backward's plan (see :mod:`.plan`); None where it has none."""
     if key_intervals is not None:
-        from .intervals import interval_forward, plan_for
+        from .intervals import DenseEquivalent, interval_forward, plan_for
 
         plan = plan_for(q, k, key_intervals, is_causal, backward=True)
-        return interval_forward(q, k, v, bias, key_intervals, scale, is_causal, softcap, plan)
+        if not plan[0].hides_nothing:
+            return interval_forward(q, k, v, bias, key_intervals, scale, is_causal, softcap,
+                                    plan)
+        out, lse, dense_plan = _planned_forward(q, k, v, None, bias, scale, is_causal, softcap)
+        return out, lse, DenseEquivalent(dense_plan)
     from .decode import use_decode_kernel
     if use_decode_kernel(q.shape[1], q.shape[2], k.shape[2], k.shape[1], cache_seqlens is not None):
         return (*_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens), None)
@@ -70,8 +78,15 @@ def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqle
 def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs,
               cache_seqlens=None, plan=None, key_intervals=None):
     if key_intervals is not None:
-        from .intervals import interval_backward
+        from .intervals import DenseEquivalent, interval_backward, plan_for
 
+        if plan is None:
+            plan = plan_for(q, k, key_intervals, is_causal, backward=True)
+            if plan[0].hides_nothing:
+                plan = DenseEquivalent(None)
+        if isinstance(plan, DenseEquivalent):
+            return _backward(dout, q, k, v, None, bias, out, lse, scale, is_causal, softcap,
+                             deterministic, needs, plan=plan.plan)
         return interval_backward(dout, q, k, v, bias, key_intervals, out, lse, scale, is_causal,
                                  softcap, deterministic, needs, plan=plan)
     from .backward import attention_backward
@@ -149,18 +164,6 @@ def _kernel_reasons(inputs) -> List[str]:
     if inputs.return_attn_probs:
         reasons.append("return_attn_probs is not supported (use torch-reference)")
     return reasons
-
-
-def _sees_everything(inputs) -> bool:
-    """Whether the intervals hide nothing that ``is_causal`` does not hide already: every
-    key's interval reaches the last query and starts no later than the first query that may
-    see the key (query 0, or with ``is_causal`` the key's own position)."""
-    bounds = inputs.key_intervals
-    first = inputs.seqlen_k - inputs.seqlen_q  # position of query 0
-    earliest = first
-    if inputs.is_causal:
-        earliest = torch.arange(inputs.seqlen_k, device=bounds.device).clamp(min=first)
-    return bool(((bounds[0] <= earliest) & (bounds[1] >= inputs.seqlen_k)).all())
 
 
 def _interval_reasons(inputs) -> List[str]:
@@ -249,10 +252,6 @@ class TritonBackend(Backend):
 
     def attention(self, inputs):
         intervals = inputs.key_intervals
-        if intervals is not None and plain_eager(intervals) and _sees_everything(inputs):
-            # A mask that hides nothing (e.g. intervals of a plain causal call): the dense
-            # kernels with their causal tile skipping cost less than gathering every key.
-            intervals = None
         out, _ = triton_op()(
             inputs.query, inputs.key, inputs.value, inputs.attn_mask, inputs.attn_bias,
             inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,

@@ -40,6 +40,16 @@ LN2 = tl.constexpr(0.6931471805599453)
 SEGMENT_ROWS = 4096
 
 
+class DenseEquivalent:
+    """The backward plan of a key-interval call whose mask hides nothing beyond ``is_causal``:
+    it ran on the dense kernels, whose own plan (or None) this carries."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan):
+        self.plan = plan
+
+
 def full_bounds(bounds: torch.Tensor, batch: int, num_heads: int, num_kv_heads: int):
     """The bounds expanded to one row per (batch, mask head): ``(2, B, Hx', Lk)`` with
     ``Hx' = Hkv`` for bounds shared by a kv head's group (or by all heads) and ``H`` for
