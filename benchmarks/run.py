@@ -430,6 +430,10 @@ def environment(ctx: RunContext, args: argparse.Namespace, backends: List[str], 
         "backends_unavailable": unavailable,
         "argv": sys.argv[1:],
     }
+    if ctx.cuda and "dma_long" in args.suites:
+        from .dma_long import MIN_RUNS
+
+        env["timing"] += f"; dma_long rows: CUDA events, median of >= {MIN_RUNS} runs after >= 2 warm-up calls"
     if ctx.cuda:
         props = torch.cuda.get_device_properties(ctx.device)
         env.update(
