@@ -508,12 +508,11 @@ class DenseLayer(_SdpaChain):
 
 
 def dma_long_implementations(w: DmaLongWorkload, ctx: RunContext, backends: List[str]) -> List[DmaImpl]:
-    explicit = [b for b in backends]
     if w.is_layer:
-        impls: List[DmaImpl] = [DmaLayer(None)] + [DmaLayer(b) for b in explicit]
+        impls: List[DmaImpl] = [DmaLayer(None)] + [DmaLayer(b) for b in backends]
         impls.append(DenseLayer(ctx.cuda))
     else:
-        impls = [Selection(), FlashIntervals(None)] + [FlashIntervals(b) for b in explicit]
+        impls = [Selection(), FlashIntervals(None)] + [FlashIntervals(b) for b in backends]
         impls += [SdpaDense(ctx.cuda), SdpaSelected(ctx.cuda)]
     return [i for i in impls if not any(part in i.name for part in ctx.skip)]
 
