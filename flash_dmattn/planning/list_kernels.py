@@ -174,20 +174,17 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
             CAUSAL=bool(is_causal), num_warps=4)
     tile_len = torch.cumsum(tile_diff[:, :n_tiles], dim=1, dtype=torch.int32)
     ends = torch.cumsum(tile_len.flatten(), 0, dtype=torch.int64)
-    total, hidden = torch.stack([ends[-1], hides[0].to(torch.int64)]).tolist()
-    if not hidden:
-        return None
     tile_start = (ends.view(rows, n_tiles) - tile_len).to(torch.int32)
-    keys = torch.empty(total, dtype=torch.int32, device=device)
-    if total:
-        chunk_end = torch.cumsum(chunk_count, dim=1, dtype=torch.int32)
-        c_idx = torch.full((rows, lk), lk, dtype=torch.int32, device=device)
-        c_lo = torch.empty_like(c_idx)
-        c_hi = torch.empty_like(c_idx)
+    stats = torch.stack([ends[-1], hides[0].to(torch.int64)])
+    # Everything that does not need the lists' length is queued before the host waits for it,
+    # so the device has work while the host catches up.
+    chunk_end = torch.cumsum(chunk_count, dim=1, dtype=torch.int32)
+    c_idx = torch.full((rows, lk), lk, dtype=torch.int32, device=device)
+    c_lo = torch.empty_like(c_idx)
+    c_hi = torch.empty_like(c_idx)
+    if lk:
         _compact_kernel[(n_chunks, rows)](lo, hi, chunk_end, chunk_count, c_idx, c_lo, c_hi, lk,
                                           n_chunks, CHUNK=chunk, num_warps=4)
-        fill_tile_lists(c_idx, c_lo, c_hi, chunk_end[:, -1].contiguous(), tile_start, keys, lq,
-                        lq - lk, block_m, is_causal)
     blocks = None
     if backward:
         sorted_key, order = torch.sort(order_key, dim=1, stable=True)
@@ -205,6 +202,13 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
             blk_qhi.zero_()
         blk_row = torch.arange(rows, dtype=torch.int32, device=device).repeat_interleave(n_blk)
         blocks = (blk_keys, blk_row, blk_qlo, blk_qhi)
+    total, hidden = stats.tolist()
+    if not hidden:
+        return None
+    keys = torch.empty(total, dtype=torch.int32, device=device)
+    if total:
+        fill_tile_lists(c_idx, c_lo, c_hi, chunk_end[:, -1].contiguous(), tile_start, keys, lq,
+                        lq - lk, block_m, is_causal)
     return tile_start, tile_len, keys, blocks
 
 
