@@ -108,6 +108,9 @@ class CudaBackend(Backend):
     def varlen_not_supported_reasons(self, inputs) -> List[str]:
         """Why the kernels cannot run packed sequences ``inputs`` (a VarlenInputs)."""
         reasons = self._call_reasons(inputs)
+        if getattr(inputs, "key_intervals", None) is not None:
+            reasons.append("key-interval masks (KeyIntervals) have no cuda kernel yet")
+            return reasons
         from .kernels import varlen_input_reasons
 
         reasons.extend(r for r in varlen_input_reasons(
