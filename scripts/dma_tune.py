@@ -26,6 +26,8 @@ def main():
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--kinds", default="shared,causal")
     ap.add_argument("--which", default="fwd,dq,dkv")
+    ap.add_argument("--segments", default="", help="dK/dV: comma list of SEGMENT_ROWS to try")
+    ap.add_argument("--buckets", default="", help="dK/dV: comma list of END_BUCKET to try")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     B, H, Hkv, D, L, W = 1, 16, 4, 128, a.length, a.window
@@ -64,6 +66,21 @@ def main():
                     print(f"{kind:6s} {which:3s} {cfg}: failed {type(exc).__name__}: "
                           f"{str(exc)[:120]}", flush=True)
     iv._fwd_config, iv._bwd_config = base_fwd, base_bwd
+    from flash_dmattn.planning import key_lists
+    for kind in a.kinds.split(","):
+        ki = topk_intervals(bias, W, is_causal=kind == "causal")
+        for bucket in [int(x) for x in a.buckets.split(",") if x] or [key_lists.END_BUCKET]:
+            key_lists.END_BUCKET = bucket
+            for seg in [int(x) for x in a.segments.split(",") if x]:
+                iv.SEGMENT_ROWS = seg
+                plan = iv.plan_for(q, k, ki.bounds, True, backward=True)
+                out, lse, _ = iv.interval_forward(q, k, v, bias, ki.bounds, 0.088, True, 0.0,
+                                                  plan=plan)
+                fn = lambda: iv.interval_backward(do, q, k, v, bias, ki.bounds, out, lse, 0.088,
+                                                  True, 0.0, False, (False, True, True, True),
+                                                  plan=plan)
+                t = do_bench(fn, warmup=10, rep=100, return_mode="median")
+                print(f"{kind:6s} dkv bucket {bucket} segment {seg}: {t:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":
