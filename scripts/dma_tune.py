@@ -27,7 +27,7 @@ def main():
     ap.add_argument("--kinds", default="shared,causal")
     ap.add_argument("--which", default="fwd,dq,dkv")
     ap.add_argument("--segments", default="", help="dK/dV: comma list of SEGMENT_ROWS to try")
-    ap.add_argument("--buckets", default="", help="dK/dV: comma list of END_BUCKET to try")
+    ap.add_argument("--buckets", default="", help="dK/dV: comma list of end buckets to try")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     B, H, Hkv, D, L, W = 1, 16, 4, 128, a.length, a.window
@@ -41,6 +41,8 @@ def main():
     for kind in a.kinds.split(","):
         ki = topk_intervals(bias, W, is_causal=kind == "causal")
         for which in a.which.split(","):
+            if which not in ("fwd", "dq", "dkv"):
+                continue
             for cfg in (FWD if which in ("fwd", "dq") else DKV):
                 if which in ("fwd", "dq"):
                     iv._fwd_config = lambda d, interp, c=cfg: c
@@ -69,8 +71,9 @@ def main():
     from flash_dmattn.planning import key_lists
     for kind in a.kinds.split(","):
         ki = topk_intervals(bias, W, is_causal=kind == "causal")
-        for bucket in [int(x) for x in a.buckets.split(",") if x] or [key_lists.END_BUCKET]:
-            key_lists.END_BUCKET = bucket
+        base_bucket = key_lists.end_bucket_for
+        for bucket in [int(x) for x in a.buckets.split(",") if x] or [base_bucket(L)]:
+            key_lists.end_bucket_for = lambda n, b=bucket: b
             for seg in [int(x) for x in a.segments.split(",") if x]:
                 iv.SEGMENT_ROWS = seg
                 plan = iv.plan_for(q, k, ki.bounds, True, backward=True)
