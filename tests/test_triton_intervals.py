@@ -183,9 +183,15 @@ def test_plan_lists_match_brute_force():
         for r in range(3):
             for m in range(plan.n_tiles):
                 s, n = plan.tile_start[r, m].item(), plan.tile_len[r, m].item()
+                nf = plan.tile_full[r, m].item()
                 got = plan.keys[s:s + n].tolist()
-                want = dense[r, m * 16:(m + 1) * 16].any(0).nonzero().flatten().tolist()
-                assert got == want
+                rows = dense[r, m * 16:(m + 1) * 16]
+                want = rows.any(0).nonzero().flatten().tolist()
+                every = rows.all(0).nonzero().flatten().tolist()
+                # The keys every query of the tile sees first, then the others; each group
+                # in position order.
+                assert got[:nf] == every
+                assert got[nf:] == [j for j in want if j not in every]
         # Key blocks: every seen key exactly once, each block's range covers its keys'.
         ranges = key_ranges(bounds, Lq, Lk, causal)
         seen = []
@@ -292,9 +298,11 @@ def test_planner_kernels_match_reference(causal):
         start, end = _intervals(gen, (2, 3, Lk), Lk)
         bounds = KeyIntervals(start, end).bounds
         ref = plan_intervals_reference(bounds, Lq, Lk, causal, 16, 8, True, 16)
-        tile_start, tile_len, keys, blocks = plan_fast(bounds, Lq, Lk, causal, 16, 8, True, 16)
+        tile_start, tile_len, tile_full, keys, blocks = plan_fast(bounds, Lq, Lk, causal, 16, 8,
+                                                                  True, 16)
         assert torch.equal(tile_start, ref.tile_start)
         assert torch.equal(tile_len, ref.tile_len)
+        assert torch.equal(tile_full, ref.tile_full)
         assert torch.equal(keys, ref.keys)
         for got, want in zip(blocks, (ref.blk_keys, ref.blk_row, ref.blk_qlo, ref.blk_qhi)):
             assert torch.equal(got, want)

@@ -71,8 +71,9 @@ def key_ranges(bounds: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bo
 class IntervalPlan:
     """The lists of one key-interval call (see the module docstring).
 
-    ``tile_start``/``tile_len`` ``(R, n_tiles)`` int32 index ``keys`` (int32 key indices,
-    position-sorted within a tile). ``blk_keys (n_blocks, block_n)`` int32 key indices (``-1``
+    ``tile_start``/``tile_len`` ``(R, n_tiles)`` int32 index ``keys`` (int32 key indices): a
+    tile's first ``tile_full`` keys are seen by every query of the tile (the kernels skip
+    their interval test), the rest by some; each group in position order. ``blk_keys (n_blocks, block_n)`` int32 key indices (``-1``
     pads a row's last block), ``blk_row``/``blk_qlo``/``blk_qhi`` ``(n_blocks,)`` int32.
     ``hides_nothing``: the mask shows every pair that ``is_causal`` alone shows (then no lists
     are built, and the call belongs on the dense kernels).
@@ -83,6 +84,7 @@ class IntervalPlan:
     rows: int
     tile_start: torch.Tensor
     tile_len: torch.Tensor
+    tile_full: torch.Tensor
     keys: torch.Tensor
     hides_nothing: bool = False
     blk_keys: Optional[torch.Tensor] = None
@@ -100,8 +102,9 @@ class IntervalPlan:
 
 
 def tile_lists_reference(ranges: KeyRanges, seqlen_q: int, block_m: int):
-    """``(tile_start, tile_len, keys)``: per (row, query tile) the keys whose range meets it,
-    in position order, by a stable sort of every (key, tile) pair."""
+    """``(tile_start, tile_len, tile_full, keys)``: per (row, query tile) the keys whose range
+    meets it: first the ``tile_full`` keys seen by every query of the tile, then the others,
+    each group in position order (a stable sort of every (key, tile) pair)."""
     lo, hi = ranges.lo.to(torch.int64), ranges.hi.to(torch.int64)
     rows, lk = lo.shape
     device = lo.device
@@ -111,22 +114,29 @@ def tile_lists_reference(ranges: KeyRanges, seqlen_q: int, block_m: int):
     last = torch.div(hi - 1, block_m, rounding_mode="floor")
     count = torch.where(live, last - first + 1, torch.zeros_like(lo)).flatten()
     # One entry per (key, tile it meets), generated in (row, key, tile) order; a stable sort
-    # by (row, tile) then leaves each tile's keys in position order.
+    # by (row, tile, partial) then leaves each group of a tile in position order.
     owner = torch.repeat_interleave(torch.arange(rows * lk, device=device), count)
     if owner.numel():
         base = torch.cumsum(count, 0) - count
         step = torch.arange(owner.numel(), device=device) - base[owner]
         tile = first.flatten()[owner] + step
+        q0 = tile * block_m
+        q1 = torch.clamp(q0 + block_m, max=seqlen_q)
+        partial = ((lo.flatten()[owner] > q0) | (hi.flatten()[owner] < q1)).to(torch.int64)
         slot = torch.div(owner, lk, rounding_mode="floor") * n_tiles + tile
-        slot, order = torch.sort(slot, stable=True)
+        _, order = torch.sort(slot * 2 + partial, stable=True)
         keys = (owner[order] % lk).to(torch.int32)
         tile_len = torch.bincount(slot, minlength=rows * n_tiles)
+        tile_full = torch.bincount(slot, weights=(1 - partial).double(),
+                                   minlength=rows * n_tiles).to(torch.int64)
     else:
         keys = torch.zeros(0, dtype=torch.int32, device=device)
         tile_len = torch.zeros(rows * n_tiles, dtype=torch.int64, device=device)
+        tile_full = tile_len
     tile_start = torch.cumsum(tile_len, 0) - tile_len
     return (tile_start.view(rows, n_tiles).to(torch.int32),
-            tile_len.view(rows, n_tiles).to(torch.int32), keys)
+            tile_len.view(rows, n_tiles).to(torch.int32),
+            tile_full.view(rows, n_tiles).to(torch.int32), keys)
 
 
 def key_blocks(ranges: KeyRanges, seqlen_q: int, block_n: int, end_bucket: int):
@@ -191,8 +201,9 @@ def plan_intervals(
             bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward, bucket)
         if built is None:
             return _dense_equivalent(bounds, seqlen_q, block_m, block_n)
-        tile_start, tile_len, keys, blocks = built
-        plan = IntervalPlan(block_m, block_n, tile_start.shape[0], tile_start, tile_len, keys)
+        tile_start, tile_len, tile_full, keys, blocks = built
+        plan = IntervalPlan(block_m, block_n, tile_start.shape[0], tile_start, tile_len,
+                            tile_full, keys)
         if blocks is not None:
             plan.blk_keys, plan.blk_row, plan.blk_qlo, plan.blk_qhi = blocks
         return plan
@@ -211,8 +222,9 @@ def plan_intervals_reference(bounds, seqlen_q, seqlen_k, is_causal, block_m, blo
     if bool(((ranges.lo <= plain.lo) | (plain.lo >= plain.hi)).all()
             & ((ranges.hi >= plain.hi) | (plain.lo >= plain.hi)).all()):
         return _dense_equivalent(bounds, seqlen_q, block_m, block_n)
-    tile_start, tile_len, keys = tile_lists_reference(ranges, seqlen_q, block_m)
-    plan = IntervalPlan(block_m, block_n, ranges.lo.shape[0], tile_start, tile_len, keys)
+    tile_start, tile_len, tile_full, keys = tile_lists_reference(ranges, seqlen_q, block_m)
+    plan = IntervalPlan(block_m, block_n, ranges.lo.shape[0], tile_start, tile_len, tile_full,
+                        keys)
     if backward:
         (plan.blk_keys, plan.blk_row, plan.blk_qlo,
          plan.blk_qhi) = key_blocks(ranges, seqlen_q, block_n,
@@ -224,7 +236,7 @@ def _dense_equivalent(bounds, seqlen_q, block_m, block_n) -> IntervalPlan:
     rows = bounds.shape[1] * bounds.shape[2]
     n_tiles = max(1, cdiv(seqlen_q, block_m))
     empty = torch.zeros((rows, n_tiles), dtype=torch.int32, device=bounds.device)
-    return IntervalPlan(block_m, block_n, rows, empty, empty,
+    return IntervalPlan(block_m, block_n, rows, empty, empty, empty,
                         torch.zeros(0, dtype=torch.int32, device=bounds.device),
                         hides_nothing=True)
 

@@ -45,7 +45,7 @@ if triton is not None:
         return lo
 
     @triton.jit
-    def _fill_kernel(CIdx, CLo, CHi, NLive, TileStart, Keys, Lq, pos_off, n_tiles, Lk,
+    def _fill_kernel(CIdx, CLo, CHi, NLive, TileStart, TileFull, Keys, Lq, pos_off, n_tiles, Lk,
                      BLOCK_M: tl.constexpr, SCAN: tl.constexpr, CAUSAL: tl.constexpr):
         m = tl.program_id(0)
         r = tl.program_id(1)
@@ -57,17 +57,25 @@ if triton is not None:
             # Keys after the tile's last query position are hidden from the whole tile.
             n = _upper_bound(row_idx, n, q1 - 1 - pos_off)
         out = Keys + tl.load(TileStart + r * n_tiles + m)
+        # Two passes: the keys every query of the tile sees, then those only some see.
         count = 0
-        for c0 in range(0, n, SCAN):
-            offs = c0 + tl.arange(0, SCAN)
-            ok = offs < n
-            lo = tl.load(CLo + r * Lk + offs, mask=ok, other=0)
-            hi = tl.load(CHi + r * Lk + offs, mask=ok, other=0)
-            meets = ok & (lo < q1) & (hi > q0)
-            at = tl.cumsum(meets.to(tl.int32), 0) - 1
-            idx = tl.load(row_idx + offs, mask=ok, other=0)
-            tl.store(out + count + at, idx, mask=meets)
-            count += tl.sum(meets.to(tl.int32), 0)
+        for part in tl.static_range(2):
+            for c0 in range(0, n, SCAN):
+                offs = c0 + tl.arange(0, SCAN)
+                ok = offs < n
+                lo = tl.load(CLo + r * Lk + offs, mask=ok, other=0)
+                hi = tl.load(CHi + r * Lk + offs, mask=ok, other=0)
+                covers = (lo <= q0) & (hi >= q1)
+                if part == 0:
+                    take = ok & covers
+                else:
+                    take = ok & (lo < q1) & (hi > q0) & (covers == 0)
+                at = tl.cumsum(take.to(tl.int32), 0) - 1
+                idx = tl.load(row_idx + offs, mask=ok, other=0)
+                tl.store(out + count + at, idx, mask=take)
+                count += tl.sum(take.to(tl.int32), 0)
+            if part == 0:
+                tl.store(TileFull + r * n_tiles + m, count)
 
 
 if triton is not None:
@@ -148,8 +156,8 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
     and whether the mask hides anything beyond ``is_causal``).
 
     Returns None for a mask that hides nothing (the caller runs the dense kernels), else
-    ``(tile_start, tile_len, keys, blocks)`` with ``blocks`` None or ``(blk_keys, blk_row,
-    blk_qlo, blk_qhi)``: the same lists as the plain-PyTorch planner.
+    ``(tile_start, tile_len, tile_full, keys, blocks)`` with ``blocks`` None or ``(blk_keys,
+    blk_row, blk_qlo, blk_qhi)``: the same lists as the plain-PyTorch planner.
     """
     rows = bounds.shape[1] * bounds.shape[2]
     lk, lq = seqlen_k, seqlen_q
@@ -206,15 +214,17 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
     if not hidden:
         return None
     keys = torch.empty(total, dtype=torch.int32, device=device)
+    tile_full = torch.zeros_like(tile_start)
     if total:
-        fill_tile_lists(c_idx, c_lo, c_hi, chunk_end[:, -1].contiguous(), tile_start, keys, lq,
-                        lq - lk, block_m, is_causal)
-    return tile_start, tile_len, keys, blocks
+        fill_tile_lists(c_idx, c_lo, c_hi, chunk_end[:, -1].contiguous(), tile_start, tile_full,
+                        keys, lq, lq - lk, block_m, is_causal)
+    return tile_start, tile_len, tile_full, keys, blocks
 
 
-def fill_tile_lists(c_idx, c_lo, c_hi, n_live, tile_start, keys, seqlen_q, pos_off, block_m,
-                    is_causal):
-    """Write each (tile, row) list at ``keys[tile_start[row, tile]:]``.
+def fill_tile_lists(c_idx, c_lo, c_hi, n_live, tile_start, tile_full, keys, seqlen_q, pos_off,
+                    block_m, is_causal):
+    """Write each (tile, row) list at ``keys[tile_start[row, tile]:]``: the keys every query
+    of the tile sees first (their count into ``tile_full``), then the others.
 
     ``c_idx``/``c_lo``/``c_hi`` ``(R, Lk)`` int32: each row's live keys in position order
     (their index and query range), the first ``n_live[row]`` entries valid and the rest
@@ -226,6 +236,6 @@ def fill_tile_lists(c_idx, c_lo, c_hi, n_live, tile_start, keys, seqlen_q, pos_o
     if keys.numel() == 0:
         return
     _fill_kernel[(n_tiles, rows)](
-        c_idx, c_lo, c_hi, n_live, tile_start, keys, seqlen_q, pos_off, n_tiles, lk,
+        c_idx, c_lo, c_hi, n_live, tile_start, tile_full, keys, seqlen_q, pos_off, n_tiles, lk,
         BLOCK_M=block_m, SCAN=SCAN_BLOCK, CAUSAL=bool(is_causal), num_warps=4,
     )

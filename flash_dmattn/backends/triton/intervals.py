@@ -90,19 +90,6 @@ def _bwd_config(head_dim: int, interp: bool) -> Tuple[int, int, int, int]:
 
 
 @triton.jit
-def _all_visible(sb, eb, kidx, kvalid, pos_first, pos_last, CAUSAL: tl.constexpr):
-    """Whether every (query, key) pair of a tile is visible: all keys real, every interval
-    covering the tile's positions ``pos_first..pos_last`` (and causally before the first)."""
-    big = 1 << 30
-    full = (tl.max(tl.where(kvalid, sb, -big), 0) <= pos_first)
-    full = full & (tl.min(tl.where(kvalid, eb, big), 0) > pos_last)
-    full = full & (tl.min(kvalid.to(tl.int32), 0) > 0)
-    if CAUSAL:
-        full = full & (tl.max(tl.where(kvalid, kidx, big), 0) <= pos_first)
-    return full
-
-
-@triton.jit
 def _scores(q, k_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale, softcap, full,
             HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
             UPCAST: tl.constexpr):
@@ -158,7 +145,7 @@ def _scores_t(k, q_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale, softcap
 
 @triton.jit
 def _ki_fwd_kernel(
-    Q, K, V, Bias, Bounds, TileStart, TileLen, Keys, Out, Lse,
+    Q, K, V, Bias, Bounds, TileStart, TileLen, TileFull, Keys, Out, Lse,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -182,13 +169,12 @@ def _ki_fwd_kernel(
     qvalid = offs_m < Lq
     dvalid = offs_d < HEAD_DIM
     pos = offs_m + pos_off
-    pos_first = m * BLOCK_M + pos_off
-    pos_last = tl.minimum(m * BLOCK_M + BLOCK_M, Lq) - 1 + pos_off
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
                 mask=qvalid[:, None] & dvalid[None, :], other=0.0)
 
     start = tl.load(TileStart + row * n_tiles + m)
     length = tl.load(TileLen + row * n_tiles + m)
+    n_full = tl.load(TileFull + row * n_tiles + m)  # the list's first n_full keys: all visible
     keys = Keys + start
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
@@ -211,7 +197,7 @@ def _ki_fwd_kernel(
             bias = tl.load(bias_base + kidx * stride_biask, mask=kvalid, other=0.0).to(tl.float32)
         else:
             bias = sb * 0.0
-        full = _all_visible(sb, eb, kidx, kvalid, pos_first, pos_last, CAUSAL)
+        full = n0 + BLOCK_N <= n_full
         s, _t = _scores(q, tl.trans(k), bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale,
                         softcap, full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -240,7 +226,7 @@ def _ki_fwd_kernel(
 
 @triton.jit
 def _ki_dq_kernel(
-    Q, K, V, Bias, Bounds, TileStart, TileLen, Keys, DO, Lse, Delta, DQ,
+    Q, K, V, Bias, Bounds, TileStart, TileLen, TileFull, Keys, DO, Lse, Delta, DQ,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -266,8 +252,6 @@ def _ki_dq_kernel(
     dvalid = offs_d < HEAD_DIM
     qd = qvalid[:, None] & dvalid[None, :]
     pos = offs_m + pos_off
-    pos_first = m * BLOCK_M + pos_off
-    pos_last = tl.minimum(m * BLOCK_M + BLOCK_M, Lq) - 1 + pos_off
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
                 mask=qd, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
@@ -278,6 +262,7 @@ def _ki_dq_kernel(
 
     start = tl.load(TileStart + row * n_tiles + m)
     length = tl.load(TileLen + row * n_tiles + m)
+    n_full = tl.load(TileFull + row * n_tiles + m)  # the list's first n_full keys: all visible
     keys = Keys + start
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
@@ -299,7 +284,7 @@ def _ki_dq_kernel(
             bias = tl.load(bias_base + kidx * stride_biask, mask=kvalid, other=0.0).to(tl.float32)
         else:
             bias = sb * 0.0
-        full = _all_visible(sb, eb, kidx, kvalid, pos_first, pos_last, CAUSAL)
+        full = n0 + BLOCK_N <= n_full
         s, t = _scores(q, tl.trans(k), bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale,
                        softcap, full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
         p = tl.exp2(s - lse2[:, None])
@@ -364,6 +349,13 @@ def _ki_dkv_kernel(
                     + offs_d[None, :], mask=kd, other=0.0)
         sb = tl.load(Bounds + row * Lk + kidx, mask=kvalid, other=0)
         eb = tl.load(Bounds + bound_plane + row * Lk + kidx, mask=kvalid, other=0)
+        # Query positions every key of the block sees: [first_all, last_all].
+        big = 1 << 30
+        first_all = tl.max(tl.where(kvalid, sb, -big), 0)
+        if CAUSAL:
+            first_all = tl.maximum(first_all, tl.max(tl.where(kvalid, kidx, -big), 0))
+        last_all = tl.min(tl.where(kvalid, eb, big), 0) - 1
+        all_keys = tl.min(kvalid.to(tl.int32), 0) > 0
 
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -389,10 +381,9 @@ def _ki_dkv_kernel(
                 lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
                 delta = tl.load(Delta + bh * Lq + offs_m, mask=qvalid, other=0.0)
                 pos = offs_m + pos_off
-                pos_last = tl.minimum(m0 + BLOCK_M, q_hi) - 1 + pos_off
                 # Rows past q_hi read as zeros; the mask keeps them out of the sums.
-                full = _all_visible(sb, eb, kidx, kvalid, m0 + pos_off, pos_last, CAUSAL)
-                full = full & (m0 + BLOCK_M <= q_hi)
+                full = all_keys & (m0 + BLOCK_M <= q_hi) & (first_all <= m0 + pos_off)
+                full = full & (m0 + BLOCK_M - 1 + pos_off <= last_all)
                 s_t, t_t = _scores_t(k, q_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale,
                                      softcap, full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
                 p_t = tl.exp2(s_t - lse2[None, :])
@@ -463,8 +454,8 @@ def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None
     heads_x = fb.shape[2]
     grid = (cdiv(Lq, bm), B * H)
     _ki_fwd_kernel[grid](
-        q, k, v, bias_t if bias_t is not None else q, fb, ivp.tile_start, ivp.tile_len, ivp.keys,
-        out, lse,
+        q, k, v, bias_t if bias_t is not None else q, fb, ivp.tile_start, ivp.tile_len,
+        ivp.tile_full, ivp.keys, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -504,8 +495,8 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
         bm, bn, warps, stages = _fwd_config(D, interp)
         if B * H * Lq:
             _ki_dq_kernel[(cdiv(Lq, bm), B * H)](
-                q, k, v, bias_arg, fb, ivp.tile_start, ivp.tile_len, ivp.keys, dout, lse, delta,
-                dq,
+                q, k, v, bias_arg, fb, ivp.tile_start, ivp.tile_len, ivp.tile_full, ivp.keys,
+                dout, lse, delta, dq,
                 q.stride(0), q.stride(1), q.stride(2),
                 k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2),
