@@ -4,6 +4,7 @@ The intervals must give exactly the visibility of the dense helpers (create_mask
 top-W, causal_topk_mask for the causal one), ties included, and must never build anything of
 size (L, L).
 """
+import os
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flash_dmattn.masks import KeyIntervals
-from flash_dmattn.planning import selection
+from flash_dmattn.planning import selection, selection_kernels
 from flash_dmattn.planning.selection import kth_smallest_of_prefixes, topk_intervals
 from flash_dmattn.utils.mask import causal_topk_mask, create_mask
 
@@ -59,9 +60,9 @@ def _naive_intervals(bias, window, is_causal, padding, min_dtype):
     return out
 
 
-def _check(bias, window, is_causal, padding=None, min_dtype=None):
+def _check(bias, window, is_causal, padding=None, min_dtype=None, fn=topk_intervals):
     length = bias.shape[-1]
-    got = topk_intervals(bias, window, is_causal=is_causal, padding_mask=padding, min_dtype=min_dtype)
+    got = fn(bias, window, is_causal=is_causal, padding_mask=padding, min_dtype=min_dtype)
     assert isinstance(got, KeyIntervals)
     assert got.shape == (bias.shape[0], bias.shape[1], length)
     assert got.bounds.dtype == torch.int32
@@ -183,11 +184,13 @@ def test_kv_cache_step_reads_the_last_queries():
 
 @pytest.mark.parametrize("radix_bits", [1, 2, 3, 5])
 def test_every_radix_gives_the_same_result(radix_bits, monkeypatch):
+    # The plain-PyTorch path (the _RADIX_BITS it reads).
     monkeypatch.setattr(selection, "_RADIX_BITS", radix_bits)
     g = torch.Generator().manual_seed(radix_bits)
+    plain = selection._topk_intervals_torch
     for length in (2, 3, 17, 64, 65, 200):
-        _check(torch.randint(0, 5, (2, 2, 1, length), generator=g).float(), 3, True)
-        _check(torch.randn(1, 1, 1, length, generator=g), 16, True)
+        _check(torch.randint(0, 5, (2, 2, 1, length), generator=g).float(), 3, True, fn=plain)
+        _check(torch.randn(1, 1, 1, length, generator=g), 16, True, fn=plain)
 
 
 def test_kth_smallest_of_prefixes_against_a_sort():
@@ -230,6 +233,143 @@ def _cases(draw):
 @given(_cases())
 def test_intervals_match_dense_helpers(case):
     _check(*case)
+
+
+# --------------------------------------------------------------------------------------
+# The Triton path (CUDA, or CPU under TRITON_INTERPRET=1) against the plain-PyTorch path
+# --------------------------------------------------------------------------------------
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_needs_kernels = pytest.mark.skipif(
+    not selection_kernels.available(torch.device(_DEVICE)),
+    reason="no triton, or CPU tensors without TRITON_INTERPRET=1",
+)
+
+
+def _same_as_plain(bias, window, is_causal=True, padding=None, min_dtype=None):
+    """The Triton path's bounds equal the plain path's, bit for bit (int32, same layout)."""
+    bias = bias.to(_DEVICE)
+    padding = None if padding is None else padding.to(_DEVICE)
+    got = topk_intervals(bias, window, is_causal=is_causal, padding_mask=padding, min_dtype=min_dtype)
+    want = selection._topk_intervals_torch(
+        bias, window, is_causal=is_causal, padding_mask=padding, min_dtype=min_dtype
+    )
+    assert got.bounds.dtype == torch.int32 and got.bounds.is_contiguous()
+    assert torch.equal(got.bounds, want.bounds), (bias.shape, window, is_causal)
+
+
+def _biases(g, shape):
+    """Random, tied and heavily tied biases with masked, -inf and NaN entries."""
+    out = []
+    for kind in ("randn", "tied", "all-equal"):
+        if kind == "randn":
+            bias = torch.randn(shape, generator=g)
+        elif kind == "tied":
+            bias = torch.randint(0, 4, shape, generator=g).float()
+        else:
+            bias = torch.zeros(shape)
+        special = torch.rand(shape, generator=g)
+        bias = bias.masked_fill(special < 0.05, F32_MIN).masked_fill(special > 0.96, float("-inf"))
+        bias = bias.masked_fill((special > 0.5) & (special < 0.51), float("nan"))
+        out.append(bias)
+    return out
+
+
+@_needs_kernels
+@pytest.mark.parametrize("length", [2, 3, 7, 16, 17, 31, 32, 33, 64, 100, 128, 257])
+def test_kernels_match_plain_path(length):
+    g = torch.Generator().manual_seed(length)
+    windows = sorted({1, 2, 5, 16, max(1, length - 1), length, length + 3})
+    for bias in _biases(g, (2, 3, 1, length)):
+        padding = torch.rand(2, length, generator=g) > 0.25
+        for window in windows:
+            _same_as_plain(bias, window, True, None)
+            _same_as_plain(bias, window, True, padding)
+        # Every candidate kept (L <= W): the one-launch path, causal and not.
+        _same_as_plain(bias, length + 1, False, padding)
+
+
+@_needs_kernels
+@pytest.mark.parametrize("radix_bits", [1, 2, 3, 4, 5])
+def test_kernels_every_radix_and_small_blocks(radix_bits, monkeypatch):
+    # Small blocks and checkpoints: several sub-blocks per program, several programs per row
+    # (their digit counts summed by the later ones) and many checkpoints, at small L.
+    monkeypatch.setattr(selection_kernels, "radix_bits", lambda length: radix_bits)
+    monkeypatch.setattr(selection_kernels, "_TILE", 16 << radix_bits)
+    monkeypatch.setattr(selection_kernels, "MAX_BLOCKS", 4)
+    monkeypatch.setattr(selection_kernels, "CHECK", 8)
+    monkeypatch.setattr(selection_kernels, "QUERY_BLOCK", 16)
+    g = torch.Generator().manual_seed(radix_bits)
+    for length in (2, 9, 40, 97) if radix_bits < 3 else (5, 64, 130, 211):
+        for bias in _biases(g, (1, 2, 1, length))[:2]:
+            padding = torch.rand(1, length, generator=g) > 0.2
+            for window in (1, 3, 17):
+                _same_as_plain(bias, window, True, padding)
+
+
+@_needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_kernels_low_precision_and_thresholds(dtype):
+    g = torch.Generator().manual_seed(7)
+    bias = (torch.randn(2, 2, 1, 45, generator=g) * 0.01).to(dtype)  # many ties after rounding
+    bias[0, 0, 0, 11] = torch.finfo(dtype).min
+    bias[1, 1, 0, :5] = -0.0
+    bias[1, 1, 0, 5:9] = 0.0
+    bias[0, 1, 0, 3] = float("inf")
+    for min_dtype in (None, 0.0, -0.004, 0.0031, -1e-300, float("-inf")):
+        _same_as_plain(bias, 6, True, None, min_dtype)
+    # Thresholds that the bias dtype cannot represent (torch compares with the rounded value).
+    if dtype != torch.float64:
+        _same_as_plain(torch.full((1, 1, 1, 9), 1.0, dtype=dtype), 2, True, None, 0.9999)
+
+
+@_needs_kernels
+def test_kernels_broadcast_batch_and_strided_bias():
+    g = torch.Generator().manual_seed(8)
+    bias = torch.randn(1, 3, 1, 50, generator=g)
+    padding = torch.rand(4, 50, generator=g) > 0.3
+    _same_as_plain(bias, 7, True, padding)
+    _same_as_plain(torch.randn(4, 3, 1, 50, generator=g), 7, True, padding[:1])
+    # A bias slice of a larger tensor (strides of the heads / keys not the contiguous ones).
+    big = torch.randn(2, 6, 2, 100, generator=g)
+    _same_as_plain(big[:, ::2, :1, ::2], 5, True, padding[:2, :50])
+    # No key, no head: nothing to launch.
+    for is_causal in (False, True):
+        assert topk_intervals(torch.randn(2, 2, 1, 0, device=_DEVICE), 3, is_causal=is_causal).shape == (2, 2, 0)
+
+
+@_needs_kernels
+def test_kernels_selected_with_few_launches(monkeypatch):
+    # One causal call: the score pass, (torch's sort,) the level-0 counts, a partition per
+    # level but the last and one query kernel; the plain path is not used.
+    monkeypatch.setattr(selection, "_plain_intervals", None)
+    launches = []
+    for name in ("_score_kernel", "_prep_kernel", "_partition_kernel", "_query_kernel"):
+        kernel = getattr(selection_kernels, name)
+
+        class Counting:
+            def __init__(self, kernel, name):
+                self.kernel, self.name = kernel, name
+
+            def __getitem__(self, grid):
+                launches.append(self.name)
+                return self.kernel[grid]
+
+        monkeypatch.setattr(selection_kernels, name, Counting(kernel, name))
+    length = 300  # 9 bits: two levels of 5 bits
+    bias = torch.randn(1, 2, 1, length, device=_DEVICE)
+    topk_intervals(bias, 8)
+    assert launches == ["_score_kernel", "_prep_kernel", "_partition_kernel", "_query_kernel"]
+    launches.clear()
+    topk_intervals(bias, length)  # every candidate kept
+    assert launches == ["_score_kernel"]
+
+
+@_needs_kernels
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_cases())
+def test_kernels_match_plain_path_random(case):
+    bias, window, _, padding, min_dtype = case
+    _same_as_plain(bias, window, True, padding, min_dtype)
 
 
 # --------------------------------------------------------------------------------------
@@ -324,8 +464,12 @@ def test_million_keys_without_quadratic_memory():
     # near the resident memory before the call; the peak growth bounds every temporary. A dense
     # (L, L) bool mask would be ~1 TB, an (L, L / 256) one 4 GB: either fails to allocate
     # (the subprocess dies) or pushes the peak past the bound asserted here.
+    # CPU tensors without Triton's interpreter: the plain-PyTorch path (the kernels' buffers
+    # are O(L) by construction; interpreting them at 1M keys would take many minutes).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, timeout=300,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     probe_growth, growth, ok = proc.stdout.split()[-3:]

@@ -192,17 +192,28 @@ if triton is not None:
     @triton.jit
     def _query_kernel(Seq, Sorted, Ck, Bounds, L, W, n_ck, rows, n_levels, top,
                       R: tl.constexpr, RB: tl.constexpr, CHK: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, F64: tl.constexpr):
         """Keys of ranks ``i`` in the block: ``t`` = the W-th smallest of ``order[:max(i, W)]``
-        (a walk down the tree, as kth_smallest_of_prefixes), then the key's bounds."""
+        (a walk down the tree, as kth_smallest_of_prefixes), then the key's bounds.
+
+        At a node (start ``a``, its first ``m`` entries in the prefix, the ``kk``-th smallest
+        wanted) ``le(d)``, the number of those entries with digit ``<= d``, is non-decreasing
+        with ``le(R - 1) = m >= kk``: a binary search over the digit finds the child ``pick``
+        (the first with ``le >= kk``) in ``RB`` evaluations, keeping ``le(pick - 1)`` and
+        ``le(pick)`` on the way.
+        """
         qb = tl.program_id(0)
         row = tl.program_id(1).to(tl.int64)
         i = qb * BLOCK + tl.arange(0, BLOCK)
         ok = i < L
         key = tl.load(Seq + row * L + i, mask=ok, other=0)  # level 0 is the rank order
         s = tl.load(Sorted + row * L + i, mask=ok, other=float("-inf"))
-        valid = s > float("-inf")
-        digits = tl.arange(0, R)
+        # Candidates have a finite or +inf key, the others -inf. Compared in fp32 (exact for
+        # fp16/bf16/fp32 keys) or, for fp64 keys, in fp64 (fp32 would overflow to -inf).
+        if F64:
+            valid = s.to(tl.float64) > float("-inf")
+        else:
+            valid = s.to(tl.float32) > float("-inf")
         g = tl.arange(0, CHK)
         a = tl.zeros([BLOCK], dtype=tl.int32)  # node start
         m = tl.maximum(i, W)  # entries of the node inside the prefix
@@ -216,31 +227,38 @@ if triton is not None:
             tm = (pos < x[:, None]) & ok[:, None]
             tv = tl.load(seq + pos, mask=tm, other=0)
             td = tl.where(tm, (tv >> shift) & (R - 1), R)  # R: past every digit
-            ck = tl.load(Ck + ((lev * rows + row) * n_ck + c)[:, None] * R + digits[None, :],
-                         mask=ok[:, None], other=0)
+            ckrow = Ck + ((lev * rows + row) * n_ck + c) * R
             off = a // R  # entries per digit in the (full) nodes before this one
-            below = tl.zeros([BLOCK], dtype=tl.int32)
-            upto = m
-            pick = tl.zeros([BLOCK], dtype=tl.int32)
-            for dd in tl.static_range(R - 1):
-                le = (tl.sum(tl.where(digits[None, :] == dd, ck, 0), 1)
-                      + tl.sum((td <= dd).to(tl.int32), 1) - off * (dd + 1))
-                passed = le < kk  # every child up to dd lies below the kk-th entry
-                pick += passed.to(tl.int32)
-                below = tl.where(passed, le, below)
-                upto = tl.minimum(upto, tl.where(passed, m, le))
+            lo = tl.zeros([BLOCK], dtype=tl.int32)
+            hi = lo + (R - 1)
+            below = lo  # le(lo - 1)
+            upto = m  # le(hi)
+            for _ in tl.static_range(RB):
+                mid = (lo + hi) >> 1
+                le = (tl.load(ckrow + mid, mask=ok, other=0)
+                      + tl.sum((td <= mid[:, None]).to(tl.int32), 1) - off * (mid + 1))
+                up = le >= kk
+                hi = tl.where(up, mid, hi)
+                upto = tl.where(up, le, upto)
+                lo = tl.where(up, lo, mid + 1)
+                below = tl.where(up, below, le)
             kk -= below
             m = upto - below
-            a += pick << shift
+            a += lo << shift
         # Last level: a node of at most R values a .. a+R-1, its first m entries in the prefix.
+        digits = tl.arange(0, R)
         last = Seq + ((n_levels - 1) * rows + row) * L
         tm = (digits[None, :] < m[:, None]) & ok[:, None]
         w = tl.load(last + a[:, None] + digits[None, :], mask=tm, other=0) - a[:, None]
         w = tl.where(tm, w, R)
-        pick = tl.zeros([BLOCK], dtype=tl.int32)
-        for dd in tl.static_range(R - 1):
-            pick += (tl.sum((w <= dd).to(tl.int32), 1) < kk).to(tl.int32)
-        t = a + pick
+        lo = tl.zeros([BLOCK], dtype=tl.int32)
+        hi = lo + (R - 1)
+        for _ in tl.static_range(RB):
+            mid = (lo + hi) >> 1
+            up = tl.sum((w <= mid[:, None]).to(tl.int32), 1) >= kk
+            hi = tl.where(up, mid, hi)
+            lo = tl.where(up, lo, mid + 1)
+        t = a + lo
         t = tl.where(i < W, L, t)  # fewer than W keys outrank it: kept to the end
         keep = valid & (t > key)
         tl.store(Bounds + row * L + key, tl.where(keep, key, 0), mask=ok)
@@ -332,6 +350,7 @@ def causal_bounds(bias, padding, min_dtype, window, batch, heads) -> torch.Tenso
         )
     _query_kernel[(triton.cdiv(length, QUERY_BLOCK), rows)](
         seq, ranked, ck, bounds, length, window, n_ck, rows, levels, top,
-        R=radix, RB=rb, CHK=CHECK, BLOCK=QUERY_BLOCK, num_warps=4,
+        R=radix, RB=rb, CHK=CHECK, BLOCK=QUERY_BLOCK, F64=bias.dtype == torch.float64,
+        num_warps=4,
     )
     return bounds
