@@ -26,6 +26,7 @@ bit for bit.
 """
 from __future__ import annotations
 
+import functools
 import os
 import struct
 
@@ -38,9 +39,9 @@ except ImportError:  # the selection then uses its plain-PyTorch path
     triton = None
 
 # Entries of the one-hot (entry, digit) tile a partition step holds: SUB = _TILE // R.
-_TILE = 8192
+_TILE = 4096
 # At most this many blocks per row (each program sums the counts of the blocks before it).
-MAX_BLOCKS = 64
+MAX_BLOCKS = 128
 # Checkpoint spacing of the per-level count tables: a query scans fewer than CHECK entries.
 CHECK = 32
 # Keys per query program.
@@ -265,9 +266,11 @@ if triton is not None:
         tl.store(Bounds + (rows + row) * L + key, tl.where(keep, t, 0), mask=ok)
 
 
+@functools.lru_cache(maxsize=64)
 def _threshold_args(min_dtype: float, dtype: torch.dtype):
     """``(min_f32, min_hi, min_lo)``: the threshold converted to the bias dtype (as torch's
-    comparison does), as an fp32 value, or for fp64 biases as the two int32 halves of its bits."""
+    comparison does), as an fp32 value, or for fp64 biases as the two int32 halves of its bits.
+    Cached: the conversion is a host-side tensor op, not worth repeating every call."""
     value = torch.tensor(float(min_dtype), dtype=torch.float64).to(dtype).item()
     if dtype == torch.float64:
         bits = struct.unpack("<q", struct.pack("<d", value))[0]
@@ -288,7 +291,7 @@ def _launch_score(bias, padding, min_dtype, batch, heads, out, mode):
         pl = pad.stride(1)
     else:
         pad, pb, pl = bias, 0, 0
-    min_f32, min_hi, min_lo = _threshold_args(min_dtype, bias.dtype)
+    min_f32, min_hi, min_lo = _threshold_args(float(min_dtype), bias.dtype)
     grid = (triton.cdiv(length, SCORE_BLOCK), rows)
     _score_kernel[grid](
         bias, pad, out, min_f32, min_hi, min_lo, heads, length, rows,
@@ -346,11 +349,11 @@ def causal_bounds(bias, padding, min_dtype, window, batch, heads) -> torch.Tenso
         _partition_kernel[(n_blocks, rows)](
             seq[level], seq[level + 1], tot[level], tot[level + 1] if more else tot[level],
             ck[level], length, n_sub, n_blocks, n_ck, top - rb * (level + 1),
-            R=radix, RB=rb, SUB=sub, CHK=CHECK, TB=MAX_BLOCKS, NEXT_COUNTS=more, num_warps=8,
+            R=radix, RB=rb, SUB=sub, CHK=CHECK, TB=MAX_BLOCKS, NEXT_COUNTS=more, num_warps=4,
         )
     _query_kernel[(triton.cdiv(length, QUERY_BLOCK), rows)](
         seq, ranked, ck, bounds, length, window, n_ck, rows, levels, top,
         R=radix, RB=rb, CHK=CHECK, BLOCK=QUERY_BLOCK, F64=bias.dtype == torch.float64,
-        num_warps=4,
+        num_warps=8,
     )
     return bounds
