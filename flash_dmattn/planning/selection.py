@@ -24,6 +24,11 @@ positions is full except the last, which makes each node's start a closed form; 
 handful of vectorised ops over all ``(batch, head)`` rows, with no data-dependent shapes and
 no host synchronisation. Work O(L · R · log_R L) and memory O(L · R) per row (R = 16), never
 anything of size (L, L) or (L, L / C).
+
+On CUDA (and on CPU under ``TRITON_INTERPRET=1``) the causal selection runs the same tree as
+Triton kernels (:mod:`~flash_dmattn.planning.selection_kernels`): a handful of launches instead
+of a few hundred small torch ops; this module's torch code stays the CPU fallback and the
+tests' reference.
 """
 from __future__ import annotations
 
@@ -233,8 +238,9 @@ def topk_intervals(
     Cost: one stable sort per (batch, head) row plus ``ceil(log2(L) / 4)`` levels of
     vectorised O(16 L) ops (causal only); O(16 L) memory per row; no host synchronisation.
     On CUDA (and on CPU under ``TRITON_INTERPRET=1``) the causal selection runs as Triton
-    kernels (:mod:`~flash_dmattn.planning.selection_kernels`): a score pass, the sort, and one
-    launch per tree level plus one for all queries; the same results bit for bit.
+    kernels (:mod:`~flash_dmattn.planning.selection_kernels`): a score pass, the sort, a count
+    pass, one partition per tree level but the last and one query pass (6 launches for L = 32K,
+    whose 15 position bits take 3 levels of 5); the same results bit for bit.
 
     Equivalent plain PyTorch (dense, O(L^2))::
 
@@ -252,7 +258,7 @@ def topk_intervals(
     bias, padding, min_dtype = _check_inputs(attention_bias, window_size, is_causal, padding_mask, min_dtype)
     batch = max(bias.shape[0], 1 if padding is None else padding.shape[0])
     heads, length = bias.shape[1], bias.shape[2]
-    if batch * heads * length > 0 and _kernels.available(bias.device):
+    if batch * heads * length > 0 and _kernels.available(bias.device, batch * heads):
         # Triton: one score pass, the sort and (causal) a launch per tree level plus one for
         # all queries; the same integers as the plain path below.
         if length <= window_size:

@@ -39,6 +39,7 @@ except ImportError:  # the selection then uses its plain-PyTorch path
     triton = None
 
 # Entries of the one-hot (entry, digit) tile a partition step holds: SUB = _TILE // R.
+# All these sizes are powers of two, and CHECK divides SUB.
 _TILE = 4096
 # At most this many blocks per row (each program sums the counts of the blocks before it).
 MAX_BLOCKS = 128
@@ -50,15 +51,17 @@ QUERY_BLOCK = 64
 SCORE_BLOCK = 1024
 # Bounds of a key every query sees (as selection._ALWAYS).
 _ALWAYS = 1 << 30
+# Rows (batch * heads) are the second grid dimension, which CUDA limits to 65535.
+MAX_ROWS = 65535
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
-def available(device: torch.device) -> bool:
-    """Whether the selection kernels run for tensors on ``device``."""
-    if triton is None:
+def available(device: torch.device, rows: int = 1) -> bool:
+    """Whether the selection kernels run for ``rows`` (batch, head) rows on ``device``."""
+    if triton is None or rows > MAX_ROWS:
         return False
     return device.type == "cuda" or (device.type == "cpu" and _interpreting())
 
