@@ -36,7 +36,7 @@ from .forward import _dot, _tanh, alloc_output, dot_upcast, head_block, interpre
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
-# Query rows one dK/dV program walks at most; a longer block range is split over programs.
+# Query rows one dK/dV program walks at most: block ranges are cut at multiples of this.
 SEGMENT_ROWS = 4096
 
 
@@ -322,8 +322,10 @@ def _ki_dkv_kernel(
     blk = tl.program_id(0)
     seg = tl.program_id(1)
     row = tl.load(BlkRow + blk)
-    q_lo = tl.load(BlkQlo + blk) + seg * segment_rows
-    q_hi = tl.minimum(tl.load(BlkQhi + blk), q_lo + segment_rows)
+    # Segments are aligned to query positions, so the programs of one segment, running side
+    # by side, read the same rows of Q and dO (from L2, not device memory).
+    q_lo = tl.maximum(tl.load(BlkQlo + blk), seg * segment_rows)
+    q_hi = tl.minimum(tl.load(BlkQhi + blk), (seg + 1) * segment_rows)
     if q_lo < q_hi:
         b = row // row_heads
         hx = row % row_heads
