@@ -159,7 +159,7 @@ def _ki_fwd_kernel(
 ):
     m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
+    b = (bh // H).to(tl.int64)  # batch offsets can pass 2**31 elements
     h = bh % H
     hk = h // G
     row = b * row_heads + h // row_hdiv
@@ -241,7 +241,7 @@ def _ki_dq_kernel(
 ):
     m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
+    b = (bh // H).to(tl.int64)  # batch offsets can pass 2**31 elements
     h = bh % H
     hk = h // G
     row = b * row_heads + h // row_hdiv
@@ -327,7 +327,7 @@ def _ki_dkv_kernel(
     q_lo = tl.maximum(tl.load(BlkQlo + blk), seg * segment_rows)
     q_hi = tl.minimum(tl.load(BlkQhi + blk), (seg + 1) * segment_rows)
     if q_lo < q_hi:
-        b = row // row_heads
+        b = (row // row_heads).to(tl.int64)
         hx = row % row_heads
         if PER_QHEAD:
             hk = hx // G
@@ -553,7 +553,7 @@ def _delta_kernel(O, DO, Delta, stride_ob, stride_om, stride_oh, stride_dob, str
                   HEAD_DIM: tl.constexpr):
     m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
+    b = (bh // H).to(tl.int64)  # batch offsets can pass 2**31 elements
     h = bh % H
     offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
