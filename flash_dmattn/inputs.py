@@ -157,18 +157,23 @@ def normalise_mask_or_bias(
     return t
 
 
+def _intervals_on_device(intervals: KeyIntervals, query: torch.Tensor) -> torch.Tensor:
+    """The bounds of ``intervals``, which must be on the query's device."""
+    if intervals.bounds.device != query.device:
+        raise ValueError(
+            f"attn_mask (KeyIntervals {intervals.shape}) is on {intervals.bounds.device} but "
+            f"query is on {query.device}"
+        )
+    return intervals.bounds
+
+
 def check_key_intervals(
     intervals: KeyIntervals, query: torch.Tensor, batch: int, num_heads: int, num_kv_heads: int,
     seqlen_k: int,
 ) -> torch.Tensor:
     """Check a :class:`KeyIntervals` mask against the call; return its ``(2, Bx, Hx, Lk)``
     int32 bounds (``Bx in {1, B}``, ``Hx in {1, Hkv, H}``)."""
-    bounds = intervals.bounds
-    if bounds.device != query.device:
-        raise ValueError(
-            f"attn_mask (KeyIntervals {intervals.shape}) is on {bounds.device} but query is on "
-            f"{query.device}"
-        )
+    bounds = _intervals_on_device(intervals, query)
     bx, hx, lk = bounds.shape[1:]
     if bx not in (1, batch) or hx not in (1, num_kv_heads, num_heads) or lk != seqlen_k:
         raise ValueError(
@@ -605,12 +610,7 @@ def _check_varlen_key_intervals(intervals: KeyIntervals, query, h, hkv, total_k)
     Like a varlen mask it is per key: start/end of shape ``(total_k,)``, ``(Hkv, total_k)`` or
     ``(H, total_k)`` (no batch dim: the sequences are packed along the keys).
     """
-    bounds = intervals.bounds
-    if bounds.device != query.device:
-        raise ValueError(
-            f"attn_mask (KeyIntervals {intervals.shape}) is on {bounds.device} but query is on "
-            f"{query.device}"
-        )
+    bounds = _intervals_on_device(intervals, query)
     bx, hx, lk = bounds.shape[1:]
     if bx != 1 or hx not in (1, hkv, h) or lk != total_k:
         raise ValueError(
