@@ -138,6 +138,39 @@ def _scores_t(k, q_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale, softcap
     return s, t
 
 
+@triton.jit
+def _tile_program(bh, m, H, G, row_heads, row_hdiv, TileStart, TileLen, TileFull, Keys,
+                  n_tiles):
+    """A query-tile program's batch, head, kv head and mask row, and its key list: the
+    list's first key, its length and how many leading keys every query of the tile sees."""
+    b = bh // H
+    h = bh % H
+    row = b * row_heads + h // row_hdiv
+    at = row * n_tiles + m
+    keys = Keys + tl.load(TileStart + at)
+    # The batch index in int64: batch offsets of Q/K/V can pass 2**31 elements.
+    return (b.to(tl.int64), h, h // G, row, keys, tl.load(TileLen + at),
+            tl.load(TileFull + at))
+
+
+@triton.jit
+def _list_chunk(keys, n0, length, k_base, stride_kn, offs_d, dvalid, s_base, e_base, bias_base,
+                stride_biask, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys ``n0 .. n0 + BLOCK_N`` of a list: indices, validity, K rows, bounds and bias."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    kvalid = offs_n < length
+    kidx = tl.load(keys + offs_n, mask=kvalid, other=0)
+    k = tl.load(k_base + kidx[:, None] * stride_kn + offs_d[None, :],
+                mask=kvalid[:, None] & dvalid[None, :], other=0.0)
+    sb = tl.load(s_base + kidx, mask=kvalid, other=0)
+    eb = tl.load(e_base + kidx, mask=kvalid, other=0)
+    if HAS_BIAS:
+        bias = tl.load(bias_base + kidx * stride_biask, mask=kvalid, other=0.0).to(tl.float32)
+    else:
+        bias = sb * 0.0
+    return kidx, kvalid, k, sb, eb, bias
+
+
 # ------------------------------------------------------------------------------------------
 # Forward
 # ------------------------------------------------------------------------------------------
@@ -159,10 +192,8 @@ def _ki_fwd_kernel(
 ):
     m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)  # batch offsets can pass 2**31 elements
-    h = bh % H
-    hk = h // G
-    row = b * row_heads + h // row_hdiv
+    b, h, hk, row, keys, length, n_full = _tile_program(
+        bh, m, H, G, row_heads, row_hdiv, TileStart, TileLen, TileFull, Keys, n_tiles)
 
     offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -171,11 +202,6 @@ def _ki_fwd_kernel(
     pos = offs_m + pos_off
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
                 mask=qvalid[:, None] & dvalid[None, :], other=0.0)
-
-    start = tl.load(TileStart + row * n_tiles + m)
-    length = tl.load(TileLen + row * n_tiles + m)
-    n_full = tl.load(TileFull + row * n_tiles + m)  # the list's first n_full keys: all visible
-    keys = Keys + start
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     bias_base = Bias + b * stride_biasb + (h // bias_hdiv) * stride_biash
@@ -186,17 +212,9 @@ def _ki_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for n0 in range(0, length, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        kvalid = offs_n < length
-        kidx = tl.load(keys + offs_n, mask=kvalid, other=0)
-        k = tl.load(k_base + kidx[:, None] * stride_kn + offs_d[None, :],
-                    mask=kvalid[:, None] & dvalid[None, :], other=0.0)
-        sb = tl.load(s_base + kidx, mask=kvalid, other=0)
-        eb = tl.load(e_base + kidx, mask=kvalid, other=0)
-        if HAS_BIAS:
-            bias = tl.load(bias_base + kidx * stride_biask, mask=kvalid, other=0.0).to(tl.float32)
-        else:
-            bias = sb * 0.0
+        kidx, kvalid, k, sb, eb, bias = _list_chunk(
+            keys, n0, length, k_base, stride_kn, offs_d, dvalid, s_base, e_base, bias_base,
+            stride_biask, HAS_BIAS, BLOCK_N)
         full = n0 + BLOCK_N <= n_full
         s, _t = _scores(q, tl.trans(k), bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale,
                         softcap, full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
@@ -241,10 +259,8 @@ def _ki_dq_kernel(
 ):
     m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)  # batch offsets can pass 2**31 elements
-    h = bh % H
-    hk = h // G
-    row = b * row_heads + h // row_hdiv
+    b, h, hk, row, keys, length, n_full = _tile_program(
+        bh, m, H, G, row_heads, row_hdiv, TileStart, TileLen, TileFull, Keys, n_tiles)
 
     offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -260,10 +276,6 @@ def _ki_dq_kernel(
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
     delta = tl.load(Delta + bh * Lq + offs_m, mask=qvalid, other=0.0)
 
-    start = tl.load(TileStart + row * n_tiles + m)
-    length = tl.load(TileLen + row * n_tiles + m)
-    n_full = tl.load(TileFull + row * n_tiles + m)  # the list's first n_full keys: all visible
-    keys = Keys + start
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     bias_base = Bias + b * stride_biasb + (h // bias_hdiv) * stride_biash
@@ -272,18 +284,11 @@ def _ki_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for n0 in range(0, length, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        kvalid = offs_n < length
-        kidx = tl.load(keys + offs_n, mask=kvalid, other=0)
-        kd = kvalid[:, None] & dvalid[None, :]
-        k = tl.load(k_base + kidx[:, None] * stride_kn + offs_d[None, :], mask=kd, other=0.0)
-        v = tl.load(v_base + kidx[:, None] * stride_vn + offs_d[None, :], mask=kd, other=0.0)
-        sb = tl.load(s_base + kidx, mask=kvalid, other=0)
-        eb = tl.load(e_base + kidx, mask=kvalid, other=0)
-        if HAS_BIAS:
-            bias = tl.load(bias_base + kidx * stride_biask, mask=kvalid, other=0.0).to(tl.float32)
-        else:
-            bias = sb * 0.0
+        kidx, kvalid, k, sb, eb, bias = _list_chunk(
+            keys, n0, length, k_base, stride_kn, offs_d, dvalid, s_base, e_base, bias_base,
+            stride_biask, HAS_BIAS, BLOCK_N)
+        v = tl.load(v_base + kidx[:, None] * stride_vn + offs_d[None, :],
+                    mask=kvalid[:, None] & dvalid[None, :], other=0.0)
         full = n0 + BLOCK_N <= n_full
         s, t = _scores(q, tl.trans(k), bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale,
                        softcap, full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
