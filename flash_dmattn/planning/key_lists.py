@@ -74,7 +74,8 @@ class IntervalPlan:
     ``tile_start``/``tile_len`` ``(R, n_tiles)`` int32 index ``keys`` (int32 key indices): a
     tile's first ``tile_full`` keys are seen by every query of the tile (the kernels skip
     their interval test), the rest by some; each group in position order. ``blk_keys (n_blocks, block_n)`` int32 key indices (``-1``
-    pads a row's last block), ``blk_row``/``blk_qlo``/``blk_qhi`` ``(n_blocks,)`` int32.
+    pads a row's last block; every row has ``blocks_per_row`` blocks, row after row),
+    ``blk_qlo``/``blk_qhi`` ``(n_blocks,)`` int32.
     ``hides_nothing``: the mask shows every pair that ``is_causal`` alone shows (then no lists
     are built, and the call belongs on the dense kernels).
     """
@@ -88,7 +89,6 @@ class IntervalPlan:
     keys: torch.Tensor
     hides_nothing: bool = False
     blk_keys: Optional[torch.Tensor] = None
-    blk_row: Optional[torch.Tensor] = None
     blk_qlo: Optional[torch.Tensor] = None
     blk_qhi: Optional[torch.Tensor] = None
 
@@ -99,6 +99,10 @@ class IntervalPlan:
     @property
     def n_blocks(self) -> int:
         return 0 if self.blk_keys is None else self.blk_keys.shape[0]
+
+    @property
+    def blocks_per_row(self) -> int:
+        return self.n_blocks // max(self.rows, 1)
 
 
 def tile_lists_reference(ranges: KeyRanges, seqlen_q: int, block_m: int):
@@ -140,7 +144,7 @@ def tile_lists_reference(ranges: KeyRanges, seqlen_q: int, block_m: int):
 
 
 def key_blocks(ranges: KeyRanges, seqlen_q: int, block_n: int, end_bucket: int):
-    """``(blk_keys, blk_row, blk_qlo, blk_qhi)``: the live keys of each row, ``block_n`` at a
+    """``(blk_keys, blk_qlo, blk_qhi)``: the live keys of each row, ``block_n`` at a
     time, grouped by ``hi // end_bucket`` (latest first, so the longest blocks start first)
     and then by ``lo`` (see the module docstring).
 
@@ -173,8 +177,8 @@ def key_blocks(ranges: KeyRanges, seqlen_q: int, block_n: int, end_bucket: int):
     row_hi = hi[blk_row[:, None], safe]
     blk_qlo = torch.where(valid, row_lo, torch.full_like(row_lo, seqlen_q)).amin(dim=1)
     blk_qhi = torch.where(valid, row_hi, torch.zeros_like(row_hi)).amax(dim=1)
-    return (blk_keys.to(torch.int32).contiguous(), blk_row.to(torch.int32),
-            blk_qlo.to(torch.int32), blk_qhi.to(torch.int32))
+    return (blk_keys.to(torch.int32).contiguous(), blk_qlo.to(torch.int32),
+            blk_qhi.to(torch.int32))
 
 
 def plan_intervals(
@@ -205,7 +209,7 @@ def plan_intervals(
         plan = IntervalPlan(block_m, block_n, tile_start.shape[0], tile_start, tile_len,
                             tile_full, keys)
         if blocks is not None:
-            plan.blk_keys, plan.blk_row, plan.blk_qlo, plan.blk_qhi = blocks
+            plan.blk_keys, plan.blk_qlo, plan.blk_qhi = blocks
         return plan
     return plan_intervals_reference(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n,
                                     backward, bucket)
@@ -226,8 +230,7 @@ def plan_intervals_reference(bounds, seqlen_q, seqlen_k, is_causal, block_m, blo
     plan = IntervalPlan(block_m, block_n, ranges.lo.shape[0], tile_start, tile_len, tile_full,
                         keys)
     if backward:
-        (plan.blk_keys, plan.blk_row, plan.blk_qlo,
-         plan.blk_qhi) = key_blocks(ranges, seqlen_q, block_n,
+        (plan.blk_keys, plan.blk_qlo, plan.blk_qhi) = key_blocks(ranges, seqlen_q, block_n,
                                     end_bucket or end_bucket_for(seqlen_q))
     return plan
 

@@ -45,13 +45,14 @@ if triton is not None:
         return lo
 
     @triton.jit
-    def _fill_kernel(CIdx, CLo, CHi, NLive, TileStart, TileFull, Keys, Lq, pos_off, n_tiles, Lk,
-                     BLOCK_M: tl.constexpr, SCAN: tl.constexpr, CAUSAL: tl.constexpr):
+    def _fill_kernel(CIdx, CLo, CHi, NLive, nlive_stride, TileStart, TileFull, Keys, Lq, pos_off,
+                     n_tiles, Lk, BLOCK_M: tl.constexpr, SCAN: tl.constexpr,
+                     CAUSAL: tl.constexpr):
         m = tl.program_id(0)
         r = tl.program_id(1)
         q0 = m * BLOCK_M
         q1 = tl.minimum(q0 + BLOCK_M, Lq)
-        n = tl.load(NLive + r)
+        n = tl.load(NLive + r * nlive_stride)
         row_idx = CIdx + r * Lk
         if CAUSAL:
             # Keys after the tile's last query position are hidden from the whole tile.
@@ -116,6 +117,33 @@ if triton is not None:
         tl.atomic_add(TileDiff + r * (n_tiles + 1) + (hi - 1) // BLOCK_M + 1, -one, mask=live)
 
     @triton.jit
+    def _scan_kernel(TileDiff, TileLen, TileStart, RowTotal, ChunkCount, ChunkEnd, n_tiles,
+                     n_chunks, TB: tl.constexpr, CB: tl.constexpr):
+        """Per row: the tiles' list lengths (prefix sums of the +1/-1 marks), their starts
+        within the row, the row's total, and the end of each chunk's live keys."""
+        r = tl.program_id(0)
+        run = 0
+        start = 0
+        for t0 in range(0, n_tiles, TB):
+            t = t0 + tl.arange(0, TB)
+            ok = t < n_tiles
+            d = tl.load(TileDiff + r * (n_tiles + 1) + t, mask=ok, other=0)
+            length = run + tl.cumsum(d, 0)
+            tl.store(TileLen + r * n_tiles + t, length, mask=ok)
+            length = tl.where(ok, length, 0)
+            tl.store(TileStart + r * n_tiles + t, start + tl.cumsum(length, 0) - length, mask=ok)
+            run += tl.sum(d, 0)
+            start += tl.sum(length, 0)
+        tl.store(RowTotal + r, start)
+        live = 0
+        for c0 in range(0, n_chunks, CB):
+            c = c0 + tl.arange(0, CB)
+            ok = c < n_chunks
+            cnt = tl.load(ChunkCount + r * n_chunks + c, mask=ok, other=0)
+            tl.store(ChunkEnd + r * n_chunks + c, live + tl.cumsum(cnt, 0), mask=ok)
+            live += tl.sum(cnt, 0)
+
+    @triton.jit
     def _compact_kernel(Lo, Hi, ChunkEnd, ChunkCount, CIdx, CLo, CHi, Lk, n_chunks,
                         CHUNK: tl.constexpr):
         """Each row's live keys in position order at the front of ``CIdx``/``CLo``/``CHi``."""
@@ -157,7 +185,7 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
 
     Returns None for a mask that hides nothing (the caller runs the dense kernels), else
     ``(tile_start, tile_len, tile_full, keys, blocks)`` with ``blocks`` None or ``(blk_keys,
-    blk_row, blk_qlo, blk_qhi)``: the same lists as the plain-PyTorch planner.
+    blk_qlo, blk_qhi)``: the same lists as the plain-PyTorch planner.
     """
     rows = bounds.shape[1] * bounds.shape[2]
     lk, lq = seqlen_k, seqlen_q
@@ -167,29 +195,31 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
     n_tiles = max(1, -(-lq // block_m))
     span = lq + 1
     n_buckets = -(-span // end_bucket) + 1
-    lo = torch.empty((rows, lk), dtype=torch.int32, device=device)
-    hi = torch.empty_like(lo)
+    # Two allocations for every int32 buffer: one zeroed (counters), one not.
+    zeroed = torch.zeros(rows * (n_tiles + 1) + 1, dtype=torch.int32, device=device)
+    tile_diff, hides = zeroed[:-1].view(rows, n_tiles + 1), zeroed[-1:]
+    sizes = [rows * lk] * 5 + [rows * n_chunks] * 2 + [rows * n_tiles] * 3 + [rows]
+    ws = torch.empty(sum(sizes), dtype=torch.int32, device=device)
+    (lo, hi, c_idx, c_lo, c_hi, chunk_count, chunk_end, tile_len, tile_start, tile_full,
+     row_total) = ws.split(sizes)
+    lo, hi, c_idx, c_lo, c_hi = (t.view(rows, lk) for t in (lo, hi, c_idx, c_lo, c_hi))
+    tile_len, tile_start, tile_full = (t.view(rows, n_tiles)
+                                       for t in (tile_len, tile_start, tile_full))
     order_key = torch.empty((rows, lk), dtype=torch.int64, device=device)
-    chunk_count = torch.empty((rows, n_chunks), dtype=torch.int32, device=device)
-    tile_diff = torch.zeros((rows, n_tiles + 1), dtype=torch.int32, device=device)
-    hides = torch.zeros(1, dtype=torch.int32, device=device)
     b = bounds.contiguous()
     if lk:
         _ranges_kernel[(n_chunks, rows)](
             b, lo, hi, order_key, chunk_count, tile_diff, hides, lq, lk, lq - lk, rows * lk,
-            n_tiles,
-            n_chunks, span, n_buckets, end_bucket, BLOCK_M=block_m, CHUNK=chunk,
+            n_tiles, n_chunks, span, n_buckets, end_bucket, BLOCK_M=block_m, CHUNK=chunk,
             CAUSAL=bool(is_causal), num_warps=4)
-    tile_len = torch.cumsum(tile_diff[:, :n_tiles], dim=1, dtype=torch.int32)
-    ends = torch.cumsum(tile_len.flatten(), 0, dtype=torch.int64)
-    tile_start = (ends.view(rows, n_tiles) - tile_len).to(torch.int32)
-    stats = torch.stack([ends[-1], hides[0].to(torch.int64)])
+    else:
+        chunk_count.zero_()
+    _scan_kernel[(rows,)](tile_diff, tile_len, tile_start, row_total, chunk_count, chunk_end,
+                          n_tiles, n_chunks, TB=1024, CB=256, num_warps=4)
+    row_base = torch.cumsum(row_total, 0, dtype=torch.int32) - row_total
+    stats = torch.cat([row_base[-1:] + row_total[-1:], hides])
     # Everything that does not need the lists' length is queued before the host waits for it,
     # so the device has work while the host catches up.
-    chunk_end = torch.cumsum(chunk_count, dim=1, dtype=torch.int32)
-    c_idx = torch.full((rows, lk), lk, dtype=torch.int32, device=device)
-    c_lo = torch.empty_like(c_idx)
-    c_hi = torch.empty_like(c_idx)
     if lk:
         _compact_kernel[(n_chunks, rows)](lo, hi, chunk_end, chunk_count, c_idx, c_lo, c_hi, lk,
                                           n_chunks, CHUNK=chunk, num_warps=4)
@@ -197,9 +227,10 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
     if backward:
         sorted_key, order = torch.sort(order_key, dim=1, stable=True)
         n_blk = max(1, -(-lk // block_n))
-        blk_keys = torch.empty((rows * n_blk, block_n), dtype=torch.int32, device=device)
-        blk_qlo = torch.empty(rows * n_blk, dtype=torch.int32, device=device)
-        blk_qhi = torch.empty_like(blk_qlo)
+        blk = torch.empty(rows * n_blk * (block_n + 2), dtype=torch.int32, device=device)
+        blk_keys, blk_qlo, blk_qhi = blk.split([rows * n_blk * block_n, rows * n_blk,
+                                                rows * n_blk])
+        blk_keys = blk_keys.view(rows * n_blk, block_n)
         if lk:
             _blocks_kernel[(rows * n_blk,)](order, sorted_key, lo, hi, blk_keys, blk_qlo, blk_qhi,
                                             lq, lk, n_blk, (n_buckets + 1) * span,
@@ -208,27 +239,29 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
             blk_keys.fill_(-1)
             blk_qlo.fill_(lq)
             blk_qhi.zero_()
-        blk_row = torch.arange(rows, dtype=torch.int32, device=device).repeat_interleave(n_blk)
-        blocks = (blk_keys, blk_row, blk_qlo, blk_qhi)
+        blocks = (blk_keys, blk_qlo, blk_qhi)
     total, hidden = stats.tolist()
     if not hidden:
         return None
+    tile_start += row_base[:, None]
     keys = torch.empty(total, dtype=torch.int32, device=device)
-    tile_full = torch.zeros_like(tile_start)
     if total:
-        fill_tile_lists(c_idx, c_lo, c_hi, chunk_end[:, -1].contiguous(), tile_start, tile_full,
-                        keys, lq, lq - lk, block_m, is_causal)
+        # A row's live-key count is the end of its last chunk.
+        fill_tile_lists(c_idx, c_lo, c_hi, chunk_end[n_chunks - 1:], n_chunks, tile_start,
+                        tile_full, keys, lq, lq - lk, block_m, is_causal)
+    else:
+        tile_full.zero_()
     return tile_start, tile_len, tile_full, keys, blocks
 
 
-def fill_tile_lists(c_idx, c_lo, c_hi, n_live, tile_start, tile_full, keys, seqlen_q, pos_off,
-                    block_m, is_causal):
+def fill_tile_lists(c_idx, c_lo, c_hi, n_live, n_live_stride, tile_start, tile_full, keys,
+                    seqlen_q, pos_off, block_m, is_causal):
     """Write each (tile, row) list at ``keys[tile_start[row, tile]:]``: the keys every query
     of the tile sees first (their count into ``tile_full``), then the others.
 
     ``c_idx``/``c_lo``/``c_hi`` ``(R, Lk)`` int32: each row's live keys in position order
-    (their index and query range), the first ``n_live[row]`` entries valid and the rest
-    holding ``Lk`` (so the index column stays sorted). ``pos_off = Lq - Lk`` maps a key
+    (their index and query range), the first ``n_live[row * n_live_stride]`` entries valid
+    (the rest are never read). ``pos_off = Lq - Lk`` maps a key
     position to the query index at the same position.
     """
     rows, lk = c_idx.shape
@@ -236,6 +269,7 @@ def fill_tile_lists(c_idx, c_lo, c_hi, n_live, tile_start, tile_full, keys, seql
     if keys.numel() == 0:
         return
     _fill_kernel[(n_tiles, rows)](
-        c_idx, c_lo, c_hi, n_live, tile_start, tile_full, keys, seqlen_q, pos_off, n_tiles, lk,
+        c_idx, c_lo, c_hi, n_live, n_live_stride, tile_start, tile_full, keys, seqlen_q, pos_off,
+        n_tiles, lk,
         BLOCK_M=block_m, SCAN=SCAN_BLOCK, CAUSAL=bool(is_causal), num_warps=4,
     )

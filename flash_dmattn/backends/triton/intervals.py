@@ -310,14 +310,14 @@ def _ki_dq_kernel(
 
 @triton.jit
 def _ki_dkv_kernel(
-    Q, K, V, Bias, Bounds, BlkKeys, BlkRow, BlkQlo, BlkQhi, DO, Lse, Delta, DK, DV, DBias,
+    Q, K, V, Bias, Bounds, BlkKeys, BlkQlo, BlkQhi, DO, Lse, Delta, DK, DV, DBias,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_biasb, stride_biash, stride_biask, bias_hdiv,
-    row_heads, bound_plane,
+    row_heads, bound_plane, blocks_per_row,
     H, G, Lq, Lk, pos_off, qk_scale, softcap, segment_rows,
     HAS_BIAS: tl.constexpr, NEED_DBIAS: tl.constexpr, PER_QHEAD: tl.constexpr,
     CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -326,7 +326,7 @@ def _ki_dkv_kernel(
 ):
     blk = tl.program_id(0)
     seg = tl.program_id(1)
-    row = tl.load(BlkRow + blk)
+    row = blk // blocks_per_row
     # Segments are aligned to query positions, so the programs of one segment, running side
     # by side, read the same rows of Q and dO (from L2, not device memory).
     q_lo = tl.maximum(tl.load(BlkQlo + blk), seg * segment_rows)
@@ -529,7 +529,7 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
             # Segments past a block's range exit at once: no need to read the ranges here.
             n_seg = max(1, cdiv(Lq, seg))
             _ki_dkv_kernel[(n_blocks, n_seg)](
-                q, k, v, bias_arg, fb, ivp.blk_keys, ivp.blk_row, ivp.blk_qlo, ivp.blk_qhi,
+                q, k, v, bias_arg, fb, ivp.blk_keys, ivp.blk_qlo, ivp.blk_qhi,
                 dout, lse, delta, dk32, dv32, db32,
                 q.stride(0), q.stride(1), q.stride(2),
                 k.stride(0), k.stride(1), k.stride(2),
@@ -537,7 +537,7 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
                 dout.stride(0), dout.stride(1), dout.stride(2),
                 dk32.stride(0), dk32.stride(1), dk32.stride(2),
                 sbb, sbh, sbk, bdiv,
-                heads_x, fb[0].numel(),
+                heads_x, fb[0].numel(), ivp.blocks_per_row,
                 H, G, Lq, Lk, Lk - Lq, float(scale), float(softcap), seg,
                 NEED_DBIAS=need_dbias, PER_QHEAD=per_qhead,
                 BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
