@@ -44,8 +44,7 @@ from flash_dmattn import AttentionInputs, flash_dmattn_func_auto, get_available_
 
 from . import report
 from .impls import REFERENCE_MAX_WORK_GPU, Declined, Impl, RunContext, Skipped, _short_decline
-from .report import DECLINED, ERROR, OK, PARTIAL, SKIPPED, Row
-from .timing import peak_extra_mib, time_ms
+from .report import ERROR, OK, Row
 from .workloads import Workload
 
 try:  # public home of the selection helper
@@ -538,73 +537,20 @@ def reference_outputs(case: DmaCase, backward: bool) -> Dict[str, torch.Tensor]:
     return result
 
 
-def _time(fn, device: torch.device) -> float:
-    from .run import CPU_REPEATS
-
-    return time_ms(fn, device, CPU_REPEATS, min_runs=MIN_RUNS)
-
-
 def _run_impl(case: DmaCase, impl: DmaImpl, ctx: RunContext, ref, ref_note: str) -> Row:
-    from .run import _compare, _free, _run_phase, start_row
+    from .run import _derive_rates, time_impl
 
     w = case.workload
-    row, ready = start_row(case, impl, ctx, ref is not None, ref_note)
-    if not ready:
-        return row
-    check = ref is not None and impl.computes_workload
-    backward = ctx.backward and not impl.forward_only
-    device = case.device
-
-    def forward():
-        args, _, _ = impl.make_inputs(case, grad=False)
-
-        def fwd():
-            with torch.no_grad():
-                return impl(*args)
-
-        out = fwd()
-        if check:
-            _compare(row, ref, {"out": impl.as_case_layout(out)})
-        del out
-        if not backward:
-            row.peak_extra_mib, row.peak_phase = peak_extra_mib(fwd, device), "fwd"
-        row.fwd_ms = _time(fwd, device)
-
-    def forward_backward():
-        args, leaves, grad_outs = impl.make_inputs(case, grad=True)
-
-        def step():
-            out = impl(*args)
-            return out, torch.autograd.grad([out], leaves, grad_outs)
-
-        out, grads = step()
-        if check:
-            got = dict(zip(GRAD_NAMES, grads))
-            if "out" not in row.rel_err_detail:
-                got["out"] = out
-            _compare(row, ref, got)
-        del out, grads
-        row.peak_extra_mib, row.peak_phase = peak_extra_mib(step, device), "fwd+bwd"
-        row.fwd_bwd_ms = _time(step, device)
-
-    outcomes = [_run_phase(row, "fwd", forward)]
-    _free(device)
-    if backward:
-        outcomes.append(_run_phase(row, "fwd+bwd", forward_backward))
-        _free(device)
-    row.notes = list(dict.fromkeys(row.notes))
-    if all(o == OK for o in outcomes):
-        row.status = OK
-    elif any(o == OK for o in outcomes):
-        row.status = PARTIAL
-    else:
-        row.status = ERROR if ERROR in outcomes else DECLINED if DECLINED in outcomes else SKIPPED
+    # At least MIN_RUNS timed calls a phase (CUDA events); the first call is a plain call:
+    # every kernel choice (the SDPA modes) is settled in setup.
+    row = time_impl(
+        case, impl, ctx, ref, ref_note, inputs=lambda grad: impl.make_inputs(case, grad),
+        out_for_ref=impl.as_case_layout, grads_for_ref=lambda grads: dict(zip(GRAD_NAMES, grads)),
+        backward=ctx.backward and not impl.forward_only, min_runs=MIN_RUNS, fall_back=False,
+    )
     if not w.is_layer and impl.kind != "selection":
         # Nominal dense-causal FLOPs (as the other suites), comparable across the rows.
-        if row.fwd_ms:
-            row.tflops_fwd = w.flops_fwd() / (row.fwd_ms * 1e-3) / 1e12
-        if row.fwd_bwd_ms:
-            row.tflops_fwd_bwd = w.flops_fwd_bwd() / (row.fwd_bwd_ms * 1e-3) / 1e12
+        _derive_rates(row, w, case.dtype)
     return row
 
 
@@ -628,54 +574,28 @@ def fill_ratios(rows: List[Row]) -> None:
 
 def run_dma_long_workload(w: DmaLongWorkload, ctx: RunContext, backends: List[str]) -> List[Row]:
     """Every row of one workload; failures become rows, never exceptions."""
-    from .run import _describe, _fill_speedups, _free, inputs_error_row
+    from .run import run_suite_workload
 
-    print(f"== {w.name}", flush=True)
-    try:
-        case = DmaCase(w, ctx.device, ctx.dtype)
-    except Exception as exc:  # noqa: BLE001
-        return [inputs_error_row(w, exc, ctx.device)]
-
-    ref, ref_note = None, "-"
-    if not w.is_layer and w.seqlen_k ** 2 <= REFERENCE_CHECK_MAX_WORK:
-        try:
-            ref = reference_outputs(case, ctx.backward)
-        except Exception as exc:  # noqa: BLE001
-            ref_note = "ref failed"
-            print(f"   float32 reference failed: {_describe(exc)}", flush=True)
-        _free(ctx.device)
-
-    rows: List[Row] = []
-    try:
-        impls = dma_long_implementations(w, ctx, backends)
-    except Exception as exc:  # noqa: BLE001
-        row = Row(w.suite, w.name, w.short, "(setup)", "-", w.to_dict(), status=ERROR)
-        row.notes.append(f"creating the implementations failed: {_describe(exc)}")
-        impls, rows = [], [row]
-    while impls:
-        impl = impls.pop(0)
-        row = _run_impl(case, impl, ctx, ref, ref_note)
-        rows.append(row)
-        print(
+    def progress(row: Row) -> str:
+        return (
             f"   {row.impl:<36} fwd {report.fmt_ms(row.fwd_ms):>9} ms  fwd+bwd {report.fmt_ms(row.fwd_bwd_ms):>9} ms"
             f"  peak {report._num(row.peak_extra_mib, '.0f'):>6} MiB  {row.status}  err {report.fmt_err(row)}"
-            f"{'  ' + '; '.join(row.notes) if row.notes else ''}",
-            flush=True,
+            f"{'  ' + '; '.join(row.notes) if row.notes else ''}"
         )
-        del impl  # drops its copies, gathered K/V and layer weights
-        _free(ctx.device)
-    _fill_speedups(rows)
-    for r in rows:
-        if r.kind == "selection":  # not attention: a speedup over attention means nothing
-            r.speedup_fwd = r.speedup_fwd_bwd = None
-    fill_ratios(rows)
-    del case, ref
-    if ctx.cuda:
-        # Auto-dispatch may take flex, which compiles per shape: dropping its kernels keeps
-        # the compile cache below torch's recompile limit (as the other suites do).
-        torch.compiler.reset()
-    _free(ctx.device)
-    return rows
+
+    def finish(rows: List[Row]) -> None:
+        for r in rows:
+            if r.kind == "selection":  # not attention: a speedup over attention means nothing
+                r.speedup_fwd = r.speedup_fwd_bwd = None
+        fill_ratios(rows)
+
+    return run_suite_workload(
+        w, ctx, case_type=DmaCase,
+        check_reference=not w.is_layer and w.seqlen_k ** 2 <= REFERENCE_CHECK_MAX_WORK,
+        reference=lambda case: reference_outputs(case, ctx.backward),
+        implementations=lambda: dma_long_implementations(w, ctx, backends),
+        run_one=_run_impl, progress=progress, finish=finish,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import platform
 import sys
 import warnings
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -207,30 +207,43 @@ def start_row(case, impl, ctx: RunContext, have_ref: bool, ref_note: str) -> Tup
     return row, True
 
 
-def run_impl(case: Case, impl: Impl, ctx: RunContext, ref: Optional[Dict[str, torch.Tensor]], ref_note: str) -> Row:
-    """Time ``impl`` on ``case`` (forward, then forward+backward) and check it against ``ref``."""
+def time_impl(case, impl: Impl, ctx: RunContext, ref: Optional[Dict[str, torch.Tensor]], ref_note: str, *,
+              inputs: Callable[[bool], tuple], out_for_ref: Callable[[object], torch.Tensor],
+              grads_for_ref: Callable[[tuple], Dict[str, torch.Tensor]], backward: bool,
+              min_runs: Optional[int] = None, fall_back: bool = True) -> Row:
+    """Time ``impl`` on ``case`` (forward, then forward+backward when ``backward``) and check
+    it against ``ref``; the row's rates are left to the caller.
+
+    ``inputs(grad)`` gives ``(args, leaves, grad_outputs)``: ``impl(*args)`` returns one output
+    or a list of them, ``grad_outputs`` is a list with one tensor per output and ``leaves`` are
+    fresh autograd leaves when ``grad``. ``out_for_ref(out)`` and ``grads_for_ref(grads)`` map
+    the output and the gradients of ``leaves`` to the reference's layout. ``min_runs`` goes to
+    :func:`time_ms`. ``fall_back``: the first call of a phase goes through :func:`_first_call`
+    (a pinned kernel that cannot run is retried with the general one); otherwise it is a plain
+    call, for implementations that settle their kernel in setup.
+    """
     w = case.workload
     row, ready = start_row(case, impl, ctx, ref is not None, ref_note)
     if not ready:
         return row
     check = ref is not None and impl.computes_workload
-    backward = ctx.backward and not w.forward_only
     device = case.device
+    first_call = _first_call if fall_back else (lambda _impl, call, _row, _phase: call())
 
     def forward():
-        args, _, _ = _impl_inputs(case, impl, grad=False)
+        args, _, _ = inputs(False)
 
         def fwd():
             with torch.no_grad():
                 return impl(*args)
 
-        out = _first_call(impl, fwd, row, "fwd")
+        out = first_call(impl, fwd, row, "fwd")
         if check:
-            _compare(row, ref, {"out": _from_layout(out, impl)})
+            _compare(row, ref, {"out": out_for_ref(out)})
         del out
         if not backward:
             row.peak_extra_mib, row.peak_phase = peak_extra_mib(fwd, device), "fwd"
-        row.fwd_ms = time_ms(fwd, device, CPU_REPEATS)
+        row.fwd_ms = time_ms(fwd, device, CPU_REPEATS, min_runs=min_runs)
         if w.forward_only and device.type == "cuda":
             row.fwd_graph_ms, why = graph_time_ms(fwd, device)
             if why:
@@ -240,21 +253,22 @@ def run_impl(case: Case, impl: Impl, ctx: RunContext, ref: Optional[Dict[str, to
         reason = impl.backward_skip_reason(ctx)
         if reason:
             raise Skipped(reason)
-        args, leaves, grad_out = _impl_inputs(case, impl, grad=True)
+        args, leaves, grad_outs = inputs(True)
 
         def step():
             out = impl(*args)
-            return out, torch.autograd.grad(out, leaves, grad_out)
+            outs = out if isinstance(out, list) else [out]
+            return out, torch.autograd.grad(outs, leaves, grad_outs)
 
-        out, grads = _first_call(impl, step, row, "fwd+bwd")
+        out, grads = first_call(impl, step, row, "fwd+bwd")
         if check:
-            got = {name: _from_layout(g, impl) if name != "dbias" else g for name, g in zip(GRAD_NAMES, grads)}
+            got = grads_for_ref(grads)
             if "out" not in row.rel_err_detail:  # the forward phase failed or was skipped
-                got["out"] = _from_layout(out, impl)
+                got["out"] = out_for_ref(out)
             _compare(row, ref, got)
         del out, grads
         row.peak_extra_mib, row.peak_phase = peak_extra_mib(step, device), "fwd+bwd"
-        row.fwd_bwd_ms = time_ms(step, device, CPU_REPEATS)
+        row.fwd_bwd_ms = time_ms(step, device, CPU_REPEATS, min_runs=min_runs)
 
     outcomes = [_run_phase(row, "fwd", forward)]
     _free(device)
@@ -268,6 +282,22 @@ def run_impl(case: Case, impl: Impl, ctx: RunContext, ref: Optional[Dict[str, to
         row.status = PARTIAL
     else:
         row.status = ERROR if ERROR in outcomes else DECLINED if DECLINED in outcomes else SKIPPED
+    return row
+
+
+def run_impl(case: Case, impl: Impl, ctx: RunContext, ref: Optional[Dict[str, torch.Tensor]], ref_note: str) -> Row:
+    """Time ``impl`` on ``case`` (forward, then forward+backward) and check it against ``ref``."""
+    w = case.workload
+
+    def inputs(grad: bool):
+        args, leaves, grad_out = _impl_inputs(case, impl, grad)
+        return args, leaves, [grad_out]
+
+    def grads_for_ref(grads):
+        return {name: _from_layout(g, impl) if name != "dbias" else g for name, g in zip(GRAD_NAMES, grads)}
+
+    row = time_impl(case, impl, ctx, ref, ref_note, inputs=inputs, out_for_ref=lambda out: _from_layout(out, impl),
+                    grads_for_ref=grads_for_ref, backward=ctx.backward and not w.forward_only)
     _derive_rates(row, w, case.dtype)
     return row
 
@@ -296,6 +326,79 @@ def _fill_speedups(rows: List[Row]) -> None:
             r.speedup_fwd_bwd = base.fwd_bwd_ms / r.fwd_bwd_ms
 
 
+def workload_case(w, ctx: RunContext, make_case) -> Tuple[object, List[Row]]:
+    """Print the workload's header and build its inputs, ``make_case(w, device, dtype)``:
+    ``(case, [])``, or ``(None, [the inputs' error row])`` when that fails."""
+    print(f"== {w.name}", flush=True)
+    try:
+        return make_case(w, ctx.device, ctx.dtype), []
+    except Exception as exc:  # noqa: BLE001
+        return None, [inputs_error_row(w, exc, ctx.device)]
+
+
+def checked_reference(check: bool, compute: Callable[[], Dict[str, torch.Tensor]]
+                      ) -> Tuple[Optional[Dict[str, torch.Tensor]], str]:
+    """The float32 reference and the rows' note for it: ``(compute(), "-")`` when ``check``
+    (the workload is small enough), else ``(None, "-")``; on failure, printed,
+    ``(None, "ref failed")``."""
+    if not check:
+        return None, "-"
+    try:
+        return compute(), "-"
+    except Exception as exc:  # noqa: BLE001
+        print(f"   float32 reference failed: {_describe(exc)}", flush=True)
+        return None, "ref failed"
+
+
+def implementations_or_error_row(w, make: Callable[[], List[Impl]]) -> Tuple[List[Impl], List[Row]]:
+    """``(make(), [])``; when creating the implementations fails, ``([], [its error row])``."""
+    try:
+        return make(), []
+    except Exception as exc:  # noqa: BLE001
+        row = Row(w.suite, w.name, w.short, "(setup)", "-", w.to_dict(), status=ERROR)
+        row.notes.append(f"creating the implementations failed: {_describe(exc)}")
+        return [], [row]
+
+
+def run_suite_workload(w, ctx: RunContext, *, case_type, check_reference: bool,
+                       reference: Callable[[object], Dict[str, torch.Tensor]],
+                       implementations: Callable[[], List[Impl]], run_one, progress: Callable[[Row], str],
+                       finish: Callable[[List[Row]], None]) -> List[Row]:
+    """Every row of one workload of a suite with its own inputs and runner (varlen, dma_long);
+    failures become rows, never exceptions.
+
+    The inputs are ``case_type(w, device, dtype)``; ``reference(case)`` is the float32 oracle,
+    computed when ``check_reference``; each of ``implementations()`` gets the row
+    ``run_one(case, impl, ctx, ref, ref_note)``, is printed as ``progress(row)`` and is then
+    dropped with its state (copies, masks, layer weights) before the next one runs. Speedups
+    are filled in, then ``finish(rows)`` adds the suite's own columns.
+    """
+    case, failed = workload_case(w, ctx, case_type)
+    if failed:
+        return failed
+    ref, ref_note = checked_reference(check_reference, lambda: reference(case))
+    if check_reference:
+        _free(ctx.device)
+
+    impls, rows = implementations_or_error_row(w, implementations)
+    while impls:
+        impl = impls.pop(0)
+        row = run_one(case, impl, ctx, ref, ref_note)
+        rows.append(row)
+        print(progress(row), flush=True)
+        del impl
+        _free(ctx.device)
+    _fill_speedups(rows)
+    finish(rows)
+    del case, ref
+    if ctx.cuda:
+        # Flex (run directly or picked by auto-dispatch) compiles per shape: dropping its
+        # kernels keeps the compile cache below torch's recompile limit.
+        torch.compiler.reset()
+    _free(ctx.device)
+    return rows
+
+
 def run_workload(w: Workload, ctx: RunContext, backends: List[str]) -> List[Row]:
     """Every implementation on one workload; failures become rows, never exceptions."""
     if w.suite == "varlen":  # packed inputs, its own rows (benchmarks/varlen.py)
@@ -306,27 +409,12 @@ def run_workload(w: Workload, ctx: RunContext, backends: List[str]) -> List[Row]
         from .dma_long import run_dma_long_workload
 
         return run_dma_long_workload(w, ctx, backends)
-    print(f"== {w.name}", flush=True)
-    try:
-        case = build_case(w, ctx.device, ctx.dtype)
-    except Exception as exc:  # noqa: BLE001
-        return [inputs_error_row(w, exc, ctx.device)]
-
-    ref, ref_note = None, "-"
-    if w.seqlen_q * w.seqlen_k <= REFERENCE_CHECK_MAX_WORK:
-        try:
-            ref = reference_outputs(case, ctx.backward and not w.forward_only)
-        except Exception as exc:  # noqa: BLE001
-            ref_note = "ref failed"
-            print(f"   float32 reference failed: {_describe(exc)}", flush=True)
-
-    rows: List[Row] = []
-    try:
-        impls = implementations(w, ctx, backends)
-    except Exception as exc:  # noqa: BLE001
-        row = Row(w.suite, w.name, w.short, "(setup)", "-", w.to_dict(), status=ERROR)
-        row.notes.append(f"creating the implementations failed: {_describe(exc)}")
-        impls, rows = [], [row]
+    case, failed = workload_case(w, ctx, build_case)
+    if failed:
+        return failed
+    ref, ref_note = checked_reference(w.seqlen_q * w.seqlen_k <= REFERENCE_CHECK_MAX_WORK,
+                                      lambda: reference_outputs(case, ctx.backward and not w.forward_only))
+    impls, rows = implementations_or_error_row(w, lambda: implementations(w, ctx, backends))
     for impl in impls:
         # Implementations without cache_seqlens run on the used prefix of a part-filled cache;
         # the row keeps the workload's own name and rates (counted on the used keys).

@@ -30,8 +30,7 @@ from flash_dmattn.utils.padding import cu_seqlens_from_lengths, pad_input
 
 from . import report
 from .impls import REFERENCE_MAX_WORK_GPU, Declined, Impl, RunContext, Skipped, _flex_fn, _sdpa, _short_decline
-from .report import DECLINED, ERROR, OK, PARTIAL, SKIPPED, Row
-from .timing import peak_extra_mib, time_ms
+from .report import Row
 from .workloads import Workload
 
 SEED = 0
@@ -551,68 +550,11 @@ def reference_outputs(case: VarlenCase, backward: bool) -> Dict[str, torch.Tenso
 
 
 def _run_impl(case: VarlenCase, impl: VarlenImpl, ctx: RunContext, ref, ref_note: str) -> Row:
-    from .run import CPU_REPEATS, _compare, _first_call, _free, _run_phase, start_row
+    from .run import _derive_rates, time_impl
 
-    w = case.workload
-    row, ready = start_row(case, impl, ctx, ref is not None, ref_note)
-    if not ready:
-        return row
-    check = ref is not None and impl.computes_workload
-    backward = ctx.backward
-    device = case.device
-
-    def forward():
-        args, _, _ = impl.make_inputs(case, grad=False)
-
-        def fwd():
-            with torch.no_grad():
-                return impl(*args)
-
-        out = _first_call(impl, fwd, row, "fwd")
-        if check:
-            _compare(row, ref, {"out": impl.packed_out(out)})
-        del out
-        if not backward:
-            row.peak_extra_mib, row.peak_phase = peak_extra_mib(fwd, device), "fwd"
-        row.fwd_ms = time_ms(fwd, device, CPU_REPEATS)
-
-    def forward_backward():
-        reason = impl.backward_skip_reason(ctx)
-        if reason:
-            raise Skipped(reason)
-        args, leaves, grad_outs = impl.make_inputs(case, grad=True)
-
-        def step():
-            out = impl(*args)
-            outs = out if isinstance(out, list) else [out]
-            return out, torch.autograd.grad(outs, leaves, grad_outs)
-
-        out, grads = _first_call(impl, step, row, "fwd+bwd")
-        if check:
-            got = impl.packed_grads(grads)
-            if "out" not in row.rel_err_detail:
-                got["out"] = impl.packed_out(out)
-            _compare(row, ref, got)
-        del out, grads
-        row.peak_extra_mib, row.peak_phase = peak_extra_mib(step, device), "fwd+bwd"
-        row.fwd_bwd_ms = time_ms(step, device, CPU_REPEATS)
-
-    outcomes = [_run_phase(row, "fwd", forward)]
-    _free(device)
-    if backward:
-        outcomes.append(_run_phase(row, "fwd+bwd", forward_backward))
-        _free(device)
-    row.notes = list(dict.fromkeys(row.notes))
-    if all(o == OK for o in outcomes):
-        row.status = OK
-    elif any(o == OK for o in outcomes):
-        row.status = PARTIAL
-    else:
-        row.status = ERROR if ERROR in outcomes else DECLINED if DECLINED in outcomes else SKIPPED
-    if row.fwd_ms:
-        row.tflops_fwd = w.flops_fwd() / (row.fwd_ms * 1e-3) / 1e12
-    if row.fwd_bwd_ms:
-        row.tflops_fwd_bwd = w.flops_fwd_bwd() / (row.fwd_bwd_ms * 1e-3) / 1e12
+    row = time_impl(case, impl, ctx, ref, ref_note, inputs=lambda grad: impl.make_inputs(case, grad),
+                    out_for_ref=impl.packed_out, grads_for_ref=impl.packed_grads, backward=ctx.backward)
+    _derive_rates(row, case.workload, case.dtype)
     return row
 
 
@@ -640,46 +582,19 @@ def _fill_ratios(rows: List[Row], backends: List[str]) -> None:
 
 def run_varlen_workload(w: VarlenWorkload, ctx: RunContext, backends: List[str]) -> List[Row]:
     """Every implementation on one varlen workload; failures become rows, never exceptions."""
-    from .run import _describe, _fill_speedups, _free, inputs_error_row
+    from .run import run_suite_workload
 
-    print(f"== {w.name}", flush=True)
-    try:
-        case = VarlenCase(w, ctx.device, ctx.dtype)
-    except Exception as exc:  # noqa: BLE001
-        return [inputs_error_row(w, exc, ctx.device)]
-
-    ref, ref_note = None, "-"
-    work = [n * n for n in w.lengths]
-    if max(work) <= REFERENCE_MAX_SEQ_WORK and sum(work) <= REFERENCE_MAX_TOTAL_WORK:
-        try:
-            ref = reference_outputs(case, ctx.backward)
-        except Exception as exc:  # noqa: BLE001
-            ref_note = "ref failed"
-            print(f"   float32 reference failed: {_describe(exc)}", flush=True)
-        _free(ctx.device)
-
-    rows: List[Row] = []
-    try:
-        impls = varlen_implementations(w, ctx, backends)
-    except Exception as exc:  # noqa: BLE001
-        row = Row(w.suite, w.name, w.short, "(setup)", "-", w.to_dict(), status=ERROR)
-        row.notes.append(f"creating the implementations failed: {_describe(exc)}")
-        impls, rows = [], [row]
-    while impls:
-        impl = impls.pop(0)
-        row = _run_impl(case, impl, ctx, ref, ref_note)
-        rows.append(row)
-        print(
+    def progress(row: Row) -> str:
+        return (
             f"   {row.impl:<40} fwd {report.fmt_ms(row.fwd_ms):>9} ms  fwd+bwd {report.fmt_ms(row.fwd_bwd_ms):>9} ms"
-            f"  {row.status}{'  ' + '; '.join(row.notes) if row.notes else ''}",
-            flush=True,
+            f"  {row.status}{'  ' + '; '.join(row.notes) if row.notes else ''}"
         )
-        del impl  # drops its state (heads-first copies, SDPA's (B,1,L,L) mask, BlockMask)
-        _free(ctx.device)
-    _fill_speedups(rows)
-    _fill_ratios(rows, backends)
-    del case, ref
-    if ctx.cuda:
-        torch.compiler.reset()
-    _free(ctx.device)
-    return rows
+
+    work = [n * n for n in w.lengths]
+    return run_suite_workload(
+        w, ctx, case_type=VarlenCase,
+        check_reference=max(work) <= REFERENCE_MAX_SEQ_WORK and sum(work) <= REFERENCE_MAX_TOTAL_WORK,
+        reference=lambda case: reference_outputs(case, ctx.backward),
+        implementations=lambda: varlen_implementations(w, ctx, backends),
+        run_one=_run_impl, progress=progress, finish=lambda rows: _fill_ratios(rows, backends),
+    )

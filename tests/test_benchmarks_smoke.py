@@ -8,27 +8,39 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_quick_benchmark_writes_reports(tmp_path):
+def _run_module(*args: str) -> subprocess.CompletedProcess:
+    """``python -m <args>`` from the repository on the CPU path; asserts it succeeded."""
     env = dict(os.environ)
-    # The smoke test is about the CPU path, also on a machine that has a GPU.
+    # The smoke tests are about the CPU path, also on a machine that has a GPU.
     env["CUDA_VISIBLE_DEVICES"] = ""
     env.pop("FLASH_DMATTN_BACKEND", None)
     env.pop("FLASH_DMATTN_DISABLE", None)
     # conftest turns on Triton's interpreter for the kernel tests; a benchmark must not use it
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--suite", "dense,dynamic", "--out", str(tmp_path)]
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
+    return res
 
+
+def _run_quick(tmp_path, suites: str):
+    """``benchmarks.run --quick`` on ``suites`` (comma list): its result, the rows of its JSON
+    report (checked to be of those suites) and the report folder."""
+    res = _run_module("benchmarks.run", "--quick", "--suite", suites, "--out", str(tmp_path))
     out_dir = tmp_path / "cpu"
+    names = [n.replace("-", "_") for n in suites.split(",")]
+    doc = json.loads((out_dir / f"quick-{'-'.join(names)}.json").read_text())
+    assert doc["environment"]["torch"] and doc["environment"]["date"]
+    rows = doc["rows"]
+    assert {r["suite"] for r in rows} == set(names)
+    return res, rows, out_dir
+
+
+def test_quick_benchmark_writes_reports(tmp_path):
+    res, rows, out_dir = _run_quick(tmp_path, "dense,dynamic")
     json_files = sorted(out_dir.glob("*.json"))
     md_files = sorted(out_dir.glob("*.md"))
     assert len(json_files) == 1 and len(md_files) == 1, sorted(p.name for p in out_dir.iterdir())
-
-    doc = json.loads(json_files[0].read_text())
-    assert doc["environment"]["torch"] and doc["environment"]["date"]
-    rows = doc["rows"]
-    assert {r["suite"] for r in rows} == {"dense", "dynamic"}
     errors = [(r["workload"], r["impl"], r["notes"]) for r in rows if r["status"] == "error"]
     assert not errors, errors
 
@@ -51,18 +63,7 @@ def test_quick_benchmark_writes_reports(tmp_path):
 
 def test_quick_varlen_benchmark(tmp_path):
     # The varlen suite (packed vs sequential vs padded) on CPU, every available backend.
-    env = dict(os.environ)
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    for name in ("FLASH_DMATTN_BACKEND", "FLASH_DMATTN_DISABLE", "TRITON_INTERPRET"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--suite", "varlen", "--out", str(tmp_path)]
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
-
-    out_dir = tmp_path / "cpu"
-    doc = json.loads((out_dir / "quick-varlen.json").read_text())
-    rows = doc["rows"]
-    assert {r["suite"] for r in rows} == {"varlen"}
+    res, rows, out_dir = _run_quick(tmp_path, "varlen")
     errors = [(r["workload"], r["impl"], r["notes"]) for r in rows if r["status"] == "error"]
     assert not errors, errors
     assert len({r["workload"] for r in rows}) == 2  # without and with the per-key mask + bias
@@ -99,13 +100,8 @@ def test_quick_varlen_benchmark(tmp_path):
 
 def test_profile_tables(tmp_path):
     """benchmarks.profile prints and writes a per-op table for each (workload, backend) pair."""
-    env = dict(os.environ)
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "benchmarks.profile", "--quick", "--suite", "dynamic",
-           "--backends", "torch-reference", "--rows", "5", "--iters", "1", "--out", str(tmp_path)]
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
+    _run_module("benchmarks.profile", "--quick", "--suite", "dynamic", "--backends", "torch-reference",
+                "--rows", "5", "--iters", "1", "--out", str(tmp_path))
     text = (tmp_path / "profile-dynamic.txt").read_text()
     assert "| torch-reference | fwd+bwd" in text
     assert "flash_dmattn::reference_fwd" in text or "aten::" in text
@@ -115,18 +111,7 @@ def test_profile_tables(tmp_path):
 def test_quick_dma_long_benchmark(tmp_path):
     """The dma-long suite (KeyIntervals from topk_intervals, selection build, dense and
     selected-keys SDPA, layer steps) on CPU with torch-reference, float32, L 256-512."""
-    env = dict(os.environ)
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    for name in ("FLASH_DMATTN_BACKEND", "FLASH_DMATTN_DISABLE", "TRITON_INTERPRET"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--suite", "dma-long", "--out", str(tmp_path)]
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
-
-    out_dir = tmp_path / "cpu"
-    doc = json.loads((out_dir / "quick-dma_long.json").read_text())
-    rows = doc["rows"]
-    assert {r["suite"] for r in rows} == {"dma_long"}
+    res, rows, out_dir = _run_quick(tmp_path, "dma-long")
     errors = [(r["workload"], r["impl"], r["notes"]) for r in rows if r["status"] != "ok"]
     assert not errors, errors
 
