@@ -83,7 +83,7 @@ from torch import nn
 
 from flash_dmattn.modules import DynamicMaskAttention, apply_rotary_pos_emb
 from flash_dmattn.utils.dynamic import dynamic_mask_bias
-from flash_dmattn.utils.mask import causal_topk_mask
+from flash_dmattn.utils.mask import topk_intervals
 
 __all__ = [
     "IGNORE_INDEX",
@@ -613,7 +613,7 @@ def window_coverage(model: nn.Module, task: MQARConfig, tokens: torch.Tensor) ->
     ``i``): there the value token sits and, through a previous-token head of an earlier
     layer, its key. The selection is recomputed exactly as ``DynamicMaskAttention`` does it
     (the bias ``exp(A * softplus(dt_proj(v)))`` of the layer's input in this forward pass, the
-    causal top-``window_size`` by :func:`flash_dmattn.utils.mask.causal_topk_mask`, at each
+    causal top-``window_size`` by :func:`flash_dmattn.utils.mask.topk_intervals`, at each
     layer's current ``window_size``).
 
     For the 2-layer recall circuit the last layer's numbers are the ones that matter. They
@@ -660,10 +660,11 @@ def _forward_with_coverage(
             continue
         v = layer.v_proj(hidden).view(b, length, layer.num_kv_heads, layer.head_dim)
         bias = dynamic_mask_bias(v, layer.dt_proj, layer.A)  # (B, Hkv, 1, L)
-        mask = causal_topk_mask(bias, None, layer.window_size, torch.finfo(bias.dtype).min)
-        rows = mask[:, :, positions, :]  # (B, Hkv, Q, L)
-        idx = needed[:, None, :, None].expand(-1, rows.shape[1], -1, 1)
-        held = rows.gather(-1, idx)[..., 0]  # (B, Hkv, Q)
+        # Query p keeps key j iff start[j] <= p < end[j] (O(L) numbers, no (L, L) mask).
+        window = topk_intervals(bias, layer.window_size)
+        idx = needed[:, None, :].expand(-1, window.shape[1], -1)  # (B, Hkv, Q)
+        p = positions.view(1, 1, -1)
+        held = (window.start.gather(-1, idx) <= p) & (p < window.end.gather(-1, idx))
         cov.append(held.float().mean().item())
         cov_any.append(held.any(1).float().mean().item())
     return logits, {"coverage": cov, "coverage_any": cov_any}

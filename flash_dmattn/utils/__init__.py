@@ -2,7 +2,7 @@
 the Dynamic Mask Attention bias and call (``dynamic``), and varlen packing (``padding``).
 """
 from .dynamic import apply_dynamic_mask_attention, dynamic_mask_bias
-from .mask import create_mask
+from .mask import create_mask, topk_intervals
 from .padding import cu_seqlens_from_lengths, pad_input, unpad_input
 
 __all__ = [
@@ -11,5 +11,6 @@ __all__ = [
     "cu_seqlens_from_lengths",
     "dynamic_mask_bias",
     "pad_input",
+    "topk_intervals",
     "unpad_input",
 ]
