@@ -3,24 +3,27 @@ the backward.
 
 A :class:`~flash_dmattn.masks.KeyIntervals` mask gives each key ``j`` one range of query
 positions ``[start_j, end_j)``. Intersected with the call's queries (and with ``j <= pos`` when
-causal) it becomes a range of query *indices* ``[a_j, b_j)``; a key with ``a_j >= b_j`` is seen
-by nobody and costs nothing. From those ranges:
+causal) it becomes a range of query *indices* ``[lo_j, hi_j)``; a key with ``lo_j >= hi_j`` is
+seen by nobody and costs nothing. From those ranges:
 
 * **Forward / dQ lists** (query-tile major): for each query tile of ``block_m`` rows, the
-  position-sorted indices of the keys whose range meets the tile. A key appears in
-  ``last - first + 1`` lists, so the total length is about ``(Lq / block_m) * (W + block_m)``
-  for a top-W selection: the kernels' work follows the selected keys, not the key tiles. The
-  lists of one mask row are stored back to back; ``tile_start``/``tile_len`` index them.
+  indices of the keys whose range meets the tile — first those every query of the tile sees
+  (``tile_full`` of them; the kernels skip their interval test), then the others, each group
+  in position order. A key appears in ``last - first + 1`` lists, so the total length is
+  about ``(Lq / block_m) * (W + block_m)`` for a top-W selection: the kernels' work follows
+  the selected keys, not the key tiles. ``tile_start``/``tile_len`` index the lists.
 * **Backward key blocks** (key major): the keys seen by anyone, grouped ``block_n`` at a time;
-  each block carries the union ``[q_lo, q_hi)`` of its keys' ranges, which its dK/dV program
-  walks. Each key is in exactly one block, so dK/dV/dbias are written without atomics. Keys
-  are grouped by coarse end and then by start, so that a block's keys share most of their
-  ranges: for a shared selection (every range ends at ``Lq``) this is position order; for a
-  causal per-query selection it keeps keys that stop being selected at about the same query
-  together.
+  each block carries the union ``[q_lo, q_hi)`` of its keys' ranges, which its dK/dV
+  programs walk. Each key is in exactly one block. Keys are grouped by coarse end and then
+  by start, so that a block's keys share most of their ranges: for a shared selection
+  (every range ends at ``Lq``) this is position order; for a causal per-query selection it
+  keeps keys that stop being selected at about the same query together.
+* A mask that hides nothing beyond ``is_causal`` is reported as such (``hides_nothing``), so
+  the call can run on the dense kernels.
 
-Everything here is plain PyTorch on the bounds' device: O(B·H·Lk) numbers plus the lists,
-never an (Lq, Lk) tensor.
+On a GPU the planner's own Triton kernels build the lists (:mod:`.list_kernels`); the
+plain-PyTorch functions here build the same lists elsewhere and in tests. Either way the
+memory is O(B·H·Lk) numbers plus the lists, never an (Lq, Lk) tensor.
 """
 from __future__ import annotations
 
@@ -47,10 +50,6 @@ class KeyRanges:
 
     lo: torch.Tensor
     hi: torch.Tensor
-
-    @property
-    def live(self) -> torch.Tensor:
-        return self.lo < self.hi
 
 
 def key_ranges(bounds: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool) -> KeyRanges:
@@ -230,27 +229,16 @@ def plan_intervals_reference(bounds, seqlen_q, seqlen_k, is_causal, block_m, blo
     plan = IntervalPlan(block_m, block_n, ranges.lo.shape[0], tile_start, tile_len, tile_full,
                         keys)
     if backward:
-        (plan.blk_keys, plan.blk_qlo, plan.blk_qhi) = key_blocks(ranges, seqlen_q, block_n,
-                                    end_bucket or end_bucket_for(seqlen_q))
+        bucket = end_bucket or end_bucket_for(seqlen_q)
+        plan.blk_keys, plan.blk_qlo, plan.blk_qhi = key_blocks(ranges, seqlen_q, block_n, bucket)
     return plan
 
 
 def _dense_equivalent(bounds, seqlen_q, block_m, block_n) -> IntervalPlan:
+    """The plan of a mask that hides nothing beyond ``is_causal``: no lists."""
     rows = bounds.shape[1] * bounds.shape[2]
     n_tiles = max(1, cdiv(seqlen_q, block_m))
     empty = torch.zeros((rows, n_tiles), dtype=torch.int32, device=bounds.device)
     return IntervalPlan(block_m, block_n, rows, empty, empty, empty,
                         torch.zeros(0, dtype=torch.int32, device=bounds.device),
                         hides_nothing=True)
-
-
-def plan_cost(plan: IntervalPlan, ranges: KeyRanges, seqlen_q: int) -> dict:
-    """Pairs the kernels visit against the pairs the mask keeps, per mask row (diagnostics
-    for tuning the grouping; no kernel reads this)."""
-    visible = (ranges.hi - ranges.lo).clamp(min=0).to(torch.int64).sum().item()
-    fwd = plan.tile_len.to(torch.int64).sum().item() * plan.block_m
-    bwd = 0
-    if plan.blk_keys is not None:
-        bwd = ((plan.blk_qhi - plan.blk_qlo).clamp(min=0).to(torch.int64).sum().item()
-               * plan.block_n)
-    return {"visible": visible, "forward": fwd, "backward": bwd}

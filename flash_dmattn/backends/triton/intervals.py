@@ -3,10 +3,10 @@
 A :class:`~flash_dmattn.masks.KeyIntervals` mask lets key ``j`` be seen by the query positions
 ``[start_j, end_j)``. The planner (:mod:`flash_dmattn.planning.key_lists`) turns that into
 
-* per query tile, the position-sorted list of keys whose range meets the tile: the forward
-  and the dQ kernel load exactly those K/V rows by index (a gather, 2·D bytes a row) and test
-  the interval arithmetically — no mask memory is read, and no key tile is visited for one
-  live key;
+* per query tile, the list of keys whose range meets the tile: the forward and the dQ kernel
+  load exactly those K/V rows by index (a gather, 2·D bytes a row) and test the interval
+  arithmetically — no mask memory is read, and no key tile is visited for one live key. The
+  keys every query of the tile sees come first, and their chunks skip the test;
 * key blocks of up to ``block_n`` keys with the union ``[q_lo, q_hi)`` of their query ranges:
   the dK/dV kernel holds a block's K/V in registers and walks those queries (for every query
   head of the kv head's group), accumulating dK, dV and the per-key dbias.
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ...intmath import cdiv
-from ...planning.key_lists import IntervalPlan, plan_intervals
+from ...planning.key_lists import plan_intervals
 from .forward import _dot, _tanh, alloc_output, dot_upcast, head_block, interpret_mode
 
 # Kernels read module constants only as constexprs.
