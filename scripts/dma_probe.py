@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import flash_dmattn as fd
-from flash_dmattn.planning.selection import topk_intervals
+from flash_dmattn.utils.mask import topk_intervals
 
 
 def med(fn, rep=200):

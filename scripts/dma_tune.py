@@ -12,7 +12,7 @@ import torch
 from triton.testing import do_bench
 
 from flash_dmattn.backends.triton import intervals as iv
-from flash_dmattn.planning.selection import topk_intervals
+from flash_dmattn.utils.mask import topk_intervals
 
 FWD = [(128, 32, 4, 3), (128, 32, 4, 4), (128, 32, 8, 3), (128, 16, 4, 3), (64, 32, 4, 3),
        (128, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3)]

@@ -157,7 +157,7 @@ def test_topk_selection_with_ties(causal_selection):
     """The library's own selections (random and tied biases, padding) through the kernels."""
     if ON_GPU:
         pytest.skip("interpreter sizes")
-    from flash_dmattn.planning.selection import topk_intervals
+    from flash_dmattn.utils.mask import topk_intervals
 
     gen = torch.Generator().manual_seed(5)
     B, L, H, Hkv, D, W = 2, 48, 4, 2, 16, 7
@@ -239,7 +239,7 @@ def test_intervals_gpu(case, dtype, monkeypatch):
 @pytest.mark.parametrize("causal_selection", [False, True])
 def test_topk_selection_gpu(causal_selection, monkeypatch):
     from flash_dmattn.backends.triton import forward, intervals
-    from flash_dmattn.planning.selection import topk_intervals
+    from flash_dmattn.utils.mask import topk_intervals
 
     monkeypatch.setattr(forward, "DEBUG_POISON", True)
     monkeypatch.setattr(intervals, "SEGMENT_ROWS", 256)
