@@ -9,6 +9,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import flash_dmattn as fd
 from flash_dmattn import KeyIntervals
@@ -306,3 +308,26 @@ def test_planner_kernels_match_reference(causal):
         assert torch.equal(keys, ref.keys)
         for got, want in zip(blocks, (ref.blk_keys, ref.blk_qlo, ref.blk_qhi)):
             assert torch.equal(got, want)
+
+
+@needs_kernels
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_interval_problems(data):
+    """Random shapes, GQA, broadcasts of the bounds and the per-key bias, causal with any
+    Lq/Lk, softcap: outputs and every gradient against the dense reference."""
+    if ON_GPU:
+        pytest.skip("interpreter sizes")
+    b = data.draw(st.integers(1, 2))
+    hkv = data.draw(st.integers(1, 2))
+    h = hkv * data.draw(st.sampled_from([1, 2, 3]))
+    lq = data.draw(st.integers(1, 40))
+    lk = data.draw(st.integers(1, 40))
+    d = data.draw(st.sampled_from([8, 16, 24]))
+    bounds_shape = (data.draw(st.sampled_from([1, b])), data.draw(st.sampled_from([1, hkv, h])),
+                    lk)
+    bias_shape = data.draw(st.sampled_from([
+        None, (1, 1, 1, lk), (b, hkv, 1, lk), (b, h, 1, lk), (1, h, 1, lk)]))
+    check_case(b, lq, lk, h, hkv, d, bounds_shape, bias_shape,
+               causal=data.draw(st.booleans()), softcap=data.draw(st.sampled_from([0.0, 2.0])),
+               seed=data.draw(st.integers(0, 1000)))
