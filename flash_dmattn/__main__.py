@@ -64,7 +64,7 @@ def demo(seqlen: int = 0, repeats: int = 0) -> int:
     from . import flash_dmattn_func_auto, get_available_backends, registry
     from .inputs import AttentionInputs
     from .reference import reference_attention
-    from .utils.mask import create_mask
+    from .utils.mask import topk_intervals
 
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -77,16 +77,19 @@ def demo(seqlen: int = 0, repeats: int = 0) -> int:
     q = torch.randn(B, L, H, D, device=device, dtype=dtype, generator=gen)
     k = torch.randn(B, L, Hkv, D, device=device, dtype=dtype, generator=gen)
     v = torch.randn(B, L, Hkv, D, device=device, dtype=dtype, generator=gen)
-    # A dynamic-mask layer's per-key bias and its top-`window` key mask.
+    # A dynamic-mask layer's per-key bias and its selection: each query keeps the top-`window`
+    # keys of its causal prefix, as key intervals (O(L) numbers, as DynamicMaskAttention
+    # builds them).
     bias = torch.randn(B, Hkv, 1, L, device=device, dtype=dtype, generator=gen)
-    mask = create_mask(bias, None, B, L, L, window, torch.finfo(dtype).min)
+    mask = topk_intervals(bias, window, is_causal=True)
     print(f"device: {_device_line()}")
     print(
         f"problem: B={B} L={L} H={H} Hkv={Hkv} D={D} {str(dtype).replace('torch.', '')}, "
-        f"per-key bias {tuple(bias.shape)}, top-{window} mask {tuple(mask.shape)}, causal"
+        f"per-key bias {tuple(bias.shape)}, causal top-{window} per query as KeyIntervals "
+        f"{mask.shape}"
     )
     exact, _ = reference_attention(
-        q.double(), k.double(), v.double(), mask, bias.double(), D ** -0.5, True, 0.0
+        q.double(), k.double(), v.double(), mask.to_dense(L), bias.double(), D ** -0.5, True, 0.0
     )
     print(f"{'backend':<16} {'fwd ms':>9} {'fwd+bwd ms':>11} {'max |err|':>10}  note")
     auto = flash_dmattn_func_auto(None)
