@@ -376,7 +376,7 @@ def run_suite_workload(w, ctx: RunContext, *, case_type, check_reference: bool,
     case, failed = workload_case(w, ctx, case_type)
     if failed:
         return failed
-    ref, ref_note = checked_reference(check_reference, lambda: reference(case))
+    ref, ref_note = checked_reference(check_reference, lambda c=case: reference(c))
     if check_reference:
         _free(ctx.device)
 
@@ -413,7 +413,7 @@ def run_workload(w: Workload, ctx: RunContext, backends: List[str]) -> List[Row]
     if failed:
         return failed
     ref, ref_note = checked_reference(w.seqlen_q * w.seqlen_k <= REFERENCE_CHECK_MAX_WORK,
-                                      lambda: reference_outputs(case, ctx.backward and not w.forward_only))
+                                      lambda c=case: reference_outputs(c, ctx.backward and not w.forward_only))
     impls, rows = implementations_or_error_row(w, lambda: implementations(w, ctx, backends))
     for impl in impls:
         # Implementations without cache_seqlens run on the used prefix of a part-filled cache;
