@@ -6,7 +6,8 @@ compiler made of them -- registers and spills (``ptxas -v``), whether the key lo
 were software-pipelined (async copies inside the loop) and how many layout conversions the
 loop body pays. Usage::
 
-    python scripts/compile_check.py [--arch 90] [--workload t2|dense|per-key|varlen|decode] [--dump DIR]
+    python scripts/compile_check.py [--arch 90] [--workload t2|dense|per-key|varlen|decode|intervals|selection]
+                                    [--dump DIR]
                                     [--first-config]
 
 The workload's inputs are built on CPU at a small length (the kernels' code does not depend
@@ -36,7 +37,7 @@ from flash_dmattn.backends.triton import backward as bwd_mod  # noqa: E402
 from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-           torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8",
+           torch.float64: "fp64", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8",
            torch.bool: "i1"}
 
 
@@ -101,7 +102,11 @@ class _PlanCapture:
             label = {"_compact_keys_kernel": "keys", "_gather_mask_bits_kernel": "gbits",
                      "_gather_bias_kernel": "gbias", "_per_key_lists_kernel": "keyl",
                      "_decode_split_kernel": "dsplit",
-                     "_decode_combine_kernel": "dcomb"}.get(self.name, self.name[:5])
+                     "_decode_combine_kernel": "dcomb", "_ki_fwd_kernel": "ifwd",
+                     "_ki_dq_kernel": "idq", "_ki_dkv_kernel": "idkv",
+                     "_delta_kernel": "idelta", "_score_kernel": "sscore",
+                     "_prep_kernel": "sprep", "_partition_kernel": "spart",
+                     "_query_kernel": "squery"}.get(self.name, self.name[:5])
             self.launches.append((label, _Fixed(self.kernel, num_warps, num_stages, maxnreg),
                                   args, meta))
         return launch
@@ -146,6 +151,40 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
 
     B, H, Hkv, L, D = 1, 16, 4, seqlen, 128
     g = torch.Generator().manual_seed(0)
+    if workload == "selection":
+        # topk_intervals' kernels: causal calls at lengths of one to four tree levels (radix 16
+        # and 32), with and without padding, and the all-kept calls of both kinds.
+        from flash_dmattn.planning import selection_kernels as sel_mod
+
+        for kname in ("_score_kernel", "_prep_kernel", "_partition_kernel", "_query_kernel"):
+            setattr(sel_mod, kname, _PlanCapture(kname, getattr(sel_mod, kname), launches))
+        for length, bdtype, pad in ((300, torch.float32, True), (5000, torch.bfloat16, False),
+                                    (40000, torch.float64, True), (9, torch.float16, False)):
+            bias = torch.randn(2, 3, length, generator=g).to(bdtype)
+            padding = (torch.rand(2, length, generator=g) > 0.2) if pad else None
+            sel_mod.causal_bounds(bias, padding, -1e30, 4, 2, 3)
+            sel_mod.all_kept_bounds(bias, padding, 0.5, 2, 3, True)
+            sel_mod.all_kept_bounds(bias, padding, 0.5, 2, 3, False)
+        return launches
+    if workload == "intervals":
+        # A causal top-W key-interval call with a per-key bias: the gathering forward, dQ and
+        # dK/dV kernels (the plain-PyTorch planner builds their lists on CPU).
+        from flash_dmattn.backends.triton import intervals as iv_mod
+        from flash_dmattn.utils.mask import topk_intervals
+
+        for kname in ("_ki_fwd_kernel", "_ki_dq_kernel", "_ki_dkv_kernel", "_delta_kernel"):
+            setattr(iv_mod, kname, _PlanCapture(kname, getattr(iv_mod, kname), launches))
+        q = torch.randn(B, L, H, D, generator=g).to(dtype)
+        k = torch.randn(B, L, Hkv, D, generator=g).to(dtype)
+        bias = torch.randn(B, Hkv, 1, L, generator=g).to(dtype)
+        bounds = topk_intervals(bias, L // 8, is_causal=True).bounds
+        out, lse, plan = iv_mod.interval_forward(
+            q, k, k, bias, bounds, D ** -0.5, True, 0.0,
+            plan=iv_mod.plan_for(q, k, bounds, True, backward=True))
+        iv_mod.interval_backward(torch.randn_like(out), q, k, k, bias, bounds, out,
+                                 torch.zeros(B, H, L), D ** -0.5, True, 0.0, False,
+                                 (True, True, True, True), plan=plan)
+        return launches
     if workload == "decode":
         # One decode step, H32/Hkv8, per-key mask + bias, with and without a part-filled cache;
         # then without mask or bias, and paged (64-key pages: one page id per tile; 16-key
@@ -257,7 +296,8 @@ def _loop_report(ttgir: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--workload", default="t2", choices=["t2", "dense", "per-key", "full-bias", "varlen", "decode"])
+    ap.add_argument("--workload", default="t2", choices=["t2", "dense", "per-key", "full-bias", "varlen", "decode",
+                             "intervals", "selection"])
     ap.add_argument("--dump", type=Path, default=None, help="write each kernel's TTGIR here")
     ap.add_argument("--seqlen", type=int, default=512,
                     help="sequence length of the captured call (divisibility by 16 changes codegen)")
