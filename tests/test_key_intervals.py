@@ -331,6 +331,7 @@ def test_reference_paged_kv():
 @pytest.mark.parametrize("lq,lk", LENGTHS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_flex_matches_dense(shapes, lq, lk, causal):
+    # float64 inputs on both sides: 1e-10 leaves room only for summation-order rounding.
     torch.manual_seed(lq * 17 + lk)
     q, k, v = _qkv(lq, lk, d=16)
     bias = _bias(lq, lk, grad=False)
@@ -483,6 +484,19 @@ def _registered(name):
     return next(b for b in registry.registered_backends() if b.name == name)
 
 
+def _backend_and_device(name):
+    """The registered backend and the device its kernels run on here. A backend this machine
+    cannot run (cuda on a CPU-only machine, triton without a GPU or its interpreter) skips:
+    the same case runs where the backend is available."""
+    backend = _registered(name)
+    if not backend.available:
+        pytest.skip(f"{name} unavailable: {backend.unavailable_reason()}")
+    device = "cuda" if name == "cuda" or (name == "triton" and torch.cuda.is_available()) else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return backend, device
+
+
 def _backend_params():
     return [pytest.param(b.name, id=b.name) for b in registry.registered_backends()]
 
@@ -493,12 +507,7 @@ def test_every_backend_declines_or_matches(name, lq, lk, causal):
     """A backend that accepts KeyIntervals must honour them (compare with the dense mask).
     Triton cases run on CPU under TRITON_INTERPRET=1 only (conftest sets it on CPU-only
     machines) and on CUDA otherwise."""
-    backend = _registered(name)
-    if not backend.available:
-        pytest.skip(f"{name} unavailable: {backend.unavailable_reason()}")
-    device = "cuda" if name == "cuda" or (name == "triton" and torch.cuda.is_available()) else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+    backend, device = _backend_and_device(name)
     torch.manual_seed(lq + lk)
     dtype = torch.float32 if device == "cpu" else torch.float16
     q, k, v = (t.to(device) for t in _qkv(lq, lk, dtype=dtype, d=16))
@@ -516,12 +525,7 @@ def test_every_backend_declines_or_matches(name, lq, lk, causal):
 
 @pytest.mark.parametrize("name", _backend_params())
 def test_every_backend_varlen_declines_or_matches(name):
-    backend = _registered(name)
-    if not backend.available:
-        pytest.skip(f"{name} unavailable: {backend.unavailable_reason()}")
-    device = "cuda" if name == "cuda" or (name == "triton" and torch.cuda.is_available()) else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+    backend, device = _backend_and_device(name)
     torch.manual_seed(10)
     dtype = torch.float32 if device == "cpu" else torch.float16
     lens_q, lens_k = [3, 8], [7, 5]
