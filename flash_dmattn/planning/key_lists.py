@@ -81,7 +81,6 @@ class IntervalPlan:
 
     block_m: int
     block_n: int
-    rows: int
     tile_start: torch.Tensor
     tile_len: torch.Tensor
     tile_full: torch.Tensor
@@ -90,6 +89,10 @@ class IntervalPlan:
     blk_keys: Optional[torch.Tensor] = None
     blk_qlo: Optional[torch.Tensor] = None
     blk_qhi: Optional[torch.Tensor] = None
+
+    @property
+    def rows(self) -> int:
+        return self.tile_start.shape[0]
 
     @property
     def n_tiles(self) -> int:
@@ -205,8 +208,7 @@ def plan_intervals(
         if built is None:
             return _dense_equivalent(bounds, seqlen_q, block_m, block_n)
         tile_start, tile_len, tile_full, keys, blocks = built
-        plan = IntervalPlan(block_m, block_n, tile_start.shape[0], tile_start, tile_len,
-                            tile_full, keys)
+        plan = IntervalPlan(block_m, block_n, tile_start, tile_len, tile_full, keys)
         if blocks is not None:
             plan.blk_keys, plan.blk_qlo, plan.blk_qhi = blocks
         return plan
@@ -226,8 +228,7 @@ def plan_intervals_reference(bounds, seqlen_q, seqlen_k, is_causal, block_m, blo
             & ((ranges.hi >= plain.hi) | (plain.lo >= plain.hi)).all()):
         return _dense_equivalent(bounds, seqlen_q, block_m, block_n)
     tile_start, tile_len, tile_full, keys = tile_lists_reference(ranges, seqlen_q, block_m)
-    plan = IntervalPlan(block_m, block_n, ranges.lo.shape[0], tile_start, tile_len, tile_full,
-                        keys)
+    plan = IntervalPlan(block_m, block_n, tile_start, tile_len, tile_full, keys)
     if backward:
         bucket = end_bucket or end_bucket_for(seqlen_q)
         plan.blk_keys, plan.blk_qlo, plan.blk_qhi = key_blocks(ranges, seqlen_q, block_n, bucket)
@@ -239,6 +240,6 @@ def _dense_equivalent(bounds, seqlen_q, block_m, block_n) -> IntervalPlan:
     rows = bounds.shape[1] * bounds.shape[2]
     n_tiles = max(1, cdiv(seqlen_q, block_m))
     empty = torch.zeros((rows, n_tiles), dtype=torch.int32, device=bounds.device)
-    return IntervalPlan(block_m, block_n, rows, empty, empty, empty,
+    return IntervalPlan(block_m, block_n, empty, empty, empty,
                         torch.zeros(0, dtype=torch.int32, device=bounds.device),
                         hides_nothing=True)

@@ -439,7 +439,7 @@ def plan_for(q, k, bounds, is_causal, backward: bool):
     fb, per_qhead = full_bounds(bounds, B, H, Hkv)
     interp = interpret_mode()
     bm, _, _, _ = _fwd_config(D, interp)
-    bm_b, bn_b, _, _ = _bwd_config(D, interp)
+    _, bn_b, _, _ = _bwd_config(D, interp)
     plan = plan_intervals(fb, Lq, Lk, is_causal, bm, bn_b, backward)
     return plan, fb, per_qhead
 
@@ -452,7 +452,8 @@ def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None
         plan = plan_for(q, k, bounds, is_causal, backward=False)
     ivp, fb, per_qhead = plan
     interp = interpret_mode()
-    bm, bn, warps, stages = _fwd_config(D, interp)
+    _, bn, warps, stages = _fwd_config(D, interp)
+    bm = ivp.block_m  # the lists are per tile of the plan's rows
     out = alloc_output((B, Lq, H, D), q.dtype, q.device)
     lse = alloc_output((B, H, Lq), torch.float32, q.device)
     if B * H * Lq == 0:
@@ -499,7 +500,8 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
     dq = None
     if need_dq:
         dq = alloc_output((B, Lq, H, D), q.dtype, q.device)
-        bm, bn, warps, stages = _fwd_config(D, interp)
+        _, bn, warps, stages = _fwd_config(D, interp)
+        bm = ivp.block_m
         if B * H * Lq:
             _ki_dq_kernel[(cdiv(Lq, bm), B * H)](
                 q, k, v, bias_arg, fb, ivp.tile_start, ivp.tile_len, ivp.tile_full, ivp.keys,
@@ -517,7 +519,8 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
 
     dk = dv = dbias = None
     if need_dk or need_dv or need_dbias:
-        bm, bn, warps, stages = _bwd_config(D, interp)
+        bm, _, warps, stages = _bwd_config(D, interp)
+        bn = ivp.block_n  # the plan's key blocks
         dk_heads = H if per_qhead else Hkv
         dk32 = torch.zeros((B, Lk, dk_heads, D), dtype=torch.float32, device=q.device)
         dv32 = torch.zeros_like(dk32)
