@@ -104,7 +104,7 @@ class _PlanCapture:
                      "_decode_split_kernel": "dsplit",
                      "_decode_combine_kernel": "dcomb", "_ki_fwd_kernel": "ifwd",
                      "_ki_dq_kernel": "idq", "_ki_dkv_kernel": "idkv",
-                     "_delta_kernel": "idelta", "_score_kernel": "sscore",
+                     "_score_kernel": "sscore",
                      "_prep_kernel": "sprep", "_partition_kernel": "spart",
                      "_query_kernel": "squery"}.get(self.name, self.name[:5])
             self.launches.append((label, _Fixed(self.kernel, num_warps, num_stages, maxnreg),
@@ -172,7 +172,7 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
         from flash_dmattn.backends.triton import intervals as iv_mod
         from flash_dmattn.utils.mask import topk_intervals
 
-        for kname in ("_ki_fwd_kernel", "_ki_dq_kernel", "_ki_dkv_kernel", "_delta_kernel"):
+        for kname in ("_ki_fwd_kernel", "_ki_dq_kernel", "_ki_dkv_kernel"):
             setattr(iv_mod, kname, _PlanCapture(kname, getattr(iv_mod, kname), launches))
         q = torch.randn(B, L, H, D, generator=g).to(dtype)
         k = torch.randn(B, L, Hkv, D, generator=g).to(dtype)

@@ -28,7 +28,7 @@ KERNELS = {
     "t2": ("fwd", "dkdv", "dq"),
     "dense": ("fwd", "dkdv", "dq"),
     "varlen": ("fwd", "dkdv", "dq"),
-    "intervals": ("ifwd", "idq", "idkv", "idelta"),
+    "intervals": ("ifwd", "idq", "idkv"),
     "selection": ("sscore", "sprep", "spart", "squery"),
 }
 

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ...intmath import cdiv
 from ...planning.key_lists import plan_intervals
+from .backward import _bwd_preprocess
 from .forward import _dot, _tanh, alloc_output, dot_upcast, head_block, interpret_mode
 
 # Kernels read module constants only as constexprs.
@@ -555,34 +556,17 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
     return dq, dk, dv, dbias
 
 
-@triton.jit
-def _delta_kernel(O, DO, Delta, stride_ob, stride_om, stride_oh, stride_dob, stride_dom,
-                  stride_doh, H, Lq, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                  HEAD_DIM: tl.constexpr):
-    m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)  # batch offsets can pass 2**31 elements
-    h = bh % H
-    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    ok = (offs_m < Lq)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
-                mask=ok, other=0.0).to(tl.float32)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(Delta + bh * Lq + offs_m, tl.sum(o * do, 1), mask=offs_m < Lq)
-
-
 def _delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``rowsum(dO * O)`` as fp32 ``(B, H, Lq)`` (the softmax backward's per-row term)."""
+    """``rowsum(dO * O)`` as fp32 ``(B, H, Lq)`` (the softmax backward's per-row term), by the
+    dense backward's preprocessing kernel."""
     B, Lq, H, D = out.shape
     delta = torch.empty((B, H, Lq), dtype=torch.float32, device=out.device)
     if delta.numel():
-        bm = 64
-        _delta_kernel[(cdiv(Lq, bm), B * H)](
+        bm = 16 if interpret_mode() else 64
+        _bwd_preprocess[(cdiv(Lq, bm), B * H)](
             out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0),
-            dout.stride(1), dout.stride(2), H, Lq, BLOCK_M=bm, BLOCK_D=head_block(D),
-            HEAD_DIM=D)
+            dout.stride(1), dout.stride(2), H, Lq, HEAD_DIM=D, BLOCK_D=head_block(D),
+            BLOCK_M=bm)
     return delta
 
 
