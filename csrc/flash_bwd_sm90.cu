@@ -19,6 +19,12 @@
 //   and adds it to an fp32 dQ accumulator with one bulk asynchronous reduction per warpgroup
 //   and step; dq_kernel_sm90 is skipped and a conversion kernel writes dQ. Five products per step instead of 4 + 3 across two kernels,
 //   at the price of run-to-run bitwise reproducibility (the order of the additions varies).
+// * Key intervals (p.intervals, kIntervals): dkdv_kernel_sm90 walks the planner's key blocks
+//   instead of key tiles: a CTA copies its block's 128 K / V rows by index, walks the query
+//   tiles of one segment of the block's query range (segments cut at multiples of
+//   p.iv.segment_rows, so long ranges spread over CTAs), tests each key's interval per element
+//   and always fuses dQ. Blocks share keys with no other block, but segments of one block do:
+//   dK / dV (and the per-key dbias) are added into zeroed fp32 buffers by atomics.
 // * Gathered dQ (p.gather: the forward's gathered key lists, or a per-key mask's live keys): the
 //   warp-specialised kernel of flash_dq_gathered_sm90.cu computes dQ instead of dq_kernel_sm90
 //   or the fused path, and the dK/dV kernel runs without fused dQ.
@@ -260,7 +266,7 @@ __device__ __forceinline__ void reduce_dq_partial(char* smem, float* dst, int wg
 // run while the other's products are on the tensor cores. With fused dQ at kHD = 128 they still
 // exchange their dS^T halves once a step (kBarDsExchange), and a warpgroup overwrites its dS^T
 // buffer only after the other finished reading it (kBarDsFree).
-template <bool kSoftcap>
+template <bool kSoftcap, bool kIntervals>
 __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
     dkdv_kernel_sm90(const BwdParams p) {
   using Cfg = Sm90BwdConfig<kHeadDimBucket>;
@@ -278,7 +284,23 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
   int* step_info = reinterpret_cast<int*>(smem + Cfg::kKvInfoOff);  // [2]
 
   int n_block, slot;
-  dkdv_block_of(p.causal, n_block, slot);
+  // Key intervals: this CTA's key block (its keys' indices, -1 pads) and query rows.
+  const int32_t* blk_keys = nullptr;
+  int iv_first = 0, iv_steps = 0;
+  if constexpr (kIntervals) {
+    const KeyIntervalLists& iv = p.iv;
+    n_block = 0;
+    slot = blockIdx.x / iv.blocks_per_row;  // mask row b * Hkv + kv head
+    blk_keys = iv.blk_keys + int64_t(blockIdx.x) * kBN;
+    const int lo = max(iv.blk_qlo[blockIdx.x], int(blockIdx.y) * iv.segment_rows);
+    const int hi = min(iv.blk_qhi[blockIdx.x], int(blockIdx.y + 1) * iv.segment_rows);
+    if (lo < hi) {
+      iv_first = lo / kBM;
+      iv_steps = (hi + kBM - 1) / kBM - iv_first;
+    }
+  } else {
+    dkdv_block_of(p.causal, n_block, slot);
+  }
   const int group = p.H / p.Hkv;
   const int b = slot / p.Hkv, hkv = slot % p.Hkv;
   const int k0 = n_block * kBN;
@@ -298,8 +320,12 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
   };
   auto walk_of = [&](int hh) {
     HeadWalk w;
-    w.list = dkdv_query_tiles<kBM, kBN>(p, sr, b, hkv * group + hh, n_block, m_tiles, w.steps,
-                                        w.first, w.key_partial);
+    if constexpr (kIntervals) {
+      w = {nullptr, iv_first, iv_steps, true};
+    } else {
+      w.list = dkdv_query_tiles<kBM, kBN>(p, sr, b, hkv * group + hh, n_block, m_tiles, w.steps,
+                                          w.first, w.key_partial);
+    }
     return w;
   };
 
@@ -333,8 +359,16 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
     if (total_steps == 0) return;
     CUTE_UNROLL
     for (int w = 0; w < 2; ++w) {
-      load64(kg + int64_t(64 * w) * p.k_sl, p.k_sl, Lk() - k0 - 64 * w, smem + w * kT);
-      load64(vg + int64_t(64 * w) * p.v_sl, p.v_sl, Lk() - k0 - 64 * w, smem + (2 + w) * kT);
+      if constexpr (kIntervals) {
+        RowIndices<Cfg::kAtomK, kPT, 64> rows;
+        rows.fetch(blk_keys + 64 * w, 64, ptid);  // -1 pads: zero rows
+        load_rows_by_index<kD, Cfg::kAtomK, kPT, 64>(kg, p.k_sl, rows, p.D, smem + w * kT, ptid);
+        load_rows_by_index<kD, Cfg::kAtomK, kPT, 64>(vg, p.v_sl, rows, p.D,
+                                                     smem + (2 + w) * kT, ptid);
+      } else {
+        load64(kg + int64_t(64 * w) * p.k_sl, p.k_sl, Lk() - k0 - 64 * w, smem + w * kT);
+        load64(vg + int64_t(64 * w) * p.v_sl, p.v_sl, Lk() - k0 - 64 * w, smem + (2 + w) * kT);
+      }
     }
     stage_filled(kv_full);
     int step = 0;
@@ -354,13 +388,18 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
         if (walk.list != nullptr && i + 1 < walk.steps) entry_next = walk.list[i + 1];
         const int tile = walk.list != nullptr ? entry >> 1 : walk.first + i;
         const int q0 = tile * kBM;
-        const bool partial = walk.list != nullptr
-                                 ? (entry & 1) != 0
-                                 : dkdv_tile_partial<kBM, kBN>(p, sr, walk.key_partial, k0, q0);
+        bool partial;
+        if constexpr (kIntervals) {
+          partial = true;  // the consumers test every key's interval
+        } else {
+          partial = walk.list != nullptr
+                        ? (entry & 1) != 0
+                        : dkdv_tile_partial<kBM, kBN>(p, sr, walk.key_partial, k0, q0);
+        }
         ClusterBarrier::wait(empty + st, ((step >> 1) & 1) ^ 1);
         const bool mask_bits =
             FLASH_DMATTN_BWD_SM90_MASK_BITS && kHasMask && partial && p.mask.sq != 0;
-        if constexpr (kHasMask) {
+        if constexpr (kHasMask && !kIntervals) {
           if (mask_bits && p.kbits != nullptr) {
             // The summary's key bits: 8 bytes a key, copied like the rest of the stage.
             static_assert(kBM == 64 && Cfg::kKeyBitsBytes / 16 <= kPT, "one word a key, one chunk a thread");
@@ -381,11 +420,11 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
         load64(g.dout + int64_t(q0) * p.do_sl, p.do_sl, Lq() - q0, smem + (5 + 2 * st) * kT);
         load_floats<kBM>(lse_s + st * kBM, g.lse + q0, Lq() - q0, ptid, kPT);
         load_floats<kBM>(delta_s + st * kBM, g.delta + q0, Lq() - q0, ptid, kPT);
-        if constexpr (kHasBias) {
+        if constexpr (kHasBias && !kIntervals) {
           Cfg::BiasTileP::template load<true>(bias_smem + st * BiasT::kBytes, p.bias, g.bias, q0, k0, Lq(),
                                Lk(), ptid);
         }
-        if constexpr (kHasMask) {
+        if constexpr (kHasMask && !kIntervals) {
           if (mask_bits && p.kbits == nullptr) {
             cp_async_wait<0>();  // the committed group: this thread's raw mask chunks
             named_barrier_sync(kBarProducer, kPT);  // everyone's
@@ -441,11 +480,42 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
   // a warpgroup waits until the other has read it (every step after the first).
   const bool exchange = fused_dq && Cfg::kSplitD;
   if (total_steps > 0) ClusterBarrier::wait(kv_full, 0);
+  // Key intervals: this thread's two keys (one per r), the query indices [lo, hi) that see
+  // each (causality folded in; -1 pads see none) and, per head, their bias.
+  int iv_key[2] = {-1, -1}, iv_lo[2] = {0, 0}, iv_hi[2] = {0, 0};
+  if constexpr (kIntervals) {
+    const KeyIntervalLists& iv = p.iv;
+    const int off = p.Lk - p.Lq;  // query index i sits at key position i + off
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int j = blk_keys[kw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)))];
+      iv_key[r] = j;
+      iv_lo[r] = 1 << 30;
+      iv_hi[r] = -(1 << 30);
+      if (j >= 0) {
+        const int32_t* bnd = iv.bounds + int64_t(slot) * p.Lk + j;
+        iv_lo[r] = (p.causal ? max(bnd[0], j) : bnd[0]) - off;
+        iv_hi[r] = bnd[iv.bounds_plane] - off;
+      }
+    }
+  }
   int step = 0;
   for (int hh = 0; hh < group; ++hh) {
     const int h = hkv * group + hh;
     const int steps = walk_of(hh).steps;
     float key_dbias[2] = {0.f, 0.f};
+    float iv_bias[2] = {0.f, 0.f};
+    if constexpr (kIntervals && kHasBias) {
+      const KeyIntervalLists& iv = p.iv;
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        if (iv_key[r] >= 0) {
+          iv_bias[r] = float(reinterpret_cast<const Elem*>(iv.bias)[
+              int64_t(b) * iv.bias_sb + int64_t(h / iv.bias_hdiv) * iv.bias_sh +
+              int64_t(iv_key[r]) * iv.bias_sk]);
+        }
+      }
+    }
 
     for (int i = 0; i < steps; ++i, ++step) {
       const int st = step & 1;
@@ -470,8 +540,8 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       const float* delta_t = delta_s + st * kBM;
       const char* mtile = mask_smem + st * MaskT::kBytes;
       const char* btile = bias_smem + st * BiasT::kBytes;
-      const bool check = partial || (q0 + kBM > Lq()) || (k0 + kw + 64 > Lk());
-      const bool use_mask = kHasMask && partial;
+      const bool check = kIntervals || partial || (q0 + kBM > Lq()) || (k0 + kw + 64 > Lk());
+      const bool use_mask = kHasMask && !kIntervals && partial;
       // A thread's values of S^T share two keys (one per r) and come in pairs of adjacent
       // queries (c2): per key, the range / causal bounds become one query interval and a mask
       // or bias broadcast over queries one read. The queries are the outer loop so each lse /
@@ -483,6 +553,14 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       uint64_t query_bits[2];  // key r's bits, from this thread's first query
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
+        if constexpr (kIntervals) {
+          q_lo[r] = iv_lo[r] - q0;
+          q_hi[r] = iv_hi[r] - q0;
+          key_bias[r] = iv_bias[r];
+          key_mask[r] = true;
+          query_bits[r] = ~uint64_t(0);
+          continue;
+        }
         const int kr = kw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));  // key in the tile
         const int kj = k0 + kr;
         q_lo[r] = 0;
@@ -615,7 +693,16 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       }
     }
 
-    if (keys_dbias) {
+    if (kIntervals && keys_dbias) {
+      // Segments of one block add their sums for the same keys.
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        const float v = quad_sum(key_dbias[r]);
+        if (lane % 4 == 0 && iv_key[r] >= 0 && steps > 0) {
+          atomicAdd(p.dbias_keys + (int64_t(b) * p.H + h) * p.Lk + iv_key[r], v);
+        }
+      }
+    } else if (keys_dbias) {
       // Each key's row of S^T lies in one quad of one warpgroup: its sum over this head's
       // queries is a quad reduction, written once (no atomics).
       CUTE_UNROLL
@@ -633,6 +720,33 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
   if (fused_dq && tid % 128 == 0) bulk_wait_all<0>();
   if (!p.need_dkv) return;
   Tensor cKV = thr_g.partition_C(make_identity_tensor(Shape<_64, Int<kD>>{}));
+  if constexpr (kIntervals) {
+    // fp32 (B, Lk, Hkv, D) buffers, rows by key index; a CTA without steps adds nothing.
+    if (total_steps == 0) return;
+    float* dk = reinterpret_cast<float*>(p.dk) + int64_t(b) * p.dk_sb + int64_t(hkv) * p.dk_sh;
+    float* dv = reinterpret_cast<float*>(p.dv) + int64_t(b) * p.dv_sb + int64_t(hkv) * p.dv_sh;
+    constexpr int kGroupsO = decltype(size<0, 2>(acc_dk))::value;
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int j = iv_key[r];  // the same row of the 64-key tile as S^T's value (0, r, 0)
+      if (j < 0) continue;
+      float* dkr = dk + int64_t(j) * p.dk_sl;
+      float* dvr = dv + int64_t(j) * p.dv_sl;
+      CUTE_UNROLL
+      for (int g = 0; g < kGroupsO; ++g) {
+        const int col = get<1>(cKV(make_coord(0, r, g), 0, 0));
+        if (col < p.D) {
+          atomicAdd(reinterpret_cast<float2*>(dkr + col),
+                    make_float2(acc_dk(make_coord(0, r, g), 0, 0) * p.scale,
+                                acc_dk(make_coord(1, r, g), 0, 0) * p.scale));
+          atomicAdd(reinterpret_cast<float2*>(dvr + col),
+                    make_float2(acc_dv(make_coord(0, r, g), 0, 0),
+                                acc_dv(make_coord(1, r, g), 0, 0)));
+        }
+      }
+    }
+    return;
+  }
   Elem* dk = reinterpret_cast<Elem*>(p.dk) + int64_t(b) * p.dk_sb + sr.k_row0 * p.dk_sl +
              int64_t(hkv) * p.dk_sh;
   Elem* dv = reinterpret_cast<Elem*>(p.dv) + int64_t(b) * p.dv_sb + sr.k_row0 * p.dv_sl +
@@ -848,7 +962,9 @@ static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using Cfg = Sm90BwdConfig<kHeadDimBucket>;
   launch_delta(p, stream);
   const bool fused_dq = p.dq_accum != nullptr;
-  if (p.need_dq && p.gather) {
+  if (p.intervals) {
+    // dQ comes from the dK/dV kernel (fused) below.
+  } else if (p.need_dq && p.gather) {
     // The host passes gathered lists only with per-key (or no) dbias: nothing else to write.
     cudaError_t err = run_dq_gathered_sm90(p, stream);
     if (err != cudaSuccess) return err;
@@ -860,8 +976,18 @@ static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
     const dim3 grid = q_tile_grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B, p.H, p.Hkv);
     kernel<<<grid, Cfg::kThreads, Cfg::kQSmem, stream>>>(p);
   }
-  if (p.need_dkv || p.dbias_keys != nullptr || fused_dq) {
-    auto kernel = &dkdv_kernel_sm90<kSoftcap>;
+  if (p.intervals) {
+    // Key blocks x query segments; dQ is always fused (the host allocates the accumulator).
+    auto kernel = &dkdv_kernel_sm90<kSoftcap, true>;
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kKvSmem);
+    if (err != cudaSuccess) return err;
+    const int segments = (p.Lq + p.iv.segment_rows - 1) / p.iv.segment_rows;
+    if (p.iv.n_blocks > 0) {
+      kernel<<<dim3(p.iv.n_blocks, segments), Cfg::kKvThreads, Cfg::kKvSmem, stream>>>(p);
+    }
+  } else if (p.need_dkv || p.dbias_keys != nullptr || fused_dq) {
+    auto kernel = &dkdv_kernel_sm90<kSoftcap, false>;
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kKvSmem);
     if (err != cudaSuccess) return err;

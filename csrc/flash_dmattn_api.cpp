@@ -12,6 +12,13 @@
 //       gathered lists..., key_bits, key_bits_hdiv) -> [dq, dk, dv, dbias]   (gathered lists:
 //       the forward's, for a dQ kernel over them -- bwd_gathers() says whether this module has
 //       it; key bits: a per-query mask's, from the mask summary -- bwd_key_bits())
+//   fwd_intervals(q, k, v, out, bias, bounds, tile_start, tile_len, keys, softmax_scale,
+//                 is_causal, softcap) -> [out, lse]
+//   bwd_intervals(dout, q, k, v, bias, out, lse, bounds, blk_keys, blk_qlo, blk_qhi,
+//                 blocks_per_row, segment_rows, softmax_scale, is_causal, softcap, need_dq,
+//                 need_dkv, need_dbias) -> [dq, dk fp32, dv fp32, dbias (B, H, Lk) fp32]
+//       (key-interval masks, see KeyIntervalLists in params.h; intervals() says whether this
+//       module has them: a mask, dense batches, sm_90, head dim <= 128)
 //   decode(q, k, v, mask, bias, cache_seqlens, block_table, softmax_scale, is_causal, softcap,
 //          num_splits, poison) -> [out, lse]      (split-KV, forward only; k / v may be pools)
 // Packed sequences (cu_seqlens_q / cu_seqlens_k given): q / k / v are the packed
@@ -331,6 +338,158 @@ std::vector<at::Tensor> fwd_gathered(const at::Tensor& q, const at::Tensor& k,
   return {out, lse};
 }
 
+// Key-interval masks (see KeyIntervalLists in params.h). bounds: contiguous int32
+// (2, B, R, Lk) with R = Hkv (or H when H == Hkv); a bias is per key (Bx, Hb, 1, Lk) in q's
+// dtype; tile lists are the planner's (B * R, ceil(Lq / fwd_block_m)) int32.
+bool intervals_built() { return flash_dmattn::fwd_gathers() && flash_dmattn::bwd_gathers(); }
+
+void fill_intervals(FwdParams& p, const OptT& bias, const at::Tensor& bounds) {
+  TORCH_CHECK(intervals_built(), "this kernel module has no key-interval kernels (they need a "
+              "mask, dense batches, sm_90 and head dim <= 128)");
+  TORCH_CHECK(bias.has_value() == bool(FLASH_DMATTN_HAS_BIAS), "this kernel module was built ",
+              FLASH_DMATTN_HAS_BIAS ? "with" : "without", " a bias");
+  TORCH_CHECK(bounds.is_cuda() && bounds.scalar_type() == at::kInt && bounds.is_contiguous() &&
+                  bounds.dim() == 4 && bounds.size(0) == 2 && bounds.size(1) == p.B &&
+                  bounds.size(3) == p.Lk && p.H % bounds.size(2) == 0 &&
+                  bounds.size(2) % p.Hkv == 0 && bounds.size(2) <= p.Hkv,
+              "key-interval bounds must be contiguous int32 (2, B, Hkv, Lk)");
+  p.intervals = true;
+  flash_dmattn::KeyIntervalLists& iv = p.iv;
+  iv.bounds = bounds.data_ptr<int32_t>();
+  iv.bounds_plane = bounds[0].numel();
+  iv.row_heads = static_cast<int>(bounds.size(2));
+  iv.hdiv = static_cast<int>(p.H / bounds.size(2));
+  if (bias.has_value()) {
+    const at::Tensor& x = *bias;
+    TORCH_CHECK(x.is_cuda() && x.scalar_type() == kDtype && x.dim() == 4 && x.size(2) == 1 &&
+                    (x.size(0) == 1 || x.size(0) == p.B) && p.H % x.size(1) == 0 &&
+                    (x.size(3) == 1 || x.size(3) == p.Lk),
+                "a bias with key intervals must be per key (B, H, 1, Lk) in q's dtype");
+    iv.bias = x.data_ptr();
+    iv.bias_sb = bstride(x, 0);
+    iv.bias_sh = bstride(x, 1);
+    iv.bias_sk = bstride(x, 3);
+    iv.bias_hdiv = static_cast<int>(p.H / x.size(1));
+  }
+}
+
+void check_list(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.is_contiguous(), name,
+              " must be a contiguous int32 CUDA tensor");
+}
+
+std::vector<at::Tensor> fwd_intervals(const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v, const OptT& out_, const OptT& bias,
+                                      const at::Tensor& bounds, const at::Tensor& tile_start,
+                                      const at::Tensor& tile_len, const at::Tensor& keys,
+                                      double softmax_scale, bool is_causal, double softcap) {
+  c10::cuda::CUDAGuard guard(q.device());
+  FwdParams p;
+  fill_common(p, q, k, v, std::nullopt, std::nullopt, softmax_scale, is_causal, softcap,
+              /*paged=*/false, /*aux=*/false);
+  fill_packed(p, std::nullopt, std::nullopt, std::nullopt, 0, 0);
+  fill_intervals(p, bias, bounds);
+  const int64_t n_tiles = (p.Lq + flash_dmattn::fwd_block_m() - 1) / flash_dmattn::fwd_block_m();
+  check_list(tile_start, "tile_start");
+  check_list(tile_len, "tile_len");
+  check_list(keys, "keys");
+  TORCH_CHECK(tile_start.dim() == 2 && tile_start.size(0) == p.B * p.iv.row_heads &&
+                  tile_start.size(1) == n_tiles && tile_len.sizes() == tile_start.sizes(),
+              "tile lists must be (B * bounds heads, ceil(Lq / fwd_block_m))");
+  p.iv.tile_start = tile_start.data_ptr<int32_t>();
+  p.iv.tile_len = tile_len.data_ptr<int32_t>();
+  p.iv.keys = keys.data_ptr<int32_t>();
+  p.iv.n_tiles = static_cast<int>(n_tiles);
+  at::Tensor out = out_.has_value() ? *out_ : at::empty_like(q, at::MemoryFormat::Contiguous);
+  check_qkv(out, "out");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  p.out = out.data_ptr();
+  p.o_sb = out.stride(0), p.o_sl = out.stride(1), p.o_sh = out.stride(2);
+  p.lse = lse.data_ptr<float>();
+  if (finished_without_keys(p, out, lse)) return {out, lse};
+  cudaError_t err = flash_dmattn::run_fwd(p, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda fwd_intervals: ", cudaGetErrorString(err));
+  return {out, lse};
+}
+
+std::vector<at::Tensor> bwd_intervals(const at::Tensor& dout, const at::Tensor& q,
+                                      const at::Tensor& k, const at::Tensor& v, const OptT& bias,
+                                      const at::Tensor& out, const at::Tensor& lse,
+                                      const at::Tensor& bounds, const at::Tensor& blk_keys,
+                                      const at::Tensor& blk_qlo, const at::Tensor& blk_qhi,
+                                      int64_t blocks_per_row, int64_t segment_rows,
+                                      double softmax_scale, bool is_causal, double softcap,
+                                      bool need_dq, bool need_dkv, bool need_dbias) {
+  c10::cuda::CUDAGuard guard(q.device());
+  BwdParams p;
+  fill_common(p, q, k, v, std::nullopt, std::nullopt, softmax_scale, is_causal, softcap,
+              /*paged=*/false, /*aux=*/false);
+  fill_packed(p, std::nullopt, std::nullopt, std::nullopt, 0, 0);
+  fill_intervals(p, bias, bounds);
+  TORCH_CHECK(p.iv.row_heads == p.Hkv, "key-interval bounds of the backward must be per kv head");
+  check_qkv(dout, "dout");
+  check_qkv(out, "out");
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "dout/out shape");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 3,
+              "lse must be contiguous fp32 (B, H, Lq)");
+  check_list(blk_keys, "blk_keys");
+  check_list(blk_qlo, "blk_qlo");
+  check_list(blk_qhi, "blk_qhi");
+  const int64_t n_blocks = blk_keys.size(0);
+  TORCH_CHECK(blk_keys.dim() == 2 && blk_keys.size(1) == flash_dmattn::bwd_block_n() &&
+                  blk_qlo.numel() == n_blocks && blk_qhi.numel() == n_blocks &&
+                  blocks_per_row >= 1 && n_blocks == blocks_per_row * p.B * p.Hkv,
+              "key blocks must be (B * Hkv * blocks_per_row, bwd_block_n)");
+  TORCH_CHECK(segment_rows > 0 && segment_rows % flash_dmattn::bwd_block_m() == 0,
+              "segment_rows must be a positive multiple of bwd_block_m");
+  TORCH_CHECK(!need_dbias || bias.has_value(), "dbias needs a bias");
+  p.iv.blk_keys = blk_keys.data_ptr<int32_t>();
+  p.iv.blk_qlo = blk_qlo.data_ptr<int32_t>();
+  p.iv.blk_qhi = blk_qhi.data_ptr<int32_t>();
+  p.iv.n_blocks = static_cast<int>(n_blocks);
+  p.iv.blocks_per_row = static_cast<int>(blocks_per_row);
+  p.iv.segment_rows = static_cast<int>(segment_rows);
+  p.out = out.data_ptr();
+  p.o_sb = out.stride(0), p.o_sl = out.stride(1), p.o_sh = out.stride(2);
+  p.lse = lse.data_ptr<float>();
+  p.dout = dout.data_ptr();
+  p.do_sb = dout.stride(0), p.do_sl = dout.stride(1), p.do_sh = dout.stride(2);
+  at::Tensor delta = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  p.delta = delta.data_ptr<float>();
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dq = at::empty_like(q, at::MemoryFormat::Contiguous);
+  // dK / dV / dbias are sums over a block's query segments: zeroed fp32, added by atomics.
+  at::Tensor dk = at::zeros({p.B, p.Lk, p.Hkv, p.D}, f32);
+  at::Tensor dv = at::zeros({p.B, p.Lk, p.Hkv, p.D}, f32);
+  p.dq = dq.data_ptr();
+  p.dq_sb = dq.stride(0), p.dq_sl = dq.stride(1), p.dq_sh = dq.stride(2);
+  p.dk = dk.data_ptr();
+  p.dk_sb = dk.stride(0), p.dk_sl = dk.stride(1), p.dk_sh = dk.stride(2);
+  p.dv = dv.data_ptr();
+  p.dv_sb = dv.stride(0), p.dv_sl = dv.stride(1), p.dv_sh = dv.stride(2);
+  p.need_dq = need_dq;
+  p.need_dkv = need_dkv;
+  at::Tensor dbias;
+  if (need_dbias) {
+    dbias = at::zeros({p.B, p.H, p.Lk}, f32);
+    p.dbias_keys = dbias.data_ptr<float>();
+  }
+  at::Tensor dq_accum;
+  if (need_dq) {
+    const int64_t q_rows = (p.Lq + 63) / 64 * 64;
+    dq_accum = at::zeros({p.B, p.H, q_rows, FLASH_DMATTN_HEADDIM}, f32);
+    p.dq_accum = dq_accum.data_ptr<float>();
+  }
+  if (p.B * p.H == 0 || p.Lq == 0 || p.Lk == 0) {
+    dq.zero_();
+    return {dq, dk, dv, dbias};
+  }
+  cudaError_t err = flash_dmattn::run_bwd(p, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda bwd_intervals: ", cudaGetErrorString(err));
+  return {dq, dk, dv, dbias};
+}
+
 // dbias_mode: 0 none, 1 full (bias has every dim except possibly none broadcast: written as
 // dS), 2 per-key partials (B, H, Lk) fp32 for a bias broadcast over queries.
 std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
@@ -555,6 +714,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bwd_key_bits", &flash_dmattn::bwd_key_bits,
         "whether bwd reads a per-query mask's key bits (the mask summary's, bwd(..., key_bits))");
   m.def("bwd", &bwd, "attention backward -> [dq, dk, dv, dbias]");
+  m.def("intervals", &intervals_built,
+        "whether fwd_intervals / bwd_intervals (key-interval masks) are built in");
+  m.def("fwd_intervals", &fwd_intervals, "attention forward over key-interval lists -> [out, lse]");
+  m.def("bwd_intervals", &bwd_intervals,
+        "attention backward over key-interval key blocks -> [dq, dk fp32, dv fp32, dbias fp32]");
   m.def("fused_dq", &flash_dmattn::bwd_fused_dq,
         "whether bwd(..., allow_fused_dq=True) computes dQ inside the dK/dV kernel (atomics)");
   m.def("block_sizes", &block_sizes, "(fwd_block_m, fwd_block_n, bwd_block_m, bwd_block_n)");

@@ -19,6 +19,10 @@
 // keys (the Triton backend's planner); K / V rows are copied by index and the mask comes as
 // the list's bits, which already encode range and causality.
 //
+// Key intervals (p.intervals, modules with a mask): the walk is the query tile's list from the
+// key-interval planner, K / V rows copied by index as above; each listed key's visible query
+// range and its bias are staged beside it and tested arithmetically (no mask memory).
+//
 // Built only when the module targets sm_90a (the JIT passes -DFLASH_DMATTN_SM90=1 there);
 // -DFLASH_DMATTN_NO_SM90=1 keeps the sm80 kernel on Hopper for comparisons.
 #include "flash_dmattn/kernel_common.cuh"
@@ -129,12 +133,17 @@ struct Sm90FwdConfig {
   static constexpr int kBitWords = kBlockN / 64;
   static constexpr int kBitsBytes = kBlockM * kBitWords * 8;
   static constexpr int kGBiasBytes = kBlockN * 2;
+  // Key intervals: a stage is the listed keys' query ranges (an int2 a key) and their bias.
+  static constexpr int kRangeBytes = kBlockN * 8;
   __host__ __device__ static AuxLayout aux_layout(const FwdParams& p) {
-    const bool g = p.gather;
+    const bool g = p.gather, iv = p.intervals;
     const int mask_bytes =
-        !kHasMask ? 0 : (g ? kBitsBytes : (p.mask.sq == 0 ? 1 : kBlockM) * MaskTile::kPitch);
+        !kHasMask ? 0
+        : iv      ? kRangeBytes
+                  : (g ? kBitsBytes : (p.mask.sq == 0 ? 1 : kBlockM) * MaskTile::kPitch);
     const int bias_bytes =
-        !kHasBias ? 0 : (g ? kGBiasBytes : (p.bias.sq == 0 ? 1 : kBlockM) * BiasTile::kPitch);
+        !kHasBias ? 0
+                  : (g || iv ? kGBiasBytes : (p.bias.sq == 0 ? 1 : kBlockM) * BiasTile::kPitch);
     const int stride = mask_bytes + bias_bytes;  // pitches are multiples of 16
     int stages = 1;
     if (stride > 0) {
@@ -194,12 +203,40 @@ __device__ __forceinline__ void load_gathered_aux(const FwdParams& p, int b, int
   }
 }
 
+// One listed key of a key-interval tile, as the producer thread that stages it holds it: the
+// query indices [lo, hi) that see it (its interval, causality folded in) and its bias. Columns
+// past the list get an empty range.
+struct IntervalKey {
+  int lo = 1 << 30, hi = -(1 << 30);
+  Elem bias = Elem(0.f);
+};
+
+__device__ __forceinline__ IntervalKey fetch_interval_key(const FwdParams& p, int b, int h,
+                                                          int key) {
+  IntervalKey k;
+  if (key < 0) return k;
+  const KeyIntervalLists& iv = p.iv;
+  const int32_t* s = iv.bounds + (int64_t(b) * iv.row_heads + h / iv.hdiv) * p.Lk + key;
+  const int off = p.Lk - p.Lq;  // query index i sits at key position i + off
+  k.lo = p.causal ? max(s[0], key) - off : s[0] - off;
+  k.hi = s[iv.bounds_plane] - off;
+  if constexpr (kHasBias) {
+    k.bias = reinterpret_cast<const Elem*>(iv.bias)[int64_t(b) * iv.bias_sb +
+                                                   int64_t(h / iv.bias_hdiv) * iv.bias_sh +
+                                                   int64_t(key) * iv.bias_sk];
+  }
+  return k;
+}
+
 // kGather: walk the query tile's gathered key list (p.g) instead of key tiles: K / V rows are
 // copied by index, the mask comes as the list's bits (which also hold range and causality) and
 // a bias as the list's gathered row.
-template <bool kSoftcap, bool kGather>
+// kIntervals (with kGather): the list is the key-interval planner's (p.iv), and the aux stage
+// holds each listed key's query range and bias (IntervalKey) instead of bits.
+template <bool kSoftcap, bool kGather, bool kIntervals>
 __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     fwd_kernel_sm90(const FwdParams p) {
+  static_assert(kGather || !kIntervals, "key intervals walk gathered lists");
   using Cfg = Sm90FwdConfig<kHeadDimBucket>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kD = kHeadDimBucket;
   constexpr int kStages = Cfg::kStages;
@@ -217,7 +254,13 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
   const auto Lk = [&] { return seq_lk(p, sr); };
   const int32_t* list;
   int n_steps, n_keys = 0;
-  if constexpr (kGather) {
+  if constexpr (kIntervals) {
+    const KeyIntervalLists& iv = p.iv;
+    const int at = (b * iv.row_heads + h / iv.hdiv) * iv.n_tiles + m_block;
+    list = iv.keys + iv.tile_start[at];
+    n_keys = iv.tile_len[at];
+    n_steps = (n_keys + kBlockN - 1) / kBlockN;
+  } else if constexpr (kGather) {
     const int hl = h / p.g.hdiv;
     list = p.g.idx + b * p.g.idx_sb + hl * p.g.idx_sh + m_block * p.g.idx_sm;
     n_keys = p.g.cnt[b * p.g.cnt_sb + hl * p.g.cnt_sh + m_block * p.g.cnt_sm];
@@ -260,6 +303,15 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       using Rows = RowIndices<Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>;
       Rows rows, rows_next;
       if constexpr (kGather) rows_next.fetch(list, n_keys, ptid);
+      // Key intervals: this thread's column of the staged ranges. Its key index is read two
+      // steps ahead and its range / bias one step ahead, so neither global load waits.
+      IntervalKey ikey;
+      int ikey_next = -1;
+      if constexpr (kIntervals) {
+        const int k1 = ptid < kBlockN && ptid < n_keys ? list[ptid] : -1;
+        ikey_next = ptid < kBlockN && kBlockN + ptid < n_keys ? list[kBlockN + ptid] : -1;
+        ikey = fetch_interval_key(p, b, h, k1);
+      }
       for (int i = 0; i < n_steps; ++i) {
         const int s = i % kStages;
         const uint32_t free_phase = ((i / kStages) & 1) ^ 1;
@@ -279,7 +331,20 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
               smem + Cfg::kKOff + s * Cfg::kStageBytes, ptid);
         }
         stage_filled(bar.k_full + s);
-        if constexpr (kGather) {
+        if constexpr (kIntervals) {
+          const int a = i % kAuxStages;
+          ClusterBarrier::wait(bar.aux_empty + a, ((i / kAuxStages) & 1) ^ 1);
+          if (ptid < kBlockN) {
+            reinterpret_cast<int2*>(mask_smem0 + a * aux.stride)[ptid] = make_int2(ikey.lo, ikey.hi);
+            if constexpr (kHasBias) {
+              reinterpret_cast<Elem*>(bias_smem0 + a * aux.stride)[ptid] = ikey.bias;
+            }
+          }
+          stage_filled(bar.aux_full + a);
+          ikey = fetch_interval_key(p, b, h, ikey_next);
+          const int c2 = (i + 2) * kBlockN + ptid;
+          ikey_next = ptid < kBlockN && c2 < n_keys ? list[c2] : -1;
+        } else if constexpr (kGather) {
           const int a = i % kAuxStages;
           ClusterBarrier::wait(bar.aux_empty + a, ((i / kAuxStages) & 1) ^ 1);
           load_gathered_aux(p, b, h, m_block, q0, k0, mask_smem0 + a * aux.stride,
@@ -391,8 +456,51 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       }
     };
 
+    // Key-interval tile: + the staged bias, -inf where the row's query index lies outside the
+    // column's staged range (columns past the list have an empty one).
+    auto interval_logits = [&](auto& acc_s, int a) {
+      const char* range_smem = mask_smem0 + a * aux.stride;
+      const char* bias_smem = bias_smem0 + a * aux.stride;
+      constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
+      int qrow[2];
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) qrow[r] = q0 + get<0>(cS(make_coord(0, r, 0), 0, 0));
+      CUTE_UNROLL
+      for (int g = 0; g < kGroupsS; ++g) {
+        const int c = get<1>(cS(make_coord(0, 0, g), 0, 0));  // even: ranges c, c + 1 in 16 B
+        const int4 rg = *reinterpret_cast<const int4*>(range_smem + c * 8);
+        float b0 = 0.f, b1 = 0.f;
+        if constexpr (kHasBias) {
+          __align__(4) Elem two[2];
+          *reinterpret_cast<uint32_t*>(two) =
+              *reinterpret_cast<const uint32_t*>(bias_smem + c * int(sizeof(Elem)));
+          b0 = float(two[0]);
+          b1 = float(two[1]);
+        }
+        CUTE_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          float& s0 = acc_s(make_coord(0, r, g), 0, 0);
+          float& s1 = acc_s(make_coord(1, r, g), 0, 0);
+          float x0 = s0, x1 = s1;
+          if constexpr (kSoftcap) {
+            x0 = p.softcap * tanhf(x0 * (p.scale / p.softcap));
+            x1 = p.softcap * tanhf(x1 * (p.scale / p.softcap));
+          } else {
+            x0 *= p.scale;
+            x1 *= p.scale;
+          }
+          const int q = qrow[r];
+          s0 = (rg.x <= q) & (q < rg.y) ? x0 + b0 : -INFINITY;
+          s1 = (rg.z <= q) & (q < rg.w) ? x1 + b1 : -INFINITY;
+        }
+      }
+    };
+
     auto to_logits = [&](auto& acc_s, int i, int a) {
-      if constexpr (kGather) {
+      if constexpr (kIntervals) {
+        interval_logits(acc_s, a);
+        return;
+      } else if constexpr (kGather) {
         gathered_logits(acc_s, i, a);
         return;
       }
@@ -608,10 +716,10 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
   }
 }
 
-template <bool kSoftcap, bool kGather>
+template <bool kSoftcap, bool kGather, bool kIntervals = false>
 static cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   using Cfg = Sm90FwdConfig<kHeadDimBucket>;
-  auto kernel = &fwd_kernel_sm90<kSoftcap, kGather>;
+  auto kernel = &fwd_kernel_sm90<kSoftcap, kGather, kIntervals>;
   const int smem = Cfg::aux_layout(p).smem;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -623,6 +731,10 @@ static cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if constexpr (kHasMask && !kPacked) {
+    if (p.intervals) {
+      return p.softcap > 0.f ? launch_fwd_sm90<true, true, true>(p, stream)
+                             : launch_fwd_sm90<false, true, true>(p, stream);
+    }
     if (p.gather) {
       return p.softcap > 0.f ? launch_fwd_sm90<true, true>(p, stream)
                              : launch_fwd_sm90<false, true>(p, stream);

@@ -43,7 +43,10 @@ def _grads(out, inputs, g):
 
 def check_case(B, Lq, Lk, H, Hkv, D, bounds_shape, bias_shape, causal, softcap=0.0,
                device="cpu", dtype=torch.float32, seed=0, empty_rows=False, neg_inf_bias=False,
-               intervals=None):
+               intervals=None, fn=None):
+    """Run ``fn`` (the triton call unless given) on a random problem and compare its output
+    and every gradient with the float64 reference on the same mask in dense form."""
+    fn = fn or fd.triton_dmattn_func
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Lq, H, D, generator=gen)
     k = torch.randn(B, Lk, Hkv, D, generator=gen)
@@ -64,7 +67,7 @@ def check_case(B, Lq, Lk, H, Hkv, D, bounds_shape, bias_shape, causal, softcap=0
 
     qt, kt, vt, bt = (leaf(t, dtype) for t in (q, k, v, bias))
     ki = intervals.to(device)
-    out = _run(fd.triton_dmattn_func, qt, kt, vt, ki, bt, causal, softcap)
+    out = _run(fn, qt, kt, vt, ki, bt, causal, softcap)
     g = torch.randn(out.shape, generator=gen).to(device, dtype)
     grads = _grads(out, (qt, kt, vt, bt), g)
 

@@ -75,6 +75,33 @@ struct KeyGather {
   int bias_width = 0;  // elements a row (the list width rounded up to 64)
 };
 
+// Key-interval masks (flash_dmattn/masks.py KeyIntervals; lists from
+// flash_dmattn/planning/key_lists.py). Key j of mask row (b, h / hdiv) is seen by the query
+// positions [start_j, end_j) (query index i sits at position i + Lk - Lq; causal calls also
+// need j <= position). Row r = b * row_heads + h / hdiv.
+// * Forward: query tile m of row r reads keys[tile_start[r * n_tiles + m] ...], tile_len of
+//   them, K / V rows by index, and tests each listed key's interval arithmetically.
+// * dK / dV: key block k holds blk_keys[k * 128 ...] (-1 pads) and is seen by the query rows
+//   [blk_qlo[k], blk_qhi[k]); blocks_per_row blocks a row. A CTA walks one segment of
+//   segment_rows of those queries for every query head of the block's kv head.
+// A bias with a key-interval mask is per key: (Bx, Hb, 1, Lk), read by index.
+struct KeyIntervalLists {
+  const int32_t* bounds = nullptr;
+  int64_t bounds_plane = 0;  // elements from the start plane to the end plane
+  int row_heads = 1, hdiv = 1;
+  const int32_t* tile_start = nullptr;
+  const int32_t* tile_len = nullptr;
+  const int32_t* keys = nullptr;
+  int n_tiles = 0;
+  const int32_t* blk_keys = nullptr;
+  const int32_t* blk_qlo = nullptr;
+  const int32_t* blk_qhi = nullptr;
+  int n_blocks = 0, blocks_per_row = 0, segment_rows = 0;
+  const void* bias = nullptr;
+  int64_t bias_sb = 0, bias_sh = 0, bias_sk = 0;
+  int bias_hdiv = 1;
+};
+
 // A broadcastable (B, H, Lq, Lk) operand read through strides.
 struct Bcast {
   const void* ptr = nullptr;
@@ -120,6 +147,11 @@ struct FwdParams {
   // dense batches) instead of key tiles; `mask`, `bias` and `list` are then unused.
   bool gather = false;
   KeyGather g;
+  // Set: a key-interval mask (sm_90 modules with a mask, dense batches): the forward walks
+  // iv's query-tile lists, the dK / dV kernel its key blocks; `mask`, `bias`, `list` and `g`
+  // are unused.
+  bool intervals = false;
+  KeyIntervalLists iv;
 };
 
 struct BwdParams : FwdParams {

@@ -35,6 +35,26 @@ import torch
 from ..intmath import cdiv
 
 
+class DenseEquivalent:
+    """The backward plan of a key-interval call whose mask hides nothing beyond ``is_causal``:
+    it ran on the dense kernels, whose own plan (or None) this carries."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan):
+        self.plan = plan
+
+
+def full_bounds(bounds: torch.Tensor, batch: int, num_heads: int, num_kv_heads: int):
+    """The bounds expanded to one row per (batch, mask head): ``(2, B, Hx', Lk)`` with
+    ``Hx' = Hkv`` for bounds shared by a kv head's group (or by all heads) and ``H`` for
+    bounds per query head. Returns the tensor and whether it is per query head."""
+    _, bx, hx, lk = bounds.shape
+    per_qhead = hx == num_heads and num_heads != num_kv_heads
+    heads = num_heads if per_qhead else num_kv_heads
+    return bounds.expand(2, batch, heads, lk).contiguous(), per_qhead
+
+
 def end_bucket_for(seqlen_q: int) -> int:
     """How close (in queries) the range ends of a key block's keys are kept (see
     :func:`key_blocks`): an eighth of the queries, within 2K..8K. For causal top-2048

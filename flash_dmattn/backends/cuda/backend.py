@@ -84,9 +84,9 @@ class CudaBackend(Backend):
     def not_supported_reasons(self, inputs) -> List[str]:
         reasons = self._call_reasons(inputs)
         if getattr(inputs, "key_intervals", None) is not None:
-            reasons.append(
-                "key-interval masks (KeyIntervals) have no cuda kernel yet; triton runs them"
-            )
+            from .intervals import interval_reasons
+
+            reasons.extend(r for r in interval_reasons(inputs) if r not in reasons)
             return reasons
         from .kernels import input_reasons
 
@@ -149,6 +149,7 @@ class CudaBackend(Backend):
             inputs.query, inputs.key, inputs.value, inputs.attn_mask, inputs.attn_bias,
             inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
             cache_seqlens=inputs.cache_seqlens, block_table=inputs.block_table,
+            key_intervals=getattr(inputs, "key_intervals", None),
         )
         return out
 

@@ -177,8 +177,19 @@ class CudaPlan:
         self.summary = summary
 
 
-def cuda_planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None):
-    """:func:`cuda_forward` plus its :class:`CudaPlan` (``(out, lse, plan)``)."""
+def cuda_planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
+                         key_intervals=None):
+    """:func:`cuda_forward` plus its :class:`CudaPlan` (``(out, lse, plan)``); a key-interval
+    call's plan is its interval lists (or :class:`~.intervals.DenseEquivalent`)."""
+    if key_intervals is not None:
+        from .intervals import DenseEquivalent, interval_forward, plan_for
+
+        plan = plan_for(q, k, bias, key_intervals, is_causal, backward=True)
+        if not plan[0].hides_nothing:
+            return interval_forward(q, k, v, bias, key_intervals, scale, is_causal, softcap, plan)
+        out, lse, dense_plan = cuda_planned_forward(q, k, v, None, bias, scale, is_causal,
+                                                    softcap)
+        return out, lse, DenseEquivalent(dense_plan)
     if use_cuda_decode(q.shape[1], q.shape[2], k.shape[2], k.shape[1], cache_seqlens is not None):
         # Decode shapes gather nothing; a KV cache's backward folds its lengths into the mask.
         out, lse = cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap,
@@ -190,11 +201,22 @@ def cuda_planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_s
 
 
 def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
-                 block_table=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 block_table=None, key_intervals=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out (B, Lq, H, D), lse (B, H, Lq) fp32)`` through the compiled kernels.
 
     Few query rows per kv head (decoding), a KV cache's ``cache_seqlens`` or paged K/V
-    (``block_table``) run the split-KV decode kernel (:func:`cuda_decode_forward`)."""
+    (``block_table``) run the split-KV decode kernel (:func:`cuda_decode_forward`); a
+    key-interval mask (``key_intervals``) the kernels of :mod:`.intervals`, unless it hides
+    nothing beyond ``is_causal`` (then the dense kernels run without it)."""
+    if key_intervals is not None:
+        from .intervals import interval_forward, plan_for
+
+        plan = plan_for(q, k, bias, key_intervals, is_causal, backward=False)
+        if not plan[0].hides_nothing:
+            out, lse, _ = interval_forward(q, k, v, bias, key_intervals, scale, is_causal,
+                                           softcap, plan)
+            return out, lse
+        mask = None
     if block_table is not None or use_cuda_decode(q.shape[1], q.shape[2], k.shape[2], k.shape[1],
                                                   cache_seqlens is not None):
         return cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
@@ -426,7 +448,8 @@ def fused_dq_allowed() -> bool:
 
 
 def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
-                  needs, cache_seqlens=None, plan: Optional[CudaPlan] = None):
+                  needs, cache_seqlens=None, plan: Optional[CudaPlan] = None,
+                  key_intervals=None):
     """``(dq, dk, dv, dbias)`` with None where ``needs`` did not ask.
 
     Where the forward walked gathered key lists (``plan``, or planned again here when the call
@@ -439,6 +462,18 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     per tile instead of 7 across two; the summation order, hence the last bits, vary between
     runs). ``deterministic=True`` (or ``FLASH_DMATTN_CUDA_FUSED_DQ=0``) keeps the separate dQ
     kernel, which uses no atomics: bitwise-identical gradients across runs."""
+    if key_intervals is not None:
+        from .intervals import DenseEquivalent, interval_backward, plan_for
+
+        if plan is None:
+            plan = plan_for(q, k, bias, key_intervals, is_causal, backward=True)
+            if plan[0].hides_nothing:
+                plan = DenseEquivalent(None)
+        if isinstance(plan, DenseEquivalent):
+            return cuda_backward(dout, q, k, v, None, bias, out, lse, scale, is_causal, softcap,
+                                 deterministic, needs, plan=plan.plan)
+        return interval_backward(dout, q, k, v, bias, key_intervals, out, lse, scale, is_causal,
+                                 softcap, needs, plan=plan)
     need_dq, need_dk, need_dv, need_dbias = needs
     if cache_seqlens is not None:
         # The backward kernels take one key length for all batches: the per-batch used length

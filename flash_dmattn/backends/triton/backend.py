@@ -60,7 +60,8 @@ def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqle
                      key_intervals=None):
     """``_forward`` plus the backward's plan (see :mod:`.plan`); None where it has none."""
     if key_intervals is not None:
-        from .intervals import DenseEquivalent, interval_forward, plan_for
+        from ...planning.key_lists import DenseEquivalent
+        from .intervals import interval_forward, plan_for
 
         plan = plan_for(q, k, key_intervals, is_causal, backward=True)
         if not plan[0].hides_nothing:
@@ -78,7 +79,8 @@ def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqle
 def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs,
               cache_seqlens=None, plan=None, key_intervals=None):
     if key_intervals is not None:
-        from .intervals import DenseEquivalent, interval_backward, plan_for
+        from ...planning.key_lists import DenseEquivalent
+        from .intervals import interval_backward, plan_for
 
         if plan is None:
             plan = plan_for(q, k, key_intervals, is_causal, backward=True)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ...intmath import cdiv
-from ...planning.key_lists import plan_intervals
+from ...planning.key_lists import full_bounds, plan_intervals
 from .backward import _bwd_preprocess
 from .forward import _dot, _tanh, alloc_output, dot_upcast, head_block, interpret_mode
 
@@ -39,26 +39,6 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 # Query rows one dK/dV program walks at most: block ranges are cut at multiples of this.
 SEGMENT_ROWS = 4096
-
-
-class DenseEquivalent:
-    """The backward plan of a key-interval call whose mask hides nothing beyond ``is_causal``:
-    it ran on the dense kernels, whose own plan (or None) this carries."""
-
-    __slots__ = ("plan",)
-
-    def __init__(self, plan):
-        self.plan = plan
-
-
-def full_bounds(bounds: torch.Tensor, batch: int, num_heads: int, num_kv_heads: int):
-    """The bounds expanded to one row per (batch, mask head): ``(2, B, Hx', Lk)`` with
-    ``Hx' = Hkv`` for bounds shared by a kv head's group (or by all heads) and ``H`` for
-    bounds per query head. Returns the tensor and whether it is per query head."""
-    _, bx, hx, lk = bounds.shape
-    per_qhead = hx == num_heads and num_heads != num_kv_heads
-    heads = num_heads if per_qhead else num_kv_heads
-    return bounds.expand(2, batch, heads, lk).contiguous(), per_qhead
 
 
 def _fwd_config(head_dim: int, interp: bool) -> Tuple[int, int, int, int]:

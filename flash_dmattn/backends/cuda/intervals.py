@@ -1,0 +1,117 @@
+"""Host side of the cuda backend's key-interval kernels: attention at the cost of the selected
+keys, on Hopper.
+
+A :class:`~flash_dmattn.masks.KeyIntervals` mask is planned by the backend-neutral planner
+(:mod:`flash_dmattn.planning.key_lists`) at the kernels' own tile sizes:
+
+* the forward (``fwd_intervals``, the warp-specialised wgmma forward walking gathered keys)
+  reads, per 128-query tile, the K/V rows of the keys whose interval meets the tile, by index,
+  with each key's visible query range and bias staged beside them;
+* the backward (``bwd_intervals``) walks the planner's 128-key blocks: a CTA holds a block's
+  K/V rows and walks one segment of the block's query range for every query head of the kv
+  head's group, computing dK, dV, the per-key dbias and, fused, dQ. Segments of one block add
+  their dK/dV/dbias with fp32 atomics and dQ is accumulated with asynchronous reductions, so
+  the last bits of the gradients vary between runs: ``deterministic=True`` calls go to the
+  triton kernels (see :func:`interval_reasons`).
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from ...planning.key_lists import DenseEquivalent, full_bounds, plan_intervals
+
+# Query rows one dK/dV CTA walks at most (a multiple of the backward's 64-row tiles): a key
+# that stays selected for most of the sequence is spread over several CTAs.
+SEGMENT_ROWS = 4096
+
+__all__ = ["DenseEquivalent", "SEGMENT_ROWS", "interval_reasons", "interval_forward",
+           "interval_backward", "plan_for"]
+
+
+def interval_reasons(inputs) -> List[str]:
+    """Why the cuda key-interval kernels cannot run a call with a KeyIntervals mask."""
+    reasons = []
+    if inputs.cache_seqlens is not None or inputs.block_table is not None:
+        reasons.append("key-interval masks with a KV cache (cache_seqlens / block_table) have "
+                       "no cuda kernel")
+    bias = inputs.attn_bias
+    if bias is not None and bias.shape[2] != 1:
+        reasons.append("with a key-interval mask the cuda kernels take a per-key bias "
+                       f"(Bx, Hx, 1, Lk); got bias {tuple(bias.shape)}")
+    bounds = inputs.key_intervals
+    if bounds.shape[2] == inputs.num_heads and inputs.num_heads != inputs.num_kv_heads:
+        reasons.append("key intervals per query head within a kv-head group have no cuda "
+                       "kernel (triton runs them)")
+    if inputs.head_dim > 128:
+        reasons.append(f"key-interval kernels take head_dim <= 128, got {inputs.head_dim}")
+    if inputs.deterministic:
+        reasons.append("deterministic=True: the cuda key-interval backward adds partial "
+                       "gradients with atomics (triton runs it deterministically)")
+    if inputs.device.type == "cuda" and torch.cuda.get_device_capability(inputs.device) != (9, 0):
+        reasons.append("the cuda key-interval kernels are built for Hopper (sm_90) only")
+    return reasons
+
+
+def _module(q: torch.Tensor, bias):
+    from .kernels import kernel_module
+
+    return kernel_module(q, True, bias is not None)
+
+
+def plan_for(q, k, bias, bounds, is_causal, backward: bool):
+    """``(plan, full bounds)`` of a call, at its kernel module's forward tile and backward key
+    block."""
+    mod = _module(q, bias)
+    B, Lq, H, _ = q.shape
+    Lk, Hkv = k.shape[1], k.shape[2]
+    fb, _ = full_bounds(bounds, B, H, Hkv)
+    fwd_m, _, _, bwd_n = mod.block_sizes()
+    return plan_intervals(fb, Lq, Lk, is_causal, fwd_m, bwd_n, backward), fb
+
+
+def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None):
+    """``(out, lse, plan)``; ``plan`` is ``(IntervalPlan, full bounds)``."""
+    from .kernels import _vector_ready
+
+    q, k, v = (_vector_ready(t) for t in (q, k, v))
+    mod = _module(q, bias)
+    if plan is None:
+        plan = plan_for(q, k, bias, bounds, is_causal, backward=False)
+    ivp, fb = plan
+    out, lse = mod.fwd_intervals(q, k, v, None, bias, fb, ivp.tile_start, ivp.tile_len,
+                                 ivp.keys, float(scale), bool(is_causal), float(softcap))
+    return out, lse, plan
+
+
+def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, softcap, needs,
+                      plan=None):
+    """``(dq, dk, dv, dbias)`` with None where ``needs`` did not ask."""
+    from .kernels import _reduce_key_partials, _vector_ready
+
+    need_dq, need_dk, need_dv, need_dbias = needs
+    need_dbias = need_dbias and bias is not None
+    dout, q, k, v, out = (_vector_ready(t) for t in (dout, q, k, v, out))
+    mod = _module(q, bias)
+    if plan is None or plan[0].blk_keys is None:
+        plan = plan_for(q, k, bias, bounds, is_causal, backward=True)
+    ivp, fb = plan
+    B, Lq, H, _ = q.shape
+    Lk = k.shape[1]
+    if ivp.n_blocks == 0:
+        # Nobody sees any key: every output row is 0, so is every gradient.
+        dq = torch.zeros_like(q) if need_dq else None
+        dk = torch.zeros_like(k) if need_dk else None
+        dv = torch.zeros_like(v) if need_dv else None
+        db = torch.zeros((B, H, Lk), dtype=torch.float32, device=q.device)
+        return dq, dk, dv, _reduce_key_partials(db, bias) if need_dbias else None
+    dq, dk32, dv32, db32 = mod.bwd_intervals(
+        dout, q, k, v, bias, out, lse.contiguous(), fb, ivp.blk_keys, ivp.blk_qlo, ivp.blk_qhi,
+        ivp.blocks_per_row, SEGMENT_ROWS, float(scale), bool(is_causal), float(softcap),
+        bool(need_dq), bool(need_dk or need_dv), bool(need_dbias))
+    return (dq if need_dq else None,
+            dk32.to(k.dtype) if need_dk else None,
+            dv32.to(v.dtype) if need_dv else None,
+            _reduce_key_partials(db32, bias) if need_dbias else None)
+
