@@ -1,0 +1,220 @@
+"""The local attention calls of a context-parallel step, and the merging of their results.
+
+Each rank computes its queries against one block of keys at a time with the library's own
+forward/backward pair, the ``flash_dmattn::<op>_fwd`` / ``_bwd`` custom ops that every kernel
+backend registers (:class:`flash_dmattn.ops.AttentionOp`):
+
+* ``fwd(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, cache_seqlens,
+  block_table, key_intervals) -> (out, lse)``;
+* ``bwd(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs,
+  cache_seqlens, key_intervals) -> (dq, dk, dv, dbias)``.
+
+The backward of a block given the *merged* output and log-sum-exp of the whole row is exactly
+that block's share of the gradient (``p = exp(s - lse)`` and ``delta = rowsum(dout * out)`` are
+the row's), which is what makes attention split over key blocks differentiable block by block.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import registry
+from ..inputs import AttentionInputs
+
+# Backends with a registered forward/backward op pair, and how to make sure it is registered.
+# flex has none: it differentiates through torch.nn.attention.flex_attention as a whole.
+_OPS = {
+    "cuda": ("flash_dmattn.backends.cuda.backend", "cuda_op"),
+    "triton": ("flash_dmattn.backends.triton.backend", "triton_op"),
+    "torch-reference": ("flash_dmattn.reference.attention", None),
+}
+_OP_NAMES = {"cuda": "cuda", "triton": "triton", "torch-reference": "reference"}
+
+# Bounds of a translated key interval stay inside what KeyIntervals stores (int32, +-2**30).
+_CLAMP = 1 << 30
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where partial outputs, log-sum-exps and gradients are summed: float32, or float64 for
+    float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def choose_backend(inputs: AttentionInputs, backend: Optional[str]) -> str:
+    """The backend whose op pair runs the local calls.
+
+    ``backend`` given: that one (it must support the inputs). Otherwise the one auto-dispatch
+    would pick for ``inputs``; when that one has no op pair (flex), the first backend in
+    priority order that has one and supports the inputs, preferring those with no
+    auto-dispatch reservation.
+    """
+    if backend is not None:
+        chosen = registry.check_explicit(registry.get_backend(backend), inputs)
+        if chosen.name not in _OPS:
+            raise ValueError(
+                f"backend {backend!r} has no separate forward/backward with the log-sum-exp, "
+                f"which context parallelism merges; use one of {', '.join(_OPS)}"
+            )
+        return chosen.name
+    chosen = registry.select_backend(inputs)
+    if chosen.name in _OPS:
+        return chosen.name
+    candidates = [n for n in registry.PRIORITY if n in _OPS and registry.can_run(n, inputs)]
+    for name in candidates:
+        if not registry.get_backend(name).auto_skip_reasons(inputs):
+            return name
+    if candidates:
+        return candidates[0]
+    raise RuntimeError(f"no backend with a forward/backward op pair can run {inputs.describe()}")
+
+
+class LocalKernel:
+    """The forward/backward op pair of one backend."""
+
+    def __init__(self, backend: str) -> None:
+        module, factory = _OPS[backend]
+        mod = importlib.import_module(module)
+        if factory is not None:
+            getattr(mod, factory)()  # registers the ops on first use
+        ops = getattr(torch.ops.flash_dmattn, _OP_NAMES[backend] + "_fwd"), getattr(
+            torch.ops.flash_dmattn, _OP_NAMES[backend] + "_bwd")
+        self.backend = backend
+        self._fwd, self._bwd = ops
+
+    def forward(self, q, k, v, mask, bias, bounds, scale, causal, softcap,
+                deterministic) -> Tuple[Tensor, Tensor]:
+        """``(out (B, Lq, H, Dv) in q's dtype, lse (B, H, Lq) in the accumulation dtype)``."""
+        out, lse = self._fwd(q, k, v, mask, bias, scale, causal, softcap, deterministic,
+                             None, None, bounds)
+        return out, lse.to(accumulation_dtype(q.dtype))
+
+    def backward(self, dout, q, k, v, mask, bias, bounds, out, lse, scale, causal, softcap,
+                 deterministic, needs: Sequence[bool]) -> List[Optional[Tensor]]:
+        """``[dq, dk, dv, dbias]``, None where ``needs`` did not ask; each in its input's dtype
+        and shape."""
+        needs = [bool(n) for n in needs]
+        needs[3] = needs[3] and bias is not None
+        grads = self._bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap,
+                          deterministic, needs, None, bounds)
+        return [g if n else None for g, n in zip(grads, needs)]
+
+
+class Merger:
+    """Outputs and log-sum-exps of calls on row ranges of a shard, merged in the accumulation
+    dtype: ``lse = logaddexp(lse, lse_c)``, ``out = out·exp(lse_old - lse) + out_c·exp(lse_c - lse)``.
+    Rows no call reached stay 0 with lse = -inf, like rows with no visible key."""
+
+    def __init__(self, batch: int, rows: int, heads: int, dim: int, dtype: torch.dtype,
+                 device) -> None:
+        acc = accumulation_dtype(dtype)
+        self.out = torch.zeros(batch, rows, heads, dim, dtype=acc, device=device)
+        self.lse = torch.full((batch, heads, rows), float("-inf"), dtype=acc, device=device)
+
+    def add(self, rows: Tuple[int, int], out: Tensor, lse: Tensor) -> None:
+        r0, r1 = rows
+        old = self.lse[:, :, r0:r1]
+        new = torch.logaddexp(old, lse)
+        # Rows still without any visible key: both weights 0 (not exp(nan)).
+        ref = torch.where(new == float("-inf"), torch.zeros_like(new), new)
+        w_old = torch.exp(old - ref).transpose(1, 2).unsqueeze(-1)
+        w_new = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
+        acc = self.out[:, r0:r1]
+        acc.mul_(w_old).add_(out.to(acc.dtype) * w_new)
+        self.lse[:, :, r0:r1] = new
+
+
+# ------------------------------------------------------------------------------------------
+# Masks, biases and key intervals along the sequence
+
+
+class Aux:
+    """A mask or bias of a context-parallel call, 4-D ``(Bx, Hx, Qx, Kx)``, or the int32
+    bounds ``(2, Bx, Hx, Kx)`` of key intervals (``Qx`` is then 1).
+
+    ``per_query``: ``Qx`` is the shard length (rows follow the rank's queries).
+    ``keys``: ``"none"`` (``Kx == 1``), ``"shard"`` (``Kx`` is the shard length: the rank's
+    own keys, which travel with its K/V) or ``"global"`` (``Kx == L``: every key, in global
+    position order, the same on every rank).
+    """
+
+    def __init__(self, name: str, tensor: Tensor, shard_len: int, world: int,
+                 bounds: bool = False) -> None:
+        self.name, self.tensor, self.bounds = name, tensor, bounds
+        total = shard_len * world
+        kx = tensor.shape[-1]
+        qx = 1 if bounds else tensor.shape[-2]
+        if kx == total:
+            self.keys = "global"
+        elif kx == shard_len:
+            self.keys = "shard"
+        elif kx == 1 and not bounds:
+            self.keys = "none"
+        else:
+            raise ValueError(
+                f"{name}: the key dim has size {kx}; it must be 1, the shard length {shard_len} "
+                f"(this rank's keys) or the whole sequence {total} (every key, global order)"
+            )
+        if qx not in (1, shard_len):
+            raise ValueError(
+                f"{name}: the query dim has size {qx}; it must be 1 or the shard length "
+                f"{shard_len} (this rank's queries)"
+            )
+        self.per_query = qx == shard_len and not bounds
+        if self.per_query and self.keys == "shard" and world > 1:
+            raise ValueError(
+                f"{name} of shape {tuple(tensor.shape)} has this rank's queries and this rank's "
+                f"keys only; a mask or bias with a query dim must span every key "
+                f"(key dim {total}, global order) or none (key dim 1)"
+            )
+
+    @property
+    def travels(self) -> bool:
+        return self.keys == "shard"
+
+    def rows(self, t: Tensor, rows: Tuple[int, int]) -> Tensor:
+        return t[:, :, rows[0]:rows[1]] if self.per_query else t
+
+    def cols(self, t: Tensor, call) -> Tensor:
+        """The key columns of ``call`` from ``t``: the block's shard of a travelling aux, or
+        the tensor itself (key dim 1 or the whole sequence)."""
+        if self.keys == "none":
+            return t
+        if self.keys == "shard":
+            return t[..., call.cols[0]:call.cols[1]]
+        return take_ranges(t, call.key_ranges)
+
+
+def take_ranges(t: Tensor, ranges: Sequence[Tuple[int, int]]) -> Tensor:
+    """``t``'s last dim restricted to ``ranges`` (concatenated in order)."""
+    pieces = [t[..., a:b] for a, b in ranges]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)
+
+
+def add_ranges(dst: Tensor, ranges: Sequence[Tuple[int, int]], src: Tensor) -> None:
+    """``dst[..., ranges] += src`` (the inverse of :func:`take_ranges`)."""
+    offset = 0
+    for a, b in ranges:
+        dst[..., a:b] += src[..., offset:offset + (b - a)]
+        offset += b - a
+
+
+def translate_bounds(bounds: Tensor, query_pos: int, num_rows: int, num_cols: int) -> Tensor:
+    """Key-interval bounds in global query positions -> those of a local call whose row 0 is
+    global position ``query_pos``: the local call places row ``i`` at ``i + Lk - Lq``."""
+    shift = num_cols - num_rows - query_pos
+    out = bounds.to(torch.int64) + shift
+    return out.clamp_(-_CLAMP, _CLAMP).to(torch.int32).contiguous()
+
+
+def pad4(name: str, t: Optional[Tensor]) -> Optional[Tensor]:
+    """A mask or bias as a 4-D view (fewer dims are left-padded with 1s)."""
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dim() > 4:
+        raise ValueError(f"{name} must have at most 4 dims, got shape {tuple(t.shape)}")
+    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t

@@ -1,0 +1,296 @@
+"""Ring context parallelism: every rank's queries meet every rank's keys, one block a step.
+
+Forward, ``P`` steps: at step ``t`` rank ``r`` holds the K/V block of rank ``(r - t) mod P``
+(with the per-key mask, bias and key-interval shards that travel with it), starts sending it
+to rank ``r + 1`` and receiving the next one from rank ``r - 1``, and meanwhile runs the local
+calls of that block (:mod:`.plan`), merging their outputs by log-sum-exp.
+
+Backward, ``P`` steps in the same order: the K/V blocks go round again, and with each block a
+gradient accumulator (dK, dV and a per-key dbias, in the accumulation dtype): at step ``t``
+rank ``r`` adds its share for block ``(r - t) mod P`` to the accumulator received from rank
+``r - 1`` (which added its own at step ``t - 1``) and passes it on; one last hop brings every
+accumulator home. dQ and the gradients of per-query or whole-sequence masks' biases stay local.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from ..inputs import AttentionInputs
+from ..masks import KeyIntervals
+from .comm import Group
+from .layout import check_layout, check_shard_length, shard_segments
+from .local import (
+    Aux,
+    LocalKernel,
+    Merger,
+    accumulation_dtype,
+    add_ranges,
+    choose_backend,
+    pad4,
+    translate_bounds,
+)
+from .plan import Call, plan_block
+
+__all__ = ["context_parallel_attention"]
+
+
+def check_shards(query, key, value) -> int:
+    """Shapes common to every context-parallel call; returns the shard length."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, shard_len, heads, head_dim), got "
+                             f"shape {tuple(t.shape)}")
+    if not (query.shape[1] == key.shape[1] == value.shape[1]):
+        raise ValueError(
+            f"query, key and value must be shards of one sequence (the same number of tokens "
+            f"per rank), got query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+            f"{tuple(value.shape)}"
+        )
+    return query.shape[1]
+
+
+class Setup:
+    """Everything a ring call needs besides its tensors."""
+
+    def __init__(self, group: Group, layout: str, shard_len: int, mask: Optional[Aux],
+                 bias: Optional[Aux], bounds: Optional[Aux], is_causal: bool) -> None:
+        self.group, self.layout, self.shard_len = group, layout, shard_len
+        self.mask, self.bias, self.bounds = mask, bias, bounds
+        self.is_causal = is_causal
+        world = group.size
+        self.segments = [shard_segments(layout, s, world, shard_len) for s in range(world)]
+        mine = self.segments[group.rank]
+        self.plans: List[List[Call]] = [
+            plan_block(mine, self.segments[s], is_causal, bounds is not None) for s in range(world)
+        ]
+        self.kernel: Optional[LocalKernel] = None
+        self.scale = self.softcap = 0.0
+        self.deterministic = False
+
+    def whole_shard_call(self) -> Call:
+        """The rank's queries against its own keys as one call (validation and dispatch)."""
+        mine = self.segments[self.group.rank]
+        ranges = tuple((a, a + n) for a, n in mine)
+        return Call((0, self.shard_len), (0, self.shard_len), self.is_causal, mine[0][0], ranges)
+
+    def travelling(self, k: Tensor, v: Tensor, mask, bias, bounds) -> Dict[str, Tensor]:
+        """What goes round the ring with the keys: K, V and the per-key shards."""
+        block = {"k": k, "v": v}
+        for name, aux, t in (("mask", self.mask, mask), ("bias", self.bias, bias),
+                             ("bounds", self.bounds, bounds)):
+            if aux is not None and aux.travels:
+                block[name] = t.detach().contiguous()
+        return block
+
+    def call_args(self, call: Call, q: Tensor, block: Dict[str, Tensor], mask, bias, bounds):
+        """``(q, k, v, mask, bias, bounds)`` of one local call."""
+        (r0, r1), (c0, c1) = call.rows, call.cols
+        qc = q[:, r0:r1].contiguous()
+        kc = block["k"][:, c0:c1].contiguous()
+        vc = block["v"][:, c0:c1].contiguous()
+        mask_c = bias_c = bounds_c = None
+        if self.mask is not None:
+            mask_c = self.mask.rows(self.mask.cols(block.get("mask", mask), call), call.rows)
+        if self.bias is not None:
+            bias_c = self.bias.rows(self.bias.cols(block.get("bias", bias), call), call.rows)
+        if self.bounds is not None:
+            raw = self.bounds.cols(block.get("bounds", bounds), call)
+            bounds_c = translate_bounds(raw, call.query_pos, r1 - r0, c1 - c0)
+        return qc, kc, vc, mask_c, bias_c, bounds_c
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, st: Setup, q, k, v, mask, bias, bounds):
+        grp, kernel = st.group, st.kernel
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        merger = Merger(q.shape[0], q.shape[1], q.shape[2], v.shape[3], q.dtype, q.device)
+        block = st.travelling(k, v, mask, bias, bounds)
+        for step in range(grp.size):
+            src = (grp.rank - step) % grp.size
+            nxt, transfer = None, None
+            if step < grp.size - 1:
+                nxt = {name: torch.empty_like(t) for name, t in block.items()}
+                transfer = grp.ring_shift("kv", list(block.values()), list(nxt.values()))
+            for call in st.plans[src]:
+                args = st.call_args(call, q, block, mask, bias, bounds)
+                out_c, lse_c = kernel.forward(*args, st.scale, call.causal, st.softcap,
+                                              st.deterministic)
+                merger.add(call.rows, out_c, lse_c)
+            if transfer is not None:
+                transfer.wait()
+                block = nxt
+        out = merger.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, mask, bias, bounds, out, merger.lse)
+        ctx.st = st
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        st: Setup = ctx.st
+        grp, kernel = st.group, st.kernel
+        q, k, v, mask, bias, bounds, out, lse = ctx.saved_tensors
+        need_q, need_k, need_v = ctx.needs_input_grad[1:4]
+        need_bias = bias is not None and ctx.needs_input_grad[5]
+        needs = (need_q, need_k, need_v, need_bias)
+        acc = accumulation_dtype(q.dtype)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device) if need_q else None
+        bias_travels = need_bias and st.bias.travels
+        dbias_local = (torch.zeros(bias.shape, dtype=acc, device=q.device)
+                       if need_bias and not bias_travels else None)
+        # The accumulator that follows each block: dK, dV and (per-key bias) dbias.
+        carry_shapes = []
+        if need_k or need_v or bias_travels:
+            carry_shapes = [k.shape, v.shape] + ([bias.shape] if bias_travels else [])
+
+        def zeros_carry():
+            return [torch.zeros(s, dtype=acc, device=q.device) for s in carry_shapes]
+
+        block = st.travelling(k, v, mask, bias, bounds)
+        carry: List[Tensor] = []
+        for step in range(grp.size):
+            src = (grp.rank - step) % grp.size
+            incoming, carry_transfer = [], None
+            if step > 0 and carry:
+                incoming = [torch.empty_like(t) for t in carry]
+                carry_transfer = grp.ring_shift("grad", carry, incoming)
+            nxt, transfer = None, None
+            if step < grp.size - 1:
+                nxt = {name: torch.empty_like(t) for name, t in block.items()}
+                transfer = grp.ring_shift("kv", list(block.values()), list(nxt.values()))
+            contrib = zeros_carry()
+            for call in st.plans[src]:
+                (r0, r1), (c0, c1) = call.rows, call.cols
+                qc, kc, vc, mask_c, bias_c, bounds_c = st.call_args(call, q, block, mask, bias,
+                                                                    bounds)
+                dq_c, dk_c, dv_c, db_c = kernel.backward(
+                    dout[:, r0:r1].contiguous(), qc, kc, vc, mask_c, bias_c, bounds_c,
+                    out[:, r0:r1].contiguous(), lse[:, :, r0:r1].contiguous(), st.scale,
+                    call.causal, st.softcap, st.deterministic, needs,
+                )
+                if dq_c is not None:
+                    dq[:, r0:r1] += dq_c
+                if dk_c is not None:
+                    contrib[0][:, c0:c1] += dk_c
+                if dv_c is not None:
+                    contrib[1][:, c0:c1] += dv_c
+                if db_c is not None:
+                    if bias_travels:
+                        contrib[2][..., c0:c1] += db_c
+                    else:
+                        _add_bias_grad(st.bias, dbias_local, call, db_c)
+            if carry_transfer is not None:
+                carry_transfer.wait()
+                for c, x in zip(contrib, incoming):
+                    c += x
+            carry = contrib
+            if transfer is not None:
+                transfer.wait()
+                block = nxt
+        if carry and grp.size > 1:
+            home = [torch.empty_like(t) for t in carry]
+            grp.ring_shift("grad", carry, home).wait()
+            carry = home
+        dk = carry[0].to(k.dtype) if need_k else None
+        dv = carry[1].to(v.dtype) if need_v else None
+        dbias = None
+        if need_bias:
+            dbias = (carry[2] if bias_travels else dbias_local).to(bias.dtype)
+        return None, (dq.to(q.dtype) if need_q else None), dk, dv, None, dbias, None
+
+
+def _add_bias_grad(aux: Aux, dst: Tensor, call: Call, grad: Tensor) -> None:
+    """Add a call's dbias into a bias gradient that stays on this rank."""
+    target = aux.rows(dst, call.rows)
+    if aux.keys == "global":
+        add_ranges(target, call.key_ranges, grad)
+    else:
+        target += grad
+
+
+def context_parallel_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask=None,
+    attn_bias: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    is_causal: bool = False,
+    softcap: Optional[float] = None,
+    deterministic: bool = False,
+    *,
+    group=None,
+    mesh_dim=None,
+    layout: str = "contiguous",
+    backend: Optional[str] = None,
+) -> Tensor:
+    """Attention over a sequence split across the ranks of ``group``; each rank passes its shard.
+
+    Equivalent to ``flash_dmattn_func`` on the whole sequence (self-attention: queries and keys
+    are the same positions), with this rank's rows of the result returned. See
+    ``docs/context-parallel.md`` for the full contract.
+
+    Args:
+        query: ``(B, n, H, D)``, this rank's ``n`` tokens; key, value: ``(B, n, Hkv, D)``, the
+            same tokens (``H % Hkv == 0``). ``n`` is the same on every rank; the sequence has
+            ``L = n · P`` tokens.
+        attn_mask: bool, 4-D or fewer dims, ``(1|B, 1|Hkv|H, Qx, Kx)``, or a
+            :class:`~flash_dmattn.KeyIntervals` whose bounds are global query positions. The
+            key dim ``Kx`` is 1, ``n`` (this rank's keys: the shard travels with its keys) or
+            ``L`` (every key in global order, the same on every rank); the query dim ``Qx`` is
+            1 or ``n`` (this rank's queries), and ``Qx = n`` needs ``Kx`` of 1 or ``L``.
+            KeyIntervals start/end have shape ``(1|B, 1|Hkv|H, n or L)``.
+        attn_bias: float, the same shapes as a bool mask; its gradient has its shape. A bias
+            with neither a query dim nor this rank's keys (``Qx = 1``, ``Kx`` 1 or ``L``) is
+            replicated: each rank gets the gradient of its own queries (sum over the group for
+            the total).
+        softmax_scale, softcap, deterministic: as ``flash_dmattn_func``.
+        is_causal: causal over global positions (key ``j`` visible to query ``i`` iff
+            ``j <= i``).
+        group: a ``ProcessGroup`` (default: the default group) or a ``DeviceMesh``.
+        mesh_dim: the mesh dimension of the ranks sharing the sequence (a ``DeviceMesh``
+            of several dims).
+        layout: ``"contiguous"`` or ``"zigzag"`` (:mod:`flash_dmattn.distributed.layout`).
+        backend: the backend of the local calls (``"cuda"``, ``"triton"``,
+            ``"torch-reference"``); default: the one auto-dispatch picks for this rank's queries
+            against its own keys.
+
+    Returns ``(B, n, H, Dv)`` in the query's dtype. Differentiable in query, key, value and
+    attn_bias (eager mode).
+    """
+    layout = check_layout(layout)
+    grp = Group(group, mesh_dim)
+    shard_len = check_shards(query, key, value)
+    check_shard_length(layout, shard_len)
+    bounds_aux = None
+    bounds = None
+    if isinstance(attn_mask, KeyIntervals):
+        bounds = attn_mask.bounds
+        bounds_aux = Aux("attn_mask (KeyIntervals)", bounds, shard_len, grp.size, bounds=True)
+        attn_mask = None
+    mask = pad4("attn_mask", attn_mask)
+    bias = pad4("attn_bias", attn_bias)
+    mask_aux = Aux("attn_mask", mask, shard_len, grp.size) if mask is not None else None
+    bias_aux = Aux("attn_bias", bias, shard_len, grp.size) if bias is not None else None
+    st = Setup(grp, layout, shard_len, mask_aux, bias_aux, bounds_aux, bool(is_causal))
+
+    # Validate the call as the local kernels will see it: this rank's queries against its keys.
+    whole = st.whole_shard_call()
+    _, _, _, mask_c, bias_c, bounds_c = st.call_args(
+        whole, query, st.travelling(key, value, mask, bias, bounds), mask, bias, bounds)
+    inputs = AttentionInputs.from_args(
+        query, key, value,
+        KeyIntervals.from_bounds(bounds_c) if bounds_c is not None else mask_c, bias_c,
+        softmax_scale, bool(is_causal), softcap, deterministic,
+    )
+    st.kernel = LocalKernel(choose_backend(inputs, backend))
+    st.scale, st.softcap, st.deterministic = inputs.softmax_scale, inputs.softcap, inputs.deterministic
+    if mask is not None and mask.dtype != torch.bool:
+        raise TypeError(f"attn_mask must be bool, got {mask.dtype}")
+    return _RingAttention.apply(st, query, key, value, mask, bias, bounds)
