@@ -15,9 +15,12 @@ counts the bytes moved. See ``docs/context-parallel.md``.
 from .comm import CommunicationLog, record_communication
 from .layout import LAYOUTS, shard_positions, shard_segments, shard_sequence, unshard_sequence
 from .ring import context_parallel_attention
+from .selected import context_parallel_dma_attention, context_parallel_selected_attention
 
 __all__ = [
     "context_parallel_attention",
+    "context_parallel_selected_attention",
+    "context_parallel_dma_attention",
     "record_communication",
     "CommunicationLog",
     "LAYOUTS",

@@ -1,0 +1,455 @@
+"""Context parallelism that moves only the selected keys.
+
+When the mask is a :class:`~flash_dmattn.KeyIntervals` known in full on every rank (global key
+order, global query positions), every rank can work out, without asking, which of rank ``s``'s
+keys rank ``r``'s queries see: key ``j`` (position ``p_j``) is needed for batch ``b`` and
+selection head ``h`` iff its interval ``[start, end)`` (with ``start`` raised to ``p_j`` when
+causal) meets one of ``r``'s query segments. So each rank:
+
+1. sends every other rank exactly the K/V rows (and per-key bias values) it needs, and receives
+   the rows it needs, all at once (point-to-point), while it computes its queries against its
+   own keys;
+2. packs the received rows into one ``(B, M, Hkv, D)`` block per selection head (head ``h``'s
+   ``m``-th column is its ``m``-th needed key; the shorter lists are padded with keys whose
+   interval is empty) and attends to it with the translated intervals, causal folded into them;
+3. merges the two results by log-sum-exp.
+
+The backward sends each received row's dK/dV (and dbias) back to its owner, which adds them to
+its own. Traffic per rank and pass is the needed rows (``2·Hkv/Hs·D`` values and the bias
+values each), whatever the sequence length: for a top-W selection about ``W`` per
+(peer, head), so it grows with ``W·P``, not with ``L``.
+
+:func:`context_parallel_dma_attention` adds the selection of Dynamic Mask Attention: the per-key
+bias is all-gathered (``L`` values per head), every rank runs the same
+:func:`~flash_dmattn.utils.mask.topk_intervals` on it, and the above does the rest.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from ..inputs import AttentionInputs
+from ..masks import KeyIntervals
+from ..planning.selection import topk_intervals
+from .comm import Group
+from .layout import check_layout, check_shard_length, shard_positions, shard_segments, unshard_sequence
+from .local import Aux, LocalKernel, Merger, accumulation_dtype, choose_backend, pad4, translate_bounds
+from .ring import Setup, check_shards
+
+__all__ = ["context_parallel_selected_attention", "context_parallel_dma_attention"]
+
+
+class Selection:
+    """Which rows move between which ranks; the same arithmetic on every rank.
+
+    Rows are K/V viewed as ``(B·n·Hs, (Hkv/Hs)·D)``: row ``(b·n + j)·Hs + h`` is key ``j`` of
+    batch ``b`` for selection head ``h`` (all the kv heads that head covers).
+    """
+
+    def __init__(self, grp: Group, layout: str, shard_len: int, bounds: Tensor, batch: int,
+                 is_causal: bool) -> None:
+        world, me, n = grp.size, grp.rank, shard_len
+        device = bounds.device
+        heads = bounds.shape[2]
+        self.heads = heads
+        self.peers = [p for p in range(world) if p != me]
+        segments = [shard_segments(layout, s, world, n) for s in range(world)]
+        positions = [shard_positions(layout, s, world, n, device) for s in range(world)]
+        full = bounds.expand(2, batch, heads, bounds.shape[-1])
+
+        def needed(r: int, s: int) -> Tensor:
+            """Bool ``(B, Hs, n)``: rank ``s``'s keys that rank ``r``'s queries see."""
+            own = full[..., positions[s]].to(torch.int64)
+            lo, hi = own[0], own[1]
+            if is_causal:
+                lo = torch.maximum(lo, positions[s])
+            vis = torch.zeros(lo.shape, dtype=torch.bool, device=device)
+            for a, m in segments[r]:
+                vis |= torch.maximum(lo, torch.full_like(lo, a)) < torch.minimum(hi, torch.full_like(hi, a + m))
+            return vis
+
+        send_need = {r: needed(r, me) for r in self.peers}
+        recv_need = {s: needed(me, s) for s in self.peers}
+        # One host synchronisation for every buffer size: rows to send, to receive, and the
+        # longest list per peer (the padded width of its columns).
+        sizes = [send_need[r].sum() for r in self.peers] + [recv_need[s].sum() for s in self.peers]
+        sizes += [recv_need[s].sum(-1).amax() for s in self.peers]
+        sizes = torch.stack(sizes).tolist() if self.peers else []
+        k = len(self.peers)
+        self.send_rows = dict(zip(self.peers, sizes[:k]))
+        self.recv_rows = dict(zip(self.peers, sizes[k:2 * k]))
+        widths = dict(zip(self.peers, sizes[2 * k:]))
+        self.width = sum(widths.values())  # M: columns of the received block
+
+        # Rows this rank sends to each peer, in (b, h, j) order.
+        self.send_index: Dict[int, Tensor] = {}
+        for r in self.peers:
+            b, h, j = send_need[r].nonzero(as_tuple=True)
+            self.send_index[r] = (b * n + j) * heads + h
+        # Where each received row goes in the (B·M·Hs) rows of the received block (the same
+        # (b, h, j) order as the sender's), and the key position and bounds of every column.
+        M = self.width
+        self.recv_index: Dict[int, Tensor] = {}
+        col_pos = torch.zeros(batch, heads, M, dtype=torch.int64, device=device)
+        col_live = torch.zeros(batch, heads, M, dtype=torch.bool, device=device)
+        offset = 0
+        for s in self.peers:
+            need = recv_need[s]
+            b, h, j = need.nonzero(as_tuple=True)
+            slot = (need.cumsum(-1) - 1)[b, h, j] + offset
+            self.recv_index[s] = (b * M + slot) * heads + h
+            col_pos[b, h, slot] = positions[s][j]
+            col_live[b, h, slot] = True
+            offset += widths[s]
+        # Bounds of the received columns in global query positions, causal folded into the
+        # start; padding columns get the empty interval.
+        cols = full.gather(-1, col_pos.unsqueeze(0).expand(2, batch, heads, M)).to(torch.int64)
+        start, end = cols[0], cols[1]
+        if is_causal:
+            start = torch.maximum(start, col_pos)
+        zero = torch.zeros_like(start)
+        self.col_bounds = torch.stack([torch.where(col_live, start, zero),
+                                       torch.where(col_live, end, zero)])
+        self.query_segments = []  # (first local row, rows, first global position)
+        row = 0
+        for a, m in segments[me]:
+            self.query_segments.append((row, m, a))
+            row += m
+
+
+class _Plan:
+    """A selected-keys call: its selection, own-keys setup, kernel and head arithmetic."""
+
+    def __init__(self, st: Setup, sel: Selection, kv_heads: int, bias_heads: Optional[int],
+                 batch: int) -> None:
+        self.st, self.sel = st, sel
+        self.batch = batch
+        self.group = kv_heads // sel.heads  # kv heads per selection head
+        # Bias values per row: a bias of Hb heads seen as max(Hb, Hs) heads, Hs of them a row.
+        self.bias_heads = None if bias_heads is None else max(bias_heads, sel.heads)
+
+    def rows(self, t: Tensor) -> Tensor:
+        """K or V ``(B, n, Hkv, D)`` as rows ``(B·n·Hs, Hkv/Hs·D)``."""
+        return t.reshape(-1, self.group * t.shape[-1])
+
+    def bias_rows(self, bias: Tensor) -> Tensor:
+        """A per-key bias ``(Bb, Hb, 1, n)`` as rows ``(B·n·Hs, max(Hb, Hs)/Hs)``."""
+        n = bias.shape[-1]
+        full = bias[:, :, 0].expand(self.batch, self.bias_heads, n)
+        return full.permute(0, 2, 1).reshape(-1, self.bias_heads // self.sel.heads)
+
+    def unrows_bias(self, rows: Tensor, bias_shape) -> Tensor:
+        """The inverse of :meth:`bias_rows` for a gradient: summed over broadcast dims."""
+        n = bias_shape[-1]
+        g = rows.view(self.batch, n, self.bias_heads).permute(0, 2, 1).unsqueeze(2)
+        if bias_shape[1] == 1 and self.bias_heads > 1:
+            g = g.sum(1, keepdim=True)
+        if bias_shape[0] == 1 and self.batch > 1:
+            g = g.sum(0, keepdim=True)
+        return g
+
+    def received_block(self, parts: List[Tensor], width: int) -> Tensor:
+        """Received rows, per peer, packed into ``(B·M·Hs, width)`` (zeros in the padding)."""
+        sel = self.sel
+        out = parts[0].new_zeros(self.batch * sel.width * sel.heads, width)
+        if sel.peers:
+            index = torch.cat([sel.recv_index[s] for s in sel.peers])
+            out.index_copy_(0, index, torch.cat(parts))
+        return out
+
+    def remote_calls(self):
+        """``(rows, translated bounds)`` per query segment of this rank."""
+        M = self.sel.width
+        for row, m, pos in self.sel.query_segments:
+            yield (row, row + m), translate_bounds(self.sel.col_bounds, pos, m, M)
+
+
+class _SelectedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: _Plan, q, k, v, bias, own_bounds):
+        st, sel, kernel = plan.st, plan.sel, plan.st.kernel
+        grp = st.group
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        B, n, H, _ = q.shape
+        Hkv, D, Dv = k.shape[2], k.shape[3], v.shape[3]
+        k_rows, v_rows = plan.rows(k), plan.rows(v)
+        b_rows = plan.bias_rows(bias.detach()) if bias is not None else None
+        ops, got_k, got_v, got_b = [], [], [], []
+        for p in sel.peers:
+            idx = sel.send_index[p]
+            ops += [("send", p, k_rows.index_select(0, idx)), ("send", p, v_rows.index_select(0, idx))]
+            if b_rows is not None:
+                ops.append(("send", p, b_rows.index_select(0, idx)))
+            rows = sel.recv_rows[p]
+            got_k.append(k_rows.new_empty(rows, k_rows.shape[1]))
+            got_v.append(v_rows.new_empty(rows, v_rows.shape[1]))
+            ops += [("recv", p, got_k[-1]), ("recv", p, got_v[-1])]
+            if b_rows is not None:
+                got_b.append(b_rows.new_empty(rows, b_rows.shape[1]))
+                ops.append(("recv", p, got_b[-1]))
+        transfer = grp.exchange("kv", ops)
+
+        merger = Merger(B, n, H, Dv, q.dtype, q.device)
+        block = st.travelling(k, v, None, bias, own_bounds)
+        me = grp.rank
+        for call in st.plans[me]:
+            args = st.call_args(call, q, block, None, bias, own_bounds)
+            out_c, lse_c = kernel.forward(*args, st.scale, call.causal, st.softcap, st.deterministic)
+            merger.add(call.rows, out_c, lse_c)
+        transfer.wait()
+
+        k_sel = v_sel = b_sel = None
+        M = sel.width
+        if M > 0:
+            k_sel = plan.received_block(got_k, k_rows.shape[1]).view(B, M, Hkv, D)
+            v_sel = plan.received_block(got_v, v_rows.shape[1]).view(B, M, Hkv, Dv)
+            if b_rows is not None:
+                packed = plan.received_block(got_b, b_rows.shape[1])
+                b_sel = packed.view(B, M, plan.bias_heads).permute(0, 2, 1).unsqueeze(2).contiguous()
+            for (r0, r1), bounds_c in plan.remote_calls():
+                out_c, lse_c = kernel.forward(q[:, r0:r1].contiguous(), k_sel, v_sel, None, b_sel,
+                                              bounds_c, st.scale, False, st.softcap,
+                                              st.deterministic)
+                merger.add((r0, r1), out_c, lse_c)
+        out = merger.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, bias, own_bounds, out, merger.lse, k_sel, v_sel, b_sel)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        plan: _Plan = ctx.plan
+        st, sel, kernel = plan.st, plan.sel, plan.st.kernel
+        grp = st.group
+        q, k, v, bias, own_bounds, out, lse, k_sel, v_sel, b_sel = ctx.saved_tensors
+        need_q, need_k, need_v = ctx.needs_input_grad[1:4]
+        need_bias = bias is not None and ctx.needs_input_grad[4]
+        needs = (need_q, need_k, need_v, need_bias)
+        acc = accumulation_dtype(q.dtype)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device) if need_q else None
+
+        # Selected keys first, so that their gradients travel while the own keys are computed.
+        sends = []
+        M = sel.width
+        if M > 0:
+            d_sel = [torch.zeros(t.shape, dtype=acc, device=q.device) if need else None
+                     for t, need in ((k_sel, need_k), (v_sel, need_v), (b_sel, need_bias))]
+            for (r0, r1), bounds_c in plan.remote_calls():
+                dq_c, dk_c, dv_c, db_c = kernel.backward(
+                    dout[:, r0:r1].contiguous(), q[:, r0:r1].contiguous(), k_sel, v_sel, None,
+                    b_sel, bounds_c, out[:, r0:r1].contiguous(), lse[:, :, r0:r1].contiguous(),
+                    st.scale, False, st.softcap, st.deterministic, needs)
+                if dq_c is not None:
+                    dq[:, r0:r1] += dq_c
+                for acc_t, g in zip(d_sel, (dk_c, dv_c, db_c)):
+                    if g is not None:
+                        acc_t += g
+            if need_k:
+                sends.append(plan.rows(d_sel[0].to(k.dtype)))
+            if need_v:
+                sends.append(plan.rows(d_sel[1].to(v.dtype)))
+            if need_bias:
+                db = d_sel[2][:, :, 0].permute(0, 2, 1).to(bias.dtype)
+                sends.append(db.reshape(-1, plan.bias_heads // sel.heads))
+        widths = []
+        if need_k:
+            widths.append((plan.group * k.shape[-1], k.dtype))
+        if need_v:
+            widths.append((plan.group * v.shape[-1], v.dtype))
+        if need_bias:
+            widths.append((plan.bias_heads // sel.heads, bias.dtype))
+        ops, got = [], {p: [] for p in sel.peers}
+        for p in sel.peers:
+            for t in sends:
+                ops.append(("send", p, t.index_select(0, sel.recv_index[p])))
+            for width, dtype in widths:
+                buf = torch.empty(sel.send_rows[p], width, dtype=dtype, device=q.device)
+                got[p].append(buf)
+                ops.append(("recv", p, buf))
+        transfer = grp.exchange("grad", ops)
+
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device) if need_k else None
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device) if need_v else None
+        dbias = torch.zeros(bias.shape, dtype=acc, device=q.device) if need_bias else None
+        block = st.travelling(k, v, None, bias, own_bounds)
+        for call in st.plans[grp.rank]:
+            (r0, r1), (c0, c1) = call.rows, call.cols
+            qc, kc, vc, _, bias_c, bounds_c = st.call_args(call, q, block, None, bias, own_bounds)
+            dq_c, dk_c, dv_c, db_c = kernel.backward(
+                dout[:, r0:r1].contiguous(), qc, kc, vc, None, bias_c, bounds_c,
+                out[:, r0:r1].contiguous(), lse[:, :, r0:r1].contiguous(), st.scale, call.causal,
+                st.softcap, st.deterministic, needs)
+            if dq_c is not None:
+                dq[:, r0:r1] += dq_c
+            if dk_c is not None:
+                dk[:, c0:c1] += dk_c
+            if dv_c is not None:
+                dv[:, c0:c1] += dv_c
+            if db_c is not None:
+                dbias[..., c0:c1] += db_c
+        transfer.wait()
+
+        if sel.peers:
+            targets = []
+            if need_k:
+                targets.append(plan.rows(dk))
+            if need_v:
+                targets.append(plan.rows(dv))
+            b_acc = None
+            if need_bias:
+                b_acc = torch.zeros(plan.batch * k.shape[1] * sel.heads, plan.bias_heads // sel.heads,
+                                    dtype=acc, device=q.device)
+                targets.append(b_acc)
+            for p in sel.peers:
+                for target, buf in zip(targets, got[p]):
+                    target.index_add_(0, sel.send_index[p], buf.to(acc))
+            if b_acc is not None:
+                dbias += plan.unrows_bias(b_acc, bias.shape)
+        return (None, dq.to(q.dtype) if need_q else None,
+                dk.to(k.dtype) if need_k else None, dv.to(v.dtype) if need_v else None,
+                dbias.to(bias.dtype) if need_bias else None, None)
+
+
+def _selected(grp: Group, layout: str, query, key, value, intervals: KeyIntervals, bias,
+              softmax_scale, is_causal, softcap, deterministic, backend) -> Tensor:
+    shard_len = check_shards(query, key, value)
+    check_shard_length(layout, shard_len)
+    B, n = query.shape[0], shard_len
+    H, Hkv = query.shape[2], key.shape[2]
+    total = n * grp.size
+    if not isinstance(intervals, KeyIntervals):
+        raise TypeError(f"intervals must be a KeyIntervals, got {type(intervals).__name__}")
+    bounds = intervals.bounds
+    bx, hs, lk = bounds.shape[1:]
+    if lk != total or bx not in (1, B) or Hkv == 0 or hs not in (1, Hkv):
+        raise ValueError(
+            f"intervals must cover the whole sequence on every rank: start/end of shape "
+            f"(1|B, 1|Hkv, L) = (1|{B}, 1|{Hkv}, {total}); got {(bx, hs, lk)}"
+        )
+    if bounds.device != query.device:
+        raise ValueError(f"intervals are on {bounds.device} but query is on {query.device}")
+    bias4 = pad4("attn_bias", bias)
+    if bias4 is not None:
+        bb, hb, qx, kx = bias4.shape
+        if bb not in (1, B) or hb not in (1, Hkv, H) or qx != 1 or kx != n:
+            raise ValueError(
+                f"attn_bias must be this rank's per-key shard (1|B, 1|Hkv|H, 1, n) = "
+                f"(1|{B}, 1|{Hkv}|{H}, 1, {n}); got {tuple(bias4.shape)}"
+            )
+    own = shard_positions(layout, grp.rank, grp.size, n, query.device)
+    own_bounds = bounds[..., own].contiguous()
+    bias_aux = Aux("attn_bias", bias4, n, grp.size) if bias4 is not None else None
+    bounds_aux = Aux("intervals", own_bounds, n, grp.size, bounds=True)
+    st = Setup(grp, layout, n, None, bias_aux, bounds_aux, bool(is_causal))
+    whole = st.whole_shard_call()
+    _, _, _, _, bias_c, bounds_c = st.call_args(
+        whole, query, st.travelling(key, value, None, bias4, own_bounds), None, bias4, own_bounds)
+    inputs = AttentionInputs.from_args(query, key, value, KeyIntervals.from_bounds(bounds_c), bias_c,
+                                       softmax_scale, bool(is_causal), softcap, deterministic)
+    st.kernel = LocalKernel(choose_backend(inputs, backend))
+    st.scale, st.softcap, st.deterministic = inputs.softmax_scale, inputs.softcap, inputs.deterministic
+    sel = Selection(grp, layout, n, bounds, B, bool(is_causal))
+    plan = _Plan(st, sel, Hkv, None if bias4 is None else bias4.shape[1], B)
+    return _SelectedAttention.apply(plan, query, key, value, bias4, own_bounds)
+
+
+def context_parallel_selected_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    intervals: KeyIntervals,
+    attn_bias: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    is_causal: bool = False,
+    softcap: Optional[float] = None,
+    deterministic: bool = False,
+    *,
+    group=None,
+    mesh_dim=None,
+    layout: str = "contiguous",
+    backend: Optional[str] = None,
+) -> Tensor:
+    """Attention under a key-interval mask over a sequence split across ``group``, moving only
+    the keys each rank's queries see.
+
+    Equivalent to ``flash_dmattn_func(q, k, v, attn_mask=intervals, attn_bias=bias,
+    is_causal=...)`` on the whole sequence, this rank's rows returned.
+
+    Args:
+        query, key, value: this rank's shards, as :func:`context_parallel_attention`.
+        intervals: the mask of the *whole* sequence, the same on every rank: start/end of shape
+            ``(1|B, 1|Hkv, L)`` in global key order, bounds in global query positions.
+        attn_bias: None or this rank's per-key shard ``(1|B, 1|Hkv|H, 1, n)``; its values
+            travel with the selected keys and its gradient comes back with theirs.
+        softmax_scale, is_causal, softcap, deterministic, group, mesh_dim, layout, backend: as
+            :func:`context_parallel_attention`.
+
+    Each rank sends and receives the needed K/V rows once per pass (the forward's rows, then
+    their gradients in the backward); the received keys are kept for the backward.
+    ``requires_grad`` of query, key, value and bias must be the same on every rank.
+    """
+    grp = Group(group, mesh_dim)
+    return _selected(grp, check_layout(layout), query, key, value, intervals, attn_bias,
+                     softmax_scale, is_causal, softcap, deterministic, backend)
+
+
+def context_parallel_dma_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_bias: Tensor,
+    window_size: int,
+    is_causal: bool = True,
+    softmax_scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    deterministic: bool = False,
+    *,
+    min_dtype: Optional[float] = None,
+    group=None,
+    mesh_dim=None,
+    layout: str = "contiguous",
+    backend: Optional[str] = None,
+    return_intervals: bool = False,
+):
+    """Dynamic Mask Attention over a sequence split across ``group``: each query keeps the
+    ``window_size`` keys of largest bias (among its causal prefix when ``is_causal``), and only
+    those keys' K/V move between ranks.
+
+    Equivalent on the whole sequence to::
+
+        mask = topk_intervals(bias, window_size, is_causal=is_causal, min_dtype=min_dtype)
+        flash_dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=is_causal)
+
+    Args:
+        attn_bias: this rank's shard of the per-key bias, ``(1|B, 1|Hkv, 1, n)`` (e.g. from
+            :func:`flash_dmattn.dynamic_mask_bias` on this rank's values); it ranks the keys
+            (no gradient through the selection) and is added to the scores (with gradient).
+            Keys whose bias is ``<= min_dtype`` (default: the dtype's lowest value, e.g.
+            padding) are never selected.
+        window_size: W, keys kept per query.
+        return_intervals: also return the selection (``KeyIntervals`` of the whole sequence,
+            the same on every rank).
+
+    The other arguments are those of :func:`context_parallel_selected_attention`. Traffic:
+    one all-gather of the bias shard (``(1|B)·(1|Hkv)·L`` values), then the selected rows.
+    """
+    grp = Group(group, mesh_dim)
+    layout = check_layout(layout)
+    shard_len = check_shards(query, key, value)
+    bias4 = pad4("attn_bias", attn_bias)
+    if bias4 is None or bias4.shape[2] != 1 or bias4.shape[3] != shard_len or \
+            bias4.shape[1] not in (1, key.shape[2]):
+        raise ValueError(
+            f"attn_bias must be this rank's per-key bias shard (1|B, 1|Hkv, 1, n) = "
+            f"(1|{query.shape[0]}, 1|{key.shape[2]}, 1, {shard_len}); got "
+            f"{None if bias4 is None else tuple(bias4.shape)}"
+        )
+    pieces = grp.all_gather("bias", bias4.detach())
+    whole = unshard_sequence(pieces, layout, dim=-1)
+    intervals = topk_intervals(whole, window_size, is_causal=bool(is_causal), min_dtype=min_dtype)
+    out = _selected(grp, layout, query, key, value, intervals, bias4, softmax_scale, is_causal,
+                    softcap, deterministic, backend)
+    return (out, intervals) if return_intervals else out
