@@ -1,0 +1,479 @@
+"""Context-parallel attention (flash_dmattn.distributed) on CPU with gloo.
+
+One pool of 4 processes (torch.multiprocessing spawn, gloo) serves every case: groups of 1, 2
+and 4 ranks, and a 2x2 DeviceMesh. Each case is built from a seed in float64; the ranks run it
+on their shards, send back their output and gradient shards, and this process puts them
+together and compares them with one torch-reference call on the whole sequence.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from flash_dmattn import KeyIntervals, reference_dmattn_func
+from flash_dmattn.distributed import shard_positions, shard_segments, shard_sequence, unshard_sequence
+from flash_dmattn.distributed.plan import plan_block
+from flash_dmattn.utils.mask import topk_intervals
+
+POOL_SIZE = 4
+RESULT_TIMEOUT_S = 120
+# float64 cases: the merge by log-sum-exp and the per-block gradient sums only reorder float64
+# sums of O(L) terms of size O(1) (observed differences ~1e-14).
+TOL64 = dict(rtol=1e-12, atol=1e-12)
+# float32 cases against the float64 reference: float32 rounding of every block's output and of
+# the merge (eps 1.2e-7, a few dozen terms a row).
+TOL32 = dict(rtol=2e-5, atol=2e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# Problems (built identically here and in the workers)
+
+
+def make_problem(spec):
+    """The whole-sequence tensors of a case: q, k, v, dout, mask, bias, intervals."""
+    g = torch.Generator().manual_seed(spec.get("seed", 0))
+    dtype = spec.get("dtype", torch.float64)
+    B, L, H, Hkv, D = spec["B"], spec["L"], spec["H"], spec["Hkv"], spec["D"]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    p = dict(q=randn(B, L, H, D), k=randn(B, L, Hkv, D), v=randn(B, L, Hkv, D),
+             dout=randn(B, L, H, D))
+    mask_shapes = {"per_key": (B, 1, 1, L), "per_query": (B, 1, L, 1), "rows": (B, 1, L, L)}
+    bias_shapes = {"per_key": (B, Hkv, 1, L), "per_query": (1, H, L, 1), "rows": (B, H, L, L),
+                   "replicated": (1, H, 1, 1), "global_keys": (B, Hkv, 1, L),
+                   "per_key_b1h1": (1, 1, 1, L), "per_key_qheads": (1, H, 1, L)}
+    p["mask"] = None
+    if spec.get("mask"):
+        p["mask"] = torch.rand(*mask_shapes[spec["mask"]], generator=g) < 0.75
+    p["bias"] = None
+    if spec.get("bias"):
+        p["bias"] = randn(*bias_shapes[spec["bias"]])
+    p["intervals"] = None
+    if spec.get("intervals") == "random":  # per kv head and key: any interval, some empty
+        start = torch.randint(-3, L, (B, Hkv, L), generator=g)
+        p["intervals"] = KeyIntervals(start, start + torch.randint(0, L, (B, Hkv, L), generator=g))
+    elif spec.get("intervals") == "window":  # 3 sink tokens and a window of 7, every head
+        j = torch.arange(L)
+        p["intervals"] = KeyIntervals(torch.where(j < 3, 0, j), torch.where(j < 3, L, j + 7))
+    return p
+
+
+def _shard_dim(kind: str, name: str):
+    """The dim along which a rank holds its part, or None (the whole tensor on every rank)."""
+    if name == "mask":
+        return {"per_key": -1, "per_query": 2, "rows": 2}[kind]
+    return {"per_key": -1, "per_query": 2, "rows": 2, "per_key_b1h1": -1,
+            "per_key_qheads": -1}.get(kind)
+
+
+def _run_case(spec, group, rank: int, world: int):
+    """This rank's part of a case: outputs and gradients of its shards (numpy), comm bytes."""
+    import torch.distributed as dist  # noqa: F401
+
+    from flash_dmattn.distributed import (
+        context_parallel_attention,
+        context_parallel_dma_attention,
+        context_parallel_selected_attention,
+        record_communication,
+    )
+
+    p = make_problem(spec)
+    layout = spec["layout"]
+
+    def shard(t, dim=1):
+        return shard_sequence(t, rank, world, layout, dim)
+
+    q, k, v = (shard(p[n]).requires_grad_() for n in ("q", "k", "v"))
+    mask = bias = None
+    if p["mask"] is not None:
+        mask = shard(p["mask"], _shard_dim(spec["mask"], "mask"))
+    if p["bias"] is not None:
+        dim = _shard_dim(spec["bias"], "bias")
+        bias = (p["bias"].clone() if dim is None else shard(p["bias"], dim)).requires_grad_()
+    kwargs = dict(layout=layout, is_causal=spec["causal"], softcap=spec.get("softcap"),
+                  backend=spec.get("backend", "torch-reference"))
+    kwargs.update(spec.get("group_kwargs", {}) or {"group": group})
+    with record_communication() as log:
+        if spec["kind"] == "ring":
+            attn_mask = mask
+            if p["intervals"] is not None:
+                attn_mask = (shard(p["intervals"]) if spec.get("intervals_sharded")
+                             else p["intervals"])
+            out = context_parallel_attention(q, k, v, attn_mask=attn_mask, attn_bias=bias, **kwargs)
+        elif spec["kind"] == "selected":
+            out = context_parallel_selected_attention(q, k, v, p["intervals"], attn_bias=bias,
+                                                      **kwargs)
+        else:
+            out = context_parallel_dma_attention(q, k, v, bias, spec["window"], **kwargs)
+        out.backward(shard(p["dout"]))
+    result = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if bias is not None:
+        result["dbias"] = bias.grad
+    result = {n: t.numpy() for n, t in result.items()}
+    result["sent"] = dict(log.sent)
+    result["received"] = dict(log.received)
+    return result
+
+
+def _worker(rank, tasks, results, store):
+    for name in ("FLASH_DMATTN_BACKEND", "FLASH_DMATTN_DISABLE"):
+        os.environ.pop(name, None)
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=POOL_SIZE, timeout=datetime.timedelta(seconds=60))
+    groups = {1: dist.new_group([0]), 2: dist.new_group([0, 1]), 4: dist.group.WORLD}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    while True:
+        spec = tasks[rank].get()
+        if spec is None:
+            break
+        try:
+            if spec.get("error_case"):
+                _run_error_case(spec, groups[spec["world"]], rank, spec["world"])
+                result = {"no_error": True}
+            elif spec.get("mesh"):
+                spec = dict(spec, group_kwargs={"group": mesh, "mesh_dim": "cp"})
+                result = _run_case(spec, None, rank % 2, 2)
+            else:
+                result = _run_case(spec, groups[spec["world"]], rank, spec["world"])
+        except Exception as exc:  # noqa: BLE001  (reported to the test)
+            result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+        results.put((rank, result))
+    dist.destroy_process_group()
+
+
+class Pool:
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.tasks = [ctx.Queue() for _ in range(POOL_SIZE)]
+        self.results = ctx.Queue()
+        self.store = tempfile.mktemp(prefix="flash_dmattn_cp_")
+        self.procs = mp.spawn(_worker, args=(self.tasks, self.results, self.store),
+                              nprocs=POOL_SIZE, join=False)
+        self.broken = False
+
+    def run(self, spec):
+        """Every participating rank's result, by rank (ranks of the group, in order)."""
+        ranks = list(range(POOL_SIZE if spec.get("mesh") else spec["world"]))
+        for r in ranks:
+            self.tasks[r].put(spec)
+        got = {}
+        try:
+            for _ in ranks:
+                rank, res = self.results.get(timeout=RESULT_TIMEOUT_S)
+                got[rank] = res
+        except queue.Empty:
+            self.broken = True
+            raise AssertionError(f"no result within {RESULT_TIMEOUT_S} s; ranks done: {sorted(got)}")
+        return [got[r] for r in ranks]
+
+    def close(self) -> None:
+        if self.broken:
+            for proc in self.procs.processes:
+                proc.kill()
+        else:
+            for t in self.tasks:
+                t.put(None)
+            self.procs.join(timeout=60)
+        try:
+            os.unlink(self.store)
+        except OSError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def pool():
+    holder = {"pool": Pool()}
+
+    def get():
+        if holder["pool"].broken:  # a hung case: start afresh for the next one
+            holder["pool"].close()
+            holder["pool"] = Pool()
+        return holder["pool"]
+
+    yield get
+    holder["pool"].close()
+
+
+# ------------------------------------------------------------------------------------------
+# The reference and the comparison
+
+
+def reference(spec):
+    """Output and gradients of one torch-reference call on the whole sequence (float64)."""
+    p = make_problem(spec)
+    q, k, v = (p[n].double().requires_grad_() for n in ("q", "k", "v"))
+    bias = p["bias"].double().requires_grad_() if p["bias"] is not None else None
+    mask = p["mask"]
+    if spec["kind"] == "ring" and p["intervals"] is not None:
+        mask = p["intervals"]
+    elif spec["kind"] == "selected":
+        mask = p["intervals"]
+    elif spec["kind"] == "dma":
+        mask = topk_intervals(p["bias"], spec["window"], is_causal=spec["causal"])
+    out = reference_dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=spec["causal"],
+                                softcap=spec.get("softcap"))
+    out.backward(p["dout"].double())
+    ref = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if bias is not None:
+        ref["dbias"] = bias.grad
+    return ref
+
+
+def check(spec, results):
+    for res in results:
+        assert "error" not in res, res.get("trace", res.get("error"))
+    ref = reference(spec)
+    tol = TOL64 if spec.get("dtype", torch.float64) == torch.float64 else TOL32
+    for name, expected in ref.items():
+        parts = [torch.from_numpy(r[name]).double() for r in results]
+        dim = 1
+        if name == "dbias":
+            dim = _shard_dim(spec["bias"], "bias")
+        if dim is None:
+            # A replicated bias: each rank has the gradient of its own queries.
+            got = torch.stack(parts).sum(0)
+        else:
+            got = unshard_sequence(parts, spec["layout"], dim)
+        torch.testing.assert_close(got, expected, **tol, msg=lambda m: f"{name}: {m}")
+
+
+def run_and_check(pool, spec):
+    results = pool().run(spec)
+    if spec.get("mesh"):  # two data-parallel replicas of the same problem
+        check(spec, results[:2])
+        check(spec, results[2:])
+    else:
+        check(spec, results)
+    return results
+
+
+BASE = dict(B=2, L=32, H=4, Hkv=2, D=8)
+
+
+def _case(kind, world, layout, causal, **extra):
+    return dict(BASE, kind=kind, world=world, layout=layout, causal=causal, **extra)
+
+
+def _id(spec):
+    parts = [spec["kind"], f"P{'2x2' if spec.get('mesh') else spec['world']}", spec["layout"],
+             "causal" if spec["causal"] else "full"]
+    for key in ("mask", "bias", "intervals", "backend", "window"):
+        if spec.get(key) is not None:
+            parts.append(f"{key}={spec[key]}")
+    if spec.get("softcap"):
+        parts.append("softcap")
+    if spec.get("dtype") == torch.float32:
+        parts.append("fp32")
+    return "-".join(str(p) for p in parts)
+
+
+RING_CASES = [
+    _case("ring", world, layout, causal, mask="per_key", bias="per_key")
+    for world in (2, 4) for layout in ("contiguous", "zigzag") for causal in (True, False)
+] + [
+    _case("ring", 4, "zigzag", True, mask="per_query", bias="rows", softcap=2.5),
+    _case("ring", 2, "contiguous", False, mask="rows", bias="per_query"),
+    _case("ring", 4, "zigzag", True, intervals="random", intervals_sharded=True,
+          bias="per_key", softcap=2.5),
+    _case("ring", 2, "contiguous", True, intervals="window", bias="replicated"),
+    _case("ring", 4, "contiguous", False, intervals="random", intervals_sharded=True,
+          bias="global_keys", Hkv=4),
+    _case("ring", 4, "zigzag", False, intervals="window", mask="per_key", bias="per_key"),
+    _case("ring", 1, "zigzag", True, bias="per_key", mask="per_key"),
+    dict(_case("ring", 2, "zigzag", True, bias="per_key"), mesh=True),
+    # float32 through auto-dispatch (the torch-reference backend on CPU)
+    _case("ring", 2, "zigzag", True, bias="per_key", mask="per_key", dtype=torch.float32,
+          backend=None),
+]
+
+DMA_CASES = [
+    _case("dma", world, layout, causal, bias="per_key", window=5, softcap=3.0 if causal else None)
+    for world in (2, 4) for layout in ("contiguous", "zigzag") for causal in (True, False)
+] + [
+    _case("dma", 2, "contiguous", True, bias="per_key_b1h1", window=4),
+    _case("dma", 1, "zigzag", True, bias="per_key", window=6),
+    _case("selected", 4, "zigzag", True, intervals="window", bias="per_key_qheads"),
+    _case("selected", 2, "contiguous", False, intervals="random"),
+    dict(_case("dma", 2, "zigzag", True, bias="per_key", window=5), mesh=True),
+]
+
+
+@pytest.mark.parametrize("spec", RING_CASES, ids=_id)
+def test_ring_matches_one_process(pool, spec):
+    run_and_check(pool, spec)
+
+
+@pytest.mark.parametrize("spec", DMA_CASES, ids=_id)
+def test_selected_keys_match_one_process(pool, spec):
+    run_and_check(pool, spec)
+
+
+def test_triton_kernels_as_local_calls(pool):
+    # The kernel backend's op pair (Triton's interpreter on CPU) behind the ring and the DMA path.
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels run on CPU only through the interpreter")
+    small = dict(B=1, L=32, H=2, Hkv=1, D=16, dtype=torch.float32, backend="triton")
+    run_and_check(pool, dict(_case("ring", 2, "zigzag", True, bias="per_key", mask="per_key"),
+                             **small))
+    run_and_check(pool, dict(_case("dma", 2, "zigzag", True, bias="per_key", window=6), **small))
+
+
+def test_dma_moves_only_the_selected_keys(pool):
+    spec = _case("dma", 4, "zigzag", True, bias="per_key", window=3, L=64, D=16)
+    results = run_and_check(pool, spec)
+    ring = pool().run(_case("ring", 4, "zigzag", True, bias="per_key", L=64, D=16))
+    p = make_problem(spec)
+    B, L, Hkv, D, world = spec["B"], spec["L"], spec["Hkv"], spec["D"], spec["world"]
+    n = L // world
+    # Which keys each rank's queries see, from the dense mask of the selection.
+    visible = topk_intervals(p["bias"], spec["window"], is_causal=True).to_dense(L)
+    visible &= torch.ones(L, L, dtype=torch.bool).tril()  # (B, Hkv, L, L)
+    row_bytes = (2 * D + 1) * 8  # K and V of one kv head, and its bias value (float64)
+    for rank, res in enumerate(results):
+        mine = shard_positions("zigzag", rank, world, n)
+        others = torch.ones(L, dtype=torch.bool)
+        others[mine] = False
+        needed = visible[:, :, mine].any(2) & others  # (B, Hkv, L)
+        expected = int(needed.sum()) * row_bytes
+        assert res["received"]["kv"] == expected
+        # the gradients of the same rows go back, in the key's dtype
+        assert res["sent"]["grad"] == expected
+        assert res["received"]["bias"] == (world - 1) * B * Hkv * n * 8
+        # The ring moves every other rank's K/V and bias in each pass (forward, and again in
+        # the backward) and the gradient accumulators P hops (float64 here).
+        ring_pass = (world - 1) * B * n * Hkv * row_bytes
+        assert ring[rank]["received"]["kv"] == 2 * ring_pass
+        assert ring[rank]["received"]["grad"] == world * B * n * Hkv * row_bytes
+        assert res["received"]["kv"] < ring_pass / 2
+
+
+ERROR_CASES = [
+    (dict(bias="per_key", layout="diagonal"), ValueError, "layout must be one of"),
+    (dict(bad_mask=True), ValueError, "this rank's queries and this rank's keys"),
+    (dict(backend="flex"), ValueError, "no separate forward/backward"),
+    (dict(kind="selected", intervals="window", intervals_sharded=True), ValueError,
+     "cover the whole sequence"),
+    (dict(L=34), ValueError, "even number of tokens per rank"),
+]
+
+
+def _run_error_case(spec, group, rank, world):
+    from flash_dmattn.distributed import context_parallel_attention, context_parallel_selected_attention
+
+    p = make_problem(spec)
+    layout = spec["layout"]
+    shard_layout = layout if layout in ("contiguous", "zigzag") else "contiguous"
+
+    def shard(t, dim=1):
+        return shard_sequence(t, rank, world, shard_layout, dim)
+
+    if spec["L"] % (2 * world):  # a zigzag shard of odd length: cut contiguously instead
+        n = spec["L"] // world
+        q, k, v = (p[x][:, rank * n:(rank + 1) * n] for x in ("q", "k", "v"))
+    else:
+        q, k, v = (shard(p[x]) for x in ("q", "k", "v"))
+    kw = dict(group=group, layout=layout, backend=spec.get("backend", "torch-reference"))
+    if spec["kind"] == "selected":
+        return context_parallel_selected_attention(q, k, v, shard(p["intervals"]), **kw)
+    mask = None
+    if spec.get("bad_mask"):  # (this rank's queries, this rank's keys): meaningless
+        n = q.shape[1]
+        mask = torch.ones(1, 1, n, n, dtype=torch.bool)
+    bias = shard(p["bias"], -1) if p["bias"] is not None else None
+    return context_parallel_attention(q, k, v, attn_mask=mask, attn_bias=bias, **kw)
+
+
+@pytest.mark.parametrize("extra,exc_type,message", ERROR_CASES,
+                         ids=[c[2].split()[0] + "-" + str(i) for i, c in enumerate(ERROR_CASES)])
+def test_errors(pool, extra, exc_type, message):
+    spec = dict(_case("ring", 2, "zigzag", True), **extra)
+    spec["error_case"] = True
+    results = pool().run(spec)
+    for res in results:
+        assert res.get("error", "").startswith(exc_type.__name__), res
+        assert message in res["error"], res["error"]
+
+
+# ------------------------------------------------------------------------------------------
+# Without processes: the layouts and the planner
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_layout_round_trip(layout):
+    world, L = 4, 24
+    x = torch.arange(2 * L).view(2, L)
+    shards = [shard_sequence(x, r, world, layout) for r in range(world)]
+    assert torch.equal(unshard_sequence(shards, layout), x)
+    for r, s in enumerate(shards):
+        assert torch.equal(s[0], shard_positions(layout, r, world, L // world))
+    if layout == "zigzag":
+        assert shard_segments(layout, 1, world, 6) == ((3, 3), (18, 3))
+    intervals = KeyIntervals(torch.arange(L), torch.arange(L) + 5)
+    part = shard_sequence(intervals, 2, world, layout)
+    assert torch.equal(part.start[0, 0], shard_positions(layout, 2, world, L // world).int())
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_plan_covers_exactly_the_visible_pairs(layout, causal, consecutive):
+    n = 6
+    for world in range(1, 6):
+        L = n * world
+        for rank in range(world):
+            mine = shard_segments(layout, rank, world, n)
+            q_pos = shard_positions(layout, rank, world, n)
+            for src in range(world):
+                k_pos = shard_positions(layout, src, world, n)
+                calls = plan_block(mine, shard_segments(layout, src, world, n), causal, consecutive)
+                covered = torch.zeros(n, n, dtype=torch.int64)
+                for c in calls:
+                    (r0, r1), (c0, c1) = c.rows, c.cols
+                    i = torch.arange(r1 - r0)[:, None]
+                    j = torch.arange(c1 - c0)[None, :]
+                    local = (j <= i + (c1 - c0) - (r1 - r0)) if c.causal else torch.ones_like(i * j, dtype=torch.bool)
+                    covered[r0:r1, c0:c1] += local.long()
+                    # columns' global positions and (when asked) consecutive query positions
+                    cols = torch.cat([torch.arange(a, b) for a, b in c.key_ranges])
+                    assert torch.equal(cols, k_pos[c0:c1])
+                    if consecutive:
+                        assert torch.equal(q_pos[r0:r1], torch.arange(c.query_pos, c.query_pos + r1 - r0))
+                visible = (k_pos[None, :] <= q_pos[:, None]) if causal else torch.ones(n, n, dtype=torch.bool)
+                assert torch.equal(covered, visible.long()), (world, rank, src, calls)
+                # causal contiguous: blocks after every query are never computed
+                if causal and layout == "contiguous" and src > rank:
+                    assert calls == []
+                assert L == n * world
+
+
+def test_example_under_torchrun():
+    # examples/context_parallel.py as documented, on CPU (gloo), checked against one process.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "FLASH_DMATTN_BACKEND", "FLASH_DMATTN_DISABLE")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "examples/context_parallel.py", "--seq-len", "256", "--heads", "4", "--kv-heads", "2",
+           "--head-dim", "16", "--window", "32", "--dtype", "fp64"]
+    res = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
+    assert res.stdout.count("vs one process") == 4  # ring and DMA, on both ranks
+    assert "rank 1/2: 256 tokens, zigzag layout" in res.stdout
