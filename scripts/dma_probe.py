@@ -1,8 +1,9 @@
 """Quick timings of key-interval attention on a GPU (fast iteration beside benchmarks' dma_long).
 
-    python3 scripts/dma_probe.py [L ...] [--window W] [--kinds shared,causal] [--profile]
+    python3 scripts/dma_probe.py [L ...] [--window W] [--kinds shared,causal]
+                                 [--backends triton,cuda] [--profile]
 
-Per L and selection kind: topk_intervals build, the planner alone, triton forward and
+Per L and selection kind: topk_intervals build, the planner alone, each backend's forward and
 forward+backward (planning included, as a user's call), dense causal cuDNN SDPA, and cuDNN
 over the W gathered keys ("selected keys only"); medians of do_bench, bf16, B1 H16/Hkv4 D128.
 """
@@ -26,6 +27,7 @@ def main():
     ap.add_argument("lengths", nargs="*", type=int, default=[16384, 32768])
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--kinds", default="shared,causal")
+    ap.add_argument("--backends", default="triton")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
@@ -60,18 +62,21 @@ def main():
             from flash_dmattn.backends.triton.intervals import plan_for
             t_plan = med(lambda: plan_for(q, k, ki.bounds, True, backward=True))
 
-            def f():
-                return fd.triton_dmattn_func(q, k, v, attn_mask=ki, attn_bias=bias, is_causal=True)
-            t_f = med(f)
-            t_fb = med(lambda: torch.autograd.grad(f(), (q, k, v, bias), g))
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            torch.autograd.grad(f(), (q, k, v, bias), g)
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-            print(f"  {kind:6s} select {t_sel:.3f} plan {t_plan:.3f} | fwd {t_f:.3f} "
-                  f"({t_f / dense_fwd:.3f}x dense, {t_f / sel_fwd:.2f}x sel) | fwd+bwd {t_fb:.3f} "
-                  f"({t_fb / dense_fb:.3f}x dense, {t_fb / sel_fb:.2f}x sel) | peak extra "
-                  f"{peak:.0f} MiB", flush=True)
+            print(f"  {kind:6s} select {t_sel:.3f} plan {t_plan:.3f}", flush=True)
+            for name in a.backends.split(","):
+                call = fd.flash_dmattn_func_auto(backend=name)
+
+                def f():
+                    return call(q, k, v, attn_mask=ki, attn_bias=bias, is_causal=True)
+                t_f = med(f)
+                t_fb = med(lambda: torch.autograd.grad(f(), (q, k, v, bias), g))
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                torch.autograd.grad(f(), (q, k, v, bias), g)
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+                print(f"    {name:6s} fwd {t_f:.3f} ({t_f / dense_fwd:.3f}x dense, "
+                      f"{t_f / sel_fwd:.2f}x sel) | fwd+bwd {t_fb:.3f} ({t_fb / dense_fb:.3f}x "
+                      f"dense, {t_fb / sel_fb:.2f}x sel) | peak extra {peak:.0f} MiB", flush=True)
             if a.profile:
                 from torch.profiler import ProfilerActivity, profile
                 for what, fn in (("plan", lambda: plan_for(q, k, ki.bounds, True, backward=True)),

@@ -3,16 +3,33 @@
 # tests of the selection, the interval kernels and the KeyIntervals API, a quick probe of the
 # key rows, then the dma_long benchmark suite. Logs go to $OUT.
 #   bash scripts/gpu_dma.sh   (TEST_S / PROBE_S / BENCH_S: per-step time limits, 0 skips;
-#                              PROBE_ARGS: arguments of scripts/dma_probe.py)
+#                              PROBE_ARGS: arguments of scripts/dma_probe.py;
+#                              CUDA=1: also the cuda backend's interval kernels -- installs
+#                              the CUTLASS wheel, run with carry [".wheels"], builds the
+#                              specialisations the tests use side by side first)
 source "$(dirname "$0")/device_common.sh"
-device_install
+export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}
+TESTS="tests/test_triton_intervals.py tests/test_topk_intervals.py tests/test_key_intervals.py"
+if [ "${CUDA:-0}" = 1 ]; then
+  device_install cutlass
+  for spec in d128-bf16-mask-bias d128-fp16-mask-bias d128-bf16-mask d128-fp16-mask \
+      d64-bf16-mask-bias d64-fp16-mask-bias d64-bf16-mask d64-bf16 d96-bf16-mask-bias \
+      d96-fp16-mask-bias; do
+    timeout "${BUILD_S:-300}" python3 -m flash_dmattn build "$spec" >"$W/build-$spec.log" 2>&1 &
+  done
+  wait
+  for f in "$W"/build-*.log; do echo "== $f"; tail -2 "$f"; done >"$OUT/build.log"
+  grep -B1 -iE "error|fail" "$OUT/build.log" | head -20
+  TESTS="tests/test_cuda_intervals.py $TESTS"
+else
+  device_install
+fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$OUT/env.txt"
 cat "$OUT/env.txt"
 if [ "${TEST_S:-240}" -gt 0 ]; then
-  timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -x \
-    $(ls tests/test_triton_intervals.py tests/test_topk_intervals.py tests/test_key_intervals.py 2>/dev/null) \
-    >"$OUT/tests.log" 2>&1
+  timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider --maxfail=4 ${TEST_K:+-k "$TEST_K"} \
+    $TESTS >"$OUT/tests.log" 2>&1
   echo "tests rc=$?" >>"$OUT/tests.log"
   tail -4 "$OUT/tests.log"
 fi

@@ -133,6 +133,11 @@ class CudaBackend(Backend):
         # not measured at least as fast: those stay with triton unless FLASH_DMATTN_CUDA_AUTO=1.
         if os.environ.get("FLASH_DMATTN_CUDA_AUTO", "0") not in ("", "0"):
             return []
+        if getattr(inputs, "key_intervals", None) is not None:
+            # Key-interval masks: wherever these kernels run (not_supported_reasons: Hopper,
+            # not deterministic) they beat triton's interval kernels on every dma_long row
+            # (benchmarks/results/*/dma_long.md).
+            return []
         if _hopper_measured_faster(inputs):
             return []
         return ["forward + backward with a bias, without a per-query mask, not measured as fast "
