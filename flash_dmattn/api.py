@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable, Optional
+
+import torch
 
 from . import registry
 from .inputs import AttentionInputs, VarlenInputs
@@ -170,15 +173,66 @@ flex_dmattn_func = _fixed_backend_func("flex")
 reference_dmattn_func = _fixed_backend_func("torch-reference")
 
 
-def flash_dmattn_func_auto(backend: Optional[str] = None, **_ignored) -> Callable:
+def flash_dmattn_func_auto(*args, **kwargs) -> Callable:
     """Return an attention function: one backend's, or per-call auto-dispatch.
 
-    ``backend=None`` returns :func:`flash_dmattn_func` (the first backend in the order
-    ``cuda, triton, flex, torch-reference`` that supports each call's inputs). A name returns
-    that backend's function, or raises ``BackendUnavailableError`` (a ``RuntimeError``) with
-    the reason it cannot be used here, or ``ValueError`` for an unknown name.
+    ``flash_dmattn_func_auto(backend=None)``. ``backend=None`` returns
+    :func:`flash_dmattn_func` (the first backend in the order ``cuda, triton, flex,
+    torch-reference`` that supports each call's inputs). A name returns that backend's
+    function, or raises ``BackendUnavailableError`` (a ``RuntimeError``) with the reason it
+    cannot be used here, or ``ValueError`` for an unknown name. It takes no tensors: call the
+    function it returns, ``flash_dmattn_func_auto("triton")(query, key, value, ...)``.
     """
+    backend = _auto_backend_arg(args, kwargs)
     if backend is None:
         return flash_dmattn_func
     registry.get_backend(backend)
     return _fixed_backend_func(backend)
+
+
+def _auto_backend_arg(args: tuple, kwargs: dict) -> Optional[str]:
+    """The ``backend`` of a ``flash_dmattn_func_auto`` call, or a ``TypeError`` that says how
+    to call it (the usual mistake is passing the tensors to it instead of to its result)."""
+    usage = (
+        "flash_dmattn_func_auto(backend) returns an attention function and takes no tensors: "
+        "write flash_dmattn_func_auto(backend='triton')(query, key, value, ...), or "
+        "flash_dmattn_func(query, key, value, ...) for per-call dispatch"
+    )
+    if any(_is_tensor(a) for a in (*args, *kwargs.values())):
+        raise TypeError(f"{usage}; got {_describe_call(args, kwargs)}")
+    unknown = sorted(k for k in kwargs if k != "backend")
+    if unknown:
+        raise TypeError(
+            "flash_dmattn_func_auto() got unexpected keyword argument"
+            f"{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; it takes only "
+            "backend (a backend name or None)"
+        )
+    if len(args) > 1 or (args and "backend" in kwargs):
+        raise TypeError(f"{usage}; got {_describe_call(args, kwargs)}")
+    backend = args[0] if args else kwargs.get("backend")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(
+            f"backend must be a backend name ({', '.join(registry.PRIORITY)}) or None, got "
+            f"{type(backend).__name__}"
+        )
+    return backend
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _describe_call(args: tuple, kwargs: dict) -> str:
+    def one(x):
+        if _is_tensor(x):
+            return f"tensor{tuple(x.shape)}"
+        return repr(x) if len(repr(x)) <= 30 else type(x).__name__
+
+    parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
+    return f"flash_dmattn_func_auto({', '.join(parts)})"
+
+
+flash_dmattn_func_auto.__signature__ = inspect.Signature(
+    [inspect.Parameter("backend", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)],
+    return_annotation=Callable,
+)

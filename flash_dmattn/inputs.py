@@ -7,6 +7,7 @@ rely on every invariant listed in the class docstrings.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -78,14 +79,50 @@ def _collapse_broadcast_dims(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _number(name: str, value) -> float:
+    """``value`` as a float; a ``TypeError`` naming the argument for anything but a real
+    number (bool excluded: ``True`` as a scale or cap is a caller bug, not 1.0)."""
+    if isinstance(value, (bool, str, bytes)) or (
+        isinstance(value, torch.Tensor) and (value.numel() != 1 or value.dtype == torch.bool)
+    ):
+        raise TypeError(f"{name} must be a number or None, got {_describe_value(value)}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number or None, got {_describe_value(value)}") from None
+
+
+def _flag(name: str, value) -> bool:
+    """``value`` as a bool: None, a bool, or an integer 0 / 1; else a ``TypeError`` naming the
+    argument (a tensor passed one position too far lands here)."""
+    if value is None:
+        return False
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype == torch.bool:
+        return bool(value)
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool or None, got {_describe_value(value)}")
+
+
+def _describe_value(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
 def _scale_and_softcap(softmax_scale, softcap, head_dim: int) -> Tuple[float, float]:
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     else:
-        scale = float(softmax_scale)
+        scale = _number("softmax_scale", softmax_scale)
         if not math.isfinite(scale):
             raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    cap = 0.0 if softcap is None else float(softcap)
+    cap = 0.0 if softcap is None else _number("softcap", softcap)
     if not math.isfinite(cap) or cap < 0.0:
         raise ValueError(f"softcap must be None, 0.0 (off) or a positive number, got {softcap}")
     return scale, cap
@@ -98,9 +135,17 @@ def _check_aux_type(name: str, t, query: torch.Tensor) -> None:
         raise TypeError(f"{name} must be {kinds} or None, got {type(t).__name__}")
     if name == "attn_mask":
         if t.dtype != torch.bool:
+            if t.is_floating_point():
+                hint = (
+                    "for a 0/1 mask write attn_mask=mask.bool(); for an additive mask (0 = "
+                    "attend, -inf or a large negative number = masked) write attn_mask=(mask == 0)"
+                    ", or pass it as attn_bias=mask"
+                )
+            else:
+                hint = "write attn_mask=mask.bool() (nonzero = attend), or pass an additive mask as attn_bias"
             raise TypeError(
                 f"attn_mask must be a bool tensor (True = attend), got {t.dtype} with shape "
-                f"{tuple(t.shape)}; use attn_mask.bool(), or pass an additive mask as attn_bias"
+                f"{tuple(t.shape)}; {hint}"
             )
     else:
         if t.dtype == torch.bool:
@@ -136,8 +181,9 @@ def normalise_mask_or_bias(
     if t is None:
         return None
     _check_aux_type(name, t, query)
+    given = tuple(t.shape)
     if t.dim() > 4:
-        raise ValueError(f"{name} must have at most 4 dims, got shape {tuple(t.shape)}")
+        raise ValueError(f"{name} must have at most 4 dims, got shape {given}")
     while t.dim() < 4:
         t = t.unsqueeze(0)
     bx, hx, qx, kx = t.shape
@@ -149,12 +195,43 @@ def normalise_mask_or_bias(
         and kx in (1, seqlen_k)
     )
     if not ok:
+        hint = _broadcast_hint(name, given, t.shape, target, num_kv_heads)
         raise ValueError(
-            f"{name} with shape {tuple(t.shape)} does not broadcast to (batch, heads, seqlen_q, "
+            f"{name} with shape {given} does not broadcast to (batch, heads, seqlen_q, "
             f"seqlen_k) = {target}; the heads dim may be 1, num_kv_heads={num_kv_heads} or "
-            f"num_heads={num_heads}"
+            f"num_heads={num_heads}" + (f". {hint}" if hint else "")
         )
     return t
+
+
+def _broadcast_hint(name: str, given: tuple, padded: tuple, target: tuple, num_kv_heads: int):
+    """What to write instead, for the common ways a mask or bias misses the call's shape."""
+    batch, num_heads, seqlen_q, seqlen_k = target
+    var = name[5:]  # "mask" or "bias"
+    if len(given) == 2 and given[0] == batch and given[1] == seqlen_k:
+        return (
+            f"A (batch, seqlen_k) padding {var} is one row per batch: write "
+            f"{name}={var}[:, None, None, :] (shape ({batch}, 1, 1, {seqlen_k}))"
+        )
+    if len(given) == 3 and given[0] == batch and given[1] in (1, seqlen_q) and given[2] == seqlen_k:
+        return (
+            f"A (batch, seqlen_q, seqlen_k) {var} is shared by the heads: write "
+            f"{name}={var}[:, None] (shape ({batch}, 1, {given[1]}, {seqlen_k}))"
+        )
+    # Tensors given heads-first, (B, H, L, D), are read here as (B, L=H, H=L, D): the roles of
+    # the sequence and head dims swap. If the mask fits that reading, say so.
+    bx, hx, qx, kx = padded
+    if (bx in (1, batch) and hx in (1, seqlen_q, seqlen_k) and qx in (1, num_heads)
+            and kx in (1, num_kv_heads) and (qx, kx) != (1, 1)):
+        return _HEADS_FIRST_HINT
+    return None
+
+
+_HEADS_FIRST_HINT = (
+    "query, key and value look heads-first, (batch, heads, seqlen, head_dim); flash_dmattn takes "
+    "(batch, seqlen, heads, head_dim): pass query.transpose(1, 2), key.transpose(1, 2) and "
+    "value.transpose(1, 2), and transpose the output back"
+)
 
 
 def _intervals_on_device(intervals: KeyIntervals, query: torch.Tensor) -> torch.Tensor:
@@ -339,9 +416,13 @@ class AttentionInputs:
                 f"head_dim differs: query {tuple(query.shape)} vs key/value {tuple(key.shape)}"
             )
         if hkv == 0 or h % hkv != 0:
+            # Heads-first tensors read as (B, L, H, D) have few "positions" (the heads) and
+            # many "heads" (the positions), and their real head counts divide.
+            heads_first = not paged and 0 < lk < hkv and lq < h and lq % lk == 0
             raise ValueError(
                 f"num_heads={h} (query {tuple(query.shape)}) must be a multiple of "
                 f"num_kv_heads={hkv} (key {tuple(key.shape)})"
+                + (f"; {_HEADS_FIRST_HINT}" if heads_first else "")
             )
         scale, cap = _scale_and_softcap(softmax_scale, softcap, d)
         dims = dict(query=query, batch=b, num_heads=h, num_kv_heads=hkv, seqlen_q=lq, seqlen_k=lk)
@@ -363,10 +444,10 @@ class AttentionInputs:
             attn_mask=mask,
             attn_bias=bias,
             softmax_scale=scale,
-            is_causal=bool(is_causal),
+            is_causal=_flag("is_causal", is_causal),
             softcap=cap,
-            deterministic=bool(deterministic),
-            return_attn_probs=bool(return_attn_probs),
+            deterministic=_flag("deterministic", deterministic),
+            return_attn_probs=_flag("return_attn_probs", return_attn_probs),
             cache_seqlens=cache_seqlens,
             block_table=block_table,
             key_intervals=intervals,
@@ -532,15 +613,15 @@ class VarlenInputs:
             value=_last_dim_contiguous(value),
             cu_seqlens_q=cu_seqlens_q.to(torch.int32),
             cu_seqlens_k=cu_seqlens_k.to(torch.int32),
-            max_seqlen_q=int(max_seqlen_q),
-            max_seqlen_k=int(max_seqlen_k),
+            max_seqlen_q=_length("max_seqlen_q", max_seqlen_q),
+            max_seqlen_k=_length("max_seqlen_k", max_seqlen_k),
             attn_mask=mask,
             attn_bias=bias,
             softmax_scale=scale,
-            is_causal=bool(is_causal),
+            is_causal=_flag("is_causal", is_causal),
             softcap=cap,
-            deterministic=bool(deterministic),
-            return_attn_probs=bool(return_attn_probs),
+            deterministic=_flag("deterministic", deterministic),
+            return_attn_probs=_flag("return_attn_probs", return_attn_probs),
             key_intervals=intervals,
         )
 
@@ -587,6 +668,20 @@ class VarlenInputs:
         if self.is_causal:
             parts.append("causal")
         return ", ".join(parts)
+
+
+def _length(name: str, value) -> int:
+    """``value`` as a non-negative int; a ``TypeError`` naming the argument for anything
+    ``int()`` cannot read (or a bool, a string)."""
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError(f"{name} must be an int, got {_describe_value(value)}")
+    try:
+        n = int(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name} must be an int, got {_describe_value(value)}") from None
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {n}")
+    return n
 
 
 def _normalise_varlen_per_key(name, t, query, h, hkv, total_k):

@@ -134,16 +134,24 @@ def _block_smooth(keep: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def create_mask(
     attention_bias: torch.Tensor,
-    attention_mask: Optional[torch.Tensor],
-    batch_size: int,
-    query_len: int,
-    key_len: int,
-    window_size: int,
-    min_dtype: float,
+    attention_mask: Optional[torch.Tensor] = None,
+    batch_size: Optional[int] = None,
+    query_len: Optional[int] = None,
+    key_len: Optional[int] = None,
+    window_size: Optional[int] = None,
+    min_dtype: Optional[float] = None,
     block_size: Optional[int] = None,
     type: str = "topk",
 ) -> torch.Tensor:
     """Turn an additive attention bias into a bool attention mask (True = attend).
+
+    The common case needs only the bias and the window::
+
+        mask = create_mask(bias, window_size=256)                  # top-256 keys per query
+        mask = create_mask(bias, padding_mask, window_size=256)    # among unpadded keys
+
+    The 1.2.x positional form ``create_mask(bias, mask, B, Lq, Lk, window_size, min_dtype)``
+    gives the same result.
 
     Args:
         attention_bias: float tensor, 4-D, broadcastable to ``(B, H or Hkv, Lq, Lk)``;
@@ -153,10 +161,13 @@ def create_mask(
             ``L == query_len < key_len`` in which case the leading ``key_len - query_len``
             cache keys are treated as allowed); or a bool 4-D mask broadcastable with the
             bias. Only keys it allows are candidates.
-        batch_size, query_len, key_len: the logical ``B``, ``Lq``, ``Lk``.
-        window_size: with ``type="topk"``, the number of keys kept per query when
-            ``key_len > window_size``.
-        min_dtype: bias value meaning "masked" (usually ``torch.finfo(dtype).min``).
+        batch_size, query_len, key_len: the logical ``B``, ``Lq``, ``Lk``. Each defaults to
+            what the bias and the mask imply: the larger of their batch dims; the bias's or
+            the 4-D mask's query dim (else a padding mask's length when it is shorter than
+            the keys, a KV-cache step; else 1); the bias's key dim (else the mask's).
+        window_size: with ``type="topk"`` (required there), the number of keys kept per
+            query when ``key_len > window_size``. Unused by ``type="relu"``.
+        min_dtype: bias value meaning "masked"; default ``torch.finfo(bias.dtype).min``.
             Entries whose bias is ``<= min_dtype``, ``-inf`` or NaN are never kept.
         block_size: if ``> 1``, smooth the result along keys: each run of ``block_size``
             keys (the last one may be shorter) is kept whole when more than half of its
@@ -190,14 +201,17 @@ def create_mask(
                 blk[...] = (2 * blk.sum(-1, keepdim=True) > blk.shape[-1])
             keep &= valid
     """
-    if type not in _MASK_TYPES:
+    if not isinstance(type, str) or type not in _MASK_TYPES:
         raise ValueError(f"type must be one of {_MASK_TYPES}, got {type!r}")
-    _check_int("window_size", window_size, 1)
+    if window_size is None and type == "topk":
+        raise TypeError(
+            "create_mask with type='topk' needs window_size, the number of keys each query "
+            "keeps: e.g. create_mask(bias, window_size=256)"
+        )
+    if window_size is not None:
+        _check_int("window_size", window_size, 1)
     if block_size is not None:
         _check_int("block_size", block_size, 1)
-    _check_int("batch_size", batch_size, 0)
-    _check_int("query_len", query_len, 0)
-    _check_int("key_len", key_len, 0)
     if not isinstance(attention_bias, torch.Tensor):
         raise TypeError(f"attention_bias must be a torch.Tensor, got {_type_name(attention_bias)}")
     if not attention_bias.is_floating_point():
@@ -206,11 +220,21 @@ def create_mask(
         raise ValueError(
             f"attention_bias must be 4-D (batch, heads, query, key), got shape {tuple(attention_bias.shape)}"
         )
+    batch_size, query_len, key_len = _infer_lengths(
+        attention_bias, attention_mask, batch_size, query_len, key_len
+    )
+    _check_int("batch_size", batch_size, 0)
+    _check_int("query_len", query_len, 0)
+    _check_int("key_len", key_len, 0)
     _check_dims("attention_bias", attention_bias.shape, batch_size, query_len, key_len)
-    if isinstance(min_dtype, torch.Tensor):
+    if min_dtype is None:
+        min_dtype = torch.finfo(attention_bias.dtype).min
+    elif isinstance(min_dtype, torch.Tensor):
+        if min_dtype.numel() != 1:
+            raise ValueError(f"min_dtype must be a scalar, got a tensor of shape {tuple(min_dtype.shape)}")
         min_dtype = float(min_dtype)
     elif not isinstance(min_dtype, (int, float)) or isinstance(min_dtype, bool):
-        raise TypeError(f"min_dtype must be a float, got {_type_name(min_dtype)}")
+        raise TypeError(f"min_dtype must be a float or None, got {_type_name(min_dtype)}")
 
     bias = attention_bias.detach()
     mask = _normalize_mask(attention_mask, batch_size, query_len, key_len, bias.device)
@@ -331,6 +355,31 @@ def causal_topk_mask(
     keep &= causal
     keep &= valid[:, :, None, :]
     return keep
+
+
+def _infer_lengths(bias: torch.Tensor, mask, batch_size, query_len, key_len):
+    """``(batch_size, query_len, key_len)`` with each ``None`` replaced by what the bias and
+    the mask imply (see :func:`create_mask`); given values are returned as they are."""
+    mask_shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else None
+    padding = mask_shape is not None and len(mask_shape) == 2
+    four_d = mask_shape is not None and len(mask_shape) == 4
+    if batch_size is None:
+        batch_size = max(bias.shape[0], mask_shape[0] if mask_shape else 1)
+    if key_len is None:
+        if bias.shape[3] > 1 or mask_shape is None or len(mask_shape) not in (2, 4):
+            key_len = bias.shape[3]
+        else:
+            key_len = mask_shape[-1]
+    if query_len is None:
+        if bias.shape[2] > 1:
+            query_len = bias.shape[2]
+        elif four_d and mask_shape[2] > 1:
+            query_len = mask_shape[2]
+        elif padding and mask_shape[1] < key_len:
+            query_len = mask_shape[1]  # a KV-cache step: the padding of the new queries
+        else:
+            query_len = 1
+    return batch_size, query_len, key_len
 
 
 def _type_name(obj) -> str:
