@@ -38,6 +38,13 @@ def info() -> int:
     print(f"{'backend':<{widths[0]}}  {'available':<{widths[1]}}  {'version':<{widths[2]}}  reason")
     for name, ok, version, reason in rows:
         print(f"{name:<{widths[0]}}  {ok:<{widths[1]}}  {version:<{widths[2]}}  {reason}")
+    if not torch.cuda.is_available():
+        print(
+            "note: without a GPU, calls run on torch-reference (chunked plain PyTorch; flex on "
+            "CPU is eager and forward only). TRITON_INTERPRET=1 runs the Triton kernels in "
+            "Python on CPU tensors, to test them: far slower than torch-reference, and "
+            "auto-dispatch passes over it."
+        )
     return 0
 
 
@@ -59,72 +66,125 @@ def _time_ms(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(samples)
 
 
+# The Triton interpreter runs each kernel program in Python: minutes at the demo's CPU size.
+# Interpreted backends get a problem of their own this small, which takes seconds.
+INTERPRETER_SEQLEN = 64
+
+
+class _Problem:
+    """One dynamic-mask attention call and its float64 answer."""
+
+    def __init__(self, device, dtype, batch, seqlen, heads, kv_heads, head_dim):
+        from .reference import reference_attention
+        from .utils.mask import topk_intervals
+
+        self.shape = (batch, seqlen, heads, kv_heads, head_dim)
+        self.dtype = dtype
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.q = torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=dtype, generator=gen)
+        self.k = torch.randn(batch, seqlen, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+        self.v = torch.randn(batch, seqlen, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+        # A dynamic-mask layer's per-key bias and its selection: each query keeps the top-`window`
+        # keys of its causal prefix, as key intervals (O(L) numbers, as DynamicMaskAttention
+        # builds them).
+        self.window = max(seqlen // 8, 1)
+        self.bias = torch.randn(batch, kv_heads, 1, seqlen, device=device, dtype=dtype, generator=gen)
+        self.mask = topk_intervals(self.bias, self.window, is_causal=True)
+        self.exact, _ = reference_attention(
+            self.q.double(), self.k.double(), self.v.double(), self.mask.to_dense(seqlen),
+            self.bias.double(), head_dim ** -0.5, True, 0.0,
+        )
+
+    def describe(self) -> str:
+        b, length, h, hkv, d = self.shape
+        return (
+            f"B={b} L={length} H={h} Hkv={hkv} D={d} {str(self.dtype).replace('torch.', '')}, "
+            f"per-key bias {tuple(self.bias.shape)}, causal top-{self.window} per query as "
+            f"KeyIntervals {self.mask.shape}"
+        )
+
+    def inputs(self, *tensors):
+        from .inputs import AttentionInputs
+
+        q, k, v, bias = tensors or (self.q, self.k, self.v, self.bias)
+        return AttentionInputs.from_args(q, k, v, self.mask, bias, is_causal=True)
+
+
+def _backend_row(name: str, prob: _Problem, device: torch.device, repeats: int) -> None:
+    """Time one backend's forward and forward + backward on ``prob``; print its row.
+
+    The backend's name is printed first, so a slow backend shows which one is running."""
+    from . import flash_dmattn_func_auto, registry
+
+    print(f"{name:<16}", end=" ", flush=True)
+    fn = flash_dmattn_func_auto(name)
+    backend = registry.get_backend(name)
+    q, k, v, bias, mask = prob.q, prob.k, prob.v, prob.bias, prob.mask
+    reasons = backend.not_supported_reasons(prob.inputs())
+    if reasons:
+        print(f"{'-':>9} {'-':>11} {'-':>10}  declined: {'; '.join(reasons)}", flush=True)
+        return
+    with torch.no_grad():
+        out = fn(q, k, v, mask, bias, is_causal=True)
+        fwd = _time_ms(lambda: fn(q, k, v, mask, bias, is_causal=True), device, repeats)
+    err = (out.double() - prob.exact).abs().max().item()
+    print(f"{fwd:>9.3f}", end=" ", flush=True)
+    qg, kg, vg, bg = (t.detach().requires_grad_() for t in (q, k, v, bias))
+    grad_reasons = backend.not_supported_reasons(prob.inputs(qg, kg, vg, bg))
+    if grad_reasons:
+        bwd, note = "-", f"no backward: {'; '.join(grad_reasons)}"
+    else:
+        def step():
+            o = fn(qg, kg, vg, mask, bg, is_causal=True)
+            torch.autograd.grad(o, (qg, kg, vg, bg), torch.ones_like(o))
+
+        bwd, note = f"{_time_ms(step, device, repeats):.3f}", ""
+    print(f"{bwd:>11} {err:>10.2e}  {note}", flush=True)
+
+
+def _interpreted(name: str, device: torch.device) -> bool:
+    """Whether ``name`` runs its kernels through the Triton interpreter here (a testing aid)."""
+    return name == "triton" and device.type == "cpu"
+
+
 def demo(seqlen: int = 0, repeats: int = 0) -> int:
-    """Run every available backend on one dynamic-mask problem; print time and error."""
+    """Run every available backend on one dynamic-mask problem; print time and error.
+
+    Backends that run interpreted on this machine (Triton under ``TRITON_INTERPRET=1`` on CPU)
+    are testing aids: they run on a problem of ``INTERPRETER_SEQLEN`` tokens instead, in a
+    table of their own, so the demo finishes in seconds wherever it runs."""
     from . import flash_dmattn_func_auto, get_available_backends, registry
-    from .inputs import AttentionInputs
-    from .reference import reference_attention
-    from .utils.mask import topk_intervals
 
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    B, H, Hkv, D = 2, 8, 2, 64
-    L = seqlen or (4096 if on_gpu else 512)
     repeats = repeats or (20 if on_gpu else 3)
-    window = L // 8
-    gen = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(B, L, H, D, device=device, dtype=dtype, generator=gen)
-    k = torch.randn(B, L, Hkv, D, device=device, dtype=dtype, generator=gen)
-    v = torch.randn(B, L, Hkv, D, device=device, dtype=dtype, generator=gen)
-    # A dynamic-mask layer's per-key bias and its selection: each query keeps the top-`window`
-    # keys of its causal prefix, as key intervals (O(L) numbers, as DynamicMaskAttention
-    # builds them).
-    bias = torch.randn(B, Hkv, 1, L, device=device, dtype=dtype, generator=gen)
-    mask = topk_intervals(bias, window, is_causal=True)
+    prob = _Problem(device, dtype, 2, seqlen or (4096 if on_gpu else 512), 8, 2, 64)
     print(f"device: {_device_line()}")
-    print(
-        f"problem: B={B} L={L} H={H} Hkv={Hkv} D={D} {str(dtype).replace('torch.', '')}, "
-        f"per-key bias {tuple(bias.shape)}, causal top-{window} per query as KeyIntervals "
-        f"{mask.shape}"
-    )
-    exact, _ = reference_attention(
-        q.double(), k.double(), v.double(), mask.to_dense(L), bias.double(), D ** -0.5, True, 0.0
-    )
-    print(f"{'backend':<16} {'fwd ms':>9} {'fwd+bwd ms':>11} {'max |err|':>10}  note")
-    auto = flash_dmattn_func_auto(None)
-    for name in get_available_backends():
-        fn = flash_dmattn_func_auto(name)
-        backend = registry.get_backend(name)
-        fwd_inputs = AttentionInputs.from_args(q, k, v, mask, bias, is_causal=True)
-        reasons = backend.not_supported_reasons(fwd_inputs)
-        if reasons:
-            print(f"{name:<16} {'-':>9} {'-':>11} {'-':>10}  declined: {'; '.join(reasons)}")
-            continue
-        with torch.no_grad():
-            out = fn(q, k, v, mask, bias, is_causal=True)
-            fwd = _time_ms(lambda: fn(q, k, v, mask, bias, is_causal=True), device, repeats)
-        err = (out.double() - exact).abs().max().item()
-        qg, kg, vg, bg = (t.detach().requires_grad_() for t in (q, k, v, bias))
-        grad_reasons = backend.not_supported_reasons(
-            AttentionInputs.from_args(qg, kg, vg, mask, bg, is_causal=True)
-        )
-        if grad_reasons:
-            bwd, note = "-", f"no backward: {'; '.join(grad_reasons)}"
-        else:
-            def step():
-                o = fn(qg, kg, vg, mask, bg, is_causal=True)
-                torch.autograd.grad(o, (qg, kg, vg, bg), torch.ones_like(o))
-
-            bwd, note = f"{_time_ms(step, device, repeats):.3f}", ""
-        print(f"{name:<16} {fwd:>9.3f} {bwd:>11} {err:>10.2e}  {note}")
+    print(f"problem: {prob.describe()}")
+    header = f"{'backend':<16} {'fwd ms':>9} {'fwd+bwd ms':>11} {'max |err|':>10}  note"
+    print(header, flush=True)
+    names = get_available_backends()
+    for name in names:
+        if not _interpreted(name, device):
+            _backend_row(name, prob, device, repeats)
     with torch.no_grad():
-        out = auto(q, k, v, mask, bias, is_causal=True)
-    picked = registry.select_backend(AttentionInputs.from_args(q, k, v, mask, bias, is_causal=True))
+        out = flash_dmattn_func_auto(None)(prob.q, prob.k, prob.v, prob.mask, prob.bias, is_causal=True)
+    picked = registry.select_backend(prob.inputs())
     print(
         f"flash_dmattn_func picks {picked.name!r} here; output max |err| "
-        f"{(out.double() - exact).abs().max().item():.2e}"
+        f"{(out.double() - prob.exact).abs().max().item():.2e}"
     )
+    aids = [name for name in names if _interpreted(name, device)]
+    if aids:
+        small = _Problem(device, dtype, 1, INTERPRETER_SEQLEN, 2, 1, 32)
+        print(
+            f"testing aids (kernels interpreted in Python on CPU tensors, TRITON_INTERPRET=1; "
+            f"not for use), on a small problem: {small.describe()}"
+        )
+        print(header, flush=True)
+        for name in aids:
+            _backend_row(name, small, device, 1)
     return 0
 
 
