@@ -122,6 +122,10 @@ def markdown(rows: List[Row], env: dict, suites: List[str]) -> str:
             out += ["One line per workload and flash_dmattn row (its time beside the dense and "
                     "selected-keys SDPA rows of the same workload); every row in full below.", ""]
             out += summary_markdown(suite_rows) + [""]
+        if suite == "cp":
+            from .cp import summary_markdown as cp_summary
+
+            out += cp_summary(suite_rows) + [""]
         out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         previous = None
         for r in suite_rows:
@@ -157,6 +161,10 @@ def markdown(rows: List[Row], env: dict, suites: List[str]) -> str:
         from .dma_long import READING
 
         out += [READING, ""]
+    if "cp" in suites:
+        from .cp import READING as CP_READING
+
+        out += [CP_READING, ""]
     if "varlen" in suites:
         out += [
             "varlen: FLOPs count the real tokens only (Σ over sequences of 4·H·L²·D, halved when "

@@ -409,6 +409,10 @@ def run_workload(w: Workload, ctx: RunContext, backends: List[str]) -> List[Row]
         from .dma_long import run_dma_long_workload
 
         return run_dma_long_workload(w, ctx, backends)
+    if w.suite == "cp":  # context parallelism: torchrun launches per variant (benchmarks/cp.py)
+        from .cp import run_cp_workload
+
+        return run_cp_workload(w, ctx, backends)
     case, failed = workload_case(w, ctx, build_case)
     if failed:
         return failed

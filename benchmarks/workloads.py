@@ -13,7 +13,7 @@ import torch
 
 from flash_dmattn.utils.mask import create_mask
 
-SUITES = ("dense", "dynamic", "block_sparse", "upstream", "decode", "varlen", "dma_long")
+SUITES = ("dense", "dynamic", "block_sparse", "upstream", "decode", "varlen", "dma_long", "cp")
 
 
 @dataclass(frozen=True)
@@ -228,6 +228,10 @@ def workloads_for(suite: str, quick: bool) -> List[Workload]:
         from .dma_long import dma_long_workloads
 
         return dma_long_workloads(quick)
+    if suite == "cp":  # context parallelism over 1/2/4 processes: one torchrun a variant (cp.py)
+        from .cp import cp_workloads
+
+        return cp_workloads(quick)
     raise ValueError(f"unknown suite {suite!r}; expected one of {', '.join(SUITES)}")
 
 

@@ -477,3 +477,32 @@ def test_example_under_torchrun():
     assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
     assert res.stdout.count("vs one process") == 4  # ring and DMA, on both ranks
     assert "rank 1/2: 256 tokens, zigzag layout" in res.stdout
+
+
+def test_cp_benchmark_quick(tmp_path):
+    # The cp suite on CPU: one torchrun (gloo) per variant, rows and the targets' summary.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "FLASH_DMATTN_BACKEND", "FLASH_DMATTN_DISABLE")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--suite", "cp", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
+    rows = json.loads((tmp_path / "cpu" / "quick-cp.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok"] * 6, [(r["impl"], r["notes"]) for r in rows]
+    by = {(r["shape"]["kind"], r["impl"]): r for r in rows}
+    for kind in ("dense", "dma"):
+        base = by[(kind, "flash_dmattn_func (one call, 1 GPU)")]
+        assert base["fwd_ms"] > 0 and base["fwd_bwd_ms"] > 0
+    two = by[("dma", "context_parallel x2 contiguous")]
+    # float32 norms of the output and gradients agree with the one-process call
+    assert two["rel_err"] is not None and two["rel_err"] < 1e-5
+    assert 0.5 < two["ratios"]["traffic / (selected K/V + bias)"] <= 2.0
+    assert by[("dense", "context_parallel x2 zigzag")]["ratios"]["efficiency fwd+bwd"] > 0
+    md = (tmp_path / "cpu" / "quick-cp.md").read_text()
+    assert "| DMA traffic per rank and pass <= 2.0x" in md and "## cp" in md
