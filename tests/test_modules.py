@@ -7,6 +7,14 @@ from torch import nn
 
 from flash_dmattn.modules import DynamicMaskAttention, MultiheadAttention
 
+# torch.nn.MultiheadAttention.forward (torch.nn.modules.activation) warns that a bool
+# key_padding_mask with a float attn_mask, or the reverse, is deprecated; these tests compare
+# against it on exactly those combinations.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Support for mismatched key_padding_mask and attn_mask:UserWarning:"
+    "torch.nn.modules.activation"
+)
+
 DT = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
 
