@@ -66,8 +66,8 @@ class Selection:
             if is_causal:
                 lo = torch.maximum(lo, positions[s])
             vis = torch.zeros(lo.shape, dtype=torch.bool, device=device)
-            for a, m in segments[r]:
-                vis |= torch.maximum(lo, torch.full_like(lo, a)) < torch.minimum(hi, torch.full_like(hi, a + m))
+            for a, m in segments[r]:  # [lo, hi) meets the query range [a, a + m)
+                vis |= (lo < a + m) & (hi > a) & (lo < hi)
             return vis
 
         send_need = {r: needed(r, me) for r in self.peers}
