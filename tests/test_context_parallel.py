@@ -516,3 +516,25 @@ def test_cp_benchmark_quick(tmp_path):
     assert by[("dense", "context_parallel x2 zigzag")]["ratios"]["efficiency fwd+bwd"] > 0
     md = (tmp_path / "cpu" / "quick-cp.md").read_text()
     assert "| DMA traffic per rank and pass <= 2.0x" in md and "## cp" in md
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_example_on_gpus(gpus, layout):
+    # NCCL, bf16, the backend auto-dispatch picks; the example exits 1 when a shard of the output
+    # or of a gradient is off (see its check_against_one_process).
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs, found {torch.cuda.device_count()}")
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(gpus), "examples/context_parallel.py", "--seq-len", "8192", "--layout", layout,
+           "--window", "512", "--heads", "16", "--kv-heads", "4", "--head-dim", "128"]
+    res = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
+    assert res.stdout.count("vs one process") == 2 * gpus
