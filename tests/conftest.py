@@ -12,6 +12,8 @@ import pytest  # noqa: E402
 
 from flash_dmattn import registry  # noqa: E402
 
+import tiers  # noqa: E402
+
 
 def pytest_addoption(parser):
     parser.addoption(
@@ -37,12 +39,25 @@ def _record_cuda_specs(request, monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
+    tiers.mark_slow(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    # Keeps the quick tier quick: a test outside tiers.SLOW that takes long is named here.
+    slow = []
+    for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", []):
+        if report.when == "call" and report.duration > tiers.QUICK_LIMIT_S and "slow" not in report.keywords:
+            slow.append(report)
+    if slow:
+        terminalreporter.write_sep("-", f"tests outside the slow tier that took over {tiers.QUICK_LIMIT_S:g} s")
+        for report in sorted(slow, key=lambda r: -r.duration):
+            terminalreporter.write_line(f"{report.duration:6.1f} s  {report.nodeid}  (see tests/tiers.py)")
 
 
 @pytest.fixture(autouse=True)
