@@ -6,7 +6,8 @@
 #                              PROBE_ARGS: arguments of scripts/dma_probe.py;
 #                              CUDA=1: also the cuda backend's interval kernels -- installs
 #                              the CUTLASS wheel, run with carry [".wheels"], builds the
-#                              specialisations the tests use side by side first)
+#                              specialisations the tests use side by side first;
+#                              BENCH_BACKENDS: the dma_long rows' explicit backends)
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}
 TESTS="tests/test_triton_intervals.py tests/test_topk_intervals.py tests/test_key_intervals.py"
@@ -38,6 +39,6 @@ if [ "${PROBE_S:-300}" -gt 0 ]; then
   echo "probe rc=$?" >>"$OUT/probe.log"
   cat "$OUT/probe.log" | head -80
 fi
-[ "${BENCH_S:-0}" -gt 0 ] && bench dma "${BENCH_S}" --suite dma_long --backends triton
-[ -d "$W/bench-dma" ] && cp "$W"/bench-dma/*.md "$W"/bench-dma/*.json "$OUT/" 2>/dev/null
+[ "${BENCH_S:-0}" -gt 0 ] && bench dma "${BENCH_S}" --suite dma_long --backends "${BENCH_BACKENDS:-triton}"
+[ -d "$W/bench-dma" ] && cp "$W"/bench-dma/*/*.md "$W"/bench-dma/*/*.json "$OUT/" 2>/dev/null
 exit 0
