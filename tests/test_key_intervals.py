@@ -603,3 +603,28 @@ def test_flex_cuda_forward_backward(shapes, lq, lk):
         assert not a.isnan().any(), name
         err = (a.double() - b).abs().max().item()
         assert err <= 0.05 * max(1.0, b.abs().max().item()), (name, err)
+
+
+def test_cuda_interval_reasons_name_what_it_does_not_run():
+    """The cuda backend's key-interval kernels decline, each with its reason: bounds per query
+    head within a kv group, a per-query bias, head dims over 128, KV caches, deterministic."""
+    from flash_dmattn.backends.cuda.intervals import interval_reasons
+    from flash_dmattn.inputs import AttentionInputs
+
+    q = torch.randn(1, 16, 4, 64)
+    k = torch.randn(1, 16, 2, 64)
+    j = torch.arange(16)
+    ki = KeyIntervals(j, j + 4)
+    assert interval_reasons(AttentionInputs.from_args(q, k, k, ki, torch.randn(1, 2, 1, 16))) == []
+    cases = [
+        (AttentionInputs.from_args(q, k, k, KeyIntervals(j.expand(4, 16), (j + 4).expand(4, 16))),
+         "per query head"),
+        (AttentionInputs.from_args(q, k, k, ki, torch.randn(16, 16)), "per-key bias"),
+        (AttentionInputs.from_args(q, k, k, ki, deterministic=True), "deterministic"),
+        (AttentionInputs.from_args(torch.randn(1, 16, 4, 192), torch.randn(1, 16, 2, 192),
+                                   torch.randn(1, 16, 2, 192), ki), "head_dim"),
+        (AttentionInputs.from_args(q, k, k, ki, cache_seqlens=torch.tensor([9], dtype=torch.int32)),
+         "KV cache"),
+    ]
+    for inputs, words in cases:
+        assert any(words in r for r in interval_reasons(inputs)), (words, interval_reasons(inputs))
