@@ -1,7 +1,8 @@
 """The slow tier of the test suite.
 
-``python -m pytest tests -q -m "not slow"`` is the quick check: every module, and every
-parametrized kernel test on at least one case, in a few minutes on 2 CPU cores.
+``python -m pytest tests -q -m "not slow"`` is the quick check: the API, the reference, the
+modules and integrations, and every parametrized kernel test on at least one case, in a few
+minutes on 2 CPU cores.
 ``python -m pytest tests -q`` (what CI runs) adds the slow tier below.
 
 ``SLOW[module][function]`` is ``"all"`` (every case of the test is slow) or ``"rest"`` (the
