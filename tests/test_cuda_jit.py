@@ -25,6 +25,7 @@ from flash_dmattn.backends.cuda import jit, toolchain
 from flash_dmattn.backends.cuda.spec import HEAD_DIM_BUCKETS, KernelSpec, all_specs
 from flash_dmattn.backends.cuda.toolchain import Toolchain
 from flash_dmattn.inputs import AttentionInputs
+from interpreter_only import needs_triton
 
 TC = Toolchain(nvcc="/opt/cuda/bin/nvcc", nvcc_version="12.4.131", cutlass_include="/opt/inc",
                capability=(9, 0), torch_version="2.6.0")
@@ -501,6 +502,7 @@ def test_cuda_gather_plan_declines_what_the_kernels_cannot_take(monkeypatch):
         kernels.cuda_gather_policy()
 
 
+@needs_triton
 def test_cuda_auto_dispatch_takes_measured_calls_on_hopper(monkeypatch):
     # Measured faster than triton on Hopper for forward-only calls (T1-T3), for calls with
     # gradients and no bias (the dense suite, T3's per-key mask) and for training with a

@@ -6,7 +6,6 @@ TRITON_INTERPRET=1 (set by conftest.py without a GPU) with 16-key tiles and a fe
 ragged tails, empty splits and the combine step are all exercised on tiny shapes.
 """
 import math
-import os
 
 import pytest
 import torch
@@ -19,17 +18,10 @@ from flash_dmattn.inputs import AttentionInputs
 
 from naive import assert_close, naive_attention
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-try:
-    import triton  # noqa: F401
+from interpreter_only import interpreter_skip_reason, needs_triton
 
-    HAVE_TRITON = True
-except ModuleNotFoundError:
-    HAVE_TRITON = False
-
-needs_interpreter = pytest.mark.skipif(
-    not (INTERPRET and HAVE_TRITON), reason="Triton interpreter tests run on CPU-only machines"
-)
+_NO_INTERPRETER = interpreter_skip_reason()
+needs_interpreter = pytest.mark.skipif(_NO_INTERPRETER is not None, reason=str(_NO_INTERPRETER))
 
 
 def cache_visibility(cs, B, Lq, Lk, causal):
@@ -182,7 +174,7 @@ def test_cache_seqlens_int64_is_normalised():
     assert inputs.cache_seqlens.dtype == torch.int32 and "cache_seqlens" in inputs.describe()
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@needs_triton
 def test_triton_declines_large_lq_with_reason():
     backend = registry._BACKENDS["triton"]
     q, k, v = make(1, 40, 4, 1, 64, 16)  # 40 * 4 rows > 64
@@ -365,6 +357,7 @@ def test_decode_kernel_split_merge_edge_rows(poison, monkeypatch, chunk, cols):
     assert (out[2] == 0).all() and (lse[2] == float("-inf")).all()
 
 
+@needs_triton
 def test_decode_launch_rules(monkeypatch):
     # The combine's column blocks aim at ~4 programs per SM (8 at most, >= 16 columns each,
     # one warp each; a single 4-warp program per row when rows alone fill the GPU), and the

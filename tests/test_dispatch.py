@@ -16,6 +16,7 @@ from flash_dmattn.backends.flex import FlexBackend
 from flash_dmattn.inputs import AttentionInputs
 from flash_dmattn.backends.reference import ReferenceBackend
 from flash_dmattn.backends.triton.backend import TritonBackend
+from interpreter_only import needs_triton
 
 
 @pytest.fixture
@@ -148,6 +149,7 @@ class _FakeCudaInputs:
     device = torch.device("cuda")
 
 
+@needs_triton
 @pytest.mark.parametrize("flex_can_run", [True, False])
 def test_untuned_triton_steps_aside_only_for_flex(monkeypatch, flex_can_run):
     # Untuned Triton yields to flex on CUDA, but where flex declines (varlen, paged KV) it
@@ -181,6 +183,7 @@ def test_can_run_reports_support_and_availability(monkeypatch):
     assert not registry.can_run("no-such-backend", inputs)
 
 
+@needs_triton
 def test_untuned_triton_keeps_decode_calls(monkeypatch):
     # Short-query calls against a long cache take triton's decode kernel, measured faster than
     # flex at every length: no preference for flex there, even when flex could run them.

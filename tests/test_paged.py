@@ -17,6 +17,7 @@ from flash_dmattn.reference import gather_kv_pages
 
 from naive import assert_close
 from test_decode import make, make_aux, naive_kv, needs_interpreter
+from interpreter_only import needs_triton
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -148,7 +149,7 @@ def test_flex_declines_paged():
         flex_dmattn_func(q, k_pool, v_pool, block_table=table)
 
 
-@pytest.mark.skipif("triton" not in registry._BACKENDS, reason="needs triton")
+@needs_triton
 def test_triton_declines_with_reasons():
     backend = registry._BACKENDS["triton"]
     q, k, v = make(1, 40, 4, 1, 64, 16)  # 40 * 4 rows > DECODE_MAX_ROWS

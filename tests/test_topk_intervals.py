@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flash_dmattn.masks import KeyIntervals
+from interpreter_only import triton_kernels_skip_reason
 from flash_dmattn.planning import selection, selection_kernels
 from flash_dmattn.planning.selection import kth_smallest_of_prefixes, topk_intervals
 from flash_dmattn.utils.mask import causal_topk_mask, create_mask
@@ -241,7 +242,7 @@ def test_intervals_match_dense_helpers(case):
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _needs_kernels = pytest.mark.skipif(
     not selection_kernels.available(torch.device(_DEVICE)),
-    reason="no triton, or CPU tensors without TRITON_INTERPRET=1",
+    reason=str(triton_kernels_skip_reason()),
 )
 
 

@@ -8,13 +8,15 @@ import os
 import pytest
 import torch
 
-from flash_dmattn import get_available_backends, triton_dmattn_func
+from flash_dmattn import get_available_backends, registry, triton_dmattn_func
 
 from cases import FIXED
 from naive import naive_attention
 
 pytestmark = pytest.mark.skipif(
-    "triton" not in get_available_backends(), reason="triton backend unavailable here"
+    "triton" not in get_available_backends(),
+    reason=f"triton backend unavailable here: {registry.unavailable_reason(registry._BACKENDS['triton'])}"
+    if "triton" in registry._BACKENDS else "triton backend unavailable here: not registered",
 )
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
 DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
