@@ -265,3 +265,16 @@ def test_create_mask_argument_errors_name_the_argument():
         create_mask(bias, window=2)
     with pytest.raises(ValueError, match=r"type must be one of \('topk', 'relu'\)"):
         create_mask(bias, window_size=2, type="top-k")
+
+
+def test_causal_topk_mask_with_a_per_query_bias_names_create_mask():
+    from flash_dmattn.utils.mask import causal_topk_mask
+
+    per_query = torch.randn(1, 2, 8, 8)
+    with pytest.raises(ValueError, match=r"got \(1, 2, 8, 8\); a per-query bias .*create_mask\("):
+        causal_topk_mask(per_query, None, 4, F32_MIN)
+    # The suggested call gives the causal top-k of each query's own bias row.
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    mask = create_mask(per_query, causal[None, None], window_size=4)
+    assert mask.shape == (1, 2, 8, 8) and not (mask & ~causal).any()
+    assert mask.sum(-1).tolist() == [[[min(i + 1, 4) for i in range(8)]] * 2]

@@ -310,8 +310,15 @@ def causal_topk_mask(
     if not isinstance(attention_bias, torch.Tensor) or not attention_bias.is_floating_point():
         raise TypeError("attention_bias must be a floating-point tensor")
     if attention_bias.dim() != 4 or attention_bias.shape[2] != 1:
+        hint = ""
+        if attention_bias.dim() == 4:
+            hint = (
+                "; a per-query bias ranks the keys differently for each query: write "
+                "create_mask(bias, causal_mask, window_size=...) for its top-k mask"
+            )
         raise ValueError(
-            f"attention_bias must be per key, (batch, heads, 1, L); got {tuple(attention_bias.shape)}"
+            f"attention_bias must be per key, (batch, heads, 1, L); got "
+            f"{tuple(attention_bias.shape)}{hint}"
         )
     bias = attention_bias.detach()[:, :, 0]  # (B, H, L)
     batch, heads, length = bias.shape
