@@ -589,7 +589,12 @@ class VarlenInputs:
                 f"num_kv_heads={hkv} (key {tuple(key.shape)})"
             )
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
+            if not isinstance(cu, torch.Tensor):
+                raise TypeError(
+                    f"{name} must be a 1-D int32 torch.Tensor of n+1 offsets, got "
+                    f"{_describe_value(cu)}"
+                )
+            if cu.dim() != 1 or cu.numel() < 1:
                 raise ValueError(f"{name} must be a 1-D tensor of n+1 offsets")
             if cu.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"{name} must be int32 (or int64), got {cu.dtype}")

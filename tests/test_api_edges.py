@@ -204,6 +204,9 @@ def test_varlen_type_errors_name_the_argument():
         flash_dmattn_varlen_func(q, k, v, cu, cu, 6, 6, is_causal="causal")
     with pytest.raises(TypeError, match=r"softmax_scale must be a number or None"):
         flash_dmattn_varlen_func(q, k, v, cu, cu, 6, 6, softmax_scale="a")
+    with pytest.raises(TypeError, match=r"cu_seqlens_k must be a 1-D int32 torch.Tensor of n\+1 "
+                                        r"offsets, got list \[0, 4, 10\]"):
+        flash_dmattn_varlen_func(q, k, v, cu, [0, 4, 10], 6, 6)
     out = flash_dmattn_varlen_func(q, k, v, cu, cu, torch.tensor(6), np.int64(6))
     torch.testing.assert_close(out, flash_dmattn_varlen_func(q, k, v, cu, cu, 6, 6), rtol=0, atol=0)
 
