@@ -380,6 +380,8 @@ class AttentionInputs:
     cache_seqlens: Optional[torch.Tensor] = None
     block_table: Optional[torch.Tensor] = None
     key_intervals: Optional[torch.Tensor] = None
+    # The KeyIntervals mask's window promise (see KeyIntervals), for the kernels' planning.
+    key_window: Optional[int] = None
 
     @staticmethod
     def from_args(
@@ -426,9 +428,10 @@ class AttentionInputs:
             )
         scale, cap = _scale_and_softcap(softmax_scale, softcap, d)
         dims = dict(query=query, batch=b, num_heads=h, num_kv_heads=hkv, seqlen_q=lq, seqlen_k=lk)
-        intervals = None
+        intervals = window = None
         if isinstance(attn_mask, KeyIntervals):
             intervals = check_key_intervals(attn_mask, query, b, h, hkv, lk)
+            window = attn_mask.window
             attn_mask = None
         mask = normalise_mask_or_bias("attn_mask", attn_mask, **dims)
         bias = normalise_mask_or_bias("attn_bias", attn_bias, **dims)
@@ -451,6 +454,7 @@ class AttentionInputs:
             cache_seqlens=cache_seqlens,
             block_table=block_table,
             key_intervals=intervals,
+            key_window=window,
         )
 
     # Shapes -------------------------------------------------------------------------------

@@ -32,6 +32,14 @@ _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 _CLAMP = 1 << 30
 
 
+def _check_window(window) -> Optional[int]:
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"KeyIntervals window must be a positive int or None, got {window!r}")
+    return window
+
+
 class KeyIntervals:
     """A key-interval attention mask: query position ``p`` sees key ``j`` iff
     ``start[..., j] <= p < end[..., j]``.
@@ -47,6 +55,14 @@ class KeyIntervals:
             ``pos(i) = i + Lk - Lq``; values outside ``0..Lk`` are allowed (clipped
             implicitly), and ``start >= end`` is the empty interval.
 
+        window: optional promise about the selection, for the kernels' planning: no query
+            position sees more than ``window`` keys, and each position sees at most one key
+            that the position before it did not. Top-``window`` selections
+            (:func:`flash_dmattn.utils.mask.topk_intervals` sets it) and sliding windows of
+            ``window`` keys keep it. With it the planner sizes its per-tile key lists
+            (``window + 128`` keys a tile) without waiting for the GPU; a mask that breaks
+            the promise gives wrong results, so leave it None unless the mask is one of those.
+
     The two bounds are kept as one int32 tensor ``bounds`` of shape ``(2, Bx, Hx, Lk)``
     (:attr:`bounds`), made once; O(B·H·Lk) memory, never (Lq, Lk).
 
@@ -58,9 +74,10 @@ class KeyIntervals:
         out = flash_dmattn_func(q, k, v, attn_mask=KeyIntervals(start, end), is_causal=True)
     """
 
-    __slots__ = ("bounds",)
+    __slots__ = ("bounds", "window")
 
-    def __init__(self, start: torch.Tensor, end: torch.Tensor):
+    def __init__(self, start: torch.Tensor, end: torch.Tensor, window: Optional[int] = None):
+        self.window = _check_window(window)
         for name, t in (("start", start), ("end", end)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(
@@ -97,10 +114,11 @@ class KeyIntervals:
         self.bounds = torch.stack([norm(start), norm(end)])
 
     @classmethod
-    def from_bounds(cls, bounds: torch.Tensor) -> "KeyIntervals":
+    def from_bounds(cls, bounds: torch.Tensor, window: Optional[int] = None) -> "KeyIntervals":
         """Wrap an already normalised ``(2, Bx, Hx, Lk)`` int32 tensor (no copy)."""
         obj = cls.__new__(cls)
         obj.bounds = bounds
+        obj.window = _check_window(window)
         return obj
 
     # ------------------------------------------------------------------------------------
@@ -124,7 +142,7 @@ class KeyIntervals:
         return self.bounds.device
 
     def to(self, device) -> "KeyIntervals":
-        return KeyIntervals.from_bounds(self.bounds.to(device))
+        return KeyIntervals.from_bounds(self.bounds.to(device), self.window)
 
     def visible(self, query_pos: torch.Tensor) -> torch.Tensor:
         """Bool ``(Bx, Hx, n, Lk)``: which keys each of the query positions ``query_pos (n,)``

@@ -15,7 +15,8 @@ Both also receive ``cache_seqlens=<(B,) int32 tensor>`` as a keyword, but only o
 have one (KV-cache decoding), so implementations that never get it need not accept it; and
 likewise ``key_intervals=<(2, Bx, Hx, Lk) int32 tensor>`` (the bounds of a
 :class:`~flash_dmattn.masks.KeyIntervals` mask, combined with ``mask`` and causal like any
-mask) only on calls that have one. The forward likewise receives ``block_table=<(B, P) int32 tensor>`` only on paged-KV calls (k and v
+mask) only on calls that have one, and with it ``key_window=<int>`` where the mask carries
+its window promise (:attr:`~flash_dmattn.masks.KeyIntervals.window`). The forward likewise receives ``block_table=<(B, P) int32 tensor>`` only on paged-KV calls (k and v
 are then page pools); there is no backward for those: a backend that takes paged KV with
 gradients must differentiate outside the op (the reference gathers the pages first).
 """
@@ -36,14 +37,17 @@ def laid_out_like(t: Tensor, value: Tensor) -> Tensor:
     return result
 
 
-def _optional_kwargs(cache_seqlens: Optional[Tensor], key_intervals: Optional[Tensor]) -> dict:
-    """The optional tensors an implementation receives as keywords: only those present, so an
-    implementation that never gets one need not accept it."""
+def _optional_kwargs(cache_seqlens: Optional[Tensor], key_intervals: Optional[Tensor],
+                     key_window: int = 0) -> dict:
+    """The optional arguments an implementation receives as keywords: only those present, so
+    an implementation that never gets one need not accept it (``key_window`` 0: none)."""
     extra = {}
     if cache_seqlens is not None:
         extra["cache_seqlens"] = cache_seqlens
     if key_intervals is not None:
         extra["key_intervals"] = key_intervals
+        if key_window:
+            extra["key_window"] = int(key_window)
     return extra
 
 
@@ -120,8 +124,8 @@ class AttentionOp:
         self._planned_forward = planned_forward
 
         def run_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
-                        block_table, key_intervals=None):
-            extra = _optional_kwargs(cache_seqlens, key_intervals)
+                        block_table, key_intervals=None, key_window=0):
+            extra = _optional_kwargs(cache_seqlens, key_intervals, key_window)
             if block_table is not None:
                 extra["block_table"] = block_table
             out, lse = forward(q, k, v, mask, bias, scale, is_causal, softcap, **extra)
@@ -144,13 +148,14 @@ class AttentionOp:
             cache_seqlens: Optional[Tensor] = None,
             block_table: Optional[Tensor] = None,
             key_intervals: Optional[Tensor] = None,
+            key_window: int = 0,
         ) -> Tuple[Tensor, Tensor]:
             return run_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
-                               block_table, key_intervals)
+                               block_table, key_intervals, key_window)
 
         @fwd_op.register_fake
         def _(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, cache_seqlens=None,
-              block_table=None, key_intervals=None):
+              block_table=None, key_intervals=None, key_window=0):
             B, Lq, H, _ = q.shape
             out = q.new_empty(B, Lq, H, v.shape[-1])
             return out, q.new_empty(B, H, Lq, dtype=lse_dtype(q.dtype))
@@ -172,8 +177,9 @@ class AttentionOp:
             needs: List[bool],
             cache_seqlens: Optional[Tensor] = None,
             key_intervals: Optional[Tensor] = None,
+            key_window: int = 0,
         ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-            extra = _optional_kwargs(cache_seqlens, key_intervals)
+            extra = _optional_kwargs(cache_seqlens, key_intervals, key_window)
             grads = backward(
                 dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
                 tuple(needs), **extra,
@@ -182,14 +188,15 @@ class AttentionOp:
 
         @bwd_op.register_fake
         def _(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs,
-              cache_seqlens=None, key_intervals=None):
+              cache_seqlens=None, key_intervals=None, key_window=0):
             return _fake_grads((q, k, v, bias), needs)
 
         def setup_context(ctx, inputs, output):
             (q, k, v, mask, bias, scale, is_causal, softcap, deterministic, cache_seqlens,
-             block_table, key_intervals) = inputs
+             block_table, key_intervals, key_window) = inputs
             out, lse = output
             ctx.paged = block_table is not None
+            ctx.key_window = key_window
             ctx.save_for_backward(q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals)
             ctx.config = (scale, is_causal, softcap, deterministic)
             ctx.has_bias = bias is not None
@@ -210,17 +217,17 @@ class AttentionOp:
             ]
             grads = bwd_op(
                 dout.contiguous(), q, k, v, mask, bias, out, lse, *ctx.config, needs, cache_seqlens,
-                key_intervals,
+                key_intervals, ctx.key_window,
             )
             dq, dk, dv, dbias = (g if n else None for g, n in zip(grads, needs))
-            return dq, dk, dv, None, dbias, None, None, None, None, None, None, None
+            return dq, dk, dv, None, dbias, None, None, None, None, None, None, None, None
 
         fwd_op.register_autograd(backward_formula, setup_context=setup_context)
         self._fwd = fwd_op
 
     def __call__(
         self, q, k, v, mask, bias, scale, is_causal, softcap, deterministic=False, cache_seqlens=None,
-        block_table=None, key_intervals=None,
+        block_table=None, key_intervals=None, key_window=None,
     ):
         """``(out, lse)``; differentiable in q, k, v and bias. lse is returned as float32.
 
@@ -228,7 +235,8 @@ class AttentionOp:
         ``block_table``: optional int32 ``(B, P)`` page ids; k/v are then page pools
         (forward only).
         ``key_intervals``: optional int32 ``(2, Bx, Hx, Lk)`` bounds of a
-        :class:`~flash_dmattn.masks.KeyIntervals` mask (see ``AttentionInputs.key_intervals``).
+        :class:`~flash_dmattn.masks.KeyIntervals` mask (see ``AttentionInputs.key_intervals``);
+        ``key_window``: that mask's window promise (None: none).
 
         Eager calls that need no gradient run the implementation without the custom op
         (:func:`eager_inference`); eager calls that do, with an implementation that plans its
@@ -236,20 +244,21 @@ class AttentionOp:
         The results are the same.
         """
         tensors = (q, k, v, mask, bias, cache_seqlens, block_table, key_intervals)
+        window = int(key_window or 0) if key_intervals is not None else 0
         if eager_inference(*tensors):
             out, lse = self._run_forward(q, k, v, mask, bias, float(scale), bool(is_causal),
                                          float(softcap), cache_seqlens, block_table,
-                                         key_intervals)
+                                         key_intervals, window)
         elif (self._planned_forward is not None and block_table is None
               and plain_eager(*tensors)):
             out, lse = _PlannedAttention.apply(
                 self, q, k, v, mask, bias, float(scale), bool(is_causal), float(softcap),
-                bool(deterministic), cache_seqlens, key_intervals,
+                bool(deterministic), cache_seqlens, key_intervals, window,
             )
         else:
             out, lse = self._fwd(
                 q, k, v, mask, bias, float(scale), bool(is_causal), float(softcap),
-                bool(deterministic), cache_seqlens, block_table, key_intervals,
+                bool(deterministic), cache_seqlens, block_table, key_intervals, window,
             )
         return out, lse.to(torch.float32)
 
@@ -266,13 +275,13 @@ class _PlannedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, op, q, k, v, mask, bias, scale, is_causal, softcap, deterministic,
-                cache_seqlens, key_intervals=None):
-        extra = _optional_kwargs(cache_seqlens, key_intervals)
+                cache_seqlens, key_intervals=None, key_window=0):
+        extra = _optional_kwargs(cache_seqlens, key_intervals, key_window)
         out, lse, plan = op._planned_forward(q, k, v, mask, bias, scale, is_causal, softcap,
                                              **extra)
         out, lse = out.contiguous(), lse.contiguous()
         ctx.save_for_backward(q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals)
-        ctx.op, ctx.plan = op, plan
+        ctx.op, ctx.plan, ctx.key_window = op, plan, key_window
         ctx.config = (scale, is_causal, softcap, deterministic)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -282,7 +291,7 @@ class _PlannedAttention(torch.autograd.Function):
         q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals = ctx.saved_tensors
         needs = (ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3],
                  bias is not None and ctx.needs_input_grad[5])
-        extra = _optional_kwargs(cache_seqlens, key_intervals)
+        extra = _optional_kwargs(cache_seqlens, key_intervals, ctx.key_window)
         if ctx.plan is not None:
             extra["plan"] = ctx.plan
         dq, dk, dv, dbias = ctx.op._backward(dout.contiguous(), q, k, v, mask, bias, out, lse,
@@ -290,7 +299,7 @@ class _PlannedAttention(torch.autograd.Function):
         ctx.plan = None  # the lists are not needed again (retain_graph plans anew)
         grads = [None if not n else g for g, n in zip((dq, dk, dv, dbias), needs)]
         return (None, grads[0], grads[1], grads[2], None, grads[3], None, None, None, None,
-                None, None)
+                None, None, None)
 
 
 class VarlenAttentionOp:

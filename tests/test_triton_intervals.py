@@ -314,6 +314,52 @@ def test_planner_kernels_match_reference(causal):
 
 
 @needs_kernels
+@pytest.mark.parametrize("causal_selection", [False, True])
+def test_window_promise_lists_equal_the_waiting_planner(causal_selection):
+    """A top-W selection carries its window; the planner then lays every tile's list out at
+    capacity W + block_m - 1 without waiting for the device, and the lists hold the same keys
+    in the same order as the planner that sizes them exactly (and so do the outputs)."""
+    from flash_dmattn.planning.key_lists import plan_intervals
+    from flash_dmattn.utils.mask import topk_intervals
+
+    if ON_GPU:
+        pytest.skip("interpreter sizes")
+    gen = torch.Generator().manual_seed(11)
+    B, L, Hkv, W, bm = 2, 90, 2, 7, 16
+    bias = torch.randn(B, Hkv, 1, L, generator=gen)
+    bias[0, 0, 0, 40:50] = 0.25  # ties
+    ki = topk_intervals(bias, W, is_causal=causal_selection)
+    assert ki.window == W and ki.to("cpu").window == W
+    for causal in (False, True):
+        exact = plan_intervals(ki.bounds, L, L, causal, bm, 8, True)
+        fixed = plan_intervals(ki.bounds, L, L, causal, bm, 8, True, window=W)
+        cap = W + bm - 1
+        assert fixed.keys.numel() == B * Hkv * fixed.n_tiles * cap
+        assert torch.equal(fixed.tile_start.flatten(),
+                           torch.arange(B * Hkv * fixed.n_tiles, dtype=torch.int32) * cap)
+        assert torch.equal(fixed.tile_len, exact.tile_len)
+        assert torch.equal(fixed.tile_full, exact.tile_full)
+        for r in range(B * Hkv):
+            for t in range(exact.n_tiles):
+                n = int(exact.tile_len[r, t])
+                a, b0 = int(exact.tile_start[r, t]), int(fixed.tile_start[r, t])
+                assert torch.equal(fixed.keys[b0:b0 + n], exact.keys[a:a + n])
+        for got, want in ((fixed.blk_keys, exact.blk_keys), (fixed.blk_qlo, exact.blk_qlo),
+                          (fixed.blk_qhi, exact.blk_qhi)):
+            assert torch.equal(got, want)
+    check_case(B, L, L, 4, Hkv, 16, None, (B, Hkv, 1, L), True, intervals=ki)
+
+
+def test_window_promise_is_validated():
+    j = torch.arange(8)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="window"):
+            KeyIntervals(j, j + 2, window=bad)
+    assert KeyIntervals(j, j + 2, window=2).window == 2
+    assert KeyIntervals(j, j + 2).window is None
+
+
+@needs_kernels
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_random_interval_problems(data):

@@ -212,19 +212,30 @@ def plan_intervals(
     block_n: int,
     backward: bool,
     end_bucket: Optional[int] = None,
+    window: Optional[int] = None,
 ) -> IntervalPlan:
     """Plan a key-interval call: forward lists always, backward key blocks when asked.
 
     On a GPU (or under Triton's interpreter) the planner's own kernels do it
     (:func:`.list_kernels.plan_fast`); elsewhere the plain-PyTorch functions of this module.
     Both give the same lists.
+
+    ``window``: the mask's window promise (:attr:`~flash_dmattn.masks.KeyIntervals.window`).
+    A tile of ``block_m`` queries then meets at most ``window + block_m - 1`` keys, so the
+    device planner gives every tile a list of that capacity and never waits for the device
+    to learn the lists' total length; and a window below ``Lk`` hides keys from the last
+    query, so the mask is not checked for hiding nothing.
     """
     from . import list_kernels
 
     bucket = end_bucket if end_bucket is not None else end_bucket_for(seqlen_q)
     if list_kernels.available(bounds.device):
+        capacity = None
+        if window is not None and window < seqlen_k:
+            capacity = min(seqlen_k, window + block_m - 1)
         built = list_kernels.plan_fast(
-            bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward, bucket)
+            bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward, bucket,
+            capacity=capacity)
         if built is None:
             return _dense_equivalent(bounds, seqlen_q, block_m, block_n)
         tile_start, tile_len, tile_full, keys, blocks = built

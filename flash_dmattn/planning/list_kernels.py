@@ -46,7 +46,7 @@ if triton is not None:
 
     @triton.jit
     def _fill_kernel(CIdx, CLo, CHi, NLive, nlive_stride, TileStart, TileFull, Keys, Lq, pos_off,
-                     n_tiles, Lk, BLOCK_M: tl.constexpr, SCAN: tl.constexpr,
+                     n_tiles, Lk, cap, BLOCK_M: tl.constexpr, SCAN: tl.constexpr,
                      CAUSAL: tl.constexpr):
         m = tl.program_id(0)
         r = tl.program_id(1)
@@ -73,7 +73,7 @@ if triton is not None:
                     take = ok & (lo < q1) & (hi > q0) & (covers == 0)
                 at = tl.cumsum(take.to(tl.int32), 0) - 1
                 idx = tl.load(row_idx + offs, mask=ok, other=0)
-                tl.store(out + count + at, idx, mask=take)
+                tl.store(out + count + at, idx, mask=take & (count + at < cap))
                 count += tl.sum(take.to(tl.int32), 0)
             if part == 0:
                 tl.store(TileFull + r * n_tiles + m, count)
@@ -179,13 +179,18 @@ if triton is not None:
         tl.store(BlkQhi + blk, tl.max(hi, 0))
 
 
-def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward, end_bucket):
+def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward, end_bucket,
+              capacity=None):
     """The planner on the device in ~10 launches and one host wait (the lists' total length,
     and whether the mask hides anything beyond ``is_causal``).
 
     Returns None for a mask that hides nothing (the caller runs the dense kernels), else
     ``(tile_start, tile_len, tile_full, keys, blocks)`` with ``blocks`` None or ``(blk_keys,
     blk_qlo, blk_qhi)``: the same lists as the plain-PyTorch planner.
+
+    ``capacity``: a bound on any tile's list length that the caller guarantees (and a mask
+    known to hide something). Each tile's list then starts at ``(row * n_tiles + tile) *
+    capacity`` and nothing waits for the device: the same lists, laid out with gaps.
     """
     rows = bounds.shape[1] * bounds.shape[2]
     lk, lq = seqlen_k, seqlen_q
@@ -216,8 +221,9 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
         chunk_count.zero_()
     _scan_kernel[(rows,)](tile_diff, tile_len, tile_start, row_total, chunk_count, chunk_end,
                           n_tiles, n_chunks, TB=1024, CB=256, num_warps=4)
-    row_base = torch.cumsum(row_total, 0, dtype=torch.int32) - row_total
-    stats = torch.cat([row_base[-1:] + row_total[-1:], hides])
+    if capacity is None:
+        row_base = torch.cumsum(row_total, 0, dtype=torch.int32) - row_total
+        stats = torch.cat([row_base[-1:] + row_total[-1:], hides])
     # Everything that does not need the lists' length is queued before the host waits for it,
     # so the device has work while the host catches up.
     if lk:
@@ -240,22 +246,30 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
             blk_qlo.fill_(lq)
             blk_qhi.zero_()
         blocks = (blk_keys, blk_qlo, blk_qhi)
-    total, hidden = stats.tolist()
-    if not hidden:
-        return None
-    tile_start += row_base[:, None]
+    if capacity is not None:
+        tile_start = (torch.arange(rows * n_tiles, dtype=torch.int32, device=device)
+                      * capacity).view(rows, n_tiles)
+        total = rows * n_tiles * capacity
+        # A broken promise must not write past a tile's room: lists are cut at capacity.
+        tile_len.clamp_(max=capacity)
+    else:
+        total, hidden = stats.tolist()
+        if not hidden:
+            return None
+        tile_start += row_base[:, None]
     keys = torch.empty(total, dtype=torch.int32, device=device)
     if total:
         # A row's live-key count is the end of its last chunk.
         fill_tile_lists(c_idx, c_lo, c_hi, chunk_end[n_chunks - 1:], n_chunks, tile_start,
-                        tile_full, keys, lq, lq - lk, block_m, is_causal)
+                        tile_full, keys, lq, lq - lk, block_m, is_causal,
+                        capacity=capacity)
     else:
         tile_full.zero_()
     return tile_start, tile_len, tile_full, keys, blocks
 
 
 def fill_tile_lists(c_idx, c_lo, c_hi, n_live, n_live_stride, tile_start, tile_full, keys,
-                    seqlen_q, pos_off, block_m, is_causal):
+                    seqlen_q, pos_off, block_m, is_causal, capacity=None):
     """Write each (tile, row) list at ``keys[tile_start[row, tile]:]``: the keys every query
     of the tile sees first (their count into ``tile_full``), then the others.
 
@@ -270,6 +284,6 @@ def fill_tile_lists(c_idx, c_lo, c_hi, n_live, n_live_stride, tile_start, tile_f
         return
     _fill_kernel[(n_tiles, rows)](
         c_idx, c_lo, c_hi, n_live, n_live_stride, tile_start, tile_full, keys, seqlen_q, pos_off,
-        n_tiles, lk,
+        n_tiles, lk, capacity if capacity is not None else keys.numel(),
         BLOCK_M=block_m, SCAN=SCAN_BLOCK, CAUSAL=bool(is_causal), num_warps=4,
     )

@@ -258,16 +258,20 @@ def topk_intervals(
     bias, padding, min_dtype = _check_inputs(attention_bias, window_size, is_causal, padding_mask, min_dtype)
     batch = max(bias.shape[0], 1 if padding is None else padding.shape[0])
     heads, length = bias.shape[1], bias.shape[2]
+    # Every query keeps at most W keys, and a query keeps at most one key the query before it
+    # did not (its own position): the KeyIntervals window promise.
     if batch * heads * length > 0 and _kernels.available(bias.device, batch * heads):
         # Triton: one score pass, the sort and (causal) a launch per tree level plus one for
         # all queries; the same integers as the plain path below.
         if length <= window_size:
             bounds = _kernels.all_kept_bounds(bias, padding, min_dtype, batch, heads, is_causal)
-            return KeyIntervals.from_bounds(bounds)
+            return KeyIntervals.from_bounds(bounds, window_size)
         if is_causal:
             bounds = _kernels.causal_bounds(bias, padding, min_dtype, window_size, batch, heads)
-            return KeyIntervals.from_bounds(bounds)
-    return _plain_intervals(bias, window_size, is_causal, padding, min_dtype)
+            return KeyIntervals.from_bounds(bounds, window_size)
+    out = _plain_intervals(bias, window_size, is_causal, padding, min_dtype)
+    out.window = window_size
+    return out
 
 
 def _topk_intervals_torch(

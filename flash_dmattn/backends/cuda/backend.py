@@ -155,6 +155,7 @@ class CudaBackend(Backend):
             inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
             cache_seqlens=inputs.cache_seqlens, block_table=inputs.block_table,
             key_intervals=getattr(inputs, "key_intervals", None),
+            key_window=getattr(inputs, "key_window", None),
         )
         return out
 

@@ -60,15 +60,15 @@ def _module(q: torch.Tensor, bias):
     return kernel_module(q, True, bias is not None)
 
 
-def plan_for(q, k, bias, bounds, is_causal, backward: bool):
+def plan_for(q, k, bias, bounds, is_causal, backward: bool, window=None):
     """``(plan, full bounds)`` of a call, at its kernel module's forward tile and backward key
-    block."""
+    block; ``window``: the mask's window promise (see :class:`~flash_dmattn.masks.KeyIntervals`)."""
     mod = _module(q, bias)
     B, Lq, H, _ = q.shape
     Lk, Hkv = k.shape[1], k.shape[2]
     fb, _ = full_bounds(bounds, B, H, Hkv)
     fwd_m, _, _, bwd_n = mod.block_sizes()
-    return plan_intervals(fb, Lq, Lk, is_causal, fwd_m, bwd_n, backward), fb
+    return plan_intervals(fb, Lq, Lk, is_causal, fwd_m, bwd_n, backward, window=window), fb
 
 
 def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None):

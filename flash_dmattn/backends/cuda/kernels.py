@@ -178,13 +178,13 @@ class CudaPlan:
 
 
 def cuda_planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
-                         key_intervals=None):
+                         key_intervals=None, key_window=None):
     """:func:`cuda_forward` plus its :class:`CudaPlan` (``(out, lse, plan)``); a key-interval
     call's plan is its interval lists (or :class:`~.intervals.DenseEquivalent`)."""
     if key_intervals is not None:
         from .intervals import DenseEquivalent, interval_forward, plan_for
 
-        plan = plan_for(q, k, bias, key_intervals, is_causal, backward=True)
+        plan = plan_for(q, k, bias, key_intervals, is_causal, backward=True, window=key_window)
         if not plan[0].hides_nothing:
             return interval_forward(q, k, v, bias, key_intervals, scale, is_causal, softcap, plan)
         out, lse, dense_plan = cuda_planned_forward(q, k, v, None, bias, scale, is_causal,
@@ -201,7 +201,8 @@ def cuda_planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_s
 
 
 def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
-                 block_table=None, key_intervals=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 block_table=None, key_intervals=None,
+                 key_window=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out (B, Lq, H, D), lse (B, H, Lq) fp32)`` through the compiled kernels.
 
     Few query rows per kv head (decoding), a KV cache's ``cache_seqlens`` or paged K/V
@@ -211,7 +212,7 @@ def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=N
     if key_intervals is not None:
         from .intervals import interval_forward, plan_for
 
-        plan = plan_for(q, k, bias, key_intervals, is_causal, backward=False)
+        plan = plan_for(q, k, bias, key_intervals, is_causal, backward=False, window=key_window)
         if not plan[0].hides_nothing:
             out, lse, _ = interval_forward(q, k, v, bias, key_intervals, scale, is_causal,
                                            softcap, plan)
@@ -449,7 +450,7 @@ def fused_dq_allowed() -> bool:
 
 def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
                   needs, cache_seqlens=None, plan: Optional[CudaPlan] = None,
-                  key_intervals=None):
+                  key_intervals=None, key_window=None):
     """``(dq, dk, dv, dbias)`` with None where ``needs`` did not ask.
 
     Where the forward walked gathered key lists (``plan``, or planned again here when the call
@@ -466,7 +467,8 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
         from .intervals import DenseEquivalent, interval_backward, plan_for
 
         if plan is None:
-            plan = plan_for(q, k, bias, key_intervals, is_causal, backward=True)
+            plan = plan_for(q, k, bias, key_intervals, is_causal, backward=True,
+                            window=key_window)
             if plan[0].hides_nothing:
                 plan = DenseEquivalent(None)
         if isinstance(plan, DenseEquivalent):

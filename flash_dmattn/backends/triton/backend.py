@@ -28,11 +28,11 @@ def _interpreting() -> bool:
 
 
 def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None, block_table=None,
-             key_intervals=None):
+             key_intervals=None, key_window=None):
     if key_intervals is not None:
         from .intervals import interval_forward, plan_for
 
-        plan = plan_for(q, k, key_intervals, is_causal, backward=False)
+        plan = plan_for(q, k, key_intervals, is_causal, backward=False, window=key_window)
         if not plan[0].hides_nothing:
             out, lse, _ = interval_forward(q, k, v, bias, key_intervals, scale, is_causal,
                                            softcap, plan)
@@ -57,13 +57,13 @@ def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
 
 
 def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
-                     key_intervals=None):
+                     key_intervals=None, key_window=None):
     """``_forward`` plus the backward's plan (see :mod:`.plan`); None where it has none."""
     if key_intervals is not None:
         from ...planning.key_lists import DenseEquivalent
         from .intervals import interval_forward, plan_for
 
-        plan = plan_for(q, k, key_intervals, is_causal, backward=True)
+        plan = plan_for(q, k, key_intervals, is_causal, backward=True, window=key_window)
         if not plan[0].hides_nothing:
             return interval_forward(q, k, v, bias, key_intervals, scale, is_causal, softcap,
                                     plan)
@@ -77,13 +77,13 @@ def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqle
 
 
 def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs,
-              cache_seqlens=None, plan=None, key_intervals=None):
+              cache_seqlens=None, plan=None, key_intervals=None, key_window=None):
     if key_intervals is not None:
         from ...planning.key_lists import DenseEquivalent
         from .intervals import interval_backward, plan_for
 
         if plan is None:
-            plan = plan_for(q, k, key_intervals, is_causal, backward=True)
+            plan = plan_for(q, k, key_intervals, is_causal, backward=True, window=key_window)
             if plan[0].hides_nothing:
                 plan = DenseEquivalent(None)
         if isinstance(plan, DenseEquivalent):
@@ -258,6 +258,6 @@ class TritonBackend(Backend):
             inputs.query, inputs.key, inputs.value, inputs.attn_mask, inputs.attn_bias,
             inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
             cache_seqlens=inputs.cache_seqlens, block_table=inputs.block_table,
-            key_intervals=intervals,
+            key_intervals=intervals, key_window=inputs.key_window,
         )
         return out

@@ -413,15 +413,16 @@ def supports_bias(bias: Optional[torch.Tensor]) -> bool:
     return bias is None or bias.shape[2] == 1
 
 
-def plan_for(q, k, bounds, is_causal, backward: bool):
-    """Plan a call: ``(plan, full bounds, per_qhead)``."""
+def plan_for(q, k, bounds, is_causal, backward: bool, window: Optional[int] = None):
+    """Plan a call: ``(plan, full bounds, per_qhead)``; ``window``: the mask's window promise
+    (see :class:`~flash_dmattn.masks.KeyIntervals`)."""
     B, Lq, H, D = q.shape
     Lk, Hkv = k.shape[1], k.shape[2]
     fb, per_qhead = full_bounds(bounds, B, H, Hkv)
     interp = interpret_mode()
     bm, _, _, _ = _fwd_config(D, interp)
     _, bn_b, _, _ = _bwd_config(D, interp)
-    plan = plan_intervals(fb, Lq, Lk, is_causal, bm, bn_b, backward)
+    plan = plan_intervals(fb, Lq, Lk, is_causal, bm, bn_b, backward, window=window)
     return plan, fb, per_qhead
 
 
