@@ -159,8 +159,8 @@ def demo(seqlen: int = 0, repeats: int = 0) -> int:
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
     repeats = repeats or (20 if on_gpu else 3)
+    print(f"device: {_device_line()}", flush=True)
     prob = _Problem(device, dtype, 2, seqlen or (4096 if on_gpu else 512), 8, 2, 64)
-    print(f"device: {_device_line()}")
     print(f"problem: {prob.describe()}")
     header = f"{'backend':<16} {'fwd ms':>9} {'fwd+bwd ms':>11} {'max |err|':>10}  note"
     print(header, flush=True)

@@ -198,7 +198,7 @@ def _auto_backend_arg(args: tuple, kwargs: dict) -> Optional[str]:
         "write flash_dmattn_func_auto(backend='triton')(query, key, value, ...), or "
         "flash_dmattn_func(query, key, value, ...) for per-call dispatch"
     )
-    if any(_is_tensor(a) for a in (*args, *kwargs.values())):
+    if any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
         raise TypeError(f"{usage}; got {_describe_call(args, kwargs)}")
     unknown = sorted(k for k in kwargs if k != "backend")
     if unknown:
@@ -218,13 +218,9 @@ def _auto_backend_arg(args: tuple, kwargs: dict) -> Optional[str]:
     return backend
 
 
-def _is_tensor(x) -> bool:
-    return isinstance(x, torch.Tensor)
-
-
 def _describe_call(args: tuple, kwargs: dict) -> str:
     def one(x):
-        if _is_tensor(x):
+        if isinstance(x, torch.Tensor):
             return f"tensor{tuple(x.shape)}"
         return repr(x) if len(repr(x)) <= 30 else type(x).__name__
 
