@@ -60,7 +60,7 @@ def main():
             ki = topk_intervals(bias.detach(), W, is_causal=causal_sel)
             t_sel = med(lambda: topk_intervals(bias.detach(), W, is_causal=causal_sel))
             from flash_dmattn.backends.triton.intervals import plan_for
-            t_plan = med(lambda: plan_for(q, k, ki.bounds, True, backward=True))
+            t_plan = med(lambda: plan_for(q, k, ki.bounds, True, backward=True, window=ki.window))
 
             print(f"  {kind:6s} select {t_sel:.3f} plan {t_plan:.3f}", flush=True)
             for name in a.backends.split(","):
@@ -79,9 +79,11 @@ def main():
                       f"dense, {t_fb / sel_fb:.2f}x sel) | peak extra {peak:.0f} MiB", flush=True)
             if a.profile:
                 from torch.profiler import ProfilerActivity, profile
-                for what, fn in (("plan", lambda: plan_for(q, k, ki.bounds, True, backward=True)),
+                for what, fn in (("plan", lambda: plan_for(q, k, ki.bounds, True, backward=True,
+                                                           window=ki.window)),
                                  ("select", lambda: topk_intervals(bias.detach(), W,
                                                                    is_causal=causal_sel)),
+                                 ("fwd", f),
                                  ("fwd+bwd", lambda: torch.autograd.grad(f(), (q, k, v, bias), g))):
                     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                         for _ in range(3):
