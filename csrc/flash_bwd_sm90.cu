@@ -593,7 +593,15 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       // Compiled where it pays (kPlainPath): modules without a bias, whose masks are per key
       // or absent (whole visible tiles); T2's per-query mask + bias module, where few tiles
       // are whole, measured slower with it (1.38 against 1.26 ms).
-      const bool plain = kPlainPath && !kSoftcap && !check && !use_mask && !(kHasBias && bias_rows);
+      bool plain;
+      if constexpr (kIntervals) {
+        // Every value of this warp's keys x the tile's queries visible (most steps of a
+        // selection that keeps its keys for long): the plain path, with the per-key bias.
+        const bool whole = (q_lo[0] <= 0) & (q_hi[0] >= kBM) & (q_lo[1] <= 0) & (q_hi[1] >= kBM);
+        plain = !kSoftcap && __all_sync(0xffffffffu, whole);
+      } else {
+        plain = kPlainPath && !kSoftcap && !check && !use_mask && !(kHasBias && bias_rows);
+      }
       const float scale2 = p.scale * kLog2e;
       if (plain) {
         float key_bias2[2];

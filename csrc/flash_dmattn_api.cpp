@@ -12,8 +12,8 @@
 //       gathered lists..., key_bits, key_bits_hdiv) -> [dq, dk, dv, dbias]   (gathered lists:
 //       the forward's, for a dQ kernel over them -- bwd_gathers() says whether this module has
 //       it; key bits: a per-query mask's, from the mask summary -- bwd_key_bits())
-//   fwd_intervals(q, k, v, out, bias, bounds, tile_start, tile_len, keys, softmax_scale,
-//                 is_causal, softcap) -> [out, lse]
+//   fwd_intervals(q, k, v, out, bias, bounds, tile_start, tile_len, tile_full, keys,
+//                 softmax_scale, is_causal, softcap) -> [out, lse]
 //   bwd_intervals(dout, q, k, v, bias, out, lse, bounds, blk_keys, blk_qlo, blk_qhi,
 //                 blocks_per_row, segment_rows, softmax_scale, is_causal, softcap, need_dq,
 //                 need_dkv, need_dbias) -> [dq, dk fp32, dv fp32, dbias (B, H, Lk) fp32]
@@ -381,8 +381,9 @@ void check_list(const at::Tensor& t, const char* name) {
 std::vector<at::Tensor> fwd_intervals(const at::Tensor& q, const at::Tensor& k,
                                       const at::Tensor& v, const OptT& out_, const OptT& bias,
                                       const at::Tensor& bounds, const at::Tensor& tile_start,
-                                      const at::Tensor& tile_len, const at::Tensor& keys,
-                                      double softmax_scale, bool is_causal, double softcap) {
+                                      const at::Tensor& tile_len, const at::Tensor& tile_full,
+                                      const at::Tensor& keys, double softmax_scale,
+                                      bool is_causal, double softcap) {
   c10::cuda::CUDAGuard guard(q.device());
   FwdParams p;
   fill_common(p, q, k, v, std::nullopt, std::nullopt, softmax_scale, is_causal, softcap,
@@ -392,12 +393,15 @@ std::vector<at::Tensor> fwd_intervals(const at::Tensor& q, const at::Tensor& k,
   const int64_t n_tiles = (p.Lq + flash_dmattn::fwd_block_m() - 1) / flash_dmattn::fwd_block_m();
   check_list(tile_start, "tile_start");
   check_list(tile_len, "tile_len");
+  check_list(tile_full, "tile_full");
   check_list(keys, "keys");
   TORCH_CHECK(tile_start.dim() == 2 && tile_start.size(0) == p.B * p.iv.row_heads &&
-                  tile_start.size(1) == n_tiles && tile_len.sizes() == tile_start.sizes(),
+                  tile_start.size(1) == n_tiles && tile_len.sizes() == tile_start.sizes() &&
+                  tile_full.sizes() == tile_start.sizes(),
               "tile lists must be (B * bounds heads, ceil(Lq / fwd_block_m))");
   p.iv.tile_start = tile_start.data_ptr<int32_t>();
   p.iv.tile_len = tile_len.data_ptr<int32_t>();
+  p.iv.tile_full = tile_full.data_ptr<int32_t>();
   p.iv.keys = keys.data_ptr<int32_t>();
   p.iv.n_tiles = static_cast<int>(n_tiles);
   at::Tensor out = out_.has_value() ? *out_ : at::empty_like(q, at::MemoryFormat::Contiguous);

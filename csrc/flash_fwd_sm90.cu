@@ -253,12 +253,13 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
   const auto Lq = [&] { return seq_lq(p, sr); };
   const auto Lk = [&] { return seq_lk(p, sr); };
   const int32_t* list;
-  int n_steps, n_keys = 0;
+  int n_steps, n_keys = 0, n_full = 0;
   if constexpr (kIntervals) {
     const KeyIntervalLists& iv = p.iv;
     const int at = (b * iv.row_heads + h / iv.hdiv) * iv.n_tiles + m_block;
     list = iv.keys + iv.tile_start[at];
     n_keys = iv.tile_len[at];
+    n_full = iv.tile_full[at];
     n_steps = (n_keys + kBlockN - 1) / kBlockN;
   } else if constexpr (kGather) {
     const int hl = h / p.g.hdiv;
@@ -457,8 +458,10 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     };
 
     // Key-interval tile: + the staged bias, -inf where the row's query index lies outside the
-    // column's staged range (columns past the list have an empty one).
-    auto interval_logits = [&](auto& acc_s, int a) {
+    // column's staged range (columns past the list have an empty one). A step whose keys all
+    // lie among the list's leading n_full (seen by every query of the tile) skips the test.
+    auto interval_logits = [&](auto& acc_s, int i, int a) {
+      const bool test = (i + 1) * kBlockN > n_full;
       const char* range_smem = mask_smem0 + a * aux.stride;
       const char* bias_smem = bias_smem0 + a * aux.stride;
       constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
@@ -490,15 +493,15 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
             x1 *= p.scale;
           }
           const int q = qrow[r];
-          s0 = (rg.x <= q) & (q < rg.y) ? x0 + b0 : -INFINITY;
-          s1 = (rg.z <= q) & (q < rg.w) ? x1 + b1 : -INFINITY;
+          s0 = !test | ((rg.x <= q) & (q < rg.y)) ? x0 + b0 : -INFINITY;
+          s1 = !test | ((rg.z <= q) & (q < rg.w)) ? x1 + b1 : -INFINITY;
         }
       }
     };
 
     auto to_logits = [&](auto& acc_s, int i, int a) {
       if constexpr (kIntervals) {
-        interval_logits(acc_s, a);
+        interval_logits(acc_s, i, a);
         return;
       } else if constexpr (kGather) {
         gathered_logits(acc_s, i, a);

@@ -1,6 +1,7 @@
 """Sweep the key-interval kernels' block configs on a GPU (kernel time only, plan prebuilt).
 
     python3 scripts/dma_tune.py [L] [--window W] [--kinds shared,causal] [--which fwd,dq,dkv]
+                                [--segments ...] [--buckets ...] [--backend triton|cuda]
 
 For each selection kind, each config of the forward (and of the dQ / dK-dV kernels) is timed
 with do_bench (median) on bf16, B1 H16/Hkv4 D128, per-key bias; the planner's lists are built
@@ -28,6 +29,8 @@ def main():
     ap.add_argument("--which", default="fwd,dq,dkv")
     ap.add_argument("--segments", default="", help="dK/dV: comma list of SEGMENT_ROWS to try")
     ap.add_argument("--buckets", default="", help="dK/dV: comma list of end buckets to try")
+    ap.add_argument("--backend", default="triton",
+                    help="cuda: sweep only the cuda backward's segments and buckets")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     B, H, Hkv, D, L, W = 1, 16, 4, 128, a.length, a.window
@@ -37,6 +40,8 @@ def main():
     v = torch.randn(B, L, Hkv, D, device=dev, dtype=dt)
     bias = torch.randn(B, Hkv, 1, L, device=dev, dtype=dt)
     do = torch.randn_like(q)
+    if a.backend == "cuda":
+        return sweep_cuda(a, q, k, v, bias, do, W, L)
     base_fwd, base_bwd = iv._fwd_config, iv._bwd_config
     for kind in a.kinds.split(","):
         ki = topk_intervals(bias, W, is_causal=kind == "causal")
@@ -84,6 +89,31 @@ def main():
                                                   plan=plan)
                 t = do_bench(fn, warmup=10, rep=100, return_mode="median")
                 print(f"{kind:6s} dkv bucket {bucket} segment {seg}: {t:.3f} ms", flush=True)
+
+
+def sweep_cuda(a, q, k, v, bias, do, W, L):
+    """The cuda key-interval backward (dK/dV with fused dQ) per end bucket and segment length,
+    the plan prebuilt."""
+    from flash_dmattn.backends.cuda import intervals as civ
+    from flash_dmattn.planning import key_lists
+
+    base_bucket = key_lists.end_bucket_for
+    for kind in a.kinds.split(","):
+        ki = topk_intervals(bias, W, is_causal=kind == "causal")
+        for bucket in [int(x) for x in a.buckets.split(",") if x] or [base_bucket(L)]:
+            key_lists.end_bucket_for = lambda n, b=bucket: b
+            plan = civ.plan_for(q, k, bias, ki.bounds, True, backward=True, window=ki.window)
+            out, lse, _ = civ.interval_forward(q, k, v, bias, ki.bounds, 0.088, True, 0.0, plan)
+            for seg in [int(x) for x in a.segments.split(",") if x] or [civ.SEGMENT_ROWS]:
+                civ.SEGMENT_ROWS = seg
+                fn = lambda: civ.interval_backward(do, q, k, v, bias, ki.bounds, out, lse, 0.088,
+                                                   True, 0.0, (True, True, True, True), plan=plan)
+                t = do_bench(fn, warmup=10, rep=100, return_mode="median")
+                print(f"cuda {kind:6s} bwd bucket {bucket} segment {seg}: {t:.3f} ms", flush=True)
+        key_lists.end_bucket_for = base_bucket
+        fwd = lambda: civ.interval_forward(q, k, v, bias, ki.bounds, 0.088, True, 0.0, plan)
+        print(f"cuda {kind:6s} fwd kernel (plan prebuilt): "
+              f"{do_bench(fwd, warmup=10, rep=100, return_mode='median'):.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def test_cuda_intervals_write_every_output(hopper):
     mod = kernel_module(q, True, False)
     poison = torch.full_like(q, float("nan"))
     out, lse = mod.fwd_intervals(q, k, v, poison, None, fb, ivp.tile_start, ivp.tile_len,
-                                 ivp.keys, D ** -0.5, True, 0.0)
+                                 ivp.tile_full, ivp.keys, D ** -0.5, True, 0.0)
     assert out.data_ptr() == poison.data_ptr()
     assert not out.isnan().any()
     assert (lse[:, :, :200] == float("-inf")).all()

@@ -80,7 +80,8 @@ struct KeyGather {
 // positions [start_j, end_j) (query index i sits at position i + Lk - Lq; causal calls also
 // need j <= position). Row r = b * row_heads + h / hdiv.
 // * Forward: query tile m of row r reads keys[tile_start[r * n_tiles + m] ...], tile_len of
-//   them, K / V rows by index, and tests each listed key's interval arithmetically.
+//   them, K / V rows by index, and tests each listed key's interval arithmetically (except in
+//   steps whose keys are all among the tile_full leading ones, which every query sees).
 // * dK / dV: key block k holds blk_keys[k * 128 ...] (-1 pads) and is seen by the query rows
 //   [blk_qlo[k], blk_qhi[k]); blocks_per_row blocks a row. A CTA walks one segment of
 //   segment_rows of those queries for every query head of the block's kv head.
@@ -91,6 +92,7 @@ struct KeyIntervalLists {
   int row_heads = 1, hdiv = 1;
   const int32_t* tile_start = nullptr;
   const int32_t* tile_len = nullptr;
+  const int32_t* tile_full = nullptr;  // leading keys of a tile's list that all its queries see
   const int32_t* keys = nullptr;
   int n_tiles = 0;
   const int32_t* blk_keys = nullptr;

@@ -81,7 +81,8 @@ def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None
         plan = plan_for(q, k, bias, bounds, is_causal, backward=False)
     ivp, fb = plan
     out, lse = mod.fwd_intervals(q, k, v, None, bias, fb, ivp.tile_start, ivp.tile_len,
-                                 ivp.keys, float(scale), bool(is_causal), float(softcap))
+                                 ivp.tile_full, ivp.keys, float(scale), bool(is_causal),
+                                 float(softcap))
     return out, lse, plan
 
 
