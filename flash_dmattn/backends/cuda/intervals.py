@@ -24,7 +24,7 @@ from ...planning.key_lists import DenseEquivalent, full_bounds, plan_intervals
 
 # Query rows one dK/dV CTA walks at most (a multiple of the backward's 64-row tiles): a key
 # that stays selected for most of the sequence is spread over several CTAs.
-SEGMENT_ROWS = 4096
+SEGMENT_ROWS = 2048
 
 __all__ = ["DenseEquivalent", "SEGMENT_ROWS", "interval_reasons", "interval_forward",
            "interval_backward", "plan_for"]
