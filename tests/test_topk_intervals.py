@@ -479,3 +479,10 @@ def test_million_keys_without_quadratic_memory():
     assert float(probe_growth) > 200, "VmHWM did not register a 256 MiB allocation"
     assert float(growth) < 1024, f"peak memory grew by {growth} MiB for L = 1M"
     assert ok == "1"
+
+
+def test_per_query_bias_error_says_what_to_write():
+    with pytest.raises(ValueError, match=r"create_mask\(bias, window_size=W\)"):
+        topk_intervals(torch.randn(1, 2, 8, 8), 4)
+    with pytest.raises(ValueError, match=r"bias\[:, :, None, :\]"):
+        topk_intervals(torch.randn(1, 2, 8), 4)

@@ -72,9 +72,16 @@ def _check_inputs(attention_bias, window_size, is_causal, padding_mask, min_dtyp
             f"attention_bias must be a floating-point tensor, got dtype {attention_bias.dtype}"
         )
     if attention_bias.dim() != 4 or attention_bias.shape[2] != 1:
+        hint = ""
+        if attention_bias.dim() == 4:
+            hint = (": a per-query bias has no key-interval form; select with "
+                    "create_mask(bias, window_size=W) (a dense mask), or pass one row per key "
+                    "such as bias[:, :, -1:, :]")
+        elif attention_bias.dim() == 3:
+            hint = ": for a (batch, heads, L) bias pass bias[:, :, None, :]"
         raise ValueError(
             f"attention_bias must be a per-key bias of shape (batch, heads, 1, L), got shape "
-            f"{tuple(attention_bias.shape)}"
+            f"{tuple(attention_bias.shape)}{hint}"
         )
     bias = attention_bias.detach()[:, :, 0]
     batch, _, length = bias.shape
