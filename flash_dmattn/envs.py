@@ -14,3 +14,8 @@ def env_choice(name: str, choices: Sequence[str], default: str) -> str:
     if value not in choices:
         raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
     return value
+
+
+def interpret_mode() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")

@@ -132,8 +132,8 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
     bwd_mod._launch_dq = grab("dq", bwd_mod._dq_tuned)
     bwd_mod._bwd_preprocess = _NoLaunch()
     # Plans then come from torch reductions (same lists; the summary kernel needs a device).
-    from flash_dmattn.backends.triton import gather as gather_mod
-    from flash_dmattn.backends.triton import plan as plan_mod
+    from flash_dmattn.planning import gather as gather_mod
+    from flash_dmattn.planning import plan as plan_mod
 
     fwd_mod.wants_summary = plan_mod.wants_summary = lambda *a: False
     # The gather plan's own kernels are captured too (their outputs stay unwritten: zero
@@ -141,8 +141,8 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
     for kname in ("_compact_keys_kernel", "_gather_mask_bits_kernel", "_gather_bias_kernel"):
         setattr(gather_mod, kname, _PlanCapture(kname, getattr(gather_mod, kname), launches))
     # And a per-key mask's list planner (its plain-PyTorch twin serves CPU calls otherwise).
-    from flash_dmattn.backends.triton import key_mask_lists as klists
-    from flash_dmattn.backends.triton import tiles as tiles_mod
+    from flash_dmattn.planning import key_mask_lists as klists
+    from flash_dmattn.planning import tiles as tiles_mod
 
     klists._per_key_lists_kernel = _PlanCapture("_per_key_lists_kernel",
                                                 klists._per_key_lists_kernel, launches)
@@ -303,7 +303,7 @@ def main() -> int:
                     help="sequence length of the captured call (divisibility by 16 changes codegen)")
     ap.add_argument("--plain-rows", default="never", choices=["never", "always"],
                     help="per-key workload: the one-kernel forward, or the two kernels of "
-                         "flash_dmattn.backends.triton.plain_rows (fwd, fwd+net)")
+                         "flash_dmattn.planning.plain_rows (fwd, fwd+net)")
     ap.add_argument("--first-config", action="store_true",
                     help="compile only the first autotuning config per kernel (quick check)")
     args = ap.parse_args()

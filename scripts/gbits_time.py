@@ -15,7 +15,7 @@ import triton.testing
 
 sys.path.insert(0, ".")
 from benchmarks.workloads import build_case, workloads_for  # noqa: E402
-from flash_dmattn.backends.triton import gather  # noqa: E402
+from flash_dmattn.planning import gather  # noqa: E402
 from flash_dmattn.backends.triton.forward import fwd_blocks  # noqa: E402
 
 

@@ -25,8 +25,8 @@ sys.path.insert(0, ".")
 import flash_dmattn.backends.triton.forward as fwd_mod  # noqa: E402
 from benchmarks.workloads import build_case, workloads_for  # noqa: E402
 from flash_dmattn import flash_dmattn_func_auto  # noqa: E402
-from flash_dmattn.backends.triton.plain_rows import PLAIN_ROWS_ENV  # noqa: E402
-from flash_dmattn.backends.triton.tiles import build_tile_lists  # noqa: E402
+from flash_dmattn.planning.plain_rows import PLAIN_ROWS_ENV  # noqa: E402
+from flash_dmattn.planning.tiles import build_tile_lists  # noqa: E402
 
 
 REPLAY_CALLS = 4  # calls per graph replay

@@ -13,7 +13,7 @@ from triton.testing import do_bench  # noqa: E402
 import flash_dmattn  # noqa: E402
 from benchmarks.workloads import build_case, workloads_for  # noqa: E402
 from flash_dmattn.block_map import block_reduce  # noqa: E402
-from flash_dmattn.backends.triton.mask_summary import key_bits_reference, summarize_mask  # noqa: E402
+from flash_dmattn.planning.mask_summary import key_bits_reference, summarize_mask  # noqa: E402
 
 
 def main():

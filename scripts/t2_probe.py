@@ -22,9 +22,9 @@ sys.path.insert(0, ".")
 from benchmarks.workloads import build_case, workloads_for  # noqa: E402
 from flash_dmattn import flash_dmattn_func_auto  # noqa: E402
 from flash_dmattn.backends.triton.forward import attention_forward, fwd_blocks  # noqa: E402
-from flash_dmattn.backends.triton.gather import plan_key_gather  # noqa: E402
-from flash_dmattn.backends.triton.mask_summary import summarize_mask  # noqa: E402
-from flash_dmattn.backends.triton.tiles import build_tile_lists  # noqa: E402
+from flash_dmattn.planning.gather import plan_key_gather  # noqa: E402
+from flash_dmattn.planning.mask_summary import summarize_mask  # noqa: E402
+from flash_dmattn.planning.tiles import build_tile_lists  # noqa: E402
 from scripts.cuda_probe import print_kernel_times  # noqa: E402
 
 

@@ -26,7 +26,7 @@ from flash_dmattn.backends.triton.forward import (
     attention_forward,
     fwd_blocks,
 )
-from flash_dmattn.backends.triton.tiles import build_tile_lists
+from flash_dmattn.planning.tiles import build_tile_lists
 from scripts.cuda_probe import print_kernel_times
 
 
@@ -125,7 +125,7 @@ def main():
     os.environ.pop(fwd_mod.MASK_BITS_ENV)
     # Uncut rows without the mask (plain_rows): the kernel alone on prebuilt lists (with
     # "always" that is the net + the uncut rows' kernel), and the public call.
-    from flash_dmattn.backends.triton.plain_rows import PLAIN_ROWS_ENV
+    from flash_dmattn.planning.plain_rows import PLAIN_ROWS_ENV
     for mode in ("never", "always", "auto"):
         os.environ[PLAIN_ROWS_ENV] = mode
         t_k = time_ms(lambda: fwd(mask, tiles_bits))

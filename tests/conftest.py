@@ -68,7 +68,7 @@ def _clean_dispatch_state(monkeypatch):
     monkeypatch.delenv("FLASH_DMATTN_TRITON_DECODE", raising=False)
     registry.reset_dispatch_notes()
     try:  # the Triton planner's lagged gather decisions start from nothing in every test
-        from flash_dmattn.backends.triton.gather import _LAGGED_TOTALS
+        from flash_dmattn.planning.gather import _LAGGED_TOTALS
     except ImportError:  # no triton package
         _LAGGED_TOTALS = {}
     _LAGGED_TOTALS.clear()

@@ -13,7 +13,7 @@ from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
 from flash_dmattn.backends.triton.backend import triton_op  # noqa: E402
 from flash_dmattn.backends.triton.backward import attention_backward  # noqa: E402
 from flash_dmattn.backends.triton.forward import attention_forward  # noqa: E402
-from flash_dmattn.backends.triton.plan import BackwardPlan  # noqa: E402
+from flash_dmattn.planning.plan import BackwardPlan  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

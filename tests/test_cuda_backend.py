@@ -143,7 +143,7 @@ def test_cuda_poisoned_output_is_fully_written():
     mask[0, 0, 7] = False  # a fully masked row
     mod = kernel_module(q, True, True)
     poison = torch.full_like(q, float("nan"))
-    from flash_dmattn.backends.triton.tiles import build_tile_lists
+    from flash_dmattn.planning.tiles import build_tile_lists
 
     bm, bn, _, _ = mod.block_sizes()
     lists = build_tile_lists(mask, 333, 200, 4, False, bm, bn, q.device)
@@ -240,7 +240,7 @@ def test_cuda_gathered_forward_matches_reference(monkeypatch, shape, bias_kind, 
 
 def test_cuda_gathered_forward_writes_every_output():
     from flash_dmattn.backends.cuda.kernels import kernel_module
-    from flash_dmattn.backends.triton.gather import plan_key_gather
+    from flash_dmattn.planning.gather import plan_key_gather
 
     _cuda()
     q, k, v, _, bias = make_problem(1, 333, 400, 4, 2, 128, torch.bfloat16, None, "per_key")
@@ -273,7 +273,7 @@ def test_cuda_gathered_dq_matches_reference_and_writes_every_row(lq, lk, h, hkv,
     # partial last step, tiles whose list is empty, fully masked rows), called through the
     # extension; dq's memory is recycled NaN so rows the kernel does not write show.
     from flash_dmattn.backends.cuda.kernels import _gather_args, kernel_module
-    from flash_dmattn.backends.triton.gather import plan_key_gather
+    from flash_dmattn.planning.gather import plan_key_gather
 
     _cuda()
     q, k, v, _, bias = make_problem(1, lq, lk, h, hkv, 128, torch.bfloat16, None, bias_kind,

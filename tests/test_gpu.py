@@ -139,7 +139,7 @@ def test_triton_gather_mode_dynamic_mask(policy, d, monkeypatch):
     visible keys) in the Triton backend's gather mode, which `auto` must choose for it."""
     if "triton" not in get_available_backends():
         pytest.skip("triton unavailable here")
-    from flash_dmattn.backends.triton.gather import plan_key_gather
+    from flash_dmattn.planning.gather import plan_key_gather
     from flash_dmattn.utils.mask import create_mask
 
     monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", policy)
@@ -162,7 +162,7 @@ def test_triton_lagged_gather_decisions_stay_exact():
     the reference."""
     if "triton" not in get_available_backends():
         pytest.skip("triton unavailable here")
-    from flash_dmattn.backends.triton import gather
+    from flash_dmattn.planning import gather
 
     gather._LAGGED_TOTALS.clear()
     b, lq, lk, h, hkv = 1, 1000, 1024, 4, 2
@@ -193,7 +193,7 @@ def test_triton_gather_plan_in_a_cuda_graph(warm):
     if "triton" not in get_available_backends():
         pytest.skip("triton unavailable here")
     from flash_dmattn.backends.triton import forward as fwd_mod
-    from flash_dmattn.backends.triton import gather
+    from flash_dmattn.planning import gather
 
     gather._LAGGED_TOTALS.clear()
     b, l, h, hkv = 1, 1024, 4, 2
@@ -228,7 +228,7 @@ def _plain_rows_auto(monkeypatch):
     if "triton" not in get_available_backends():
         pytest.skip("triton unavailable here")
     from flash_dmattn.backends.triton import forward as fwd_mod
-    from flash_dmattn.backends.triton import plain_rows
+    from flash_dmattn.planning import plain_rows
 
     monkeypatch.setenv(plain_rows.PLAIN_ROWS_ENV, "auto")
     monkeypatch.setattr(plain_rows, "_MEMO", type(plain_rows._MEMO)())

@@ -12,13 +12,10 @@ from naive import assert_close
 require_triton_interpreter()
 
 from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
-from flash_dmattn.backends.triton import plain_rows  # noqa: E402
+from flash_dmattn.planning import plain_rows  # noqa: E402
 from flash_dmattn.backends.triton.forward import attention_forward  # noqa: E402
-from flash_dmattn.backends.triton.key_mask_lists import (  # noqa: E402
-    per_key_lists,
-    per_key_lists_reference,
-)
-from flash_dmattn.backends.triton.tiles import build_tile_lists  # noqa: E402
+from flash_dmattn.planning.key_mask_lists import per_key_lists  # noqa: E402
+from flash_dmattn.planning.tiles import build_tile_lists, per_key_lists_reference  # noqa: E402
 from test_triton_kernels import naive_attention, run_case  # noqa: E402
 
 
@@ -106,7 +103,7 @@ def test_broadcast_and_strided_masks():
 def test_word_reads_only_for_aligned_rows(monkeypatch):
     # Rows of whole, 8-byte aligned words are read as int64 words; any other row byte by byte.
     # Both ways give the reference lists.
-    from flash_dmattn.backends.triton import key_mask_lists as klists
+    from flash_dmattn.planning import key_mask_lists as klists
 
     seen = []
     real = klists._per_key_lists_kernel

@@ -12,14 +12,14 @@ except ModuleNotFoundError as exc:
         raise
     pytest.skip("the summary kernel needs the triton package", allow_module_level=True)
 
-from flash_dmattn.backends.triton.gather import plan_key_gather  # noqa: E402
-from flash_dmattn.backends.triton.mask_summary import (  # noqa: E402
+from flash_dmattn.planning.gather import plan_key_gather  # noqa: E402
+from flash_dmattn.planning.mask_summary import (  # noqa: E402
     key_bits_reference,
     summarize_mask,
     summary_blocks,
     wants_summary,
 )
-from flash_dmattn.backends.triton.tiles import build_tile_lists, classify_tiles  # noqa: E402
+from flash_dmattn.planning.tiles import build_tile_lists, classify_tiles  # noqa: E402
 from flash_dmattn.block_map import block_reduce, tile_liveness  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -236,7 +236,7 @@ def test_gather_bits_from_key_bits_equal_bits_from_the_mask(Lq, Lk, block_m, cau
     # listed keys' words) instead of from the mask rows: the same plan, word for word, and
     # the plain PyTorch definition of that kernel agrees. Tiles with no listed key and rows
     # past Lq (60 rows in a 128-row tile) included.
-    from flash_dmattn.backends.triton import gather
+    from flash_dmattn.planning import gather
 
     gen = torch.Generator().manual_seed(5 * Lq + Lk)
     for name, mask in list(_masks(Lq, Lk, gen))[:2]:  # the layouts matter to the summary only
@@ -274,7 +274,7 @@ def test_gather_plan_kernel_matches_torch(Lq, Lk, block_m, causal):
     # The compact-and-gather kernels against the plain PyTorch definition of idx / gbits:
     # written up to each tile's count (the kernels read no further), unions taken from a
     # summary with finer rows (two or more row blocks per tile) and from the mask itself.
-    from flash_dmattn.backends.triton.gather import pack_bits_reference
+    from flash_dmattn.planning.gather import pack_bits_reference
 
     gen = torch.Generator().manual_seed(11 * Lq + Lk)
     for name, mask in _masks(Lq, Lk, gen):
@@ -313,7 +313,7 @@ def test_gather_plan_kernel_matches_torch(Lq, Lk, block_m, causal):
 
 
 def test_gather_plan_kernels_match_torch_reference():
-    from flash_dmattn.backends.triton import gather
+    from flash_dmattn.planning import gather
 
     Lq, Lk, block_m = 70, 90, 16
     gen = torch.Generator().manual_seed(5)
@@ -340,7 +340,7 @@ def test_gather_plan_kernels_match_torch_reference():
 def test_gather_plan_auto_policy_is_decided_on_totals(monkeypatch):
     # Under "auto" the plan is dropped exactly when prefers_tiles says so; the bits kernels
     # make the same test on the device and skip their work.
-    from flash_dmattn.backends.triton import gather
+    from flash_dmattn.planning import gather
 
     Lq = Lk = 128
     gen = torch.Generator().manual_seed(4)
@@ -388,7 +388,7 @@ def test_gather_plan_gathers_a_per_key_bias(mask_heads, bias_shape):
                 end = -(-n // 64) * 64  # written: the count rounded up to 64, 0 past it
                 assert torch.equal(g.gbias[b, h, m, :n], want), (b, h, m)
                 assert torch.all(g.gbias[b, h, m, n:end] == 0), (b, h, m)
-    from flash_dmattn.backends.triton.gather import gather_bias_reference
+    from flash_dmattn.planning.gather import gather_bias_reference
 
     ref = gather_bias_reference(bias, g.idx, g.cnt, Lk)
     hm = torch.arange(g.gbias.size(1), device=DEVICE) // (g.gbias.size(1) // mask_heads)
@@ -400,7 +400,7 @@ def test_gather_plan_gathers_a_per_key_bias(mask_heads, bias_shape):
 
 
 def test_word_reads_only_for_aligned_layouts():
-    from flash_dmattn.backends.triton.mask_summary import _as_words
+    from flash_dmattn.planning.mask_summary import _as_words
 
     m = torch.zeros(2, 3, 8, 64, dtype=torch.bool)
     assert _as_words(m, 16) is not None

@@ -7,8 +7,8 @@ from interpreter_only import require_triton_interpreter
 
 require_triton_interpreter()
 
-from flash_dmattn.backends.triton.tile_compact import compact_tiles  # noqa: E402
-from flash_dmattn.backends.triton.tiles import compact_reference  # noqa: E402
+from flash_dmattn.planning.tile_compact import compact_tiles  # noqa: E402
+from flash_dmattn.planning.tiles import compact_reference  # noqa: E402
 
 
 def _check(live, partial):

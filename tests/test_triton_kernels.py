@@ -16,7 +16,7 @@ require_triton_interpreter()
 from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
 from flash_dmattn.backends.triton.backward import attention_backward  # noqa: E402
 from flash_dmattn.backends.triton.forward import attention_forward, fwd_blocks  # noqa: E402
-from flash_dmattn.backends.triton.tiles import build_tile_lists, classify_tiles  # noqa: E402
+from flash_dmattn.planning.tiles import build_tile_lists, classify_tiles  # noqa: E402
 
 # Tolerances, relative to the largest magnitude of the reference tensor:
 # * fp32 inputs: the kernels accumulate in fp32 (reordered sums, exp2 with folded log2(e)),
@@ -352,7 +352,7 @@ def gather_always(monkeypatch):
     """Gather mode on, and the plan's partly written outputs poisoned: a kernel reading an
     idx entry, gbits word or gbias value past a tile's count meets a key far out of range, set
     bits or NaN."""
-    from flash_dmattn.backends.triton import gather
+    from flash_dmattn.planning import gather
 
     def poisoned(shape, dtype, device):
         t = torch.empty(shape, dtype=dtype, device=device)
@@ -422,7 +422,7 @@ def test_gather_mode_low_precision(dtype, gather_always):
 
 
 def test_gather_plan_auto_prefers_gather_only_when_it_saves_work():
-    from flash_dmattn.backends.triton.gather import plan_key_gather
+    from flash_dmattn.planning.gather import plan_key_gather
 
     Lq = Lk = 256
     sparse = _topk_mask(1, 2, Lq, Lk, keep=20, causal=True)
@@ -442,8 +442,8 @@ def test_gather_plan_auto_prefers_gather_only_when_it_saves_work():
 def test_lagged_gather_plan_follows_the_previous_call_of_its_shape(monkeypatch):
     # The kernels' own planning decides "auto" from the previous call of the same shapes (no
     # host wait); the first call of a shape decides from its own totals.
-    from flash_dmattn.backends.triton import gather
-    from flash_dmattn.backends.triton.gather import plan_key_gather
+    from flash_dmattn.planning import gather
+    from flash_dmattn.planning.gather import plan_key_gather
 
     monkeypatch.setattr(gather, "LAGGED_SAMPLE_EVERY", 1)  # every call counts its tiles
 
@@ -467,7 +467,7 @@ def test_lagged_gather_plan_follows_the_previous_call_of_its_shape(monkeypatch):
 def test_lagged_gather_plans_count_tiles_every_few_calls(monkeypatch):
     # Alike lagged calls count their tiles every LAGGED_SAMPLE_EVERY-th call and follow the
     # last count in between; a call decided on tile lists that does not count builds nothing.
-    from flash_dmattn.backends.triton import gather
+    from flash_dmattn.planning import gather
 
     monkeypatch.setattr(gather, "LAGGED_SAMPLE_EVERY", 3)
     Lq = Lk = 256
@@ -492,7 +492,7 @@ def test_lagged_verdict_does_not_wait_for_totals_still_on_their_way():
     # A lagged plan whose previous totals have not reached the host takes the previous call's
     # own verdict instead of waiting (waiting drained the device's queue); a call that was
     # planned from its own totals (no verdict to fall back on) is waited for.
-    from flash_dmattn.backends.triton.gather import _TotalsToHost
+    from flash_dmattn.planning.gather import _TotalsToHost
 
     class InFlight:
         waited = False
@@ -546,7 +546,7 @@ def test_gather_mode_through_public_api(gather_always):
 
 
 def test_gather_policy_defaults_and_env(monkeypatch):
-    from flash_dmattn.backends.triton.gather import DEFAULT_POLICY, gather_policy
+    from flash_dmattn.planning.gather import DEFAULT_POLICY, gather_policy
 
     monkeypatch.delenv("FLASH_DMATTN_TRITON_GATHER", raising=False)
     assert gather_policy("forward") == DEFAULT_POLICY["forward"] == "auto"

@@ -235,7 +235,7 @@ def test_varlen_torch_compile_fullgraph(monkeypatch):
 # Per-key masks walked as live key-tile lists (tiles.build_varlen_key_lists)
 # ------------------------------------------------------------------------------------------
 
-from flash_dmattn.backends.triton.tiles import build_varlen_key_lists  # noqa: E402
+from flash_dmattn.planning.tiles import build_varlen_key_lists  # noqa: E402
 
 BN = 16  # the interpreter's key tile (fwd_blocks / bwd_blocks)
 # Length 1, odd, several tiles with a ragged end, exactly one tile (all masked: SEQ_DEAD),

@@ -44,7 +44,7 @@
 
 namespace flash_dmattn {
 
-// Live-tile lists built on the host (flash_dmattn/backends/triton/tiles.py, shared with the
+// Live-tile lists built on the host (flash_dmattn/planning/tiles.py, shared with the
 // Triton kernels): per row (b, h / hdiv, tile), `cnt[0]` entries of `idx`, each
 // `tile * 2 + partial`. Broadcast dims have stride 0.
 struct TileList {
@@ -55,7 +55,7 @@ struct TileList {
   int hdiv = 1;
 };
 
-// Gathered keys (flash_dmattn/backends/triton/gather.py, the Triton backend's planner): per
+// Gathered keys (flash_dmattn/planning/gather.py, the Triton backend's planner): per
 // query tile (b, h / hdiv, m), its rows' live keys compacted into one ascending list of `cnt`
 // key indices, the mask at those keys as bits (int64 words of 64 listed keys per query row;
 // they also hold the causal limit) and a per-key bias at those keys. The forward walks the
@@ -181,7 +181,7 @@ struct BwdParams : FwdParams {
   bool need_dq = true;
   bool need_dkv = true;
   TileList bwd_list;  // per (b, h, key tile): live query tiles
-  // A per-query mask as key bits (flash_dmattn/backends/triton/mask_summary.py, written by the
+  // A per-query mask as key bits (flash_dmattn/planning/mask_summary.py, written by the
   // mask summary's one pass): bit q % 64 of word (b, h / kbits_hdiv, q / 64, k) is
   // mask[b, h, q, k], 0 past the causal limit. The Hopper dK/dV producer copies a step's 128
   // words instead of transposing the step's 8 KB mask tile (a synchronous load every step).

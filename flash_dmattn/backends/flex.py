@@ -119,8 +119,8 @@ def _tile_maps(mask, lq: int, lk: int, causal: bool, device, use_summary: Option
     if not (use_summary and mask is not None):
         return tile_liveness(mask, lq, lk, BLOCK, BLOCK, causal, device)
     try:
-        from .triton.mask_summary import summarize_mask, wants_summary
-        from .triton.tiles import classify_tiles
+        from ..planning.mask_summary import summarize_mask, wants_summary
+        from ..planning.tiles import classify_tiles
     except ImportError:  # no triton: torch reductions
         return tile_liveness(mask, lq, lk, BLOCK, BLOCK, causal, device)
     if not wants_summary(mask, lq, lk):

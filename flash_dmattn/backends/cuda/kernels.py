@@ -3,7 +3,7 @@
 extension's ``fwd`` / ``fwd_gathered`` / ``bwd``, and reduce per-key dbias partials to the
 bias's shape.
 
-The live-tile lists are the ones the Triton kernels use (:mod:`..triton.tiles`), built at the
+The live-tile lists are the ones the Triton kernels use (:mod:`flash_dmattn.planning.tiles`), built at the
 CUDA kernels' own tile sizes (the extension reports them), so dead tiles cost no loads and no
 matrix products and full tiles no element checks.
 """
@@ -75,7 +75,7 @@ def _vector_ready(t: torch.Tensor) -> torch.Tensor:
 def _summary(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n, key_bits=False):
     """The one-pass classification of a per-query mask (as in the Triton backend), or None;
     ``key_bits``: with the mask's key bits (what the sm_90 dK/dV kernel reads)."""
-    from ..triton.mask_summary import KEY_BITS_ROWS, summarize_mask, wants_summary
+    from ...planning.mask_summary import KEY_BITS_ROWS, summarize_mask, wants_summary
 
     if not wants_summary(mask, seqlen_q, seqlen_k):
         return None
@@ -86,7 +86,7 @@ def _summary(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n, key_bits=Fal
 def _backward_summary_blocks(mod) -> Tuple[int, int]:
     """``(row_block, key_block)`` of a summary that serves the forward's and the backward's
     tiles (and key bits, 64 rows a word)."""
-    from ..triton.mask_summary import KEY_BITS_ROWS, summary_blocks
+    from ...planning.mask_summary import KEY_BITS_ROWS, summary_blocks
 
     fwd_m, fwd_n, bwd_m, bwd_n = mod.block_sizes()
     rows, keys = summary_blocks((fwd_m, fwd_n), (bwd_m, bwd_n))
@@ -115,7 +115,7 @@ def _lists(mask, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n, device,
     """Live-tile lists at the kernels' tile sizes (None: no mask, not causal). A per-query mask
     is classified by the one-pass summary kernel, as in the Triton backend, instead of
     several torch reductions over the whole mask."""
-    from ..triton.tiles import build_tile_lists
+    from ...planning.tiles import build_tile_lists
 
     if summary is None:
         summary = _summary(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n)
@@ -124,7 +124,7 @@ def _lists(mask, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n, device,
 
 
 # FLASH_DMATTN_CUDA_GATHER=auto (default) | always | never: whether the forward walks gathered
-# key lists (the union of each query tile's live keys, see backends/triton/gather.py) instead
+# key lists (the union of each query tile's live keys, see planning/gather.py) instead
 # of key tiles. "auto" gathers when that visits at most 3/4 of the live tiles; "always" when
 # the inputs allow it (tests).
 GATHER_ENV = "FLASH_DMATTN_CUDA_GATHER"
@@ -144,7 +144,7 @@ def _gather_plan(mod, mask, bias, seqlen_q, seqlen_k, heads, is_causal, block_m,
         return None
     if bias is not None and not (bias.size(2) == 1 and bias.size(3) == seqlen_k):
         return None
-    from ..triton.gather import plan_key_gather
+    from ...planning.gather import plan_key_gather
 
     gather = plan_key_gather(mask, bias, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n,
                              policy=policy, summary=summary, lagged=True)
@@ -554,7 +554,7 @@ def _packed_lists(mask, cu_k, max_k, heads, block_n):
     head), shared by every tile of the sequence (tile stride 0)."""
     if mask is None:
         return None, None, 1
-    from ..triton.tiles import build_varlen_key_lists
+    from ...planning.tiles import build_varlen_key_lists
 
     lists = build_varlen_key_lists(mask, cu_k, max_k, heads, block_n)
     return (lists.idx.transpose(0, 1).unsqueeze(2), lists.cnt.transpose(0, 1).unsqueeze(2),

@@ -35,10 +35,6 @@ def __getattr__(name):
         from .backward import attention_backward_varlen
 
         return attention_backward_varlen
-    if name in ("build_tile_lists", "classify_tiles", "TileLists"):
-        from . import tiles
-
-        return getattr(tiles, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

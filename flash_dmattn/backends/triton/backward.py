@@ -70,9 +70,9 @@ from .forward import (
     varlen_list_args,
     varlen_tail_rows,
 )
-from .gather import gather_policy
-from .plan import BackwardPlan, plan_backward
 from ...intmath import cdiv
+from ...planning.gather import gather_policy
+from ...planning.plan import BackwardPlan, plan_backward
 
 # dbias modes of the dK/dV kernel.
 _DB_NONE, _DB_TILE, _DB_QRED, _DB_KRED, _DB_SCALAR = 0, 1, 2, 3, 4

@@ -21,25 +21,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ...envs import env_choice
-from .gather import KeyGather, gather_policy, plan_key_gather
-from .key_mask_lists import per_key_eligible
-from .mask_summary import summarize_mask, summary_blocks, wants_summary
-from .plain_rows import plan_plain_rows, sm_count
-from .plan import NOT_PLANNED, plan_backward
-from .tiles import TileLists, build_tile_lists, build_varlen_key_lists
+from ...envs import env_choice, interpret_mode
 from ...intmath import cdiv, next_power_of_2
+from ...planning.gather import KeyGather, gather_policy, plan_key_gather
+from ...planning.key_mask_lists import per_key_eligible
+from ...planning.mask_summary import summarize_mask, summary_blocks, wants_summary
+from ...planning.plain_rows import plan_plain_rows, sm_count
+from ...planning.plan import NOT_PLANNED, plan_backward
+from ...planning.tiles import TileLists, build_tile_lists, build_varlen_key_lists
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 # Tests flip this to fill kernel-written outputs with NaN first, so unwritten elements show.
 DEBUG_POISON = False
-
-
-def interpret_mode() -> bool:
-    """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 def alloc_output(shape, dtype, device) -> torch.Tensor:

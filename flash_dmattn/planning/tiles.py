@@ -35,9 +35,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...block_map import causal_tiles, tile_liveness
-from ...intmath import cdiv
-from .key_mask_lists import per_key_eligible, per_key_lists, per_key_lists_reference
+from ..block_map import causal_tiles, tile_liveness
+from ..envs import interpret_mode
+from ..intmath import cdiv
+from .key_mask_lists import per_key_eligible, per_key_lists
 from .mask_summary import MaskSummary
 
 
@@ -211,10 +212,44 @@ def build_torch_lists(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causa
                   mask.device, True, False)
 
 
+def per_key_lists_reference(
+    mask: torch.Tensor,
+    seqlen_q: int,
+    seqlen_k: int,
+    is_causal: bool,
+    block_m: int,
+    block_n: int,
+    with_bits: bool,
+    cut_flag: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain PyTorch :func:`.key_mask_lists.per_key_lists` (same counts, cut counts, entries
+    and bits up to the count): the lists from the torch tile maps, the bits gathered per
+    entry."""
+    lists = build_torch_lists(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n)
+    idx, cnt = lists.fwd_idx, lists.fwd_cnt
+    if not with_bits:
+        return (idx, cnt, torch.empty(1, dtype=torch.int64, device=mask.device),
+                torch.empty(1, dtype=torch.int32, device=mask.device))
+    nk = cdiv(seqlen_k, block_n)
+    bx, hx = mask.shape[:2]
+    m = mask.expand(bx, hx, 1, seqlen_k)[:, :, 0]
+    m = torch.nn.functional.pad(m, (0, nk * block_n - seqlen_k)).view(bx, hx, nk, block_n)
+    lanes = torch.arange(block_n, device=mask.device)
+    tile_bits = (m.long() << lanes).sum(-1)
+    tiles = (idx >> 1).long()
+    bits = torch.gather(tile_bits[:, :, None].expand(-1, -1, idx.size(2), -1), 3, tiles)
+    in_range = (seqlen_k - tiles * block_n).clamp(max=block_n)
+    n_on = torch.gather(m.sum(-1)[:, :, None].expand(-1, -1, idx.size(2), -1), 3, tiles)
+    listed = torch.arange(nk, device=mask.device) < cnt[..., :1]
+    n_cut = ((n_on < in_range) & listed).sum(-1, dtype=torch.int32)
+    plain = torch.where(n_cut > 0, 0, cnt[..., 0])
+    if cut_flag is not None:
+        cut_flag.copy_(torch.maximum(cut_flag, (n_cut > 0).any().to(cut_flag.dtype)))
+    return idx, cnt, bits.contiguous(), torch.stack([n_cut, plain], -1)
+
+
 def _runs_kernels(device: torch.device) -> bool:
     """Whether Triton kernels run for tensors on ``device`` (a GPU, or the CPU interpreter)."""
-    from .forward import interpret_mode  # forward imports this module
-
     return device.type == "cuda" or (device.type == "cpu" and interpret_mode())
 
 

@@ -41,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...envs import env_choice
-from ...block_map import block_reduce
-from ...intmath import cdiv
+from ..envs import env_choice
+from ..block_map import block_reduce
+from ..intmath import cdiv
 from .mask_summary import MaskSummary
 
 # Use gather mode when it visits at most this fraction (numerator, denominator) of the key

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from typing import Optional
 
 import torch
-from ...envs import env_choice
+from ..envs import env_choice
 
 PLAIN_ROWS_ENV = "FLASH_DMATTN_TRITON_PLAIN_ROWS"
 _MODES = ("auto", "never", "always")

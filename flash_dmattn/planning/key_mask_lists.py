@@ -10,8 +10,8 @@ ascending, entries ``tile * 2 + partial``, zeros after the count).
 
 Beside each entry it writes the tile's ``block_n`` mask bits as one int64 (bit ``i`` = key
 ``tile * block_n + i`` is live), so the forward kernel masks a partial tile with a scalar
-instead of a vector load and layout change in every step (see ``MASK_BITS`` in
-:mod:`.forward`), and per list row the number of *cut* tiles: live tiles where the mask
+instead of a vector load and layout change in every step (see ``MASK_BITS`` in the triton
+backend's forward), and per list row the number of *cut* tiles: live tiles where the mask
 hides some in-range key, beside the row's live count for a kernel that runs every row
 without the mask (0 where the row has a cut tile). A row with none needs no mask at all --
 its partial tiles are partial by causality or a ragged end only -- so the forward can run
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...intmath import cdiv
+from ..intmath import cdiv
 
 # Bits of one tile must fit the int64 the kernels load.
 MAX_BLOCK_N = 64
@@ -118,44 +118,6 @@ def _interpreted(device: torch.device) -> bool:
     """Whether launches on ``device`` run in the interpreter (CPU tensors). A function so that
     ``scripts/compile_check.py`` can capture the GPU's launch shape on a CPU machine."""
     return device.type == "cpu"
-
-
-def per_key_lists_reference(
-    mask: torch.Tensor,
-    seqlen_q: int,
-    seqlen_k: int,
-    is_causal: bool,
-    block_m: int,
-    block_n: int,
-    with_bits: bool,
-    cut_flag: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain PyTorch :func:`per_key_lists` (same counts, cut counts, entries and bits up to
-    the count): the lists from the torch tile maps of :mod:`.tiles`, the bits gathered per
-    entry."""
-    from .tiles import build_torch_lists  # tiles imports this module
-
-    lists = build_torch_lists(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n)
-    idx, cnt = lists.fwd_idx, lists.fwd_cnt
-    if not with_bits:
-        return (idx, cnt, torch.empty(1, dtype=torch.int64, device=mask.device),
-                torch.empty(1, dtype=torch.int32, device=mask.device))
-    nk = cdiv(seqlen_k, block_n)
-    bx, hx = mask.shape[:2]
-    m = mask.expand(bx, hx, 1, seqlen_k)[:, :, 0]
-    m = torch.nn.functional.pad(m, (0, nk * block_n - seqlen_k)).view(bx, hx, nk, block_n)
-    lanes = torch.arange(block_n, device=mask.device)
-    tile_bits = (m.long() << lanes).sum(-1)
-    tiles = (idx >> 1).long()
-    bits = torch.gather(tile_bits[:, :, None].expand(-1, -1, idx.size(2), -1), 3, tiles)
-    in_range = (seqlen_k - tiles * block_n).clamp(max=block_n)
-    n_on = torch.gather(m.sum(-1)[:, :, None].expand(-1, -1, idx.size(2), -1), 3, tiles)
-    listed = torch.arange(nk, device=mask.device) < cnt[..., :1]
-    n_cut = ((n_on < in_range) & listed).sum(-1, dtype=torch.int32)
-    plain = torch.where(n_cut > 0, 0, cnt[..., 0])
-    if cut_flag is not None:
-        cut_flag.copy_(torch.maximum(cut_flag, (n_cut > 0).any().to(cut_flag.dtype)))
-    return idx, cnt, bits.contiguous(), torch.stack([n_cut, plain], -1)
 
 
 @triton.jit

@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...block_map import block_reduce
-from ...intmath import cdiv
+from ..block_map import block_reduce
+from ..intmath import cdiv
 
 
 @dataclass(frozen=True)
