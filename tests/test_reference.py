@@ -146,3 +146,80 @@ def test_softmax_scale_zero_is_uniform():
     q, k, v = (torch.randn(1, 5, 1, 8, dtype=torch.float64) for _ in range(3))
     out = flash_dmattn_func(q, k, v, softmax_scale=0.0)
     torch.testing.assert_close(out, v.mean(dim=1, keepdim=True).expand_as(out))
+
+
+def check_sdpa_path(case: Case, dtype=torch.float32, tol=2e-5, monkeypatch=None):
+    """A call that auto-dispatch runs on CPU through PyTorch's fused attention over query chunks
+    (flash_dmattn.reference.sdpa_cpu): output and every gradient against the naive float64
+    formula, and the path really taken (or not: soft cap)."""
+    from flash_dmattn.backends import reference as backend_mod
+
+    calls = []
+    real = backend_mod.sdpa_cpu_attention
+    monkeypatch.setattr(backend_mod, "sdpa_cpu_attention",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, mask, bias = case.tensors(dtype=dtype, requires_grad=True)
+    out = flash_dmattn_func(q, k, v, mask, bias, case.scale, case.causal, case.softcap)
+    assert bool(calls) == (case.softcap == 0.0)
+    q64, k64, v64, mask, b64 = case.tensors(dtype=torch.float64, requires_grad=True)
+    ref_out, _ = naive_attention(q64, k64, v64, mask, b64, case.scale, case.causal, case.softcap)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
+    grad_out = torch.randn_like(ref_out)
+    got = _grads(out, (q, k, v, bias), grad_out.to(out.dtype))
+    want = _grads(ref_out, (q64, k64, v64, b64), grad_out)
+    for name, a, b in zip("q k v bias".split(), got, want):
+        assert not a.isnan().any(), f"NaN in d{name}"
+        torch.testing.assert_close(a.double(), b, atol=tol * 10, rtol=tol * 10)
+
+
+@pytest.mark.parametrize("case", FIXED, ids=lambda c: f"{c.seqlen_q}x{c.seqlen_k}")
+def test_cpu_sdpa_path_fixed_cases(case, monkeypatch):
+    from flash_dmattn.reference import sdpa_cpu
+
+    check_sdpa_path(case, monkeypatch=monkeypatch)
+    # Several query chunks: chunk boundaries and per-query mask / bias rows.
+    monkeypatch.setattr(sdpa_cpu, "CHUNK_ELEMENTS", 4 * 65 * 4)
+    check_sdpa_path(case, monkeypatch=monkeypatch)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases())
+def test_cpu_sdpa_path_random_cases(case):
+    with pytest.MonkeyPatch.context() as mp:
+        check_sdpa_path(case, monkeypatch=mp)
+
+
+def test_cpu_sdpa_path_neg_inf_bias_rows_and_key_intervals(monkeypatch):
+    """Rows hidden by a -inf bias on every key (no mask) give 0 and finite gradients; key
+    intervals and GQA through the same path equal the float64 oracle."""
+    from flash_dmattn import KeyIntervals
+
+    q, k, v = (torch.randn(1, 12, h, 16, requires_grad=True) for h in (4, 2, 2))
+    bias = torch.randn(1, 2, 12, 12)
+    bias[..., 4, :] = float("-inf")
+    bias.requires_grad_()
+    out = flash_dmattn_func(q, k, v, attn_bias=bias)
+    assert torch.equal(out[0, 4], torch.zeros_like(out[0, 4]))
+    out.sum().backward()
+    for t in (q, k, v, bias):
+        assert not t.grad.isnan().any()
+    j = torch.arange(12)
+    ki = KeyIntervals(j, j + 3)
+    b = torch.randn(1, 2, 1, 12, requires_grad=True)
+    got = flash_dmattn_func(q, k, v, attn_mask=ki, attn_bias=b, is_causal=True)
+    ref = reference_dmattn_func(*(t.detach().double() for t in (q, k, v)), attn_mask=ki,
+                                attn_bias=b.detach().double(), is_causal=True)
+    torch.testing.assert_close(got.double(), ref, atol=2e-6, rtol=2e-6)
+
+
+def test_float64_and_softcap_stay_on_the_oracle():
+    from flash_dmattn.inputs import AttentionInputs
+    from flash_dmattn.reference.sdpa_cpu import sdpa_cpu_reasons
+
+    q = torch.randn(1, 8, 2, 16)
+    assert sdpa_cpu_reasons(AttentionInputs.from_args(q, q, q)) == []
+    assert sdpa_cpu_reasons(AttentionInputs.from_args(q.double(), q.double(), q.double()))
+    assert sdpa_cpu_reasons(AttentionInputs.from_args(q, q, q, softcap=5.0))
+    h = q.half()
+    assert sdpa_cpu_reasons(AttentionInputs.from_args(h, h, h, attn_bias=torch.randn(8, 8)))

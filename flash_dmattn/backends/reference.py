@@ -1,9 +1,14 @@
-"""The ``torch-reference`` backend: runs anywhere torch runs, supports every input."""
+"""The ``torch-reference`` backend: runs anywhere torch runs, supports every input.
+
+Float64 calls (the tests' ground truth) and everything SDPA cannot express run the oracle of
+:mod:`flash_dmattn.reference.attention`; other CPU calls run PyTorch's fused attention over
+query chunks (:mod:`flash_dmattn.reference.sdpa_cpu`), the same attention at SDPA's speed."""
 from __future__ import annotations
 
 import torch
 
 from ..reference import gather_kv_pages, reference_attention, reference_probs, reference_varlen_attention
+from ..reference.sdpa_cpu import sdpa_cpu_attention, sdpa_cpu_reasons
 from .base import Backend
 
 
@@ -29,6 +34,11 @@ class ReferenceBackend(Backend):
             # scatter-adds the gradients back into the pools), then the ordinary path.
             key = gather_kv_pages(key, inputs.block_table)
             value = gather_kv_pages(value, inputs.block_table)
+        if not sdpa_cpu_reasons(inputs):
+            # CPU: PyTorch's fused attention where it computes exactly this call.
+            return sdpa_cpu_attention(inputs.query, key, value, inputs.attn_mask,
+                                      inputs.attn_bias, inputs.softmax_scale, inputs.is_causal,
+                                      inputs.key_intervals)
         args = (inputs.query, key, value, inputs.attn_mask, inputs.attn_bias)
         cfg = (inputs.softmax_scale, inputs.is_causal, inputs.softcap)
         extra = dict(cache_seqlens=inputs.cache_seqlens, key_intervals=inputs.key_intervals)
