@@ -79,6 +79,6 @@ def _clean_dispatch_state(monkeypatch):
 def poison(monkeypatch):
     """Triton kernel outputs (decode partials included) start as NaN: anything a kernel
     leaves unwritten shows."""
-    from flash_dmattn.backends.triton import forward as fwd_mod
+    from flash_dmattn.backends.triton import common
 
-    monkeypatch.setattr(fwd_mod, "DEBUG_POISON", True)
+    monkeypatch.setattr(common, "DEBUG_POISON", True)

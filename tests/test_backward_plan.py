@@ -9,6 +9,7 @@ from interpreter_only import require_triton_interpreter
 
 require_triton_interpreter()
 
+from flash_dmattn.backends.triton import common  # noqa: E402
 from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
 from flash_dmattn.backends.triton.backend import triton_op  # noqa: E402
 from flash_dmattn.backends.triton.backward import attention_backward  # noqa: E402
@@ -18,7 +19,7 @@ from flash_dmattn.planning.plan import BackwardPlan  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
-    monkeypatch.setattr(fwd_mod, "DEBUG_POISON", True)
+    monkeypatch.setattr(common, "DEBUG_POISON", True)
 
 
 def _topk_mask(B, Hm, Lq, Lk, keep, causal, g):

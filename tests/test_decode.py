@@ -365,7 +365,7 @@ def test_decode_launch_rules(monkeypatch):
     # programs per SM. Pure Python: the SM count is patched.
     from flash_dmattn.backends.triton import decode as decode_mod
 
-    monkeypatch.setattr(decode_mod, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(decode_mod, "sm_count", lambda device: 132)
     gpu = torch.device("cuda")
     assert decode_mod.combine_config(64, 128, 32, gpu) == (64, 8, 1)    # B1 H32
     assert decode_mod.combine_config(8, 128, 256, gpu) == (8, 2, 1)     # B8 H32

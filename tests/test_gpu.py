@@ -245,7 +245,9 @@ def test_triton_plain_rows_are_exact(causal, monkeypatch):
     uncut ones), so the two-kernel forward meets cut rows it did not predict. Poisoned
     outputs; every call matches the reference, outputs and gradients."""
     fwd_mod = _plain_rows_auto(monkeypatch)
-    monkeypatch.setattr(fwd_mod, "DEBUG_POISON", True)
+    from flash_dmattn.backends.triton import common
+
+    monkeypatch.setattr(common, "DEBUG_POISON", True)
     guards = []
     real = fwd_mod._launch_fwd_untuned
 

@@ -11,6 +11,7 @@ from naive import assert_close
 
 require_triton_interpreter()
 
+from flash_dmattn.backends.triton import common  # noqa: E402
 from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
 from flash_dmattn.planning import plain_rows  # noqa: E402
 from flash_dmattn.backends.triton.forward import attention_forward  # noqa: E402
@@ -21,7 +22,7 @@ from test_triton_kernels import naive_attention, run_case  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
-    monkeypatch.setattr(fwd_mod, "DEBUG_POISON", True)
+    monkeypatch.setattr(common, "DEBUG_POISON", True)
 
 
 def _block_mask(shape, lk, density, block, gen):

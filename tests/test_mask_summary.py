@@ -163,7 +163,7 @@ def test_flex_tile_maps_from_summary_equal_torch_reductions(causal):
 def test_aligned_rows():
     # Per-query masks with unaligned rows are copied into zero-padded 64-byte rows (same
     # values); aligned, per-key and broadcast masks are passed through untouched.
-    from flash_dmattn.backends.triton.forward import ROW_ALIGN, aligned_rows
+    from flash_dmattn.planning.rows import ROW_ALIGN, aligned_rows
 
     gen = torch.Generator().manual_seed(9)
     odd = torch.rand(2, 3, 37, 45, generator=gen) < 0.5
@@ -186,7 +186,7 @@ def test_aligned_rows():
 
 def test_aligned_rows_bias_dtypes():
     # Alignment is 16 bytes: 8 bf16 / 4 fp32 elements per row step.
-    from flash_dmattn.backends.triton.forward import aligned_rows
+    from flash_dmattn.planning.rows import aligned_rows
 
     b16 = torch.randn(1, 2, 9, 40).to(torch.bfloat16)   # 80-byte rows: aligned
     assert aligned_rows(b16, 9, 40) == (b16, False)

@@ -115,9 +115,9 @@ CPU_CASES = [
 def test_intervals_match_dense(case, softcap, monkeypatch):
     if ON_GPU:
         pytest.skip("interpreter sizes; the GPU runs test_intervals_gpu")
-    from flash_dmattn.backends.triton import forward
+    from flash_dmattn.backends.triton import common
 
-    monkeypatch.setattr(forward, "DEBUG_POISON", True)  # unwritten outputs show as NaN
+    monkeypatch.setattr(common, "DEBUG_POISON", True)  # unwritten outputs show as NaN
     check_case(*case, softcap=softcap)
 
 
@@ -125,9 +125,9 @@ def test_intervals_match_dense(case, softcap, monkeypatch):
 def test_empty_rows_and_neg_inf_bias(monkeypatch):
     if ON_GPU:
         pytest.skip("interpreter sizes")
-    from flash_dmattn.backends.triton import forward
+    from flash_dmattn.backends.triton import common
 
-    monkeypatch.setattr(forward, "DEBUG_POISON", True)
+    monkeypatch.setattr(common, "DEBUG_POISON", True)
     out = check_case(2, 31, 31, 4, 2, 16, (2, 2, 31), (2, 2, 1, 31), True, empty_rows=True,
                      neg_inf_bias=True)
     assert (out[:, : 31 // 3] == 0).all()
@@ -234,19 +234,19 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_intervals_gpu(case, dtype, monkeypatch):
-    from flash_dmattn.backends.triton import forward
+    from flash_dmattn.backends.triton import common
 
-    monkeypatch.setattr(forward, "DEBUG_POISON", True)
+    monkeypatch.setattr(common, "DEBUG_POISON", True)
     check_case(*case, device="cuda", dtype=dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal_selection", [False, True])
 def test_topk_selection_gpu(causal_selection, monkeypatch):
-    from flash_dmattn.backends.triton import forward, intervals
+    from flash_dmattn.backends.triton import common, intervals
     from flash_dmattn.utils.mask import topk_intervals
 
-    monkeypatch.setattr(forward, "DEBUG_POISON", True)
+    monkeypatch.setattr(common, "DEBUG_POISON", True)
     monkeypatch.setattr(intervals, "SEGMENT_ROWS", 256)
     B, L, H, Hkv, D, W = 1, 3000, 8, 2, 128, 256
     bias = torch.randn(B, Hkv, 1, L, device="cuda")

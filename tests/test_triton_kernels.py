@@ -13,6 +13,7 @@ from naive import assert_close
 
 require_triton_interpreter()
 
+from flash_dmattn.backends.triton import common  # noqa: E402
 from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
 from flash_dmattn.backends.triton.backward import attention_backward  # noqa: E402
 from flash_dmattn.backends.triton.forward import attention_forward, fwd_blocks  # noqa: E402
@@ -30,7 +31,7 @@ TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
     # Kernel-written outputs start as NaN: anything the kernels forget to write shows up.
-    monkeypatch.setattr(fwd_mod, "DEBUG_POISON", True)
+    monkeypatch.setattr(common, "DEBUG_POISON", True)
 
 
 def naive_attention(q, k, v, mask, bias, scale, causal, softcap):

@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
+from flash_dmattn.backends.triton import common as launch_mod  # noqa: E402
 
 
 class _Config:
@@ -35,13 +35,13 @@ class _Tuned(_Kernel):
 
 @pytest.mark.parametrize("mode", ["interpret", "autotune", "fixed"])
 def test_launch_tuned_modes(monkeypatch, mode):
-    monkeypatch.setattr(fwd_mod, "interpret_mode", lambda: mode == "interpret")
+    monkeypatch.setattr(launch_mod, "interpret_mode", lambda: mode == "interpret")
     if mode == "fixed":
-        monkeypatch.setenv(fwd_mod.AUTOTUNE_ENV, "0")
+        monkeypatch.setenv(launch_mod.AUTOTUNE_ENV, "0")
     else:
-        monkeypatch.delenv(fwd_mod.AUTOTUNE_ENV, raising=False)
+        monkeypatch.delenv(launch_mod.AUTOTUNE_ENV, raising=False)
     kernel, tuned = _Kernel(), _Tuned()
-    fwd_mod.launch_tuned(kernel, tuned, (3,), ("x", 5), {"BLOCK": 16})
+    launch_mod.launch_tuned(kernel, tuned, (3,), ("x", 5), {"BLOCK": 16})
     if mode == "autotune":
         assert tuned.calls == [((3,), ("x", 5), {"BLOCK": 16})] and not kernel.calls
         return
@@ -58,8 +58,8 @@ def test_launch_tuned_modes(monkeypatch, mode):
 def test_fixed_launch_skips_configs_that_do_not_fit(monkeypatch):
     import triton
 
-    monkeypatch.setattr(fwd_mod, "interpret_mode", lambda: False)
-    monkeypatch.setenv(fwd_mod.AUTOTUNE_ENV, "0")
+    monkeypatch.setattr(launch_mod, "interpret_mode", lambda: False)
+    monkeypatch.setenv(launch_mod.AUTOTUNE_ENV, "0")
 
     class _Picky(_Kernel):
         def __getitem__(self, grid):
@@ -70,12 +70,12 @@ def test_fixed_launch_skips_configs_that_do_not_fit(monkeypatch):
             return launch
 
     kernel, tuned = _Picky(), _Tuned()
-    fwd_mod.launch_tuned(kernel, tuned, (1,), ("x", 5), {})
+    launch_mod.launch_tuned(kernel, tuned, (1,), ("x", 5), {})
     assert [(c[2]["num_warps"], c[2]["num_stages"]) for c in kernel.calls] == [(8, 2)]
     # nothing fits: the last error propagates
     tuned.configs = [_Config(8, 3)]
     with pytest.raises(triton.runtime.errors.OutOfResources):
-        fwd_mod.launch_tuned(kernel, tuned, (1,), ("x", 5), {})
+        launch_mod.launch_tuned(kernel, tuned, (1,), ("x", 5), {})
 
 
 def test_capture_launches_untimed_specialisations_without_autotuning(monkeypatch):
@@ -84,8 +84,8 @@ def test_capture_launches_untimed_specialisations_without_autotuning(monkeypatch
     # autotuner's choice.
     import torch
 
-    monkeypatch.setattr(fwd_mod, "interpret_mode", lambda: False)
-    monkeypatch.delenv(fwd_mod.AUTOTUNE_ENV, raising=False)
+    monkeypatch.setattr(launch_mod, "interpret_mode", lambda: False)
+    monkeypatch.delenv(launch_mod.AUTOTUNE_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
 
@@ -98,11 +98,11 @@ def test_capture_launches_untimed_specialisations_without_autotuning(monkeypatch
 
     kernel, tuned = _Kernel(), _Timed()
     x = torch.zeros(2)
-    fwd_mod.launch_tuned(kernel, tuned, (1,), (x, 5), {"BLOCK": 16})
+    launch_mod.launch_tuned(kernel, tuned, (1,), (x, 5), {"BLOCK": 16})
     assert not tuned.calls and len(kernel.calls) == 1
     assert (kernel.calls[0][2]["num_warps"], kernel.calls[0][2]["num_stages"]) == (8, 3)
     tuned.cache[(5, "torch.float32")] = tuned.configs[0]
-    fwd_mod.launch_tuned(kernel, tuned, (1,), (x, 5), {"BLOCK": 16})
+    launch_mod.launch_tuned(kernel, tuned, (1,), (x, 5), {"BLOCK": 16})
     assert len(tuned.calls) == 1 and len(kernel.calls) == 1
 
 
@@ -120,7 +120,7 @@ def test_autotuned_reads_tritons_cache_key():
         pass
 
     x, y = torch.zeros(2), torch.zeros(2, dtype=torch.int32)
-    assert not fwd_mod._autotuned(_k, (x, y, 7), {"BLOCK": 32})
+    assert not launch_mod._autotuned(_k, (x, y, 7), {"BLOCK": 32})
     _k.cache[(7, 32, "torch.float32", "torch.int32")] = _k.configs[1]
-    assert fwd_mod._autotuned(_k, (x, y, 7), {"BLOCK": 32})
-    assert not fwd_mod._autotuned(_k, (x, y, 8), {"BLOCK": 32})
+    assert launch_mod._autotuned(_k, (x, y, 7), {"BLOCK": 32})
+    assert not launch_mod._autotuned(_k, (x, y, 8), {"BLOCK": 32})

@@ -17,6 +17,7 @@ from naive import assert_close
 require_triton_interpreter()
 
 from flash_dmattn import flash_dmattn_varlen_func, registry  # noqa: E402
+from flash_dmattn.backends.triton import common  # noqa: E402
 from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
 from flash_dmattn.backends.triton.backend import triton_varlen_op  # noqa: E402
 from flash_dmattn.inputs import VarlenInputs  # noqa: E402
@@ -34,7 +35,7 @@ LENS_K = [4, 0, 20, 17, 1, 5]
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
     # Kernel-written outputs start as NaN: anything the kernels forget to write shows up.
-    monkeypatch.setattr(fwd_mod, "DEBUG_POISON", True)
+    monkeypatch.setattr(common, "DEBUG_POISON", True)
 
 
 def aux_shape(spec, H, Hkv, total_k):

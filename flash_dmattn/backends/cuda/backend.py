@@ -96,11 +96,11 @@ class CudaBackend(Backend):
         # KV caches run the decode kernel, which has the Triton decode kernel's limits (rows,
         # forward-only pages, a folded mask for gradients) and shares its reasons.
         if getattr(inputs, "cache_seqlens", None) is not None:
-            from ..triton.decode import cache_seqlens_reasons
+            from ...planning.decode import cache_seqlens_reasons
 
             reasons.extend(r for r in cache_seqlens_reasons(inputs) if r not in reasons)
         if getattr(inputs, "block_table", None) is not None:
-            from ..triton.decode import block_table_reasons
+            from ...planning.decode import block_table_reasons
 
             reasons.extend(r for r in block_table_reasons(inputs, "cuda") if r not in reasons)
         return reasons

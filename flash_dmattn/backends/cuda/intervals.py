@@ -21,6 +21,7 @@ from typing import List
 import torch
 
 from ...planning.key_lists import DenseEquivalent, full_bounds, plan_intervals
+from .extension import kernel_module, reduce_key_partials, vector_ready
 
 # Query rows one dK/dV CTA walks at most (a multiple of the backward's 64-row tiles): a key
 # that stays selected for most of the sequence is spread over several CTAs.
@@ -55,8 +56,6 @@ def interval_reasons(inputs) -> List[str]:
 
 
 def _module(q: torch.Tensor, bias):
-    from .kernels import kernel_module
-
     return kernel_module(q, True, bias is not None)
 
 
@@ -73,9 +72,7 @@ def plan_for(q, k, bias, bounds, is_causal, backward: bool, window=None):
 
 def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None):
     """``(out, lse, plan)``; ``plan`` is ``(IntervalPlan, full bounds)``."""
-    from .kernels import _vector_ready
-
-    q, k, v = (_vector_ready(t) for t in (q, k, v))
+    q, k, v = (vector_ready(t) for t in (q, k, v))
     mod = _module(q, bias)
     if plan is None:
         plan = plan_for(q, k, bias, bounds, is_causal, backward=False)
@@ -89,11 +86,9 @@ def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None
 def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, softcap, needs,
                       plan=None):
     """``(dq, dk, dv, dbias)`` with None where ``needs`` did not ask."""
-    from .kernels import _reduce_key_partials, _vector_ready
-
     need_dq, need_dk, need_dv, need_dbias = needs
     need_dbias = need_dbias and bias is not None
-    dout, q, k, v, out = (_vector_ready(t) for t in (dout, q, k, v, out))
+    dout, q, k, v, out = (vector_ready(t) for t in (dout, q, k, v, out))
     mod = _module(q, bias)
     if plan is None or plan[0].blk_keys is None:
         plan = plan_for(q, k, bias, bounds, is_causal, backward=True)
@@ -106,7 +101,7 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
         dk = torch.zeros_like(k) if need_dk else None
         dv = torch.zeros_like(v) if need_dv else None
         db = torch.zeros((B, H, Lk), dtype=torch.float32, device=q.device)
-        return dq, dk, dv, _reduce_key_partials(db, bias) if need_dbias else None
+        return dq, dk, dv, reduce_key_partials(db, bias) if need_dbias else None
     dq, dk32, dv32, db32 = mod.bwd_intervals(
         dout, q, k, v, bias, out, lse.contiguous(), fb, ivp.blk_keys, ivp.blk_qlo, ivp.blk_qhi,
         ivp.blocks_per_row, SEGMENT_ROWS, float(scale), bool(is_causal), float(softcap),
@@ -114,5 +109,5 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
     return (dq if need_dq else None,
             dk32.to(k.dtype) if need_dk else None,
             dv32.to(v.dtype) if need_dv else None,
-            _reduce_key_partials(db32, bias) if need_dbias else None)
+            reduce_key_partials(db32, bias) if need_dbias else None)
 

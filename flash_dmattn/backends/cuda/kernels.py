@@ -3,7 +3,8 @@
 extension's ``fwd`` / ``fwd_gathered`` / ``bwd``, and reduce per-key dbias partials to the
 bias's shape.
 
-The live-tile lists are the ones the Triton kernels use (:mod:`flash_dmattn.planning.tiles`), built at the
+The live-tile lists are the ones the Triton kernels use (:mod:`flash_dmattn.planning.tiles`),
+built at the
 CUDA kernels' own tile sizes (the extension reports them), so dead tiles cost no loads and no
 matrix products and full tiles no element checks.
 """
@@ -16,8 +17,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from ...envs import env_choice
-from . import jit, toolchain
-from .spec import DTYPES, HEAD_DIM_BUCKETS, KernelSpec
+from .extension import kernel_module, reduce_key_partials, vector_ready
+from .spec import DTYPES, HEAD_DIM_BUCKETS
 
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 
@@ -57,19 +58,6 @@ def input_reasons(q, k, v, mask, bias, bias_needs_grad: bool) -> List[str]:
             reasons.append(f"dbias for a bias of shape {tuple(bias.shape)} (per-query rows "
                            f"shared by several heads or batches) is not supported yet")
     return reasons
-
-
-def kernel_module(q: torch.Tensor, has_mask: bool, has_bias: bool, packed: bool = False):
-    """The compiled extension for this call's specialisation (built on first use)."""
-    spec = KernelSpec.for_call(q.shape[-1], q.dtype, has_mask, has_bias, packed)
-    return jit.load_kernel(spec, toolchain.detect(q.device))
-
-
-def _vector_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with a contiguous last dim and 16-byte aligned rows (copied only if needed)."""
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
-        t.size(d) == 1 or t.stride(d) % 8 == 0 for d in range(t.dim() - 1))
-    return t if ok else t.contiguous()
 
 
 def _summary(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n, key_bits=False):
@@ -156,7 +144,7 @@ def _gather_plan(mod, mask, bias, seqlen_q, seqlen_k, heads, is_causal, block_m,
 def _read_ready(mask, bias, seqlen_q, seqlen_k):
     """Per-query masks / biases with unaligned rows get zero-padded aligned copies (read only)
     so the kernels can copy their tiles as 16-byte vectors."""
-    from ..triton.forward import aligned_rows
+    from ...planning.rows import aligned_rows
 
     mask, _ = aligned_rows(mask, seqlen_q, seqlen_k)
     bias, _ = aligned_rows(bias, seqlen_q, seqlen_k)
@@ -231,7 +219,7 @@ def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap, for_backward=
     planner's KeyGather) or over live key tiles (``gather`` None). ``for_backward``: the mask
     summary (None without a per-query mask) is made at tiles the backward can use too, with
     the key bits it reads, so that a training step reads the mask once."""
-    q, k, v = _vector_ready(q), _vector_ready(k), _vector_ready(v)
+    q, k, v = vector_ready(q), vector_ready(k), vector_ready(v)
     B, Lq, H, _ = q.shape
     Lk = k.shape[1]
     mod = kernel_module(q, mask is not None, bias is not None)
@@ -349,7 +337,7 @@ def use_cuda_decode(seqlen_q: int, num_heads: int, num_kv_heads: int, seqlen_k: 
     kernel: few rows per kv head (the Triton decode kernel's limit, which the backends' shared
     reasons apply, and csrc/flash_decode.cu's tile), and a long key range or a KV cache's used
     lengths (which only the decode kernel honours)."""
-    from ..triton.decode import DECODE_MAX_ROWS, DECODE_MIN_SEQLEN_K, decode_rows
+    from ...planning.decode import DECODE_MAX_ROWS, DECODE_MIN_SEQLEN_K, decode_rows
 
     if seqlen_q == 0 or decode_rows(seqlen_q, num_heads, num_kv_heads) > DECODE_MAX_ROWS:
         return False
@@ -363,9 +351,10 @@ def use_cuda_decode(seqlen_q: int, num_heads: int, num_kv_heads: int, seqlen_k: 
 def cuda_decode_splits(batch: int, num_kv_heads: int, seqlen_k: int, head_dim: int,
                        device: torch.device) -> int:
     """Key splits per (batch, kv head): the Triton decode kernel's rule
-    (:func:`~..triton.decode.choose_num_splits`) at this kernel's residency: two CTAs per SM up
+    (:func:`~flash_dmattn.planning.decode.choose_num_splits`) at this kernel's residency: two
+    CTAs per SM up
     to head dim 128 (three K/V buffers take 96 KB of shared memory), one above."""
-    from ..triton.decode import choose_num_splits
+    from ...planning.decode import choose_num_splits
 
     return choose_num_splits(batch, num_kv_heads, seqlen_k, device,
                              per_sm=2 if head_dim <= 128 else 1)
@@ -384,7 +373,7 @@ def cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_se
         keys = arange(Lk) < cache_seqlens[:, None]       # (B, Lk), folded into the mask
         out = softmax(scale * q @ k^T + bias, masked) @ v   # per split, then merged by lse
     """
-    q, k, v = _vector_ready(q), _vector_ready(k), _vector_ready(v)
+    q, k, v = vector_ready(q), vector_ready(k), vector_ready(v)
     B, Lq, H, D = q.shape
     Hkv = k.shape[2]
     mod = kernel_module(q, mask is not None, bias is not None)
@@ -401,18 +390,6 @@ def cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_se
         num_splits = cuda_decode_splits(B, Hkv, Lk, D, q.device) if q.is_cuda else 1
     return tuple(mod.decode(q, k, v, mask, bias, cache_seqlens, block_table, float(scale),
                             bool(is_causal), float(softcap), int(num_splits), DEBUG_POISON))
-
-
-def _reduce_key_partials(partial: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """(B, H, Lk) fp32 per-(batch, head) key sums -> the bias's own shape and dtype."""
-    B, H, Lk = partial.shape
-    bb, hb, _, kb = bias.shape
-    x = partial.view(B, hb, H // hb, Lk).sum(2)
-    if bb == 1 and B > 1:
-        x = x.sum(0, keepdim=True)
-    if kb == 1 and Lk > 1:
-        x = x.sum(-1, keepdim=True)
-    return x.unsqueeze(2).to(bias.dtype)
 
 
 FUSED_DQ_ENV = "FLASH_DMATTN_CUDA_FUSED_DQ"
@@ -481,12 +458,12 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
         # The backward kernels take one key length for all batches: the per-batch used length
         # (and its causal diagonal) is folded into the mask, O(B * Lq * Lk) bools at most
         # (cache_seqlens_reasons keeps it so).
-        from ..triton.decode import fold_cache_seqlens
+        from ...planning.decode import fold_cache_seqlens
 
         mask = fold_cache_seqlens(mask, cache_seqlens, q.shape[1], k.shape[1], is_causal)
         is_causal = False
         plan = CudaPlan()  # the forward's lists were for the unfolded mask: no gathering
-    dout, q, k, v, out = (_vector_ready(t) for t in (dout, q, k, v, out))
+    dout, q, k, v, out = (vector_ready(t) for t in (dout, q, k, v, out))
     B, Lq, H, _ = q.shape
     Lk = k.shape[1]
     mod = kernel_module(q, mask is not None, bias is not None)
@@ -532,7 +509,7 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     if mode == 1:
         dbias = db
     elif mode == 2:
-        dbias = _reduce_key_partials(db, orig_bias)
+        dbias = reduce_key_partials(db, orig_bias)
     return (dq if need_dq else None, dk if need_dk else None, dv if need_dv else None, dbias)
 
 
@@ -604,7 +581,7 @@ def cuda_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is
                         softcap) -> Tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences: ``(out (total_q, H, D), lse (H, total_q) fp32)``; rows no sequence
     owns (past ``cu_q[-1]``) give 0 / -inf."""
-    q, k, v = _vector_ready(q), _vector_ready(k), _vector_ready(v)
+    q, k, v = vector_ready(q), vector_ready(k), vector_ready(v)
     H = q.shape[1]
     mod = kernel_module(q, mask is not None, bias is not None, packed=True)
     _, block_n, _, _ = mod.block_sizes()
@@ -622,7 +599,7 @@ def cuda_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, ou
     """``(dq, dk, dv, dbias)`` of packed sequences, None where ``needs`` did not ask; dbias in
     the per-key bias's ``(Hx, total_k)`` shape. Never uses atomics (``deterministic`` is free)."""
     need_dq, need_dk, need_dv, need_dbias = needs
-    dout, q, k, v, out = (_vector_ready(t) for t in (dout, q, k, v, out))
+    dout, q, k, v, out = (vector_ready(t) for t in (dout, q, k, v, out))
     H = q.shape[1]
     mod = kernel_module(q, mask is not None, bias is not None, packed=True)
     _, _, _, block_n = mod.block_sizes()

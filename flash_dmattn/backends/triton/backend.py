@@ -58,7 +58,8 @@ def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
 
 def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
                      key_intervals=None, key_window=None):
-    """``_forward`` plus the backward's plan (see :mod:`.plan`); None where it has none."""
+    """``_forward`` plus the backward's plan (see
+    :mod:`flash_dmattn.planning.plan`); None where it has none."""
     if key_intervals is not None:
         from ...planning.key_lists import DenseEquivalent
         from .intervals import interval_forward, plan_for
@@ -96,7 +97,7 @@ def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, de
     if cache_seqlens is not None:
         # The backward kernels take one key length for all batches: fold the per-batch used
         # length (and its causal diagonal) into the mask; small by cache_seqlens_reasons.
-        from .decode import fold_cache_seqlens
+        from ...planning.decode import fold_cache_seqlens
 
         mask = fold_cache_seqlens(mask, cache_seqlens, q.shape[1], k.shape[1], is_causal)
         is_causal = False
@@ -203,11 +204,11 @@ class TritonBackend(Backend):
         if getattr(inputs, "key_intervals", None) is not None:
             reasons.extend(_interval_reasons(inputs))
         if inputs.cache_seqlens is not None:
-            from .decode import cache_seqlens_reasons
+            from ...planning.decode import cache_seqlens_reasons
 
             reasons.extend(cache_seqlens_reasons(inputs))
         if inputs.block_table is not None:
-            from .decode import block_table_reasons
+            from ...planning.decode import block_table_reasons
 
             reasons.extend(block_table_reasons(inputs))
         return reasons

@@ -28,26 +28,28 @@ d. ``Kx == 1`` (bias broadcast over keys): temporary ``(B, Hkv|H, Qx, nK)`` of p
 Packed sequences (``VARLEN``, :func:`attention_backward_varlen`) use the same kernels with one
 ``(sequence, kv head)`` pair per dK/dV program; their per-key dbias is case (a)/(b) with
 ``Qx == 1`` and never needs atomics. With a per-key mask they walk
-:class:`~.tiles.VarlenKeyLists` (live key tiles per (sequence, mask head)): the dQ kernel
-iterates its row up to the causal limit, the dK/dV kernel looks its own key tile up there,
+:class:`~flash_dmattn.planning.tiles.VarlenKeyLists` (live key tiles per (sequence, mask
+head)): the dQ kernel iterates its row up to the causal limit, the dK/dV kernel looks its own
+key tile up there,
 visits no query tile for a head where it is dead (zero dK/dV/dbias, no Q/dO read; K/V not
 read when dead for the whole group) and skips the mask load where it is full.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .forward import (
+from ...planning.rows import aligned_rows
+from .common import (
     LOG2E,
     _load_bcast,
     _key_bounds,
     _key_tile,
     _gathered_row_bits,
-    aligned_rows,
+    bwd_blocks,
     launch_tuned,
     _load_mask_tile,
     _scores,
@@ -587,25 +589,6 @@ def _attn_bwd_dq_kernel(
 
 _BWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE_LIST",
             "VARLEN", "lq_bucket", "lk_bucket"]
-
-
-def bwd_blocks(head_dim: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
-    """Block shapes ``((BLOCK_M, BLOCK_N) of dK/dV, (BLOCK_M, BLOCK_N) of dQ)``.
-
-    The dK/dV kernel keeps a long key tile resident (K, V and two fp32 accumulators) and streams
-    short query tiles; the dQ kernel is forward-shaped (long query tile, short key tile), so for
-    head dims up to 128 it uses the forward's blocks. The shapes match what FlexAttention picks
-    on sm_90 (the same register budget), which measured well on the H200; D=256 halves the
-    long side because the fp32 accumulators alone fill the register file.
-    """
-    if interpret_mode():
-        return (16, 16), (16, 16)
-    bd = head_block(head_dim)
-    if bd <= 128:
-        # A 64-key dK/dV tile (half the accumulators, twice the programs) measured slower on
-        # the H200: T2 fwd+bwd 5.35 vs 4.88 ms (ab-2026-11-22c-dk64.log).
-        return (64, 128), (128, 64)
-    return (64, 64), (64, 64)
 
 
 def _bwd_configs():

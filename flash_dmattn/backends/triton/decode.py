@@ -17,7 +17,7 @@ Mask and bias are read through their strides in any broadcast shape of SPEC §3.
 ``(B, Hkv, 1, Lk)`` case loads one key vector per tile for the whole group). ``cache_seqlens``
 gives a per-batch used length: keys past it are never loaded, and the causal diagonal is
 aligned with it. Forward only: the backward of a decode call is the main backward kernels'
-(they need only ``out`` and ``lse``), see :func:`fold_cache_seqlens`.
+(they need only ``out`` and ``lse``), see :func:`flash_dmattn.planning.decode.fold_cache_seqlens`.
 
 Paged KV (``block_table``, like ``flash_attn_with_kvcache``): K/V are page pools ``(num_pages,
 page_size, Hkv, D)`` and logical key ``j`` of batch ``b`` lives in physical page
@@ -25,11 +25,11 @@ page_size, Hkv, D)`` and logical key ``j`` of batch ``b`` lives in physical page
 addresses per key (one page-id load per key, from a small cached table), so a tile may span
 pages and the tile size stays independent of the page size. Only this kernel reads pages: the
 backend declines paged calls that need gradients or more rows than it takes
-(:func:`block_table_reasons`).
+(:func:`flash_dmattn.planning.decode.block_table_reasons`).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -37,7 +37,14 @@ import triton.language as tl
 
 from ...envs import env_choice
 from ...intmath import cdiv, next_power_of_2
-from .forward import (
+from ...planning.decode import (
+    DECODE_MAX_ROWS,
+    DECODE_MIN_SEQLEN_K,
+    choose_num_splits,
+    decode_rows,
+    sm_count,
+)
+from .common import (
     LOG2E,
     _dot,
     _tanh,
@@ -49,19 +56,6 @@ from .forward import (
     last_dim_contiguous,
 )
 
-# Rows of the packed (query head, query) tile: 64 keeps the fp32 accumulator of a 128-dim head
-# at 64 registers a thread with 4 warps. Beyond it the main kernel's 128-row tiles fit better.
-DECODE_MAX_ROWS = 64
-# Below this many keys one program per (batch, head) of the main kernel is already short, and
-# splitting buys nothing; calls with cache_seqlens use the decode kernel at any length.
-DECODE_MIN_SEQLEN_K = 128
-# Split-count bounds: at most this many splits (the combine reads one partial per split), and
-# at least this many keys per split so a split amortises its q load and partial write. Short
-# caches decode faster with short splits while the programs still fit one wave: B1 H32/Hkv8
-# Lk 4K with a per-key mask + bias took 0.0158 ms at 32 splits of 128 keys against 0.0196 at
-# 16 of 256 (H200, CUDA-graph replay, decode-2026-11-22l-pdl-ab.log, "pdl x2").
-MAX_SPLITS = 128
-MIN_KEYS_PER_SPLIT = 128
 # Split boundaries are multiples of this, so every BLOCK_N (decode_config) tiles a split exactly.
 SPLIT_ALIGN = 128
 # Paged K/V whose pages and key tiles nest load only the tile's page ids (False: one per key,
@@ -81,11 +75,6 @@ def tile_pages(page_size: int, block_n: int) -> int:
     if page_size % block_n == 0:
         return 1
     return block_n // page_size if block_n % page_size == 0 else 0
-
-
-def decode_rows(seqlen_q: int, num_heads: int, num_kv_heads: int) -> int:
-    """Rows of the packed tile: query heads per kv head times queries."""
-    return (num_heads // max(num_kv_heads, 1)) * seqlen_q
 
 
 # Validated and timed on an H200 (benchmarks/results/nvidia-h200/bench-2026-11-21c-decode.log:
@@ -114,100 +103,6 @@ def use_decode_kernel(seqlen_q: int, num_heads: int, num_kv_heads: int, seqlen_k
     if policy != "auto":
         return policy == "always"
     return seqlen_k >= DECODE_MIN_SEQLEN_K and (DECODE_VERIFIED_ON_GPU or interpret_mode())
-
-
-def _folded_mask_shape(mask_shape, batch: int, seqlen_q: int, seqlen_k: int, is_causal: bool):
-    """Shape of ``mask & cache-visibility`` (see :func:`fold_cache_seqlens`), nothing allocated."""
-    vis = (batch, 1, seqlen_q if is_causal and seqlen_q > 1 else 1, seqlen_k)
-    if mask_shape is None:
-        return vis
-    return tuple(torch.broadcast_shapes(tuple(mask_shape), vis))
-
-
-def cache_seqlens_reasons(inputs) -> List[str]:
-    """Why the triton backend (or the cuda one: its decode kernel has the same limits) cannot
-    run these inputs' ``cache_seqlens`` (empty: it can).
-
-    The forward needs the decode kernel (the main kernels read one key length for all
-    batches). Gradients reuse the main backward with the cache folded into the mask, which
-    is allowed only while that mask stays small: at most ``max(mask.numel(), B * Lq * Lk)``
-    bools, where ``Lq <= DECODE_MAX_ROWS`` (so ``O(B * Lk)``, far below the size of K itself).
-    """
-    if inputs.cache_seqlens is None:
-        return []
-    rows = decode_rows(inputs.seqlen_q, inputs.num_heads, inputs.num_kv_heads)
-    if rows > DECODE_MAX_ROWS:
-        return [
-            f"cache_seqlens needs the decode kernel, which takes Lq * (H / Hkv) <= "
-            f"{DECODE_MAX_ROWS} rows; got {inputs.seqlen_q} * {inputs.group_size} = {rows} "
-            f"(use torch-reference or flex)"
-        ]
-    if inputs.needs_grad:
-        mask = inputs.attn_mask
-        shape = _folded_mask_shape(
-            None if mask is None else mask.shape, inputs.batch, inputs.seqlen_q, inputs.seqlen_k,
-            inputs.is_causal,
-        )
-        limit = max(0 if mask is None else mask.numel(),
-                    inputs.batch * inputs.seqlen_q * inputs.seqlen_k)
-        if _numel(shape) > limit:
-            return [
-                f"gradients with cache_seqlens fold the cache into the mask, which would grow "
-                f"to {shape} (more than max(mask size, B*Lq*Lk)); use torch-reference or flex"
-            ]
-    return []
-
-
-def block_table_reasons(inputs, backend: str = "triton") -> List[str]:
-    """Why ``backend`` (triton, or cuda, whose decode kernel has the same limits) cannot run
-    these inputs' paged KV (``block_table``; empty: it can).
-
-    Only the decode kernel reads pages, and only forwards: the main forward and backward
-    kernels take contiguous ``(B, Lk, Hkv, D)`` K/V.
-    """
-    if inputs.block_table is None:
-        return []
-    reasons = []
-    rows = decode_rows(inputs.seqlen_q, inputs.num_heads, inputs.num_kv_heads)
-    if rows > DECODE_MAX_ROWS:
-        reasons.append(
-            f"paged KV (block_table) needs the decode kernel, which takes Lq * (H / Hkv) <= "
-            f"{DECODE_MAX_ROWS} rows; got {inputs.seqlen_q} * {inputs.group_size} = {rows} "
-            f"(use torch-reference)"
-        )
-    if inputs.needs_grad:
-        reasons.append(
-            f"paged KV (block_table) is forward-only in {backend} (the backward kernels need "
-            f"contiguous K/V); use torch-reference for gradients, or run under torch.no_grad()"
-        )
-    return reasons
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def fold_cache_seqlens(mask: Optional[torch.Tensor], cache_seqlens: torch.Tensor, seqlen_q: int,
-                       seqlen_k: int, is_causal: bool) -> torch.Tensor:
-    """``mask`` combined with the KV-cache visibility, for the (non-decode) backward kernels.
-
-    Returns a bool mask to use with ``is_causal=False``: ``(B, 1, 1, Lk)`` keys ``j < n[b]``, or
-    with ``is_causal`` ``(B, 1, Lq, Lk)`` keys ``j <= i + n[b] - Lq`` (which implies ``j < n[b]``),
-    and'ed with ``mask`` (broadcast, never per head unless ``mask`` is). Size: see
-    :func:`cache_seqlens_reasons`. Equivalent to the visibility the decode kernel applies.
-    """
-    batch = cache_seqlens.shape[0]
-    n = cache_seqlens.to(torch.int64).clamp(0, seqlen_k).view(batch, 1, 1, 1)
-    j = torch.arange(seqlen_k, device=cache_seqlens.device)
-    if is_causal:
-        i = torch.arange(seqlen_q, device=cache_seqlens.device).view(seqlen_q, 1)
-        vis = j <= i + (n - seqlen_q)
-    else:
-        vis = j < n
-    return vis if mask is None else mask & vis
 
 
 # ------------------------------------------------------------------------------------------
@@ -513,7 +408,7 @@ def combine_config(num_splits: int, block_d: int, split_rows: int, device: torch
     4-warp program per row stays best (3.5 us; 4 blocks took 6.5). H200, profiler device time,
     ``scripts/decode_variants.py --profile`` (``decode-2026-11-23d-variants-combine2.log``).
     """
-    target = COMBINE_PROGRAMS_PER_SM * (_sm_count(device) if device.type == "cuda" else 1)
+    target = COMBINE_PROGRAMS_PER_SM * (sm_count(device) if device.type == "cuda" else 1)
     cols = 1
     while (cols * 2 <= COMBINE_COLUMN_BLOCKS and cols * 2 <= block_d // 16
            and split_rows * cols * 2 <= target):
@@ -574,46 +469,7 @@ def use_deep_pipeline(batch: int, num_kv_heads: int, has_mask_or_bias: bool, pag
     ms; ``decode-2026-11-23d-bench-deep.log`` against ``decode-2026-11-22f-bench.log``).
     """
     return (device.type == "cuda" and not has_mask_or_bias and not paged
-            and batch * num_kv_heads <= DEEP_PER_SM * _sm_count(device))
-
-
-_sm_count_cache = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _sm_count_cache:
-        _sm_count_cache[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _sm_count_cache[idx]
-
-
-def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torch.device,
-                      per_sm: int = 4) -> int:
-    """Key splits per (batch, kv head); ``per_sm``: how many programs of the kernel an SM holds
-    (four for this kernel's ``decode_config`` tiles; the cuda decode kernel passes its own).
-
-    On a GPU: as many programs as fit four per SM, not more (``B * Hkv`` alone rarely fills
-    one wave when decoding), but at least ``MIN_KEYS_PER_SPLIT`` keys each and at most
-    ``MAX_SPLITS``.
-    With the fixed launch config of :func:`decode_config` this was the best or within a few
-    percent of it at half and twice the count on every decode row of the benchmark, with and
-    without a mask (H200, ``scripts/decode_configs.py --splits``, 2026-11-22: B1 Lk 32K with a
-    mask 0.048 ms at 64 splits against 0.057 at 128). An earlier sweep under the autotuner had
-    favoured twice the splits with a mask; that was the autotuner picking slow configs at the
-    lower count. With ``cache_seqlens`` the count is chosen from the capacity ``Lk`` (the used
-    lengths live on the device) and each batch's used keys are divided among its splits in the
-    kernel. Under the CPU interpreter: a few splits, so the combine step is always exercised.
-    """
-    if seqlen_k <= 0:
-        return 1
-    if device.type != "cuda":
-        return max(1, min(3, cdiv(seqlen_k, 16)))
-    # Rounded down: programs past one wave of four per SM (the residency of the decode_config
-    # tiles) run as a second, nearly empty wave. B8 Hkv8 Lk 32K with a mask took 0.354 ms at
-    # 9 splits (576 programs) against 0.243 at 8 (512), 1.41 against 0.91 ms at Lk 128K.
-    want = max(1, (per_sm * _sm_count(device)) // max(1, batch * num_kv_heads))
-    cap = max(1, min(MAX_SPLITS, cdiv(seqlen_k, MIN_KEYS_PER_SPLIT)))
-    return max(1, min(want, cap))
+            and batch * num_kv_heads <= DEEP_PER_SM * sm_count(device))
 
 
 def decode_forward(

@@ -1,370 +1,60 @@
 """Fused Triton forward kernel: masked / biased / soft-capped attention with tile skipping.
 
 One program computes one query tile of one (batch, query head) and walks only the key tiles that
-the tile lists mark live (see :mod:`.tiles`); full tiles skip every per-element mask. The softmax
-is online in fp32 in the log2 domain (scores are pre-multiplied by log2(e) so the inner loop
-uses exp2).
+the tile lists mark live (see :mod:`flash_dmattn.planning.tiles`); full tiles skip every
+per-element mask. The softmax is online in fp32 in the log2 domain (scores are pre-multiplied
+by log2(e) so the inner loop uses exp2).
 
 With ``VARLEN`` the same kernel runs packed sequences (:func:`attention_forward_varlen`): the
 packed ``(total, H, D)`` tensors are batch 1, the batch grid index is the sequence index, and
 each program moves its pointers to its sequence's first query / key row read from
 ``cu_seqlens``; query tiles past the sequence's length do nothing. A per-key mask gets
-per-(sequence, mask head) lists of live key tiles (:class:`.tiles.VarlenKeyLists`), which the
-program walks up to its causal limit: dead key tiles cost nothing, full ones skip the mask.
+per-(sequence, mask head) lists of live key tiles
+(:class:`~flash_dmattn.planning.tiles.VarlenKeyLists`), which the program walks up to its causal
+limit: dead key tiles cost nothing, full ones skip the mask.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from ...envs import env_choice, interpret_mode
-from ...intmath import cdiv, next_power_of_2
+from ...envs import env_choice
+from ...intmath import cdiv
 from ...planning.gather import KeyGather, gather_policy, plan_key_gather
 from ...planning.key_mask_lists import per_key_eligible
 from ...planning.mask_summary import summarize_mask, summary_blocks, wants_summary
 from ...planning.plain_rows import plan_plain_rows, sm_count
 from ...planning.plan import NOT_PLANNED, plan_backward
-from ...planning.tiles import TileLists, build_tile_lists, build_varlen_key_lists
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-# Tests flip this to fill kernel-written outputs with NaN first, so unwritten elements show.
-DEBUG_POISON = False
-
-
-def alloc_output(shape, dtype, device) -> torch.Tensor:
-    """``torch.empty`` that the kernels must fully overwrite (NaN-poisoned in debug mode)."""
-    if DEBUG_POISON:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def dot_upcast(dtype: torch.dtype) -> bool:
-    """Whether kernels must feed tl.dot fp32 copies (bf16 under the interpreter)."""
-    return interpret_mode() and dtype == torch.bfloat16
-
-
-def head_block(head_dim: int) -> int:
-    """Padded head dim: next power of two, at least 16 (tl.dot's minimum K)."""
-    return max(16, next_power_of_2(head_dim))
-
-
-def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def seqlen_bucket(n: int) -> int:
-    """Autotune key bucket: sequence lengths within a power of two share tuned configs."""
-    return next_power_of_2(max(n, 1))
-
-
-def broadcast_strides(t: Optional[torch.Tensor], num_heads: int):
-    """(stride_b, stride_h, stride_q, stride_k, head_div) for a 4-D mask/bias view.
-
-    Size-1 dims get stride 0 so the kernels can index them with the full program index; the
-    head index is ``h // head_div`` which maps query heads to 1, Hkv or H mask heads.
-    """
-    if t is None:
-        return 0, 0, 0, 0, 1
-    st = [0 if t.size(d) == 1 else t.stride(d) for d in range(4)]
-    return st[0], st[1], st[2], st[3], num_heads // t.size(1)
-
-
-# ------------------------------------------------------------------------------------------
-# Shared jit helpers (the backward kernels import these)
-# ------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    # The CPU interpreter's tl.dot mishandles bfloat16 operands; it gets them as fp32 (exact).
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    # fp32 inputs (testing only) must not silently drop to tf32 on the GPU.
-    if a.dtype == tl.float32:
-        out = tl.dot(a, b, input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
-
-
-@triton.jit
-def _tanh(x):
-    # tanh via exp2: saturates cleanly to +-1 for large |x| (exp2 -> inf or 0), no NaN.
-    e = tl.exp2(x * 2.8853900817779268)
-    return 1.0 - 2.0 / (e + 1.0)
-
-
-@triton.jit
-def _load_bcast(base, offs_r, offs_c, stride_r, stride_c, lim_r, lim_c,
-                R_BCAST: tl.constexpr, C_BCAST: tl.constexpr, other):
-    """Load a 2-D tile of a broadcastable mask/bias; a broadcast dim loads as size 1."""
-    return _load_tile(base, offs_r, offs_c, stride_r, stride_c, lim_r, lim_c, R_BCAST, C_BCAST,
-                      other, True)
-
-
-@triton.jit
-def _load_mask_tile(base, offs_r, offs_c, stride_r, stride_c, lim_r, lim_c,
-                    R_BCAST: tl.constexpr, C_BCAST: tl.constexpr, pred):
-    """A mask tile as ``_load_bcast`` reads it, fetched only where the scalar ``pred`` holds.
-
-    The kernels call this outside their ``if need_elem:`` branch, with ``pred=need_elem``:
-    Triton software-pipelines only loads in the loop body proper, so a mask load inside the
-    branch would stall every partial tile (every tile, for a per-query top-k mask) for the
-    full memory latency. Out-of-range and unfetched elements read as 1; callers bound the
-    keys separately.
-    """
-    return _load_tile(base, offs_r, offs_c, stride_r, stride_c, lim_r, lim_c, R_BCAST, C_BCAST,
-                      1, pred)
-
-
-@triton.jit
-def _load_tile(base, offs_r, offs_c, stride_r, stride_c, lim_r, lim_c,
-               R_BCAST: tl.constexpr, C_BCAST: tl.constexpr, other, pred):
-    if R_BCAST:
-        r = tl.zeros([1, 1], dtype=tl.int32)
-        r_ok = r == 0
-    else:
-        r = offs_r[:, None]
-        r_ok = r < lim_r
-    if C_BCAST:
-        c = tl.zeros([1, 1], dtype=tl.int32)
-        c_ok = c == 0
-    else:
-        c = offs_c[None, :]
-        c_ok = c < lim_c
-    # pred may be a Python bool or a scalar tensor; make it a (1, 1) int1 tile.
-    fetch = (tl.zeros([1, 1], dtype=tl.int32) + pred) != 0
-    return tl.load(base + r * stride_r + c * stride_c, mask=r_ok & c_ok & fetch, other=other)
-
-
-@triton.jit
-def _varlen_seq(CuQ, CuK, b):
-    """(q_start (int64), seqlen_q, k_start (int64), seqlen_k) of packed sequence ``b``."""
-    q0 = tl.load(CuQ + b)
-    k0 = tl.load(CuK + b)
-    return q0.to(tl.int64), tl.load(CuQ + b + 1) - q0, k0.to(tl.int64), tl.load(CuK + b + 1) - k0
-
-
-@triton.jit
-def _varlen_key_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      IS_CAUSAL: tl.constexpr):
-    """Key tiles a query tile of one packed sequence visits (0 past the sequence's end).
-
-    Without a mask varlen calls have no tile lists: every key tile up to the causal limit of
-    the tile's last row is visited. With a per-key mask this is the limit that
-    :func:`_varlen_list_len` applies to the sequence's list.
-    """
-    n = tl.cdiv(seqlen_k, BLOCK_N)
-    if IS_CAUSAL:
-        # the last row sees keys < start_m + BLOCK_M + seqlen_k - seqlen_q (bottom-right)
-        n = tl.minimum(n, tl.cdiv(tl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), BLOCK_N))
-    return tl.where(start_m < seqlen_q, n, 0)
-
-
-@triton.jit
-def _varlen_need_elem(need_elem, start_m, start_n, seqlen_q, seqlen_k,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """Whether a varlen (query tile, key tile) pair needs per-element masking.
-
-    Without tile lists nothing classified the tile: a per-key mask is always applied (one
-    vector load), the causal compare only on tiles that cross the diagonal. (The host builds
-    lists whenever a varlen call has a mask; see :func:`_varlen_list_need_elem`.)
-    """
-    if HAS_MASK:
-        need_elem = start_n >= 0
-    elif IS_CAUSAL:
-        need_elem = need_elem | (start_n + BLOCK_N - 1 > start_m + (seqlen_k - seqlen_q))
-    return need_elem
-
-
-@triton.jit
-def _list_lower_bound(row, n, tile):
-    """How many of the first ``n`` entries of the ascending tile list ``row`` (entries
-    ``tile * 2 + partial``) lie below key tile ``tile``: a binary search of ~log2(n) scalar
-    loads, so a query tile stops at its causal limit without scanning the list."""
-    lo = n * 0
-    hi = n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        below = (tl.load(row + mid) >> 1) < tile
-        lo = tl.where(below, mid + 1, lo)
-        hi = tl.where(below, hi, mid)
-    return lo
-
-
-@triton.jit
-def _varlen_list_len(row, n, start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """Entries of a varlen key-tile list (``n`` live, ascending) that a query tile visits.
-
-    The list is shared by every query tile of the sequence, so the causal limit of this
-    tile is applied here; 0 past the sequence's end.
-    """
-    n_tiles = _varlen_key_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    if IS_CAUSAL:
-        n = _list_lower_bound(row, n, n_tiles)
-    else:
-        # Every listed tile lies inside the sequence: only the past-the-end check is left.
-        n = tl.where(n_tiles > 0, n, 0)
-    return n
-
-
-@triton.jit
-def _varlen_tile_state(row, n, tile):
-    """``(live, partial)`` of key tile ``tile`` in a varlen key-tile list (``n`` live)."""
-    pos = _list_lower_bound(row, n, tile)
-    entry = tl.load(row + pos, mask=pos < n, other=-1)
-    return (entry >> 1) == tile, (entry & 1) != 0
-
-
-@triton.jit
-def _varlen_list_need_elem(partial, start_m, start_n, seqlen_q, seqlen_k,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           IS_CAUSAL: tl.constexpr):
-    """Per-element masking of a listed varlen tile: the list's partial flag (mask not all
-    True, or a ragged edge), or -- the list being shared across query tiles -- a causal
-    diagonal crossing this query tile."""
-    need_elem = partial
-    if IS_CAUSAL:
-        need_elem = need_elem | (start_n + BLOCK_N - 1 > start_m + (seqlen_k - seqlen_q))
-    return need_elem
-
-
-@triton.jit
-def _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_lim, need_elem,
-            bias_klim, mask_bits,
-            stride_bm, stride_bn, stride_mm, stride_mn,
-            seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
-            HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
-            HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
-            IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr,
-            ELEM: tl.constexpr, BIAS_GATHERED: tl.constexpr = False,
-            MASK_BITS: tl.constexpr = False):
-    """Scores (queries x keys) in log2 units, plus tanh (for the softcap chain).
-
-    ``ELEM``: 1 -- masked per element always (gather mode); 2 -- decided per tile by
-    ``need_elem`` at run time (listed, dense and varlen loops).
-
-    ``mask_cols`` / ``mask_lim``: the mask's column index and bound (the key index and Lk,
-    or in gather mode the position in the gathered list and its length).
-    ``BIAS_GATHERED``: the bias is a KeyGather's ``gbias`` row, read at ``mask_cols`` too.
-    ``MASK_BITS``: the mask is given as ``mask_bits`` and not loaded (kernels that do not use
-    it pass 0): 1 -- a per-key mask's tile bits, an int64 scalar with bit ``i`` for key ``i``
-    of the tile; 2 -- one int64 per row with bit ``i`` for column ``i`` (see ``_hide``).
-    """
-    s = _dot(q, kt, DOT_UPCAST)
-    if HAS_SOFTCAP:
-        th = _tanh(s * cap_scale)
-        s = (softcap * 1.4426950408889634) * th
-    else:
-        th = s
-        s = s * qk_scale
-    if HAS_BIAS:
-        if BIAS_GATHERED:
-            bias_cols = mask_cols
-        else:
-            bias_cols = offs_n
-        bv = _load_bcast(bias_base, offs_m, bias_cols, stride_bm, stride_bn, seqlen_q,
-                         bias_klim, BIAS_QB, BIAS_KB, 0.0)
-        s = s + bv.to(tl.float32) * 1.4426950408889634
-    if MASK_BITS:
-        mv = mask_bits
-    elif HAS_MASK:  # outside the branch so it is pipelined (see _load_mask_tile)
-        mv = _load_mask_tile(mask_base, offs_m, mask_cols, stride_mm, stride_mn, seqlen_q,
-                             mask_lim, MASK_QB, MASK_KB, need_elem)
-    else:
-        mv = 1
-    if ELEM == 1:
-        s = _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL, MASK_BITS)
-    elif ELEM == 2:
-        if need_elem:
-            s = _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK, IS_CAUSAL,
-                      MASK_BITS)
-    return s, th
-
-
-@triton.jit
-def _bit_set(words, lane):
-    """Whether bit ``lane`` (0..63) of the int64 ``words`` is set, broadcasting the two; the
-    32-bit halves keep the shifts in 32-bit ops."""
-    half = tl.where(lane < 32, words.to(tl.int32), (words >> 32).to(tl.int32))
-    return ((half >> (lane & 31)) & 1) != 0
-
-
-@triton.jit
-def _hide(s, mv, n_ok, offs_m, offs_n, seqlen_q, seqlen_k, HAS_MASK: tl.constexpr,
-          IS_CAUSAL: tl.constexpr, MASK_BITS: tl.constexpr = False):
-    """-inf where a (query, key) element is out of range, masked or causally hidden.
-
-    ``mv``: the mask tile (non-zero = live); with ``MASK_BITS == 1`` the tile's bits (an int64
-    scalar; key tiles start at multiples of their width, so a key's bit is its index modulo
-    the width); with ``MASK_BITS == 2`` one int64 per row, bit ``i`` for the tile's column
-    ``i`` (gathered keys: a KeyGather's gbits, which also hold range and causality)."""
-    if MASK_BITS == 2:
-        # Gathered keys: the row's bits are the whole answer -- the planner leaves them 0 past
-        # the list's count and past the row's causal limit -- so no range or causal test.
-        # (An if / else, not an early return: the compiler would still build the rest.)
-        vis = _bit_set(mv[:, None], tl.arange(0, offs_n.shape[0])[None, :])
-    else:
-        vis = n_ok[None, :]
-        if MASK_BITS == 1:
-            # Tile widths are powers of two <= 64: a key's lane is its index modulo the width.
-            vis = vis & _bit_set(mv, offs_n & (offs_n.shape[0] - 1))[None, :]
-        elif HAS_MASK:
-            vis = vis & (mv != 0)
-        if IS_CAUSAL:
-            vis = vis & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
-    return tl.where(vis, s, float("-inf"))
-
-
-@triton.jit
-def _gathered_row_bits(bits_rows, t, BLOCK_N: tl.constexpr):
-    """Gathered tile ``t``'s mask bits of each row (bit ``i`` for its column ``i``) from the
-    rows' gbits words (64 listed keys each)."""
-    tl.static_assert(64 % BLOCK_N == 0, "a gathered tile's bits must lie in one gbits word")
-    words = tl.load(bits_rows + ((t * BLOCK_N) >> 6))
-    if BLOCK_N < 64:
-        words = words >> ((t * BLOCK_N) & 63)
-    return words
-
-
-@triton.jit
-def _key_tile(t, offs_n0, start_m, seqlen_q, seqlen_k,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
-              IS_CAUSAL: tl.constexpr, VARLEN: tl.constexpr):
-    """Key tile ``t`` of an unlisted loop (dense or varlen), for the forward and dQ kernels.
-
-    Returns ``(offs_n, n_ok, need_elem)``: the key indices, which are in range and whether the
-    tile needs per-element masking (a ragged edge; in varlen calls also mask / diagonal).
-    """
-    start_n = t * BLOCK_N
-    need_elem = start_n + BLOCK_N > seqlen_k
-    if VARLEN:
-        need_elem = _varlen_need_elem(need_elem, start_m, start_n, seqlen_q, seqlen_k,
-                                      BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL)
-    offs_n = start_n + offs_n0
-    return offs_n, offs_n < seqlen_k, need_elem
-
-
-@triton.jit
-def _key_bounds(stride_mm, stride_bm, seqlen_k, MASK_PAD: tl.constexpr, BIAS_PAD: tl.constexpr):
-    """Key bounds of the mask and bias reads: the row stride for padded row copies
-    (:func:`aligned_rows`, a multiple of 16 the compiler can see), else ``seqlen_k``."""
-    mask_klim = seqlen_k
-    bias_klim = seqlen_k
-    if MASK_PAD:
-        mask_klim = stride_mm
-    if BIAS_PAD:
-        bias_klim = stride_bm
-    return mask_klim, bias_klim
+from ...planning.rows import aligned_rows
+from ...planning.tiles import TileLists, build_tile_lists
+from .common import (
+    LOG2E,
+    _dot,
+    _gathered_row_bits,
+    _key_bounds,
+    _key_tile,
+    _scores,
+    _varlen_key_tiles,
+    _varlen_list_len,
+    _varlen_list_need_elem,
+    _varlen_seq,
+    alloc_output,
+    broadcast_strides,
+    bwd_blocks,
+    dot_upcast,
+    fwd_blocks,
+    head_block,
+    interpret_mode,
+    last_dim_contiguous,
+    launch_tuned,
+    seqlen_bucket,
+    varlen_aux_4d,
+    varlen_list_args,
+    varlen_tail_rows,
+)
 
 
 @triton.jit
@@ -670,20 +360,6 @@ def mask_bits_mode() -> str:
     return env_choice(MASK_BITS_ENV, ("on", "off"), "on")
 
 
-def fwd_blocks(head_dim: int) -> Tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of the forward kernel; the tile lists are built for this shape.
-
-    Block sizes are fixed per head dim (not autotuned) because the live-tile lists depend on
-    them; autotuning covers num_warps / num_stages. Chosen from sm_90 register/smem reports of
-    ahead-of-time compiles (no spills at 8 warps with mask + bias + softcap enabled).
-    """
-    if interpret_mode():
-        return 16, 16
-    if head_block(head_dim) <= 128:
-        return 128, 64
-    return 64, 64
-
-
 def _fwd_configs():
     return [triton.Config({}, num_warps=w, num_stages=s)
             for w, s in ((8, 2), (8, 3), (8, 4), (4, 2), (4, 3))]
@@ -735,7 +411,8 @@ def attention_forward(
         tiles: optional prebuilt forward tile lists for :func:`fwd_blocks`, or a prebuilt
             :class:`KeyGather` for its ``block_m`` (planned here if None).
         keep_plan: also plan the backward of this call (after launching the kernel, so the
-            host work overlaps it) and return that :class:`.plan.BackwardPlan` third.
+            host work overlaps it) and return that
+            :class:`~flash_dmattn.planning.plan.BackwardPlan` third.
 
     Returns:
         ``out`` ``(B, Lq, H, D)`` in q's dtype (contiguous) and ``lse`` ``(B, H, Lq)`` fp32
@@ -768,7 +445,7 @@ def attention_forward(
         # A per-query mask is read once, by one kernel, for everything planned from it (with
         # keep_plan at a granularity that also serves the backward's block shapes).
         if wants_summary(mask, Lq, Lk):
-            blocks = [(block_m, block_n)] + (list(_bwd_blocks(D)) if keep_plan else [])
+            blocks = [(block_m, block_n)] + (list(bwd_blocks(D)) if keep_plan else [])
             summary = summarize_mask(mask, *summary_blocks(*blocks), is_causal)
         gather = plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m, block_n,
                                  summary=summary, lagged=True)
@@ -848,7 +525,7 @@ def attention_forward(
         _launch_fwd(grid, args, meta)
     if not keep_plan:
         return out, lse
-    bwd = _bwd_blocks(D)
+    bwd = bwd_blocks(D)
     # The dQ kernel plans the same gather as this forward when it has the same block shape
     # and policy: hand over this one (None included: "tile lists").
     reuse = (planned_here and bwd[1] == (block_m, block_n)
@@ -860,100 +537,13 @@ def attention_forward(
     return out, lse, plan
 
 
-def _bwd_blocks(head_dim: int):
-    from .backward import bwd_blocks  # backward imports this module
-
-    return bwd_blocks(head_dim)
-
-
-# A per-query mask or bias whose rows are not 16-byte aligned (odd Lk, or an odd row stride)
-# is read element by element, which Triton neither vectorises nor software-pipelines; on sm_90
-# that compile also spills heavily (scripts/compile_check.py --seqlen 500: 780 bytes in the
-# forward with a mask, 584 with a full bias). Such a tensor is copied into zero-padded rows of
-# a multiple of ROW_ALIGN elements first, for reading only (gradients keep the input's shape).
-ROW_ALIGN = 64
-
-
-def aligned_rows(t: Optional[torch.Tensor], seqlen_q: int,
-                 seqlen_k: int) -> Tuple[Optional[torch.Tensor], bool]:
-    """``(t, padded)``: a per-query mask / bias with 16-byte aligned rows, copied if needed.
-
-    The copy has the same shape and values (a view of the first ``seqlen_k`` columns of
-    zero-padded rows), so kernels given ``MASK_PAD`` / ``BIAS_PAD`` may bound their reads by
-    the row stride. Broadcast and per-key tensors are returned as they are (their rows are
-    small or shared). Equivalent plain PyTorch::
-
-        rows = torch.zeros(*t.shape[:3], round_up(seqlen_k, 64), dtype=t.dtype)
-        rows[..., :seqlen_k] = t
-        t = rows[..., :seqlen_k]
-    """
-    if t is None or seqlen_q <= 1 or t.size(2) != seqlen_q or t.size(3) != seqlen_k:
-        return t, False
-    vec = max(1, 16 // t.element_size())  # elements per 16 bytes
-    if (t.stride(3) == 1 and t.stride(2) % vec == 0 and seqlen_k % vec == 0
-            and all(t.stride(d) % vec == 0 or t.size(d) == 1 for d in (0, 1))):
-        return t, False
-    bx, hx = t.shape[0], t.shape[1]
-    width = -(-seqlen_k // ROW_ALIGN) * ROW_ALIGN
-    rows = torch.empty((bx, hx, seqlen_q, width), dtype=t.dtype, device=t.device)
-    rows[..., seqlen_k:] = 0
-    rows[..., :seqlen_k] = t.detach()
-    return rows[..., :seqlen_k], True
-
-
-# FLASH_DMATTN_TRITON_AUTOTUNE=0 launches the first (pruned) config instead of autotuning:
-# GPU test runs compile each specialisation once instead of once per config.
-AUTOTUNE_ENV = "FLASH_DMATTN_TRITON_AUTOTUNE"
-
-
-def launch_tuned(kernel, tuned, grid, args, meta, autotune: bool = True) -> None:
-    """Launch ``tuned`` (an autotuner over ``kernel``), or ``kernel`` with fixed settings under
-    the interpreter, with autotuning switched off, or without ``autotune``: the first of
-    ``tuned``'s (pruned) configs this GPU can fit. During CUDA-graph capture a specialisation
-    the autotuner has not timed yet also takes the first config: timing synchronises the
-    device, which capture forbids (its choice is used once it has one)."""
-    if interpret_mode():
-        kernel[grid](*args, **meta, num_warps=4, num_stages=1)
-    elif (not autotune or os.environ.get(AUTOTUNE_ENV, "1").strip() == "0"
-          or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-              and not _autotuned(tuned, args, meta))):
-        configs = tuned.configs
-        prune = getattr(tuned, "early_config_prune", None)
-        if prune is not None:
-            configs = prune(configs, dict(zip(kernel.arg_names, args)), **meta)
-        # Like the autotuner, skip configs this GPU cannot fit (shared memory, registers).
-        for i, cfg in enumerate(configs):
-            try:
-                kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-                return
-            except triton.runtime.errors.OutOfResources:
-                if i == len(configs) - 1:
-                    raise
-    else:
-        tuned[grid](*args, **meta)
-
-
-def _autotuned(tuned, args, meta) -> bool:
-    """Whether ``tuned`` has a timed config for these arguments (its cache key, built as
-    Triton's ``Autotuner.run`` builds it: the key arguments, then every tensor's dtype)."""
-    if len(tuned.configs) <= 1:
-        return True
-    try:
-        named = {k: v for k, v in {**dict(zip(tuned.arg_names, args)), **meta}.items()
-                 if k in tuned.arg_names}
-        key = [named[k] for k in tuned.keys if k in named]
-        key += [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
-        return tuple(key) in tuned.cache
-    except Exception:  # noqa: BLE001  (another Triton's internals: take the safe branch)
-        return False
-
-
 def _launch_fwd(grid, args, meta) -> None:
     launch_tuned(_attn_fwd_kernel, _attn_fwd_tuned, grid, args, meta)
 
 
 def _launch_plain_rows(grid, args, meta, device: torch.device, plain_args) -> None:
-    """The two-kernel forward of a per-key mask (see :mod:`.plain_rows`): every row without
+    """The two-kernel forward of a per-key mask (see :mod:`flash_dmattn.planning.plain_rows`):
+    every row without
     the mask, on counts that give the rows the mask cuts no tile (``plain_args``: the
     arguments with those counts), then a net of about one wave that runs the cut rows again,
     with the mask's bits, over what the first kernel stored for them."""
@@ -970,36 +560,6 @@ def _launch_plain_rows(grid, args, meta, device: torch.device, plain_args) -> No
 
 def _launch_fwd_untuned(grid, args, meta) -> None:
     launch_tuned(_attn_fwd_kernel, _attn_fwd_tuned, grid, args, meta, autotune=False)
-
-
-def varlen_aux_4d(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A varlen per-key mask/bias ``(1|Hkv|H, total_k)`` as the kernels' 4-D view.
-
-    ``(1, Hx, 1, total_k)``: batch 1 and one query row (broadcast), indexed by packed key.
-    """
-    return None if t is None else t[None, :, None, :]
-
-
-def varlen_tail_rows(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Bool ``(total,)``: packed rows past ``cu_seqlens[-1]``, which no sequence owns.
-
-    Computed on the device (no host sync); the kernels never visit those rows.
-    """
-    return torch.arange(total, device=cu_seqlens.device) >= cu_seqlens[-1]
-
-
-def varlen_list_args(mask: Optional[torch.Tensor], cu_seqlens_k: torch.Tensor,
-                     max_seqlen_k: int, num_heads: int, block_n: int, dummy: torch.Tensor):
-    """``(idx, cnt, list strides + head_div)`` kernel arguments of a varlen call.
-
-    With a per-key mask: its :class:`~.tiles.VarlenKeyLists` for ``block_n`` key tiles, so
-    the kernels skip key tiles with no live key and the mask load on all-live ones. Without
-    one: placeholders (``dummy`` is never read) and ``USE_LIST`` must be False.
-    """
-    if mask is None:
-        return dummy, dummy, (0, 0, 0, 0, 0, 0, 1)
-    lists = build_varlen_key_lists(mask, cu_seqlens_k, max_seqlen_k, num_heads, block_n)
-    return lists.idx, lists.cnt, (*lists.strides(), lists.head_div)
 
 
 def attention_forward_varlen(

@@ -31,7 +31,7 @@ import triton.language as tl
 from ...intmath import cdiv
 from ...planning.key_lists import full_bounds, plan_intervals
 from .backward import _bwd_preprocess
-from .forward import _dot, _tanh, alloc_output, dot_upcast, head_block, interpret_mode
+from .common import _dot, _tanh, alloc_output, dot_upcast, head_block, interpret_mode
 
 # Kernels read module constants only as constexprs.
 LOG2E = tl.constexpr(1.4426950408889634)
