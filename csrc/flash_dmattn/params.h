@@ -55,7 +55,7 @@ struct TileList {
   int hdiv = 1;
 };
 
-// Gathered keys (flash_dmattn/planning/gather.py, the Triton backend's planner): per
+// Gathered keys (flash_dmattn/planning/gather.py, the planner shared with Triton): per
 // query tile (b, h / hdiv, m), its rows' live keys compacted into one ascending list of `cnt`
 // key indices, the mask at those keys as bits (int64 words of 64 listed keys per query row;
 // they also hold the causal limit) and a per-key bias at those keys. The forward walks the
