@@ -15,12 +15,14 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Dict, Iterable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from .backends.base import Backend
 from .inputs import AttentionInputs, VarlenInputs
+
+if TYPE_CHECKING:  # the backends package registers its backends here: no import back
+    from .backends.base import Backend
 
 logger = logging.getLogger("flash_dmattn")
 

@@ -251,8 +251,9 @@ def apply_dynamic_mask_attention(
         out = scores.softmax(-1) @ v                                      # (B, H, Lq, D)
     """
     mask, bias = _dynamic_mask_and_bias(query, key, value, dt_proj, A, causal_mask, keep_window_size, is_causal)
-    # Imported lazily so that the utilities stay importable on their own.
-    from flash_dmattn import flash_dmattn_func
+    # Imported here: the api module pulls in the registry and dispatch, which the mask
+    # utilities above do not need.
+    from ..api import flash_dmattn_func
 
     out = flash_dmattn_func(
         query.transpose(1, 2),
