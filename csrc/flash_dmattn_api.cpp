@@ -338,6 +338,17 @@ std::vector<at::Tensor> fwd_gathered(const at::Tensor& q, const at::Tensor& k,
   return {out, lse};
 }
 
+// The gradient outputs' pointers and strides (dq like q; dk / dv like k / v, or their fp32
+// accumulators).
+void set_grads(BwdParams& p, const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
+  p.dq = dq.data_ptr();
+  p.dq_sb = dq.stride(0), p.dq_sl = dq.stride(1), p.dq_sh = dq.stride(2);
+  p.dk = dk.data_ptr();
+  p.dk_sb = dk.stride(0), p.dk_sl = dk.stride(1), p.dk_sh = dk.stride(2);
+  p.dv = dv.data_ptr();
+  p.dv_sb = dv.stride(0), p.dv_sl = dv.stride(1), p.dv_sh = dv.stride(2);
+}
+
 // Key-interval masks (see KeyIntervalLists in params.h). bounds: contiguous int32
 // (2, B, R, Lk) with R = Hkv (or H when H == Hkv); a bias is per key (Bx, Hb, 1, Lk) in q's
 // dtype; tile lists are the planner's (B * R, ceil(Lq / fwd_block_m)) int32.
@@ -466,12 +477,7 @@ std::vector<at::Tensor> bwd_intervals(const at::Tensor& dout, const at::Tensor& 
   // dK / dV / dbias are sums over a block's query segments: zeroed fp32, added by atomics.
   at::Tensor dk = at::zeros({p.B, p.Lk, p.Hkv, p.D}, f32);
   at::Tensor dv = at::zeros({p.B, p.Lk, p.Hkv, p.D}, f32);
-  p.dq = dq.data_ptr();
-  p.dq_sb = dq.stride(0), p.dq_sl = dq.stride(1), p.dq_sh = dq.stride(2);
-  p.dk = dk.data_ptr();
-  p.dk_sb = dk.stride(0), p.dk_sl = dk.stride(1), p.dk_sh = dk.stride(2);
-  p.dv = dv.data_ptr();
-  p.dv_sb = dv.stride(0), p.dv_sl = dv.stride(1), p.dv_sh = dv.stride(2);
+  set_grads(p, dq, dk, dv);
   p.need_dq = need_dq;
   p.need_dkv = need_dkv;
   at::Tensor dbias;
@@ -535,12 +541,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   at::Tensor dq = grad_like(q);
   at::Tensor dk = grad_like(k);
   at::Tensor dv = grad_like(v);
-  p.dq = dq.data_ptr();
-  p.dq_sb = dq.stride(0), p.dq_sl = dq.stride(1), p.dq_sh = dq.stride(2);
-  p.dk = dk.data_ptr();
-  p.dk_sb = dk.stride(0), p.dk_sl = dk.stride(1), p.dk_sh = dk.stride(2);
-  p.dv = dv.data_ptr();
-  p.dv_sb = dv.stride(0), p.dv_sl = dv.stride(1), p.dv_sh = dv.stride(2);
+  set_grads(p, dq, dk, dv);
   p.need_dq = need_dq;
   p.need_dkv = need_dkv;
   at::Tensor dbias;

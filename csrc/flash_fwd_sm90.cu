@@ -203,6 +203,13 @@ __device__ __forceinline__ void load_gathered_aux(const FwdParams& p, int b, int
   }
 }
 
+// A raw score q·k as a logit: scaled, soft-capped where the call asks for it.
+template <bool kSoftcap>
+__device__ __forceinline__ float scaled_score(const FwdParams& p, float s) {
+  if constexpr (kSoftcap) return p.softcap * tanhf(s * (p.scale / p.softcap));
+  return s * p.scale;
+}
+
 // One listed key of a key-interval tile, as the producer thread that stages it holds it: the
 // query indices [lo, hi) that see it (its interval, causality folded in) and its bias. Columns
 // past the list get an empty range.
@@ -435,14 +442,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
           const int c = get<1>(cS(make_coord(0, r, g), 0, 0));  // 8 g + lane_shift
           float& s0 = acc_s(make_coord(0, r, g), 0, 0);
           float& s1 = acc_s(make_coord(1, r, g), 0, 0);
-          float x0 = s0, x1 = s1;
-          if constexpr (kSoftcap) {
-            x0 = p.softcap * tanhf(x0 * (p.scale / p.softcap));
-            x1 = p.softcap * tanhf(x1 * (p.scale / p.softcap));
-          } else {
-            x0 *= p.scale;
-            x1 *= p.scale;
-          }
+          float x0 = scaled_score<kSoftcap>(p, s0), x1 = scaled_score<kSoftcap>(p, s1);
           if constexpr (kHasBias) {
             __align__(4) Elem two[2];
             *reinterpret_cast<uint32_t*>(two) =
@@ -484,14 +484,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
         for (int r = 0; r < 2; ++r) {
           float& s0 = acc_s(make_coord(0, r, g), 0, 0);
           float& s1 = acc_s(make_coord(1, r, g), 0, 0);
-          float x0 = s0, x1 = s1;
-          if constexpr (kSoftcap) {
-            x0 = p.softcap * tanhf(x0 * (p.scale / p.softcap));
-            x1 = p.softcap * tanhf(x1 * (p.scale / p.softcap));
-          } else {
-            x0 *= p.scale;
-            x1 *= p.scale;
-          }
+          const float x0 = scaled_score<kSoftcap>(p, s0), x1 = scaled_score<kSoftcap>(p, s1);
           const int q = qrow[r];
           s0 = !test | ((rg.x <= q) & (q < rg.y)) ? x0 + b0 : -INFINITY;
           s1 = !test | ((rg.z <= q) & (q < rg.w)) ? x1 + b1 : -INFINITY;
