@@ -9,6 +9,7 @@ kernels' with the cache folded into the mask (:func:`fold_cache_seqlens`).
 """
 from __future__ import annotations
 
+import functools
 from typing import List, Optional
 
 import torch
@@ -129,15 +130,15 @@ def fold_cache_seqlens(mask: Optional[torch.Tensor], cache_seqlens: torch.Tensor
     return vis if mask is None else mask & vis
 
 
-_SM_COUNT = {}
-
-
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (the current one when it has no index)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return _sm_count(idx)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torch.device,

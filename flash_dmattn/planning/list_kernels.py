@@ -6,9 +6,9 @@ directly, without the sort and its (key, tile)-sized temporaries.
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ..envs import interpret_mode
 
 try:
     import triton
@@ -19,15 +19,11 @@ except ImportError:  # the planner then uses its plain-PyTorch twins
 SCAN_BLOCK = 512
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
 def available(device: torch.device) -> bool:
     """Whether the list kernels run for tensors on ``device``."""
     if triton is None:
         return False
-    return device.type == "cuda" or (device.type == "cpu" and _interpreting())
+    return device.type == "cuda" or (device.type == "cpu" and interpret_mode())
 
 
 if triton is not None:

@@ -29,12 +29,13 @@ tests).
 """
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 from typing import Optional
 
 import torch
+
 from ..envs import env_choice
+from .decode import sm_count
 
 PLAIN_ROWS_ENV = "FLASH_DMATTN_TRITON_PLAIN_ROWS"
 _MODES = ("auto", "never", "always")
@@ -125,7 +126,4 @@ class _LaggedVerdict:
         self.pending = True
 
 
-@functools.lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
+

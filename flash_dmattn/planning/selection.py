@@ -37,7 +37,6 @@ from typing import Optional
 import torch
 
 from ..masks import KeyIntervals
-from . import selection_kernels as _kernels
 
 __all__ = ["topk_intervals", "kth_smallest_of_prefixes"]
 
@@ -267,6 +266,9 @@ def topk_intervals(
     heads, length = bias.shape[1], bias.shape[2]
     # Every query keeps at most W keys, and a query keeps at most one key the query before it
     # did not (its own position): the KeyIntervals window promise.
+    # The kernels' module imports triton: only when a call may use it.
+    from . import selection_kernels as _kernels
+
     if batch * heads * length > 0 and _kernels.available(bias.device, batch * heads):
         # Triton: one score pass, the sort and (causal) a launch per tree level plus one for
         # all queries; the same integers as the plain path below.

@@ -27,10 +27,11 @@ bit for bit.
 from __future__ import annotations
 
 import functools
-import os
 import struct
 
 import torch
+
+from ..envs import interpret_mode
 
 try:
     import triton
@@ -55,15 +56,11 @@ _ALWAYS = 1 << 30
 MAX_ROWS = 65535
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
 def available(device: torch.device, rows: int = 1) -> bool:
     """Whether the selection kernels run for ``rows`` (batch, head) rows on ``device``."""
     if triton is None or rows > MAX_ROWS:
         return False
-    return device.type == "cuda" or (device.type == "cpu" and _interpreting())
+    return device.type == "cuda" or (device.type == "cpu" and interpret_mode())
 
 
 def radix_bits(length: int) -> int:

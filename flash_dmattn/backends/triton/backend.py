@@ -6,11 +6,11 @@ The kernels are wrapped as custom ops (:class:`flash_dmattn.ops.AttentionOp`) so
 """
 from __future__ import annotations
 
-import os
 from typing import List, Optional
 
 import torch
 
+from ...envs import interpret_mode
 from ..base import Backend
 from . import triton_unavailable_reason
 
@@ -21,10 +21,6 @@ MAX_HEAD_DIM = 256
 TUNED = False
 
 _op = None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None, block_table=None,
@@ -155,7 +151,7 @@ def _kernel_reasons(inputs) -> List[str]:
     """Why the kernels cannot run these inputs (dense or packed): device, dtype, head dim, probs."""
     reasons = []
     dev = inputs.device.type
-    if dev != "cuda" and not (dev == "cpu" and _interpreting()):
+    if dev != "cuda" and not (dev == "cpu" and interpret_mode()):
         reasons.append(f"tensors on {dev} (needs CUDA, or CPU with TRITON_INTERPRET=1)")
     if dev == "cuda" and torch.cuda.get_device_capability(inputs.device) < (8, 0):
         reasons.append("needs a GPU of compute capability >= 8.0")
@@ -188,7 +184,7 @@ class TritonBackend(Backend):
         reason = triton_unavailable_reason()
         if reason is not None:
             return reason
-        if not _interpreting() and not torch.cuda.is_available():
+        if not interpret_mode() and not torch.cuda.is_available():
             return "no CUDA device (TRITON_INTERPRET=1 runs the kernels on CPU tensors)"
         return None
 

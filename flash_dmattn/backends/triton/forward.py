@@ -26,7 +26,8 @@ from ...intmath import cdiv
 from ...planning.gather import KeyGather, gather_policy, plan_key_gather
 from ...planning.key_mask_lists import per_key_eligible
 from ...planning.mask_summary import summarize_mask, summary_blocks, wants_summary
-from ...planning.plain_rows import plan_plain_rows, sm_count
+from ...planning.decode import sm_count
+from ...planning.plain_rows import plan_plain_rows
 from ...planning.plan import NOT_PLANNED, plan_backward
 from ...planning.rows import aligned_rows
 from ...planning.tiles import TileLists, build_tile_lists
