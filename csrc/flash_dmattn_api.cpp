@@ -308,6 +308,22 @@ void fill_gather(FwdParams& p, const at::Tensor& idx, const at::Tensor& cnt, int
   }
 }
 
+// The output (``out_`` or a new contiguous tensor like q) and the (B, H, Lq) fp32 lse of a
+// dense-batch forward, wired into p.
+std::pair<at::Tensor, at::Tensor> dense_out_lse(FwdParams& p, const at::Tensor& q,
+                                                const OptT& out_) {
+  at::Tensor out = out_.has_value() ? *out_ : at::empty_like(q, at::MemoryFormat::Contiguous);
+  check_qkv(out, "out");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  p.out = out.data_ptr();
+  p.o_sb = out.stride(0), p.o_sl = out.stride(1), p.o_sh = out.stride(2);
+  p.lse = lse.data_ptr<float>();
+  p.lse_sb = int64_t(p.H) * p.Lq;
+  p.lse_sh = p.Lq;
+  return {out, lse};
+}
+
 // The forward over gathered key lists (see KeyGather in params.h): idx (Bm, Hm, nQ, >= Lk)
 // int32, cnt (Bm, Hm, nQ) int32, bits (Bm, Hm, nQ * block_m, W) int64, gbias (Bg, Hg, nQ,
 // width) in q's dtype or none; nQ = ceil(Lq / block_m). Broadcast dims have size 1.
@@ -322,15 +338,7 @@ std::vector<at::Tensor> fwd_gathered(const at::Tensor& q, const at::Tensor& k,
   FwdParams p;
   fill_common(p, q, k, v, std::nullopt, std::nullopt, softmax_scale, is_causal, softcap,
               /*paged=*/false, /*aux=*/false);
-  at::Tensor out = out_.has_value() ? *out_ : at::empty_like(q, at::MemoryFormat::Contiguous);
-  check_qkv(out, "out");
-  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
-  at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
-  p.out = out.data_ptr();
-  p.o_sb = out.stride(0), p.o_sl = out.stride(1), p.o_sh = out.stride(2);
-  p.lse = lse.data_ptr<float>();
-  p.lse_sb = int64_t(p.H) * p.Lq;
-  p.lse_sh = p.Lq;
+  auto [out, lse] = dense_out_lse(p, q, out_);
   fill_gather(p, idx, cnt, hdiv, bits, bits_hdiv, gbias, gbias_hdiv);
   if (finished_without_keys(p, out, lse)) return {out, lse};
   cudaError_t err = flash_dmattn::run_fwd(p, at::cuda::getCurrentCUDAStream());
@@ -415,13 +423,7 @@ std::vector<at::Tensor> fwd_intervals(const at::Tensor& q, const at::Tensor& k,
   p.iv.tile_full = tile_full.data_ptr<int32_t>();
   p.iv.keys = keys.data_ptr<int32_t>();
   p.iv.n_tiles = static_cast<int>(n_tiles);
-  at::Tensor out = out_.has_value() ? *out_ : at::empty_like(q, at::MemoryFormat::Contiguous);
-  check_qkv(out, "out");
-  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
-  at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
-  p.out = out.data_ptr();
-  p.o_sb = out.stride(0), p.o_sl = out.stride(1), p.o_sh = out.stride(2);
-  p.lse = lse.data_ptr<float>();
+  auto [out, lse] = dense_out_lse(p, q, out_);
   if (finished_without_keys(p, out, lse)) return {out, lse};
   cudaError_t err = flash_dmattn::run_fwd(p, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda fwd_intervals: ", cudaGetErrorString(err));
