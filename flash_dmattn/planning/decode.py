@@ -24,9 +24,8 @@ DECODE_MAX_ROWS = 64
 DECODE_MIN_SEQLEN_K = 128
 # Split-count bounds: at most this many splits (the combine reads one partial per split), and
 # at least this many keys per split so a split amortises its q load and partial write. Short
-# caches decode faster with short splits while the programs still fit one wave: B1 H32/Hkv8
-# Lk 4K with a per-key mask + bias took 0.0158 ms at 32 splits of 128 keys against 0.0196 at
-# 16 of 256 (H200, CUDA-graph replay, decode-2026-11-22l-pdl-ab.log, "pdl x2").
+# caches decode faster with short splits while the programs still fit one wave, so the floor
+# is one 128-key tile (benchmarks/results/nvidia-h200/SUMMARY.md, decode rows).
 MAX_SPLITS = 128
 MIN_KEYS_PER_SPLIT = 128
 
@@ -150,13 +149,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torc
     On a GPU: as many programs as fit four per SM, not more (``B * Hkv`` alone rarely fills
     one wave when decoding), but at least ``MIN_KEYS_PER_SPLIT`` keys each and at most
     ``MAX_SPLITS``.
-    With the triton decode kernel's fixed launch config (``decode_config``) this was the best
-    or within a few
-    percent of it at half and twice the count on every decode row of the benchmark, with and
-    without a mask (H200, ``scripts/decode_configs.py --splits``, 2026-11-22: B1 Lk 32K with a
-    mask 0.048 ms at 64 splits against 0.057 at 128). An earlier sweep under the autotuner had
-    favoured twice the splits with a mask; that was the autotuner picking slow configs at the
-    lower count. With ``cache_seqlens`` the count is chosen from the capacity ``Lk`` (the used
+    With the triton decode kernel's fixed launch config (``decode_config``) this count is the
+    best, or within a few percent of it, against half and twice the count on every decode row
+    of the benchmark, with and without a mask (``scripts/decode_configs.py --splits``; results
+    in ``benchmarks/results/``). With ``cache_seqlens`` the count is chosen from the capacity ``Lk`` (the used
     lengths live on the device) and each batch's used keys are divided among its splits in the
     kernel. Under the CPU interpreter: a few splits, so the combine step is always exercised.
     """

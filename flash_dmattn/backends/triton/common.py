@@ -380,15 +380,15 @@ def bwd_blocks(head_dim: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
     The dK/dV kernel keeps a long key tile resident (K, V and two fp32 accumulators) and streams
     short query tiles; the dQ kernel is forward-shaped (long query tile, short key tile), so for
     head dims up to 128 it uses the forward's blocks. The shapes match what FlexAttention picks
-    on sm_90 (the same register budget), which measured well on the H200; D=256 halves the
+    on sm_90 (the same register budget); D=256 halves the
     long side because the fp32 accumulators alone fill the register file.
     """
     if interpret_mode():
         return (16, 16), (16, 16)
     bd = head_block(head_dim)
     if bd <= 128:
-        # A 64-key dK/dV tile (half the accumulators, twice the programs) measured slower on
-        # the H200: T2 fwd+bwd 5.35 vs 4.88 ms (ab-2026-11-22c-dk64.log).
+        # 128-key dK/dV tiles: a 64-key tile halves the accumulators but doubles the programs,
+        # each re-reading Q and dO, and measured slower (benchmarks/results/nvidia-h200/).
         return (64, 128), (128, 64)
     return (64, 64), (64, 64)
 
