@@ -16,8 +16,8 @@ export MAX_JOBS=${MAX_JOBS:-4}
 device_install cutlass
 T0=$(date +%s)
 stamp() { echo "$1 at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/suite-times.log"; }
-TESTS="tests/test_cuda_backend.py tests/test_gpu.py tests/test_cuda_jit.py"
-K="cuda"
+TESTS=${TESTS:-"tests/test_cuda_backend.py tests/test_gpu.py tests/test_cuda_jit.py tests/test_cuda_intervals.py"}
+K=${K:-cuda}
 
 MAX_JOBS=16 /usr/bin/time -f "build wall %e s" timeout 200 \
   python3 -m flash_dmattn build d128-bf16-mask-bias >"$OUT/build-first.log" 2>&1
