@@ -44,6 +44,7 @@ from flash_dmattn import AttentionInputs, flash_dmattn_func_auto, get_available_
 
 from . import report
 from .impls import REFERENCE_MAX_WORK_GPU, Declined, Impl, RunContext, Skipped, _short_decline
+from .measure import GRAD_NAMES, REFERENCE_CHECK_MAX_WORK, derive_rates, run_suite_workload, time_impl
 from .report import ERROR, OK, Row
 from .workloads import Workload
 
@@ -60,9 +61,8 @@ SEED = 0
 # Long rows take tens to hundreds of milliseconds a call: a time budget alone would time
 # them once or twice, so every row gets at least this many timed calls (and 2 warm-ups).
 MIN_RUNS = 10
-# The float32 oracle (torch-reference with the intervals as a dense bool mask) is O(L²).
-REFERENCE_CHECK_MAX_WORK = 8192 * 8192
-GRAD_NAMES = ("dq", "dk", "dv", "dbias")
+# The float32 oracle (torch-reference with the intervals as a dense bool mask) is O(L²):
+# checked up to measure.REFERENCE_CHECK_MAX_WORK.
 SELECTION_LABEL = {"shared": "shared top-{w}", "causal": "causal top-{w}/query"}
 
 
@@ -538,8 +538,6 @@ def reference_outputs(case: DmaCase, backward: bool) -> Dict[str, torch.Tensor]:
 
 
 def _run_impl(case: DmaCase, impl: DmaImpl, ctx: RunContext, ref, ref_note: str) -> Row:
-    from .run import _derive_rates, time_impl
-
     w = case.workload
     # At least MIN_RUNS timed calls a phase (CUDA events); the first call is a plain call:
     # every kernel choice (the SDPA modes) is settled in setup.
@@ -550,7 +548,7 @@ def _run_impl(case: DmaCase, impl: DmaImpl, ctx: RunContext, ref, ref_note: str)
     )
     if not w.is_layer and impl.kind != "selection":
         # Nominal dense-causal FLOPs (as the other suites), comparable across the rows.
-        _derive_rates(row, w, case.dtype)
+        derive_rates(row, w, case.dtype)
     return row
 
 
@@ -574,8 +572,6 @@ def fill_ratios(rows: List[Row]) -> None:
 
 def run_dma_long_workload(w: DmaLongWorkload, ctx: RunContext, backends: List[str]) -> List[Row]:
     """Every row of one workload; failures become rows, never exceptions."""
-    from .run import run_suite_workload
-
     def progress(row: Row) -> str:
         return (
             f"   {row.impl:<36} fwd {report.fmt_ms(row.fwd_ms):>9} ms  fwd+bwd {report.fmt_ms(row.fwd_bwd_ms):>9} ms"
@@ -607,7 +603,9 @@ def summary_markdown(rows: List[Row]) -> List[str]:
     cols = ["workload", "impl", "select ms", "fwd ms", "fwd+bwd ms", "peak extra MiB",
             "dense fwd / fwd+bwd ms", "selected-keys fwd / fwd+bwd ms",
             "÷dense fwd / fwd+bwd", "÷selected fwd / fwd+bwd", "notes"]
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out = ["One line per workload and flash_dmattn row (its time beside the dense and "
+           "selected-keys SDPA rows of the same workload); every row in full below.", "",
+           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     by_workload: Dict[str, List[Row]] = {}
     for r in rows:
         by_workload.setdefault(r.workload, []).append(r)

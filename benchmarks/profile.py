@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flash_dmattn import flash_dmattn_func_auto, get_available_backends
 
-from .workloads import SUITES, build_case, workloads_for
+from .workloads import CORE_SUITES, build_case, core_workloads
 
 
 def _call(fn, case, backward: bool) -> None:
@@ -60,7 +60,7 @@ def profile_pair(case, backend: str, backward: bool, iters: int, rows: int) -> s
 
 def main(argv: List[str] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite", default="dynamic,dense", help=f"comma list of {', '.join(SUITES)}")
+    parser.add_argument("--suite", default="dynamic,dense", help=f"comma list of {', '.join(CORE_SUITES)}")
     parser.add_argument("--backends", default="triton,flex", help="comma list of flash_dmattn backends")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (runs on CPU)")
     parser.add_argument("--no-bwd", action="store_true", help="forward only")
@@ -69,9 +69,9 @@ def main(argv: List[str] = None) -> int:
     parser.add_argument("--out", default=None, help="also write the tables to <out>/profile-<suites>.txt")
     args = parser.parse_args(argv)
     suites = [s for s in args.suite.split(",") if s]
-    unknown = [s for s in suites if s not in SUITES]
+    unknown = [s for s in suites if s not in CORE_SUITES]
     if unknown:
-        parser.error(f"unknown suite(s) {unknown}; choose from {SUITES}")
+        parser.error(f"unknown suite(s) {unknown}; choose from {CORE_SUITES}")
     available = get_available_backends()
     backends = [b for b in args.backends.split(",") if b in available]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -79,7 +79,7 @@ def main(argv: List[str] = None) -> int:
     chunks = [f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
               f"torch {torch.__version__}; backends {backends} (available: {available})"]
     for suite in suites:
-        for w in workloads_for(suite, args.quick):
+        for w in core_workloads(suite, args.quick):
             case = build_case(w, device, dtype)
             backward = not (args.no_bwd or w.forward_only)
             for backend in backends:

@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 # Row status values, in the order a reader cares about them.
 OK, PARTIAL, DECLINED, SKIPPED, ERROR = "ok", "partial", "declined", "skipped", "error"
@@ -90,8 +90,16 @@ def _cell(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def markdown(rows: List[Row], env: dict, suites: List[str]) -> str:
-    """Markdown report: an environment header, one table per suite, then how to read it."""
+def markdown(rows: List[Row], env: dict, suites: List[str],
+             summaries: Optional[Dict[str, Callable[[List[Row]], List[str]]]] = None,
+             readings: Optional[Dict[str, str]] = None) -> str:
+    """Markdown report: an environment header, one table per suite, then how to read it.
+
+    ``summaries[suite](rows)``: lines printed above that suite's table (a suite's own digest);
+    ``readings[suite]``: that suite's paragraph of the how-to-read notes. Suites with their own
+    runners supply both (``benchmarks.run`` collects them), so this module imports none of them.
+    """
+    summaries, readings = summaries or {}, readings or {}
     out = ["# flash_dmattn benchmarks", ""]
     device = env.get("gpu_name") or "cpu"
     out.append(
@@ -116,16 +124,8 @@ def markdown(rows: List[Row], env: dict, suites: List[str]) -> str:
             cols += ["packed/sequential fwd / fwd+bwd", "packed/padded fwd / fwd+bwd"]
         cols += ["peak extra MiB", "rel err", "notes"]
         out += [f"## {suite}", ""]
-        if suite == "dma_long":
-            from .dma_long import summary_markdown
-
-            out += ["One line per workload and flash_dmattn row (its time beside the dense and "
-                    "selected-keys SDPA rows of the same workload); every row in full below.", ""]
-            out += summary_markdown(suite_rows) + [""]
-        if suite == "cp":
-            from .cp import summary_markdown as cp_summary
-
-            out += cp_summary(suite_rows) + [""]
+        if suite in summaries:
+            out += summaries[suite](suite_rows) + [""]
         out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         previous = None
         for r in suite_rows:
@@ -157,14 +157,9 @@ def markdown(rows: List[Row], env: dict, suites: List[str]) -> str:
         "BlockMask is built outside the timed region; the materialised SDPA mask inside it.",
         "",
     ]
-    if "dma_long" in suites:
-        from .dma_long import READING
-
-        out += [READING, ""]
-    if "cp" in suites:
-        from .cp import READING as CP_READING
-
-        out += [CP_READING, ""]
+    for suite in suites:
+        if suite in readings:
+            out += [readings[suite], ""]
     if "varlen" in suites:
         out += [
             "varlen: FLOPs count the real tokens only (Σ over sequences of 4·H·L²·D, halved when "

@@ -30,6 +30,7 @@ from flash_dmattn.utils.padding import cu_seqlens_from_lengths, pad_input
 
 from . import report
 from .impls import REFERENCE_MAX_WORK_GPU, Declined, Impl, RunContext, Skipped, _flex_fn, _sdpa, _short_decline
+from .measure import GRAD_NAMES, derive_rates, run_suite_workload, time_impl
 from .report import Row
 from .workloads import Workload
 
@@ -40,7 +41,6 @@ REFERENCE_MAX_SEQ_WORK = 8192 * 8192
 REFERENCE_MAX_TOTAL_WORK = 8 * REFERENCE_MAX_SEQ_WORK
 # The packed row should cost at most this much more than the sum of its sequences.
 TARGET_VS_SEQUENTIAL = 1.1
-GRAD_NAMES = ("dq", "dk", "dv", "dbias")
 
 
 @dataclass(frozen=True)
@@ -550,11 +550,9 @@ def reference_outputs(case: VarlenCase, backward: bool) -> Dict[str, torch.Tenso
 
 
 def _run_impl(case: VarlenCase, impl: VarlenImpl, ctx: RunContext, ref, ref_note: str) -> Row:
-    from .run import _derive_rates, time_impl
-
     row = time_impl(case, impl, ctx, ref, ref_note, inputs=lambda grad: impl.make_inputs(case, grad),
                     out_for_ref=impl.packed_out, grads_for_ref=impl.packed_grads, backward=ctx.backward)
-    _derive_rates(row, case.workload, case.dtype)
+    derive_rates(row, case.workload, case.dtype)
     return row
 
 
@@ -582,8 +580,6 @@ def _fill_ratios(rows: List[Row], backends: List[str]) -> None:
 
 def run_varlen_workload(w: VarlenWorkload, ctx: RunContext, backends: List[str]) -> List[Row]:
     """Every implementation on one varlen workload; failures become rows, never exceptions."""
-    from .run import run_suite_workload
-
     def progress(row: Row) -> str:
         return (
             f"   {row.impl:<40} fwd {report.fmt_ms(row.fwd_ms):>9} ms  fwd+bwd {report.fmt_ms(row.fwd_bwd_ms):>9} ms"

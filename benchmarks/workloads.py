@@ -13,7 +13,9 @@ import torch
 
 from flash_dmattn.utils.mask import create_mask
 
-SUITES = ("dense", "dynamic", "block_sparse", "upstream", "decode", "varlen", "dma_long", "cp")
+# The suites whose workloads are plain :class:`Workload` rows built by :func:`build_case`; the
+# others (varlen, dma_long, cp) have their own workload types and runners (see ``suites``).
+CORE_SUITES = ("dense", "dynamic", "block_sparse", "upstream", "decode")
 
 
 @dataclass(frozen=True)
@@ -174,8 +176,8 @@ def _dense(L: int, D: int, causal: bool, heads: int) -> Workload:
     return Workload("dense", 1, heads, heads, L, L, D, causal)
 
 
-def workloads_for(suite: str, quick: bool) -> List[Workload]:
-    """The workloads of ``suite`` (one of :data:`SUITES`); tiny shapes when ``quick``."""
+def core_workloads(suite: str, quick: bool) -> List[Workload]:
+    """The workloads of ``suite`` (one of :data:`CORE_SUITES`); tiny shapes when ``quick``."""
     if suite == "dense":
         if quick:
             # One head dim per length keeps the CPU smoke run short and still covers both loops.
@@ -218,21 +220,7 @@ def workloads_for(suite: str, quick: bool) -> List[Workload]:
                     out.append(decode_workload(B, L, False, heads=heads, kv_heads=kv_heads, head_dim=dim))
                     out.append(decode_workload(B, L, True, heads=heads, kv_heads=kv_heads, head_dim=dim))
         return out
-    if suite == "varlen":
-        # Packed sequences vs padded / one by one: its own workload type and runner (varlen.py).
-        from .varlen import varlen_workloads
-
-        return varlen_workloads(quick)
-    if suite == "dma_long":
-        # Long-sequence DMA with a KeyIntervals mask: its own workload type and runner (dma_long.py).
-        from .dma_long import dma_long_workloads
-
-        return dma_long_workloads(quick)
-    if suite == "cp":  # context parallelism over 1/2/4 processes: one torchrun a variant (cp.py)
-        from .cp import cp_workloads
-
-        return cp_workloads(quick)
-    raise ValueError(f"unknown suite {suite!r}; expected one of {', '.join(SUITES)}")
+    raise ValueError(f"unknown suite {suite!r}; expected one of {', '.join(CORE_SUITES)}")
 
 
 def causal_visibility(seqlen_q: int, seqlen_k: int, device) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The package's modules import each other in one direction: no import circles.
+"""The packages' modules (flash_dmattn, benchmarks) import each other in one direction: no
+import circles.
 
 Every import counts, at module top or inside a function (a circle closed by a lazy import still
 ties the two modules together), except those under ``if TYPE_CHECKING:``. Importing a
@@ -123,15 +124,23 @@ def test_the_cycle_finder_sees_lazy_and_parent_package_imports():
     assert _cycles(graph) == [["q", "q.x"]]
 
 
-def test_flash_dmattn_has_no_import_cycles():
-    graph = _graph("flash_dmattn")
-    assert "flash_dmattn.planning.tiles" in graph  # the walk found the package
+def _assert_no_cycles(package, some_module):
+    graph = _graph(package)
+    assert some_module in graph  # the walk found the package
     cycles = _cycles(graph)
     detail = "\n".join(
         " <-> ".join(c) + "\n" + "\n".join(f"    {a} -> {b}" for a in c for b in sorted(graph[a])
                                             if b in c)
         for c in cycles)
     assert not cycles, f"import cycles:\n{detail}"
+
+
+def test_flash_dmattn_has_no_import_cycles():
+    _assert_no_cycles("flash_dmattn", "flash_dmattn.planning.tiles")
+
+
+def test_benchmarks_have_no_import_cycles():
+    _assert_no_cycles("benchmarks", "benchmarks.measure")
 
 
 def test_the_planner_imports_no_backend():
