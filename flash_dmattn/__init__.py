@@ -19,6 +19,7 @@ from .api import (
     reference_dmattn_func,
     triton_dmattn_func,
 )
+from .dma import flash_dma_attention
 from .inputs import AttentionInputs, VarlenInputs
 from .masks import KeyIntervals
 from .registry import BackendUnavailableError, get_available_backends
@@ -47,6 +48,7 @@ __all__ = [
     "create_mask",
     "dynamic_mask_bias",
     "apply_dynamic_mask_attention",
+    "flash_dma_attention",
     "AttentionInputs",
     "KeyIntervals",
     "VarlenInputs",
