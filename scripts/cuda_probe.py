@@ -77,9 +77,9 @@ def t2_kernels():
     """Per-kernel GPU times of one T2 forward (the dynamic suite's workload), cuda and triton:
     the attention kernel apart from the mask summary and tile lists built per call."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from benchmarks.workloads import build_case, workloads_for
+    from benchmarks.workloads import build_case, core_workloads
 
-    (w,) = workloads_for("dynamic", quick=False)
+    (w,) = core_workloads("dynamic", quick=False)
     case = build_case(w, torch.device("cuda"), torch.bfloat16)
     for name in ("cuda", "triton"):
         attn = flash_dmattn_func_auto(name)
