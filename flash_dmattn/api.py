@@ -24,6 +24,7 @@ def flash_dmattn_func(
     return_attn_probs=None,
     cache_seqlens=None,
     block_table=None,
+    dropout_p=0.0,
 ):
     """Attention with a boolean mask and an additive bias, on the best backend for the inputs.
 
@@ -59,6 +60,13 @@ def flash_dmattn_func(
             refer to it). Page ids must be in ``0..num_pages-1`` (checked for CPU tensors
             only). Supported by triton (forward, few query rows: the decode kernel) and
             torch-reference (also gradients w.r.t. the pools); not by flex.
+        dropout_p: attention dropout in ``[0, 1)``, on the normalised probabilities as in
+            SDPA (``O = dropout(P) @ V``, kept entries scaled by ``1 / (1 - dropout_p)``),
+            forward and backward. Each call draws its seed and offset from torch's default
+            generator for the query's device, so ``torch.manual_seed`` reproduces it; which
+            entries it keeps is a pure function of them and of ``(batch, head, query, key)``
+            (:mod:`flash_dmattn.dropout`; :func:`flash_dmattn.testing.dropout_mask` rebuilds
+            it). With ``return_attn_probs`` the probabilities are those before dropout.
 
     Returns ``(B, Lq, H, D)`` in the query's dtype (or ``(out, lse, probs)``). Rows with no
     visible key give 0 (lse = -inf). Equivalent plain PyTorch::
@@ -71,6 +79,10 @@ def flash_dmattn_func(
         visible = attn_mask & ((j <= i + Lk - Lq) if is_causal else True)
         p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
         out = torch.einsum("bhij,bjhd->bihd", p, v.repeat_interleave(g, 2).float()).to(q.dtype)
+
+    With ``dropout_p`` (``keep`` the call's keep-mask, see ``flash_dmattn.testing``)::
+
+        p = p * keep / (1 - dropout_p)                      # before the einsum with v
 
     With ``cache_seqlens`` (``n = cache_seqlens[:, None, None, None]``, per batch)::
 
@@ -88,7 +100,7 @@ def flash_dmattn_func(
     """
     inputs = AttentionInputs.from_args(
         query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
-        deterministic, return_attn_probs, cache_seqlens, block_table,
+        deterministic, return_attn_probs, cache_seqlens, block_table, dropout_p,
     )
     return registry.select_backend(inputs).attention(inputs)
 
@@ -108,6 +120,7 @@ def flash_dmattn_varlen_func(
     softcap=None,
     deterministic=None,
     return_attn_probs=None,
+    dropout_p=0.0,
 ):
     """Attention over packed sequences; no token attends across a sequence boundary.
 
@@ -119,6 +132,10 @@ def flash_dmattn_varlen_func(
     those per-key shapes; positions are per sequence: query ``i`` of a sequence of lengths
     ``(lq, lk)`` sees its key ``j`` iff ``start[j] <= i + lk - lq < end[j]`` (torch-reference
     runs it; the kernels' varlen paths decline it).
+    ``dropout_p`` as in :func:`flash_dmattn_func`, with the sequence index as the batch
+    coordinate and rows / keys counted from the sequence's start (sequence ``i``'s keep-mask
+    is ``flash_dmattn.testing.dropout_mask(rng, n, H, max_seqlen_q, max_seqlen_k,
+    dropout_p)[i, :, :lq_i, :lk_i]``).
     Returns ``(total_q, H, D)`` (or ``(out, lse (H, total_q), probs)``). Equivalent::
 
         for i in range(len(cu_seqlens_q) - 1):
@@ -130,7 +147,7 @@ def flash_dmattn_varlen_func(
     inputs = VarlenInputs.from_args(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic,
-        return_attn_probs,
+        return_attn_probs, dropout_p,
     )
     return registry.select_backend(inputs).varlen_attention(inputs)
 
@@ -152,10 +169,11 @@ def _fixed_backend_func(name: str) -> Callable:
         return_attn_probs=None,
         cache_seqlens=None,
         block_table=None,
+        dropout_p=0.0,
     ):
         inputs = AttentionInputs.from_args(
             query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
-            deterministic, return_attn_probs, cache_seqlens, block_table,
+            deterministic, return_attn_probs, cache_seqlens, block_table, dropout_p,
         )
         backend = registry.check_explicit(registry.get_backend(name), inputs)
         return backend.attention(inputs)

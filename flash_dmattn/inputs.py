@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .dropout import check_dropout_p, draw_rng
 from .masks import KeyIntervals
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -382,6 +383,10 @@ class AttentionInputs:
     key_intervals: Optional[torch.Tensor] = None
     # The KeyIntervals mask's window promise (see KeyIntervals), for the kernels' planning.
     key_window: Optional[int] = None
+    # Attention dropout (see flash_dmattn.dropout): the probability, and the call's int64
+    # (seed, offset) rng tensor on the query's device (None when dropout_p == 0).
+    dropout_p: float = 0.0
+    dropout_rng: Optional[torch.Tensor] = None
 
     @staticmethod
     def from_args(
@@ -397,6 +402,7 @@ class AttentionInputs:
         return_attn_probs=None,
         cache_seqlens=None,
         block_table=None,
+        dropout_p=None,
     ) -> "AttentionInputs":
         paged = block_table is not None
         layout = (
@@ -440,6 +446,7 @@ class AttentionInputs:
         if bias is not None and not bias.requires_grad:
             bias = _collapse_broadcast_dims(bias)
         cache_seqlens = _check_cache_seqlens(cache_seqlens, query, b, lk)
+        p = check_dropout_p(dropout_p)
         return AttentionInputs(
             query=_last_dim_contiguous(query),
             key=_last_dim_contiguous(key),
@@ -455,6 +462,8 @@ class AttentionInputs:
             block_table=block_table,
             key_intervals=intervals,
             key_window=window,
+            dropout_p=p,
+            dropout_rng=draw_rng(query.device) if p > 0.0 else None,
         )
 
     # Shapes -------------------------------------------------------------------------------
@@ -524,6 +533,8 @@ class AttentionInputs:
             parts.append("causal")
         if self.softcap:
             parts.append(f"softcap={self.softcap}")
+        if self.dropout_p:
+            parts.append(f"dropout_p={self.dropout_p}")
         if self.cache_seqlens is not None:
             parts.append("cache_seqlens")
         if self.block_table is not None:
@@ -564,6 +575,9 @@ class VarlenInputs:
     deterministic: bool
     return_attn_probs: bool
     key_intervals: Optional[torch.Tensor] = None
+    # Attention dropout, as in AttentionInputs; the batch coordinate is the sequence index.
+    dropout_p: float = 0.0
+    dropout_rng: Optional[torch.Tensor] = None
 
     @staticmethod
     def from_args(
@@ -581,6 +595,7 @@ class VarlenInputs:
         softcap=None,
         deterministic=None,
         return_attn_probs=None,
+        dropout_p=None,
     ) -> "VarlenInputs":
         _check_qkv(query, key, value, "3-D (total_tokens, heads, head_dim) for varlen")
         _, h, d = query.shape
@@ -616,6 +631,7 @@ class VarlenInputs:
             attn_mask = None
         mask = _normalise_varlen_per_key("attn_mask", attn_mask, query, h, hkv, total_k)
         bias = _normalise_varlen_per_key("attn_bias", attn_bias, query, h, hkv, total_k)
+        p = check_dropout_p(dropout_p)
         return VarlenInputs(
             query=_last_dim_contiguous(query),
             key=_last_dim_contiguous(key),
@@ -632,6 +648,8 @@ class VarlenInputs:
             deterministic=_flag("deterministic", deterministic),
             return_attn_probs=_flag("return_attn_probs", return_attn_probs),
             key_intervals=intervals,
+            dropout_p=p,
+            dropout_rng=draw_rng(query.device) if p > 0.0 else None,
         )
 
     @property
@@ -676,6 +694,8 @@ class VarlenInputs:
             parts.append(f"bias {tuple(self.attn_bias.shape)}")
         if self.is_causal:
             parts.append("causal")
+        if self.dropout_p:
+            parts.append(f"dropout_p={self.dropout_p}")
         return ", ".join(parts)
 
 

@@ -19,6 +19,9 @@ mask) only on calls that have one, and with it ``key_window=<int>`` where the ma
 its window promise (:attr:`~flash_dmattn.masks.KeyIntervals.window`). The forward likewise receives ``block_table=<(B, P) int32 tensor>`` only on paged-KV calls (k and v
 are then page pools); there is no backward for those: a backend that takes paged KV with
 gradients must differentiate outside the op (the reference gathers the pages first).
+Attention dropout arrives the same way, on calls that have it only: ``dropout_p=<float>``
+and ``dropout_rng=<int64 (seed, offset) tensor>`` (see :mod:`flash_dmattn.dropout`), in both
+directions, so the backward regenerates the forward's keep-mask.
 """
 from __future__ import annotations
 
@@ -38,10 +41,15 @@ def laid_out_like(t: Tensor, value: Tensor) -> Tensor:
 
 
 def _optional_kwargs(cache_seqlens: Optional[Tensor], key_intervals: Optional[Tensor],
-                     key_window: int = 0) -> dict:
+                     key_window: int = 0, dropout_p: float = 0.0,
+                     dropout_rng: Optional[Tensor] = None) -> dict:
     """The optional arguments an implementation receives as keywords: only those present, so
-    an implementation that never gets one need not accept it (``key_window`` 0: none)."""
+    an implementation that never gets one need not accept it (``key_window`` 0: none;
+    ``dropout_p`` 0.0: no dropout)."""
     extra = {}
+    if dropout_p > 0.0:
+        extra["dropout_p"] = float(dropout_p)
+        extra["dropout_rng"] = dropout_rng
     if cache_seqlens is not None:
         extra["cache_seqlens"] = cache_seqlens
     if key_intervals is not None:
@@ -124,8 +132,10 @@ class AttentionOp:
         self._planned_forward = planned_forward
 
         def run_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
-                        block_table, key_intervals=None, key_window=0):
-            extra = _optional_kwargs(cache_seqlens, key_intervals, key_window)
+                        block_table, key_intervals=None, key_window=0, dropout_p=0.0,
+                        dropout_rng=None):
+            extra = _optional_kwargs(cache_seqlens, key_intervals, key_window, dropout_p,
+                                     dropout_rng)
             if block_table is not None:
                 extra["block_table"] = block_table
             out, lse = forward(q, k, v, mask, bias, scale, is_causal, softcap, **extra)
@@ -149,13 +159,16 @@ class AttentionOp:
             block_table: Optional[Tensor] = None,
             key_intervals: Optional[Tensor] = None,
             key_window: int = 0,
+            dropout_p: float = 0.0,
+            dropout_rng: Optional[Tensor] = None,
         ) -> Tuple[Tensor, Tensor]:
             return run_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
-                               block_table, key_intervals, key_window)
+                               block_table, key_intervals, key_window, dropout_p, dropout_rng)
 
         @fwd_op.register_fake
         def _(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, cache_seqlens=None,
-              block_table=None, key_intervals=None, key_window=0):
+              block_table=None, key_intervals=None, key_window=0, dropout_p=0.0,
+              dropout_rng=None):
             B, Lq, H, _ = q.shape
             out = q.new_empty(B, Lq, H, v.shape[-1])
             return out, q.new_empty(B, H, Lq, dtype=lse_dtype(q.dtype))
@@ -178,8 +191,11 @@ class AttentionOp:
             cache_seqlens: Optional[Tensor] = None,
             key_intervals: Optional[Tensor] = None,
             key_window: int = 0,
+            dropout_p: float = 0.0,
+            dropout_rng: Optional[Tensor] = None,
         ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-            extra = _optional_kwargs(cache_seqlens, key_intervals, key_window)
+            extra = _optional_kwargs(cache_seqlens, key_intervals, key_window, dropout_p,
+                                     dropout_rng)
             grads = backward(
                 dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
                 tuple(needs), **extra,
@@ -188,16 +204,19 @@ class AttentionOp:
 
         @bwd_op.register_fake
         def _(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs,
-              cache_seqlens=None, key_intervals=None, key_window=0):
+              cache_seqlens=None, key_intervals=None, key_window=0, dropout_p=0.0,
+              dropout_rng=None):
             return _fake_grads((q, k, v, bias), needs)
 
         def setup_context(ctx, inputs, output):
             (q, k, v, mask, bias, scale, is_causal, softcap, deterministic, cache_seqlens,
-             block_table, key_intervals, key_window) = inputs
+             block_table, key_intervals, key_window, dropout_p, dropout_rng) = inputs
             out, lse = output
             ctx.paged = block_table is not None
             ctx.key_window = key_window
-            ctx.save_for_backward(q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals)
+            ctx.dropout_p = dropout_p
+            ctx.save_for_backward(q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals,
+                                  dropout_rng)
             ctx.config = (scale, is_causal, softcap, deterministic)
             ctx.has_bias = bias is not None
 
@@ -208,7 +227,8 @@ class AttentionOp:
                     f"flash_dmattn::{name}: no backward for paged KV (block_table); use the "
                     f"torch-reference backend for gradients"
                 )
-            q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals = ctx.saved_tensors
+            (q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals,
+             dropout_rng) = ctx.saved_tensors
             needs = [
                 ctx.needs_input_grad[0],
                 ctx.needs_input_grad[1],
@@ -217,17 +237,18 @@ class AttentionOp:
             ]
             grads = bwd_op(
                 dout.contiguous(), q, k, v, mask, bias, out, lse, *ctx.config, needs, cache_seqlens,
-                key_intervals, ctx.key_window,
+                key_intervals, ctx.key_window, ctx.dropout_p, dropout_rng,
             )
             dq, dk, dv, dbias = (g if n else None for g, n in zip(grads, needs))
-            return dq, dk, dv, None, dbias, None, None, None, None, None, None, None, None
+            return (dq, dk, dv, None, dbias, None, None, None, None, None, None, None, None, None,
+                    None)
 
         fwd_op.register_autograd(backward_formula, setup_context=setup_context)
         self._fwd = fwd_op
 
     def __call__(
         self, q, k, v, mask, bias, scale, is_causal, softcap, deterministic=False, cache_seqlens=None,
-        block_table=None, key_intervals=None, key_window=None,
+        block_table=None, key_intervals=None, key_window=None, dropout_p=0.0, dropout_rng=None,
     ):
         """``(out, lse)``; differentiable in q, k, v and bias. lse is returned as float32.
 
@@ -237,28 +258,35 @@ class AttentionOp:
         ``key_intervals``: optional int32 ``(2, Bx, Hx, Lk)`` bounds of a
         :class:`~flash_dmattn.masks.KeyIntervals` mask (see ``AttentionInputs.key_intervals``);
         ``key_window``: that mask's window promise (None: none).
+        ``dropout_p`` / ``dropout_rng``: attention dropout and the call's int64 ``(seed,
+        offset)`` tensor (:mod:`flash_dmattn.dropout`); ignored when ``dropout_p`` is 0.
 
         Eager calls that need no gradient run the implementation without the custom op
         (:func:`eager_inference`); eager calls that do, with an implementation that plans its
         backward in the forward (``planned_forward``), run as a :class:`_PlannedAttention`.
         The results are the same.
         """
-        tensors = (q, k, v, mask, bias, cache_seqlens, block_table, key_intervals)
+        dropout_p = float(dropout_p or 0.0)
+        if dropout_p == 0.0:
+            dropout_rng = None
+        tensors = (q, k, v, mask, bias, cache_seqlens, block_table, key_intervals, dropout_rng)
         window = int(key_window or 0) if key_intervals is not None else 0
         if eager_inference(*tensors):
             out, lse = self._run_forward(q, k, v, mask, bias, float(scale), bool(is_causal),
                                          float(softcap), cache_seqlens, block_table,
-                                         key_intervals, window)
+                                         key_intervals, window, dropout_p, dropout_rng)
         elif (self._planned_forward is not None and block_table is None
               and plain_eager(*tensors)):
             out, lse = _PlannedAttention.apply(
                 self, q, k, v, mask, bias, float(scale), bool(is_causal), float(softcap),
-                bool(deterministic), cache_seqlens, key_intervals, window,
+                bool(deterministic), cache_seqlens, key_intervals, window, dropout_p,
+                dropout_rng,
             )
         else:
             out, lse = self._fwd(
                 q, k, v, mask, bias, float(scale), bool(is_causal), float(softcap),
                 bool(deterministic), cache_seqlens, block_table, key_intervals, window,
+                dropout_p, dropout_rng,
             )
         return out, lse.to(torch.float32)
 
@@ -275,23 +303,28 @@ class _PlannedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, op, q, k, v, mask, bias, scale, is_causal, softcap, deterministic,
-                cache_seqlens, key_intervals=None, key_window=0):
-        extra = _optional_kwargs(cache_seqlens, key_intervals, key_window)
+                cache_seqlens, key_intervals=None, key_window=0, dropout_p=0.0, dropout_rng=None):
+        extra = _optional_kwargs(cache_seqlens, key_intervals, key_window, dropout_p,
+                                 dropout_rng)
         out, lse, plan = op._planned_forward(q, k, v, mask, bias, scale, is_causal, softcap,
                                              **extra)
         out, lse = out.contiguous(), lse.contiguous()
-        ctx.save_for_backward(q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals)
+        ctx.save_for_backward(q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals,
+                              dropout_rng)
         ctx.op, ctx.plan, ctx.key_window = op, plan, key_window
+        ctx.dropout_p = dropout_p
         ctx.config = (scale, is_causal, softcap, deterministic)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals = ctx.saved_tensors
+        (q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals,
+         dropout_rng) = ctx.saved_tensors
         needs = (ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3],
                  bias is not None and ctx.needs_input_grad[5])
-        extra = _optional_kwargs(cache_seqlens, key_intervals, ctx.key_window)
+        extra = _optional_kwargs(cache_seqlens, key_intervals, ctx.key_window, ctx.dropout_p,
+                                 dropout_rng)
         if ctx.plan is not None:
             extra["plan"] = ctx.plan
         dq, dk, dv, dbias = ctx.op._backward(dout.contiguous(), q, k, v, mask, bias, out, lse,
@@ -299,7 +332,7 @@ class _PlannedAttention(torch.autograd.Function):
         ctx.plan = None  # the lists are not needed again (retain_graph plans anew)
         grads = [None if not n else g for g, n in zip((dq, dk, dv, dbias), needs)]
         return (None, grads[0], grads[1], grads[2], None, grads[3], None, None, None, None,
-                None, None, None)
+                None, None, None, None, None)
 
 
 class VarlenAttentionOp:
@@ -313,15 +346,19 @@ class VarlenAttentionOp:
     * ``backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, out, lse, scale,
       is_causal, softcap, deterministic, needs) -> (dq, dk, dv, dbias)`` with ``None`` for
       gradients ``needs`` did not ask for; dbias in the shape of ``bias`` (a per-key 2-D view).
+
+    Both also receive ``dropout_p`` / ``dropout_rng`` keywords on calls with attention dropout
+    (as :class:`AttentionOp`'s implementations do).
     """
 
     def __init__(self, name: str, forward: Callable, backward: Callable) -> None:
         self.name = name
 
         def run_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
-                        softcap):
+                        softcap, dropout_p=0.0, dropout_rng=None):
+            extra = _optional_kwargs(None, None, 0, dropout_p, dropout_rng)
             out, lse = forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
-                               softcap)
+                               softcap, **extra)
             return out.contiguous(), lse.contiguous()
 
         self._run_forward = run_forward
@@ -341,13 +378,15 @@ class VarlenAttentionOp:
             is_causal: bool,
             softcap: float,
             deterministic: bool,
+            dropout_p: float = 0.0,
+            dropout_rng: Optional[Tensor] = None,
         ) -> Tuple[Tensor, Tensor]:
             return run_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
-                               softcap)
+                               softcap, dropout_p, dropout_rng)
 
         @fwd_op.register_fake
         def _(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
-              deterministic):
+              deterministic, dropout_p=0.0, dropout_rng=None):
             total_q, H, _ = q.shape
             out = q.new_empty(total_q, H, v.shape[-1])
             return out, q.new_empty(H, total_q, dtype=torch.float32)
@@ -371,29 +410,33 @@ class VarlenAttentionOp:
             softcap: float,
             deterministic: bool,
             needs: List[bool],
+            dropout_p: float = 0.0,
+            dropout_rng: Optional[Tensor] = None,
         ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+            extra = _optional_kwargs(None, None, 0, dropout_p, dropout_rng)
             grads = backward(
                 dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, out, lse, scale, is_causal,
-                softcap, deterministic, tuple(needs),
+                softcap, deterministic, tuple(needs), **extra,
             )
             return _grads_as_outputs((q, k, v, bias), grads)
 
         @bwd_op.register_fake
         def _(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, out, lse, scale, is_causal,
-              softcap, deterministic, needs):
+              softcap, deterministic, needs, dropout_p=0.0, dropout_rng=None):
             return _fake_grads((q, k, v, bias), needs)
 
         def setup_context(ctx, inputs, output):
             (q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
-             deterministic) = inputs
+             deterministic, dropout_p, dropout_rng) = inputs
             out, lse = output
-            ctx.save_for_backward(q, k, v, cu_q, cu_k, mask, bias, out, lse)
+            ctx.save_for_backward(q, k, v, cu_q, cu_k, mask, bias, out, lse, dropout_rng)
+            ctx.dropout_p = dropout_p
             ctx.config = (scale, is_causal, softcap, deterministic)
             ctx.max_lens = (max_q, max_k)
             ctx.has_bias = bias is not None
 
         def backward_formula(ctx, dout, _dlse):
-            q, k, v, cu_q, cu_k, mask, bias, out, lse = ctx.saved_tensors
+            q, k, v, cu_q, cu_k, mask, bias, out, lse, dropout_rng = ctx.saved_tensors
             needs = [
                 ctx.needs_input_grad[0],
                 ctx.needs_input_grad[1],
@@ -401,25 +444,30 @@ class VarlenAttentionOp:
                 ctx.has_bias and ctx.needs_input_grad[8],
             ]
             grads = bwd_op(dout.contiguous(), q, k, v, cu_q, cu_k, *ctx.max_lens, mask, bias,
-                           out, lse, *ctx.config, needs)
+                           out, lse, *ctx.config, needs, ctx.dropout_p, dropout_rng)
             dq, dk, dv, dbias = (g if n else None for g, n in zip(grads, needs))
-            return (dq, dk, dv, None, None, None, None, None, dbias, None, None, None, None)
+            return (dq, dk, dv, None, None, None, None, None, dbias, None, None, None, None, None,
+                    None)
 
         fwd_op.register_autograd(backward_formula, setup_context=setup_context)
         self._fwd = fwd_op
 
     def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
-                 deterministic=False):
+                 deterministic=False, dropout_p=0.0, dropout_rng=None):
         """``(out (total_q, H, D), lse (H, total_q) fp32)``; differentiable in q, k, v, bias.
 
         Eager calls that need no gradient skip the custom op (:func:`eager_inference`).
         """
-        if eager_inference(q, k, v, cu_q, cu_k, mask, bias):
+        dropout_p = float(dropout_p or 0.0)
+        if dropout_p == 0.0:
+            dropout_rng = None
+        if eager_inference(q, k, v, cu_q, cu_k, mask, bias, dropout_rng):
             return self._run_forward(q, k, v, cu_q, cu_k, int(max_q), int(max_k), mask, bias,
-                                     float(scale), bool(is_causal), float(softcap))
+                                     float(scale), bool(is_causal), float(softcap), dropout_p,
+                                     dropout_rng)
         return self._fwd(
             q, k, v, cu_q, cu_k, int(max_q), int(max_k), mask, bias, float(scale),
-            bool(is_causal), float(softcap), bool(deterministic),
+            bool(is_causal), float(softcap), bool(deterministic), dropout_p, dropout_rng,
         )
 
     def attention(self, inputs) -> Tensor:
@@ -434,5 +482,6 @@ class VarlenAttentionOp:
             inputs.query, inputs.key, inputs.value, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
             inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.attn_mask, inputs.attn_bias,
             inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
+            getattr(inputs, "dropout_p", 0.0), getattr(inputs, "dropout_rng", None),
         )
         return out

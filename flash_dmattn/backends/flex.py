@@ -341,6 +341,8 @@ class FlexBackend(Backend):
             reasons.append("the bias gradient uses atomics: deterministic=True is not possible")
         if inputs.return_attn_probs:
             reasons.append("return_attn_probs is not supported")
+        if inputs.dropout_p > 0.0:
+            reasons.append("attention dropout is not supported by FlexAttention")
         if inputs.seqlen_q == 0 or inputs.seqlen_k == 0:
             reasons.append("empty sequences are not supported")
         return reasons

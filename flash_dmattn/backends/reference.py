@@ -42,7 +42,8 @@ class ReferenceBackend(Backend):
         args = (inputs.query, key, value, inputs.attn_mask, inputs.attn_bias)
         cfg = (inputs.softmax_scale, inputs.is_causal, inputs.softcap)
         extra = dict(cache_seqlens=inputs.cache_seqlens, key_intervals=inputs.key_intervals)
-        out, lse = reference_attention(*args, *cfg, **extra)
+        out, lse = reference_attention(*args, *cfg, **extra, dropout_p=inputs.dropout_p,
+                                       dropout_rng=inputs.dropout_rng)
         if not inputs.return_attn_probs:
             return out
         probs = reference_probs(inputs.query, key, inputs.attn_mask, inputs.attn_bias, *cfg, **extra)

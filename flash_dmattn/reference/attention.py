@@ -4,6 +4,8 @@ Forward keeps one ``(B, H, chunk, Lk)`` score block alive at a time; backward re
 probabilities chunk by chunk from the saved log-sum-exp (as FlashAttention does), so memory
 stays O(chunk·Lk) in both directions instead of the O(Lq·Lk) that plain autograd would save.
 GQA is computed by grouping query heads onto their kv head: K and V are never repeated.
+Attention dropout regenerates each chunk's keep-mask from the call's rng tensor
+(:mod:`flash_dmattn.dropout`) in both directions, as the kernels do.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..dropout import keep_mask, keep_scale
 from ..ops import AttentionOp
 
 # Elements of one fp32 score block; bounds the reference's working memory (~64 MiB a block).
@@ -46,7 +49,7 @@ class _Geometry:
     """Shapes and the per-chunk score computation shared by forward, backward and probs."""
 
     def __init__(self, q, k, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
-                 key_intervals=None):
+                 key_intervals=None, dropout_p=0.0, dropout_rng=None):
         self.B, self.Lq, self.H, self.D = q.shape
         self.Lk, self.Hkv = k.shape[1], k.shape[2]
         self.g = self.H // self.Hkv
@@ -67,6 +70,26 @@ class _Geometry:
         if key_intervals is not None:
             self.starts5 = _group_aux(key_intervals[0].unsqueeze(2), self.H, self.Hkv)
             self.ends5 = _group_aux(key_intervals[1].unsqueeze(2), self.H, self.Hkv)
+        self.dropout_p = dropout_p
+        self.dropout_rng = dropout_rng if dropout_p > 0.0 else None
+
+    def keep(self, i0: int, i1: int, device) -> Optional[Tensor]:
+        """Bool ``(B, Hkv, g, rows, Lk)``: the dropout keep-mask of query rows i0..i1 (None
+        without dropout). Query head ``kv * g + member`` as in :func:`_group_heads`."""
+        if self.dropout_rng is None:
+            return None
+        ar = lambda *a: torch.arange(*a, device=device, dtype=torch.int64)  # noqa: E731
+        b = ar(self.B).view(-1, 1, 1, 1, 1)
+        h = ar(self.Hkv).view(1, -1, 1, 1, 1) * self.g + ar(self.g).view(1, 1, -1, 1, 1)
+        i = ar(i0, i1).view(1, 1, 1, -1, 1)
+        j = ar(self.Lk).view(1, 1, 1, 1, -1)
+        return keep_mask(self.dropout_rng.to(device), self.dropout_p, b, self.H, h, i, j)
+
+    def dropped(self, x: Tensor, keep: Optional[Tensor]) -> Tensor:
+        """``x`` with dropped entries 0 and kept ones scaled by ``1 / (1 - p)``."""
+        if keep is None:
+            return x
+        return torch.where(keep, x * keep_scale(self.dropout_p), torch.zeros_like(x))
 
     def chunks(self):
         for i0 in range(0, self.Lq, self.rows):
@@ -156,8 +179,9 @@ def _softmax_parts(s: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
 
 
 def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
-             key_intervals=None):
-    geo = _Geometry(q, k, mask, bias, scale, is_causal, softcap, cache_seqlens, key_intervals)
+             key_intervals=None, dropout_p=0.0, dropout_rng=None):
+    geo = _Geometry(q, k, mask, bias, scale, is_causal, softcap, cache_seqlens, key_intervals,
+                    dropout_p, dropout_rng)
     B, Lq, H, D = q.shape
     out = torch.zeros(B, Lq, H, v.shape[-1], dtype=q.dtype, device=q.device)
     # Kept in the accumulation dtype so a float64 backward is exact; callers get float32.
@@ -170,6 +194,7 @@ def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
     for i0, i1 in geo.chunks():
         s, _ = geo.scores(q5[:, :, :, i0:i1].to(geo.acc), k4, i0, i1)
         p, denom, lse_c = _softmax_parts(s)
+        p = geo.dropped(p, geo.keep(i0, i1, q.device))
         o = geo.grouped_matmul(p, v4) / torch.where(denom > 0, denom, torch.ones_like(denom))
         out[:, i0:i1] = o.flatten(1, 2).transpose(1, 2).to(q.dtype)
         lse[:, :, i0:i1] = lse_c.squeeze(-1).flatten(1, 2)
@@ -183,9 +208,10 @@ def _reduce_like(x: Tensor, target_shape) -> Tensor:
 
 
 def _backward(ctx_flags, dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap,
-              cache_seqlens=None, key_intervals=None):
+              cache_seqlens=None, key_intervals=None, dropout_p=0.0, dropout_rng=None):
     need_dq, need_dk, need_dv, need_dbias = ctx_flags
-    geo = _Geometry(q, k, mask, bias, scale, is_causal, softcap, cache_seqlens, key_intervals)
+    geo = _Geometry(q, k, mask, bias, scale, is_causal, softcap, cache_seqlens, key_intervals,
+                    dropout_p, dropout_rng)
     acc = geo.acc
     B, Lq, H, D = q.shape
     dq = torch.zeros(B, Lq, H, D, dtype=acc, device=q.device) if need_dq else None
@@ -205,12 +231,14 @@ def _backward(ctx_flags, dout, q, k, v, mask, bias, out, lse, scale, is_causal, 
             # Empty rows have lse = -inf and scores = -inf: subtracting 0 keeps p = 0, not NaN.
             p = torch.exp(s - torch.where(lse_c == _NEG_INF, torch.zeros_like(lse_c), lse_c))
             doc = do5[:, :, :, i0:i1].to(acc)
+            keep = geo.keep(i0, i1, q.device)
             if need_dv:
-                dv4 += geo.grouped_matmul_t(p, doc)
+                dv4 += geo.grouped_matmul_t(geo.dropped(p, keep), doc)
             if not (need_dq or need_dk or need_dbias):
                 continue
+            # With dropout, rowsum(dP * P) over the kept, scaled entries is still rowsum(dO * O).
             delta = (doc * o5[:, :, :, i0:i1].to(acc)).sum(dim=-1, keepdim=True)
-            dp = geo.grouped_matmul(doc, v4.transpose(-1, -2))
+            dp = geo.dropped(geo.grouped_matmul(doc, v4.transpose(-1, -2)), keep)
             ds = p * (dp - delta)
             if need_dbias:
                 part = _reduce_like(ds, dbias5.shape)
@@ -234,11 +262,11 @@ def _backward(ctx_flags, dout, q, k, v, mask, bias, out, lse, scale, is_causal, 
 
 
 def _backward_op(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, _det, needs,
-                 cache_seqlens=None, key_intervals=None):
+                 cache_seqlens=None, key_intervals=None, dropout_p=0.0, dropout_rng=None):
     # The reference is deterministic whatever was asked.
     return _backward(
         needs, dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, cache_seqlens,
-        key_intervals,
+        key_intervals, dropout_p, dropout_rng,
     )
 
 
@@ -258,6 +286,8 @@ def reference_attention(
     softcap: float = 0.0,
     cache_seqlens: Optional[Tensor] = None,
     key_intervals: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_rng: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention with mask, bias, GQA, causal and softcap; returns ``(out, lse)``.
 
@@ -281,10 +311,14 @@ def reference_attention(
     :class:`~flash_dmattn.masks.KeyIntervals`) adds ``visible &= start[j] <= p < end[j]`` with
     the query position ``p = i + Lk - Lq`` (``i + n - Lq`` with ``cache_seqlens``: the causal
     diagonal), evaluated one chunk of query rows at a time.
+
+    ``dropout_p`` > 0 with ``dropout_rng`` (see :mod:`flash_dmattn.dropout`) multiplies ``p``
+    by the call's keep-mask and ``1 / (1 - dropout_p)`` before the product with ``v``.
     """
     return _REFERENCE_OP(
         query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
-        cache_seqlens=cache_seqlens, key_intervals=key_intervals,
+        cache_seqlens=cache_seqlens, key_intervals=key_intervals, dropout_p=dropout_p,
+        dropout_rng=dropout_rng,
     )
 
 

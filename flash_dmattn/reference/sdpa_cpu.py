@@ -3,7 +3,7 @@
 On CPU the oracle (:mod:`.attention`) runs each score block through separate PyTorch ops and
 is several times slower than :func:`torch.nn.functional.scaled_dot_product_attention`. Where
 SDPA computes exactly this library's attention -- no soft cap, no KV cache, no attention
-probabilities asked for, a bias in the query's dtype, float32 / bfloat16 / float16 (float64
+probabilities asked for, no dropout, a bias in the query's dtype, float32 / bfloat16 / float16 (float64
 stays on the oracle, the tests' ground truth) -- the backend calls SDPA instead, one chunk of
 query rows at a time:
 
@@ -56,6 +56,8 @@ def sdpa_cpu_reasons(inputs) -> list:
         reasons.append("bias dtype differs from the query's")
     if inputs.seqlen_q == 0 or inputs.seqlen_k == 0:
         reasons.append("no queries or no keys")
+    if getattr(inputs, "dropout_p", 0.0) > 0.0:
+        reasons.append("attention dropout (SDPA's own random stream is not flash_dmattn's)")
     return reasons
 
 

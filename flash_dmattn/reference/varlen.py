@@ -41,7 +41,7 @@ def reference_varlen_attention(inputs):
                                       mask[:, ks][None, :, None], bias[:, ks][None, :, None])[0]
 
     Key intervals (``inputs.key_intervals``) are sliced per sequence the same way, their
-    positions relative to the sequence.
+    positions relative to the sequence. Dropout uses the sequence index as its batch.
     """
     q, k, v = inputs.query, inputs.key, inputs.value
     total_q, H, D = q.shape
@@ -58,9 +58,13 @@ def reference_varlen_attention(inputs):
             _per_key(inputs.attn_bias, k0, k1),
         )
         intervals = _key_intervals(inputs.key_intervals, k0, k1)
+        rng = None
+        if inputs.dropout_p > 0.0:
+            # Sequence i is batch i of the dropout coordinates: the rng's third element.
+            rng = torch.cat([inputs.dropout_rng[:2], inputs.dropout_rng.new_full((1,), i)])
         out_i, lse_i = reference_attention(
             *args, inputs.softmax_scale, inputs.is_causal, inputs.softcap,
-            key_intervals=intervals,
+            key_intervals=intervals, dropout_p=inputs.dropout_p, dropout_rng=rng,
         )
         outs.append(out_i[0])
         lses.append(lse_i[0])

@@ -78,6 +78,8 @@ class CudaBackend(Backend):
         except ValueError as exc:
             reasons.append(str(exc))
         if inputs.return_attn_probs:
+        if getattr(inputs, "dropout_p", 0.0) > 0.0:
+            reasons.append("dropout is not implemented in the cuda kernels yet")
             reasons.append("return_attn_probs is not supported (use torch-reference)")
         return reasons
 

@@ -159,6 +159,8 @@ def _kernel_reasons(inputs) -> List[str]:
     if inputs.dtype not in allowed:
         reasons.append(f"dtype {inputs.dtype} is not supported (float16, bfloat16)")
     if inputs.head_dim > MAX_HEAD_DIM:
+    if getattr(inputs, "dropout_p", 0.0) > 0.0:
+        reasons.append("dropout is not implemented in the triton kernels yet")
         reasons.append(f"head_dim {inputs.head_dim} > {MAX_HEAD_DIM}")
     if inputs.return_attn_probs:
         reasons.append("return_attn_probs is not supported (use torch-reference)")

@@ -1,0 +1,121 @@
+"""Attention dropout's random stream: where it comes from and which entries it keeps.
+
+Every implementation (the torch oracle, the Triton kernels) decides whether probability
+``P[b, h, i, j]`` is kept from the same counter-based generator, so forward and backward
+regenerate the mask instead of storing it and any implementation can reproduce any other's:
+
+* a call draws its **rng tensor**, int64 ``(seed, offset)`` on the query's device, from
+  torch's default generator of that device (:func:`draw_rng`): ``torch.manual_seed`` makes
+  calls reproducible, every call advances the generator, and the draw is an ordinary random
+  op, so CUDA-graph capture and ``torch.compile`` handle it like any other;
+* entry ``(b, h, i, j)`` (batch -- for packed sequences the sequence index --, query head,
+  query row and key position, rows and keys counted from the start of the sequence) is
+  Philox4x32-10 with key ``seed`` (its low and high 32 bits) and counter ``(j, i, b * H + h,
+  offset)``: Triton's ``tl.philox`` with those words, reimplemented exactly below;
+* the entry is kept iff the first output word's top 31 bits, ``word >> 1``, are at least
+  :func:`keep_threshold` ``(p) = round(p * 2**31)``: a keep rate of ``1 - p`` up to
+  ``2**-31``, compared as integers so every implementation agrees bit for bit;
+* kept probabilities are scaled by ``1 / (1 - p)``: ``O = dropout(P) @ V`` as in SDPA.
+
+The mask depends on nothing but those coordinates: not on tile sizes, splits or which kernel
+ran. The rng tensor may carry a third element, the batch index of the call's first row, for
+implementations that run a packed batch one sequence at a time.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# Philox4x32 constants: multipliers of the round function and the Weyl sequence of the key.
+_ROUND_A = 0xD2511F53
+_ROUND_B = 0xCD9E8D57
+_KEY_A = 0x9E3779B9
+_KEY_B = 0xBB67AE85
+_ROUNDS = 10
+_MASK32 = 0xFFFFFFFF
+# Seeds are drawn below 2**62 and offsets below 2**32 (one counter word).
+_SEED_HIGH = 1 << 62
+_OFFSET_HIGH = 1 << 32
+
+
+def check_dropout_p(dropout_p) -> float:
+    """``dropout_p`` as a float in ``[0, 1)``; ``TypeError`` / ``ValueError`` otherwise."""
+    if dropout_p is None:
+        return 0.0
+    if isinstance(dropout_p, (bool, str, bytes)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__} "
+                        f"{dropout_p!r}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return p
+
+
+def draw_rng(device) -> Tensor:
+    """A call's int64 ``(seed, offset)`` drawn from torch's default generator for ``device``."""
+    seed = torch.randint(0, _SEED_HIGH, (1,), dtype=torch.int64, device=device)
+    offset = torch.randint(0, _OFFSET_HIGH, (1,), dtype=torch.int64, device=device)
+    return torch.cat([seed, offset])
+
+
+def keep_threshold(dropout_p: float) -> int:
+    """The 31-bit integer below which an entry is dropped."""
+    return int(round(dropout_p * (1 << 31)))
+
+
+def keep_scale(dropout_p: float) -> float:
+    """The factor of a kept probability, ``1 / (1 - p)``."""
+    return 1.0 / (1.0 - dropout_p)
+
+
+def _mulhilo(a: Tensor, m: int):
+    """High and low 32-bit words of ``a * m`` for int64 ``a`` in ``[0, 2**32)`` and a 32-bit
+    constant ``m``, in int64 arithmetic (16-bit halves of ``m`` keep every product < 2**48)."""
+    x = a * (m >> 16)
+    y = a * (m & 0xFFFF)
+    lo = (((x & 0xFFFF) << 16) + y) & _MASK32
+    hi = (x + (y >> 16)) >> 16
+    return hi, lo
+
+
+def philox(seed: Tensor, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor) -> Tensor:
+    """First output word (int64 in ``[0, 2**32)``) of Philox4x32-10 with counter
+    ``(c0, c1, c2, c3)`` (broadcasting int64 tensors of 32-bit values) and the 64-bit key
+    ``seed`` (int64 tensor); bit-for-bit Triton's ``tl.philox``."""
+    k0 = seed & _MASK32
+    k1 = (seed >> 32) & _MASK32
+    for _ in range(_ROUNDS):
+        hi_a, lo_a = _mulhilo(c0, _ROUND_A)
+        hi_b, lo_b = _mulhilo(c2, _ROUND_B)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + _KEY_A) & _MASK32
+        k1 = (k1 + _KEY_B) & _MASK32
+    return c0
+
+
+def keep_mask(rng: Tensor, dropout_p: float, batch: Tensor, num_heads: int, head: Tensor,
+              rows: Tensor, cols: Tensor) -> Tensor:
+    """Bool: whether entries ``(batch, head, rows, cols)`` are kept (int64 index tensors that
+    broadcast against each other; ``batch`` counts from the rng tensor's first batch)."""
+    rng = rng.to(torch.int64)
+    seed, offset = rng[0], rng[1]
+    if rng.numel() > 2:
+        batch = batch + rng[2]
+    word = philox(seed, cols, rows, batch * num_heads + head, offset)
+    return (word >> 1) >= keep_threshold(dropout_p)
+
+
+def dense_keep_mask(rng: Tensor, dropout_p: float, batch: int, num_heads: int, seqlen_q: int,
+                    seqlen_k: int, rows: Optional[slice] = None) -> Tensor:
+    """Bool ``(batch, num_heads, rows, seqlen_k)``: the keep-mask of query rows ``rows`` (all
+    by default) of a ``(batch, num_heads, seqlen_q, seqlen_k)`` call, on ``rng``'s device."""
+    dev = rng.device
+    r0, r1 = (0, seqlen_q) if rows is None else (rows.start, rows.stop)
+    b = torch.arange(batch, device=dev, dtype=torch.int64).view(-1, 1, 1, 1)
+    h = torch.arange(num_heads, device=dev, dtype=torch.int64).view(1, -1, 1, 1)
+    i = torch.arange(r0, r1, device=dev, dtype=torch.int64).view(1, 1, -1, 1)
+    j = torch.arange(seqlen_k, device=dev, dtype=torch.int64).view(1, 1, 1, -1)
+    return keep_mask(rng, dropout_p, b, num_heads, h, i, j)
