@@ -151,13 +151,8 @@ def check_against_one_process(args, full, ring, dma, shard, dtype, lines) -> boo
     return failed
 
 
-def main(args) -> int:
+def main(args, device) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     check = args.check if args.check is not None else args.seq_len <= 8192
     layout, L = args.layout, args.seq_len
@@ -202,7 +197,7 @@ def _spawned(rank, world, store, args, codes):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=5))
     try:
-        codes[rank] = main(args)
+        codes[rank] = main(args, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
 
@@ -210,10 +205,17 @@ def _spawned(rank, world, store, args, codes):
 if __name__ == "__main__":
     args = parse_args()
     if "RANK" in os.environ:  # torchrun
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        if torch.cuda.is_available():
+            # One GPU per process, current before NCCL starts; device_id makes the
+            # communicator now rather than at the first collective.
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            device = torch.device("cpu")
+            dist.init_process_group("gloo")
         try:
-            code = main(args)
+            code = main(args, device)
         finally:
             dist.destroy_process_group()
         sys.exit(code)
