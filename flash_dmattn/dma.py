@@ -45,16 +45,12 @@ def _check_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
         raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
 
 
-def _check_options(keep_window_size, dropout_p, causal, return_attn_probs) -> None:
+def _check_options(keep_window_size, causal, return_attn_probs) -> None:
     # bool is a subclass of int; accepting True as a window of 1 would hide caller bugs.
     if isinstance(keep_window_size, bool) or not isinstance(keep_window_size, int):
         raise TypeError(f"keep_window_size must be an int, got {type(keep_window_size).__name__}")
     if keep_window_size < 1:
         raise ValueError(f"keep_window_size must be >= 1, got {keep_window_size}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     for name, flag in (("causal", causal), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -86,16 +82,19 @@ def flash_dma_attention(
         a_coef: ``(Hkv,)`` per-head coefficient ``A``.
         keep_window_size: keys each query keeps when ``Lk > keep_window_size`` (ties go to
             the lower key index); with ``Lk <= keep_window_size`` every visible key is kept.
-        dropout_p: attention dropout on the normalised probabilities (kept entries scaled
-            by ``1 / (1 - dropout_p)``).
+        dropout_p: attention dropout in ``[0, 1)`` on the normalised probabilities (kept
+            entries scaled by ``1 / (1 - dropout_p)``), as
+            :func:`~flash_dmattn.flash_dmattn_func` applies it: the random stream comes from
+            torch's generator for the query's device (``torch.manual_seed`` reproduces a
+            call). A plain function has no training mode: pass ``0.0`` for inference.
         causal: bottom-right aligned causal attention (query ``i`` sees keys
             ``j <= i + Lk - Lq``); each query then keeps the best keys among those it sees.
             Not causal: every query keeps the same ``keep_window_size`` keys.
         softmax_scale: default ``1 / sqrt(D)``.
         return_attn_probs: also return the attention probabilities ``(B, H, Lq, Lk)`` as
             :func:`~flash_dmattn.flash_dmattn_func` returns them with
-            ``return_attn_probs=True`` (float32; zero outside the selection; not
-            differentiable).
+            ``return_attn_probs=True`` (float32; zero outside the selection; before dropout;
+            not differentiable).
 
     Returns:
         The output ``(B, Lq, H, D)`` in the query's dtype, or ``(output, probs)``.
@@ -118,11 +117,11 @@ def flash_dma_attention(
         s = s + bias.repeat_interleave(g, 1)
         s = s.masked_fill(~visible.expand(B, Hkv, Lq, Lk).repeat_interleave(g, 1), float("-inf"))
         p = torch.softmax(s, -1).nan_to_num(0.0)                          # rows seeing nothing -> 0
-        p = F.dropout(p, dropout_p)
+        p = p * keep / (1 - dropout_p)        # keep: the call's keep-mask (flash_dmattn.testing)
         out = torch.einsum("bhij,bjhd->bihd", p, value.repeat_interleave(g, 2))
     """
     _check_layout(query, key, value)
-    _check_options(keep_window_size, dropout_p, causal, return_attn_probs)
+    _check_options(keep_window_size, causal, return_attn_probs)
     key_len = key.shape[1]
 
     # (B, Hkv, 1, Lk): one bias per key, shared by the queries; dynamic_mask_bias checks that
@@ -133,8 +132,6 @@ def flash_dma_attention(
         # A per-key bias ranks the keys the same way for every query, so the selection is one
         # interval of query positions per key (causal) or one shared set of keys (not causal).
         mask = topk_intervals(bias, keep_window_size, is_causal=causal)
-    if dropout_p > 0.0:
-        raise NotImplementedError("flash_dma_attention: dropout_p > 0 needs the kernels' attention dropout")
     result = flash_dmattn_func(
         query,
         key,
@@ -144,6 +141,7 @@ def flash_dma_attention(
         softmax_scale=softmax_scale,
         is_causal=causal,
         return_attn_probs=return_attn_probs,
+        dropout_p=dropout_p,
     )
     if return_attn_probs:
         out, _, probs = result

@@ -8,16 +8,19 @@ from torch import nn
 
 import flash_dmattn
 from flash_dmattn import KeyIntervals, flash_dma_attention
-from naive import assert_close, naive_attention
+from flash_dmattn.testing import dropout_mask, dropout_rng
+from naive import assert_close
 
 
-def dma_naive(q, k, v, w, a, keep_window_size, causal, scale=None, w_bias=None):
+def dma_naive(q, k, v, w, a, keep_window_size, causal, scale=None, w_bias=None, keep=None, dropout_p=0.0):
     """The call written out densely in float64: the bias, the per-row top-k among the keys a
-    query sees (stable sort: ties to the lower key index), then plain masked attention.
-    Returns ``(out, kept (B, Hkv, Lq, Lk))``."""
+    query sees (stable sort: ties to the lower key index), then plain masked attention, with
+    the probabilities multiplied by ``keep / (1 - dropout_p)`` when a keep-mask
+    ``(B, H, Lq, Lk)`` is given. Returns ``(out, kept (B, Hkv, Lq, Lk))``."""
     q, k, v, w, a = (t.double() for t in (q, k, v, w, a))
     B, Lq, H, D = q.shape
     Lk, Hkv = k.shape[1], k.shape[2]
+    g = H // Hkv
     dt = v.reshape(B, Lk, Hkv * D) @ w.T
     if w_bias is not None:
         dt = dt + w_bias.double()
@@ -30,7 +33,14 @@ def dma_naive(q, k, v, w, a, keep_window_size, causal, scale=None, w_bias=None):
         score = bias.detach().expand(B, Hkv, Lq, Lk).masked_fill(~visible, float("-inf"))
         order = score.sort(dim=-1, descending=True, stable=True).indices[..., :keep_window_size]
         visible = visible & torch.zeros_like(visible).scatter(-1, order, True)
-    out, _ = naive_attention(q, k, v, mask=visible, bias=bias, scale=scale)
+    s = torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(g, 2)) * (D ** -0.5 if scale is None else scale)
+    s = s + bias.repeat_interleave(g, 1)
+    seen = visible.repeat_interleave(g, 1)
+    empty = ~seen.any(-1, keepdim=True)  # causal queries before the first key see nothing
+    p = torch.softmax(s.masked_fill(~seen, float("-inf")).masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    if keep is not None:
+        p = p * keep / (1.0 - dropout_p)
+    out = torch.einsum("bhij,bjhd->bihd", p, v.repeat_interleave(g, 2))
     return out, visible
 
 
@@ -50,23 +60,31 @@ def make_inputs(B, Lq, Lk, H, Hkv, D, dtype=torch.float64, seed=0, ties=False):
     return [t.to(dtype) for t in (q, k, v, w, a)]
 
 
-def run_both(inputs, keep_window_size, causal, scale=None):
-    """Output and gradients of the library call and of the naive one (float64)."""
+def run_both(inputs, keep_window_size, causal, scale=None, dropout_p=0.0, seed=1234):
+    """Output and gradients of the library call and of the naive one (float64); with dropout,
+    the naive call uses the keep-mask the library call drew (rebuilt from the same seed)."""
     results = []
     gen = torch.Generator().manual_seed(99)
     grad_out = None
+    keep = None
     for fn in ("lib", "naive"):
         leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
         if fn == "lib":
+            torch.manual_seed(seed)
+            rng = dropout_rng(leaves[0].device)
+            torch.manual_seed(seed)
             out = flash_dma_attention(*leaves, keep_window_size=keep_window_size, causal=causal,
-                                      softmax_scale=scale)
+                                      softmax_scale=scale, dropout_p=dropout_p)
+            if dropout_p > 0.0:
+                B, Lq, H, _ = out.shape
+                keep = dropout_mask(rng, B, H, Lq, leaves[1].shape[1], dropout_p)
         else:
-            out, _ = dma_naive(*leaves, keep_window_size, causal, scale)
+            out, _ = dma_naive(*leaves, keep_window_size, causal, scale, keep=keep, dropout_p=dropout_p)
         if grad_out is None:
             grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
         grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
         results.append((out.detach(), grads))
-    return results
+    return results, keep
 
 
 NAMES = ("dq", "dk", "dv", "d_dt_proj", "d_a_coef")
@@ -88,7 +106,7 @@ CASES = [
 def test_matches_naive_outputs_and_gradients(case, causal):
     B, Lq, Lk, H, Hkv, D, W = case
     inputs = make_inputs(B, Lq, Lk, H, Hkv, D, seed=Lq * 31 + Lk)
-    (out, grads), (ref, ref_grads) = run_both(inputs, W, causal)
+    ((out, grads), (ref, ref_grads)), _ = run_both(inputs, W, causal)
     assert out.shape == (B, Lq, H, D) and out.dtype == torch.float64
     assert_close("out", out, ref, 1e-10)
     for name, g, r in zip(NAMES, grads, ref_grads):
@@ -99,7 +117,7 @@ def test_matches_naive_outputs_and_gradients(case, causal):
 @pytest.mark.parametrize("keep_window_size", [2, 4, 7])
 def test_ties_go_to_the_lower_key(causal, keep_window_size):
     inputs = make_inputs(2, 15, 15, 4, 2, 8, seed=7, ties=True)
-    (out, grads), (ref, ref_grads) = run_both(inputs, keep_window_size, causal)
+    ((out, grads), (ref, ref_grads)), _ = run_both(inputs, keep_window_size, causal)
     assert_close("out", out, ref, 1e-10)
     for name, g, r in zip(NAMES, grads, ref_grads):
         assert_close(name, g, r, 1e-10)
@@ -108,11 +126,53 @@ def test_ties_go_to_the_lower_key(causal, keep_window_size):
 @pytest.mark.parametrize("causal", [True, False])
 def test_float32_and_softmax_scale(causal):
     inputs = make_inputs(2, 21, 21, 4, 2, 16, dtype=torch.float32, seed=3)
-    (out, grads), (ref, ref_grads) = run_both(inputs, 6, causal, scale=0.3)
+    ((out, grads), (ref, ref_grads)), _ = run_both(inputs, 6, causal, scale=0.3)
     assert out.dtype == torch.float32
     assert_close("out", out, ref, 1e-5)
     for name, g, r in zip(NAMES, grads, ref_grads):
         assert_close(name, g, r, 1e-5)
+
+
+DROPOUT_CASES = [
+    (2, 13, 13, 4, 2, 8, 5),    # GQA, selection
+    (1, 9, 7, 2, 1, 8, 3),      # more queries than keys (causal: rows that see nothing)
+    (2, 3, 19, 4, 2, 8, 40),    # fewer queries than keys, no selection
+]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: "B{}-Lq{}-Lk{}-H{}-Hkv{}-D{}-W{}".format(*c))
+def test_dropout_matches_naive_on_the_calls_keep_mask(case, causal):
+    B, Lq, Lk, H, Hkv, D, W = case
+    inputs = make_inputs(B, Lq, Lk, H, Hkv, D, seed=Lq + Lk)
+    ((out, grads), (ref, ref_grads)), keep = run_both(inputs, W, causal, dropout_p=0.3)
+    # The mask dropped some of the entries and kept most: the comparison is not vacuous.
+    assert 0.4 < keep.double().mean() < 0.95
+    assert_close("out", out, ref, 1e-10)
+    for name, g, r in zip(NAMES, grads, ref_grads):
+        assert_close(name, g, r, 1e-10)
+
+
+def test_dropout_is_reproducible_and_zero_is_off():
+    inputs = make_inputs(2, 13, 13, 4, 2, 8, seed=5)
+
+    def call(seed, p):
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        torch.manual_seed(seed)
+        out = flash_dma_attention(*leaves, keep_window_size=5, causal=True, dropout_p=p)
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+        return (out.detach(), *grads)
+
+    first, again, other = call(0, 0.2), call(0, 0.2), call(1, 0.2)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    assert not torch.equal(first[0], other[0])
+    plain = call(0, 0.0)
+    without = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = flash_dma_attention(*without, keep_window_size=5, causal=True)
+    for a, b in zip(plain, (out.detach(), *torch.autograd.grad(out.square().sum(), without))):
+        assert torch.equal(a, b)
+    assert not torch.equal(first[0], plain[0])
 
 
 def test_each_query_keeps_the_window_of_keys_it_sees():
@@ -204,6 +264,7 @@ def test_exported_at_top_level():
         (dict(keep_window_size=True), TypeError),
         (dict(dropout_p=1.0), ValueError),
         (dict(dropout_p=-0.1), ValueError),
+        (dict(dropout_p=True), TypeError),
         (dict(causal=1), TypeError),
         (dict(return_attn_probs=None), TypeError),
         (dict(q=[[1.0]]), TypeError),

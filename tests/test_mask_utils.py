@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flash_dmattn.masks import KeyIntervals
+from flash_dmattn.testing import dropout_mask, dropout_rng
 from flash_dmattn.utils import mask as mask_mod
 from flash_dmattn.utils.dynamic import (
     _dynamic_mask_and_bias,
@@ -386,8 +387,9 @@ def _dma_inputs(seed=5, B=2, H=4, Hkv=2, Lq=40, Lk=40, D=16):
     return q, k, v, w, A
 
 
-def _naive_dma(q, k, v, w, A, allowed, keep_window_size):
-    """Dense reference; ``allowed`` is a (B|1, Hkv|1, Lq, Lk) bool candidate mask."""
+def _naive_dma(q, k, v, w, A, allowed, keep_window_size, dropout_keep=None, dropout_p=0.0):
+    """Dense reference; ``allowed`` is a (B|1, Hkv|1, Lq, Lk) bool candidate mask;
+    ``dropout_keep`` an optional (B, H, Lq, Lk) dropout keep-mask."""
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     g = H // Hkv
@@ -408,7 +410,10 @@ def _naive_dma(q, k, v, w, A, allowed, keep_window_size):
     vv = v.repeat_interleave(g, 1)
     scores = q @ kk.transpose(-1, -2) / math.sqrt(D) + bias.repeat_interleave(g, 1)
     scores = scores.masked_fill(~keep.repeat_interleave(g, 1), float("-inf"))
-    return scores.softmax(-1) @ vv, keep
+    p = scores.softmax(-1)
+    if dropout_keep is not None:
+        p = p * dropout_keep / (1 - dropout_p)
+    return p @ vv, keep
 
 
 def _causal(Lq, Lk):
@@ -547,6 +552,29 @@ def test_apply_dynamic_mask_attention_per_query_head_mask():
     )
     expected, _ = _naive_dma(q, k, v, w, A, causal, 8)
     torch.testing.assert_close(out, expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_apply_dynamic_mask_attention_dropout(is_causal):
+    # Outputs and gradients (q, k, v, dt_proj, A) equal to the dense reference run on the
+    # dropout keep-mask the call drew (float64, so exactly).
+    inputs = [t.double() for t in _dma_inputs(Lq=17, Lk=17)]
+    torch.manual_seed(3)
+    keep = dropout_mask(dropout_rng("cpu"), 2, 4, 17, 17, 0.25)
+    assert 0.5 < keep.double().mean() < 0.95
+    results = []
+    for run in ("library", "naive"):
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        if run == "library":
+            torch.manual_seed(3)
+            out = apply_dynamic_mask_attention(*leaves, keep_window_size=5, is_causal=is_causal, dropout_p=0.25)
+        else:
+            allowed = _causal(17, 17) if is_causal else torch.ones(1, 1, 17, 17, dtype=torch.bool)
+            out, _ = _naive_dma(*leaves, allowed, 5, dropout_keep=keep, dropout_p=0.25)
+        grad = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+        results.append((out.detach(), *torch.autograd.grad(out, leaves, grad)))
+    for name, got, want in zip(("out", "dq", "dk", "dv", "d_dt_proj", "dA"), *results):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=name)
 
 
 @pytest.mark.parametrize("chunk", [None, 1, 200])

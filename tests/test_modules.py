@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flash_dmattn.modules import DynamicMaskAttention, MultiheadAttention
+from flash_dmattn.testing import dropout_mask, dropout_rng
 
 # torch.nn.MultiheadAttention.forward (torch.nn.modules.activation) warns that a bool
 # key_padding_mask with a float attn_mask, or the reverse, is deprecated; these tests compare
@@ -214,17 +215,73 @@ def test_mha_state_dict_round_trip_and_keys():
             assert n1 == n2 and torch.equal(t1, t2)
 
 
-def test_mha_dropout_falls_back_to_torch_in_training_only():
-    ours, ref = mha_pair(dropout=0.5, batch_first=True)
+class _OutputOnly:
+    """A torch MHA asked for its weights (so its dropout runs through F.dropout, where a test
+    can set the mask) whose weights are then left out, as with need_weights=False."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, q, k, v, **kw):
+        out, _ = self.module(q, k, v, **{**kw, "need_weights": True})
+        return out, None
+
+    def zero_grad(self):
+        self.module.zero_grad()
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+
+@pytest.mark.parametrize("extra", [{}, dict(add_bias_kv=True, add_zero_attn=True)], ids=["plain", "extra-keys"])
+@pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
+def test_mha_dropout_is_the_kernels_and_matches_torch_on_its_mask(need_weights, average, extra, monkeypatch):
+    # Training with dropout runs flash_dmattn's dropout (no fallback to torch): outputs,
+    # weights (after dropout, as torch returns them) and every gradient equal torch's own
+    # MultiheadAttention run with its dropout replaced by the keep-mask the kernel call drew.
+    p = 0.4
+    ours, ref = mha_pair(dropout=p, batch_first=True, **extra)
     q, k, v = seq_inputs(True)
-    kw = dict(key_padding_mask=bool_kpm(), need_weights=True)
+    kw = dict(key_padding_mask=bool_kpm(), need_weights=need_weights, average_attn_weights=average)
+    keys = S + (2 if extra else 0)
+    torch.manual_seed(7)
+    keep = dropout_mask(dropout_rng("cpu"), B, H, L, keys, p)
+    assert 0.3 < keep.double().mean() < 0.9
     torch.manual_seed(7)
     a = run(ours, q, k, v, **kw)
-    torch.manual_seed(7)
-    b = run(ref, q, k, v, **kw)
+
+    def same_mask(x, p=0.5, training=True, inplace=False):
+        assert p == 0.4 and training
+        return x * keep.reshape(x.shape).to(x.dtype) / (1 - p)  # torch's weights: (B * H, L, S)
+
+    monkeypatch.setattr(F, "dropout", same_mask)
+    b = run(ref if need_weights else _OutputOnly(ref), q, k, v, **kw)
     assert_same(a, b)
-    ours.eval(), ref.eval()  # no dropout in eval: the flash_dmattn path
+
+    # Without autograd the weights come from the reference backend's call, same mask.
+    with torch.no_grad():
+        torch.manual_seed(7)
+        out_a, w_a = ours(q, k, v, **kw)
+        out_b, w_b = ref(q, k, v, **{**kw, "need_weights": True})
+    torch.testing.assert_close(out_a, out_b, **TOL)
+    if need_weights:
+        torch.testing.assert_close(w_a, w_b, **TOL)
+
+    # Reproducible with the seed; eval mode has no dropout.
+    torch.manual_seed(7)
+    assert_same(run(ours, q, k, v, **kw), a)
+    monkeypatch.undo()
+    ours.eval(), ref.eval()
     assert_same(run(ours, q, k, v, **kw), run(ref, q, k, v, **kw))
+
+
+def test_mha_dropout_one_drops_every_probability():
+    # dropout=1 (torch accepts it): the attention output is zero, as torch's.
+    ours, ref = mha_pair(dropout=1.0, batch_first=True)
+    q, k, v = seq_inputs(True)
+    for need_weights in (True, False):
+        kw = dict(key_padding_mask=bool_kpm(), need_weights=need_weights)
+        assert_same(run(ours, q, k, v, **kw), run(ref, q, k, v, **kw))
 
 
 def test_mha_explicit_backend_and_errors():
@@ -269,8 +326,9 @@ def rotary_tables(batch, length, dim, batched):
     return emb.cos(), emb.sin()
 
 
-def dma_plain(m, x, padding=None, rope=None):
-    """The layer written out densely (float64), sharing no code with the library."""
+def dma_plain(m, x, padding=None, rope=None, keep=None):
+    """The layer written out densely (float64), sharing no code with the library; ``keep``
+    ``(B, H, L, L)``: the dropout keep-mask, applied with the layer's ``dropout``."""
     Bx, Lx, _ = x.shape
     Hq, Hkv, D = m.num_heads, m.num_kv_heads, m.head_dim
     q = m.q_proj(x).view(Bx, Lx, Hq, D)
@@ -302,6 +360,8 @@ def dma_plain(m, x, padding=None, rope=None):
     s = s.masked_fill(~vis, float("-inf"))
     empty = ~vis.any(-1, keepdim=True)
     p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    if keep is not None:
+        p = p * keep / (1 - m.dropout)
     out = torch.einsum("bhij,bjhd->bihd", p, v.repeat_interleave(g, 2))
     return m.o_proj(out.reshape(Bx, Lx, Hq * D))
 
@@ -323,12 +383,15 @@ def hidden(batch, length, size=32, seed=5):
     return torch.randn(batch, length, size, dtype=DT, generator=torch.Generator().manual_seed(seed))
 
 
-def compare_dma(m, x, padding=None, rope=None):
-    """Outputs and gradients (input and every parameter) equal to the plain layer."""
+def compare_dma(m, x, padding=None, rope=None, keep=None, seed=None):
+    """Outputs and gradients (input and every parameter) equal to the plain layer (run with
+    the dropout keep-mask ``keep`` that the layer's call draws after ``manual_seed(seed)``)."""
     results = []
-    for fn in (lambda xx: m(xx, padding, rope), lambda xx: dma_plain(m, xx, padding, rope)):
+    for fn in (lambda xx: m(xx, padding, rope), lambda xx: dma_plain(m, xx, padding, rope, keep)):
         xx = x.clone().requires_grad_(True)
         m.zero_grad()
+        if seed is not None:
+            torch.manual_seed(seed)
         out = fn(xx)
         (out * torch.randn(out.shape, dtype=DT, generator=torch.Generator().manual_seed(11))).sum().backward()
         results.append((out.detach(), xx.grad, {n: p.grad.clone() for n, p in m.named_parameters()}))
@@ -404,6 +467,25 @@ def test_dma_top_k_ties_keep_lower_indices():
         compare_dma(m, hidden(2, 9))
 
 
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("length", [5, 13])
+def test_dma_dropout_in_training_only(is_causal, length):
+    # Training: the kernel's dropout, outputs and every gradient equal to the plain layer run
+    # on the keep-mask the call drew; eval: no dropout.
+    m = make_dma(is_causal=is_causal, dropout=0.3)
+    x = hidden(2, length)
+    pad = torch.ones(2, length, dtype=torch.bool)
+    pad[1, :2] = False
+    torch.manual_seed(5)
+    keep = dropout_mask(dropout_rng("cpu"), 2, m.num_heads, length, length, 0.3)
+    assert 0.4 < keep.double().mean() < 0.95
+    trained = compare_dma(m, x, pad, keep=keep, seed=5)
+    m.eval()
+    evaluated = compare_dma(m, x, pad)
+    assert (trained - evaluated).abs().max() > 1e-3
+    assert "dropout=0.3" in repr(m)
+
+
 def _dense_key_mask(m, bias, padding):
     """The layer's former mask: the dense bool top-k mask of the dense helpers."""
     from flash_dmattn.utils.mask import causal_topk_mask, create_mask
@@ -471,6 +553,10 @@ def test_dma_constructor_and_input_errors():
         DynamicMaskAttention(32, 4, num_kv_heads=3)
     with pytest.raises(ValueError, match="window_size"):
         DynamicMaskAttention(32, 4, window_size=0)
+    with pytest.raises(ValueError, match="dropout"):
+        DynamicMaskAttention(32, 4, dropout=1.0)
+    with pytest.raises(ValueError, match="dropout"):
+        DynamicMaskAttention(32, 4, dropout=True)
     with pytest.raises(ValueError, match="even"):
         DynamicMaskAttention(32, 4, head_dim=5)
     with pytest.raises(ValueError, match="unknown backend"):

@@ -61,6 +61,9 @@ class DynamicMaskAttention(nn.Module):
         is_causal: causal self-attention.
         bias: bias flag of the q/k/v/o projections and of ``dt_proj``.
         backend: flash_dmattn backend name, or ``None`` for per-call auto-dispatch.
+        dropout: attention dropout probability in ``[0, 1)``, applied by the kernel to the
+            normalised probabilities in training mode only (as ``nn.MultiheadAttention``);
+            ``torch.manual_seed`` reproduces it.
 
     Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (``nn.Linear``), ``dt_proj``
     (``nn.Linear(Hkv * D, Hkv)``) and ``A`` (``(Hkv,)``, initialised to ``A_INIT = -0.1``; see
@@ -104,6 +107,8 @@ class DynamicMaskAttention(nn.Module):
         allowed = allowed.expand(B, Hkv, L, L).repeat_interleave(g, 1)
         s = s.masked_fill(~allowed, float("-inf"))
         p = torch.softmax(s, -1).nan_to_num(0.0)                        # empty rows -> 0
+        if self.training:
+            p = p * keep / (1 - dropout)     # keep: the call's keep-mask (flash_dmattn.testing)
         out = torch.einsum("bhij,bjhd->bihd", p, v.repeat_interleave(g, 2))
         return self.o_proj(out.reshape(B, L, H * D))
     """
@@ -118,6 +123,7 @@ class DynamicMaskAttention(nn.Module):
         is_causal: bool = True,
         bias: bool = False,
         backend: Optional[str] = None,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         check_positive_int("hidden_size", hidden_size)
@@ -144,6 +150,8 @@ class DynamicMaskAttention(nn.Module):
             raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
 
         self.hidden_size = hidden_size
         self.num_heads = num_heads
@@ -151,6 +159,7 @@ class DynamicMaskAttention(nn.Module):
         self.head_dim = head_dim
         self.window_size = window_size
         self.is_causal = is_causal
+        self.dropout = float(dropout)
         self.backend = check_backend_name(backend)
 
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
@@ -165,7 +174,8 @@ class DynamicMaskAttention(nn.Module):
         return (
             f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"window_size={self.window_size}, is_causal={self.is_causal}, backend={self.backend!r}"
+            f"window_size={self.window_size}, is_causal={self.is_causal}, dropout={self.dropout}, "
+            f"backend={self.backend!r}"
         )
 
     # Input checks ---------------------------------------------------------------------------
@@ -256,6 +266,7 @@ class DynamicMaskAttention(nn.Module):
         bias = dynamic_mask_bias(v, self.dt_proj, self.A)
         mask = self._key_mask(bias, padding)
         out = attention_function(self.backend)(
-            q, k, v, attn_mask=mask, attn_bias=bias, is_causal=self.is_causal
+            q, k, v, attn_mask=mask, attn_bias=bias, is_causal=self.is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
         )
         return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..dropout import dense_keep_mask, draw_rng
 from ._common import attention_function, check_backend_name, check_positive_int
 
 __all__ = ["MultiheadAttention"]
@@ -73,6 +74,22 @@ def _plain_probs(q, k, mask, bias, scale):
     return p.to(q.dtype)
 
 
+def _next_dropout_keep(device, batch, heads, query_len, key_len, dropout_p) -> torch.Tensor:
+    """Bool ``(B, H, L, S)``: the keep-mask that the next dropout call on ``device`` uses.
+
+    A call draws its rng from the device's default generator; drawing it here on a forked
+    generator state (restored on exit) gives the same rng without advancing the generator.
+    """
+    if device.type == "cpu":
+        devices, device_type = [], None
+    else:
+        index = device.index if device.index is not None else torch.get_device_module(device.type).current_device()
+        devices, device_type = [index], device.type
+    with torch.random.fork_rng(devices=devices, device_type=device_type):
+        rng = draw_rng(device)
+    return dense_keep_mask(rng, dropout_p, batch, heads, query_len, key_len)
+
+
 class MultiheadAttention(nn.Module):
     """``torch.nn.MultiheadAttention`` with the same constructor, parameters, state_dict keys
     and forward semantics, computed through flash_dmattn.
@@ -87,8 +104,6 @@ class MultiheadAttention(nn.Module):
 
     Paths:
 
-    * ``dropout > 0`` in training mode: ``F.multi_head_attention_forward`` (torch's own code),
-      because flash_dmattn has no attention dropout.
     * ``need_weights=False``: one flash_dmattn call (``backend``).
     * ``need_weights=True`` and a gradient is needed: output through flash_dmattn, weights
       through a differentiable plain-PyTorch softmax (the library's probabilities carry no
@@ -99,6 +114,11 @@ class MultiheadAttention(nn.Module):
     ``add_bias_kv`` / ``add_zero_attn`` are supported exactly as torch does them: one learned
     key/value (``bias_k``/``bias_v``) and/or one all-zero key/value are appended to every
     sequence, always visible (masks are extended with "attend").
+
+    ``dropout`` (training mode only) is the kernels' attention dropout on the probabilities,
+    reproducible with ``torch.manual_seed`` but a different random stream from torch's; the
+    weights returned are, as torch's, those after dropout (kept entries scaled by
+    ``1 / (1 - dropout)``).
 
     Differences from torch: a query row with no visible key outputs 0 (``out_proj`` bias only
     after projection) and weight 0 where torch gives NaN; no nested-tensor fast path.
@@ -118,6 +138,8 @@ class MultiheadAttention(nn.Module):
                           float("-inf"))
         s = s.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
         p = s.softmax(-1)
+        if training:
+            p = p * keep / (1 - dropout)     # keep: the call's keep-mask (flash_dmattn.testing)
         out = out_proj((p @ v).transpose(1, 2).reshape(B, L, E))
         weights = p.mean(1) if average_attn_weights else p
     """
@@ -256,13 +278,6 @@ class MultiheadAttention(nn.Module):
         is_causal: bool = False,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         is_batched = self._check_inputs(query, key, value, key_padding_mask, attn_mask, is_causal)
-        if self.training and self.dropout > 0.0:
-            # flash_dmattn has no attention dropout: use torch's implementation.
-            return self._torch_forward(
-                query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
-                is_causal, is_batched,
-            )
-
         # Work batch-first internally: (B, L, E).
         if not is_batched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -296,6 +311,16 @@ class MultiheadAttention(nn.Module):
         mask = _append_key_column(mask, extra)
         bias = _append_key_column(bias, extra)
 
+        dropout_p = self.dropout if self.training else 0.0
+        # The kernels take dropout_p < 1; with 1 every probability is dropped and the attention
+        # output is zero (torch's result), so the call runs without dropout and is zeroed.
+        drop_all = dropout_p >= 1.0
+        call_p = 0.0 if drop_all else dropout_p
+        keep = None
+        if need_weights and call_p > 0.0:
+            # torch returns the weights after dropout: rebuild the keep-mask the call will draw.
+            keep = _next_dropout_keep(q.device, batch, heads, tgt_len, k.shape[1], call_p)
+
         weights = None
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, bias)
@@ -303,13 +328,22 @@ class MultiheadAttention(nn.Module):
         if need_weights and not needs_grad:
             # No gradient needed: the reference backend returns output and probabilities together.
             out, _, weights = attention_function("torch-reference")(
-                q, k, v, attn_mask=mask, attn_bias=bias, return_attn_probs=True
+                q, k, v, attn_mask=mask, attn_bias=bias, return_attn_probs=True, dropout_p=call_p
             )
             weights = weights.to(q.dtype)
         else:
-            out = attention_function(self.backend)(q, k, v, attn_mask=mask, attn_bias=bias)
+            out = attention_function(self.backend)(
+                q, k, v, attn_mask=mask, attn_bias=bias, dropout_p=call_p
+            )
             if need_weights:
                 weights = _plain_probs(q, k, mask, bias, head_dim ** -0.5)
+        if keep is not None:
+            # The library's probabilities are those before dropout.
+            weights = weights * keep / (1.0 - call_p)
+        if drop_all:
+            out = out * 0.0
+            if weights is not None:
+                weights = weights * 0.0
 
         out = self.out_proj(out.reshape(batch, tgt_len, self.embed_dim))
         if need_weights and average_attn_weights:
@@ -365,29 +399,3 @@ class MultiheadAttention(nn.Module):
             allowed, additive = _split_mask(am, dtype)
             mask, bias = _and(mask, allowed), _add(bias, additive)
         return mask, bias
-
-    def _torch_forward(
-        self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
-        is_causal, is_batched,
-    ):
-        if self.batch_first and is_batched:
-            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-        separate = not self._qkv_same_embed_dim
-        out, weights = F.multi_head_attention_forward(
-            query, key, value, self.embed_dim, self.num_heads,
-            self.in_proj_weight, self.in_proj_bias, self.bias_k, self.bias_v, self.add_zero_attn,
-            self.dropout, self.out_proj.weight, self.out_proj.bias,
-            training=self.training,
-            key_padding_mask=key_padding_mask,
-            need_weights=need_weights,
-            attn_mask=attn_mask,
-            use_separate_proj_weight=separate,
-            q_proj_weight=self.q_proj_weight,
-            k_proj_weight=self.k_proj_weight,
-            v_proj_weight=self.v_proj_weight,
-            average_attn_weights=average_attn_weights,
-            is_causal=is_causal,
-        )
-        if self.batch_first and is_batched:
-            out = out.transpose(0, 1)
-        return out, weights

@@ -203,6 +203,7 @@ def apply_dynamic_mask_attention(
     causal_mask: Optional[torch.Tensor] = None,
     keep_window_size: int = 2048,
     is_causal: bool = True,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Dynamic Mask Attention: ZOH bias from ``value`` plus top-k key selection.
 
@@ -218,6 +219,10 @@ def apply_dynamic_mask_attention(
             no top-k selection happens.
         is_causal: bottom-right aligned causal attention (query ``i`` sees keys
             ``j <= i + Lk - Lq``); top-k then only picks among causally visible keys.
+        dropout_p: attention dropout in ``[0, 1)`` on the normalised probabilities, as
+            :func:`~flash_dmattn.flash_dmattn_func` applies it (kept entries scaled by
+            ``1 / (1 - dropout_p)``; ``torch.manual_seed`` reproduces a call). Pass ``0.0``
+            for inference.
 
     Returns:
         ``(B, H, Lq, D)`` attention output.
@@ -248,7 +253,9 @@ def apply_dynamic_mask_attention(
         k = key.repeat_interleave(g, 1); v = value.repeat_interleave(g, 1)
         scores = query @ k.transpose(-1, -2) / D ** 0.5 + bias.repeat_interleave(g, 1)
         scores = scores.masked_fill(~allowed.repeat_interleave(g, 1), float("-inf"))
-        out = scores.softmax(-1) @ v                                      # (B, H, Lq, D)
+        p = scores.softmax(-1)
+        p = p * keep / (1 - dropout_p)  # keep: the call's keep-mask (flash_dmattn.testing)
+        out = p @ v                                                       # (B, H, Lq, D)
     """
     mask, bias = _dynamic_mask_and_bias(query, key, value, dt_proj, A, causal_mask, keep_window_size, is_causal)
     # Imported here: the api module pulls in the registry and dispatch, which the mask
@@ -262,5 +269,6 @@ def apply_dynamic_mask_attention(
         attn_mask=mask,
         attn_bias=bias,
         is_causal=is_causal,
+        dropout_p=dropout_p,
     )
     return out.transpose(1, 2)
