@@ -1,13 +1,16 @@
-"""Command line: ``python -m flash_dmattn info | demo | build``."""
+"""Command line: ``python -m flash_dmattn info [--explain ...] | demo | build``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import statistics
 import sys
 import time
 
 import torch
+
+from .inputs import AttentionInputs
 
 
 def _device_line() -> str:
@@ -45,6 +48,142 @@ def info() -> int:
             "Python on CPU tensors, to test them: far slower than torch-reference, and "
             "auto-dispatch passes over it."
         )
+    return 0
+
+
+_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+           "fp64": torch.float64, "float64": torch.float64}
+# Broadcast shapes the --mask / --bias kinds stand for.
+_AUX_KINDS = {"per-key": "B,Hkv,1,Lk", "per-query": "B,Hkv,Lq,Lk", "full": "B,H,Lq,Lk"}
+
+
+def _parse_dims(text: str) -> dict:
+    """``B=2,H=4,Hkv=1,Lq=100,Lk=100,D=64`` (any subset) with the defaults filled in."""
+    dims = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or name not in ("B", "H", "Hkv", "Lq", "Lk", "D") or not value.isdigit():
+            raise ValueError(f"--shape takes B=,H=,Hkv=,Lq=,Lk=,D= (integers), got {part!r}")
+        dims[name] = int(value)
+    dims.setdefault("B", 1)
+    dims.setdefault("H", 16)
+    dims.setdefault("Hkv", dims["H"])
+    dims.setdefault("Lq", 4096)
+    dims.setdefault("Lk", dims["Lq"])
+    dims.setdefault("D", 128)
+    return dims
+
+
+def _aux_shape(text: str, dims: dict, what: str) -> tuple:
+    """A mask / bias shape: a kind of :data:`_AUX_KINDS` or dims such as ``B,1,Lq,Lk`` (names of
+    ``--shape``'s dims or integers); 2 to 4 dims, left-padded with 1."""
+    spec = _AUX_KINDS.get(text, text)
+    shape = []
+    for part in (p.strip() for p in spec.split(",")):
+        if part in dims:
+            shape.append(dims[part])
+        elif part.isdigit():
+            shape.append(int(part))
+        else:
+            raise ValueError(f"--{what} takes none, {', '.join(_AUX_KINDS)}"
+                             f"{', intervals' if what == 'mask' else ''} or dims such as "
+                             f"B,Hkv,1,Lk; got {text!r}")
+    return tuple(shape)
+
+
+def described_call(shape="", dtype="bf16", mask="none", bias="none", bias_dtype=None,
+                   causal=False, softcap=0.0, train=False, bias_grad=False,
+                   deterministic=False, cache_seqlens=False, device=None, capability=None):
+    """The validated inputs of a described call, on meta tensors (nothing is allocated, so a
+    32K-token call describes as fast as a small one), that report ``device`` (``cpu`` or
+    ``cuda``; a ``capability`` such as ``(9, 0)`` implies ``cuda``)."""
+    from .masks import KeyIntervals
+
+    dims = _parse_dims(shape)
+    if dtype not in _DTYPES:
+        raise ValueError(f"--dtype takes one of {', '.join(_DTYPES)}, got {dtype!r}")
+    dt = _DTYPES[dtype]
+    meta = torch.device("meta")
+    B, H, Hkv, Lq, Lk, D = (dims[n] for n in ("B", "H", "Hkv", "Lq", "Lk", "D"))
+    grad = bool(train or bias_grad)
+    q = torch.empty(B, Lq, H, D, dtype=dt, device=meta, requires_grad=grad)
+    k = torch.empty(B, Lk, Hkv, D, dtype=dt, device=meta, requires_grad=grad)
+    v = torch.empty(B, Lk, Hkv, D, dtype=dt, device=meta, requires_grad=grad)
+    attn_mask = attn_bias = None
+    if mask == "intervals":
+        bounds = torch.empty(B, Hkv, Lk, dtype=torch.int32, device=meta)
+        attn_mask = KeyIntervals(bounds, bounds)
+    elif mask != "none":
+        attn_mask = torch.empty(_aux_shape(mask, dims, "mask"), dtype=torch.bool, device=meta)
+    if bias != "none":
+        bdt = _DTYPES[bias_dtype] if bias_dtype else dt
+        attn_bias = torch.empty(_aux_shape(bias, dims, "bias"), dtype=bdt, device=meta,
+                                requires_grad=bool(bias_grad))
+    lengths = torch.empty(B, dtype=torch.int32, device=meta) if cache_seqlens else None
+    inputs = AttentionInputs.from_args(q, k, v, attn_mask, attn_bias, None, causal,
+                                       softcap or None, deterministic, None, lengths)
+    if capability is not None:
+        device = "cuda"
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device takes cpu or cuda, got {device!r}")
+    values = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
+    return DescribedInputs(**values, described_device=torch.device(device))
+
+
+@dataclasses.dataclass(frozen=True)
+class DescribedInputs(AttentionInputs):
+    """A described call: meta tensors that report the device the call is described on."""
+
+    described_device: torch.device = torch.device("cpu")
+
+    @property
+    def device(self) -> torch.device:
+        return self.described_device
+
+
+def explain(args) -> int:
+    """``info --explain``: which backend auto-dispatch takes for the described call, and why
+    each other backend was not taken (declined, passed over by the policy, or ranked after)."""
+    import contextlib
+
+    from . import policy, registry
+
+    if args.rules:
+        print(policy.table())
+        return 0
+    capability = None
+    if args.capability:
+        major, _, minor = args.capability.partition(".")
+        if not (major.isdigit() and (minor or "0").isdigit()):
+            print(f"flash_dmattn info: --capability takes MAJOR.MINOR such as 9.0, got "
+                  f"{args.capability!r}", file=sys.stderr)
+            return 2
+        capability = (int(major), int(minor or 0))
+    try:
+        inputs = described_call(args.shape, args.dtype, args.mask, args.bias, args.bias_dtype,
+                                args.causal, args.softcap, args.train, args.bias_grad,
+                                args.deterministic, args.cache_seqlens, args.device, capability)
+    except (ValueError, TypeError) as exc:
+        print(f"flash_dmattn info: {exc}", file=sys.stderr)
+        return 2
+    here = inputs.device.type == "cpu" or (torch.cuda.is_available() and capability is None)
+    scope = (policy.simulated_capability(capability) if capability is not None
+             else contextlib.nullcontext())
+    with scope:
+        if inputs.device.type == "cuda" and capability is None and not torch.cuda.is_available():
+            print("flash_dmattn info: --device cuda on a machine without a GPU needs "
+                  "--capability (e.g. 9.0 for H100 / H200)", file=sys.stderr)
+            return 2
+        result = registry.explain(inputs, assume_available=not here)
+    print(f"described: {inputs.describe().replace('meta', inputs.device.type)}")
+    if not here:
+        print("(a GPU this machine does not have: backends are assumed installed; their "
+              "availability here is not checked)")
+    for line in result.lines():
+        print(line)
     return 0
 
 
@@ -247,7 +386,31 @@ def build(specs, build_all: bool = False, list_only: bool = False) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flash_dmattn")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="list backends, availability and the device")
+    p_info = sub.add_parser("info", help="list backends, availability and the device; "
+                                         "--explain: which backend auto takes for a call, why")
+    p_info.add_argument("--explain", action="store_true",
+                        help="describe a call with the flags below; print the dispatch rule, "
+                             "the backend auto takes and why each other one was not taken")
+    p_info.add_argument("--rules", action="store_true", help="with --explain: print the table")
+    p_info.add_argument("--shape", default="", help="B=,H=,Hkv=,Lq=,Lk=,D= (defaults B1 H16 "
+                                                    "Hkv=H Lq4096 Lk=Lq D128)")
+    p_info.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32 | fp64")
+    p_info.add_argument("--mask", default="none",
+                        help="none | per-key | per-query | full | intervals | dims such as "
+                             "B,Hkv,1,Lk")
+    p_info.add_argument("--bias", default="none",
+                        help="none | per-key | per-query | full | dims such as 1,1,Lq,Lk")
+    p_info.add_argument("--bias-dtype", default=None, help="the bias's dtype (default: --dtype)")
+    p_info.add_argument("--causal", action="store_true")
+    p_info.add_argument("--softcap", type=float, default=0.0)
+    p_info.add_argument("--train", action="store_true", help="q, k, v need gradients")
+    p_info.add_argument("--bias-grad", action="store_true", help="the bias needs a gradient")
+    p_info.add_argument("--deterministic", action="store_true")
+    p_info.add_argument("--cache-seqlens", action="store_true", help="a KV cache's used lengths")
+    p_info.add_argument("--device", default=None, help="cpu | cuda (default: this machine's)")
+    p_info.add_argument("--capability", default=None,
+                        help="a GPU generation, e.g. 9.0 (H100/H200), 8.0 (A100), 10.0: "
+                             "describe the call on it (implies --device cuda)")
     p_demo = sub.add_parser("demo", help="run every available backend on a small problem")
     p_demo.add_argument("--seqlen", type=int, default=0)
     p_demo.add_argument("--repeats", type=int, default=0)
@@ -257,7 +420,7 @@ def main(argv=None) -> int:
     p_build.add_argument("--list", action="store_true", help="print the specs, build nothing")
     args = parser.parse_args(argv)
     if args.command == "info":
-        return info()
+        return explain(args) if (args.explain or args.rules) else info()
     if args.command == "build":
         return build(args.specs, args.all, args.list)
     return demo(args.seqlen, args.repeats)

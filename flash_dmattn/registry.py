@@ -1,14 +1,17 @@
 """The backend registry and the dispatch rules of SPEC §6.
 
-Priority order is ``cuda, triton, flex, torch-reference``. Environment:
+Environment:
 
 * ``FLASH_DMATTN_BACKEND=<name>`` forces that backend for auto-dispatched calls;
 * ``FLASH_DMATTN_DISABLE=a,b`` removes backends from both auto-dispatch and explicit use.
 
-Auto-dispatch runs the first backend that supports the inputs and has no preference
-against them (``auto_skip_reasons``); a backend skipped only for preference still runs when
-nothing else can. When none can, one ``RuntimeError`` lists every backend's reasons. An explicitly requested backend never falls
-back: it raises ``ValueError`` with its own reasons.
+Auto-dispatch tries backends in the order :mod:`flash_dmattn.policy` gives for the call (one
+table: GPU generation and call features -> preference, each with its reason and measurement)
+and runs the first that is available and supports the inputs; backends the policy passes over
+still run when no preferred one can. When none can, one ``RuntimeError`` lists every
+backend's reasons. An explicitly requested backend never falls back: it raises
+``ValueError`` with its own reasons. :func:`explain` says, for one call, what auto takes and
+why each other backend was not taken (``python -m flash_dmattn info --explain``).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
+from . import policy
 from .inputs import AttentionInputs, VarlenInputs
 
 if TYPE_CHECKING:  # the backends package registers its backends here: no import back
@@ -26,7 +30,7 @@ if TYPE_CHECKING:  # the backends package registers its backends here: no import
 
 logger = logging.getLogger("flash_dmattn")
 
-PRIORITY = ("cuda", "triton", "flex", "torch-reference")
+PRIORITY = policy.PRIORITY
 
 # Devices on which landing on the reference is a performance problem worth a warning.
 ACCELERATED_DEVICE_TYPES = {"cuda"}
@@ -120,45 +124,101 @@ def check_explicit(backend: Backend, inputs: Inputs) -> Backend:
 
 
 def select_backend(inputs: Inputs) -> Backend:
-    """The backend auto-dispatch runs for ``inputs`` (SPEC §6)."""
+    """The backend auto-dispatch runs for ``inputs`` (SPEC §6, :mod:`flash_dmattn.policy`)."""
     forced = forced_name()
     if forced is not None:
         return check_explicit(get_backend(forced), inputs)
-
+    ranking = policy.rank(inputs)
     declined: List[Tuple[str, List[str]]] = []
-    runnable: List[Backend] = []  # could run, but asked auto-dispatch to prefer a later one
-    for name in PRIORITY:
-        backend = _BACKENDS.get(name)
-        if backend is None:
-            declined.append((name, [f"unavailable: {NOT_BUILT}"]))
-            continue
-        reason = unavailable_reason(backend)
-        if reason is not None:
-            declined.append((name, [f"unavailable: {reason}"]))
-            continue
-        reasons = _reasons(backend, inputs)
-        if not reasons:
-            # Preferences apply to packed (varlen) calls too: e.g. the Triton interpreter on CPU.
-            preference = list(backend.auto_skip_reasons(inputs))
-            if preference:
-                runnable.append(backend)
-                declined.append((name, preference))
-                continue
+    for name in ranking.order:
+        reasons = _decline_reasons(name, inputs)
         if reasons:
             declined.append((name, reasons))
             continue
-        return _chosen(backend, inputs, declined)
-    if runnable:
-        return _chosen(runnable[0], inputs, declined)
+        return _chosen(_BACKENDS[name], inputs, ranking)
     raise RuntimeError(
         f"no flash_dmattn backend can run these inputs ({inputs.describe()}):\n"
         + _format_declines(declined)
     )
 
 
-def _chosen(backend: Backend, inputs: Inputs, declined) -> Backend:
+def auto_backend_name(inputs: Inputs) -> Optional[str]:
+    """The name of the backend auto-dispatch would run for ``inputs`` (None: none can), without
+    logging or warning."""
+    forced = forced_name()
+    if forced is not None:
+        return forced
+    for name in policy.rank(inputs).order:
+        if not _decline_reasons(name, inputs):
+            return name
+    return None
+
+
+def _decline_reasons(name: str, inputs: Inputs) -> List[str]:
+    """Why backend ``name`` cannot run ``inputs`` here (unavailable, or unsupported inputs)."""
+    backend = _BACKENDS.get(name)
+    if backend is None:
+        return [f"unavailable: {NOT_BUILT}"]
+    reason = unavailable_reason(backend)
+    if reason is not None:
+        return [f"unavailable: {reason}"]
+    return _reasons(backend, inputs)
+
+
+class Explanation:
+    """What auto-dispatch does with one call: the policy's :class:`~flash_dmattn.policy.Ranking`,
+    the backend it takes (None: none can) and, per backend, why it was or was not taken."""
+
+    def __init__(self, ranking, taken: Optional[str], rows: List[Tuple[str, str, List[str]]]):
+        self.ranking = ranking
+        self.taken = taken
+        self.rows = rows  # (name, status, reasons); status: taken/declined/passed over/not reached
+
+    def lines(self) -> List[str]:
+        rule = self.ranking.rule
+        out = [f"call: {self.ranking.features.describe()}",
+               f"dispatch rule: {rule.key} [{rule.arch}] {rule.when}",
+               f"  why: {rule.reason}",
+               f"  measured: {rule.evidence}",
+               f"order: {' > '.join(self.ranking.prefer)}"
+               + (f" (fallback: {' > '.join(self.ranking.fallback)})" if self.ranking.fallback
+                  else ""),
+               f"auto takes: {self.taken or 'nothing (every backend declines)'}"]
+        for name, status, reasons in self.rows:
+            out.append(f"  {name}: {status}" + (f": {'; '.join(reasons)}" if reasons else ""))
+        return out
+
+
+def explain(inputs: Inputs, assume_available: bool = False) -> Explanation:
+    """Which backend auto-dispatch takes for ``inputs`` and why each other one was not: it
+    declined (unavailable, or the inputs are beyond it), the policy passed it over, or a
+    backend ranked before it was taken. ``FLASH_DMATTN_BACKEND`` is ignored (it is no choice).
+    ``assume_available``: judge every registered backend by the inputs alone, as on a machine
+    where it is installed (a call described for a GPU this machine does not have)."""
+    ranking = policy.rank(inputs)
+    taken = None
+    rows: List[Tuple[str, str, List[str]]] = []
+    for name in ranking.order:
+        if assume_available and name in _BACKENDS:
+            reasons = _reasons(_BACKENDS[name], inputs)
+        else:
+            reasons = _decline_reasons(name, inputs)
+        passed = ranking.passed_over.get(name)
+        if reasons:
+            rows.append((name, "declined", reasons))
+        elif taken is None:
+            taken = name
+            rows.append((name, "taken", [passed] if passed else []))
+        elif passed:
+            rows.append((name, "passed over", [passed]))
+        else:
+            rows.append((name, "not reached", [f"ranked after {taken}"]))
+    return Explanation(ranking, taken, rows)
+
+
+def _chosen(backend: Backend, inputs: Inputs, ranking) -> Backend:
     if not torch.compiler.is_compiling():
-        _note_choice(backend, inputs, declined)
+        _note_choice(backend, inputs, ranking)
     return backend
 
 
@@ -166,12 +226,23 @@ def _format_declines(declined: Iterable[Tuple[str, List[str]]]) -> str:
     return "\n".join(f"  {name}: {'; '.join(reasons)}" for name, reasons in declined)
 
 
-def _note_choice(backend: Backend, inputs: Inputs, declined) -> None:
+def _note_choice(backend: Backend, inputs: Inputs, ranking) -> None:
     key = (backend.name, inputs.device.type, type(inputs).__name__)
     if key not in _logged_choices:
         _logged_choices.add(key)
-        logger.info("flash_dmattn: using backend %r for %s inputs", backend.name, inputs.device.type)
+        logger.info("flash_dmattn: using backend %r for %s inputs (dispatch rule %r)",
+                    backend.name, inputs.device.type, ranking.rule.key)
     if backend.name == "torch-reference" and inputs.device.type in ACCELERATED_DEVICE_TYPES:
+        # Why every other backend did not run: its own reasons where it cannot run the call,
+        # else the policy's reason for passing it over.
+        declined = []
+        for name in PRIORITY:
+            if name == backend.name:
+                continue
+            reasons = _decline_reasons(name, inputs) or (
+                [ranking.passed_over[name]] if name in ranking.passed_over else [])
+            if reasons:
+                declined.append((name, reasons))
         wkey = (inputs.device.type, tuple((n, tuple(r)) for n, r in declined))
         if wkey not in _warned_fallbacks:
             _warned_fallbacks.add(wkey)

@@ -502,12 +502,12 @@ def test_cuda_gather_plan_declines_what_the_kernels_cannot_take(monkeypatch):
         kernels.cuda_gather_policy()
 
 
-@needs_triton
 def test_cuda_auto_dispatch_takes_measured_calls_on_hopper(monkeypatch):
-    # Measured faster than triton on Hopper for forward-only calls (T1-T3), for calls with
-    # gradients and no bias (the dense suite, T3's per-key mask) and for training with a
-    # per-query mask (T2); not for training with a bias alone (or with a per-key mask),
-    # decode, and untested for other GPUs: those keep their skip reason.
+    # Measured fastest on Hopper (flash_dmattn/policy.py, benchmarks/results/POLICY.md):
+    # forward-only calls (T1-T3), training without a bias (the dense suite, T3's per-key
+    # mask), with a per-query mask (T2) and with a per-key bias (issue 33's per-key mask +
+    # bias case); triton keeps decode calls, and other GPU generations pass cuda over.
+    from flash_dmattn import policy
     from flash_dmattn.backends.cuda import kernels
 
     backend = cuda_backend.CudaBackend()
@@ -522,31 +522,39 @@ def test_cuda_auto_dispatch_takes_measured_calls_on_hopper(monkeypatch):
         b = torch.zeros(1, 2, 1, Lk) if bias else None
         return AttentionInputs.from_args(q, k, k, m, b, None, False, **kw)
 
+    def first(inputs):
+        return policy.rank(inputs).prefer[0]
+
     prefill = inputs_for(512, 512)
     assert not kernels.use_cuda_decode(512, 8, 2, 512, False)
-    assert backend.auto_skip_reasons(prefill) == []
-    assert backend.auto_skip_reasons(inputs_for(512, 512, grad=True)) == []  # mask-free training
-    assert backend.auto_skip_reasons(inputs_for(512, 512, mask=True)) == []  # masked inference
+    assert first(prefill) == "cuda" and backend.auto_skip_reasons(prefill) == []
+    assert first(inputs_for(512, 512, grad=True)) == "cuda"  # mask-free training
+    assert first(inputs_for(512, 512, mask=True)) == "cuda"  # masked inference
     # A per-query mask (the dynamic-mask workload), without a bias or with a per-key one.
-    assert backend.auto_skip_reasons(inputs_for(512, 512, grad=True, mask=True)) == []
-    assert backend.auto_skip_reasons(inputs_for(512, 512, grad=True, mask=True, bias=True)) == []
+    assert first(inputs_for(512, 512, grad=True, mask=True)) == "cuda"
+    assert first(inputs_for(512, 512, grad=True, mask=True, bias=True)) == "cuda"
     per_key_mask = AttentionInputs.from_args(
         torch.randn(1, 512, 8, 16, requires_grad=True), torch.randn(1, 512, 2, 16),
         torch.randn(1, 512, 2, 16), torch.ones(1, 2, 1, 512, dtype=torch.bool), None, None, False)
-    assert backend.auto_skip_reasons(per_key_mask) == []  # block-sparse training (T3)
+    assert first(per_key_mask) == "cuda"  # block-sparse training (T3)
     per_key_mask_bias = AttentionInputs.from_args(
         torch.randn(1, 512, 8, 16, requires_grad=True), torch.randn(1, 512, 2, 16),
         torch.randn(1, 512, 2, 16), torch.ones(1, 2, 1, 512, dtype=torch.bool),
-        torch.zeros(1, 2, 1, 512), None, False)
-    assert backend.auto_skip_reasons(per_key_mask_bias) != []
-    assert backend.auto_skip_reasons(inputs_for(512, 512, grad=True, bias=True)) != []
-    with torch.no_grad():
-        assert backend.auto_skip_reasons(inputs_for(512, 512, grad=True, mask=True)) == []
-    assert backend.auto_skip_reasons(inputs_for(1, 4096)) != []  # the decode kernel
+        torch.zeros(1, 2, 1, 512, requires_grad=True), None, False)
+    assert first(per_key_mask_bias) == "cuda"  # issue 33's case, cuda measured 1.7x triton
+    assert first(inputs_for(512, 512, grad=True, bias=True)) == "cuda"
+    per_query_bias = AttentionInputs.from_args(
+        torch.randn(1, 512, 8, 16, requires_grad=True), torch.randn(1, 512, 2, 16),
+        torch.randn(1, 512, 2, 16), None, torch.zeros(1, 2, 512, 512, requires_grad=True),
+        None, False)
+    assert policy.rank(per_query_bias).order == ("flex", "triton", "cuda", "torch-reference")
+    assert first(inputs_for(1, 4096)) == "triton"  # the decode kernel
+    assert policy.rank(inputs_for(1, 4096)).order[1] == "cuda"
     capability["cc"] = (8, 0)
-    assert backend.auto_skip_reasons(prefill) != []
+    assert "cuda" not in policy.rank(prefill).prefer
+    assert "sm_90" in backend.auto_skip_reasons(prefill)[0]
     monkeypatch.setenv("FLASH_DMATTN_CUDA_AUTO", "1")
-    assert backend.auto_skip_reasons(prefill) == []
+    assert backend.auto_skip_reasons(prefill) == [] and first(prefill) == "cuda"
 
 
 @pytest.mark.parametrize("causal,lq,lk", [(True, 300, 700), (True, 700, 300), (False, 129, 65)])

@@ -16,7 +16,6 @@ from flash_dmattn.backends.flex import FlexBackend
 from flash_dmattn.inputs import AttentionInputs
 from flash_dmattn.backends.reference import ReferenceBackend
 from flash_dmattn.backends.triton.backend import TritonBackend
-from interpreter_only import needs_triton
 
 
 @pytest.fixture
@@ -143,35 +142,6 @@ def test_info_lists_every_backend(capsys):
     assert "device:" in out
 
 
-class _FakeCudaInputs:
-    """Just enough of an inputs object for auto_skip_reasons: a CUDA device."""
-
-    device = torch.device("cuda")
-
-
-@needs_triton
-@pytest.mark.parametrize("flex_can_run", [True, False])
-def test_untuned_triton_steps_aside_only_for_flex(monkeypatch, flex_can_run):
-    # Untuned Triton yields to flex on CUDA, but where flex declines (varlen, paged KV) it
-    # must win over the torch-reference fallback rather than yield to it.
-    from flash_dmattn import registry
-    from flash_dmattn.backends.triton import backend as triton_backend
-
-    monkeypatch.setattr(triton_backend, "TUNED", False)
-    asked = []
-
-    def fake_can_run(name, inputs):
-        asked.append(name)
-        return flex_can_run
-
-    monkeypatch.setattr(registry, "can_run", fake_can_run)
-    reasons = TritonBackend().auto_skip_reasons(_FakeCudaInputs())
-    assert asked == ["flex"]
-    assert bool(reasons) == flex_can_run
-    monkeypatch.setattr(triton_backend, "TUNED", True)
-    assert TritonBackend().auto_skip_reasons(_FakeCudaInputs()) == []
-
-
 def test_can_run_reports_support_and_availability(monkeypatch):
     from flash_dmattn import registry
 
@@ -181,28 +151,3 @@ def test_can_run_reports_support_and_availability(monkeypatch):
     monkeypatch.setenv("FLASH_DMATTN_DISABLE", "torch-reference")
     assert not registry.can_run("torch-reference", inputs)
     assert not registry.can_run("no-such-backend", inputs)
-
-
-@needs_triton
-def test_untuned_triton_keeps_decode_calls(monkeypatch):
-    # Short-query calls against a long cache take triton's decode kernel, measured faster than
-    # flex at every length: no preference for flex there, even when flex could run them.
-    from flash_dmattn import registry
-    from flash_dmattn.backends.triton import backend as triton_backend
-    from flash_dmattn.backends.triton import decode as decode_mod
-
-    monkeypatch.setattr(triton_backend, "TUNED", False)
-    monkeypatch.setattr(registry, "can_run", lambda name, inputs: True)
-
-    monkeypatch.setattr(AttentionInputs, "device", property(lambda self: torch.device("cuda")))
-
-    def inputs_for(Lq, Lk):
-        q = torch.randn(1, Lq, 8, 16)
-        k = torch.randn(1, Lk, 2, 16)
-        return AttentionInputs.from_args(q, k, k, None, None, None, False)
-
-    decode = inputs_for(1, 2 * decode_mod.DECODE_MIN_SEQLEN_K)
-    prefill = inputs_for(256, 256)
-    assert decode_mod.use_decode_kernel(1, 8, 2, 2 * decode_mod.DECODE_MIN_SEQLEN_K, False)
-    assert TritonBackend().auto_skip_reasons(decode) == []
-    assert TritonBackend().auto_skip_reasons(prefill) != []

@@ -53,12 +53,12 @@ class Backend(abc.ABC):
         """Why this backend cannot compute these inputs exactly (empty list = it can)."""
 
     def auto_skip_reasons(self, inputs: AttentionInputs) -> List[str]:
-        """Why auto-dispatch should prefer a later backend although this one could run.
+        """Why auto-dispatch ranks this backend after the ones it prefers for ``inputs``
+        (empty: it is among them). The preference is :mod:`flash_dmattn.policy`'s table, not
+        the backend's; explicitly requested backends ignore it."""
+        from ..policy import passed_over_reasons
 
-        Explicitly requested backends ignore these (e.g. a backend that is correct but slower
-        than the reference on this device).
-        """
-        return []
+        return passed_over_reasons(self.name, inputs)
 
     def varlen_not_supported_reasons(self, inputs: VarlenInputs) -> List[str]:
         return [f"{self.name} has no varlen (packed sequences) path"]

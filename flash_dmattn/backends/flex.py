@@ -16,7 +16,7 @@
 
 On CUDA the call is compiled (fused kernels). On CPU FlexAttention runs its eager
 implementation, which has no backward and materialises the score matrix; auto-dispatch
-therefore prefers the chunked reference there.
+prefers the chunked reference there (:mod:`flash_dmattn.policy`).
 """
 from __future__ import annotations
 
@@ -346,14 +346,6 @@ class FlexBackend(Backend):
         if inputs.seqlen_q == 0 or inputs.seqlen_k == 0:
             reasons.append("empty sequences are not supported")
         return reasons
-
-    def auto_skip_reasons(self, inputs) -> List[str]:
-        if inputs.device.type == "cpu":
-            return [
-                "on CPU FlexAttention runs eagerly and materialises the score matrix; "
-                "the chunked torch-reference is preferred"
-            ]
-        return []
 
     def attention(self, inputs):
         fa = _flex_module()

@@ -47,9 +47,8 @@ def choose_backend(inputs: AttentionInputs, backend: Optional[str]) -> str:
     """The backend whose op pair runs the local calls.
 
     ``backend`` given: that one (it must support the inputs). Otherwise the one auto-dispatch
-    would pick for ``inputs``; when that one has no op pair (flex), the first backend in
-    priority order that has one and supports the inputs, preferring those with no
-    auto-dispatch reservation.
+    would pick for ``inputs``; when that one has no op pair (flex), the first backend in the
+    dispatch policy's order for the call that has one and supports the inputs.
     """
     if backend is not None:
         chosen = registry.check_explicit(registry.get_backend(backend), inputs)
@@ -62,12 +61,11 @@ def choose_backend(inputs: AttentionInputs, backend: Optional[str]) -> str:
     chosen = registry.select_backend(inputs)
     if chosen.name in _OPS:
         return chosen.name
-    candidates = [n for n in registry.PRIORITY if n in _OPS and registry.can_run(n, inputs)]
-    for name in candidates:
-        if not registry.get_backend(name).auto_skip_reasons(inputs):
+    from ..policy import rank
+
+    for name in rank(inputs).order:
+        if name in _OPS and registry.can_run(name, inputs):
             return name
-    if candidates:
-        return candidates[0]
     raise RuntimeError(f"no backend with a forward/backward op pair can run {inputs.describe()}")
 
 

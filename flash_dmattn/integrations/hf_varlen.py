@@ -321,16 +321,7 @@ def _packed_backend_name(inputs: Any) -> Optional[str]:
     """The backend auto-dispatch would run packed ``inputs`` on, without logging or warning."""
     from .. import registry
 
-    forced = registry.forced_name()
-    if forced is not None:
-        return forced
-    for backend in registry.registered_backends():
-        if registry.unavailable_reason(backend) is not None:
-            continue
-        if backend.varlen_not_supported_reasons(inputs) or backend.auto_skip_reasons(inputs):
-            continue
-        return backend.name
-    return None
+    return registry.auto_backend_name(inputs)
 
 
 def _kernel_takes(

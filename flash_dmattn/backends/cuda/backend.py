@@ -13,7 +13,6 @@ from typing import List, Optional
 
 import torch
 
-from ...inputs import AttentionInputs
 from ..base import Backend
 from . import jit, toolchain
 from .spec import KernelSpec
@@ -78,9 +77,9 @@ class CudaBackend(Backend):
         except ValueError as exc:
             reasons.append(str(exc))
         if inputs.return_attn_probs:
+            reasons.append("return_attn_probs is not supported (use torch-reference)")
         if getattr(inputs, "dropout_p", 0.0) > 0.0:
             reasons.append("dropout is not implemented in the cuda kernels yet")
-            reasons.append("return_attn_probs is not supported (use torch-reference)")
         return reasons
 
     def not_supported_reasons(self, inputs) -> List[str]:
@@ -122,30 +121,6 @@ class CudaBackend(Backend):
     def varlen_attention(self, inputs):
         """Packed-sequence attention (SPEC §4) through the ``cuda_varlen`` custom ops."""
         return cuda_varlen_op().attention(inputs)
-
-    def auto_skip_reasons(self, inputs) -> List[str]:
-        # Auto-dispatch takes these kernels where the benchmark measured them at least as fast
-        # as triton, on Hopper (H200, 2026-11-23): forward-only calls (nothing needs a
-        # gradient; T1 1.97 vs 2.39 ms, T2 0.54 vs 0.66 ms, T3 1.07 vs 1.09 ms), calls with
-        # neither mask nor bias, with gradients too (the warp-specialised dK/dV: every dense
-        # row of the benchmark, e.g. L16384 D128 causal 8.7 vs 10.1 ms), training with a mask
-        # and no bias (T3's per-key mask: 4.38-4.62 vs 4.69-4.83 ms) and training with a
-        # per-query mask and a per-key bias (T2: 2.26 vs 3.00 ms). Training with a bias and a
-        # per-key mask or none, its decode kernel with a mask + bias and packed sequences are
-        # not measured at least as fast: those stay with triton unless FLASH_DMATTN_CUDA_AUTO=1.
-        if os.environ.get("FLASH_DMATTN_CUDA_AUTO", "0") not in ("", "0"):
-            return []
-        if getattr(inputs, "key_intervals", None) is not None:
-            # Key-interval masks: wherever these kernels run (not_supported_reasons: Hopper,
-            # not deterministic) they beat triton's interval kernels on every dma_long row
-            # (benchmarks/results/*/dma_long.md).
-            return []
-        if _hopper_measured_faster(inputs):
-            return []
-        return ["forward + backward with a bias, without a per-query mask, not measured as fast "
-                "as triton; on Hopper, forward-only calls, training without a bias and "
-                "per-query-mask training use it; set FLASH_DMATTN_CUDA_AUTO=1 to prefer it "
-                "everywhere"]
 
     def kernel_module(self, spec: KernelSpec, device=None):
         """The compiled extension for ``spec`` on ``device`` (built and cached on first use)."""
@@ -191,34 +166,3 @@ def cuda_varlen_op():
 
         _varlen_op = VarlenAttentionOp("cuda_varlen", cuda_varlen_forward, cuda_varlen_backward)
     return _varlen_op
-
-
-def _hopper_measured_faster(inputs) -> bool:
-    """A call on an sm_90 GPU (not packed, not decode, no paged / used-length cache) where
-    nothing needs a gradient, that has no bias, or whose mask varies per query
-    (:func:`_per_query_mask_training`)."""
-    if not isinstance(inputs, AttentionInputs) or inputs.device.type != "cuda":
-        return False
-    if inputs.cache_seqlens is not None or getattr(inputs, "block_table", None) is not None:
-        return False
-    from .kernels import use_cuda_decode
-
-    q, k = inputs.query, inputs.key
-    if use_cuda_decode(q.shape[1], q.shape[2], k.shape[2], k.shape[1], False):
-        return False
-    leaves = [inputs.query, inputs.key, inputs.value, inputs.attn_bias]
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
-    if needs_grad and inputs.attn_bias is not None and not _per_query_mask_training(inputs):
-        return False
-    return torch.cuda.get_device_capability(inputs.device) == (9, 0)
-
-
-def _per_query_mask_training(inputs) -> bool:
-    """The dynamic-mask workload's shape: a mask that varies per query (the forward gathers
-    its tiles' live keys, the dK/dV kernel reads its key bits), with no bias or a per-key one
-    (T2 on an H200, 2026-11-23: 2.65 vs triton 3.09 ms forward + backward)."""
-    mask, bias = inputs.attn_mask, inputs.attn_bias
-    q, k = inputs.query, inputs.key
-    if mask is None or mask.dim() != 4 or mask.size(2) != q.shape[1] or q.shape[1] <= 1:
-        return False
-    return bias is None or (bias.dim() == 4 and bias.size(2) == 1 and bias.size(3) == k.shape[1])

@@ -21,6 +21,7 @@ from typing import List
 import torch
 
 from ...planning.key_lists import DenseEquivalent, full_bounds, plan_intervals
+from ...policy import HOPPER, device_capability
 from .extension import kernel_module, reduce_key_partials, vector_ready
 
 # Query rows one dK/dV CTA walks at most (a multiple of the backward's 64-row tiles): a key
@@ -50,7 +51,7 @@ def interval_reasons(inputs) -> List[str]:
     if inputs.deterministic:
         reasons.append("deterministic=True: the cuda key-interval backward adds partial "
                        "gradients with atomics (triton runs it deterministically)")
-    if inputs.device.type == "cuda" and torch.cuda.get_device_capability(inputs.device) != (9, 0):
+    if inputs.device.type == "cuda" and device_capability(inputs.device) != HOPPER:
         reasons.append("the cuda key-interval kernels are built for Hopper (sm_90) only")
     return reasons
 

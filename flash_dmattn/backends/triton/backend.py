@@ -11,14 +11,11 @@ from typing import List, Optional
 import torch
 
 from ...envs import interpret_mode
+from ...policy import device_capability
 from ..base import Backend
 from . import triton_unavailable_reason
 
 MAX_HEAD_DIM = 256
-
-# Auto-dispatch passes over these kernels (while still using them when flex cannot run) until
-# the benchmark shows them at least as fast as flex; explicit use is unaffected.
-TUNED = False
 
 _op = None
 
@@ -153,17 +150,17 @@ def _kernel_reasons(inputs) -> List[str]:
     dev = inputs.device.type
     if dev != "cuda" and not (dev == "cpu" and interpret_mode()):
         reasons.append(f"tensors on {dev} (needs CUDA, or CPU with TRITON_INTERPRET=1)")
-    if dev == "cuda" and torch.cuda.get_device_capability(inputs.device) < (8, 0):
+    if dev == "cuda" and device_capability(inputs.device) < (8, 0):
         reasons.append("needs a GPU of compute capability >= 8.0")
     allowed = (torch.float16, torch.bfloat16) + ((torch.float32,) if dev == "cpu" else ())
     if inputs.dtype not in allowed:
         reasons.append(f"dtype {inputs.dtype} is not supported (float16, bfloat16)")
     if inputs.head_dim > MAX_HEAD_DIM:
-    if getattr(inputs, "dropout_p", 0.0) > 0.0:
-        reasons.append("dropout is not implemented in the triton kernels yet")
         reasons.append(f"head_dim {inputs.head_dim} > {MAX_HEAD_DIM}")
     if inputs.return_attn_probs:
         reasons.append("return_attn_probs is not supported (use torch-reference)")
+    if getattr(inputs, "dropout_p", 0.0) > 0.0:
+        reasons.append("dropout is not implemented in the triton kernels yet")
     return reasons
 
 
@@ -221,35 +218,6 @@ class TritonBackend(Backend):
     def varlen_attention(self, inputs):
         """Packed-sequence attention (SPEC §4) through the ``triton_varlen`` custom ops."""
         return triton_varlen_op().attention(inputs)
-
-    def auto_skip_reasons(self, inputs) -> List[str]:
-        if inputs.device.type == "cpu":
-            return ["on CPU the Triton interpreter is a testing aid, far slower than torch-reference"]
-        if getattr(inputs, "key_intervals", None) is not None:
-            # Key-interval masks: these kernels visit only the selected keys; flex visits
-            # whole 128-key blocks, every one of which a scattered selection keeps live.
-            return []
-        if not TUNED:
-            # Step aside for flex only: where flex cannot run (varlen, paged KV, ...) these
-            # kernels still beat the torch-reference fallback by far.
-            from ... import registry
-            from ...inputs import AttentionInputs
-            from .decode import use_decode_kernel
-
-            if isinstance(inputs, AttentionInputs) and use_decode_kernel(
-                inputs.seqlen_q, inputs.num_heads, inputs.num_kv_heads, inputs.seqlen_k,
-                inputs.cache_seqlens is not None,
-            ):
-                # Decoding: the split-KV kernel measured 1-30x faster than flex on an H200
-                # (benchmarks/results/nvidia-h200/SUMMARY.md), at every cache length tried.
-                return []
-
-            if registry.can_run("flex", inputs):
-                return [
-                    "kernels not yet tuned: measured slower than flex on an H200 "
-                    "(benchmarks/results/nvidia-h200); auto-dispatch prefers flex when flex can run"
-                ]
-        return []
 
     def attention(self, inputs):
         intervals = inputs.key_intervals

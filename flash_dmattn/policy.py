@@ -1,0 +1,362 @@
+"""Auto-dispatch's preference: one table from what a call is to the order backends are tried in.
+
+Each :class:`Rule` names the GPU generation it holds for, the calls it covers, the order it
+prefers, why, and the measurement behind it (a file under ``benchmarks/results/``; the rows
+are summarised with their numbers in ``benchmarks/results/POLICY.md``). The first rule that
+matches a call decides. The registry (:func:`flash_dmattn.registry.select_backend`) tries the
+rule's ``prefer`` backends in that order and runs the first that is available and supports
+the call; backends the rule leaves out are *passed over*: they run only when every preferred
+one declines, in :data:`PRIORITY` order, and ``python -m flash_dmattn info --explain`` prints
+the rule's reason for each.
+
+Only Hopper (compute capability 9.0: H100, H200) has been measured. On other GPU generations
+the cuda backend is passed over (its kernels were built and timed on sm_90 only) and flex,
+then triton, run as before any measurement; ``FLASH_DMATTN_CUDA_AUTO=1`` puts cuda first on
+every GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+
+# Every backend name, in the order passed-over backends are tried when nothing preferred runs.
+PRIORITY = ("cuda", "triton", "flex", "torch-reference")
+
+HOPPER = (9, 0)
+CUDA_AUTO_ENV = "FLASH_DMATTN_CUDA_AUTO"
+
+_simulated: contextvars.ContextVar = contextvars.ContextVar("flash_dmattn_capability",
+                                                            default=None)
+
+
+@contextlib.contextmanager
+def simulated_capability(capability: Tuple[int, int]) -> Iterator[None]:
+    """Within the block, :func:`device_capability` answers ``capability`` for every CUDA
+    device: ``info --explain --capability`` and the policy tests describe calls on a GPU
+    generation this machine does not have."""
+    token = _simulated.set(tuple(capability))
+    try:
+        yield
+    finally:
+        _simulated.reset(token)
+
+
+def device_capability(device: torch.device) -> Optional[Tuple[int, int]]:
+    """``(major, minor)`` of a CUDA ``device`` (or the simulated one), None for other devices."""
+    if device.type != "cuda":
+        return None
+    simulated = _simulated.get()
+    if simulated is not None:
+        return simulated
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def cuda_auto_everywhere() -> bool:
+    """``$FLASH_DMATTN_CUDA_AUTO`` set (not 0): cuda first on every GPU, measured or not."""
+    return os.environ.get(CUDA_AUTO_ENV, "0").strip() not in ("", "0")
+
+
+# ---------------------------------------------------------------------------------------------
+# What a call is, as far as the preference goes
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CallFeatures:
+    """The properties of a call the rules read.
+
+    ``mask``: ``none``, ``per-key`` (one row for every query: a mask of shape
+    ``(Bx, Hx, 1, Lk)``), ``per-query`` (``(Bx, Hx, Lq, Lk)``, Lq > 1) or ``intervals`` (a
+    :class:`~flash_dmattn.masks.KeyIntervals`). ``bias``: ``none``, ``per-key`` or ``per-query``
+    alike. ``decode``: few query rows per kv head against a long key range or a KV cache's
+    used lengths (the shape the split-KV decode kernels take). ``kv_cache``: ``cache_seqlens``
+    or paged K/V. ``training``: some input needs a gradient.
+    """
+
+    device: str = "cuda"
+    capability: Optional[Tuple[int, int]] = None
+    packed: bool = False
+    decode: bool = False
+    kv_cache: bool = False
+    mask: str = "none"
+    bias: str = "none"
+    training: bool = False
+    bias_grad: bool = False
+
+    @property
+    def gpu(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def hopper(self) -> bool:
+        return self.capability == HOPPER
+
+    def describe(self) -> str:
+        where = self.device
+        if self.capability is not None:
+            where = f"cuda sm_{self.capability[0]}{self.capability[1]}"
+        parts = [where, "packed sequences" if self.packed else "dense batch"]
+        if self.decode:
+            parts.append("decode shape")
+        if self.kv_cache:
+            parts.append("KV cache")
+        parts.append(f"mask {self.mask}")
+        parts.append(f"bias {self.bias}")
+        parts.append("forward + backward" if self.training else "forward only")
+        if self.bias_grad:
+            parts.append("bias gradient")
+        return ", ".join(parts)
+
+
+def _aux_kind(t: Optional[torch.Tensor]) -> str:
+    if t is None:
+        return "none"
+    # Dense masks / biases are 4-D (Bx, Hx, Qx, Kx); packed ones 2-D (Hx, total_k): per key.
+    return "per-query" if t.dim() == 4 and t.shape[2] > 1 else "per-key"
+
+
+def _decode_shape(inputs) -> bool:
+    """Whether the split-KV decode kernels take the call (the triton backend's rule, which the
+    cuda backend shares: few rows per kv head and a long key range, or a KV cache)."""
+    from .planning.decode import DECODE_MAX_ROWS, DECODE_MIN_SEQLEN_K, decode_rows
+
+    rows = decode_rows(inputs.seqlen_q, inputs.num_heads, inputs.num_kv_heads)
+    if inputs.seqlen_q == 0 or rows > DECODE_MAX_ROWS:
+        return False
+    return inputs.cache_seqlens is not None or inputs.seqlen_k >= DECODE_MIN_SEQLEN_K
+
+
+def features_of(inputs) -> CallFeatures:
+    """The :class:`CallFeatures` of validated ``inputs`` (AttentionInputs or VarlenInputs)."""
+    packed = hasattr(inputs, "cu_seqlens_q")
+    intervals = getattr(inputs, "key_intervals", None) is not None
+    cache = getattr(inputs, "cache_seqlens", None) is not None
+    paged = getattr(inputs, "block_table", None) is not None
+    bias = inputs.attn_bias
+    return CallFeatures(
+        device=inputs.device.type,
+        capability=device_capability(inputs.device),
+        packed=packed,
+        decode=not packed and _decode_shape(inputs),
+        kv_cache=cache or paged,
+        mask="intervals" if intervals else _aux_kind(inputs.attn_mask),
+        bias=_aux_kind(bias),
+        training=inputs.needs_grad,
+        bias_grad=torch.is_grad_enabled() and bias is not None and bias.requires_grad,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the table: on ``arch`` (``any``, ``cpu``, ``sm_90`` or ``other GPUs``), calls
+    that ``when`` describes (``test`` decides) try ``prefer`` in order; ``reason`` says why,
+    ``evidence`` where it was measured, ``passed_over`` why a backend left out of ``prefer``
+    runs only as a fallback (a backend with no entry gets :data:`NOT_PREFERRED`)."""
+
+    key: str
+    arch: str
+    when: str
+    test: Callable[[CallFeatures], bool]
+    prefer: Tuple[str, ...]
+    reason: str
+    evidence: str
+    passed_over: Mapping[str, str] = field(default_factory=dict)
+
+    def applies(self, f: CallFeatures) -> bool:
+        if self.arch == "cpu" and f.gpu:
+            return False
+        if self.arch == "sm_90" and not (f.gpu and f.hopper):
+            return False
+        if self.arch == "other GPUs" and not (f.gpu and not f.hopper):
+            return False
+        return self.test(f)
+
+
+NOT_PREFERRED = "ranked after the rule's preferred backends"
+
+_CUDA_UNMEASURED = ("the cuda kernels were built, tested and timed on sm_90 (H100, H200) only; "
+                    "on this GPU generation auto-dispatch leaves them to explicit use "
+                    f"(backend='cuda', or {CUDA_AUTO_ENV}=1 to prefer them)")
+_REFERENCE_ON_GPU = "plain PyTorch: the fallback when no kernel backend runs the call"
+_H200 = "benchmarks/results/nvidia-h200/"
+_H100 = "benchmarks/results/nvidia-h100/"
+
+
+def _always(f: CallFeatures) -> bool:
+    return True
+
+
+def _per_query_bias_training(f: CallFeatures) -> bool:
+    return f.training and f.bias == "per-query"
+
+
+RULES: Tuple[Rule, ...] = (
+    Rule(
+        "cpu", "cpu", "any call on CPU tensors", _always,
+        prefer=("torch-reference",),
+        reason="the chunked reference (PyTorch's fused SDPA where exact) is the fast CPU path",
+        evidence="benchmarks/results/cpu-2core/cpu_sdpa.txt",
+        passed_over={
+            "triton": "on CPU the Triton interpreter is a testing aid, far slower than "
+                      "torch-reference",
+            "flex": "on CPU FlexAttention runs eagerly, materialises the score matrix and has "
+                    "no backward; the chunked torch-reference is preferred",
+            "cuda": "needs a CUDA device",
+        },
+    ),
+    Rule(
+        "hopper-packed-forward", "sm_90", "packed sequences, forward only",
+        lambda f: f.packed and not f.training,
+        prefer=("cuda", "triton", "torch-reference"),
+        reason="the cuda varlen forward measured faster than triton's on the varlen benchmark",
+        evidence=_H200 + "cuda-2026-11-22d-varlen-bench.log",
+    ),
+    Rule(
+        "hopper-packed-training", "sm_90", "packed sequences, forward + backward",
+        lambda f: f.packed,
+        prefer=("triton", "cuda", "torch-reference"),
+        reason="triton's varlen backward measured faster than cuda's (fwd+bwd) on the varlen "
+               "benchmark",
+        evidence=_H200 + "cuda-2026-11-22d-varlen-bench.log",
+    ),
+    Rule(
+        "hopper-key-intervals", "sm_90", "a key-interval mask (KeyIntervals)",
+        lambda f: f.mask == "intervals",
+        prefer=("cuda", "triton", "flex", "torch-reference"),
+        reason="cuda's key-interval kernels beat triton's on every dma_long row; flex visits "
+               "whole 128-key blocks, which a scattered selection keeps live",
+        evidence=_H100 + "dma_long-cuda.log, " + _H200 + "dma_long-cuda.log",
+    ),
+    Rule(
+        "hopper-decode", "sm_90", "decoding: few query rows per kv head, long keys or a KV cache",
+        lambda f: f.decode or f.kv_cache,
+        prefer=("triton", "cuda", "flex", "torch-reference"),
+        reason="triton's split-KV decode kernel measured faster than cuda's on every row, and "
+               "both far faster than flex",
+        evidence=_H200 + "cuda-decode-2026-11-23d-time.log, " + _H200 + "decode-2026-11-23d-bench.md",
+    ),
+    Rule(
+        "hopper-per-query-bias-training", "sm_90",
+        "forward + backward with a per-query bias (Bx, Hx, Lq, Lk)",
+        _per_query_bias_training,
+        prefer=("flex", "triton", "cuda", "torch-reference"),
+        reason="not measured: cuda's backward with a per-query bias has no timing against flex "
+               "or triton yet, so the order before any measurement stays",
+        evidence="(none yet)",
+        passed_over={},
+    ),
+    Rule(
+        "hopper-dense", "sm_90",
+        "every other call: forward only, or training without a bias, with a per-key bias, "
+        "or with a per-query mask",
+        _always,
+        prefer=("cuda", "flex", "triton", "torch-reference"),
+        reason="cuda measured fastest: forward T1-T3; forward + backward dense (T1, the dense "
+               "suite), with a per-key mask (T3), a per-query mask + per-key bias (T2) and a "
+               "per-key mask + per-key bias (issue 33's H100 case)",
+        evidence=_H200 + "cuda-final-2026-11-23c-ab-bench.log, " + _H200
+        + "cuda-t2-sampled-2026-11-23c-bench.log, benchmarks/results/POLICY.md",
+    ),
+    Rule(
+        "gpu-packed", "other GPUs", "packed sequences",
+        lambda f: f.packed,
+        prefer=("triton", "torch-reference"),
+        reason="flex has no packed path; triton's kernels run on sm80+",
+        evidence="(not measured on this generation)",
+        passed_over={"cuda": _CUDA_UNMEASURED},
+    ),
+    Rule(
+        "gpu-key-intervals", "other GPUs", "a key-interval mask (KeyIntervals)",
+        lambda f: f.mask == "intervals",
+        prefer=("triton", "flex", "torch-reference"),
+        reason="triton's key-interval kernels visit only the selected keys (measured on "
+               "Hopper; cuda's are built for sm_90 only)",
+        evidence=_H100 + "dma_long.md",
+        passed_over={"cuda": _CUDA_UNMEASURED},
+    ),
+    Rule(
+        "gpu-decode", "other GPUs", "decoding: few query rows per kv head, long keys or a KV cache",
+        lambda f: f.decode or f.kv_cache,
+        prefer=("triton", "flex", "torch-reference"),
+        reason="triton's split-KV decode kernel measured faster than flex at every cache "
+               "length on Hopper",
+        evidence=_H200 + "decode-2026-11-23d-bench.md",
+        passed_over={"cuda": _CUDA_UNMEASURED},
+    ),
+    Rule(
+        "gpu-dense", "other GPUs", "every other call",
+        _always,
+        prefer=("flex", "triton", "torch-reference"),
+        reason="no measurement on this GPU generation: FlexAttention (compiled by PyTorch for "
+               "the GPU at hand) first, then triton",
+        evidence="(not measured on this generation)",
+        passed_over={"cuda": _CUDA_UNMEASURED},
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """The order auto-dispatch tries backends in for one call, and why."""
+
+    rule: Rule
+    features: CallFeatures
+    prefer: Tuple[str, ...]
+    fallback: Tuple[str, ...]
+    passed_over: Dict[str, str]
+
+    @property
+    def order(self) -> Tuple[str, ...]:
+        return self.prefer + self.fallback
+
+
+def rule_for(f: CallFeatures) -> Rule:
+    for rule in RULES:
+        if rule.applies(f):
+            return rule
+    raise AssertionError(f"no dispatch rule covers {f.describe()}")  # RULES ends in catch-alls
+
+
+def rank_features(f: CallFeatures) -> Ranking:
+    """The :class:`Ranking` of a call with features ``f``."""
+    rule = rule_for(f)
+    prefer = rule.prefer
+    if f.gpu and cuda_auto_everywhere() and prefer[0] != "cuda":
+        prefer = ("cuda",) + tuple(n for n in prefer if n != "cuda")
+    fallback = tuple(n for n in PRIORITY if n not in prefer)
+    passed = {n: rule.passed_over.get(n, NOT_PREFERRED) for n in fallback}
+    return Ranking(rule, f, prefer, fallback, passed)
+
+
+def rank(inputs) -> Ranking:
+    """The :class:`Ranking` of validated ``inputs``."""
+    return rank_features(features_of(inputs))
+
+
+def passed_over_reasons(name: str, inputs) -> List[str]:
+    """Why auto-dispatch ranks backend ``name`` after the preferred ones for ``inputs`` (empty:
+    it is among them)."""
+    ranking = rank(inputs)
+    reason = ranking.passed_over.get(name)
+    return [f"{reason} (dispatch rule {ranking.rule.key!r})"] if reason else []
+
+
+def table() -> str:
+    """The rules as text, in the order they are tried (``info --explain`` prints it)."""
+    lines = []
+    for rule in RULES:
+        lines.append(f"{rule.key} [{rule.arch}] {rule.when}")
+        lines.append(f"    prefer: {' > '.join(rule.prefer)}")
+        lines.append(f"    why: {rule.reason}")
+        lines.append(f"    measured: {rule.evidence}")
+        for name, why in rule.passed_over.items():
+            lines.append(f"    {name} passed over: {why}")
+    return "\n".join(lines)
