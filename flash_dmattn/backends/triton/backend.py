@@ -21,14 +21,15 @@ _op = None
 
 
 def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None, block_table=None,
-             key_intervals=None, key_window=None):
+             key_intervals=None, key_window=None, dropout_p=0.0, dropout_rng=None):
+    drop = dict(dropout_p=dropout_p, dropout_rng=dropout_rng)
     if key_intervals is not None:
         from .intervals import interval_forward, plan_for
 
         plan = plan_for(q, k, key_intervals, is_causal, backward=False, window=key_window)
         if not plan[0].hides_nothing:
             out, lse, _ = interval_forward(q, k, v, bias, key_intervals, scale, is_causal,
-                                           softcap, plan)
+                                           softcap, plan, **drop)
             return out, lse
         # A mask that hides nothing beyond is_causal: the dense kernels, which skip tiles
         # past the diagonal instead of gathering every key.
@@ -41,18 +42,21 @@ def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
 
     # Few query rows per kv head (decoding): the split-KV kernel reads K/V once per group.
     # It is also the only forward that honours cache_seqlens (not_supported_reasons declines
-    # cache_seqlens for every other shape).
-    if use_decode_kernel(q.shape[1], q.shape[2], k.shape[2], k.shape[1], cache_seqlens is not None):
+    # cache_seqlens for every other shape, and dropout with a KV cache: the split-KV kernel
+    # has none).
+    if not dropout_p and use_decode_kernel(q.shape[1], q.shape[2], k.shape[2], k.shape[1],
+                                           cache_seqlens is not None):
         return decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens)
     from .forward import attention_forward
 
-    return attention_forward(q, k, v, mask, bias, scale, is_causal, softcap)
+    return attention_forward(q, k, v, mask, bias, scale, is_causal, softcap, **drop)
 
 
 def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
-                     key_intervals=None, key_window=None):
+                     key_intervals=None, key_window=None, dropout_p=0.0, dropout_rng=None):
     """``_forward`` plus the backward's plan (see
     :mod:`flash_dmattn.planning.plan`); None where it has none."""
+    drop = dict(dropout_p=dropout_p, dropout_rng=dropout_rng)
     if key_intervals is not None:
         from ...planning.key_lists import DenseEquivalent
         from .intervals import interval_forward, plan_for
@@ -60,18 +64,23 @@ def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqle
         plan = plan_for(q, k, key_intervals, is_causal, backward=True, window=key_window)
         if not plan[0].hides_nothing:
             return interval_forward(q, k, v, bias, key_intervals, scale, is_causal, softcap,
-                                    plan)
-        out, lse, dense_plan = _planned_forward(q, k, v, None, bias, scale, is_causal, softcap)
+                                    plan, **drop)
+        out, lse, dense_plan = _planned_forward(q, k, v, None, bias, scale, is_causal, softcap,
+                                                **drop)
         return out, lse, DenseEquivalent(dense_plan)
     from .decode import use_decode_kernel
-    if use_decode_kernel(q.shape[1], q.shape[2], k.shape[2], k.shape[1], cache_seqlens is not None):
+    if not dropout_p and use_decode_kernel(q.shape[1], q.shape[2], k.shape[2], k.shape[1],
+                                           cache_seqlens is not None):
         return (*_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens), None)
     from .forward import attention_forward
-    return attention_forward(q, k, v, mask, bias, scale, is_causal, softcap, keep_plan=True)
+    return attention_forward(q, k, v, mask, bias, scale, is_causal, softcap, keep_plan=True,
+                             **drop)
 
 
 def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic, needs,
-              cache_seqlens=None, plan=None, key_intervals=None, key_window=None):
+              cache_seqlens=None, plan=None, key_intervals=None, key_window=None, dropout_p=0.0,
+              dropout_rng=None):
+    drop = dict(dropout_p=dropout_p, dropout_rng=dropout_rng)
     if key_intervals is not None:
         from ...planning.key_lists import DenseEquivalent
         from .intervals import interval_backward, plan_for
@@ -82,9 +91,9 @@ def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, de
                 plan = DenseEquivalent(None)
         if isinstance(plan, DenseEquivalent):
             return _backward(dout, q, k, v, None, bias, out, lse, scale, is_causal, softcap,
-                             deterministic, needs, plan=plan.plan)
+                             deterministic, needs, plan=plan.plan, **drop)
         return interval_backward(dout, q, k, v, bias, key_intervals, out, lse, scale, is_causal,
-                                 softcap, deterministic, needs, plan=plan)
+                                 softcap, deterministic, needs, plan=plan, **drop)
     from .backward import attention_backward
 
     if cache_seqlens is not None:
@@ -99,6 +108,7 @@ def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, de
     return attention_backward(
         dout, q, k, v, out, lse, mask, bias, scale, is_causal, softcap, deterministic,
         bias_needs_grad=need_dbias, needs_dq=need_dq, needs_dkv=need_dk or need_dv, plan=plan,
+        **drop,
     )
 
 
@@ -115,15 +125,17 @@ def triton_op():
 _varlen_op = None
 
 
-def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap):
+def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
+                    dropout_p=0.0, dropout_rng=None):
     from .forward import attention_forward_varlen
 
     return attention_forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale,
-                                    is_causal, softcap)
+                                    is_causal, softcap, dropout_p=dropout_p,
+                                    dropout_rng=dropout_rng)
 
 
 def _varlen_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, out, lse, scale,
-                     is_causal, softcap, deterministic, needs):
+                     is_causal, softcap, deterministic, needs, dropout_p=0.0, dropout_rng=None):
     from .backward import attention_backward_varlen
 
     # deterministic needs nothing extra: the varlen backward never uses atomics.
@@ -131,6 +143,7 @@ def _varlen_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, out, l
     return attention_backward_varlen(
         dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
         bias_needs_grad=need_dbias, needs_dq=need_dq, needs_dkv=need_dk or need_dv,
+        dropout_p=dropout_p, dropout_rng=dropout_rng,
     )
 
 
@@ -159,8 +172,6 @@ def _kernel_reasons(inputs) -> List[str]:
         reasons.append(f"head_dim {inputs.head_dim} > {MAX_HEAD_DIM}")
     if inputs.return_attn_probs:
         reasons.append("return_attn_probs is not supported (use torch-reference)")
-    if getattr(inputs, "dropout_p", 0.0) > 0.0:
-        reasons.append("dropout is not implemented in the triton kernels yet")
     return reasons
 
 
@@ -206,6 +217,10 @@ class TritonBackend(Backend):
             from ...planning.decode import block_table_reasons
 
             reasons.extend(block_table_reasons(inputs))
+        if inputs.dropout_p > 0.0 and (inputs.cache_seqlens is not None
+                                       or inputs.block_table is not None):
+            reasons.append("dropout with a KV cache (cache_seqlens / block_table): the triton "
+                           "decode kernel has no dropout")
         return reasons
 
     def varlen_not_supported_reasons(self, inputs) -> List[str]:
@@ -225,6 +240,7 @@ class TritonBackend(Backend):
             inputs.query, inputs.key, inputs.value, inputs.attn_mask, inputs.attn_bias,
             inputs.softmax_scale, inputs.is_causal, inputs.softcap, inputs.deterministic,
             cache_seqlens=inputs.cache_seqlens, block_table=inputs.block_table,
-            key_intervals=intervals, key_window=inputs.key_window,
+            key_intervals=intervals, key_window=inputs.key_window, dropout_p=inputs.dropout_p,
+            dropout_rng=inputs.dropout_rng,
         )
         return out

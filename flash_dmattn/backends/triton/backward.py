@@ -60,8 +60,11 @@ from .common import (
     _varlen_tile_state,
     _varlen_seq,
     _dot,
+    _dropout_keep,
+    _dropout_seed,
     _tanh,
     dot_upcast,
+    dropout_args,
     alloc_output,
     broadcast_strides,
     head_block,
@@ -177,9 +180,14 @@ def _dkdv_tile(dk, dv, col_acc, sc_acc, k, v, start_m, need_elem, mask_klim, bia
                HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
                IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr,
                STORE_DKV: tl.constexpr, DB_MODE: tl.constexpr, DB_ACC: tl.constexpr,
-               ELEM: tl.constexpr):
+               ELEM: tl.constexpr, seed=0, offset=0, bh=0, drop_thresh=0, drop_scale=1.0,
+               DROPOUT: tl.constexpr = False):
     """One query tile of the dK/dV kernel: returns the updated ``(dk, dv, col_acc, sc_acc)``
-    (dbias modes 1 and 3 store their part directly)."""
+    (dbias modes 1 and 3 store their part directly).
+
+    With ``DROPOUT``, ``O = dropout(P) V``: dV takes the kept, scaled probabilities, and the
+    gradient reaching ``P`` is ``dO V^T`` at the kept entries, scaled (0 elsewhere); ``delta``
+    (rowsum of ``dO * O``) is unchanged."""
     offs_m = start_m + offs_m0
     m_ok = offs_m < seqlen_q
     q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
@@ -197,9 +205,16 @@ def _dkdv_tile(dk, dv, col_acc, sc_acc, k, v, start_m, need_elem, mask_klim, bia
                        HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB,
                        IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM)
     pt = tl.exp2(st - lse2[None, :])
+    if DROPOUT:
+        keep = _dropout_keep(seed, offset, bh, offs_m[None, :], offs_n[:, None], drop_thresh)
+        pt_drop = tl.where(keep, pt * drop_scale, 0.0)
+    else:
+        pt_drop = pt
     if STORE_DKV:
-        dv += _dot(pt.to(do.dtype), do, DOT_UPCAST)
+        dv += _dot(pt_drop.to(do.dtype), do, DOT_UPCAST)
     dpt = _dot(v, tl.trans(do), DOT_UPCAST)
+    if DROPOUT:
+        dpt = tl.where(keep, dpt * drop_scale, 0.0)
     # dst: gradient w.r.t. the final (soft-capped + bias) score, natural units.
     dst = pt * (dpt - delta[None, :])
 
@@ -254,6 +269,7 @@ def _attn_bwd_dkdv_kernel(
     n_pairs, pair_h, slots_h,
     sm_scale, qk_scale, cap_scale, softcap,
     lq_bucket, lk_bucket,
+    Rng, drop_thresh, drop_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
@@ -263,10 +279,12 @@ def _attn_bwd_dkdv_kernel(
     STORE_DKV: tl.constexpr,
     DB_MODE: tl.constexpr, DB_ACC: tl.constexpr, DB_GROUP: tl.constexpr,
     VARLEN: tl.constexpr = False, MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False,
 ):
     # MASK_PAD / BIAS_PAD: padded mask / bias rows, as in the forward kernel.
     # VARLEN: packed sequences (one pair per program, slot_b = sequence index); pointers are
     # moved to the sequence's first query / key row and lengths become per sequence.
+    # DROPOUT: as in the forward kernel (the same keep-mask, regenerated per tile).
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     if IS_CAUSAL:
@@ -299,6 +317,7 @@ def _attn_bwd_dkdv_kernel(
     n_ok = offs_n < seqlen_k
     n_edge = start_n + BLOCK_N > seqlen_k
     mask_klim, bias_klim = _key_bounds(stride_mm, stride_bm, seqlen_k, MASK_PAD, BIAS_PAD)
+    seed, offset = _dropout_seed(Rng, DROPOUT)
 
     # Usually one pair; several only when this program must own a bias slice shared by them.
     for r in range(0, n_pairs):
@@ -374,7 +393,9 @@ def _attn_bwd_dkdv_kernel(
                         stride_bm, stride_bn, stride_mm, stride_mn, stride_tm, stride_tn,
                         seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                         HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
-                        HAS_SOFTCAP, DOT_UPCAST, STORE_DKV, DB_MODE, DB_ACC, 2)
+                        HAS_SOFTCAP, DOT_UPCAST, STORE_DKV, DB_MODE, DB_ACC, 2, seed=seed,
+                        offset=offset, bh=bh, drop_thresh=drop_thresh, drop_scale=drop_scale,
+                        DROPOUT=DROPOUT)
             else:
                 for t in range(t_lo, n_iter):
                     start_m = t * BLOCK_M
@@ -396,7 +417,9 @@ def _attn_bwd_dkdv_kernel(
                         stride_bm, stride_bn, stride_mm, stride_mn, stride_tm, stride_tn,
                         seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                         HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
-                        HAS_SOFTCAP, DOT_UPCAST, STORE_DKV, DB_MODE, DB_ACC, 2)
+                        HAS_SOFTCAP, DOT_UPCAST, STORE_DKV, DB_MODE, DB_ACC, 2, seed=seed,
+                        offset=offset, bh=bh, drop_thresh=drop_thresh, drop_scale=drop_scale,
+                        DROPOUT=DROPOUT)
             if not DB_GROUP:
                 if DB_MODE == 2:
                     tl.store(db_base + offs_n * stride_tn, col_acc, mask=n_ok)
@@ -425,8 +448,11 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
              HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
              IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr,
              ELEM: tl.constexpr, BIAS_GATHERED: tl.constexpr = False,
-             mask_bits=0, MASK_BITS: tl.constexpr = 0):
-    """One key tile of the dQ kernel: returns ``dq`` plus this tile's ``dS @ K``."""
+             mask_bits=0, MASK_BITS: tl.constexpr = 0, seed=0, offset=0, bh=0, drop_thresh=0,
+             drop_scale=1.0, DROPOUT: tl.constexpr = False):
+    """One key tile of the dQ kernel: returns ``dq`` plus this tile's ``dS @ K`` (with
+    ``DROPOUT`` the gradient reaching ``P`` is taken at the kept entries, as in
+    :func:`_dkdv_tile`)."""
     k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
                 mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None],
@@ -438,6 +464,9 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
                     IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM, BIAS_GATHERED, MASK_BITS)
     p = tl.exp2(s - lse2[:, None])
     dp = _dot(do, vt, DOT_UPCAST)
+    if DROPOUT:
+        keep = _dropout_keep(seed, offset, bh, offs_m[:, None], offs_n[None, :], drop_thresh)
+        dp = tl.where(keep, dp * drop_scale, 0.0)
     ds = p * (dp - delta[:, None])
     if HAS_SOFTCAP:
         ds = ds * (1.0 - th * th)
@@ -458,6 +487,7 @@ def _attn_bwd_dq_kernel(
     num_heads, group, seqlen_q, seqlen_k, n_k_tiles, stride_lse_h,
     sm_scale, qk_scale, cap_scale, softcap,
     lq_bucket, lk_bucket,
+    Rng, drop_thresh, drop_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
@@ -465,7 +495,7 @@ def _attn_bwd_dq_kernel(
     IS_CAUSAL: tl.constexpr, USE_LIST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr = False,
     MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
-    BIAS_GATHERED: tl.constexpr = False,
+    BIAS_GATHERED: tl.constexpr = False, DROPOUT: tl.constexpr = False,
 ):
     # MASK_PAD / BIAS_PAD: padded mask / bias rows, as in the forward kernel.
     # GATHER, BIAS_GATHERED: as in the forward kernel (key lists of a KeyGather, its mask
@@ -512,6 +542,7 @@ def _attn_bwd_dq_kernel(
     if BIAS_GATHERED:
         bias_base += pid_m.to(tl.int64) * stride_bm
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    seed, offset = _dropout_seed(Rng, DROPOUT)
 
     if USE_LIST:
         lh = h // list_hdiv
@@ -550,7 +581,8 @@ def _attn_bwd_dq_kernel(
                           stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                           seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                           HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
-                          HAS_SOFTCAP, DOT_UPCAST, 2)
+                          HAS_SOFTCAP, DOT_UPCAST, 2, seed=seed, offset=offset, bh=pid_bh,
+                          drop_thresh=drop_thresh, drop_scale=drop_scale, DROPOUT=DROPOUT)
     elif GATHER:
         # Gathered keys: indices by position in the row's key list, masked per element.
         # Unlike the forward, the index load stays in the step that uses it: with 3 stages the
@@ -567,7 +599,9 @@ def _attn_bwd_dq_kernel(
                           stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                           seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                           HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
-                          HAS_SOFTCAP, DOT_UPCAST, 1, BIAS_GATHERED, row_bits, 2)
+                          HAS_SOFTCAP, DOT_UPCAST, 1, BIAS_GATHERED, row_bits, 2, seed=seed,
+                          offset=offset, bh=pid_bh, drop_thresh=drop_thresh,
+                          drop_scale=drop_scale, DROPOUT=DROPOUT)
     else:
         for t in range(0, n_iter):
             offs_n, n_ok, need_elem = _key_tile(t, offs_n0, pid_m * BLOCK_M, seqlen_q, seqlen_k,
@@ -577,7 +611,8 @@ def _attn_bwd_dq_kernel(
                           stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                           seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                           HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
-                          HAS_SOFTCAP, DOT_UPCAST, 2)
+                          HAS_SOFTCAP, DOT_UPCAST, 2, seed=seed, offset=offset, bh=pid_bh,
+                          drop_thresh=drop_thresh, drop_scale=drop_scale, DROPOUT=DROPOUT)
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -588,7 +623,7 @@ def _attn_bwd_dq_kernel(
 # ------------------------------------------------------------------------------------------
 
 _BWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE_LIST",
-            "VARLEN", "lq_bucket", "lk_bucket"]
+            "VARLEN", "DROPOUT", "lq_bucket", "lk_bucket"]
 
 
 def _bwd_configs():
@@ -714,6 +749,8 @@ def attention_backward(
     needs_dq: bool = True,
     needs_dkv: bool = True,
     plan: Optional[BackwardPlan] = None,
+    dropout_p: float = 0.0,
+    dropout_rng: Optional[torch.Tensor] = None,
 ):
     """Attention backward.
 
@@ -727,6 +764,8 @@ def attention_backward(
         needs_dq / needs_dkv: skip work for gradients nobody wants.
         plan: the lists and gather plan the forward of this call worked out for the backward
             (:func:`.forward.attention_forward` with ``keep_plan``); planned here if None.
+        dropout_p, dropout_rng: the forward's attention dropout (its keep-mask is
+            regenerated here).
 
     Returns:
         ``(dq, dk, dv, dbias)``; dq/dk/dv in q/k/v's dtype (None when not requested), dbias of
@@ -784,8 +823,9 @@ def attention_backward(
     ms = broadcast_strides(mask, H)
     bs = broadcast_strides(bias_read, H)
     has_softcap = softcap > 0.0
+    drop_args, dropout = dropout_args(dropout_p, dropout_rng, q)
     scal = (softmax_scale, softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0,
-            softcap, seqlen_bucket(Lq), seqlen_bucket(Lk))
+            softcap, seqlen_bucket(Lq), seqlen_bucket(Lk), *drop_args)
     flags = dict(
         HEAD_DIM=D, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None,
@@ -796,6 +836,7 @@ def attention_backward(
         BIAS_KB=bias is not None and bias.size(3) == 1,
         IS_CAUSAL=bool(is_causal), USE_LIST=use_list, HAS_SOFTCAP=has_softcap,
         DOT_UPCAST=dot_upcast(q.dtype), MASK_PAD=mask_pad, BIAS_PAD=bias_pad,
+        DROPOUT=dropout,
     )
 
     dbias = None
@@ -896,6 +937,8 @@ def attention_backward_varlen(
     bias_needs_grad: bool,
     needs_dq: bool = True,
     needs_dkv: bool = True,
+    dropout_p: float = 0.0,
+    dropout_rng: Optional[torch.Tensor] = None,
 ):
     """Attention backward over packed sequences (the inverse of ``attention_forward_varlen``).
 
@@ -904,7 +947,7 @@ def attention_backward_varlen(
             fp32 from :func:`~.forward.attention_forward_varlen`; cu_seqlens / max_seqlen /
             mask / bias / scale / causal / softcap exactly as given to the forward.
         bias_needs_grad: compute dbias (requires ``bias``). needs_dq / needs_dkv: skip work
-            for gradients nobody wants.
+            for gradients nobody wants. dropout_p / dropout_rng: the forward's dropout.
 
     Every gradient element has exactly one writing program (a key belongs to one sequence and
     the dK/dV program of its (key tile, sequence, kv head) reduces the GQA group in registers),
@@ -963,14 +1006,15 @@ def attention_backward_varlen(
         return lists[bn]
 
     has_softcap = softcap > 0.0
+    drop_args, dropout = dropout_args(dropout_p, dropout_rng, q)
     scal = (softmax_scale, softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0,
-            softcap, seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k))
+            softcap, seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k), *drop_args)
     flags = dict(
         HEAD_DIM=D, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, MASK_QB=True, MASK_KB=False,
         HAS_BIAS=bias is not None, BIAS_QB=True, BIAS_KB=False,
         IS_CAUSAL=bool(is_causal), USE_LIST=mask is not None, HAS_SOFTCAP=has_softcap,
-        DOT_UPCAST=dot_upcast(q.dtype), VARLEN=True,
+        DOT_UPCAST=dot_upcast(q.dtype), VARLEN=True, DROPOUT=dropout,
     )
 
     dbias = None

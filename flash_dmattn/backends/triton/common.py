@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...dropout import keep_scale, keep_threshold
 from ...envs import interpret_mode
 from ...intmath import next_power_of_2
 from ...planning.tiles import build_varlen_key_lists
@@ -51,6 +52,18 @@ def seqlen_bucket(n: int) -> int:
     return next_power_of_2(max(n, 1))
 
 
+def dropout_args(dropout_p: float, dropout_rng: Optional[torch.Tensor], dummy: torch.Tensor):
+    """``((Rng, drop_thresh, drop_scale), DROPOUT)``: the kernels' dropout arguments (see
+    :mod:`flash_dmattn.dropout`); ``dummy`` stands for the rng tensor when there is none (it
+    is never read)."""
+    if not dropout_p:
+        return (dummy, 0, 1.0), False
+    # p < 1, but round(p * 2**31) may still reach 2**31: keep it an int32.
+    thresh = min(keep_threshold(dropout_p), (1 << 31) - 1)
+    rng = dropout_rng.to(device=dummy.device, dtype=torch.int64).contiguous()
+    return (rng, thresh, keep_scale(dropout_p)), True
+
+
 def broadcast_strides(t: Optional[torch.Tensor], num_heads: int):
     """(stride_b, stride_h, stride_q, stride_k, head_div) for a 4-D mask/bias view.
 
@@ -80,6 +93,35 @@ def _dot(a, b, UPCAST: tl.constexpr):
     else:
         out = tl.dot(a, b)
     return out
+
+
+@triton.jit
+def _dropout_seed(Rng, DROPOUT: tl.constexpr):
+    """The call's dropout ``(seed, offset)`` (see :mod:`flash_dmattn.dropout`), read once per
+    program from the int64 rng tensor ``Rng``; zeros without dropout (nothing is read)."""
+    if DROPOUT:
+        seed = tl.load(Rng)
+        offset = tl.load(Rng + 1).to(tl.uint32)
+    else:
+        seed = tl.zeros([], dtype=tl.int64)
+        offset = tl.zeros([], dtype=tl.uint32)
+    return seed, offset
+
+
+@triton.jit
+def _dropout_keep(seed, offset, bh, rows, cols, drop_thresh):
+    """Whether the dropout keeps the entries of query rows ``rows`` and keys ``cols`` (int
+    tiles that broadcast to the result, e.g. ``(M, 1)`` and ``(1, N)``, or transposed) of
+    (batch * heads + head) ``bh``: Philox4x32 keyed by ``seed`` at counter ``(key, row, bh,
+    offset)``, kept iff its first word's top 31 bits reach ``drop_thresh``. A pure function
+    of the coordinates, so every kernel and tiling regenerates the same mask."""
+    zero = rows * 0 + cols * 0
+    c0 = (cols + zero).to(tl.int32)
+    c1 = (rows + zero).to(tl.int32)
+    c2 = (zero + bh).to(tl.int32)
+    c3 = zero.to(tl.uint32) + offset
+    r0, _r1, _r2, _r3 = tl.philox(seed, c0, c1, c2, c3)
+    return (r0 >> 1).to(tl.int32) >= drop_thresh
 
 
 @triton.jit

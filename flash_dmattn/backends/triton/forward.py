@@ -34,6 +34,8 @@ from ...planning.tiles import TileLists, build_tile_lists
 from .common import (
     LOG2E,
     _dot,
+    _dropout_keep,
+    _dropout_seed,
     _gathered_row_bits,
     _key_bounds,
     _key_tile,
@@ -46,6 +48,7 @@ from .common import (
     broadcast_strides,
     bwd_blocks,
     dot_upcast,
+    dropout_args,
     fwd_blocks,
     head_block,
     interpret_mode,
@@ -68,8 +71,12 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
               HAS_BIAS: tl.constexpr, BIAS_QB: tl.constexpr, BIAS_KB: tl.constexpr,
               IS_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_UPCAST: tl.constexpr,
               ELEM: tl.constexpr, BIAS_GATHERED: tl.constexpr = False,
-              MASK_BITS: tl.constexpr = False):
-    """One key tile of the online softmax: returns the updated ``(acc, m_i, l_i)``."""
+              MASK_BITS: tl.constexpr = False, seed=0, offset=0, bh=0, drop_thresh=0,
+              DROPOUT: tl.constexpr = False):
+    """One key tile of the online softmax: returns the updated ``(acc, m_i, l_i)``.
+
+    With ``DROPOUT`` the row sums ``l_i`` take every probability and ``acc`` only the kept
+    ones (the program scales the output by ``1 / (1 - p)`` at the end)."""
     kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None],
                  mask=n_ok[None, :] & d_ok[:, None], other=0.0)
     s, _ = _scores(q, kt, bias_base, mask_base, offs_m, offs_n, n_ok, mask_cols, mask_lim,
@@ -83,6 +90,9 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        keep = _dropout_keep(seed, offset, bh, offs_m[:, None], offs_n[None, :], drop_thresh)
+        p = tl.where(keep, p, 0.0)
     v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
                 mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_UPCAST)
@@ -110,6 +120,7 @@ def _attn_fwd_program(
     DOT_UPCAST: tl.constexpr, GATHER: tl.constexpr, VARLEN: tl.constexpr = False,
     MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
     BIAS_GATHERED: tl.constexpr = False, MASK_BITS: tl.constexpr = False,
+    Rng=None, drop_thresh=0, drop_scale=1.0, DROPOUT: tl.constexpr = False,
 ):
     """Query tile ``pid_m`` of (batch, query head) ``pid_bh``: the kernel's work for one
     program (see :func:`_attn_fwd_kernel`)."""
@@ -147,6 +158,9 @@ def _attn_fwd_program(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Dropout coordinates: pid_bh is batch * heads + head (sequence * heads + head when
+    # VARLEN), rows and keys count from the sequence's start.
+    seed, offset = _dropout_seed(Rng, DROPOUT)
 
     if USE_LIST:
         lh = h // list_hdiv
@@ -204,7 +218,8 @@ def _attn_fwd_program(
                 bits, stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
-                DOT_UPCAST, 2, False, MASK_BITS)
+                DOT_UPCAST, 2, False, MASK_BITS, seed=seed, offset=offset, bh=pid_bh,
+                drop_thresh=drop_thresh, DROPOUT=DROPOUT)
     elif GATHER:
         # Gathered keys: indices by position in the row's key list, masked per element from
         # the rows' gbits words.
@@ -223,7 +238,8 @@ def _attn_fwd_program(
                 row_bits, stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
-                DOT_UPCAST, 1, BIAS_GATHERED, 2)
+                DOT_UPCAST, 1, BIAS_GATHERED, 2, seed=seed, offset=offset, bh=pid_bh,
+                drop_thresh=drop_thresh, DROPOUT=DROPOUT)
     else:
         for t in range(0, n_iter):
             offs_n, n_ok, need_elem = _key_tile(t, offs_n0, pid_m * BLOCK_M, seqlen_q, seqlen_k,
@@ -234,11 +250,14 @@ def _attn_fwd_program(
                 stride_kn, stride_vn, stride_bm, stride_bn, stride_mm, stride_mn,
                 seqlen_q, seqlen_k, qk_scale, cap_scale, softcap,
                 HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL, HAS_SOFTCAP,
-                DOT_UPCAST, 2)
+                DOT_UPCAST, 2, seed=seed, offset=offset, bh=pid_bh, drop_thresh=drop_thresh,
+                DROPOUT=DROPOUT)
 
     has_any = l_i > 0.0
     l_use = tl.where(has_any, l_i, 1.0)
     out = acc / l_use[:, None]
+    if DROPOUT:
+        out = out * drop_scale
     lse = tl.where(has_any, (m_i + tl.log2(l_use)) * 0.6931471805599453, float("-inf"))
     o_ptrs = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -259,6 +278,7 @@ def _attn_fwd_kernel(
     num_heads, group, seqlen_q, seqlen_k, n_k_tiles, stride_lse_h,
     qk_scale, cap_scale, softcap,
     lq_bucket, lk_bucket,
+    Rng, drop_thresh, drop_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
@@ -268,7 +288,10 @@ def _attn_fwd_kernel(
     MASK_PAD: tl.constexpr = False, BIAS_PAD: tl.constexpr = False,
     BIAS_GATHERED: tl.constexpr = False, MASK_BITS: tl.constexpr = False,
     CUT_ROWS: tl.constexpr = False, NET_CHUNK: tl.constexpr = 64,
+    DROPOUT: tl.constexpr = False,
 ):
+    # DROPOUT: attention dropout (see flash_dmattn.dropout). Rng is the call's int64 (seed,
+    # offset) tensor, drop_thresh the 31-bit keep threshold, drop_scale 1 / (1 - p).
     # MASK_BITS (with USE_LIST, not GATHER / VARLEN): a per-key mask whose tiles' bits come in
     # MaskBits, parallel to ListIdx (TileLists.fwd_bits); the mask itself is not read. A
     # partial tile costs one scalar load and a few shifts, a full tile nothing, where the
@@ -312,7 +335,8 @@ def _attn_fwd_kernel(
                                 BLOCK_M, BLOCK_N, HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS,
                                 BIAS_QB, BIAS_KB, IS_CAUSAL, USE_LIST, HAS_SOFTCAP,
                                 DOT_UPCAST, GATHER, VARLEN, MASK_PAD, BIAS_PAD, BIAS_GATHERED,
-                                MASK_BITS)
+                                MASK_BITS, Rng=Rng, drop_thresh=drop_thresh,
+                                drop_scale=drop_scale, DROPOUT=DROPOUT)
     else:
         pid_m = tl.program_id(0)
         if IS_CAUSAL:
@@ -329,7 +353,8 @@ def _attn_fwd_kernel(
             stride_lse_h, qk_scale, cap_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_M,
             BLOCK_N, HAS_MASK, MASK_QB, MASK_KB, HAS_BIAS, BIAS_QB, BIAS_KB, IS_CAUSAL,
             USE_LIST, HAS_SOFTCAP, DOT_UPCAST, GATHER, VARLEN, MASK_PAD, BIAS_PAD,
-            BIAS_GATHERED, MASK_BITS)
+            BIAS_GATHERED, MASK_BITS, Rng=Rng, drop_thresh=drop_thresh, drop_scale=drop_scale,
+            DROPOUT=DROPOUT)
 
 
 @triton.jit
@@ -347,7 +372,7 @@ def _row_cut(CutRows, pid_m, pid_bh, num_heads, list_hdiv, stride_ub, stride_uh,
 # ------------------------------------------------------------------------------------------
 
 _FWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE_LIST",
-            "GATHER", "VARLEN", "MASK_BITS", "CUT_ROWS", "lq_bucket", "lk_bucket"]
+            "GATHER", "VARLEN", "MASK_BITS", "CUT_ROWS", "DROPOUT", "lq_bucket", "lk_bucket"]
 
 
 # How the forward masks a per-key mask's partial tiles (FLASH_DMATTN_TRITON_MASK_BITS):
@@ -399,6 +424,8 @@ def attention_forward(
     softcap: float,
     tiles: Optional[Union[TileLists, KeyGather]] = None,
     keep_plan: bool = False,
+    dropout_p: float = 0.0,
+    dropout_rng: Optional[torch.Tensor] = None,
 ):
     """Attention forward.
 
@@ -414,6 +441,8 @@ def attention_forward(
         keep_plan: also plan the backward of this call (after launching the kernel, so the
             host work overlaps it) and return that
             :class:`~flash_dmattn.planning.plan.BackwardPlan` third.
+        dropout_p, dropout_rng: attention dropout and the call's int64 ``(seed, offset)``
+            tensor on q's device (:mod:`flash_dmattn.dropout`); off when ``dropout_p`` is 0.
 
     Returns:
         ``out`` ``(B, Lq, H, D)`` in q's dtype (contiguous) and ``lse`` ``(B, H, Lq)`` fp32
@@ -488,6 +517,8 @@ def attention_forward(
     grid = (cdiv(Lq, block_m), B * H)
     has_softcap = softcap > 0.0
 
+    drop_args, dropout = dropout_args(dropout_p, dropout_rng, q)
+
     def kernel_args(cnt, lst):
         return (
             q, k, v, out, lse, mask_arg, bias_arg, idx, cnt,
@@ -499,7 +530,7 @@ def attention_forward(
             *ms, *bs, *lst, list_hdiv, *(tiles.cut_strides() if cut is not None else (0, 0, 0)),
             H, H // Hkv, Lq, Lk, n_k_tiles, 0,
             softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
-            seqlen_bucket(Lq), seqlen_bucket(Lk),
+            seqlen_bucket(Lq), seqlen_bucket(Lk), *drop_args,
         )
 
     args = kernel_args(cnt, lst)
@@ -515,7 +546,7 @@ def attention_forward(
         DOT_UPCAST=dot_upcast(q.dtype), GATHER=gather is not None, VARLEN=False,
         MASK_PAD=mask_pad and gather is None, BIAS_PAD=bias_pad or bias_gathered,
         BIAS_GATHERED=bias_gathered,
-        MASK_BITS=int(mask_bits is not None),
+        MASK_BITS=int(mask_bits is not None), DROPOUT=dropout,
     )
     if cut is not None and plain is None:  # prebuilt lists
         plain = plan_plain_rows(None, device, grid[0] * grid[1])
@@ -576,6 +607,8 @@ def attention_forward_varlen(
     softmax_scale: float,
     is_causal: bool,
     softcap: float,
+    dropout_p: float = 0.0,
+    dropout_rng: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention forward over packed sequences (SPEC §4).
 
@@ -587,8 +620,8 @@ def attention_forward_varlen(
             grid; a sequence longer than ``max_seqlen_q`` leaves rows unwritten).
         mask: None or bool ``(1|Hkv|H, total_k)``; bias: None or float ``(1|Hkv|H, total_k)``,
             one value per key for every query of its sequence.
-        softmax_scale, is_causal (bottom-right per sequence), softcap: as
-            :func:`attention_forward`.
+        softmax_scale, is_causal (bottom-right per sequence), softcap, dropout_p,
+            dropout_rng: as :func:`attention_forward` (dropout's batch is the sequence).
 
     Returns:
         ``out (total_q, H, D)`` in q's dtype and ``lse (H, total_q)`` fp32. Rows with no
@@ -614,6 +647,7 @@ def attention_forward_varlen(
     cu_k = cu_seqlens_k.to(torch.int32)
     idx, cnt, lst = varlen_list_args(mask, cu_k, max_seqlen_k, H, block_n, q)
     has_softcap = softcap > 0.0
+    drop_args, dropout = dropout_args(dropout_p, dropout_rng, q)
     # The packed tensors are batch 1 (batch strides 0); programs offset by their sequence start.
     args = (
         q, k, v, out, lse, mask_arg, bias_arg, idx, cnt, q, q, cu_q, cu_k,
@@ -624,14 +658,14 @@ def attention_forward_varlen(
         *broadcast_strides(mask4, H), *broadcast_strides(bias4, H), *lst, 0, 0, 0,
         H, H // Hkv, max_seqlen_q, max_seqlen_k, cdiv(max_seqlen_k, block_n), lse.stride(0),
         softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
-        seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k),
+        seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k), *drop_args,
     )
     meta = dict(
         HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, MASK_QB=True, MASK_KB=False,
         HAS_BIAS=bias is not None, BIAS_QB=True, BIAS_KB=False,
         IS_CAUSAL=bool(is_causal), USE_LIST=mask is not None, HAS_SOFTCAP=has_softcap,
-        DOT_UPCAST=dot_upcast(q.dtype), GATHER=False, VARLEN=True,
+        DOT_UPCAST=dot_upcast(q.dtype), GATHER=False, VARLEN=True, DROPOUT=dropout,
     )
     grid = (cdiv(max_seqlen_q, block_m), n_seqs * H)
     _launch_fwd(grid, args, meta)

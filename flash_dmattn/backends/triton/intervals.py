@@ -19,6 +19,9 @@ Long key blocks (a key that stays selected for most of the sequence) are cut int
 segments run by separate programs, whose partial dK/dV/dbias meet by atomic adds in fp32
 buffers; ``deterministic=True`` keeps one program per block, so every element is written by
 one add onto zero.
+
+Attention dropout regenerates the call's keep-mask (:mod:`flash_dmattn.dropout`) at the
+gathered keys' own indices, so it is the dense kernels' mask.
 """
 from __future__ import annotations
 
@@ -31,7 +34,17 @@ import triton.language as tl
 from ...intmath import cdiv
 from ...planning.key_lists import full_bounds, plan_intervals
 from .backward import _bwd_preprocess
-from .common import _dot, _tanh, alloc_output, dot_upcast, head_block, interpret_mode
+from .common import (
+    _dot,
+    _dropout_keep,
+    _dropout_seed,
+    _tanh,
+    alloc_output,
+    dot_upcast,
+    dropout_args,
+    head_block,
+    interpret_mode,
+)
 
 # Kernels read module constants only as constexprs.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -167,14 +180,17 @@ def _ki_fwd_kernel(
     stride_biasb, stride_biash, stride_biask, bias_hdiv,
     row_heads, row_hdiv, bound_plane,
     H, G, Lq, Lk, n_tiles, pos_off, qk_scale, softcap,
+    Rng, drop_thresh, drop_scale,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, DROPOUT: tl.constexpr = False,
 ):
+    # DROPOUT: attention dropout as in the dense forward kernel (Rng, drop_thresh, drop_scale).
     m = tl.program_id(0)
     bh = tl.program_id(1)
     b, h, hk, row, keys, length, n_full = _tile_program(
         bh, m, H, G, row_heads, row_hdiv, TileStart, TileLen, TileFull, Keys, n_tiles)
+    seed, offset = _dropout_seed(Rng, DROPOUT)
 
     offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -204,6 +220,9 @@ def _ki_fwd_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            keep = _dropout_keep(seed, offset, bh, offs_m[:, None], kidx[None, :], drop_thresh)
+            p = tl.where(keep, p, 0.0)
         v = tl.load(v_base + kidx[:, None] * stride_vn + offs_d[None, :],
                     mask=kvalid[:, None] & dvalid[None, :], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
@@ -211,6 +230,8 @@ def _ki_fwd_kernel(
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if DROPOUT:
+        out = out * drop_scale
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     lse = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
@@ -234,14 +255,16 @@ def _ki_dq_kernel(
     stride_biasb, stride_biash, stride_biask, bias_hdiv,
     row_heads, row_hdiv, bound_plane,
     H, G, Lq, Lk, n_tiles, pos_off, qk_scale, softcap,
+    Rng, drop_thresh, drop_scale,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, DROPOUT: tl.constexpr = False,
 ):
     m = tl.program_id(0)
     bh = tl.program_id(1)
     b, h, hk, row, keys, length, n_full = _tile_program(
         bh, m, H, G, row_heads, row_hdiv, TileStart, TileLen, TileFull, Keys, n_tiles)
+    seed, offset = _dropout_seed(Rng, DROPOUT)
 
     offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -275,6 +298,10 @@ def _ki_dq_kernel(
                        softcap, full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
         p = tl.exp2(s - lse2[:, None])
         dp = _dot(do, tl.trans(v), UPCAST)
+        if DROPOUT:
+            # The gradient reaches P at the kept entries only, scaled (delta is unchanged).
+            keep = _dropout_keep(seed, offset, bh, offs_m[:, None], kidx[None, :], drop_thresh)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
@@ -300,10 +327,11 @@ def _ki_dkv_kernel(
     stride_biasb, stride_biash, stride_biask, bias_hdiv,
     row_heads, bound_plane, blocks_per_row,
     H, G, Lq, Lk, pos_off, qk_scale, softcap, segment_rows,
+    Rng, drop_thresh, drop_scale,
     HAS_BIAS: tl.constexpr, NEED_DBIAS: tl.constexpr, PER_QHEAD: tl.constexpr,
     CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, DROPOUT: tl.constexpr = False,
 ):
     blk = tl.program_id(0)
     seg = tl.program_id(1)
@@ -347,6 +375,7 @@ def _ki_dkv_kernel(
 
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        seed, offset = _dropout_seed(Rng, DROPOUT)
         for hh in range(0, n_heads):
             h = h0 + hh
             bh = b * H + h
@@ -375,8 +404,16 @@ def _ki_dkv_kernel(
                 s_t, t_t = _scores_t(k, q_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale,
                                      softcap, full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
                 p_t = tl.exp2(s_t - lse2[None, :])
-                dv += _dot(p_t.to(do.dtype), do, UPCAST)
+                if DROPOUT:
+                    keep = _dropout_keep(seed, offset, bh, offs_m[None, :], kidx[:, None],
+                                         drop_thresh)
+                    p_drop = tl.where(keep, p_t * drop_scale, 0.0)
+                else:
+                    p_drop = p_t
+                dv += _dot(p_drop.to(do.dtype), do, UPCAST)
                 dp_t = _dot(v, tl.trans(do), UPCAST)
+                if DROPOUT:
+                    dp_t = tl.where(keep, dp_t * drop_scale, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])
                 if NEED_DBIAS:
                     dbias += tl.sum(ds_t, 1)
@@ -426,8 +463,10 @@ def plan_for(q, k, bounds, is_causal, backward: bool, window: Optional[int] = No
     return plan, fb, per_qhead
 
 
-def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None):
-    """``(out, lse, (plan, full_bounds, per_qhead))`` of a key-interval call."""
+def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None, dropout_p=0.0,
+                     dropout_rng=None):
+    """``(out, lse, (plan, full_bounds, per_qhead))`` of a key-interval call (with attention
+    dropout ``dropout_p`` and the call's rng tensor ``dropout_rng``)."""
     B, Lq, H, D = q.shape
     Lk, Hkv = k.shape[1], k.shape[2]
     if plan is None:
@@ -443,6 +482,7 @@ def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None
     bias_t, sbb, sbh, sbk, bdiv = _bias_args(bias, H)
     heads_x = fb.shape[2]
     grid = (cdiv(Lq, bm), B * H)
+    drop_args, dropout = dropout_args(dropout_p, dropout_rng, q)
     _ki_fwd_kernel[grid](
         q, k, v, bias_t if bias_t is not None else q, fb, ivp.tile_start, ivp.tile_len,
         ivp.tile_full, ivp.keys, out, lse,
@@ -452,16 +492,16 @@ def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None
         out.stride(0), out.stride(1), out.stride(2),
         sbb, sbh, sbk, bdiv,
         heads_x, H // heads_x, fb[0].numel(),
-        H, H // Hkv, Lq, Lk, ivp.n_tiles, Lk - Lq, float(scale), float(softcap),
+        H, H // Hkv, Lq, Lk, ivp.n_tiles, Lk - Lq, float(scale), float(softcap), *drop_args,
         HAS_BIAS=bias is not None, CAUSAL=bool(is_causal), SOFTCAP=softcap > 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=head_block(D), HEAD_DIM=D,
-        UPCAST=dot_upcast(q.dtype), num_warps=warps, num_stages=stages,
+        UPCAST=dot_upcast(q.dtype), DROPOUT=dropout, num_warps=warps, num_stages=stages,
     )
     return out, lse, plan
 
 
 def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, softcap,
-                      deterministic, needs, plan=None):
+                      deterministic, needs, plan=None, dropout_p=0.0, dropout_rng=None):
     """``(dq, dk, dv, dbias)`` of a key-interval call (None where ``needs`` says no)."""
     need_dq, need_dk, need_dv, need_dbias = needs
     B, Lq, H, D = q.shape
@@ -476,8 +516,10 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
     bias_arg = bias_t if bias_t is not None else q
     delta = _delta(dout, out)
     lse = lse.contiguous()
+    drop_args, dropout = dropout_args(dropout_p, dropout_rng, q)
     common = dict(HAS_BIAS=bias is not None, CAUSAL=bool(is_causal), SOFTCAP=softcap > 0,
-                  BLOCK_D=head_block(D), HEAD_DIM=D, UPCAST=dot_upcast(q.dtype))
+                  BLOCK_D=head_block(D), HEAD_DIM=D, UPCAST=dot_upcast(q.dtype),
+                  DROPOUT=dropout)
 
     dq = None
     if need_dq:
@@ -495,7 +537,7 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
                 dq.stride(0), dq.stride(1), dq.stride(2),
                 sbb, sbh, sbk, bdiv,
                 heads_x, H // heads_x, fb[0].numel(),
-                H, G, Lq, Lk, ivp.n_tiles, Lk - Lq, float(scale), float(softcap),
+                H, G, Lq, Lk, ivp.n_tiles, Lk - Lq, float(scale), float(softcap), *drop_args,
                 BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
             )
 
@@ -523,7 +565,7 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
                 dk32.stride(0), dk32.stride(1), dk32.stride(2),
                 sbb, sbh, sbk, bdiv,
                 heads_x, fb[0].numel(), ivp.blocks_per_row,
-                H, G, Lq, Lk, Lk - Lq, float(scale), float(softcap), seg,
+                H, G, Lq, Lk, Lk - Lq, float(scale), float(softcap), seg, *drop_args,
                 NEED_DBIAS=need_dbias, PER_QHEAD=per_qhead,
                 BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
             )
