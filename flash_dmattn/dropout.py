@@ -81,19 +81,22 @@ def _mulhilo(a: Tensor, m: int):
     return hi, lo
 
 
-def philox(seed: Tensor, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor) -> Tensor:
-    """First output word (int64 in ``[0, 2**32)``) of Philox4x32-10 with counter
-    ``(c0, c1, c2, c3)`` (broadcasting int64 tensors of 32-bit values) and the 64-bit key
-    ``seed`` (int64 tensor); bit-for-bit Triton's ``tl.philox``."""
-    k0 = seed & _MASK32
-    k1 = (seed >> 32) & _MASK32
+def philox4x32(k0: Tensor, k1: Tensor, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor):
+    """The four output words of Philox4x32-10 with key ``(k0, k1)`` and counter ``(c0, c1,
+    c2, c3)``: broadcasting int64 tensors holding 32-bit values, results likewise."""
     for _ in range(_ROUNDS):
         hi_a, lo_a = _mulhilo(c0, _ROUND_A)
         hi_b, lo_b = _mulhilo(c2, _ROUND_B)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0 = (k0 + _KEY_A) & _MASK32
         k1 = (k1 + _KEY_B) & _MASK32
-    return c0
+    return c0, c1, c2, c3
+
+
+def philox(seed: Tensor, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor) -> Tensor:
+    """First output word (int64 in ``[0, 2**32)``) of Philox4x32-10 at counter ``(c0, c1,
+    c2, c3)`` keyed by the 64-bit ``seed`` (its low word first): Triton's ``tl.philox``."""
+    return philox4x32(seed & _MASK32, (seed >> 32) & _MASK32, c0, c1, c2, c3)[0]
 
 
 def keep_mask(rng: Tensor, dropout_p: float, batch: Tensor, num_heads: int, head: Tensor,

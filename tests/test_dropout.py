@@ -1,0 +1,519 @@
+"""Attention dropout: the random stream, the reference, the Triton kernels and the declines.
+
+Every implementation keeps entry ``(b, h, i, j)`` by a pure function of the call's ``(seed,
+offset)`` and those coordinates (:mod:`flash_dmattn.dropout`), and
+:func:`flash_dmattn.testing.dropout_mask` rebuilds it. So outputs and every gradient are
+compared with a dense float64 formula run on that same mask; the stream itself gets
+known-answer and statistical tests (keep rate within its binomial bound, no agreement beyond
+chance across heads, batches, calls and query / key tiles).
+
+The Triton tests run the kernels on CPU tensors under ``TRITON_INTERPRET=1`` (16x16 tiles),
+or compiled on a GPU; either way against the float64 formula on the call's mask.
+"""
+import math
+
+import pytest
+import torch
+
+from interpreter_only import triton_kernels_skip_reason
+from naive import assert_close, expand_heads
+
+from flash_dmattn import (
+    KeyIntervals,
+    flash_dmattn_func,
+    flash_dmattn_func_auto,
+    flash_dmattn_varlen_func,
+    reference_dmattn_func,
+    registry,
+    testing,
+)
+from flash_dmattn.dropout import dense_keep_mask, keep_threshold, philox, philox4x32
+from flash_dmattn.inputs import AttentionInputs, VarlenInputs
+
+
+def dense_dropout_attention(q, k, v, keep, p, mask=None, bias=None, scale=None, causal=False,
+                            softcap=0.0):
+    """Float64 ``(B, Lq, H, D)`` attention with ``P`` replaced by ``P * keep / (1 - p)``;
+    ``keep`` a bool ``(B, H, Lq, Lk)``. Differentiable in q, k, v and bias."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, Lq, H, D = q.shape
+    Lk, Hkv = k.shape[1], k.shape[2]
+    g = H // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    s = torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(g, 2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + expand_heads(bias.double(), B, H, Hkv, Lq, Lk)
+    visible = torch.ones(B, H, Lq, Lk, dtype=torch.bool)
+    if mask is not None:
+        visible = visible & expand_heads(mask, B, H, Hkv, Lq, Lk)
+    if causal:
+        visible = visible & torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq)
+    s = s.masked_fill(~visible, float("-inf"))
+    live = visible.any(-1, keepdim=True)
+    probs = torch.softmax(torch.where(live, s, torch.zeros_like(s)), -1) * live
+    probs = probs * keep.to(probs.device) / (1.0 - p)
+    return torch.einsum("bhij,bjhd->bihd", probs, v.repeat_interleave(g, 2))
+
+
+def leaves(*shapes, dtype=torch.float64, device="cpu", gen=None):
+    return [torch.randn(s, generator=gen).to(dtype=dtype, device=device).requires_grad_()
+            for s in shapes]
+
+
+def call_with_mask(fn, seed, q, k, v, p, **kw):
+    """``fn(q, k, v, dropout_p=p, **kw)`` after ``torch.manual_seed(seed)``, and the keep-mask
+    that call used."""
+    B, Lq, H, _ = q.shape
+    Lk = k.shape[1]
+    torch.manual_seed(seed)
+    rng = testing.dropout_rng(q.device)
+    torch.manual_seed(seed)
+    out = fn(q, k, v, dropout_p=p, **kw)
+    return out, testing.dropout_mask(rng, B, H, Lq, Lk, p)
+
+
+def check_against_dense(out, keep, p, tensors, tol, **kw):
+    """``out`` and the gradients of ``tensors`` (q, k, v, bias or None) against the float64
+    formula on ``keep``."""
+    q, k, v, bias = tensors
+    ref_in = [t.detach().double().cpu().requires_grad_() if t is not None else None
+              for t in tensors]
+    ref = dense_dropout_attention(*ref_in[:3], keep.cpu(), p, bias=ref_in[3], **kw)
+    assert_close("out", out.detach().cpu(), ref.detach(), tol)
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    got = torch.autograd.grad(out, [t for t in tensors if t is not None],
+                              dout.to(out.dtype).to(out.device))
+    want = torch.autograd.grad(ref, [t for t in ref_in if t is not None], dout)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, want):
+        assert a.shape == b.shape, name
+        assert_close(name, a.detach().cpu(), b, tol)
+
+
+# --- The random stream -----------------------------------------------------------------------
+
+def test_philox_known_answers():
+    # Random123's known-answer vectors of Philox4x32-10: (key), (counter) -> four words.
+    cases = [
+        ((0, 0), (0, 0, 0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 2, (0xFFFFFFFF,) * 4, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        ((0xA4093822, 0x299F31D0), (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    ]
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    for key, ctr, want in cases:
+        got = philox4x32(t(key[0]), t(key[1]), *map(t, ctr))
+        assert [int(w) for w in got] == list(want)
+    # The 64-bit seed is the key, low word first.
+    assert int(philox(t(0x299F31D0A4093822), *map(t, cases[2][1]))) == 0xD16CFE09
+
+
+def test_rng_comes_from_torch_generator_and_advances():
+    torch.manual_seed(3)
+    a, b = testing.dropout_rng("cpu"), testing.dropout_rng("cpu")
+    torch.manual_seed(3)
+    assert torch.equal(testing.dropout_rng("cpu"), a)
+    assert not torch.equal(a, b)
+    assert a.dtype == torch.int64 and a.shape == (2,)
+    assert 0 <= int(a[0]) < 2 ** 62 and 0 <= int(a[1]) < 2 ** 32
+
+
+def test_mask_is_a_function_of_coordinates():
+    # A call with fewer batches, rows or keys (and as many heads: the counter holds
+    # batch * heads + head) has a sub-block of the mask: nothing depends on the lengths, the
+    # chunking or the tiling, only on (batch, head, row, key).
+    rng = torch.tensor([123456789, 987654], dtype=torch.int64)
+    big = testing.dropout_mask(rng, 3, 4, 40, 50, 0.3)
+    assert torch.equal(testing.dropout_mask(rng, 2, 4, 17, 23, 0.3), big[:2, :, :17, :23])
+    rows = dense_keep_mask(rng, 0.3, 3, 4, 40, 50, rows=slice(16, 32))
+    assert torch.equal(rows, big[:, :, 16:32])
+    # The threshold is 31-bit and exact: p = 0.5 keeps words whose top 31 bits reach 2**30.
+    assert keep_threshold(0.5) == 1 << 30 and keep_threshold(0.0) == 0
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_rate_within_binomial_bound(p):
+    torch.manual_seed(0)
+    keep = testing.dropout_mask(testing.dropout_rng("cpu"), 2, 4, 64, 96, p)
+    n = keep.numel()
+    rate = keep.double().mean().item()
+    # Six standard deviations of the binomial: a false alarm has odds ~1e-9.
+    assert abs(rate - (1 - p)) <= 6 * math.sqrt(p * (1 - p) / n), rate
+
+
+def _agreement_is_chance(a, b, p):
+    """Two keep-masks agree on a fraction of entries within 6 sigma of independent draws'
+    ``(1-p)^2 + p^2``, and their correlation is within 6 / sqrt(n) of 0."""
+    n = a.numel()
+    expect = (1 - p) ** 2 + p ** 2
+    agree = (a == b).double().mean().item()
+    assert abs(agree - expect) <= 6 * math.sqrt(expect * (1 - expect) / n), (agree, expect)
+    x, y = a.double().flatten(), b.double().flatten()
+    corr = ((x - x.mean()) * (y - y.mean())).mean() / (x.std() * y.std())
+    assert abs(corr.item()) <= 6 / math.sqrt(n), corr
+
+
+@pytest.mark.parametrize("p", [0.2, 0.5])
+def test_independence_across_heads_batches_calls_and_tiles(p):
+    torch.manual_seed(1)
+    rng1, rng2 = testing.dropout_rng("cpu"), testing.dropout_rng("cpu")
+    a = testing.dropout_mask(rng1, 2, 2, 128, 128, p)
+    b = testing.dropout_mask(rng2, 2, 2, 128, 128, p)
+    _agreement_is_chance(a[:, 0], a[:, 1], p)                  # heads
+    _agreement_is_chance(a[0], a[1], p)                        # batches
+    _agreement_is_chance(a, b, p)                              # calls
+    _agreement_is_chance(a[:, :, :64], a[:, :, 64:], p)        # query tiles
+    _agreement_is_chance(a[..., :64], a[..., 64:], p)          # key tiles
+    _agreement_is_chance(a[:, :, 1:, 1:], a[:, :, :-1, :-1], p)  # diagonal neighbours
+    _agreement_is_chance(a[:, :, :, 16:], a[:, :, :, :-16], p)  # a tile width apart
+
+
+# --- Validation, declines and dispatch -------------------------------------------------------
+
+@pytest.mark.parametrize("bad, exc", [(-0.1, ValueError), (1.0, ValueError),
+                                      (float("nan"), ValueError), (True, TypeError),
+                                      ("0.1", TypeError)])
+def test_dropout_p_validated(bad, exc):
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(exc, match="dropout_p"):
+        flash_dmattn_func(q, q, q, dropout_p=bad)
+
+
+def test_no_rng_drawn_without_dropout():
+    q = torch.randn(1, 4, 2, 8)
+    torch.manual_seed(5)
+    inputs = AttentionInputs.from_args(q, q, q)
+    assert inputs.dropout_p == 0.0 and inputs.dropout_rng is None
+    after = torch.rand(1)
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(1), after)  # the generator did not move
+
+
+def test_backends_decline_dropout_with_a_reason():
+    q = torch.randn(1, 8, 2, 16)
+    inputs = AttentionInputs.from_args(q, q, q, dropout_p=0.1)
+    assert "dropout_p=0.1" in inputs.describe()
+    flex = registry._BACKENDS["flex"]
+    assert any("dropout" in r for r in flex.not_supported_reasons(inputs))
+    if "cuda" in registry._BACKENDS:
+        cuda = registry._BACKENDS["cuda"]
+        assert "dropout is not implemented in the cuda kernels yet" in cuda.not_supported_reasons(inputs)
+        packed = VarlenInputs.from_args(q[0], q[0], q[0], torch.tensor([0, 8]), torch.tensor([0, 8]),
+                                        8, 8, dropout_p=0.1)
+        assert "dropout is not implemented in the cuda kernels yet" in \
+            cuda.varlen_not_supported_reasons(packed)
+    with pytest.raises(ValueError, match="dropout"):
+        flash_dmattn_func_auto("flex")(q, q, q, dropout_p=0.1)
+    # The reference runs it (its CPU fast path, SDPA, has another random stream: not taken).
+    from flash_dmattn.reference.sdpa_cpu import sdpa_cpu_reasons
+    assert any("dropout" in r for r in sdpa_cpu_reasons(inputs))
+    assert flash_dmattn_func_auto("torch-reference")(q, q, q, dropout_p=0.1).shape == q.shape
+
+
+# --- The reference -----------------------------------------------------------------------------
+
+# (B, Lq, Lk, H, Hkv, D, causal, softcap, mask spec, bias spec)
+REF_CASES = [
+    (2, 7, 11, 4, 2, 8, True, 0.0, None, "BK1L"),
+    (1, 13, 5, 2, 2, 16, False, 5.0, "B1QL", "BHQL"),
+    (2, 9, 9, 6, 1, 8, True, 0.0, "B11L", None),
+]
+
+
+def _aux(spec, B, H, Hkv, Lq, Lk, gen, kind):
+    if spec is None:
+        return None
+    dims = {"B": B, "H": H, "K": Hkv, "Q": Lq, "L": Lk, "1": 1}
+    shape = tuple(dims[c] for c in spec)
+    if kind == "mask":
+        m = torch.rand(shape, generator=gen) > 0.3
+        m[..., 0] = True  # no empty rows to keep the comparison about dropout
+        return m
+    return torch.randn(shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+
+@pytest.mark.parametrize("case", REF_CASES, ids=lambda c: "b{}q{}k{}h{}kv{}".format(*c[:5]))
+@pytest.mark.parametrize("p", [0.2, 0.6])
+def test_reference_matches_dense_formula_on_the_calls_mask(case, p):
+    B, Lq, Lk, H, Hkv, D, causal, softcap, mspec, bspec = case
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = leaves((B, Lq, H, D), (B, Lk, Hkv, D), (B, Lk, Hkv, D), gen=gen)
+    mask = _aux(mspec, B, H, Hkv, Lq, Lk, gen, "mask")
+    bias = _aux(bspec, B, H, Hkv, Lq, Lk, gen, "bias")
+    out, keep = call_with_mask(flash_dmattn_func, 4, q, k, v, p, attn_mask=mask, attn_bias=bias,
+                               is_causal=causal, softcap=softcap)
+    assert 0 < keep.double().mean().item() < 1
+    check_against_dense(out, keep, p, (q, k, v, bias), 1e-12, mask=mask, causal=causal,
+                        softcap=softcap)
+
+
+def test_reference_float32_cpu_path_uses_the_same_mask():
+    # float32 on CPU would take SDPA; with dropout it must take the oracle on the same mask.
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = leaves((2, 10, 4, 16), (2, 12, 2, 16), (2, 12, 2, 16), dtype=torch.float32, gen=gen)
+    out, keep = call_with_mask(flash_dmattn_func, 8, q, k, v, 0.3, is_causal=True)
+    check_against_dense(out, keep, 0.3, (q, k, v, None), 2e-5, causal=True)
+
+
+def test_same_seed_same_result_and_calls_differ():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = leaves((1, 9, 2, 8), (1, 9, 2, 8), (1, 9, 2, 8), gen=gen)
+    runs = []
+    for seed in (6, 6):
+        torch.manual_seed(seed)
+        out = flash_dmattn_func(q, k, v, dropout_p=0.4, deterministic=True)
+        runs.append((out, torch.autograd.grad(out.sum(), (q, k, v))))
+        runs.append(flash_dmattn_func(q, k, v, dropout_p=0.4))  # the next call: a new mask
+    (o1, g1), n1, (o2, g2), n2 = runs
+    assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    assert torch.equal(n1, n2) and not torch.equal(o1, n1)
+
+
+def test_varlen_reference_per_sequence_masks():
+    lens_q, lens_k = [3, 0, 9, 5], [4, 2, 9, 7]
+    H, Hkv, D, p = 4, 2, 8, 0.3
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = leaves((sum(lens_q), H, D), (sum(lens_k), Hkv, D), (sum(lens_k), Hkv, D), gen=gen)
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).int()
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).int()
+    torch.manual_seed(9)
+    rng = testing.dropout_rng("cpu")
+    torch.manual_seed(9)
+    out = flash_dmattn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), is_causal=True,
+                                   dropout_p=p)
+    keep = testing.dropout_mask(rng, len(lens_q), H, max(lens_q), max(lens_k), p)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    refs = []
+    for i in range(len(lens_q)):
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        refs.append(dense_dropout_attention(q[None, qs], k[None, ks], v[None, ks],
+                                            keep[i:i + 1, :, :lens_q[i], :lens_k[i]], p,
+                                            causal=True)[0])
+    ref = torch.cat(refs)
+    assert_close("out", out.detach(), ref.detach(), 1e-12)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert_close(name, a, b, 1e-12)
+
+
+def test_compiles_without_graph_breaks_and_matches_eager():
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = leaves((1, 8, 2, 8), (1, 8, 2, 8), (1, 8, 2, 8), dtype=torch.float32, gen=gen)
+
+    def f(q, k, v):
+        return flash_dmattn_func(q, k, v, is_causal=True, dropout_p=0.25)
+
+    torch.manual_seed(10)
+    eager = f(q, k, v)
+    eager_grads = torch.autograd.grad(eager.square().sum(), (q, k, v))
+    torch.manual_seed(10)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    grads = torch.autograd.grad(compiled.square().sum(), (q, k, v))
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b)
+
+
+# --- The Triton kernels ------------------------------------------------------------------------
+
+TRITON_SKIP = triton_kernels_skip_reason()
+needs_kernels = pytest.mark.skipif(TRITON_SKIP is not None, reason=str(TRITON_SKIP))
+KDEV = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32 under the interpreter (the kernels accumulate in fp32: ~1e-6); fp16 compiled on a GPU,
+# where P and dS are rounded to fp16 before their dots (tests/test_triton_kernels.py).
+KDTYPE = torch.float32 if KDEV == "cpu" else torch.float16
+KTOL = {torch.float32: 2e-5, torch.float16: 4e-3}[KDTYPE]
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    # Kernel-written outputs start as NaN: anything the kernels forget to write shows up.
+    from flash_dmattn.backends.triton import common
+
+    monkeypatch.setattr(common, "DEBUG_POISON", True)
+
+
+def _spy_forward_launches(monkeypatch):
+    """The meta flags of every forward kernel launch, in order."""
+    from flash_dmattn.backends.triton import forward as fwd_mod
+
+    seen = []
+    for name in ("_launch_fwd", "_launch_fwd_untuned"):
+        real = getattr(fwd_mod, name)
+
+        def launch(grid, args, meta, real=real):
+            seen.append(dict(meta))
+            return real(grid, args, meta)
+        monkeypatch.setattr(fwd_mod, name, launch)
+    return seen
+
+
+# (name, B, Lq, Lk, H, Hkv, D, causal, softcap, mask spec, bias spec, expected forward path)
+KERNEL_CASES = [
+    ("dense", 2, 19, 23, 4, 2, 16, False, 0.0, None, "BHQL", dict(USE_LIST=False)),
+    ("causal-lists", 1, 37, 29, 2, 1, 24, True, 3.0, None, "BK1L", dict(USE_LIST=True)),
+    ("per-query-mask", 2, 21, 35, 2, 2, 16, False, 0.0, "B1QL", "11QL", dict(USE_LIST=True)),
+    ("per-key-mask-bits", 1, 33, 40, 4, 2, 16, True, 0.0, "BK1L", "1K1L", dict(MASK_BITS=1)),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: c[0])
+def test_triton_matches_dense_formula_on_the_calls_mask(case, poisoned, monkeypatch):
+    name, B, Lq, Lk, H, Hkv, D, causal, softcap, mspec, bspec, path = case
+    seen = _spy_forward_launches(monkeypatch)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = leaves((B, Lq, H, D), (B, Lk, Hkv, D), (B, Lk, Hkv, D), dtype=KDTYPE, device=KDEV,
+                     gen=gen)
+    mask = _aux(mspec, B, H, Hkv, Lq, Lk, gen, "mask")
+    bias = _aux(bspec, B, H, Hkv, Lq, Lk, gen, "bias")
+    if mask is not None:
+        mask = mask.to(KDEV)
+    if bias is not None:
+        bias = bias.detach().to(KDEV, KDTYPE).requires_grad_()
+    fn = flash_dmattn_func_auto("triton")
+    out, keep = call_with_mask(fn, 11, q, k, v, 0.3, attn_mask=mask, attn_bias=bias,
+                               is_causal=causal, softcap=softcap)
+    assert seen and all(m["DROPOUT"] for m in seen)
+    assert all(seen[0][key] == want for key, want in path.items()), seen[0]
+    check_against_dense(out, keep, 0.3, (q, k, v, bias), KTOL,
+                        mask=None if mask is None else mask.cpu(), causal=causal,
+                        softcap=softcap)
+
+
+@needs_kernels
+def test_triton_gathered_keys_and_other_tiles_use_the_same_mask(poisoned, monkeypatch):
+    # The gathered-key forward / dQ and a forward with other tile shapes: the mask is the
+    # coordinates', not the tiles'.
+    from flash_dmattn.backends.triton import forward as fwd_mod
+    from flash_dmattn.planning import gather
+
+    monkeypatch.setattr(gather, "_FORCED_POLICY", "always")
+    seen = _spy_forward_launches(monkeypatch)
+    B, Lq, Lk, H, Hkv, D = 1, 33, 45, 2, 1, 16
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = leaves((B, Lq, H, D), (B, Lk, Hkv, D), (B, Lk, Hkv, D), dtype=KDTYPE, device=KDEV,
+                     gen=gen)
+    mask = (torch.rand(B, 1, Lq, Lk, generator=gen) > 0.6).to(KDEV)
+    mask[..., 0] = True
+    fn = flash_dmattn_func_auto("triton")
+    out, keep = call_with_mask(fn, 12, q, k, v, 0.5, attn_mask=mask, is_causal=True)
+    assert seen[0]["GATHER"]
+    check_against_dense(out, keep, 0.5, (q, k, v, None), KTOL, mask=mask.cpu(), causal=True)
+    # Forward tiles of 32 x 16 instead: the same output as the formula on the same mask.
+    monkeypatch.setattr(gather, "_FORCED_POLICY", "never")
+    bm, bn = fwd_mod.fwd_blocks(D)
+    monkeypatch.setattr(fwd_mod, "fwd_blocks", lambda d: (2 * bm, bn))
+    torch.manual_seed(12)
+    again = fn(q, k, v, attn_mask=mask, is_causal=True, dropout_p=0.5)
+    assert seen[-1]["BLOCK_M"] == 2 * bm
+    ref = dense_dropout_attention(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), keep.cpu(),
+                                  0.5, mask=mask.cpu(), causal=True)
+    assert_close("out", again.detach().cpu(), ref, KTOL)
+
+
+@needs_kernels
+def test_triton_varlen_matches_the_per_sequence_masks(poisoned):
+    lens_q, lens_k = [5, 0, 19, 1], [7, 3, 21, 1]
+    H, Hkv, D, p = 4, 2, 16, 0.3
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = leaves((sum(lens_q), H, D), (sum(lens_k), Hkv, D), (sum(lens_k), Hkv, D),
+                     dtype=KDTYPE, device=KDEV, gen=gen)
+    bias = torch.randn(Hkv, sum(lens_k), generator=gen).to(KDEV, KDTYPE).requires_grad_()
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).int().to(KDEV)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).int().to(KDEV)
+    inputs_args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
+    torch.manual_seed(13)
+    rng = testing.dropout_rng(KDEV)
+    torch.manual_seed(13)
+    inputs = VarlenInputs.from_args(*inputs_args, attn_bias=bias, is_causal=True, dropout_p=p)
+    out = registry.check_explicit(registry.get_backend("triton"), inputs).varlen_attention(inputs)
+    keep = testing.dropout_mask(rng, len(lens_q), H, max(lens_q), max(lens_k), p).cpu()
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v, bias), dout.to(out.dtype).to(KDEV))
+    ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v, bias)]
+    refs = []
+    for i in range(len(lens_q)):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        refs.append(dense_dropout_attention(
+            ref_in[0][None, qs], ref_in[1][None, ks], ref_in[2][None, ks],
+            keep[i:i + 1, :, :lens_q[i], :lens_k[i]], p, bias=ref_in[3][None, :, None, ks],
+            causal=True)[0])
+    ref = torch.cat(refs)
+    assert_close("out", out.detach().cpu(), ref.detach(), KTOL)
+    want = torch.autograd.grad(ref, ref_in, dout)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, want):
+        assert_close(name, a.detach().cpu(), b, KTOL)
+
+
+@needs_kernels
+def test_triton_key_intervals_use_the_same_mask(poisoned):
+    B, Lq, Lk, H, Hkv, D, p = 2, 19, 23, 4, 2, 16, 0.25
+    gen = torch.Generator().manual_seed(10)
+    q, k, v = leaves((B, Lq, H, D), (B, Lk, Hkv, D), (B, Lk, Hkv, D), dtype=KDTYPE, device=KDEV,
+                     gen=gen)
+    bias = torch.randn(B, Hkv, 1, Lk, generator=gen).to(KDEV, KDTYPE).requires_grad_()
+    start = torch.randint(0, Lk, (B, Hkv, Lk), generator=gen)
+    end = start + torch.randint(1, 12, (B, Hkv, Lk), generator=gen)
+    intervals = KeyIntervals(start.int().to(KDEV), end.int().to(KDEV))
+    fn = flash_dmattn_func_auto("triton")
+    out, keep = call_with_mask(fn, 14, q, k, v, p, attn_mask=intervals, attn_bias=bias,
+                               is_causal=True)
+    dense = intervals.to_dense(Lq).cpu()
+    check_against_dense(out, keep, p, (q, k, v, bias), KTOL, mask=dense, causal=True)
+
+
+@needs_kernels
+def test_triton_deterministic_is_bitwise_with_dropout():
+    gen = torch.Generator().manual_seed(11)
+    B, Lq, Lk, H, Hkv, D = 2, 17, 20, 2, 1, 16
+    q, k, v = leaves((B, Lq, H, D), (B, Lk, Hkv, D), (B, Lk, Hkv, D), dtype=KDTYPE, device=KDEV,
+                     gen=gen)
+    # A bias shared across batches: its gradient is the one that would use atomics.
+    bias = torch.randn(1, 1, Lq, Lk, generator=gen).to(KDEV, KDTYPE).requires_grad_()
+    fn = flash_dmattn_func_auto("triton")
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(15)
+        out = fn(q, k, v, attn_bias=bias, is_causal=True, deterministic=True, dropout_p=0.4)
+        runs.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v, bias))))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@needs_kernels
+def test_triton_declines_dropout_with_a_kv_cache():
+    q = torch.randn(1, 1, 2, 16, device=KDEV, dtype=KDTYPE)
+    k = torch.randn(1, 32, 2, 16, device=KDEV, dtype=KDTYPE)
+    lens = torch.tensor([20], dtype=torch.int32, device=KDEV)
+    inputs = AttentionInputs.from_args(q, k, k, cache_seqlens=lens, dropout_p=0.1)
+    reasons = registry._BACKENDS["triton"].not_supported_reasons(inputs)
+    assert any("dropout with a KV cache" in r for r in reasons)
+    # A decode-shaped call without a cache takes the dropout forward, not the split-KV kernel.
+    out = flash_dmattn_func_auto("triton")(q, k, k, dropout_p=0.1)
+    assert out.shape == q.shape and not out.isnan().any()
+
+
+@needs_kernels
+def test_triton_two_kernel_per_key_forward_keeps_the_mask(poisoned, monkeypatch):
+    # A per-key mask whose uncut rows run without the mask and whose cut rows run again in a
+    # second kernel (flash_dmattn.planning.plain_rows): both draw the same keep-mask.
+    from flash_dmattn.planning import plain_rows
+
+    monkeypatch.setattr(plain_rows, "_FORCED", True)
+    seen = _spy_forward_launches(monkeypatch)
+    B, Lq, Lk, H, Hkv, D, p = 2, 40, 48, 2, 2, 16, 0.3
+    gen = torch.Generator().manual_seed(12)
+    blocks = (torch.rand(B, Hkv, 1, 3, generator=gen) < 0.5).repeat_interleave(16, -1)
+    blocks[..., :16] = True
+    scattered = torch.rand(B, Hkv, 1, Lk, generator=gen) < 0.3
+    scattered[..., : Lk // 2] = False
+    scattered[:, 0] = False
+    mask = (blocks | scattered).to(KDEV)  # head 0: whole tiles (uncut rows); head 1: cut rows
+    q, k, v = leaves((B, Lq, H, D), (B, Lk, Hkv, D), (B, Lk, Hkv, D), dtype=KDTYPE, device=KDEV,
+                     gen=gen)
+    fn = flash_dmattn_func_auto("triton")
+    out, keep = call_with_mask(fn, 16, q, k, v, p, attn_mask=mask, is_causal=True)
+    assert [int(m.get("CUT_ROWS", False)) for m in seen] == [0, 1]
+    check_against_dense(out, keep, p, (q, k, v, None), KTOL, mask=mask.cpu(), causal=True)
