@@ -102,7 +102,7 @@ def flash_dmattn_func(
         query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
         deterministic, return_attn_probs, cache_seqlens, block_table, dropout_p,
     )
-    return registry.select_backend(inputs).attention(inputs)
+    return registry.run_auto(inputs)
 
 
 def flash_dmattn_varlen_func(
@@ -149,7 +149,7 @@ def flash_dmattn_varlen_func(
         attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic,
         return_attn_probs, dropout_p,
     )
-    return registry.select_backend(inputs).varlen_attention(inputs)
+    return registry.run_auto(inputs)
 
 
 def _fixed_backend_func(name: str) -> Callable:

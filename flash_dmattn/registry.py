@@ -142,6 +142,27 @@ def select_backend(inputs: Inputs) -> Backend:
     )
 
 
+def run_auto(inputs: Inputs):
+    """Run ``inputs`` on the backend auto-dispatch selects. A backend that finds the call beyond
+    it only when it runs (:class:`~flash_dmattn.backends.base.BackendDeclined`, e.g. a compile
+    failure) declines such calls from then on, and the next backend runs this one."""
+    from .backends.base import BackendDeclined
+
+    varlen = isinstance(inputs, VarlenInputs)
+    for _ in range(len(PRIORITY)):
+        backend = select_backend(inputs)
+        entry = backend.varlen_attention if varlen else backend.attention
+        if torch.compiler.is_compiling():
+            return entry(inputs)
+        try:
+            return entry(inputs)
+        except BackendDeclined as exc:
+            if exc.backend != backend.name or not _reasons(backend, inputs):
+                raise  # a decline it will not remember would be selected again
+            logger.warning("flash_dmattn: %s; running the next backend", exc)
+    raise RuntimeError(f"every backend declined these inputs while running ({inputs.describe()})")
+
+
 def auto_backend_name(inputs: Inputs) -> Optional[str]:
     """The name of the backend auto-dispatch would run for ``inputs`` (None: none can), without
     logging or warning."""

@@ -30,7 +30,7 @@ import torch
 
 from ..block_map import block_reduce, tile_liveness
 from ..intmath import cdiv
-from .base import Backend
+from .base import Backend, BackendDeclined
 
 BLOCK = 128  # Flex's default tile; its kernels' tiles divide it.
 
@@ -291,20 +291,86 @@ def _score_mod(inputs):
 _FALLBACK_KERNEL_OPTIONS = {"num_stages": 1, "num_warps": 4}
 
 
-def _run_compiled(q, k, v, kwargs, light: bool):
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def decode_kernel_cannot_tile(seqlen_q: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether Inductor would lower the call to its flex-decoding kernel and find no config.
+
+    Inductor takes the decoding kernel for queries shorter than 128 whose query heads share a
+    kv head in a power-of-2 group (and whose block map has one head); that kernel packs the
+    group's queries into one row tile of ``BLOCK_M = next_power_of_2(Lq * group)`` rows, and
+    skips every config whose Q block (our :data:`BLOCK`) that tile does not divide. With
+    ``Lq * group > BLOCK`` no config is left: ``NoValidChoicesError`` at compile time (e.g.
+    Lq 100 or 65 with 4 query heads per kv head). Such calls must run the main kernel.
+    """
+    group = num_heads // max(num_kv_heads, 1)
+    if seqlen_q >= 128 or group <= 1 or group & (group - 1):
+        return False
+    return BLOCK % _next_power_of_2(seqlen_q * group) != 0
+
+
+def kernel_options_for(inputs, light: bool) -> Optional[dict]:
+    """The ``kernel_options`` of a compiled call (None: Flex's defaults): the main kernel
+    where the decoding kernel has no config (:func:`decode_kernel_cannot_tile`), and the
+    lighter settings when ``light``."""
+    options = {}
+    if decode_kernel_cannot_tile(inputs.seqlen_q, inputs.num_heads, inputs.num_kv_heads):
+        options["FORCE_USE_FLEX_ATTENTION"] = True
     if light:
-        kwargs = dict(kwargs, kernel_options=_FALLBACK_KERNEL_OPTIONS)
+        options.update(_FALLBACK_KERNEL_OPTIONS)
+    return options or None
+
+
+# Exception types by which Inductor reports that it could not compile a call (names, so that
+# torch versions that lack one of them still import this module).
+_COMPILE_FAILURES = ("InductorError", "LoweringException", "NoValidChoicesError",
+                     "BackendCompilerFailed", "OutOfResources")
+
+
+def is_compile_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) says FlexAttention's compile failed for this call."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if any(t.__name__ in _COMPILE_FAILURES for t in type(exc).__mro__):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def _call_key(inputs) -> tuple:
+    """What one compiled FlexAttention entry is specialised on (static shapes, dtypes, which
+    captures and which gradients): calls with equal keys compile to the same kernels."""
+
+    def shape(t):
+        return None if t is None else (tuple(t.shape), t.dtype)
+
+    return (inputs.device, inputs.dtype, tuple(inputs.query.shape), tuple(inputs.key.shape),
+            shape(inputs.attn_mask), shape(inputs.attn_bias),
+            shape(getattr(inputs, "key_intervals", None)), inputs.cache_seqlens is not None,
+            inputs.is_causal, inputs.softcap > 0.0, inputs.needs_grad, inputs.bias_needs_grad)
+
+
+def _run_compiled(q, k, v, kwargs, options: Optional[dict]):
     with torch._dynamo.config.patch(cache_size_limit=_RECOMPILE_LIMIT):
         try:
-            return _compiled_flex()(q, k, v, **kwargs)
+            return _compiled_flex()(q, k, v, kernel_options=options, **kwargs)
         except Exception as exc:  # inductor wraps the resource error in its own types
             if "out of resource" not in str(exc) and "No valid triton configs" not in str(exc):
                 raise
-            return _compiled_flex()(q, k, v, kernel_options=_FALLBACK_KERNEL_OPTIONS, **kwargs)
+            lighter = dict(options or {}, **_FALLBACK_KERNEL_OPTIONS)
+            return _compiled_flex()(q, k, v, kernel_options=lighter, **kwargs)
 
 
 class FlexBackend(Backend):
     name = "flex"
+
+    def __init__(self) -> None:
+        super().__init__()
+        # _call_key -> the compile error of a call that failed (declined from then on).
+        self._compile_failures = {}
 
     def probe(self) -> Optional[str]:
         if _TORCH_VERSION < (2, 5):
@@ -345,6 +411,11 @@ class FlexBackend(Backend):
             reasons.append("attention dropout is not supported by FlexAttention")
         if inputs.seqlen_q == 0 or inputs.seqlen_k == 0:
             reasons.append("empty sequences are not supported")
+        if self._compile_failures and dev == "cuda":
+            failed = self._compile_failures.get(_call_key(inputs))
+            if failed is not None:
+                reasons.append(f"compiling FlexAttention failed for a call like this one: "
+                               f"{failed}")
         return reasons
 
     def attention(self, inputs):
@@ -359,14 +430,25 @@ class FlexBackend(Backend):
             enable_gqa=inputs.num_heads != inputs.num_kv_heads,
         )
         if torch.compiler.is_compiling():
-            out = fa.flex_attention(q, k, v, **kwargs)  # the enclosing compile fuses it
+            # The enclosing compile fuses it.
+            out = fa.flex_attention(q, k, v, kernel_options=kernel_options_for(inputs, False),
+                                    **kwargs)
         elif inputs.device.type == "cuda":
             # A per-query bias gradient is scattered from the backward kernel, whose default
             # configs then overflow shared memory (H200, torch 2.11); the backward compiles
             # lazily, so it cannot be retried: choose the lighter settings up front.
             bias = inputs.attn_bias
             light = inputs.bias_needs_grad and bias.shape[2] > 1
-            out = _run_compiled(q, k, v, kwargs, light)
+            try:
+                out = _run_compiled(q, k, v, kwargs, kernel_options_for(inputs, light))
+            except Exception as exc:
+                if not is_compile_failure(exc):
+                    raise
+                # Nothing was computed: remember the failure (later calls like this one are
+                # declined up front) and let auto-dispatch run the next backend.
+                reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+                self._compile_failures[_call_key(inputs)] = reason
+                raise BackendDeclined(self.name, reason) from exc
         else:
             with warnings.catch_warnings():
                 # On CPU the eager path is the intended one; its advice to compile is noise.
