@@ -14,6 +14,7 @@ from flash_dmattn.integrations import hf_transformers  # noqa: E402
 from flash_dmattn.integrations.flash_dynamic_mask_attention import (  # noqa: E402
     flash_dynamic_mask_attention_forward,
 )
+from flash_dmattn.testing import dropout_mask, dropout_rng  # noqa: E402
 
 VOCAB = 128
 
@@ -200,12 +201,111 @@ def test_fully_masked_rows_are_zero():
     assert torch.equal(out, torch.zeros_like(out))
 
 
-def test_dropout_rules():
-    q, k, v = _qkv()
+def _eager_dropout(query, key, value, keep, p):
+    """Causal eager attention (float64) with the probabilities times ``keep / (1 - p)``."""
+    g = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(g, 1)
+    v = value.repeat_interleave(g, 1)
+    s = (query @ k.transpose(-1, -2)) * query.shape[-1] ** -0.5
+    lq, lk = s.shape[-2:]
+    causal = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+    probs = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+    return (probs * keep / (1 - p) @ v).transpose(1, 2)
+
+
+def test_dropout_in_training_is_the_kernels():
+    # A training module's dropout runs in the library call: output and gradients equal eager
+    # attention with the call's keep-mask; eval ignores it (as eager does); no module: applied.
+    p = 0.3
+    inputs = [t.double() for t in _qkv(lq=9, lk=9, seed=2)]
+    for module in (_Module(training=True), None):
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        torch.manual_seed(4)
+        keep = dropout_mask(dropout_rng("cpu"), 2, 4, 9, 9, p)
+        assert 0.5 < keep.double().mean() < 0.9
+        torch.manual_seed(4)
+        out, _ = integ.dmattn_attention_forward(module, *leaves, None, dropout=p)
+        grad = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+        got = (out.detach(), *torch.autograd.grad(out, leaves, grad))
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        ref = _eager_dropout(*leaves, keep, p)
+        want = (ref.detach(), *torch.autograd.grad(ref, leaves, grad))
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+    plain, _ = integ.dmattn_attention_forward(_Module(training=False), *inputs, None)
+    evaluated, _ = integ.dmattn_attention_forward(_Module(training=False), *inputs, None, dropout=p)
+    assert torch.equal(evaluated, plain)
     with pytest.raises(ValueError, match="dropout"):
-        integ.dmattn_attention_forward(_Module(training=True), q, k, v, None, dropout=0.1)
-    out, _ = integ.dmattn_attention_forward(_Module(training=False), q, k, v, None, dropout=0.1)
-    assert out.shape == (2, 7, 4, 16)
+        integ.dmattn_attention_forward(_Module(training=True), *inputs, None, dropout=1.0)
+    with pytest.raises(TypeError, match="dropout"):
+        integ.dmattn_attention_forward(_Module(training=False), *inputs, None, dropout="0.1")
+
+
+def test_llama_training_with_attention_dropout_matches_eager(monkeypatch):
+    # A model trained with attention_dropout > 0 runs dmattn (it used to raise): its logits at
+    # real positions and every parameter gradient equal eager attention's when eager's
+    # F.dropout applies, layer by layer, the keep-masks the library calls drew.
+    import flash_dmattn.inputs
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    p = 0.25
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attention_dropout=p,
+    )
+    model = LlamaForCausalLM._from_config(cfg, attn_implementation="dmattn").train()
+    ids, am = _batch(seq=13, pad=4)
+    # The loss reads no logits of padded positions (eager gives their rows a uniform average,
+    # dmattn zeros): padding is not scored, nor is the first real token (the label of the
+    # last padded position).
+    labels = ids.masked_fill(am == 0, -100)
+    labels[0, 4] = -100
+    rngs = []
+    draw = flash_dmattn.inputs.draw_rng
+
+    def recording_draw(device):
+        rngs.append(draw(device))
+        return rngs[-1]
+
+    monkeypatch.setattr(flash_dmattn.inputs, "draw_rng", recording_draw)
+    results = {}
+    for impl in ("dmattn", "eager"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        torch.manual_seed(9)
+        out = model(ids, attention_mask=am, labels=labels, dmattn_varlen="never")
+        out.loss.backward()
+        grads = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+        results[impl] = (out.logits.detach(), grads)
+        if impl == "dmattn":
+            assert len(rngs) == cfg.num_hidden_layers
+            masks = [dropout_mask(rng, 2, 4, 13, 13, p) for rng in rngs]
+            real_dropout = torch.nn.functional.dropout
+
+            def same_masks(x, p=0.5, training=True, inplace=False):
+                if not training or p == 0.0:
+                    return real_dropout(x, p, training, inplace)
+                return x * masks.pop(0) / (1 - p)
+
+            monkeypatch.setattr(torch.nn.functional, "dropout", same_masks)
+    assert not masks  # eager used every mask
+    (logits, grads), (ref_logits, ref_grads) = results["dmattn"], results["eager"]
+    keep = am.bool()
+    torch.testing.assert_close(logits[keep], ref_logits[keep], atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys() and len(grads) > 10
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_legacy_window_forward_passes_dropout_in_training_only(kernel_spy):
+    q, k, v = _qkv(lq=9, lk=9, seed=3)
+    bias = torch.randn(2, 2, 9)
+    for training, want in ((True, 0.2), (False, 0.0)):
+        flash_dynamic_mask_attention_forward(_Module(training=training), q, k, v, None, bias,
+                                             window_size=4, dropout=0.2)
+        assert kernel_spy[-1]["dropout_p"] == want
 
 
 def test_bad_inputs_raise_typed_errors():

@@ -189,6 +189,52 @@ def test_two_d_padding_mask_given_directly(varlen_spy):
     assert len(varlen_spy) == 2  # packing metadata cached on the mask, reused
 
 
+def test_packed_route_applies_dropout_per_sequence(varlen_spy):
+    # Training with dropout on the packed route: the packed call gets dropout_p, and each real
+    # row equals attention over its sequence's real keys with the keep-mask of that sequence
+    # (rows and keys counted from its first real token, flash_dmattn.testing's convention).
+    from flash_dmattn.testing import dropout_mask, dropout_rng
+
+    p = 0.3
+    am = _padding("left", lengths=(7, 3, SEQ, 5))
+    q, k, v = (t.double() for t in _qkv(4, SEQ, SEQ, seed=6))
+    module = _Module()
+    module.train()
+    torch.manual_seed(2)
+    rng = dropout_rng("cpu")
+    torch.manual_seed(2)
+    out, _ = integ.dmattn_attention_forward(module, q, k, v, _mask(am, SEQ, SEQ), dropout=p,
+                                            dmattn_varlen="always")
+    assert len(varlen_spy) == 1 and varlen_spy[0]["dropout_p"] == p
+    keep = dropout_mask(rng, 4, 4, SEQ, SEQ, p)
+    assert 0.5 < keep.double().mean() < 0.9
+    for b, n in enumerate(am.sum(1).tolist()):
+        qb, kb, vb = q[b, :, -n:], k[b, :, -n:].repeat_interleave(2, 0), v[b, :, -n:].repeat_interleave(2, 0)
+        s = (qb @ kb.transpose(-1, -2)) * qb.shape[-1] ** -0.5
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        want = (torch.softmax(s, -1) * keep[b, :, :n, :n] / (1 - p)) @ vb      # (H, n, D)
+        torch.testing.assert_close(out[b, -n:], want.transpose(0, 1), rtol=1e-10, atol=1e-10)
+        assert not out[b, :-n].any()
+
+
+def test_auto_routing_with_dropout_draws_one_rng(dense_spy):
+    # Deciding the route (auto asks which backend would take a packed call with dropout) draws
+    # nothing: the call advances torch's generator by exactly its own dropout draw.
+    from flash_dmattn.testing import dropout_rng
+
+    am = _padding("left")
+    q, k, v = _qkv(4, SEQ, SEQ, seed=7)
+    module = _Module()
+    module.train()
+    torch.manual_seed(3)
+    integ.dmattn_attention_forward(module, q, k, v, _mask(am, SEQ, SEQ), dropout=0.2)
+    after_call = torch.randint(0, 1 << 30, (4,))
+    torch.manual_seed(3)
+    dropout_rng("cpu")
+    assert torch.equal(after_call, torch.randint(0, 1 << 30, (4,)))
+    assert len(dense_spy) == 1 and dense_spy[0]["dropout_p"] == 0.2
+
+
 def test_not_routed_when_the_mask_has_more_than_padding(varlen_spy):
     am = _padding("left")
     q, k, v = _qkv(4, SEQ, SEQ, seed=4)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 
 from ..api import flash_dmattn_func_auto
+from ..dropout import check_dropout_p
 from . import hf_varlen
 
 #: The name under which :func:`register` installs the attention and mask functions. It must not
@@ -62,18 +63,16 @@ def _get_kernel() -> Callable:
 # ---------------------------------------------------------------------------------------------
 # Mask / bias normalisation
 # ---------------------------------------------------------------------------------------------
-def _check_dropout(module: Optional[torch.nn.Module], dropout: float) -> None:
-    if dropout is None or float(dropout) == 0.0:
-        return
+def _dropout_p(module: Optional[torch.nn.Module], dropout: Optional[float]) -> float:
+    """The attention dropout of a call: ``dropout`` (checked to be in ``[0, 1)``) while the
+    module trains or when there is no module, else 0."""
+    p = check_dropout_p(dropout)
     # Models pass their configured dropout only while training (``0.0 if not self.training``),
-    # but some pass it unconditionally; at inference dropout is a no-op either way.
+    # but some pass it unconditionally; eager attention drops only in training mode
+    # (``F.dropout(..., training=module.training)``), and so does this function.
     if module is not None and not getattr(module, "training", True):
-        return
-    raise ValueError(
-        f"flash_dmattn's transformers integration does not implement attention dropout "
-        f"(got dropout={dropout} while the module is training); set the model's "
-        f"attention_dropout to 0.0, call model.eval(), or use attn_implementation='eager'"
-    )
+        return 0.0
+    return p
 
 
 def _masked_threshold(dtype: torch.dtype) -> float:
@@ -236,7 +235,10 @@ def dmattn_attention_forward(
             -inf, possibly plus a real bias, as Doge passes it), 3-D, or a 2-D ``(B, L)``
             padding mask; 4-D masks may be longer than ``Lk`` (sliced).
         scaling: softmax scale (default ``1/sqrt(D)``).
-        dropout: must be 0 while ``module.training`` (ValueError otherwise).
+        dropout: attention dropout probability in ``[0, 1)``, applied by the kernel to the
+            normalised probabilities while ``module.training`` (or with no module); ignored
+            in eval mode, as eager attention does. ``torch.manual_seed`` reproduces it; the
+            random stream is the library's, not ``F.dropout``'s.
         softcap: ``softcap * tanh(s / softcap)`` on the scaled scores.
         kwargs: ``is_causal`` (default ``module.is_causal``, else True; used only with no 3-/4-D
             mask and ``Lq > 1``), ``attention_bias`` / ``position_bias`` (extra additive biases,
@@ -259,6 +261,7 @@ def dmattn_attention_forward(
         keep = torch.isfinite(m) & (m > torch.finfo(m.dtype).min / 2)   # & causal band
         s = torch.where(keep, s + m + attention_bias, float("-inf"))
         p = torch.softmax(s, -1).nan_to_num(0.0)                        # fully masked rows -> 0
+        p = p * keep / (1 - dropout)    # training: keep = the call's keep-mask (flash_dmattn.testing)
         out = (p @ v.float()).to(query.dtype).transpose(1, 2)           # (B, Lq, H, D)
 
     With no mask, ``is_causal`` and ``Lk > Lq > 1`` the keys are cut to the first ``Lq`` (as
@@ -268,7 +271,8 @@ def dmattn_attention_forward(
     _validate_call(module, query, key, value, scaling, dropout, kwargs)
     # A "causal + key padding" mask may be cheaper as packed sequences (see module docstring).
     out = hf_varlen.maybe_varlen_attention(
-        module, query, key, value, attention_mask, scaling, softcap, kwargs
+        module, query, key, value, attention_mask, scaling, softcap, kwargs,
+        _dropout_p(module, dropout),
     )
     if out is not None:
         return out, None
@@ -289,7 +293,7 @@ def _validate_call(
     kwargs: dict,
 ) -> None:
     """Checks shared by the dense and the packed route (typed errors, before any work)."""
-    _check_dropout(module, dropout)
+    _dropout_p(module, dropout)
     if kwargs.get("s_aux") is not None:
         raise ValueError(
             "flash_dmattn does not support attention sinks (s_aux); use attn_implementation='eager'"
@@ -317,7 +321,7 @@ def prepare_attention_call(
     """The keyword arguments of the library call that ``dmattn_attention_forward`` makes.
 
     Keys: ``query``, ``key``, ``value`` (``(B, L, H|Hkv, D)`` views), ``attn_mask``,
-    ``attn_bias``, ``softmax_scale``, ``is_causal``, ``softcap``.
+    ``attn_bias``, ``softmax_scale``, ``is_causal``, ``softcap``, ``dropout_p``.
     """
     _validate_call(module, query, key, value, scaling, dropout, kwargs)
     query_len, key_len = query.shape[2], key.shape[2]
@@ -370,6 +374,7 @@ def prepare_attention_call(
         softmax_scale=scaling,
         is_causal=causal,
         softcap=softcap if softcap else None,
+        dropout_p=_dropout_p(module, dropout),
     )
 
 

@@ -34,6 +34,10 @@ Semantics
   logits at real positions, and the gradients of any loss over real positions, are the same.
 * Not causal (bidirectional masks, also cross-attention): only the keys are unpacked; every
   query row is kept, so every output row equals the dense path's.
+* Attention dropout (training): the packed call drops with the same probability, but its
+  keep-mask counts query rows and keys from each sequence's first real token (see
+  :mod:`flash_dmattn.testing`), so it is a different draw from the dense path's: the two
+  routes agree in distribution, not entry by entry.
 
 Routing (``FLASH_DMATTN_HF_VARLEN``)
 ------------------------------------
@@ -56,6 +60,7 @@ dynamic cache), no ``attention_bias`` / ``position_bias``, no sliding window, no
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
@@ -325,7 +330,11 @@ def _packed_backend_name(inputs: Any) -> Optional[str]:
 
 
 def _kernel_takes(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, softcap: Optional[float]
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    softcap: Optional[float],
+    dropout_p: float = 0.0,
 ) -> bool:
     """Whether a kernel backend (not the per-sequence torch-reference loop) would run the call.
 
@@ -340,6 +349,10 @@ def _kernel_takes(
     kv = query.new_empty((0, kv_heads, head_dim))
     cu = torch.empty(1, dtype=torch.int32, device=query.device)
     inputs = VarlenInputs.from_args(q, kv, kv, cu, cu, 0, 0, softcap=softcap if softcap else None)
+    if dropout_p > 0.0:
+        # Set on the built inputs: from_args would draw the call's rng and so advance the
+        # generator that the real call then draws from.
+        inputs = dataclasses.replace(inputs, dropout_p=dropout_p)
     return _packed_backend_name(inputs) not in (None, "torch-reference")
 
 
@@ -359,6 +372,7 @@ def _pack(
     causal: bool,
     scaling: Optional[float],
     softcap: Optional[float],
+    dropout_p: float = 0.0,
 ) -> dict:
     """Keyword arguments of the varlen call: packed ``(total, heads, D)`` q/k/v + metadata."""
     batch, _, query_len, _ = query.shape
@@ -386,6 +400,7 @@ def _pack(
         softmax_scale=scaling,
         is_causal=causal,
         softcap=softcap if softcap else None,
+        dropout_p=dropout_p,
     )
 
 
@@ -398,12 +413,14 @@ def maybe_varlen_attention(
     scaling: Optional[float],
     softcap: Optional[float],
     kwargs: dict,
+    dropout_p: float = 0.0,
 ) -> Optional[torch.Tensor]:
     """Attention through the packed route, ``(B, Lq, H, D)``, or None for the dense path.
 
     ``query`` ``(B, H, Lq, D)`` and ``key``/``value`` ``(B, Hkv, Lk, D)`` as transformers passes
     them; the caller has validated them (rank, dropout, attention sinks, scaling). Padded
-    query rows of causal calls come back as zeros (see the module docstring).
+    query rows of causal calls come back as zeros (see the module docstring). ``dropout_p``
+    is the call's attention dropout (0 outside training).
     """
     mode = get_varlen_mode(kwargs)
     if mode == "never" or torch.compiler.is_compiling():
@@ -411,7 +428,7 @@ def maybe_varlen_attention(
     route = _route_for_call(module, query, key, attention_mask, kwargs)
     if route is None:
         return None
-    if mode == "auto" and not _kernel_takes(query, key, value, softcap):
+    if mode == "auto" and not _kernel_takes(query, key, value, softcap, dropout_p):
         return None  # decided before any packing work: no cost where packing does not pay
     batch, _, query_len, _ = query.shape
     plan_key = (route.causal, query_len, route.key_len)
@@ -424,7 +441,7 @@ def maybe_varlen_attention(
     if plan.total_q == 0 or plan.total_k == 0:
         return None  # nothing real to attend: the dense path already returns the zero rows
     key, value = key[:, :, : route.key_len], value[:, :, : route.key_len]
-    packed = _pack(query, key, value, plan, route.causal, scaling, softcap)
+    packed = _pack(query, key, value, plan, route.causal, scaling, softcap, dropout_p)
     out = _get_varlen_kernel()(**packed)
     if plan.q_index is None:
         return out.view(batch, query_len, *out.shape[1:])
