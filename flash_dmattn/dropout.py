@@ -11,7 +11,7 @@ regenerate the mask instead of storing it and any implementation can reproduce a
 * entry ``(b, h, i, j)`` (batch -- for packed sequences the sequence index --, query head,
   query row and key position, rows and keys counted from the start of the sequence) is
   Philox4x32-10 with key ``seed`` (its low and high 32 bits) and counter ``(j, i, b * H + h,
-  offset)``: Triton's ``tl.philox`` with those words, reimplemented exactly below;
+  offset mod 2**32)``: Triton's ``tl.philox`` with those words, reimplemented exactly below;
 * the entry is kept iff the first output word's top 31 bits, ``word >> 1``, are at least
   :func:`keep_threshold` ``(p) = round(p * 2**31)``: a keep rate of ``1 - p`` up to
   ``2**-31``, compared as integers so every implementation agrees bit for bit;
@@ -36,9 +36,8 @@ _KEY_A = 0x9E3779B9
 _KEY_B = 0xBB67AE85
 _ROUNDS = 10
 _MASK32 = 0xFFFFFFFF
-# Seeds are drawn below 2**62 and offsets below 2**32 (one counter word).
-_SEED_HIGH = 1 << 62
-_OFFSET_HIGH = 1 << 32
+# Both numbers of a call are drawn below 2**62; the offset's low 32 bits are a counter word.
+_DRAW_HIGH = 1 << 62
 
 
 def check_dropout_p(dropout_p) -> float:
@@ -55,10 +54,9 @@ def check_dropout_p(dropout_p) -> float:
 
 
 def draw_rng(device) -> Tensor:
-    """A call's int64 ``(seed, offset)`` drawn from torch's default generator for ``device``."""
-    seed = torch.randint(0, _SEED_HIGH, (1,), dtype=torch.int64, device=device)
-    offset = torch.randint(0, _OFFSET_HIGH, (1,), dtype=torch.int64, device=device)
-    return torch.cat([seed, offset])
+    """A call's int64 ``(seed, offset)`` drawn from torch's default generator for ``device``
+    (one random op, no host sync: CUDA graphs replay it with fresh numbers)."""
+    return torch.randint(0, _DRAW_HIGH, (2,), dtype=torch.int64, device=device)
 
 
 def keep_threshold(dropout_p: float) -> int:
@@ -104,7 +102,7 @@ def keep_mask(rng: Tensor, dropout_p: float, batch: Tensor, num_heads: int, head
     """Bool: whether entries ``(batch, head, rows, cols)`` are kept (int64 index tensors that
     broadcast against each other; ``batch`` counts from the rng tensor's first batch)."""
     rng = rng.to(torch.int64)
-    seed, offset = rng[0], rng[1]
+    seed, offset = rng[0], rng[1] & _MASK32
     if rng.numel() > 2:
         batch = batch + rng[2]
     word = philox(seed, cols, rows, batch * num_heads + head, offset)

@@ -101,7 +101,7 @@ def _dropout_seed(Rng, DROPOUT: tl.constexpr):
     program from the int64 rng tensor ``Rng``; zeros without dropout (nothing is read)."""
     if DROPOUT:
         seed = tl.load(Rng)
-        offset = tl.load(Rng + 1).to(tl.uint32)
+        offset = (tl.load(Rng + 1) & 0xFFFFFFFF).to(tl.uint32)
     else:
         seed = tl.zeros([], dtype=tl.int64)
         offset = tl.zeros([], dtype=tl.uint32)
