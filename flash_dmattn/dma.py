@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .api import flash_dmattn_func
+from .dropout import check_dropout_p
 from .planning.selection import topk_intervals
 from .utils.dynamic import dynamic_mask_bias
 
@@ -45,12 +46,13 @@ def _check_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
         raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
 
 
-def _check_options(keep_window_size, causal, return_attn_probs) -> None:
+def _check_options(keep_window_size, dropout_p, causal, return_attn_probs) -> None:
     # bool is a subclass of int; accepting True as a window of 1 would hide caller bugs.
     if isinstance(keep_window_size, bool) or not isinstance(keep_window_size, int):
         raise TypeError(f"keep_window_size must be an int, got {type(keep_window_size).__name__}")
     if keep_window_size < 1:
         raise ValueError(f"keep_window_size must be >= 1, got {keep_window_size}")
+    check_dropout_p(dropout_p)
     for name, flag in (("causal", causal), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -121,7 +123,7 @@ def flash_dma_attention(
         out = torch.einsum("bhij,bjhd->bihd", p, value.repeat_interleave(g, 2))
     """
     _check_layout(query, key, value)
-    _check_options(keep_window_size, causal, return_attn_probs)
+    _check_options(keep_window_size, dropout_p, causal, return_attn_probs)
     key_len = key.shape[1]
 
     # (B, Hkv, 1, Lk): one bias per key, shared by the queries; dynamic_mask_bias checks that
