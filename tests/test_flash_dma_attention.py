@@ -204,6 +204,10 @@ def test_return_attn_probs(causal):
     assert_close("probs", probs, want, 1e-6 if probs.dtype == torch.float32 else 1e-10)
     assert_close("probs @ v", torch.einsum("bhij,bjhd->bihd", probs.double(), vd.repeat_interleave(g, 2)),
                  ref, 1e-6)
+    # With dropout the probabilities are those before dropout (as flash_dmattn_func's).
+    _, dropped = flash_dma_attention(q, k, v, w, a, keep_window_size=W, causal=causal, dropout_p=0.5,
+                                     return_attn_probs=True)
+    assert torch.equal(dropped, probs)
 
 
 def test_selection_is_key_intervals_with_the_window(monkeypatch):
