@@ -1,0 +1,136 @@
+"""Random calls through every backend: each either declines up front with a reason or answers
+correctly (outputs and gradients against the float64 implementation of tests/naive.py); no
+internal error escapes, and auto-dispatch answers every call.
+
+CPU: torch-reference and flex (forward) on float32, and the Triton kernels under the
+interpreter (slow tier). GPU (marker ``gpu``): cuda, triton and flex on bf16 / fp16 over
+random shapes, head dims, broadcasts, GQA groups, causal, softcap and ``-inf`` biases.
+"""
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from flash_dmattn import flash_dmattn_func, get_available_backends, registry
+from flash_dmattn.inputs import AttentionInputs
+
+from cases import Case, cases
+from interpreter_only import interpreting
+from naive import naive_attention
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def assert_matches(label, got, want, tol, relative):
+    """``relative``: the norm-wise relative error of tests/test_gpu.py (low-precision kernels);
+    else element-wise ``assert_close`` as tests/test_triton_backend.py. A gradient that is 0
+    exactly (a bias broadcast over the keys only shifts each softmax row) has no relative
+    error: its entries must then be within ``tol`` of 0."""
+    got, want = got.double().cpu(), want.double().cpu()
+    assert got.shape == want.shape and not got.isnan().any(), label
+    if not relative:
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=label)
+    elif want.abs().max() < 1e-12:
+        assert got.abs().max() < tol, (label, got.abs().max().item())
+    else:
+        assert rel_err(got, want) < tol, (label, rel_err(got, want))
+
+
+def run_or_decline(name, case, dtype, device, grads, tol, grad_tol, relative=False):
+    """Run ``case`` on backend ``name`` (None: auto-dispatch). Returns ``"declined"`` (with
+    non-empty reasons) or ``"ran"`` after checking the output and, with ``grads``, every
+    gradient against the float64 reference; any other exception fails the test."""
+    q, k, v, mask, bias = case.tensors(dtype=dtype, device=device, requires_grad=grads)
+    args = (q, k, v, mask, bias, case.scale, case.causal, case.softcap)
+    if name is None:
+        out = flash_dmattn_func(*args)
+    else:
+        backend = registry.get_backend(name)
+        inputs = AttentionInputs.from_args(*args)
+        reasons = backend.not_supported_reasons(inputs)
+        if reasons:
+            assert all(isinstance(r, str) and r.strip() for r in reasons), reasons
+            return "declined"
+        out = backend.attention(inputs)
+    leaves = [t for t in (q, k, v, bias) if t is not None]
+    ref_leaves = [t.detach().double().requires_grad_(grads) for t in leaves]
+    rq, rk, rv = ref_leaves[:3]
+    rbias = ref_leaves[3] if bias is not None else None
+    ref, _ = naive_attention(rq, rk, rv, mask, rbias, case.scale, case.causal, case.softcap)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_matches("out", out, ref, tol, relative)
+    if grads:
+        gout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(case.seed),
+                           dtype=torch.float64)
+        got = torch.autograd.grad(out, leaves, gout.to(device=device, dtype=out.dtype))
+        want = torch.autograd.grad(ref, ref_leaves, gout.to(device))
+        for label, a, b in zip(("dq", "dk", "dv", "dbias"), got, want):
+            assert_matches(label, a, b, grad_tol, relative)
+    return "ran"
+
+
+# float32 on CPU: the tolerances of tests/test_triton_backend.py (2e-5, gradients 10x).
+CPU_TOL, CPU_GRAD_TOL = 2e-5, 2e-4
+
+
+@settings(max_examples=15, deadline=None)
+@given(cases(max_len=70, head_dims=(8, 16, 24, 64)))
+def test_cpu_backends_answer_or_decline(case):
+    for name in ("torch-reference", "flex", None):
+        for grads in (False, True):
+            run_or_decline(name, case, torch.float32, "cpu", grads, CPU_TOL, CPU_GRAD_TOL)
+
+
+@pytest.mark.skipif(not interpreting(), reason="the Triton kernels run on CPU only interpreted")
+@settings(max_examples=6, deadline=None)
+@given(cases(max_len=24, head_dims=(16,)))
+def test_interpreted_triton_answers_or_declines(case):
+    if "triton" not in get_available_backends():
+        pytest.skip("triton unavailable here")
+    for grads in (False, True):
+        run_or_decline("triton", case, torch.float32, "cpu", grads, CPU_TOL, CPU_GRAD_TOL)
+
+
+def random_gpu_cases(n, seed):
+    """``n`` random GPU-sized calls: odd lengths up to 300, head dims 32-128, GQA groups 1-4,
+    every mask / bias broadcast, causal, softcap, ``-inf`` biases."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        b, hkv = rng.choice([1, 2]), rng.choice([1, 2])
+        h = hkv * rng.choice([1, 2, 4])
+        lq, lk = rng.randint(1, 300), rng.randint(1, 300)
+
+        def aux():
+            if rng.random() < 0.3:
+                return None
+            return (rng.choice([1, b]), rng.choice(sorted({1, hkv, h})), rng.choice([1, lq]),
+                    rng.choice([1, lk]))
+
+        out.append(Case(b, lq, lk, h, hkv, rng.choice([32, 64, 80, 96, 128]), aux(), aux(),
+                        rng.random() < 0.5, rng.choice([0.0, 0.0, 5.0]),
+                        empty_rows=rng.random() < 0.3, neg_inf_bias=rng.random() < 0.2,
+                        seed=seed * 1000 + i))
+    return out
+
+
+GPU_CASES = random_gpu_cases(24, seed=33)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["cuda", "triton", "flex", None], ids=lambda n: n or "auto")
+def test_gpu_backends_answer_or_decline(name, dtype):
+    if name is not None and name not in get_available_backends():
+        pytest.skip(f"{name} unavailable here")
+    # The tolerances of tests/test_gpu.py: bf16 / fp16 output rounding, gradients 2x.
+    tol = 1.5e-2 if dtype == torch.bfloat16 else 3e-3
+    ran = 0
+    for case in GPU_CASES:
+        for grads in (False, True):
+            ran += run_or_decline(name, case, dtype, "cuda", grads, tol, 2 * tol,
+                                  relative=True) == "ran"
+    assert ran > 0
