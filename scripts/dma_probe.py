@@ -22,6 +22,20 @@ def med(fn, rep=200):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+def host_ms(fn, calls=50):
+    """Host time of one call: the wall time of enqueuing ``calls`` calls back to back, while the
+    device runs behind (a call whose device work is shorter than its host work is host bound)."""
+    import time
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e3 / calls
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("lengths", nargs="*", type=int, default=[16384, 32768])
@@ -59,10 +73,22 @@ def main():
             causal_sel = kind == "causal"
             ki = topk_intervals(bias.detach(), W, is_causal=causal_sel)
             t_sel = med(lambda: topk_intervals(bias.detach(), W, is_causal=causal_sel))
-            from flash_dmattn.backends.triton.intervals import plan_for
-            t_plan = med(lambda: plan_for(q, k, ki.bounds, True, backward=True, window=ki.window))
+            if "cuda" in a.backends.split(","):
+                from flash_dmattn.backends.cuda.intervals import plan_for as cuda_plan
 
-            print(f"  {kind:6s} select {t_sel:.3f} plan {t_plan:.3f}", flush=True)
+                def plan_fn():
+                    return cuda_plan(q, k, bias, ki.bounds, True, backward=True, window=ki.window)
+            else:
+                from flash_dmattn.backends.triton.intervals import plan_for
+
+                def plan_fn():
+                    return plan_for(q, k, ki.bounds, True, backward=True, window=ki.window)
+            t_plan = med(plan_fn)
+
+            h_sel = host_ms(lambda: topk_intervals(bias.detach(), W, is_causal=causal_sel))
+            h_plan = host_ms(plan_fn)
+            print(f"  {kind:6s} select {t_sel:.3f} (host {h_sel:.3f}) plan {t_plan:.3f} "
+                  f"(host {h_plan:.3f})", flush=True)
             for name in a.backends.split(","):
                 call = fd.flash_dmattn_func_auto(backend=name)
 
@@ -70,17 +96,19 @@ def main():
                     return call(q, k, v, attn_mask=ki, attn_bias=bias, is_causal=True)
                 t_f = med(f)
                 t_fb = med(lambda: torch.autograd.grad(f(), (q, k, v, bias), g))
+                h_f = host_ms(f)
+                h_fb = host_ms(lambda: torch.autograd.grad(f(), (q, k, v, bias), g), calls=10)
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
                 torch.autograd.grad(f(), (q, k, v, bias), g)
                 peak = (torch.cuda.max_memory_allocated() - base) / 2**20
                 print(f"    {name:6s} fwd {t_f:.3f} ({t_f / dense_fwd:.3f}x dense, "
                       f"{t_f / sel_fwd:.2f}x sel) | fwd+bwd {t_fb:.3f} ({t_fb / dense_fb:.3f}x "
-                      f"dense, {t_fb / sel_fb:.2f}x sel) | peak extra {peak:.0f} MiB", flush=True)
+                      f"dense, {t_fb / sel_fb:.2f}x sel) | host fwd {h_f:.3f} fwd+bwd {h_fb:.3f} "
+                      f"| peak extra {peak:.0f} MiB", flush=True)
             if a.profile:
                 from torch.profiler import ProfilerActivity, profile
-                for what, fn in (("plan", lambda: plan_for(q, k, ki.bounds, True, backward=True,
-                                                           window=ki.window)),
+                for what, fn in (("plan", plan_fn),
                                  ("select", lambda: topk_intervals(bias.detach(), W,
                                                                    is_causal=causal_sel)),
                                  ("fwd", f),
