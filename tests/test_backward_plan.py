@@ -45,7 +45,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
 def test_handed_over_plan_gives_the_same_gradients(case, monkeypatch):
     name, Lq, Lk, causal, kind, bias_shape, policy = case
-    monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", policy)
+    monkeypatch.setattr("flash_dmattn.planning.gather._FORCED_POLICY", policy)
     g = torch.Generator().manual_seed(1)
     B, H, Hkv, D = 2, 4, 2, 16
     q = torch.randn(B, Lq, H, D, generator=g)
@@ -79,7 +79,7 @@ def test_eager_autograd_hands_the_plan_over_and_the_op_path_still_plans(monkeypa
     """Eager training calls run as _PlannedAttention with the forward's plan; calling the
     registered op directly (what compile and tracing use) plans in the backward instead; both
     give the same values."""
-    monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", "always")
+    monkeypatch.setattr("flash_dmattn.planning.gather._FORCED_POLICY", "always")
     import flash_dmattn.backends.triton.backward as bwd_mod
 
     seen = []
@@ -117,7 +117,7 @@ def test_planned_path_with_retain_graph_and_checkpoint(monkeypatch):
     (the forward re-run inside the backward) give the gradients of a plain call."""
     from torch.utils.checkpoint import checkpoint
 
-    monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", "always")
+    monkeypatch.setattr("flash_dmattn.planning.gather._FORCED_POLICY", "always")
     g = torch.Generator().manual_seed(3)
     B, H, Hkv, L, D = 1, 2, 1, 40, 16
     base = [torch.randn(B, L, h, D, generator=g) for h in (H, Hkv, Hkv)]

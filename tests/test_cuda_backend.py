@@ -219,13 +219,13 @@ def _shared_keys_mask(b, lq, lk, hkv, keep, seed):
 @pytest.mark.parametrize("causal", [False, True])
 def test_cuda_gathered_forward_matches_reference(monkeypatch, shape, bias_kind, mask_kind,
                                                  causal):
-    # FLASH_DMATTN_CUDA_GATHER=always: the forward walks each query tile's gathered key list
+    # Gathering forced: the forward walks each query tile's gathered key list
     # (K/V rows by index, the mask as the list's bits). "topk" masks share few keys between
     # rows (the lists are most keys), "shared" ones many (short lists, partial last step).
     from flash_dmattn.backends.cuda import kernels
 
     _cuda()
-    monkeypatch.setenv("FLASH_DMATTN_CUDA_GATHER", "always")
+    monkeypatch.setattr("flash_dmattn.planning.gather._FORCED_POLICY", "always")
     plans = []
     real_plan = kernels._gather_plan
     monkeypatch.setattr(kernels, "_gather_plan",
@@ -358,7 +358,7 @@ def test_cuda_dkdv_reads_key_bits_like_the_mask(monkeypatch, shape, causal, one_
     with_bits = planned()
     assert len(made) == 1 and made[0].key_bits is not None, "the step did not summarise once"
     assert torch.equal(unplanned()[1], with_bits[1])
-    monkeypatch.setenv(kernels.KEY_BITS_ENV, "0")
+    monkeypatch.setattr(kernels, "_KEY_BITS", False)
     transposed = planned()
     for name, a, b in zip(("dq", "dk", "dv", "dbias"), with_bits, transposed):
         assert torch.equal(a, b), name
@@ -366,13 +366,13 @@ def test_cuda_dkdv_reads_key_bits_like_the_mask(monkeypatch, shape, causal, one_
 
 
 def test_cuda_inference_gather_reads_key_bits_like_the_mask(monkeypatch):
-    # An inference forward's summary carries key bits (KEY_BITS "1") and the gathered
-    # forward's bits are made from them; with "train" they are made from the mask rows:
-    # the same output and lse bit for bit.
+    # An inference forward's summary carries key bits and the gathered forward's bits are
+    # made from them; without them (the test hook) they are made from the mask rows: the
+    # same output and lse bit for bit.
     from flash_dmattn.backends.cuda import kernels
 
     _cuda()
-    monkeypatch.setenv("FLASH_DMATTN_CUDA_GATHER", "always")
+    monkeypatch.setattr("flash_dmattn.planning.gather._FORCED_POLICY", "always")
     q, k, v, _, bias = make_problem(1, 333, 400, 4, 2, 128, torch.bfloat16, None, "per_key")
     mask = _shared_keys_mask(1, 333, 400, 2, keep=70, seed=3)
     made, plans = [], []
@@ -380,17 +380,17 @@ def test_cuda_inference_gather_reads_key_bits_like_the_mask(monkeypatch):
     monkeypatch.setattr(kernels, "_summary", lambda *a, **kw: made.append(real_summary(*a, **kw)) or made[-1])
     monkeypatch.setattr(kernels, "_gather_plan", lambda *a: plans.append(real_plan(*a)) or plans[-1])
     got = {}
-    for mode in ("1", "train"):
-        monkeypatch.setenv(kernels.KEY_BITS_ENV, mode)
+    for bits in (True, False):
+        monkeypatch.setattr(kernels, "_KEY_BITS", bits)
         made.clear()
         plans.clear()
-        got[mode] = kernels.cuda_forward(q, k, v, mask, bias, q.shape[-1] ** -0.5, True, 0.0)
-        assert len(made) == 1 and (made[0].key_bits is not None) == (mode == "1"), mode
+        got[bits] = kernels.cuda_forward(q, k, v, mask, bias, q.shape[-1] ** -0.5, True, 0.0)
+        assert len(made) == 1 and (made[0].key_bits is not None) == bits, bits
         assert plans[0] is not None, "the forward did not gather"
-    assert torch.equal(got["1"][0], got["train"][0]) and torch.equal(got["1"][1], got["train"][1])
+    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
     ref, _ = reference_attention(q.double(), k.double(), v.double(), mask, bias.double(),
                                  q.shape[-1] ** -0.5, True, 0.0)
-    assert rel_err(got["1"][0], ref) < 1.5e-2
+    assert rel_err(got[True][0], ref) < 1.5e-2
 
 
 def test_cuda_reasons_for_what_it_does_not_take():

@@ -142,7 +142,7 @@ def test_triton_gather_mode_dynamic_mask(policy, d, monkeypatch):
     from flash_dmattn.planning.gather import plan_key_gather
     from flash_dmattn.utils.mask import create_mask
 
-    monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", policy)
+    monkeypatch.setattr("flash_dmattn.planning.gather._FORCED_POLICY", policy)
     b, lq, lk, h, hkv = 2, 4093, 4096, 8, 2
     q, k, v, _, bias = make_problem(b, lq, lk, h, hkv, d, torch.bfloat16, None, "per_key", seed=5)
     i = torch.arange(lq, device="cuda")[:, None]
@@ -230,7 +230,6 @@ def _plain_rows_auto(monkeypatch):
     from flash_dmattn.backends.triton import forward as fwd_mod
     from flash_dmattn.planning import plain_rows
 
-    monkeypatch.setenv(plain_rows.PLAIN_ROWS_ENV, "auto")
     monkeypatch.setattr(plain_rows, "_MEMO", type(plain_rows._MEMO)())
     monkeypatch.setattr(plain_rows, "SAMPLE_EVERY", 1)
     monkeypatch.setattr(plain_rows, "MIN_WAVES", 0)  # small enough to run quickly

@@ -134,11 +134,9 @@ def test_build_tile_lists_uses_the_planner_for_forward_lists():
     assert torch.equal(t.fwd_cnt, both.fwd_cnt)
 
 
-@pytest.mark.parametrize("mode", ["on", "off"])
 @pytest.mark.parametrize("spec", ["BK1L", "B11L", "1H1L"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_mixed_tiles_forward_and_backward(spec, causal, mode, monkeypatch):
-    monkeypatch.setenv(fwd_mod.MASK_BITS_ENV, mode)
+def test_mixed_tiles_forward_and_backward(spec, causal):
     # Dead, full and partial tiles in one call, GQA, Lq != Lk, a -inf bias entry.
     B, H, Hkv, Lq, Lk, D = 2, 4, 2, 45, 83, 16
     dims = {"B": B, "H": H, "K": Hkv, "1": 1}
@@ -160,12 +158,6 @@ def test_forward_masks_partial_tiles_from_the_bits():
     out, lse = attention_forward(q, k, v, torch.ones_like(a), None, 1 / math.sqrt(D), True, 0.0,
                                  tiles=tiles)
     _assert_causal_forward(out, lse, q, k, v, a)
-
-
-def test_unknown_mask_bits_mode_is_an_error(monkeypatch):
-    monkeypatch.setenv(fwd_mod.MASK_BITS_ENV, "fast")
-    with pytest.raises(ValueError, match="MASK_BITS"):
-        fwd_mod.mask_bits_mode()
 
 
 # --- Uncut rows without the mask (plain_rows) ----------------------------------------------
@@ -200,7 +192,7 @@ def test_plain_rows_split_is_exact(causal, monkeypatch):
     # Every row without the mask, cut rows given no tile, then the net over the cut rows:
     # outputs and gradients as the reference (poisoned outputs; a cut row the net missed
     # keeps the zeros of the first kernel).
-    monkeypatch.setenv(plain_rows.PLAIN_ROWS_ENV, "always")
+    monkeypatch.setattr(plain_rows, "_FORCED", True)
     guards = _spy_row_guards(monkeypatch)
     B, H, Hkv, Lq, Lk, D = 2, 4, 2, 70, 90, 16
     mask = _mixed_cut_mask((B, Hkv, 1), Lk, torch.Generator().manual_seed(11))
@@ -216,7 +208,6 @@ def test_plain_rows_split_is_exact(causal, monkeypatch):
 def test_plain_rows_follow_the_previous_alike_call(monkeypatch):
     # auto: split only when the previous call of the same shapes had no cut row -- and exact
     # when the mask changed since and now cuts some rows.
-    monkeypatch.setenv(plain_rows.PLAIN_ROWS_ENV, "auto")
     monkeypatch.setattr(plain_rows, "_MEMO", type(plain_rows._MEMO)())
     monkeypatch.setattr(plain_rows, "SAMPLE_EVERY", 1)
     guards = _spy_row_guards(monkeypatch)
@@ -232,12 +223,6 @@ def test_plain_rows_follow_the_previous_alike_call(monkeypatch):
         out, lse = attention_forward(q, k, v, mask, None, 1 / math.sqrt(D), True, 0.0)
         assert guards == want
         _assert_causal_forward(out, lse, q, k, v, mask)
-
-
-def test_unknown_plain_rows_mode_is_an_error(monkeypatch):
-    monkeypatch.setenv(plain_rows.PLAIN_ROWS_ENV, "sometimes")
-    with pytest.raises(ValueError, match="PLAIN_ROWS"):
-        plain_rows.plain_rows_mode()
 
 
 def test_lagged_verdict_samples_the_flag_every_few_calls(monkeypatch):

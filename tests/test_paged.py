@@ -281,18 +281,18 @@ def test_decode_paged_splits_and_tiles_spanning_pages(poison, monkeypatch, num_s
 
 
 @needs_interpreter
-@pytest.mark.parametrize("block_n,per_tile", [(16, True), (16, False), (64, True), (64, False)])
-def test_decode_paged_invalid_ids_past_used_length(poison, monkeypatch, block_n, per_tile):
+@pytest.mark.parametrize("block_n,page", [(16, 32), (64, 32), (64, 48)])
+def test_decode_paged_invalid_ids_past_used_length(poison, monkeypatch, block_n, page):
     # Table entries past each batch's used length hold ids no page has (-1, 10**6), as a
     # server's unallocated slots may: the kernel reads them (page ids load for every in-bounds
     # key, mask or not) but clamps them and never loads those keys' K/V, so the result equals
     # the reference on the used keys. Page ids per tile (16-key tiles on 32-key pages: one;
-    # 64-key tiles: two) or per key (forced).
+    # 64-key tiles: two) or per key (48-key pages and 64-key tiles do not nest).
     from flash_dmattn.backends.triton import decode as decode_mod
 
+    assert decode_mod.tile_pages(page, block_n) == {(16, 32): 1, (64, 32): 2, (64, 48): 0}[block_n, page]
     monkeypatch.setattr(decode_mod, "INTERPRET_BLOCK_N", block_n)
-    monkeypatch.setattr(decode_mod, "PAGE_ID_PER_TILE", per_tile)
-    B, Lq, H, Hkv, page, P, D = 3, 1, 4, 2, 32, 4, 16
+    B, Lq, H, Hkv, P, D = 3, 1, 4, 2, 4, 16
     q, k, v = make(B, Lq, H, Hkv, P * page, D)
     mask, bias = make_aux("per_key", B, Lq, H, Hkv, P * page)
     k_pool, v_pool, table = to_pages(k, v, page)

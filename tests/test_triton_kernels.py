@@ -361,12 +361,12 @@ def gather_always(monkeypatch):
                        (1 << 30) if dtype == torch.int32 else -1)
 
     monkeypatch.setattr(gather, "_empty", poisoned)
-    monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", "always")
+    monkeypatch.setattr("flash_dmattn.planning.gather._FORCED_POLICY", "always")
 
 
 @pytest.fixture
 def gather_auto_poisoned(gather_always, monkeypatch):
-    monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", "auto")
+    monkeypatch.setattr("flash_dmattn.planning.gather._FORCED_POLICY", None)
 
 
 # (B, H, Hkv, Lq, Lk, mask heads, causal, bias spec or None)
@@ -546,14 +546,11 @@ def test_gather_mode_through_public_api(gather_always):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
 
 
-def test_gather_policy_defaults_and_env(monkeypatch):
+def test_gather_policy_defaults_and_test_hook(monkeypatch):
+    from flash_dmattn.planning import gather
     from flash_dmattn.planning.gather import DEFAULT_POLICY, gather_policy
 
-    monkeypatch.delenv("FLASH_DMATTN_TRITON_GATHER", raising=False)
     assert gather_policy("forward") == DEFAULT_POLICY["forward"] == "auto"
     assert gather_policy("dq") == DEFAULT_POLICY["dq"] == "auto"
-    monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", "Always")
+    monkeypatch.setattr(gather, "_FORCED_POLICY", "always")
     assert gather_policy("forward") == gather_policy("dq") == "always"
-    monkeypatch.setenv("FLASH_DMATTN_TRITON_GATHER", "sometimes")
-    with pytest.raises(ValueError, match="FLASH_DMATTN_TRITON_GATHER"):
-        gather_policy("dq")

@@ -41,7 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..envs import env_choice
 from ..block_map import block_reduce
 from ..intmath import cdiv
 from .mask_summary import MaskSummary
@@ -52,17 +51,21 @@ from .mask_summary import MaskSummary
 GATHER_MAX_RATIO = (3, 4)
 _POLICIES = ("auto", "always", "never")
 
-# Default policy per kernel. On the H200 run of 2026-11-22 (B1 H16/Hkv4 L8192 D128, top-2048
-# per query, causal) the gathered forward kernel took 0.795 ms against 1.365 ms for tile
-# skipping; what had kept the forward on "never" since 2026-11-21 (3.09 vs 2.25 ms) was the
-# torch-built plan (sort + gather, 0.72 ms), now one compact-and-gather kernel.
+# Default policy per kernel: both gather when it saves work. The gathered forward kernel is
+# the faster of the two on per-query top-k masks once its plan is one compact-and-gather
+# kernel rather than a torch sort + gather (benchmarks/results/<gpu>/SUMMARY.md, the dynamic
+# suite).
 DEFAULT_POLICY = {"forward": "auto", "dq": "auto"}
+
+# Private test hook: "always" (gather whenever the inputs allow it, to reach the gathered
+# kernels on small inputs) or "never" replaces every kernel's default; None keeps them.
+_FORCED_POLICY: Optional[str] = None
 
 
 def gather_policy(kernel: str = "forward") -> str:
-    """``FLASH_DMATTN_TRITON_GATHER``: ``auto`` (gather when it saves work), ``always`` (when
-    the inputs allow it; for tests) or ``never``; unset: :data:`DEFAULT_POLICY` of ``kernel``."""
-    return env_choice("FLASH_DMATTN_TRITON_GATHER", _POLICIES, DEFAULT_POLICY[kernel])
+    """``auto`` (gather when it saves work, see :data:`GATHER_MAX_RATIO`), ``always`` or
+    ``never``: :data:`DEFAULT_POLICY` of ``kernel`` (``forward`` or ``dq``)."""
+    return _FORCED_POLICY or DEFAULT_POLICY[kernel]
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@
 A per-key mask's list row (one query tile of one batch and mask head) is *uncut* when the
 mask hides no key of any tile it lists: its partial tiles are partial only by causality or
 a ragged end, so the forward needs no mask there at all. A kernel that never reads the
-mask's bits runs such rows about 4 % faster than the one that reads them beside every entry
-(T3 on an H200: 1.094 against 1.143 ms, ``plain-rows-probe-2026-11-22k-counts.log``), and a
-block-sparse mask whose blocks align with the key tiles leaves every row uncut.
+mask's bits runs such rows a few percent faster than the one that reads them beside every
+entry (the block-sparse suite, benchmarks/results/<gpu>/SUMMARY.md), and a block-sparse mask
+whose blocks align with the key tiles leaves every row uncut.
 
 Which rows are uncut is known on the device only (the planner counts each row's cut tiles
 in ``TileLists.fwd_cut``); the host does not wait for it. So the forward launches either
@@ -15,17 +15,17 @@ in ``TileLists.fwd_cut``); the host does not wait for it. So the forward launche
   store zeros), then a net that runs the cut rows again with the bits (``CUT_ROWS``, a grid
   of about one wave that checks the cut counts with a vector load and does nothing when
   there are none). A guard in the first kernel instead (a load deciding whether the row
-  runs) cost 2.5 % of T3; the counts cost nothing there: the kernel loads a count anyway.
+  runs) costs a measurable share of the block-sparse forward; the counts cost nothing there:
+  the kernel loads a count anyway.
 
 Both compute the same attention. Under ``auto`` the second is chosen when no alike call
 (same device, mask shape, lengths, causality, blocks) sampled since the last look had a cut
 row. The planner raises a device flag when a row is cut; every ``SAMPLE_EVERY``-th call
 copies the flag to pinned host memory behind an event and clears it, and a later call reads
 the copy once the event has passed -- nothing waits, and the host cost (two small copies and
-an event, ~30 us) is paid once per sample. Calls of fewer than ``MIN_WAVES`` waves of
-programs never split: their time is mostly the host's, and the split adds a launch.
-``FLASH_DMATTN_TRITON_PLAIN_ROWS`` = ``never`` / ``always`` forces one way (A/B timing,
-tests).
+an event, tens of microseconds) is paid once per sample. Calls of fewer than ``MIN_WAVES``
+waves of programs never split: their time is mostly the host's, and the split adds a launch.
+Tests force one way with the private hook ``_FORCED``.
 """
 from __future__ import annotations
 
@@ -34,18 +34,13 @@ from typing import Optional
 
 import torch
 
-from ..envs import env_choice
 from .decode import sm_count
 
-PLAIN_ROWS_ENV = "FLASH_DMATTN_TRITON_PLAIN_ROWS"
-_MODES = ("auto", "never", "always")
+# Private test hook: True always launches the two kernels, False always the one; None (the
+# library's behaviour) decides per call as described above.
+_FORCED: Optional[bool] = None
 SAMPLE_EVERY = 8   # calls per look at the planner's flag (tests set 1)
 MIN_WAVES = 4      # programs per SM below which a call never splits (tests set 0)
-
-
-def plain_rows_mode() -> str:
-    """``auto`` (default), ``never`` or ``always`` (see ``PLAIN_ROWS_ENV``)."""
-    return env_choice(PLAIN_ROWS_ENV, _MODES, "auto")
 
 
 class PlainRows:
@@ -71,11 +66,10 @@ class PlainRows:
 
 def plan_plain_rows(key: Optional[tuple], device: torch.device, n_programs: int) -> PlainRows:
     """The decision object of a call with per-key lists and mask bits; ``key`` says which
-    calls are alike (None: lists planned by the caller, no flag to read -- ``auto`` keeps
-    one kernel), ``n_programs`` is the forward's grid size."""
-    mode = plain_rows_mode()
-    if mode != "auto" or key is None:
-        return PlainRows(mode == "always")
+    calls are alike (None: lists planned by the caller, no flag to read: one
+    kernel), ``n_programs`` is the forward's grid size."""
+    if _FORCED is not None or key is None:
+        return PlainRows(bool(_FORCED))
     if device.type == "cuda" and n_programs < MIN_WAVES * sm_count(device):
         return PlainRows(False)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -11,12 +11,10 @@ matrix products and full tiles no element checks.
 from __future__ import annotations
 
 import math
-import os
 from typing import List, Optional, Tuple
 
 import torch
 
-from ...envs import env_choice
 from .extension import kernel_module, reduce_key_partials, vector_ready
 from .spec import DTYPES, HEAD_DIM_BUCKETS
 
@@ -83,10 +81,16 @@ def _backward_summary_blocks(mod) -> Tuple[int, int]:
     return rows, keys
 
 
+# Private test hook: False keeps key bits out of every summary, so that the paths they
+# replace (dK/dV transposing mask tiles, gathered bits from the mask rows) can be compared
+# with them on the same inputs.
+_KEY_BITS = True
+
+
 def _wants_key_bits(mod) -> bool:
     """Whether a training step's summary should carry key bits: the module's dK/dV reads them
-    and ``$FLASH_DMATTN_CUDA_KEY_BITS`` allows them."""
-    return mod.bwd_key_bits() and key_bits_allowed()
+    (instead of transposing each step's mask tile)."""
+    return mod.bwd_key_bits() and _KEY_BITS
 
 
 def _summary_serves(summary, mod) -> bool:
@@ -111,31 +115,20 @@ def _lists(mask, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n, device,
                             need_fwd=True, need_bwd=need_bwd, summary=summary)
 
 
-# FLASH_DMATTN_CUDA_GATHER=auto (default) | always | never: whether the forward walks gathered
-# key lists (the union of each query tile's live keys, see planning/gather.py) instead
-# of key tiles. "auto" gathers when that visits at most 3/4 of the live tiles; "always" when
-# the inputs allow it (tests).
-GATHER_ENV = "FLASH_DMATTN_CUDA_GATHER"
-
-
-def cuda_gather_policy() -> str:
-    """``$FLASH_DMATTN_CUDA_GATHER`` (``auto`` when unset), validated."""
-    return env_choice(GATHER_ENV, ("auto", "always", "never"), "auto")
-
-
 def _gather_plan(mod, mask, bias, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n,
                  summary):
-    """Gathered key lists for the forward, or None (tile lists instead): the module must have
-    the gathered forward and a bias must be per key (gathered with the keys)."""
-    policy = cuda_gather_policy()
-    if policy == "never" or mask is None or not mod.fwd_gathers():
+    """Gathered key lists for the forward (the union of each query tile's live keys, see
+    planning/gather.py), or None (key tiles instead): the module must have the gathered
+    forward, a bias must be per key (gathered with the keys), and the planner's policy must
+    find that gathering saves work (:func:`~flash_dmattn.planning.gather.gather_policy`)."""
+    if mask is None or not mod.fwd_gathers():
         return None
     if bias is not None and not (bias.size(2) == 1 and bias.size(3) == seqlen_k):
         return None
     from ...planning.gather import plan_key_gather
 
     gather = plan_key_gather(mask, bias, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n,
-                             policy=policy, summary=summary, lagged=True)
+                             summary=summary, lagged=True)
     if gather is None or (bias is not None and gather.gbias is None):
         return None
     return gather
@@ -227,16 +220,16 @@ def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap, for_backward=
     mask, bias = _read_ready(mask, bias, Lq, Lk)
     if for_backward:
         # The key bits the dK/dV kernel reads; the gathered forward's bits are then made from
-        # them too (T2, H200: 0.12 ms against 0.17 from the mask rows).
+        # them too, faster than from the mask rows.
         rows, keys = _backward_summary_blocks(mod)
         summary = _summary(mask, Lq, Lk, is_causal, rows, keys, key_bits=_wants_key_bits(mod))
     else:
         # Key bits only serve the gathered forward's bits here (so only modules that gather
-        # write them), and pay: T2 on an H200, the summary 0.051 ms with them against 0.044
-        # without, the gathered bits from them 0.120 against 0.166 from the mask rows
-        # (summary-time-2026-11-23c-rows.log).
+        # write them), and pay: the summary pass writing them costs less than what making the
+        # gathered bits from them instead of the mask rows saves (the dynamic suite,
+        # benchmarks/results/<gpu>/SUMMARY.md).
         summary = _summary(mask, Lq, Lk, is_causal, block_m, block_n,
-                           key_bits=mod.fwd_gathers() and key_bits_allowed(training=False))
+                           key_bits=mod.fwd_gathers() and _KEY_BITS)
     gather = _gather_plan(mod, mask, bias, Lq, Lk, H, is_causal, block_m, block_n, summary)
     if gather is not None:
         out, lse = mod.fwd_gathered(q, k, v, None, float(scale), bool(is_causal), float(softcap),
@@ -323,9 +316,6 @@ def _gather_args(gather, heads: int) -> tuple:
 # Decoding (split-KV)
 # ---------------------------------------------------------------------------------------------
 
-# FLASH_DMATTN_CUDA_DECODE=auto (default) | never: "never" keeps the forward kernel for every
-# call it can run (benchmarks compare the two this way).
-DECODE_ENV = "FLASH_DMATTN_CUDA_DECODE"
 # Tests flip this: the extension fills out, lse and the split partials with NaN before the
 # kernels run, so anything they leave unwritten shows.
 DEBUG_POISON = False
@@ -341,11 +331,7 @@ def use_cuda_decode(seqlen_q: int, num_heads: int, num_kv_heads: int, seqlen_k: 
 
     if seqlen_q == 0 or decode_rows(seqlen_q, num_heads, num_kv_heads) > DECODE_MAX_ROWS:
         return False
-    if has_cache_seqlens:
-        return True
-    if os.environ.get(DECODE_ENV, "auto").strip().lower() == "never":
-        return False
-    return seqlen_k >= DECODE_MIN_SEQLEN_K
+    return has_cache_seqlens or seqlen_k >= DECODE_MIN_SEQLEN_K
 
 
 def cuda_decode_splits(batch: int, num_kv_heads: int, seqlen_k: int, head_dim: int,
@@ -392,39 +378,6 @@ def cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_se
                             bool(is_causal), float(softcap), int(num_splits), DEBUG_POISON))
 
 
-FUSED_DQ_ENV = "FLASH_DMATTN_CUDA_FUSED_DQ"
-# FLASH_DMATTN_CUDA_GATHER_DQ=0: the backward's dQ walks key tiles even where the forward
-# gathered keys (A/B timing, debugging).
-GATHER_DQ_ENV = "FLASH_DMATTN_CUDA_GATHER_DQ"
-KEY_BITS_ENV = "FLASH_DMATTN_CUDA_KEY_BITS"
-
-
-_ON_OFF = ("1", "0")
-# Where summaries carry key bits: "1" every per-query-mask forward (the gathered forward's
-# bits are made from them), "train" only training forwards (for the dK/dV kernel), "0" none.
-KEY_BITS_MODES = ("1", "train", "0")
-DEFAULT_KEY_BITS = "1"
-
-
-def gathered_dq_allowed() -> bool:
-    """Whether the backward may run the gathered dQ kernel (``$FLASH_DMATTN_CUDA_GATHER_DQ``)."""
-    return env_choice(GATHER_DQ_ENV, _ON_OFF, "1") == "1"
-
-
-def key_bits_allowed(training: bool = True) -> bool:
-    """Whether the planner writes key bits in the mask summary's pass (for the gathered
-    forward's bits and the dK/dV kernel, which otherwise transposes mask tiles):
-    ``$FLASH_DMATTN_CUDA_KEY_BITS`` (:data:`KEY_BITS_MODES`; A/B timing)."""
-    mode = env_choice(KEY_BITS_ENV, KEY_BITS_MODES, DEFAULT_KEY_BITS)
-    return mode == "1" or (mode == "train" and training)
-
-
-def fused_dq_allowed() -> bool:
-    """Whether a non-deterministic backward may use the fused (atomic) dQ; the environment
-    variable ``FLASH_DMATTN_CUDA_FUSED_DQ=0`` turns it off (A/B timing, debugging)."""
-    return env_choice(FUSED_DQ_ENV, _ON_OFF, "1") == "1"
-
-
 def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
                   needs, cache_seqlens=None, plan: Optional[CudaPlan] = None,
                   key_intervals=None, key_window=None):
@@ -438,8 +391,8 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     ``deterministic=False`` lets the Hopper backward compute dQ inside the dK/dV kernel, adding
     each key tile's ``dS K`` into an fp32 accumulator with atomics (one kernel and 5 products
     per tile instead of 7 across two; the summation order, hence the last bits, vary between
-    runs). ``deterministic=True`` (or ``FLASH_DMATTN_CUDA_FUSED_DQ=0``) keeps the separate dQ
-    kernel, which uses no atomics: bitwise-identical gradients across runs."""
+    runs). ``deterministic=True`` keeps the separate dQ kernel, which uses no atomics:
+    bitwise-identical gradients across runs."""
     if key_intervals is not None:
         from .intervals import DenseEquivalent, interval_backward, plan_for
 
@@ -480,7 +433,7 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
         rows, keys = _backward_summary_blocks(mod)
         summary = _summary(mask, Lq, Lk, is_causal, rows, keys, key_bits=_wants_key_bits(mod))
     gather = None
-    if need_dq and mode != 1 and mod.bwd_gathers() and gathered_dq_allowed():
+    if need_dq and mode != 1 and mod.bwd_gathers():
         if plan is not None:
             gather = plan.gather
         else:
@@ -496,14 +449,14 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     if lists is not None:
         args = (lists.fwd_idx, lists.fwd_cnt, lists.bwd_idx, lists.bwd_cnt, lists.head_div)
     gargs = _gather_args(gather, H) if gather is not None else (None, None, 1, None, 1, None, 1)
-    # Summaries carry key bits only where _wants_key_bits (a plan made with them switched off
-    # by the environment since would not serve, see _summary_serves).
+    # Summaries carry key bits only where _wants_key_bits (a plan made under the test hook
+    # _KEY_BITS would not serve, see _summary_serves).
     key_bits = summary.key_bits if summary is not None and _wants_key_bits(mod) else None
     kargs = (key_bits, H // key_bits.size(1) if key_bits is not None else 1)
     dq, dk, dv, db = mod.bwd(dout, q, k, v, mask, bias, out, lse.contiguous(), float(scale),
                              bool(is_causal), float(softcap), bool(need_dq),
                              bool(need_dk or need_dv), int(mode), *args,
-                             bool(not deterministic and fused_dq_allowed()), None, None, None, 0, 0,
+                             bool(not deterministic), None, None, None, 0, 0,
                              *gargs, *kargs)
     dbias = None
     if mode == 1:

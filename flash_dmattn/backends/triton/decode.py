@@ -35,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ...envs import env_choice
 from ...intmath import cdiv, next_power_of_2
 from ...planning.decode import (
     DECODE_MAX_ROWS,
@@ -58,9 +57,6 @@ from .common import (
 
 # Split boundaries are multiples of this, so every BLOCK_N (decode_config) tiles a split exactly.
 SPLIT_ALIGN = 128
-# Paged K/V whose pages and key tiles nest load only the tile's page ids (False: one per key,
-# the layout-independent path; for A/B runs).
-PAGE_ID_PER_TILE = True
 # Key tile under the CPU interpreter (small, so tiny test shapes have several tiles; tests raise
 # it to make tiles span several 16-key pages).
 INTERPRET_BLOCK_N = 16
@@ -77,32 +73,16 @@ def tile_pages(page_size: int, block_n: int) -> int:
     return block_n // page_size if block_n % page_size == 0 else 0
 
 
-# Validated and timed on an H200 (benchmarks/results/nvidia-h200/bench-2026-11-21c-decode.log:
-# rel err 2e-3 against the fp32 reference at Lk 128K/512K, contiguous, paged and part-filled
-# caches; 0.507 ms at Lk 512K against the main kernel's 9.0 ms and cuDNN's 0.490 ms), so
-# every eligible short-query call on a GPU takes it.
-DECODE_VERIFIED_ON_GPU = True
-# FLASH_DMATTN_TRITON_DECODE=auto (default) | always | never: "always" routes every eligible
-# short-query call through this kernel (benchmarks compare it with the main kernel this way);
-# "never" keeps the main kernel except where only this kernel can run (cache_seqlens).
-DECODE_ENV = "FLASH_DMATTN_TRITON_DECODE"
-
-
-def _decode_policy() -> str:
-    return env_choice(DECODE_ENV, ("auto", "always", "never"), "auto")
-
-
 def use_decode_kernel(seqlen_q: int, num_heads: int, num_kv_heads: int, seqlen_k: int,
                       has_cache_seqlens: bool) -> bool:
-    """Whether the triton forward runs this kernel rather than the main one."""
+    """Whether the triton forward runs this kernel rather than the main one: every short-query
+    call (few rows per kv head) over a long key range, where splitting the keys fills the GPU
+    that the main kernel's few query tiles leave idle (the decode suite of
+    benchmarks/results/<gpu>/SUMMARY.md), and every call with a KV cache's used lengths, which
+    only this kernel honours."""
     if seqlen_q == 0 or decode_rows(seqlen_q, num_heads, num_kv_heads) > DECODE_MAX_ROWS:
         return False
-    if has_cache_seqlens:
-        return True
-    policy = _decode_policy()
-    if policy != "auto":
-        return policy == "always"
-    return seqlen_k >= DECODE_MIN_SEQLEN_K and (DECODE_VERIFIED_ON_GPU or interpret_mode())
+    return has_cache_seqlens or seqlen_k >= DECODE_MIN_SEQLEN_K
 
 
 # ------------------------------------------------------------------------------------------
@@ -589,7 +569,7 @@ def decode_forward(
         HAS_BIAS=bias is not None, BIAS_ROWB=row_invariant(bias),
         IS_CAUSAL=bool(is_causal), HAS_SOFTCAP=has_softcap, HAS_CACHE=cache_seqlens is not None,
         DOT_UPCAST=dot_upcast(q.dtype), PAGE_SIZE=page_size,
-        TILE_PAGES=tile_pages(page_size, block_n) if PAGE_ID_PER_TILE else 0,
+        TILE_PAGES=tile_pages(page_size, block_n),
         SINGLE_SPLIT=single,
     )
     grid = (num_splits, B, Hkv)

@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ...envs import env_choice
 from ...intmath import cdiv
 from ...planning.gather import KeyGather, gather_policy, plan_key_gather
 from ...planning.key_mask_lists import per_key_eligible
@@ -375,17 +374,6 @@ _FWD_KEY = ["HEAD_DIM", "IS_CAUSAL", "HAS_MASK", "HAS_BIAS", "HAS_SOFTCAP", "USE
             "GATHER", "VARLEN", "MASK_BITS", "CUT_ROWS", "DROPOUT", "lq_bucket", "lk_bucket"]
 
 
-# How the forward masks a per-key mask's partial tiles (FLASH_DMATTN_TRITON_MASK_BITS):
-# "on" (default) -- from the tile's bits that the planner writes beside the list; "off" --
-# from the mask row itself, a predicated vector load in every step (for A/B timing).
-MASK_BITS_ENV = "FLASH_DMATTN_TRITON_MASK_BITS"
-
-
-def mask_bits_mode() -> str:
-    """The per-key mask mode of the forward, ``"on"`` or ``"off"`` (see ``MASK_BITS_ENV``)."""
-    return env_choice(MASK_BITS_ENV, ("on", "off"), "on")
-
-
 def _fwd_configs():
     return [triton.Config({}, num_warps=w, num_stages=s)
             for w, s in ((8, 2), (8, 3), (8, 4), (4, 2), (4, 3))]
@@ -461,7 +449,6 @@ def attention_forward(
         return (out, lse, None) if keep_plan else (out, lse)
 
     block_m, block_n = fwd_blocks(D)
-    use_bits = mask_bits_mode() == "on"
     mask, mask_pad = aligned_rows(mask, Lq, Lk)
     bias_in = bias
     bias, bias_pad = aligned_rows(bias, Lq, Lk)  # read only: the forward has no dbias
@@ -480,13 +467,13 @@ def attention_forward(
         gather = plan_key_gather(mask, bias, Lq, Lk, H, is_causal, block_m, block_n,
                                  summary=summary, lagged=True)
         if gather is None:
-            if use_bits and mask is not None and per_key_eligible(mask, block_n):
+            if mask is not None and per_key_eligible(mask, block_n):
                 plain = plan_plain_rows(
                     (device, tuple(mask.shape), Lq, Lk, bool(is_causal), block_m, block_n),
                     device, cdiv(Lq, block_m) * B * H)
             tiles = build_tile_lists(mask, Lq, Lk, H, is_causal, block_m, block_n, device,
                                      need_fwd=True, need_bwd=False, summary=summary,
-                                     with_bits=use_bits,
+                                     with_bits=True,
                                      cut_flag=plain.cut_flag if plain is not None else None)
     use_list = tiles is not None or gather is not None
     if gather is not None:
@@ -500,7 +487,9 @@ def attention_forward(
         lst = (0, 0, 0, 0, 0, 0)
         list_hdiv = 1
 
-    mask_bits = tiles.fwd_bits if use_bits and tiles is not None and mask is not None else None
+    # A per-key mask's partial tiles are masked from the bits the planner wrote beside the
+    # list (one word a tile) rather than from the mask row, a predicated load every step.
+    mask_bits = tiles.fwd_bits if tiles is not None and mask is not None else None
     cut = tiles.fwd_cut if mask_bits is not None else None
     if gather is not None:
         mask_arg, ms = gather.gbits, gather.mask_strides(H)
