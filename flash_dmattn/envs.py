@@ -1,19 +1,76 @@
-"""Validated choices read from environment variables (the backends' experiment switches)."""
+"""Every environment variable the library reads, in one place.
+
+Each is read when it matters (per call, or per build for the kernel cache), never cached at
+import, so a test or a user can change it at run time. The library has no other hidden
+configuration: tuning choices that measurements settled are constants next to the code they
+steer, with the reason in a comment.
+
+For users (documented in README.md, "Configuration"):
+
+========================== ================================================================
+``FLASH_DMATTN_BACKEND``   a backend name: auto-dispatched calls use it (and fail, not fall
+                           back, where it cannot run the inputs)
+``FLASH_DMATTN_DISABLE``   comma list of backend names that neither auto-dispatch nor an
+                           explicit request may use
+``FLASH_DMATTN_CACHE_DIR`` where the cuda backend keeps its compiled kernels (default
+                           ``$XDG_CACHE_HOME/flash_dmattn`` or ``~/.cache/flash_dmattn``)
+``FLASH_DMATTN_HF_VARLEN`` ``auto`` / ``always`` / ``never``: whether the Hugging Face
+                           integration runs padded batches as packed sequences
+``FLASH_DMATTN_TRITON_AUTOTUNE`` ``0``: the Triton kernels take their first fitting config
+                           instead of autotuning (a quicker first call, possibly slower ones)
+``TRITON_INTERPRET``       ``1``: Triton's CPU interpreter (Triton's own variable; the
+                           triton backend then runs on CPU tensors, slowly)
+========================== ================================================================
+
+At install time, ``setup.py`` reads ``FLASH_DMATTN_PREBUILD`` (``all`` or a comma list of
+cuda kernel specs to compile into the wheel; see setup.py). For kernel development,
+``FLASH_DMATTN_CUDA_FLAGS`` adds nvcc flags to every cuda kernel build (part of the cache key;
+see docs/architecture.md).
+"""
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from pathlib import Path
+from typing import List, Optional, Set
+
+BACKEND = "FLASH_DMATTN_BACKEND"
+DISABLE = "FLASH_DMATTN_DISABLE"
+CACHE_DIR = "FLASH_DMATTN_CACHE_DIR"
+HF_VARLEN = "FLASH_DMATTN_HF_VARLEN"
+TRITON_AUTOTUNE = "FLASH_DMATTN_TRITON_AUTOTUNE"
+CUDA_FLAGS = "FLASH_DMATTN_CUDA_FLAGS"
 
 
-def env_choice(name: str, choices: Sequence[str], default: str) -> str:
-    """``$name`` lower-cased, ``default`` when unset or blank; ValueError unless in ``choices``.
+def forced_backend() -> Optional[str]:
+    """``$FLASH_DMATTN_BACKEND`` stripped, or None when unset or blank."""
+    return os.environ.get(BACKEND, "").strip() or None
 
-    Plain-Python equivalent: ``os.environ.get(name, "").strip().lower() or default``, checked.
-    """
-    value = os.environ.get(name, "").strip().lower() or default
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
-    return value
+
+def disabled_backends() -> Set[str]:
+    """The names in ``$FLASH_DMATTN_DISABLE`` (comma separated, blanks ignored)."""
+    return {n.strip() for n in os.environ.get(DISABLE, "").split(",") if n.strip()}
+
+
+def cache_dir() -> Optional[Path]:
+    """``$FLASH_DMATTN_CACHE_DIR`` (``~`` expanded), or None when unset or empty."""
+    raw = os.environ.get(CACHE_DIR)
+    return Path(raw).expanduser() if raw else None
+
+
+def hf_varlen_mode() -> Optional[str]:
+    """``$FLASH_DMATTN_HF_VARLEN`` stripped, or None when unset or blank (the integration
+    validates the value)."""
+    return os.environ.get(HF_VARLEN, "").strip() or None
+
+
+def triton_autotune() -> bool:
+    """False when ``$FLASH_DMATTN_TRITON_AUTOTUNE`` is ``0``: launch the first fitting config."""
+    return os.environ.get(TRITON_AUTOTUNE, "1").strip() != "0"
+
+
+def cuda_extra_flags() -> List[str]:
+    """``$FLASH_DMATTN_CUDA_FLAGS`` split on whitespace (extra nvcc flags, kernel development)."""
+    return os.environ.get(CUDA_FLAGS, "").split()
 
 
 def interpret_mode() -> bool:

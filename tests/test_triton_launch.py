@@ -4,6 +4,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+from flash_dmattn import envs  # noqa: E402
 from flash_dmattn.backends.triton import common as launch_mod  # noqa: E402
 
 
@@ -37,9 +38,9 @@ class _Tuned(_Kernel):
 def test_launch_tuned_modes(monkeypatch, mode):
     monkeypatch.setattr(launch_mod, "interpret_mode", lambda: mode == "interpret")
     if mode == "fixed":
-        monkeypatch.setenv(launch_mod.AUTOTUNE_ENV, "0")
+        monkeypatch.setenv(envs.TRITON_AUTOTUNE, "0")
     else:
-        monkeypatch.delenv(launch_mod.AUTOTUNE_ENV, raising=False)
+        monkeypatch.delenv(envs.TRITON_AUTOTUNE, raising=False)
     kernel, tuned = _Kernel(), _Tuned()
     launch_mod.launch_tuned(kernel, tuned, (3,), ("x", 5), {"BLOCK": 16})
     if mode == "autotune":
@@ -59,7 +60,7 @@ def test_fixed_launch_skips_configs_that_do_not_fit(monkeypatch):
     import triton
 
     monkeypatch.setattr(launch_mod, "interpret_mode", lambda: False)
-    monkeypatch.setenv(launch_mod.AUTOTUNE_ENV, "0")
+    monkeypatch.setenv(envs.TRITON_AUTOTUNE, "0")
 
     class _Picky(_Kernel):
         def __getitem__(self, grid):
@@ -85,7 +86,7 @@ def test_capture_launches_untimed_specialisations_without_autotuning(monkeypatch
     import torch
 
     monkeypatch.setattr(launch_mod, "interpret_mode", lambda: False)
-    monkeypatch.delenv(launch_mod.AUTOTUNE_ENV, raising=False)
+    monkeypatch.delenv(envs.TRITON_AUTOTUNE, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
 
+from ... import envs
 from ..._version import __version__
 from . import toolchain as _toolchain
 from .spec import KernelSpec
@@ -96,9 +97,9 @@ def missing_kernel_sources() -> List[str]:
 
 def cache_root() -> Path:
     """Root of the on-disk kernel cache (see the module docstring for the precedence)."""
-    override = os.environ.get("FLASH_DMATTN_CACHE_DIR")
-    if override:
-        return Path(override).expanduser()
+    override = envs.cache_dir()
+    if override is not None:
+        return override
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "flash_dmattn"
@@ -127,7 +128,7 @@ def source_digest(csrc_dir: Path) -> str:
 def cuda_flags(spec: KernelSpec, tc: Toolchain) -> List[str]:
     """nvcc flags for ``spec`` on ``tc``'s arch, plus ``$FLASH_DMATTN_CUDA_FLAGS`` (for tuning
     experiments such as ``-DFLASH_DMATTN_FWD_BLOCK_M=128``; part of the cache key)."""
-    extra = os.environ.get("FLASH_DMATTN_CUDA_FLAGS", "").split()
+    extra = envs.cuda_extra_flags()
     return NVCC_FLAGS + tc.gencode_flags() + spec.defines() + extra
 
 
@@ -280,11 +281,10 @@ def load_kernel(
     """
     tc = _toolchain.detect() if tc is None else tc
     # Per-call fast path: hashing the sources for the cache key reads every file under csrc/,
-    # which cost ~0.7 ms per attention call on the T2 workload (H200, 2026-11-22). The sources
-    # of a running process are taken as fixed (clear_loaded() forgets this).
+    # a cost comparable to a whole attention call on the GPU. The sources of a running
+    # process are taken as fixed (clear_loaded() forgets this).
     call_key = (spec, tc, csrc_dir, cache_dir, builder, loader,
-                os.environ.get("FLASH_DMATTN_CUDA_FLAGS", ""),
-                os.environ.get("FLASH_DMATTN_CACHE_DIR", ""))
+                tuple(envs.cuda_extra_flags()), envs.cache_dir())
     module = _BY_CALL.get(call_key)
     if module is not None:
         return module

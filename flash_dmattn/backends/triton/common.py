@@ -7,7 +7,6 @@ from each other's launchers, so each kernel module can be read (and imported) on
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -15,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ...dropout import keep_scale, keep_threshold
-from ...envs import interpret_mode
+from ...envs import interpret_mode, triton_autotune
 from ...intmath import next_power_of_2
 from ...planning.tiles import build_varlen_key_lists
 
@@ -435,11 +434,6 @@ def bwd_blocks(head_dim: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
     return (64, 64), (64, 64)
 
 
-# FLASH_DMATTN_TRITON_AUTOTUNE=0 launches the first (pruned) config instead of autotuning:
-# GPU test runs compile each specialisation once instead of once per config.
-AUTOTUNE_ENV = "FLASH_DMATTN_TRITON_AUTOTUNE"
-
-
 def launch_tuned(kernel, tuned, grid, args, meta, autotune: bool = True) -> None:
     """Launch ``tuned`` (an autotuner over ``kernel``), or ``kernel`` with fixed settings under
     the interpreter, with autotuning switched off, or without ``autotune``: the first of
@@ -448,7 +442,7 @@ def launch_tuned(kernel, tuned, grid, args, meta, autotune: bool = True) -> None
     device, which capture forbids (its choice is used once it has one)."""
     if interpret_mode():
         kernel[grid](*args, **meta, num_warps=4, num_stages=1)
-    elif (not autotune or os.environ.get(AUTOTUNE_ENV, "1").strip() == "0"
+    elif (not autotune or not triton_autotune()
           or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
               and not _autotuned(tuned, args, meta))):
         configs = tuned.configs
