@@ -16,6 +16,8 @@ For users (documented in README.md, "Configuration"):
                            ``$XDG_CACHE_HOME/flash_dmattn`` or ``~/.cache/flash_dmattn``)
 ``FLASH_DMATTN_HF_VARLEN`` ``auto`` / ``always`` / ``never``: whether the Hugging Face
                            integration runs padded batches as packed sequences
+``FLASH_DMATTN_CUDA_AUTO`` ``1``: auto-dispatch prefers the cuda backend on every GPU, not
+                           only on the generations it was measured on (see policy.py)
 ``FLASH_DMATTN_TRITON_AUTOTUNE`` ``0``: the Triton kernels take their first fitting config
                            instead of autotuning (a quicker first call, possibly slower ones)
 ``TRITON_INTERPRET``       ``1``: Triton's CPU interpreter (Triton's own variable; the
@@ -37,6 +39,7 @@ BACKEND = "FLASH_DMATTN_BACKEND"
 DISABLE = "FLASH_DMATTN_DISABLE"
 CACHE_DIR = "FLASH_DMATTN_CACHE_DIR"
 HF_VARLEN = "FLASH_DMATTN_HF_VARLEN"
+CUDA_AUTO = "FLASH_DMATTN_CUDA_AUTO"
 TRITON_AUTOTUNE = "FLASH_DMATTN_TRITON_AUTOTUNE"
 CUDA_FLAGS = "FLASH_DMATTN_CUDA_FLAGS"
 
@@ -61,6 +64,11 @@ def hf_varlen_mode() -> Optional[str]:
     """``$FLASH_DMATTN_HF_VARLEN`` stripped, or None when unset or blank (the integration
     validates the value)."""
     return os.environ.get(HF_VARLEN, "").strip() or None
+
+
+def cuda_auto() -> bool:
+    """True when ``$FLASH_DMATTN_CUDA_AUTO`` is set and not ``0``."""
+    return os.environ.get(CUDA_AUTO, "0").strip() not in ("", "0")
 
 
 def triton_autotune() -> bool:

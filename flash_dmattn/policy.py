@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
+from . import envs
+
 # Every backend name, in the order passed-over backends are tried when nothing preferred runs.
 PRIORITY = ("cuda", "triton", "flex", "torch-reference")
 
 HOPPER = (9, 0)
-CUDA_AUTO_ENV = "FLASH_DMATTN_CUDA_AUTO"
+CUDA_AUTO_ENV = envs.CUDA_AUTO
 
 _simulated: contextvars.ContextVar = contextvars.ContextVar("flash_dmattn_capability",
                                                             default=None)
@@ -58,7 +59,7 @@ def device_capability(device: torch.device) -> Optional[Tuple[int, int]]:
 
 def cuda_auto_everywhere() -> bool:
     """``$FLASH_DMATTN_CUDA_AUTO`` set (not 0): cuda first on every GPU, measured or not."""
-    return os.environ.get(CUDA_AUTO_ENV, "0").strip() not in ("", "0")
+    return envs.cuda_auto()
 
 
 # ---------------------------------------------------------------------------------------------

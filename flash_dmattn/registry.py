@@ -16,13 +16,12 @@ why each other backend was not taken (``python -m flash_dmattn info --explain``)
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from . import policy
+from . import envs, policy
 from .inputs import AttentionInputs, VarlenInputs
 
 if TYPE_CHECKING:  # the backends package registers its backends here: no import back
@@ -46,6 +45,19 @@ class BackendUnavailableError(RuntimeError):
     """A backend was requested by name but cannot run in this environment."""
 
 
+class BackendDeclined(RuntimeError):
+    """Raised by a backend's entry point when the call turns out to be beyond it before
+    anything was computed (e.g. its kernels failed to compile for these shapes): auto-dispatch
+    then runs the next backend (:func:`run_auto`), and the backend
+    declines such calls up front from then on. An explicitly chosen backend raises it to the
+    caller, with the reason."""
+
+    def __init__(self, backend: str, reason: str) -> None:
+        super().__init__(f"backend {backend!r} cannot run this call: {reason}")
+        self.backend = backend
+        self.reason = reason
+
+
 def register_backend(backend: Backend) -> Backend:
     if backend.name not in PRIORITY:
         raise ValueError(f"unknown backend name {backend.name!r}; expected one of {PRIORITY}")
@@ -59,13 +71,11 @@ def registered_backends() -> List[Backend]:
 
 
 def disabled_names() -> set:
-    raw = os.environ.get("FLASH_DMATTN_DISABLE", "")
-    return {n.strip() for n in raw.split(",") if n.strip()}
+    return envs.disabled_backends()
 
 
 def forced_name() -> Optional[str]:
-    raw = os.environ.get("FLASH_DMATTN_BACKEND", "").strip()
-    return raw or None
+    return envs.forced_backend()
 
 
 def unavailable_reason(backend: Backend) -> Optional[str]:
@@ -144,10 +154,8 @@ def select_backend(inputs: Inputs) -> Backend:
 
 def run_auto(inputs: Inputs):
     """Run ``inputs`` on the backend auto-dispatch selects. A backend that finds the call beyond
-    it only when it runs (:class:`~flash_dmattn.backends.base.BackendDeclined`, e.g. a compile
-    failure) declines such calls from then on, and the next backend runs this one."""
-    from .backends.base import BackendDeclined
-
+    it only when it runs (:class:`BackendDeclined`, e.g. a compile failure) declines such
+    calls from then on, and the next backend runs this one."""
     varlen = isinstance(inputs, VarlenInputs)
     for _ in range(len(PRIORITY)):
         backend = select_backend(inputs)

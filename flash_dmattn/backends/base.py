@@ -5,19 +5,7 @@ import abc
 from typing import List, Optional
 
 from ..inputs import AttentionInputs, VarlenInputs
-
-
-class BackendDeclined(RuntimeError):
-    """Raised by a backend's entry point when the call turns out to be beyond it before
-    anything was computed (e.g. its kernels failed to compile for these shapes): auto-dispatch
-    then runs the next backend (:func:`flash_dmattn.registry.run_auto`), and the backend
-    declines such calls up front from then on. An explicitly chosen backend raises it to the
-    caller, with the reason."""
-
-    def __init__(self, backend: str, reason: str) -> None:
-        super().__init__(f"backend {backend!r} cannot run this call: {reason}")
-        self.backend = backend
-        self.reason = reason
+from ..registry import BackendDeclined  # noqa: F401  (defined beside the dispatch that catches it)
 
 
 class Backend(abc.ABC):

@@ -61,16 +61,16 @@ dynamic cache), no ``attention_bias`` / ``position_bias``, no sliding window, no
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from .. import envs
 from ..api import flash_dmattn_varlen_func
 from ..utils.padding import gather_tokens, pad_input, unpad_indices
 
-ENV_VAR = "FLASH_DMATTN_HF_VARLEN"
+ENV_VAR = envs.HF_VARLEN
 MODE_KWARG = "dmattn_varlen"
 MODES = ("auto", "always", "never")
 
@@ -107,7 +107,7 @@ def get_varlen_mode(call_kwargs: Optional[dict] = None) -> str:
         return _check_mode(call_kwargs[MODE_KWARG], f"the {MODE_KWARG}= keyword")
     if _mode_override is not None:
         return _mode_override
-    raw = os.environ.get(ENV_VAR, "").strip()
+    raw = envs.hf_varlen_mode()
     # Read per call (a dict lookup) so that tests and users can switch it at run time.
     return _check_mode(raw, f"environment variable {ENV_VAR}") if raw else "auto"
 
