@@ -307,7 +307,9 @@ def main() -> int:
     ap.add_argument("--first-config", action="store_true",
                     help="compile only the first autotuning config per kernel (quick check)")
     args = ap.parse_args()
-    os.environ["FLASH_DMATTN_TRITON_PLAIN_ROWS"] = args.plain_rows
+    from flash_dmattn.planning import plain_rows
+
+    plain_rows._FORCED = args.plain_rows == "always"  # the planner's hook: one way, no lag
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0
     for name, tuned, kargs, meta in capture(args.workload, seqlen=args.seqlen):

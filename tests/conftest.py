@@ -65,7 +65,6 @@ def _clean_dispatch_state(monkeypatch):
     # Dispatch reads the environment per call and logs/warns once; isolate every test.
     monkeypatch.delenv("FLASH_DMATTN_BACKEND", raising=False)
     monkeypatch.delenv("FLASH_DMATTN_DISABLE", raising=False)
-    monkeypatch.delenv("FLASH_DMATTN_TRITON_DECODE", raising=False)
     registry.reset_dispatch_notes()
     try:  # the Triton planner's lagged gather decisions start from nothing in every test
         from flash_dmattn.planning.gather import _LAGGED_TOTALS
