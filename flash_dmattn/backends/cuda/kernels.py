@@ -21,18 +21,28 @@ from .spec import DTYPES, HEAD_DIM_BUCKETS
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 
 
+# How cuda_backward produces dbias (dbias_mode): written whole by the dQ kernel, per-key sums
+# reduced on the host, zero (a per-query bias constant over the keys), or per group of heads
+# (per-query rows shared by several heads or batches, see _shared_bias_backward).
+DBIAS_FULL, DBIAS_KEYS, DBIAS_ZERO, DBIAS_SHARED = 1, 2, 3, 4
+
+
 def dbias_mode(bias: Optional[torch.Tensor], batch: int, heads: int, seqlen_q: int,
-               seqlen_k: int) -> Optional[int]:
-    """How the kernels produce dbias for ``bias``: 1 = written whole (a (B, H, Lq, Lk) bias),
-    2 = per-key sums reduced on the host (any bias broadcast over queries), None = not
-    supported (a per-query bias shared by several heads or batches)."""
+               seqlen_k: int) -> int:
+    """How the backward produces dbias for ``bias`` (0: no bias): :data:`DBIAS_FULL` for a
+    ``(B, H, Lq, Lk)`` bias, :data:`DBIAS_KEYS` for any bias broadcast over queries,
+    :data:`DBIAS_ZERO` for a per-query bias broadcast over keys (``(.., Lq, 1)``: it shifts
+    each softmax row by a constant, so its gradient is 0), :data:`DBIAS_SHARED` for per-query
+    rows shared by several heads or batches."""
     if bias is None:
         return 0
     if tuple(bias.shape) == (batch, heads, seqlen_q, seqlen_k):
-        return 1
+        return DBIAS_FULL
     if bias.size(2) == 1:
-        return 2
-    return None
+        return DBIAS_KEYS
+    if bias.size(3) == 1 and seqlen_k > 1:
+        return DBIAS_ZERO
+    return DBIAS_SHARED
 
 
 def input_reasons(q, k, v, mask, bias, bias_needs_grad: bool) -> List[str]:
@@ -50,11 +60,6 @@ def input_reasons(q, k, v, mask, bias, bias_needs_grad: bool) -> List[str]:
     if bias is not None and bias.dtype != q.dtype:
         reasons.append(f"bias dtype {bias.dtype} differs from q's {q.dtype} (a float32 bias "
                        f"is not supported by the cuda kernels yet)")
-    if bias_needs_grad:
-        B, Lq, H, _ = q.shape
-        if dbias_mode(bias, B, H, Lq, k.shape[1]) is None:
-            reasons.append(f"dbias for a bias of shape {tuple(bias.shape)} (per-query rows "
-                           f"shared by several heads or batches) is not supported yet")
     return reasons
 
 
@@ -423,10 +428,14 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     _, _, block_m, block_n = mod.block_sizes()
     orig_bias = bias
     mode = dbias_mode(bias, B, H, Lq, Lk) if need_dbias else 0
-    if mode is None:
-        # Unreachable through dispatch: not_supported_reasons declines these (input_reasons).
-        raise ValueError(f"cuda backend: no dbias for a bias of shape {tuple(bias.shape)} "
-                         f"(per-query rows shared by several heads or batches)")
+    if mode == DBIAS_SHARED:
+        return _shared_bias_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal,
+                                     softcap, deterministic, needs)
+    if mode == DBIAS_ZERO:
+        dq, dk, dv, _ = cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal,
+                                      softcap, deterministic, (need_dq, need_dk, need_dv, False),
+                                      plan=plan)
+        return dq, dk, dv, torch.zeros_like(bias)
     mask, bias = _read_ready(mask, bias, Lq, Lk)
     summary = plan.summary if plan is not None else None
     if not _summary_serves(summary, mod):
@@ -464,6 +473,97 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     elif mode == 2:
         dbias = reduce_key_partials(db, orig_bias)
     return (dq if need_dq else None, dk if need_dk else None, dv if need_dv else None, dbias)
+
+
+# Bytes of the per-(batch, head) dbias one step of _shared_bias_backward may write (in the
+# inputs' dtype) and reduce in fp32: the backward runs on as many (batch, kv-head group) pairs
+# at once as fit, at least one.
+SHARED_DBIAS_CHUNK_BYTES = 1 << 28
+
+
+def _aux_chunk(t, b0, b1, g0, g1, group, heads):
+    """The part of a 4-D mask / bias ``t`` that batches ``b0:b1`` and kv heads ``g0:g1`` (their
+    query heads ``g0 * group : g1 * group``) read: views, broadcast dims kept."""
+    if t is None:
+        return None
+    if t.size(0) > 1:
+        t = t[b0:b1]
+    hx = t.size(1)
+    if hx == heads and hx > 1:
+        t = t[:, g0 * group:g1 * group]
+    elif hx > 1:  # per kv head
+        t = t[:, g0:g1]
+    return t
+
+
+def _shared_bias_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap,
+                          deterministic, needs):
+    """``(dq, dk, dv, dbias)`` for a per-query bias ``(Bx, Hx, Lq, Lk)`` whose rows several
+    heads or batches share (``Bx < B`` or ``Hx < H``), e.g. a ``(1, 1, Lq, Lk)`` position bias.
+
+    The kernels write a per-query dbias for a ``(B, H, Lq, Lk)`` bias only (one row per
+    (batch, head)). The backward therefore runs on chunks of (batch, kv head) pairs, each with
+    its kv head's whole group of query heads (so dK / dV of a chunk are complete), reading the
+    bias through a broadcast view of the chunk's full shape; each chunk's dbias is summed in
+    fp32 into the bias's own shape. Extra memory: one fp32 copy of the bias plus one chunk of
+    at most :data:`SHARED_DBIAS_CHUNK_BYTES`. Equivalent plain PyTorch::
+
+        dbias_full = dS                                # (B, H, Lq, Lk), as for a full bias
+        dbias = dbias_full.sum(dims where bias has size 1, keepdim=True)   # per chunk
+    """
+    from ...planning.rows import aligned_rows
+
+    need_dq, need_dk, need_dv, _ = needs
+    B, Lq, H, _ = q.shape
+    Lk, Hkv = k.shape[1], k.shape[2]
+    group = H // Hkv
+    bx, hx = bias.size(0), bias.size(1)
+    acc = torch.zeros(bias.shape, dtype=torch.float32, device=q.device)
+    # The bias rows, 16-byte aligned once here (not per chunk, and never the broadcast view).
+    rows, _ = aligned_rows(bias, Lq, Lk)
+    pair_bytes = group * Lq * Lk * (q.element_size() + 4)
+    pairs = max(1, SHARED_DBIAS_CHUNK_BYTES // max(pair_bytes, 1))
+    # A per-kv-head bias is read by one kv head's group at a time: a broadcast view cannot
+    # repeat each kv head's rows for its group.
+    kv_step = 1 if 1 < hx < H else min(Hkv, pairs)
+    b_step = max(1, min(B, pairs // kv_step))
+    dq = torch.empty_like(q) if need_dq else None
+    dk = torch.empty_like(k) if need_dk else None
+    dv = torch.empty_like(v) if need_dv else None
+    lse = lse.contiguous()
+    for b0 in range(0, B, b_step):
+        b1 = min(B, b0 + b_step)
+        for g0 in range(0, Hkv, kv_step):
+            g1 = min(Hkv, g0 + kv_step)
+            hs = slice(g0 * group, g1 * group)
+            nb, nh = b1 - b0, (g1 - g0) * group
+            chunk_bias = _aux_chunk(rows, b0, b1, g0, g1, group, H).expand(nb, nh, Lq, Lk)
+            cq, ck, cv, cb = cuda_backward(
+                dout[b0:b1, :, hs], q[b0:b1, :, hs], k[b0:b1, :, g0:g1], v[b0:b1, :, g0:g1],
+                _aux_chunk(mask, b0, b1, g0, g1, group, H), chunk_bias, out[b0:b1, :, hs],
+                lse[b0:b1, hs].contiguous(), scale, is_causal, softcap, deterministic,
+                (need_dq, need_dk, need_dv, True))
+            if need_dq:
+                dq[b0:b1, :, hs] = cq
+            if need_dk:
+                dk[b0:b1, :, g0:g1] = ck
+            if need_dv:
+                dv[b0:b1, :, g0:g1] = cv
+            part = cb.float()
+            if hx == 1:
+                part = part.sum(1, keepdim=True)
+            elif hx != H:  # per kv head: sum each group's query heads
+                part = part.view(nb, g1 - g0, group, Lq, Lk).sum(2)
+            if bx == 1:
+                part = part.sum(0, keepdim=True)
+            target = acc if bx == 1 else acc[b0:b1]
+            if hx == H:
+                target[:, hs] += part
+            elif hx == 1:
+                target += part
+            else:
+                target[:, g0:g1] += part
+    return dq, dk, dv, acc.to(bias.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
