@@ -7,6 +7,7 @@ capability checks (``not_supported_reasons``) about each: no kernel runs. Prints
 declined and each reason's count.
 
     python scripts/cuda_coverage.py [--calls 60] [--seed 0] [--dtype bf16] [--head-dims 64,128]
+                                    [--fp32-bias 0.0]
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def aux_spec(rng: random.Random) -> str:
                      rng.choice(["Lq", "1"]), rng.choice(["Lk", "1"])))
 
 
-def random_call(rng: random.Random, dtype: str, head_dims) -> dict:
+def random_call(rng: random.Random, dtype: str, head_dims, fp32_bias: float = 0.0) -> dict:
     hkv = rng.choice([1, 2, 4])
     heads = hkv * rng.choice([1, 2, 4])
     lq = rng.choice([1, 64, 100, 128, 257, 512, 1000, 2048])
@@ -39,7 +40,9 @@ def random_call(rng: random.Random, dtype: str, head_dims) -> dict:
     bias = rng.choice(["none", aux_spec(rng)])
     return dict(shape=f"B={rng.choice([1, 2])},H={heads},Hkv={hkv},Lq={lq},Lk={lk},"
                       f"D={rng.choice(head_dims)}",
-                dtype=dtype, mask=mask, bias=bias, causal=rng.random() < 0.5,
+                dtype=dtype, mask=mask, bias=bias,
+                bias_dtype="fp32" if bias != "none" and rng.random() < fp32_bias else None,
+                causal=rng.random() < 0.5,
                 softcap=rng.choice([0.0, 0.0, 30.0]), train=True, bias_grad=bias != "none",
                 capability=(9, 0))
 
@@ -55,6 +58,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--fp32-bias", type=float, default=0.0,
+                        help="share of biases given in float32 (0 to 1)")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     head_dims = [int(d) for d in args.head_dims.split(",")]
@@ -64,7 +69,7 @@ def main(argv=None) -> int:
     examples = {}
     with policy.simulated_capability((9, 0)):
         for _ in range(args.calls):
-            call = random_call(rng, args.dtype, head_dims)
+            call = random_call(rng, args.dtype, head_dims, args.fp32_bias)
             inputs = described_call(**call)
             reasons = backend.not_supported_reasons(inputs)
             if reasons:
