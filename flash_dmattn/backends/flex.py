@@ -52,7 +52,7 @@ def _compiled_flex():
     global _compiled
     if _compiled is None:
         # Static shapes: automatic dynamic shapes turn the scale into a symbolic float, which
-        # FlexAttention's lowering cannot handle (seen with torch 2.11 on an H200).
+        # FlexAttention's lowering cannot handle (seen with torch 2.11).
         _compiled = torch.compile(_flex_module().flex_attention, dynamic=False)
     return _compiled
 
@@ -287,7 +287,7 @@ def _score_mod(inputs):
 
 
 # Lighter kernel settings for shapes whose default Flex configs exceed shared memory
-# (seen on an H200 with torch 2.11: head_dim 64 with a full-size captured bias).
+# (seen with torch 2.11 on Hopper: head_dim 64 with a full-size captured bias).
 _FALLBACK_KERNEL_OPTIONS = {"num_stages": 1, "num_warps": 4}
 
 
@@ -435,7 +435,7 @@ class FlexBackend(Backend):
                                     **kwargs)
         elif inputs.device.type == "cuda":
             # A per-query bias gradient is scattered from the backward kernel, whose default
-            # configs then overflow shared memory (H200, torch 2.11); the backward compiles
+            # configs then overflow shared memory (torch 2.11 on Hopper); the backward compiles
             # lazily, so it cannot be retried: choose the lighter settings up front.
             bias = inputs.attn_bias
             light = inputs.bias_needs_grad and bias.shape[2] > 1

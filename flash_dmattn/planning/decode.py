@@ -161,8 +161,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torc
     if device.type != "cuda":
         return max(1, min(3, cdiv(seqlen_k, 16)))
     # Rounded down: programs past one wave of four per SM (the residency of the decode_config
-    # tiles) run as a second, nearly empty wave. B8 Hkv8 Lk 32K with a mask took 0.354 ms at
-    # 9 splits (576 programs) against 0.243 at 8 (512), 1.41 against 0.91 ms at Lk 128K.
+    # tiles) run as a second, nearly empty wave, which costs far more than the split saves
+    # (the decode suite, benchmarks/results/<gpu>/SUMMARY.md).
     want = max(1, (per_sm * sm_count(device)) // max(1, batch * num_kv_heads))
     cap = max(1, min(MAX_SPLITS, cdiv(seqlen_k, MIN_KEYS_PER_SPLIT)))
     return max(1, min(want, cap))

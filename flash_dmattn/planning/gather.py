@@ -150,9 +150,9 @@ def plan_key_gather(
     step's forward would otherwise wait for the previous step's backward to drain before it
     can queue its own kernels. When those totals have not reached the host yet (the host
     runs more than a call ahead of the device), the previous call's own verdict serves:
-    waiting for them drained the device's queue, and a T2 forward measured 0.84 ms against
-    0.55 ms of kernels (H200, 2026-11-23). Either choice computes the same attention; only
-    its speed depends on the choice.
+    waiting for them would drain the device's queue and leave the GPU idle for a good part
+    of the forward. Either choice computes the same attention; only its speed depends on
+    the choice.
     """
     policy = gather_policy(kernel) if policy is None else policy
     if policy == "never" or not gather_eligible(mask, bias, seqlen_q, seqlen_k, block_m):
@@ -299,8 +299,8 @@ def _gather_bias(bias: torch.Tensor, idx: torch.Tensor, cnt: torch.Tensor, seqle
     (each head count divides the larger one). Written for ``c`` below the tile's count rounded
     up to GATHER_ROW_ALIGN (0 past the count), which is all the kernels read: rows are padded
     so they read aligned vectors, software-pipelined like the gathered mask; reading the bias
-    at the gathered keys themselves was a synchronous load every step (0.11 ms of the 0.79 ms
-    gathered forward on T2, H200). ``totals``: skip the work when :func:`prefers_tiles`.
+    at the gathered keys themselves was a synchronous load every step, a large share of the
+    gathered forward. ``totals``: skip the work when :func:`prefers_tiles`.
     """
     bb, hb = bias.size(0), bias.size(1)
     bm, hm, n_q, width = idx.shape
@@ -371,8 +371,8 @@ def _gather_mask_bits(mask_u8: torch.Tensor, union_u8: torch.Tensor, rows_per_ti
     # Walks the mask rows in order, 256 keys a step, reading them whole (coalesced) and
     # compressing each row's bits at the union's keys into a running word. Its predecessor
     # walked the output, reading the mask byte by byte at the listed keys, and wrote the
-    # gathered bytes: 0.153 ms on T2 (H200), issue-bound on scattered byte loads.
-    # 64 rows per program: 0.175 vs 0.181 ms for 32 on T2 (H200, gbits-time-2026-11-22i.log).
+    # gathered bytes: issue-bound on scattered byte loads. 64 rows per program measured a
+    # little faster than 32.
     block_r, warps, stages = launch or (min(block_m, 8 if on_cpu else 64), 4, 3)
     num, den = GATHER_MAX_RATIO
     _gather_mask_bits_kernel[(n_q * (block_m // block_r), bx * hx)](
@@ -666,7 +666,7 @@ def _gather_mask_bits_kernel(
     keys (an exclusive prefix count); each row's bits land there in one 64-bit value, which is
     appended to the row's running word ``acc`` at bit ``fill``; a full word is stored and its
     overflow starts the next one. No branches: with the mask load behind a branch on the
-    word's live count, every word waited for two memory latencies (0.26 ms on T2, H200).
+    word's live count, every word waited for two memory latencies.
     Words past the tile's count are not written. CHECK_TOTALS: nothing is done when the
     plan's totals chose tile skipping.
     """
@@ -693,7 +693,7 @@ def _gather_mask_bits_kernel(
     fill = tl.zeros([], dtype=tl.int32)  # bits of acc in use, 0..63
     word = tl.zeros([], dtype=tl.int32)  # the gbits word acc becomes
     # Four 64-key words a step, all loaded before any is packed: the loads of one step are
-    # then in flight together (one word a step: 0.19 ms on T2, H200, waiting on memory).
+    # then in flight together (one word a step waits on memory).
     for start in range(0, key_end, 256):
         u0, m0 = _load_word(union_rows, mask_rows, start, lanes, m_ok, key_end, rows_left,
                             seqlen_k, stride_mn, ROWS_PER_TILE)
@@ -706,7 +706,7 @@ def _gather_mask_bits_kernel(
         if IS_CAUSAL:
             # Each row's bytes past its own causal limit read as 0, so the gathered kernels
             # need no causal test; only steps reaching past the first row's limit need the
-            # cut (in every step it cost 0.025 ms of 0.175 on T2, H200).
+            # cut (in every step it would cost a noticeable share of the kernel).
             if start + 255 > first_lim:
                 m0 = _cut(m0, start, lanes, row_lim)
                 m1 = _cut(m1, start + 64, lanes, row_lim)

@@ -2,8 +2,8 @@
 
 A per-key mask ``(Bx, Hx, 1, Lk)`` -- the dynamic-mask case -- gives every query tile the
 same row of key tiles, cut at the tile's causal limit. Built from torch reductions and
-elementwise ops (:func:`.tiles.build_tile_lists` for other masks) that took about ten small
-launches, ~35 us of GPU time on the block-sparse L 32K workload, 3 % of its forward. This
+elementwise ops (:func:`.tiles.build_tile_lists` for other masks) they took about ten small
+launches, a visible share of a block-sparse forward on long sequences. This
 kernel reads the mask row in two passes per list row and writes the row's list directly, in
 the order and encoding of :mod:`.tiles` (full tiles first, then partial ones, each
 ascending, entries ``tile * 2 + partial``, zeros after the count).
@@ -95,14 +95,13 @@ def per_key_lists(
     if on_cpu:
         chunk = 16
     elif words:
-        # 2048 words (256 tiles of 64 keys) over 16 warps, no spills (sm_90a, Triton 3.6;
-        # 4096 spilled 8 registers): the T3 lists in 9-10 us against 13-17 with byte reads
-        # (H200, t3-probe-2026-11-22j-final-*.log).
+        # 2048 words (256 tiles of 64 keys) over 16 warps: the largest chunk that compiles
+        # without spills on sm_90a (4096 spill), and word loads beat byte reads.
         chunk = 2048 * 8 // block_n
     else:
         # Each chunk is one load round trip per pass: 128 tiles of 64 keys per chunk (8 KB of
         # mask) over 16 warps keep a 32K-key row to four per pass without spills (ptxas,
-        # sm_90a, Triton 3.6 and 3.9); 64-tile chunks over 4 warps took 20 us for the T3 lists.
+        # sm_90a); smaller chunks over fewer warps take more round trips and are slower.
         chunk = max(16, min(128, 8192 // block_n))
     _per_key_lists_kernel[(bx * hx * rows,)](
         m, idx, cnt, bits, cut, cut_flag if cut_flag is not None else cnt, hx, rows, n_tiles, seqlen_q, seqlen_k, stride_b, stride_h, stride_k,

@@ -2,8 +2,8 @@
 
 A per-query mask ``(Bx, Hx, Lq, Lk)`` is the one input whose classification costs real time:
 the forward's live/full tile map, the backward's transposed map and the gather planner's
-per-query-tile key unions are each a reduction over the whole mask (268 MB for the T2
-workload), and with plain torch reductions a forward + backward read it ten times. This
+per-query-tile key unions are each a reduction over the whole mask (a bool per query and
+key: 256 MiB for four mask heads at L 8K), and with plain torch reductions a forward + backward read it ten times. This
 module reads it once per direction, with one Triton kernel, into two small summaries at a
 fine ``(row_block, key_block)`` granularity:
 
@@ -148,10 +148,9 @@ def _tile_setup(num_heads_m, seqlen_q, seqlen_k, n_cols, n_row_blocks, KEYS_PER_
 
 # Masks that are not whole 4-key words (odd Lk, strided keys): one program per fine tile
 # (row_block x key_block), one load of the whole tile. Word layouts take the rows kernel
-# below (8 x 512-key strips, 16-byte loads: 0.044 ms on T2 against 0.048-0.099 for this
-# tile kernel on words, and 0.05-0.06 against 0.23-0.40 with key bits; H200,
-# summary-time-2026-11-23c-rows.log). An early strip variant with byte loads measured 2.3 ms
-# (2026-11-21e).
+# below (8 x 512-key strips, 16-byte loads), which is faster than this tile kernel on words
+# and several times faster when it also writes key bits; strips of byte loads were far slower
+# than either.
 @triton.jit
 def _mask_summary_kernel(
     Mask, RowAny, TileAll, KeyBits,
@@ -287,8 +286,8 @@ def _mask_summary_rows_kernel(
 
     Eight rows across a chunk wide enough for one warp's lanes keep every reduction inside a
     thread: the tile kernel's 64 x 64 tiles put rows on lanes and warps, and the key bits'
-    row reductions then cost shuffles and barriers (0.25-0.40 ms on T2, H200, against a
-    memory time of 0.04). Key bits: shifting row ``r``'s word left by ``r % 8`` moves its
+    row reductions then cost shuffles and barriers, several times the time the memory
+    traffic needs. Key bits: shifting row ``r``'s word left by ``r % 8`` moves its
     four keys' flags to bit ``r % 8`` of bytes 0-3, so OR-ing 8 rows gives a word whose
     byte ``j`` holds key ``j``'s 8 row bits, and a 64-row key word is 8 such bytes; the
     causal limit is then one mask a key word.

@@ -3,8 +3,8 @@
 A training step reads the mask to plan twice: the forward summarises it and plans its key
 gather, the backward summarises it again (at its own block shapes), plans the dQ kernel's
 gather -- the same plan as the forward's, both use 128 x 64 tiles for head dims up to 128 --
-and builds the dK/dV kernel's lists. On the T2 workload that second round was about a third
-of a millisecond, mostly small launches and one host sync with the GPU idle.
+and builds the dK/dV kernel's lists. On a per-query top-k mask that second round is a
+noticeable part of the step, mostly small launches and one host sync with the GPU idle.
 
 :func:`plan_backward` is that planning, used by the backward when nothing was handed over;
 a forward that knows a backward will follow (the eager autograd path of

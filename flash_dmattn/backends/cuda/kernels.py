@@ -600,9 +600,9 @@ def _aligned_aux(mask, bias, cu_k):
     of those starts.
 
     Sequences start at arbitrary packed keys, so tiles of the original rows cannot be copied
-    as 16-byte vectors; element-by-element loads stall every step on their latency (the CUDA
-    varlen backward with a mask and bias took 51 ms against Triton's 22 on the varlen
-    benchmark). The copy is O(Hx * total_k) and needs no host sync: keys past
+    as 16-byte vectors; element-by-element loads stall every step on their latency (the varlen
+    backward with a mask and bias ran at less than half Triton's speed that way). The copy is
+    O(Hx * total_k) and needs no host sync: keys past
     ``cu_k[-1]`` land in a scratch column.
     """
     if mask is None and bias is None:

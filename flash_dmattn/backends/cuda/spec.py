@@ -13,15 +13,15 @@ forward and backward kernels takes minutes):
   registers on the common no-mask / mask-only paths.
 * ``packed``: packed sequences (``flash_dmattn_varlen_func``). Every tile then reads its
   sequence's offsets and lengths, which held in registers made the Hopper dK/dV kernel spill
-  four times as much (88 -> 346 bytes) and T2's backward 30 % slower on an H200 when it was a
-  runtime switch; dense calls never pay for it in a module of their own.
+  four times as much and the dense backward markedly slower when it was a runtime switch;
+  dense calls never pay for it in a module of their own.
 
 Deliberately *not* keyed (runtime arguments of ``fwd`` / ``bwd``, switched inside one module):
 ``is_causal`` (changes a loop bound and a predicate on diagonal tiles), ``softcap``,
 ``softmax_scale``, ``deterministic``, sequence lengths and strides. (Keying softcap would
-compile each kernel once instead of twice, but measured only 7 % less compile time per module
--- nvcc's front end parsing CuTe dominates each translation unit -- and would add a module
-for every softcapped model: not done, 2026-11-22.) The GPU architecture is not
+compile each kernel once instead of twice, but saves little compile time per module --
+nvcc's front end parsing CuTe dominates each translation unit -- and would add a module
+for every softcapped model.) The GPU architecture is not
 part of the spec either: it is part of the cache path and key (see :mod:`.jit`).
 """
 from __future__ import annotations

@@ -217,8 +217,8 @@ def _decode_split_kernel(
         keys_per_split = tl.cdiv(tl.cdiv(kv_len, tl.num_programs(0)), BLOCK_N) * BLOCK_N
         # Loop and load bounds stop at the used length rounded up to whole tiles (clamped to
         # the capacity), which the compiler can prove tile-aligned; the exact length only
-        # hides keys. Bounding the per-key mask / bias loads by the loaded length itself cost
-        # 7-15 % on an H200 with a mask (the loads lost their known alignment).
+        # hides keys. Bounding the per-key mask / bias loads by the loaded length itself made
+        # masked steps clearly slower (the loads lost their known alignment).
         kv_end = tl.minimum(tl.cdiv(kv_len, BLOCK_N) * BLOCK_N, seqlen_k)
     else:
         kv_len = seqlen_k
@@ -280,7 +280,7 @@ def _decode_split_kernel(
         if HAS_MASK:
             # Loads are predicated on the keys some row can see, instead of branching over
             # fully hidden tiles: a branch around the loads stops Triton from pipelining them
-            # (the masked step ran at 2.8x the dense time on an H200), while a key that no row
+            # (the masked step ran at several times the dense time), while a key that no row
             # sees now costs no K/V/bias bytes at all, so the step reads only what it must.
             if MASK_ROWB:
                 # Every row shares the mask row, and the last query row (a real one) sees
@@ -381,12 +381,13 @@ def combine_config(num_splits: int, block_d: int, split_rows: int, device: torch
     """``(CHUNK_S, column_blocks, num_warps)`` of the combine kernel.
 
     A decode step's combine waits for the whole split kernel, so its own latency is on the
-    step's critical path. With one 4-warp program per output row, a B1 H32 step ran 32
-    programs, each reading 64 splits x 128 columns in two chunks: 4.3 us of a 50 us step
-    (cuDNN's reduction kernel: 3.0 us). Cut into 8 column blocks, one warp each, one chunk:
-    2.1-2.3 us; with 256 rows (B8), 2 blocks: 2.2 against 3.0 us; with 2048 rows (B64), one
-    4-warp program per row stays best (3.5 us; 4 blocks took 6.5). H200, profiler device time,
-    ``scripts/decode_variants.py --profile`` (``decode-2026-11-23d-variants-combine2.log``).
+    step's critical path. With one 4-warp program per output row, a batch-1 step of 32 heads
+    runs 32 programs, each reading 64 splits x 128 columns in two chunks: a visible share of
+    the step, slower than cuDNN's reduction. Cut into column blocks of one warp each, one
+    chunk, the same rows spread over enough programs to halve that time; with a few hundred
+    rows two blocks a row suffice; with thousands of rows one 4-warp program per row stays
+    best (more blocks only add programs). Hence: blocks until about
+    ``COMBINE_PROGRAMS_PER_SM`` programs per SM (the decode suite, benchmarks/results/<gpu>/SUMMARY.md).
     """
     target = COMBINE_PROGRAMS_PER_SM * (sm_count(device) if device.type == "cuda" else 1)
     cols = 1
@@ -407,21 +408,17 @@ def decode_config(block_d: int, block_m: int, softcap_and_paged: bool = False,
     ``deep``: the three-stage pipeline of :func:`use_deep_pipeline` (two programs per SM).
 
     The autotuner chose among configs whose times lie within a few percent on some rows and
-    up to 1.7x apart on others, and its choice changed between processes. Every config was
-    timed at half, once and twice the split count on the decode rows of the benchmark
-    (``scripts/decode_configs.py``, H200, 2026-11-22, logs ``decode-2026-11-22c-*configs.log``):
-    a 64-key tile, 4 warps, 2 stages was the fastest or within ~5 % of it on every row, and by
-    far the best with a mask. Part-filled caches (``cache_seqlens``) had used 128-key tiles;
-    once their bounds were made tile-aligned, 64-key tiles beat them there too (H200,
-    2026-11-22, ``decode-2026-11-22f-probe.log``: B8 Lk 128K half used, no mask, 0.501 vs
-    0.565 ms).
+    far apart on others, and its choice changed between processes. Timed at half, once and
+    twice the split count on the benchmark's decode rows, a 64-key tile, 4 warps, 2 stages
+    was the fastest or within a few percent of it on every row, and by far the best with a
+    mask; with tile-aligned bounds it also beats 128-key tiles on part-filled caches
+    (``cache_seqlens``). See the decode suite in benchmarks/results/<gpu>/SUMMARY.md.
 
     ``maxnreg``: with a mask the kernel takes 140-156 registers, so only three of the four
     programs per SM that :func:`choose_num_splits` plans for fit, and a second, nearly empty
     wave runs. Capped at 128 (no spills for up to 16 rows at head dims up to 128, checked with
-    ptxas for Triton 3.6 and 3.9) B1 Lk 512K with a per-key mask + bias took 0.419 ms against
-    0.679 uncapped and 0.465 for the kernel before this change (``decode-2026-11-22f-probe.log``).
-    More rows, wider heads, and softcap together with paged K/V keep the compiler's choice (the
+    ptxas) all four fit, and long masked decode steps run markedly faster. More rows, wider
+    heads, and softcap together with paged K/V keep the compiler's choice (the
     cap spilled there: 8-16 bytes with softcap and paging, hundreds with 64 rows).
     """
     maxnreg = 128 if block_m <= 16 and block_d <= 128 and not softcap_and_paged else None
@@ -438,15 +435,11 @@ def use_deep_pipeline(batch: int, num_kv_heads: int, has_mask_or_bias: bool, pag
     at four: contiguous K/V without a mask or bias, when every ``(batch, kv head)`` still gets
     a program in one wave.
 
-    Two programs with two tiles in flight each kept more bytes moving than four with one:
-    B1 H32/Hkv8 Lk 32K, split kernel 33.4 against 34.7 us (cuDNN's 33.5), the step 0.0474
-    against 0.0482 ms; Lk 128K / 512K 0.1360 / 0.4794 against 0.1368 / 0.4830; B8 Lk 32K
-    0.2524 against 0.2541 (H200, ``decode-2026-11-23d-variants-*.log``, variant sm2s3). With a
-    per-key mask + bias it was slower (B1 Lk 32K 0.0489 against 0.0416: the masked loop is
-    bound by instruction issue, which four programs per SM hide better), and with more
-    ``(batch, kv head)`` pairs than two per SM it runs a second wave (B64 2.13 against 1.90).
-    Paged K/V without a mask was slower too (B1 Lk 512K, 64-key pages: 0.671 against 0.503
-    ms; ``decode-2026-11-23d-bench-deep.log`` against ``decode-2026-11-22f-bench.log``).
+    Two programs with two tiles in flight each keep more bytes moving than four with one, a
+    small gain on unmasked contiguous caches (at cuDNN's speed). With a per-key mask + bias it
+    is slower (the masked loop is bound by instruction issue, which four programs per SM hide
+    better), with more ``(batch, kv head)`` pairs than two per SM it runs a second wave, and
+    paged K/V without a mask is slower too. See the decode suite in benchmarks/results/<gpu>/SUMMARY.md.
     """
     return (device.type == "cuda" and not has_mask_or_bias and not paged
             and batch * num_kv_heads <= DEEP_PER_SM * sm_count(device))

@@ -184,11 +184,10 @@ def _attn_fwd_program(
     mask_klim, bias_klim = _key_bounds(stride_mm, stride_bm, seqlen_k, MASK_PAD, BIAS_PAD)
     if USE_LIST and not GATHER:
         # One loop, the tile's partial flag deciding per-element masking at run time. Two
-        # loops (full tiles, then partial ones; the lists are ordered for it) measured slower
-        # on the H200 with triton 3.6: T1 fwd 3.10 vs 2.45 ms, T2 fwd 3.67 vs 1.65 ms. Each
-        # loop fills and drains its own pipeline and the second one's buffers cost up to
-        # 40 KB more shared memory (scripts/compile_check.py); which of these costs more is
-        # not established.
+        # loops (full tiles, then partial ones; the lists are ordered for it) measured clearly
+        # slower on the dense and the dynamic workloads. Each loop fills and drains its own
+        # pipeline and the second one's buffers cost up to 40 KB more shared memory
+        # (scripts/compile_check.py); which of these costs more is not established.
         # The entry is loaded one iteration ahead: the software pipeliner issues the next
         # tile's K/V copies right after the entry load, so an entry loaded in the same
         # iteration puts a global-load latency in front of every prefetch.
@@ -198,10 +197,9 @@ def _attn_fwd_program(
             entry_next = tl.load(list_row + t + 1, mask=t + 1 < n_iter, other=0)
             if MASK_BITS:
                 # Fetched for partial tiles only, by an async copy the pipeliner makes of it.
-                # Measured on T3 (H200, t3-probe-2026-11-22g-*.log): read inside the partial
-                # branch instead, every program waited on its diagonal tile's bits (+4 %);
-                # prefetched one step ahead as a loop-carried int64, the copy at the step's
-                # end waited on the load (no gain over the mask load).
+                # Read inside the partial branch instead, every program waits on its diagonal
+                # tile's bits; prefetched one step ahead as a loop-carried int64, the copy at
+                # the step's end waits on the load (no gain over the mask load).
                 bits = tl.load(bits_row + t, mask=(entry & 1) != 0, other=0)
             else:
                 bits = 0
@@ -294,7 +292,8 @@ def _attn_fwd_kernel(
     # MASK_BITS (with USE_LIST, not GATHER / VARLEN): a per-key mask whose tiles' bits come in
     # MaskBits, parallel to ListIdx (TileLists.fwd_bits); the mask itself is not read. A
     # partial tile costs one scalar load and a few shifts, a full tile nothing, where the
-    # mask path issues a predicated vector load in every step (T3: 5 % of the kernel).
+    # mask path issues a predicated vector load in every step (a few percent of the
+    # block-sparse forward).
     # BIAS_GATHERED (with GATHER): Bias is the KeyGather's gbias, one padded row per query
     # tile (stride_bm is the tile stride), read at the same list positions as the mask.
     # MASK_PAD / BIAS_PAD: the mask's / bias's rows are padded copies (aligned_rows): bound
@@ -551,8 +550,8 @@ def attention_forward(
     # and policy: hand over this one (None included: "tile lists").
     reuse = (planned_here and bwd[1] == (block_m, block_n)
              and gather_policy("dq") == gather_policy("forward"))
-    # The plan keeps its gbits (1/8 of the mask's bytes at the listed keys, 9 MB on T2):
-    # rebuilding them in the backward cost 0.16 ms of a 4.0 ms T2 training step (H200).
+    # The plan keeps its gbits (1/8 of the mask's bytes at the listed keys): memory well spent,
+    # since rebuilding them in the backward costs a few percent of a training step.
     plan = plan_backward(mask, bias_in, Lq, Lk, H, is_causal, bwd, device, summary=summary,
                          fwd_gather=gather if reuse else NOT_PLANNED)
     return out, lse, plan
