@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import envs
+from .planning.decode import DECODE_MAX_ROWS, DECODE_MIN_SEQLEN_K
 
 # Every backend name, in the order passed-over backends are tried when nothing preferred runs.
 PRIORITY = ("cuda", "triton", "flex", "torch-reference")
@@ -66,8 +68,7 @@ def cuda_auto_everywhere() -> bool:
 # What a call is, as far as the preference goes
 # ---------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class CallFeatures:
+class CallFeatures(NamedTuple):
     """The properties of a call the rules read.
 
     ``mask``: ``none``, ``per-key`` (one row for every query: a mask of shape
@@ -123,10 +124,8 @@ def _aux_kind(t: Optional[torch.Tensor]) -> str:
 def _decode_shape(inputs) -> bool:
     """Whether the split-KV decode kernels take the call (the triton backend's rule, which the
     cuda backend shares: few rows per kv head and a long key range, or a KV cache)."""
-    from .planning.decode import DECODE_MAX_ROWS, DECODE_MIN_SEQLEN_K, decode_rows
-
-    rows = decode_rows(inputs.seqlen_q, inputs.num_heads, inputs.num_kv_heads)
-    if inputs.seqlen_q == 0 or rows > DECODE_MAX_ROWS:
+    lq, heads, kv_heads = inputs.query.shape[1], inputs.query.shape[2], inputs.key.shape[2]
+    if lq == 0 or (heads // max(kv_heads, 1)) * lq > DECODE_MAX_ROWS:
         return False
     return inputs.cache_seqlens is not None or inputs.seqlen_k >= DECODE_MIN_SEQLEN_K
 
@@ -328,10 +327,15 @@ def rule_for(f: CallFeatures) -> Rule:
 
 
 def rank_features(f: CallFeatures) -> Ranking:
-    """The :class:`Ranking` of a call with features ``f``."""
+    """The :class:`Ranking` of a call with features ``f`` (shared: do not modify it)."""
+    return _rank(f, f.gpu and cuda_auto_everywhere())
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank(f: CallFeatures, cuda_first: bool) -> Ranking:
     rule = rule_for(f)
     prefer = rule.prefer
-    if f.gpu and cuda_auto_everywhere() and prefer[0] != "cuda":
+    if cuda_first and prefer[0] != "cuda":
         prefer = ("cuda",) + tuple(n for n in prefer if n != "cuda")
     fallback = tuple(n for n in PRIORITY if n not in prefer)
     passed = {n: rule.passed_over.get(n, NOT_PREFERRED) for n in fallback}
