@@ -1,4 +1,4 @@
-"""The public attention functions (SPEC §2): validation once, then a backend from the registry."""
+"""The public attention functions (docs/contract.md §2): validation once, then a backend from the registry."""
 from __future__ import annotations
 
 import functools

@@ -2,7 +2,7 @@
 
 Built from the compact (broadcast) mask without expanding it: a per-key mask ``(…, 1, Lk)``
 yields one row of tiles shared by every query tile. The result is a block map of at most
-``(B, H, nQ, nK)`` booleans (SPEC §5 allows block maps), usually far smaller.
+``(B, H, nQ, nK)`` booleans (docs/contract.md §5 allows block maps), usually far smaller.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One validated, normalised description of an attention call (SPEC §3).
+"""One validated, normalised description of an attention call (docs/contract.md §3).
 
 Every public entry point builds an :class:`AttentionInputs` (or :class:`VarlenInputs`) once,
 before any backend runs. Backends then read plain attributes and never re-validate: they may
@@ -33,7 +33,7 @@ def _check_float_dtype(name: str, t: torch.Tensor) -> None:
 
 
 def _check_qkv(query, key, value, layout: str) -> None:
-    """Types, rank, one dtype, one device, and key/value shapes alike (SPEC §3.5)."""
+    """Types, rank, one dtype, one device, and key/value shapes alike (docs/contract.md §3.5)."""
     rank = int(layout[0])
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
@@ -280,7 +280,7 @@ def _check_cache_seqlens(cache_seqlens, query: torch.Tensor, batch: int, seqlen_
             f"{type(cache_seqlens).__name__}"
         )
     if cache_seqlens.dtype not in (torch.int32, torch.int64):
-        # ValueError like cu_seqlens' dtype check (SPEC §3.5: dtype mismatches are ValueError).
+        # ValueError like cu_seqlens' dtype check (docs/contract.md §3.5: dtype mismatches are ValueError).
         raise ValueError(f"cache_seqlens must be int32 (or int64), got {cache_seqlens.dtype}")
     if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
         raise ValueError(
@@ -547,7 +547,7 @@ class AttentionInputs:
 
 @dataclass(frozen=True)
 class VarlenInputs:
-    """A validated packed-sequence call (SPEC §4).
+    """A validated packed-sequence call (docs/contract.md §4).
 
     ``query (total_q, H, D)``, ``key``/``value (total_k, Hkv, D)``; ``cu_seqlens_q/k`` int32
     1-D of equal length ``n + 1`` on the query's device. ``attn_mask`` / ``attn_bias`` are

@@ -1,4 +1,4 @@
-"""The backend registry and the dispatch rules of SPEC §6.
+"""The backend registry and the dispatch rules of docs/contract.md §6.
 
 Environment:
 
@@ -134,7 +134,7 @@ def check_explicit(backend: Backend, inputs: Inputs) -> Backend:
 
 
 def select_backend(inputs: Inputs) -> Backend:
-    """The backend auto-dispatch runs for ``inputs`` (SPEC §6, :mod:`flash_dmattn.policy`)."""
+    """The backend auto-dispatch runs for ``inputs`` (docs/contract.md §6, :mod:`flash_dmattn.policy`)."""
     forced = forced_name()
     if forced is not None:
         return check_explicit(get_backend(forced), inputs)

@@ -1,4 +1,4 @@
-"""Random attention problems covering the SPEC's shapes, broadcasts and special rows."""
+"""Random attention problems covering the contract's shapes (docs/contract.md), broadcasts and special rows."""
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 

@@ -1,4 +1,4 @@
-"""An independent, deliberately plain float64 implementation of SPEC §3 for the tests.
+"""An independent, deliberately plain float64 implementation of docs/contract.md §3 for the tests.
 
 Everything is materialised at full (B, H, Lq, Lk) size; it shares no code with the library.
 """

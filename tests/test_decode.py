@@ -33,7 +33,7 @@ def cache_visibility(cs, B, Lq, Lk, causal):
 
 
 def naive_kv(q, k, v, mask, bias, scale, causal, softcap, cs):
-    """Float64 oracle with cache_seqlens (None: plain SPEC §3)."""
+    """Float64 oracle with cache_seqlens (None: plain docs/contract.md §3)."""
     B, Lq, H, _ = q.shape
     Lk, Hkv = k.shape[1], k.shape[2]
     if cs is None:

@@ -1,4 +1,4 @@
-"""Dispatch rules of SPEC §6: priority, env overrides, explicit backends, fallback warning."""
+"""Dispatch rules of docs/contract.md §6: priority, env overrides, explicit backends, fallback warning."""
 import warnings
 
 import pytest

@@ -1,4 +1,4 @@
-"""Every bad input of SPEC §3.5 raises the specified type, naming the tensors and shapes."""
+"""Every bad input of docs/contract.md §3.5 raises the specified type, naming the tensors and shapes."""
 import pytest
 import torch
 

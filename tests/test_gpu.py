@@ -11,7 +11,7 @@ from cases import FIXED
 pytestmark = pytest.mark.gpu
 
 FAST_BACKENDS = ["triton", "flex", "cuda"]
-# Inputs a backend documents declining (SPEC: an explicit backend never falls back): the test
+# Inputs a backend documents declining (docs/contract.md: an explicit backend never falls back): the test
 # asserts the decline and its reason instead of skipping the case.
 DECLINED = {("cuda", "neg_inf"): "float32 bias"}
 

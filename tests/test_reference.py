@@ -23,7 +23,7 @@ def check_against_naive(case: Case, fn=reference_dmattn_func, dtype=torch.float6
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
-    assert lse.dtype == torch.float32  # SPEC: lse is fp32; -inf rows must match too
+    assert lse.dtype == torch.float32  # docs/contract.md §3.1: lse is fp32; -inf rows must match too
     torch.testing.assert_close(lse, ref_lse.float(), atol=max(tol, 1e-5), rtol=max(tol, 2e-6))
     assert probs.shape == (case.batch, case.heads, case.seqlen_q, case.seqlen_k)
     grad_out = torch.randn_like(ref_out)

@@ -1,4 +1,4 @@
-"""The plain-PyTorch oracle: exact SPEC §3 semantics, processed in query chunks.
+"""The plain-PyTorch oracle: exact docs/contract.md §3 semantics, processed in query chunks.
 
 Forward keeps one ``(B, H, chunk, Lk)`` score block alive at a time; backward recomputes the
 probabilities chunk by chunk from the saved log-sum-exp (as FlashAttention does), so memory

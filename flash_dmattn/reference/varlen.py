@@ -1,4 +1,4 @@
-"""Packed-sequence reference: one dense reference call per sequence (SPEC §4)."""
+"""Packed-sequence reference: one dense reference call per sequence (docs/contract.md §4)."""
 from __future__ import annotations
 
 from typing import List, Optional

@@ -119,7 +119,7 @@ class CudaBackend(Backend):
         return reasons
 
     def varlen_attention(self, inputs):
-        """Packed-sequence attention (SPEC §4) through the ``cuda_varlen`` custom ops."""
+        """Packed-sequence attention (docs/contract.md §4) through the ``cuda_varlen`` custom ops."""
         return cuda_varlen_op().attention(inputs)
 
     def kernel_module(self, spec: KernelSpec, device=None):

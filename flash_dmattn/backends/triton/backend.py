@@ -231,7 +231,7 @@ class TritonBackend(Backend):
         return reasons
 
     def varlen_attention(self, inputs):
-        """Packed-sequence attention (SPEC §4) through the ``triton_varlen`` custom ops."""
+        """Packed-sequence attention (docs/contract.md §4) through the ``triton_varlen`` custom ops."""
         return triton_varlen_op().attention(inputs)
 
     def attention(self, inputs):

@@ -1,6 +1,6 @@
 """Split-KV decode forward: attention for a few query tokens against a long (cached) key range.
 
-Decoding is bandwidth-bound (SPEC §4): each step reads all of K and V (plus a per-key mask and
+Decoding is bandwidth-bound (docs/contract.md §4): each step reads all of K and V (plus a per-key mask and
 bias) for one or a few queries. The main forward kernel gives one program a 128-row query tile
 of one head, so for ``Lq = 1`` it wastes most of its rows, launches only ``B * H`` programs and
 reads every K/V tile once per *query head*. This kernel instead:
@@ -13,7 +13,7 @@ reads every K/V tile once per *query head*. This kernel instead:
 * merges the splits in a small combine kernel (one program per output row, or per column block
   of it: :func:`combine_config`); with a single split the split kernel writes the output.
 
-Mask and bias are read through their strides in any broadcast shape of SPEC §3.2 (the per-key
+Mask and bias are read through their strides in any broadcast shape of docs/contract.md §3.2 (the per-key
 ``(B, Hkv, 1, Lk)`` case loads one key vector per tile for the whole group). ``cache_seqlens``
 gives a per-batch used length: keys past it are never loaded, and the causal diagonal is
 aligned with it. Forward only: the backward of a decode call is the main backward kernels'

@@ -598,7 +598,7 @@ def attention_forward_varlen(
     dropout_p: float = 0.0,
     dropout_rng: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward over packed sequences (SPEC §4).
+    """Attention forward over packed sequences (docs/contract.md §4).
 
     Args:
         q: ``(total_q, H, D)``; k, v: ``(total_k, Hkv, D)``; sequence ``i`` owns query rows
