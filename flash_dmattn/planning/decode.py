@@ -151,8 +151,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, seqlen_k: int, device: torc
     ``MAX_SPLITS``.
     With the triton decode kernel's fixed launch config (``decode_config``) this count is the
     best, or within a few percent of it, against half and twice the count on every decode row
-    of the benchmark, with and without a mask (``scripts/decode_configs.py --splits``; results
-    in ``benchmarks/results/``). With ``cache_seqlens`` the count is chosen from the capacity ``Lk`` (the used
+    of the benchmark, with and without a mask (the decode suite of
+    ``benchmarks/results/<gpu>/SUMMARY.md``). With ``cache_seqlens`` the count is chosen from the capacity ``Lk`` (the used
     lengths live on the device) and each batch's used keys are divided among its splits in the
     kernel. Under the CPU interpreter: a few splits, so the combine step is always exercised.
     """
