@@ -175,7 +175,7 @@ def explain(args) -> int:
     with scope:
         if inputs.device.type == "cuda" and capability is None and not torch.cuda.is_available():
             print("flash_dmattn info: --device cuda on a machine without a GPU needs "
-                  "--capability (e.g. 9.0 for H100 / H200)", file=sys.stderr)
+                  "--capability (e.g. 9.0 for Hopper)", file=sys.stderr)
             return 2
         result = registry.explain(inputs, assume_available=not here)
     print(f"described: {inputs.describe().replace('meta', inputs.device.type)}")
@@ -409,7 +409,7 @@ def main(argv=None) -> int:
     p_info.add_argument("--cache-seqlens", action="store_true", help="a KV cache's used lengths")
     p_info.add_argument("--device", default=None, help="cpu | cuda (default: this machine's)")
     p_info.add_argument("--capability", default=None,
-                        help="a GPU generation, e.g. 9.0 (H100/H200), 8.0 (A100), 10.0: "
+                        help="a GPU generation, e.g. 9.0 (Hopper), 8.0 (Ampere), 10.0: "
                              "describe the call on it (implies --device cuda)")
     p_demo = sub.add_parser("demo", help="run every available backend on a small problem")
     p_demo.add_argument("--seqlen", type=int, default=0)
