@@ -92,25 +92,34 @@ def main():
 
 
 def sweep_cuda(a, q, k, v, bias, do, W, L):
-    """The cuda key-interval backward (dK/dV with fused dQ) per end bucket and segment length,
-    the plan prebuilt."""
+    """The cuda key-interval backward (dK/dV with fused dQ), the plan prebuilt: segment items
+    (the window promise's plan) per segment length, beside key blocks (the plan without the
+    promise) per end bucket and segment length."""
     from flash_dmattn.backends.cuda import intervals as civ
     from flash_dmattn.planning import key_lists
 
-    base_bucket = key_lists.end_bucket_for
+    base_bucket, base_seg = key_lists.end_bucket_for, civ.SEGMENT_ROWS
+    segments = [int(x) for x in a.segments.split(",") if x] or [base_seg]
+
+    def time_bwd(plan, ki, label):
+        out, lse, _ = civ.interval_forward(q, k, v, bias, ki.bounds, 0.088, True, 0.0, plan)
+        fn = lambda: civ.interval_backward(do, q, k, v, bias, ki.bounds, out, lse, 0.088,
+                                           True, 0.0, (True, True, True, True), plan=plan)
+        t = do_bench(fn, warmup=10, rep=100, return_mode="median")
+        print(f"cuda {label}: {t:.3f} ms", flush=True)
+
     for kind in a.kinds.split(","):
         ki = topk_intervals(bias, W, is_causal=kind == "causal")
-        for bucket in [int(x) for x in a.buckets.split(",") if x] or [base_bucket(L)]:
-            key_lists.end_bucket_for = lambda n, b=bucket: b
+        for seg in segments:
+            civ.SEGMENT_ROWS = seg
             plan = civ.plan_for(q, k, bias, ki.bounds, True, backward=True, window=ki.window)
-            out, lse, _ = civ.interval_forward(q, k, v, bias, ki.bounds, 0.088, True, 0.0, plan)
-            for seg in [int(x) for x in a.segments.split(",") if x] or [civ.SEGMENT_ROWS]:
-                civ.SEGMENT_ROWS = seg
-                fn = lambda: civ.interval_backward(do, q, k, v, bias, ki.bounds, out, lse, 0.088,
-                                                   True, 0.0, (True, True, True, True), plan=plan)
-                t = do_bench(fn, warmup=10, rep=100, return_mode="median")
-                print(f"cuda {kind:6s} bwd bucket {bucket} segment {seg}: {t:.3f} ms", flush=True)
-        key_lists.end_bucket_for = base_bucket
+            time_bwd(plan, ki, f"{kind:6s} bwd segment items {seg}")
+            for bucket in [int(x) for x in a.buckets.split(",") if x] or [base_bucket(L)]:
+                key_lists.end_bucket_for = lambda n, b=bucket: b
+                plan = civ.plan_for(q, k, bias, ki.bounds, True, backward=True)
+                time_bwd(plan, ki, f"{kind:6s} bwd key blocks bucket {bucket} segment {seg}")
+            key_lists.end_bucket_for = base_bucket
+        civ.SEGMENT_ROWS = base_seg
         fwd = lambda: civ.interval_forward(q, k, v, bias, ki.bounds, 0.088, True, 0.0, plan)
         print(f"cuda {kind:6s} fwd kernel (plan prebuilt): "
               f"{do_bench(fwd, warmup=10, rep=100, return_mode='median'):.3f} ms", flush=True)

@@ -212,6 +212,46 @@ def test_plan_lists_match_brute_force():
         assert sorted(seen) == sorted(want)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_segment_items_cover_every_pair_once(causal):
+    """Segment items (the cuda backward's blocks under a window promise): within each segment,
+    every key that meets it is in exactly one of the segment's items, the item's range lies in
+    the segment and covers the key's range there; the keys every query of the segment sees
+    come first; empty items have the empty range [Lq, 0)."""
+    from flash_dmattn.planning.key_lists import segment_capacity
+    from flash_dmattn.utils.mask import topk_intervals
+
+    gen = torch.Generator().manual_seed(5)
+    B, L, Hkv, W, seg, bn = 2, 83, 2, 9, 32, 8
+    bias = torch.randn(B, Hkv, 1, L, generator=gen)
+    bias[1, 0, 0, 10:30] = 0.5  # ties
+    ki = topk_intervals(bias, W, is_causal=True)
+    plan = plan_intervals(ki.bounds, L, L, causal, 16, bn, True, window=W, segment_rows=seg)
+    cap = segment_capacity(L, seg, bn, W)
+    n_seg, n_items = -(-L // seg), cap // bn
+    assert plan.segment_rows == seg and plan.blocks_per_row == n_seg * n_items
+    ranges = key_ranges(ki.bounds, L, L, causal)
+    for r in range(B * Hkv):
+        for s in range(n_seg):
+            q0, q1 = s * seg, min(L, (s + 1) * seg)
+            lo, hi = ranges.lo[r].clamp(min=q0), ranges.hi[r].clamp(max=q1)
+            meets = (lo < hi).nonzero().flatten().tolist()
+            full = [j for j in meets if lo[j] == q0 and hi[j] == q1]
+            got = []
+            for c in range(n_items):
+                blk = (r * n_seg + s) * n_items + c
+                keys = [j for j in plan.blk_keys[blk].tolist() if j >= 0]
+                if not keys:
+                    assert (plan.blk_qlo[blk], plan.blk_qhi[blk]) == (L, 0)
+                    continue
+                assert q0 <= plan.blk_qlo[blk] and plan.blk_qhi[blk] <= q1
+                assert plan.blk_qlo[blk] == min(lo[j] for j in keys)
+                assert plan.blk_qhi[blk] == max(hi[j] for j in keys)
+                got += keys
+            assert got[:len(full)] == full
+            assert sorted(got) == meets
+
+
 def test_triton_declines_per_query_bias():
     from flash_dmattn.inputs import AttentionInputs
     from flash_dmattn.backends.triton.backend import _interval_reasons
@@ -311,6 +351,44 @@ def test_planner_kernels_match_reference(causal):
         assert torch.equal(keys, ref.keys)
         for got, want in zip(blocks, (ref.blk_keys, ref.blk_qlo, ref.blk_qhi)):
             assert torch.equal(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("causal", [False, True])
+def test_planner_kernels_match_reference_segment_items(causal):
+    """Under a window promise the planner's kernels build the same segment items as the
+    plain-PyTorch planner, also when a list runs past its segment's room (cut there)."""
+    from flash_dmattn.planning import key_lists, list_kernels
+    from flash_dmattn.utils.mask import topk_intervals
+
+    if ON_GPU:
+        pytest.skip("interpreter sizes")
+    gen = torch.Generator().manual_seed(3)
+    for L, W, seg in ((75, 6, 16), (40, 13, 32), (33, 20, 16)):
+        bias = torch.randn(2, 1, 1, L, generator=gen)
+        bounds = topk_intervals(bias, W, is_causal=True).bounds
+        ref_blocks = key_lists.segment_items(
+            key_lists.key_ranges(bounds, L, L, causal), L, seg, 8,
+            key_lists.segment_capacity(L, seg, 8, W))
+        fast = key_lists.plan_intervals(bounds, L, L, causal, 16, 8, True, window=W,
+                                        segment_rows=seg)
+        for got, want in zip((fast.blk_keys, fast.blk_qlo, fast.blk_qhi), ref_blocks):
+            assert torch.equal(got, want)
+        assert fast.segment_rows == seg
+        # A window covering every key promises nothing: key blocks then.
+        wide = key_lists.plan_intervals(bounds, L, L, causal, 16, 8, True, window=L,
+                                        segment_rows=seg)
+        assert wide.hides_nothing or wide.segment_rows is None
+    # A broken promise (window 2, lists longer than the room): both cut at the same place.
+    start = torch.zeros(1, 1, 30, dtype=torch.int64)
+    bounds = KeyIntervals(start, torch.full_like(start, 30), window=2).bounds
+    cap = key_lists.segment_capacity(30, 16, 8, 2)
+    ref_blocks = key_lists.segment_items(key_lists.key_ranges(bounds, 30, 30, causal), 30, 16,
+                                         8, cap)
+    tile = list_kernels.plan_fast(bounds, 30, 30, causal, 16, 8, True, 16, capacity=17,
+                                  segment_rows=16, segment_capacity=cap)
+    for got, want in zip(tile[4], ref_blocks):
+        assert torch.equal(got, want)
 
 
 @needs_kernels

@@ -18,6 +18,14 @@ seen by nobody and costs nothing. From those ranges:
   by start, so that a block's keys share most of their ranges: for a shared selection
   (every range ends at ``Lq``) this is position order; for a causal per-query selection it
   keeps keys that stop being selected at about the same query together.
+* **Backward segment items** (key major, for masks with a window promise): the queries are
+  cut into segments of ``segment_rows``; each segment gets the list of keys that meet it, laid
+  out like a forward tile's (keys every query of the segment sees first, then the others),
+  and the list is cut into items of ``block_n`` keys, each with the union of its keys' ranges
+  within the segment. A key seen across the whole segment wastes no pair of its item, so a
+  dK/dV kernel walking items visits about 0.9 pairs it needs for each pair it walks (the key
+  blocks above: about 0.7), at the price of a key appearing in one item per segment it
+  meets (its dK/dV partial sums are then added, as for the key blocks' segments).
 * A mask that hides nothing beyond ``is_causal`` is reported as such (``hides_nothing``), so
   the call can run on the dense kernels.
 
@@ -95,6 +103,9 @@ class IntervalPlan:
     their interval test), the rest by some; each group in position order. ``blk_keys (n_blocks, block_n)`` int32 key indices (``-1``
     pads a row's last block; every row has ``blocks_per_row`` blocks, row after row),
     ``blk_qlo``/``blk_qhi`` ``(n_blocks,)`` int32.
+    ``segment_rows``: None for key blocks (each seen key in exactly one block); else the
+    blocks are segment items (:func:`segment_items`): every block's range lies within one
+    segment of that many queries, and a key is in one block per segment it meets.
     ``hides_nothing``: the mask shows every pair that ``is_causal`` alone shows (then no lists
     are built, and the call belongs on the dense kernels).
     """
@@ -109,6 +120,7 @@ class IntervalPlan:
     blk_keys: Optional[torch.Tensor] = None
     blk_qlo: Optional[torch.Tensor] = None
     blk_qhi: Optional[torch.Tensor] = None
+    segment_rows: Optional[int] = None
 
     @property
     def rows(self) -> int:
@@ -203,6 +215,47 @@ def key_blocks(ranges: KeyRanges, seqlen_q: int, block_n: int, end_bucket: int):
             blk_qhi.to(torch.int32))
 
 
+def segment_capacity(seqlen_k: int, segment_rows: int, block_n: int, window: int) -> int:
+    """Room for one segment's key list under a window promise: ``segment_rows`` consecutive
+    queries meet at most ``window + segment_rows - 1`` keys; rounded up to whole items."""
+    cap = min(seqlen_k, window + segment_rows - 1)
+    return max(1, cdiv(cap, block_n)) * block_n
+
+
+def segment_items(ranges: KeyRanges, seqlen_q: int, segment_rows: int, block_n: int,
+                  capacity: int):
+    """``(blk_keys, blk_qlo, blk_qhi)``: the backward's segment items (see the module
+    docstring) in plain PyTorch.
+
+    Row ``r``, segment ``s`` and item ``c`` is block ``(r * n_seg + s) * n_items + c`` with
+    ``n_seg = ceil(Lq / segment_rows)`` and ``n_items = capacity // block_n``: keys
+    ``c * block_n ..`` of the segment's list (``-1`` past its end), and the union of their
+    ranges cut to the segment (``[Lq, 0)`` for an item without keys). ``capacity`` (a multiple
+    of ``block_n``) bounds a segment's list; a longer list is cut there.
+    """
+    rows = ranges.lo.shape[0]
+    device = ranges.lo.device
+    tile_start, tile_len, _, keys = tile_lists_reference(ranges, seqlen_q, segment_rows)
+    n_seg = tile_start.shape[1]
+    slot = torch.arange(capacity, device=device)
+    n = tile_len.to(torch.int64).clamp(max=capacity)[..., None]  # (R, n_seg, 1)
+    ok = slot < n
+    at = (tile_start.to(torch.int64)[..., None] + slot).clamp(max=max(keys.numel() - 1, 0))
+    idx = torch.where(ok, keys.to(torch.int64)[at] if keys.numel() else at, -1)
+    safe = idx.clamp(min=0)
+    row = torch.arange(rows, device=device)[:, None, None]
+    q0 = (torch.arange(n_seg, device=device) * segment_rows)[None, :, None]
+    q1 = torch.clamp(q0 + segment_rows, max=seqlen_q)
+    lo = torch.where(ok, torch.maximum(ranges.lo.to(torch.int64)[row, safe], q0), seqlen_q)
+    hi = torch.where(ok, torch.minimum(ranges.hi.to(torch.int64)[row, safe], q1), 0)
+    n_items = capacity // block_n
+    blk_keys = idx.view(rows * n_seg * n_items, block_n)
+    blk_qlo = lo.view(-1, block_n).amin(dim=1)
+    blk_qhi = hi.view(-1, block_n).amax(dim=1)
+    return (blk_keys.to(torch.int32).contiguous(), blk_qlo.to(torch.int32),
+            blk_qhi.to(torch.int32))
+
+
 def plan_intervals(
     bounds: torch.Tensor,
     seqlen_q: int,
@@ -213,6 +266,7 @@ def plan_intervals(
     backward: bool,
     end_bucket: Optional[int] = None,
     window: Optional[int] = None,
+    segment_rows: Optional[int] = None,
 ) -> IntervalPlan:
     """Plan a key-interval call: forward lists always, backward key blocks when asked.
 
@@ -225,26 +279,40 @@ def plan_intervals(
     device planner gives every tile a list of that capacity and never waits for the device
     to learn the lists' total length; and a window below ``Lk`` hides keys from the last
     query, so the mask is not checked for hiding nothing.
+
+    ``segment_rows``: with a window, the backward gets segment items of that many queries
+    (:func:`segment_items`, for kernels that add every block's dK/dV into fp32 sums) instead
+    of key blocks; ignored without a window (a segment's list would need room for every key).
     """
     from . import list_kernels
 
     bucket = end_bucket if end_bucket is not None else end_bucket_for(seqlen_q)
+    windowed = window is not None and window < seqlen_k
+    segments = segment_rows if (backward and windowed and segment_rows) else None
     if list_kernels.available(bounds.device):
-        capacity = None
-        if window is not None and window < seqlen_k:
-            capacity = min(seqlen_k, window + block_m - 1)
+        capacity = min(seqlen_k, window + block_m - 1) if windowed else None
+        seg_capacity = (segment_capacity(seqlen_k, segments, block_n, window)
+                        if segments else None)
         built = list_kernels.plan_fast(
             bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward, bucket,
-            capacity=capacity)
+            capacity=capacity, segment_rows=segments, segment_capacity=seg_capacity)
         if built is None:
             return _dense_equivalent(bounds, seqlen_q, block_m, block_n)
         tile_start, tile_len, tile_full, keys, blocks = built
-        plan = IntervalPlan(block_m, block_n, tile_start, tile_len, tile_full, keys)
+        plan = IntervalPlan(block_m, block_n, tile_start, tile_len, tile_full, keys,
+                            segment_rows=segments)
         if blocks is not None:
             plan.blk_keys, plan.blk_qlo, plan.blk_qhi = blocks
         return plan
-    return plan_intervals_reference(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n,
-                                    backward, bucket)
+    plan = plan_intervals_reference(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n,
+                                    backward and not segments, bucket)
+    if segments and not plan.hides_nothing:
+        ranges = key_ranges(bounds, seqlen_q, seqlen_k, is_causal)
+        plan.blk_keys, plan.blk_qlo, plan.blk_qhi = segment_items(
+            ranges, seqlen_q, segments, block_n,
+            segment_capacity(seqlen_k, segments, block_n, window))
+        plan.segment_rows = segments
+    return plan
 
 
 def plan_intervals_reference(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,

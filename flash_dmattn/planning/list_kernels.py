@@ -41,9 +41,9 @@ if triton is not None:
         return lo
 
     @triton.jit
-    def _fill_kernel(CIdx, CLo, CHi, NLive, nlive_stride, TileStart, TileFull, Keys, Lq, pos_off,
-                     n_tiles, Lk, cap, BLOCK_M: tl.constexpr, SCAN: tl.constexpr,
-                     CAUSAL: tl.constexpr):
+    def _fill_kernel(CIdx, CLo, CHi, NLive, nlive_stride, TileStart, TileFull, TileLen, Keys,
+                     Lq, pos_off, n_tiles, Lk, cap, BLOCK_M: tl.constexpr, SCAN: tl.constexpr,
+                     CAUSAL: tl.constexpr, STORE_LEN: tl.constexpr):
         m = tl.program_id(0)
         r = tl.program_id(1)
         q0 = m * BLOCK_M
@@ -73,6 +73,8 @@ if triton is not None:
                 count += tl.sum(take.to(tl.int32), 0)
             if part == 0:
                 tl.store(TileFull + r * n_tiles + m, count)
+        if STORE_LEN:
+            tl.store(TileLen + r * n_tiles + m, tl.minimum(count, cap))
 
 
 if triton is not None:
@@ -175,8 +177,33 @@ if triton is not None:
         tl.store(BlkQhi + blk, tl.max(hi, 0))
 
 
+    @triton.jit
+    def _items_kernel(SegKeys, SegLen, Lo, Hi, BlkKeys, BlkQlo, BlkQhi, Lq, Lk, n_seg, n_items,
+                      cap, SEG: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Segment items: keys ``c * BLOCK_N ..`` of a segment's list (-1 past its end) and
+        the union of their query ranges cut to the segment (``[Lq, 0)`` when empty)."""
+        it = tl.program_id(0)
+        c = it % n_items
+        rs = it // n_items  # row * n_seg + segment
+        s = rs % n_seg
+        r = rs // n_seg
+        n = tl.load(SegLen + rs)
+        i = c * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = i < n
+        idx = tl.load(SegKeys + rs.to(tl.int64) * cap + i, mask=ok, other=-1)
+        q0 = s * SEG
+        q1 = tl.minimum(q0 + SEG, Lq)
+        lo = tl.load(Lo + r * Lk + idx, mask=ok, other=Lq)
+        hi = tl.load(Hi + r * Lk + idx, mask=ok, other=0)
+        lo = tl.where(ok, tl.maximum(lo, q0), Lq)
+        hi = tl.where(ok, tl.minimum(hi, q1), 0)
+        tl.store(BlkKeys + it.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N), idx)
+        tl.store(BlkQlo + it, tl.min(lo, 0))
+        tl.store(BlkQhi + it, tl.max(hi, 0))
+
+
 def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward, end_bucket,
-              capacity=None):
+              capacity=None, segment_rows=None, segment_capacity=None):
     """The planner on the device in ~10 launches and one host wait (the lists' total length,
     and whether the mask hides anything beyond ``is_causal``).
 
@@ -187,6 +214,10 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
     ``capacity``: a bound on any tile's list length that the caller guarantees (and a mask
     known to hide something). Each tile's list then starts at ``(row * n_tiles + tile) *
     capacity`` and nothing waits for the device: the same lists, laid out with gaps.
+
+    ``segment_rows`` (with ``capacity`` and ``segment_capacity``, a multiple of ``block_n``):
+    the backward's blocks are segment items (:func:`.key_lists.segment_items`) instead of
+    key blocks.
     """
     rows = bounds.shape[1] * bounds.shape[2]
     lk, lq = seqlen_k, seqlen_q
@@ -226,7 +257,10 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
         _compact_kernel[(n_chunks, rows)](lo, hi, chunk_end, chunk_count, c_idx, c_lo, c_hi, lk,
                                           n_chunks, CHUNK=chunk, num_warps=4)
     blocks = None
-    if backward:
+    if backward and segment_rows:
+        blocks = _segment_items(lo, hi, c_idx, c_lo, c_hi, chunk_end[n_chunks - 1:], n_chunks,
+                                lq, lq - lk, segment_rows, segment_capacity, block_n, is_causal)
+    elif backward:
         sorted_key, order = torch.sort(order_key, dim=1, stable=True)
         n_blk = max(1, -(-lk // block_n))
         blk = torch.empty(rows * n_blk * (block_n + 2), dtype=torch.int32, device=device)
@@ -264,6 +298,36 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
     return tile_start, tile_len, tile_full, keys, blocks
 
 
+def _segment_items(lo, hi, c_idx, c_lo, c_hi, n_live, n_live_stride, seqlen_q, pos_off,
+                   segment_rows, capacity, block_n, is_causal):
+    """``(blk_keys, blk_qlo, blk_qhi)`` of the segment items: each segment's list written by
+    the tile-list kernel at ``segment_rows`` queries a tile, then cut into items."""
+    rows, lk = lo.shape
+    device = lo.device
+    n_seg = max(1, -(-seqlen_q // segment_rows))
+    n_items = capacity // block_n
+    seg = torch.empty(rows * n_seg * (capacity + 3), dtype=torch.int32, device=device)
+    seg_keys, seg_start, seg_full, seg_len = seg.split([rows * n_seg * capacity] +
+                                                       [rows * n_seg] * 3)
+    seg_start = seg_start.view(rows, n_seg)
+    torch.arange(0, rows * n_seg * capacity, capacity, dtype=torch.int32, device=device,
+                 out=seg_start.view(-1))
+    if lk:
+        _fill_kernel[(n_seg, rows)](
+            c_idx, c_lo, c_hi, n_live, n_live_stride, seg_start, seg_full, seg_len, seg_keys,
+            seqlen_q, pos_off, n_seg, lk, capacity, BLOCK_M=segment_rows, SCAN=SCAN_BLOCK,
+            CAUSAL=bool(is_causal), STORE_LEN=True, num_warps=4)
+    else:
+        seg_len.zero_()
+    n_blk = rows * n_seg * n_items
+    blk = torch.empty(n_blk * (block_n + 2), dtype=torch.int32, device=device)
+    blk_keys, blk_qlo, blk_qhi = blk.split([n_blk * block_n, n_blk, n_blk])
+    _items_kernel[(n_blk,)](seg_keys, seg_len, lo, hi, blk_keys, blk_qlo, blk_qhi, seqlen_q, lk,
+                            n_seg, n_items, capacity, SEG=segment_rows, BLOCK_N=block_n,
+                            num_warps=4)
+    return blk_keys.view(n_blk, block_n), blk_qlo, blk_qhi
+
+
 def fill_tile_lists(c_idx, c_lo, c_hi, n_live, n_live_stride, tile_start, tile_full, keys,
                     seqlen_q, pos_off, block_m, is_causal, capacity=None):
     """Write each (tile, row) list at ``keys[tile_start[row, tile]:]``: the keys every query
@@ -279,7 +343,7 @@ def fill_tile_lists(c_idx, c_lo, c_hi, n_live, n_live_stride, tile_start, tile_f
     if keys.numel() == 0:
         return
     _fill_kernel[(n_tiles, rows)](
-        c_idx, c_lo, c_hi, n_live, n_live_stride, tile_start, tile_full, keys, seqlen_q, pos_off,
-        n_tiles, lk, capacity if capacity is not None else keys.numel(),
-        BLOCK_M=block_m, SCAN=SCAN_BLOCK, CAUSAL=bool(is_causal), num_warps=4,
+        c_idx, c_lo, c_hi, n_live, n_live_stride, tile_start, tile_full, tile_full, keys,
+        seqlen_q, pos_off, n_tiles, lk, capacity if capacity is not None else keys.numel(),
+        BLOCK_M=block_m, SCAN=SCAN_BLOCK, CAUSAL=bool(is_causal), STORE_LEN=False, num_warps=4,
     )

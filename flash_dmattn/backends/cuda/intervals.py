@@ -9,8 +9,11 @@ A :class:`~flash_dmattn.masks.KeyIntervals` mask is planned by the backend-neutr
   with each key's visible query range and bias staged beside them;
 * the backward (``bwd_intervals``) walks the planner's 128-key blocks: a CTA holds a block's
   K/V rows and walks one segment of the block's query range for every query head of the kv
-  head's group, computing dK, dV, the per-key dbias and, fused, dQ. Segments of one block add
-  their dK/dV/dbias with fp32 atomics and dQ is accumulated with asynchronous reductions, so
+  head's group, computing dK, dV, the per-key dbias and, fused, dQ. Under a window promise the
+  blocks are the planner's segment items (each segment's keys, those seen by the whole segment
+  first, cut into blocks whose ranges lie in the segment), which waste fewer pairs than key
+  blocks spanning many segments. Blocks and segments that share keys add their dK/dV/dbias
+  with fp32 atomics and dQ is accumulated with asynchronous reductions, so
   the last bits of the gradients vary between runs: ``deterministic=True`` calls go to the
   triton kernels (see :func:`interval_reasons`).
 """
@@ -25,7 +28,8 @@ from ...policy import HOPPER, device_capability
 from .extension import kernel_module, reduce_key_partials, vector_ready
 
 # Query rows one dK/dV CTA walks at most (a multiple of the backward's 64-row tiles): a key
-# that stays selected for most of the sequence is spread over several CTAs.
+# that stays selected for most of the sequence is spread over several CTAs. Under a window
+# promise it is also the planner's segment of the segment items.
 SEGMENT_ROWS = 2048
 
 __all__ = ["DenseEquivalent", "SEGMENT_ROWS", "interval_reasons", "interval_forward",
@@ -68,7 +72,8 @@ def plan_for(q, k, bias, bounds, is_causal, backward: bool, window=None):
     Lk, Hkv = k.shape[1], k.shape[2]
     fb, _ = full_bounds(bounds, B, H, Hkv)
     fwd_m, _, _, bwd_n = mod.block_sizes()
-    return plan_intervals(fb, Lq, Lk, is_causal, fwd_m, bwd_n, backward, window=window), fb
+    return plan_intervals(fb, Lq, Lk, is_causal, fwd_m, bwd_n, backward, window=window,
+                          segment_rows=SEGMENT_ROWS), fb
 
 
 def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None):
@@ -103,9 +108,14 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
         dv = torch.zeros_like(v) if need_dv else None
         db = torch.zeros((B, H, Lk), dtype=torch.float32, device=q.device)
         return dq, dk, dv, reduce_key_partials(db, bias) if need_dbias else None
+    segment_rows = SEGMENT_ROWS
+    if ivp.segment_rows is not None:
+        # Segment items lie within one segment each: one CTA per item.
+        bwd_m = mod.block_sizes()[2]
+        segment_rows = max(SEGMENT_ROWS, -(-Lq // bwd_m) * bwd_m)
     dq, dk32, dv32, db32 = mod.bwd_intervals(
         dout, q, k, v, bias, out, lse.contiguous(), fb, ivp.blk_keys, ivp.blk_qlo, ivp.blk_qhi,
-        ivp.blocks_per_row, SEGMENT_ROWS, float(scale), bool(is_causal), float(softcap),
+        ivp.blocks_per_row, segment_rows, float(scale), bool(is_causal), float(softcap),
         bool(need_dq), bool(need_dk or need_dv), bool(need_dbias))
     return (dq if need_dq else None,
             dk32.to(k.dtype) if need_dk else None,
