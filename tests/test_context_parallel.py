@@ -18,7 +18,13 @@ import torch
 import torch.multiprocessing as mp
 
 from flash_dmattn import KeyIntervals, reference_dmattn_func
-from flash_dmattn.distributed import shard_positions, shard_segments, shard_sequence, unshard_sequence
+from flash_dmattn.distributed import (
+    sequence_segments,
+    shard_positions,
+    shard_segments,
+    shard_sequence,
+    unshard_sequence,
+)
 from flash_dmattn.distributed.plan import plan_block
 from flash_dmattn.utils.mask import topk_intervals
 
@@ -305,6 +311,16 @@ RING_CASES = [
     # float32 through auto-dispatch (the torch-reference backend on CPU)
     _case("ring", 2, "zigzag", True, bias="per_key", mask="per_key", dtype=torch.float32,
           backend=None),
+    # Lengths the layout does not divide: shards of 7, 7, 8, 8 (zigzag pieces 4,4,4,4,4,4,3,3),
+    # 8, 8, 7, 7 (contiguous), 17 and 16, and 1, 1, 2, 2 (two zigzag pieces without a token).
+    _case("ring", 4, "zigzag", True, mask="per_key", bias="per_key", L=30),
+    _case("ring", 4, "contiguous", True, intervals="random", intervals_sharded=True,
+          bias="per_key", softcap=2.5, L=30),
+    _case("ring", 2, "zigzag", False, mask="rows", bias="per_query", L=33),
+    _case("ring", 4, "zigzag", True, mask="per_query", bias="rows", intervals=None, L=31, Hkv=1),
+    _case("ring", 4, "zigzag", True, intervals="window", bias="global_keys", L=29),
+    _case("ring", 4, "zigzag", True, bias="per_key", mask="per_key", L=6, frozen=("q",)),
+    dict(_case("ring", 2, "zigzag", True, bias="per_key", L=27), mesh=True),
 ]
 
 DMA_CASES = [
@@ -318,6 +334,11 @@ DMA_CASES = [
     _case("dma", 4, "zigzag", True, bias="per_key", window=5, frozen=("k", "v")),
     _case("dma", 2, "zigzag", False, bias="per_key", window=5, frozen=("q", "k")),
     dict(_case("dma", 2, "zigzag", True, bias="per_key", window=5), mesh=True),
+    # lengths the layout does not divide (see RING_CASES)
+    _case("dma", 4, "zigzag", True, bias="per_key", window=5, L=30, softcap=3.0),
+    _case("dma", 2, "contiguous", False, bias="per_key_b1h1", window=4, L=33),
+    _case("selected", 4, "contiguous", False, intervals="random", bias="per_key", L=27),
+    _case("selected", 4, "zigzag", True, intervals="window", L=6),
 ]
 
 
@@ -377,12 +398,23 @@ ERROR_CASES = [
     (dict(backend="flex"), ValueError, "no separate forward/backward"),
     (dict(kind="selected", intervals="window", intervals_sharded=True), ValueError,
      "cover the whole sequence"),
-    (dict(L=34), ValueError, "even number of tokens per rank"),
+    # shards of 18 and 16 tokens: the zigzag split of 34 over 2 ranks is 17 and 17
+    (dict(L=34, cut=(18, 16)), ValueError, "the ranks hold [18, 16] tokens, but the zigzag layout"),
+    (dict(L=34, cut=(17, 17), layout="contiguous", bias="per_key", bias_on=(0,)), ValueError,
+     "attn_bias was passed on ranks [0] only"),
+    (dict(bad_bias=True), ValueError, "attn_bias: the key dim has sizes [12, 20] on the ranks"),
+    (dict(L=3, cut=(3, 0), layout="contiguous"), ValueError, "every rank needs at least one token"),
+    (dict(kind="dma", bias="per_key", L=30, cut=(16, 14), layout="contiguous"), ValueError,
+     "the ranks hold [16, 14] tokens, but the contiguous layout"),
 ]
 
 
 def _run_error_case(spec, group, rank, world):
-    from flash_dmattn.distributed import context_parallel_attention, context_parallel_selected_attention
+    from flash_dmattn.distributed import (
+        context_parallel_attention,
+        context_parallel_dma_attention,
+        context_parallel_selected_attention,
+    )
 
     p = make_problem(spec)
     layout = spec["layout"]
@@ -391,11 +423,14 @@ def _run_error_case(spec, group, rank, world):
     def shard(t, dim=1):
         return shard_sequence(t, rank, world, shard_layout, dim)
 
-    if spec["L"] % (2 * world):  # a zigzag shard of odd length: cut contiguously instead
-        n = spec["L"] // world
-        q, k, v = (p[x][:, rank * n:(rank + 1) * n] for x in ("q", "k", "v"))
-    else:
-        q, k, v = (shard(p[x]) for x in ("q", "k", "v"))
+    cut = spec.get("cut")  # shards of these lengths, cut contiguously, whatever the layout
+
+    def part(t, dim=1):
+        if cut is None:
+            return shard(t, dim)
+        return t.narrow(dim, sum(cut[:rank]), cut[rank])
+
+    q, k, v = (part(p[x]) for x in ("q", "k", "v"))
     kw = dict(group=group, layout=layout, backend=spec.get("backend", "torch-reference"))
     if spec["kind"] == "selected":
         return context_parallel_selected_attention(q, k, v, shard(p["intervals"]), **kw)
@@ -403,7 +438,13 @@ def _run_error_case(spec, group, rank, world):
     if spec.get("bad_mask"):  # (this rank's queries, this rank's keys): meaningless
         n = q.shape[1]
         mask = torch.ones(1, 1, n, n, dtype=torch.bool)
-    bias = shard(p["bias"], -1) if p["bias"] is not None else None
+    bias = None
+    if p["bias"] is not None and rank in spec.get("bias_on", range(world)):
+        bias = part(p["bias"], -1)
+    if spec["kind"] == "dma":
+        return context_parallel_dma_attention(q, k, v, bias, 4, **kw)
+    if spec.get("bad_bias"):  # key dims 12 and 20: neither the shard lengths (16) nor L (32)
+        bias = torch.zeros(1, 1, q.shape[1], 12 if rank == 0 else 20, dtype=q.dtype)
     return context_parallel_attention(q, k, v, attn_mask=mask, attn_bias=bias, **kw)
 
 
@@ -438,36 +479,89 @@ def test_layout_round_trip(layout):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_layout_of_any_length(layout):
+    # Lengths the pieces do not divide: the first L mod pieces pieces get a token more.
+    for world in (1, 2, 3, 4):
+        for L in range(world, 4 * world + 9):
+            x = torch.arange(L).view(1, L)
+            shards = [shard_sequence(x, r, world, layout) for r in range(world)]
+            assert torch.equal(unshard_sequence(shards, layout), x)
+            segs = sequence_segments(layout, world, L)
+            lengths = [s.shape[1] for s in shards]
+            assert min(lengths) >= 1 and max(lengths) - min(lengths) <= (2 if layout == "zigzag" else 1)
+            for r, s in enumerate(shards):
+                assert torch.equal(s[0], shard_positions(layout, r, world, seq_len=L))
+                assert shard_segments(layout, r, world, seq_len=L) == segs[r]
+                if L % (world * (2 if layout == "zigzag" else 1)) == 0:
+                    assert segs[r] == shard_segments(layout, r, world, L // world)
+    assert sequence_segments("zigzag", 4, 30)[0] == ((0, 4), (27, 3))
+    assert sequence_segments("zigzag", 4, 6)[3] == ((3, 1), (4, 1))
+    assert sequence_segments("zigzag", 4, 6)[0] == ((0, 1),)  # its second piece has no token
+    with pytest.raises(ValueError, match="without a token"):
+        sequence_segments(layout, 4, 3)
+    with pytest.raises(ValueError, match=r"the ranks hold \[2, 3\] tokens, but the"):
+        unshard_sequence([torch.zeros(1, 2), torch.zeros(1, 3)], layout)  # 5 tokens: 3 and 2
+
+
+def _assert_exact_cover(q_segs, k_segs, causal, consecutive):
+    """plan_block's calls cover every visible (query, key) pair once and no hidden one."""
+    def positions(segs):
+        return torch.cat([torch.arange(a, a + n) for a, n in segs])
+
+    q_pos, k_pos = positions(q_segs), positions(k_segs)
+    calls = plan_block(q_segs, k_segs, causal, consecutive)
+    covered = torch.zeros(len(q_pos), len(k_pos), dtype=torch.int64)
+    for c in calls:
+        (r0, r1), (c0, c1) = c.rows, c.cols
+        assert r1 > r0 and c1 > c0, calls
+        i = torch.arange(r1 - r0)[:, None]
+        j = torch.arange(c1 - c0)[None, :]
+        local = (j <= i + (c1 - c0) - (r1 - r0)) if c.causal else torch.ones_like(i * j, dtype=torch.bool)
+        covered[r0:r1, c0:c1] += local.long()
+        # columns' global positions and (when asked) consecutive query positions
+        cols = torch.cat([torch.arange(a, b) for a, b in c.key_ranges])
+        assert torch.equal(cols, k_pos[c0:c1])
+        if consecutive:
+            assert torch.equal(q_pos[r0:r1], torch.arange(c.query_pos, c.query_pos + r1 - r0))
+    visible = (k_pos[None, :] <= q_pos[:, None]) if causal else torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)
+    assert torch.equal(covered, visible.long()), (q_segs, k_segs, calls)
+    return calls
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("consecutive", [True, False])
 def test_plan_covers_exactly_the_visible_pairs(layout, causal, consecutive):
-    n = 6
     for world in range(1, 6):
-        L = n * world
-        for rank in range(world):
-            mine = shard_segments(layout, rank, world, n)
-            q_pos = shard_positions(layout, rank, world, n)
-            for src in range(world):
-                k_pos = shard_positions(layout, src, world, n)
-                calls = plan_block(mine, shard_segments(layout, src, world, n), causal, consecutive)
-                covered = torch.zeros(n, n, dtype=torch.int64)
-                for c in calls:
-                    (r0, r1), (c0, c1) = c.rows, c.cols
-                    i = torch.arange(r1 - r0)[:, None]
-                    j = torch.arange(c1 - c0)[None, :]
-                    local = (j <= i + (c1 - c0) - (r1 - r0)) if c.causal else torch.ones_like(i * j, dtype=torch.bool)
-                    covered[r0:r1, c0:c1] += local.long()
-                    # columns' global positions and (when asked) consecutive query positions
-                    cols = torch.cat([torch.arange(a, b) for a, b in c.key_ranges])
-                    assert torch.equal(cols, k_pos[c0:c1])
-                    if consecutive:
-                        assert torch.equal(q_pos[r0:r1], torch.arange(c.query_pos, c.query_pos + r1 - r0))
-                visible = (k_pos[None, :] <= q_pos[:, None]) if causal else torch.ones(n, n, dtype=torch.bool)
-                assert torch.equal(covered, visible.long()), (world, rank, src, calls)
-                # causal contiguous: blocks after every query are never computed
-                if causal and layout == "contiguous" and src > rank:
-                    assert calls == []
-                assert L == n * world
+        for L in (6 * world, 6 * world + 1, 6 * world + world + 1):  # equal and unequal shards
+            segments = sequence_segments(layout, world, L)
+            for rank in range(world):
+                for src in range(world):
+                    calls = _assert_exact_cover(segments[rank], segments[src], causal, consecutive)
+                    # causal contiguous: blocks after every query are never computed
+                    if causal and layout == "contiguous" and src > rank:
+                        assert calls == []
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_plan_of_any_segments(consecutive):
+    # Segments that overlap without being the same (no layout makes them): diagonals off the
+    # bottom-right corner, split into a causal call and a full one.
+    g = torch.Generator().manual_seed(0)
+
+    def segs():
+        a, n = (int(x) for x in torch.randint(0, 12, (2,), generator=g))
+        if torch.rand(1, generator=g) < 0.5:
+            return ((a, n + 1),)
+        b = a + n + 1 + int(torch.randint(0, 6, (1,), generator=g))
+        return ((a, n + 1), (b, int(torch.randint(1, 8, (1,), generator=g))))
+
+    for _ in range(400):
+        for causal in (True, False):
+            _assert_exact_cover(segs(), segs(), causal, consecutive)
+    # e.g. queries 0..5 against keys 2..9: rows 2..5 see a growing prefix, rows 0..1 nothing
+    calls = _assert_exact_cover(((0, 6),), ((2, 8),), True, True)
+    assert [(c.rows, c.cols, c.causal) for c in calls] == [((2, 6), (0, 4), True)]
 
 
 def test_example_under_torchrun():
@@ -519,9 +613,11 @@ def test_cp_benchmark_quick(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("gpus", [2, 4])
-def test_example_on_gpus(gpus, layout):
+@pytest.mark.parametrize("gpus,layout,seq_len", [
+    (2, "zigzag", 8192), (2, "contiguous", 8191),  # 8191: shards of 4096 and 4095
+    (4, "contiguous", 8192), (4, "zigzag", 8190),  # 8190: shards of 2047, 2047, 2048, 2048
+], ids=lambda x: str(x))
+def test_example_on_gpus(gpus, layout, seq_len):
     # NCCL, bf16, the backend auto-dispatch picks; the example exits 1 when a shard of the output
     # or of a gradient is off (see its check_against_one_process).
     import subprocess
@@ -533,8 +629,9 @@ def test_example_on_gpus(gpus, layout):
     repo = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(gpus), "examples/context_parallel.py", "--seq-len", "8192", "--layout", layout,
-           "--window", "512", "--heads", "16", "--kv-heads", "4", "--head-dim", "128"]
+           str(gpus), "examples/context_parallel.py", "--seq-len", str(seq_len), "--layout", layout,
+           "--window", "512", "--heads", "16", "--kv-heads", "4", "--head-dim", "128", "--check"]
     res = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
     assert res.stdout.count("vs one process") == 2 * gpus
+    assert f"rank {gpus - 1}/{gpus}: {seq_len} tokens, {layout} layout" in res.stdout

@@ -9,11 +9,18 @@
   per-key bias: the bias is all-gathered, the selection made once, and only the selected
   keys' K/V (and their gradients) move.
 
-Layout helpers (:mod:`.layout`) split and reassemble sequences; :func:`record_communication`
+Layout helpers (:mod:`.layout`) split sequences of any length and reassemble them; :func:`record_communication`
 counts the bytes moved. See ``docs/context-parallel.md``.
 """
 from .comm import CommunicationLog, record_communication
-from .layout import LAYOUTS, shard_positions, shard_segments, shard_sequence, unshard_sequence
+from .layout import (
+    LAYOUTS,
+    sequence_segments,
+    shard_positions,
+    shard_segments,
+    shard_sequence,
+    unshard_sequence,
+)
 from .ring import context_parallel_attention
 from .selected import context_parallel_dma_attention, context_parallel_selected_attention
 
@@ -24,6 +31,7 @@ __all__ = [
     "record_communication",
     "CommunicationLog",
     "LAYOUTS",
+    "sequence_segments",
     "shard_positions",
     "shard_segments",
     "shard_sequence",

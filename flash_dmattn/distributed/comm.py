@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -131,9 +131,43 @@ class Group:
         ops = [("send", self.next, t) for t in send] + [("recv", self.prev, t) for t in recv]
         return self.exchange(purpose, ops)
 
-    def all_gather(self, purpose: str, tensor: torch.Tensor) -> List[torch.Tensor]:
-        """Every rank's ``tensor`` (same shape everywhere), indexed by group rank."""
-        out = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather([_wire(t) for t in out], _wire(tensor.contiguous()), group=self.group)
+    def all_gather(self, purpose: str, tensor: torch.Tensor,
+                   lengths: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
+        """Every rank's ``tensor``, indexed by group rank. Its shape is the same on every rank,
+        except the last dim when ``lengths`` gives each rank's (the tensors travel padded to
+        the longest)."""
+        tensor = tensor.contiguous()
+        if lengths is not None and max(lengths) != tensor.shape[-1]:
+            padded = tensor.new_zeros(*tensor.shape[:-1], max(lengths))
+            padded[..., : tensor.shape[-1]] = tensor
+            tensor = padded
+        out = [torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+               for _ in range(self.size)]
+        dist.all_gather([_wire(t) for t in out], _wire(tensor), group=self.group)
         _note(purpose, [tensor] * (self.size - 1), out[: self.size - 1])
+        if lengths is not None:
+            out = [t[..., :n] for t, n in zip(out, lengths)]
         return out
+
+    def all_gather_ints(self, purpose: str, values: Sequence[int], device) -> List[List[int]]:
+        """Every rank's ``values`` (as many on every rank), indexed by group rank: one
+        collective and one host synchronisation. ``device``: where the collective runs (the
+        GPU of the rank with NCCL)."""
+        mine = torch.tensor([int(x) for x in values], dtype=torch.int64, device=device)
+        return torch.stack(self.all_gather(purpose, mine)).tolist()
+
+    def agree(self, device, values: Optional[Sequence[int]], width: int,
+              error: Optional[Exception] = None) -> List[List[int]]:
+        """Every rank's ``values`` (``width`` ints: its shard length and the like), indexed by
+        group rank, after each rank has checked its own arguments. A rank whose checks failed
+        (``error``) raises it, and every other rank raises too, rather than waiting for it in a
+        transfer that never comes."""
+        row = [-1] * width + [1] if error is not None else [int(x) for x in values] + [0]
+        rows = self.all_gather_ints("setup", row, device)
+        if error is not None:
+            raise error
+        failed = [r for r, x in enumerate(rows) if x[-1]]
+        if failed:
+            raise ValueError(f"rank(s) {failed} of the context-parallel group rejected their "
+                             f"arguments (the error raised there says why)")
+        return [x[:-1] for x in rows]

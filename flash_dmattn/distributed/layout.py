@@ -1,12 +1,18 @@
 """How a sequence is split over the ranks of a context-parallel group.
 
-A sequence of ``L`` tokens is split into equal shards of ``n = L / P`` tokens, one per rank:
+A sequence of ``L`` tokens is cut into pieces of consecutive positions, one per rank
+(contiguous) or two per rank (zigzag):
 
-* ``"contiguous"``: rank ``r`` holds positions ``r·n .. (r+1)·n - 1``;
-* ``"zigzag"``: the sequence is cut into ``2P`` chunks of ``c = n / 2`` and rank ``r`` holds
-  chunk ``r`` followed by chunk ``2P - 1 - r``. Under a causal mask every rank then has the
-  same amount of work (an early chunk with few visible keys and a late one with many), where
-  the contiguous split gives the last rank ``2P - 1`` times the work of the first.
+* ``"contiguous"``: ``P`` pieces; rank ``r`` holds piece ``r`` (with ``n = L / P``: positions
+  ``r·n .. (r+1)·n - 1``);
+* ``"zigzag"``: ``2P`` pieces; rank ``r`` holds piece ``r`` followed by piece ``2P - 1 - r``.
+  Under a causal mask every rank then has the same amount of work (an early piece with few
+  visible keys and a late one with many), where the contiguous split gives the last rank
+  ``2P - 1`` times the work of the first.
+
+Any ``L`` splits (at least one token per rank): when the number of pieces does not divide
+``L``, the first ``L mod pieces`` pieces have one token more than the others (the split of
+``torch.tensor_split``), so shards differ by at most one token (two for zigzag).
 
 Queries, keys and values, and every mask or bias dimension that runs along the sequence, are
 split the same way. The helpers below cut a whole tensor into a rank's shard, put shards back
@@ -14,13 +20,14 @@ together, and give the global positions of a shard (e.g. for rotary embeddings).
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..masks import KeyIntervals
 
-__all__ = ["LAYOUTS", "shard_segments", "shard_positions", "shard_sequence", "unshard_sequence"]
+__all__ = ["LAYOUTS", "sequence_segments", "shard_segments", "shard_positions", "shard_sequence",
+           "unshard_sequence"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -33,42 +40,84 @@ def check_layout(layout) -> str:
     return layout
 
 
-def check_shard_length(layout: str, shard_len: int) -> None:
-    if layout == "zigzag" and shard_len % 2:
-        raise ValueError(
-            f"the zigzag layout needs an even number of tokens per rank (two chunks of equal "
-            f"length); got {shard_len}"
-        )
+def _pieces(layout: str, world_size: int) -> int:
+    return world_size * (2 if layout == "zigzag" else 1)
 
 
-def shard_segments(layout: str, rank: int, world_size: int, shard_len: int) -> Tuple[Segment, ...]:
-    """The pieces of rank ``rank``'s shard as ``(global start, length)``, in local order."""
+def sequence_segments(layout: str, world_size: int, seq_len: int) -> Tuple[Tuple[Segment, ...], ...]:
+    """Every rank's pieces of a sequence of ``seq_len`` tokens, ``(global start, length)`` in
+    local order, indexed by rank. Every rank gets at least one token."""
     check_layout(layout)
-    check_shard_length(layout, shard_len)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if seq_len < world_size:
+        raise ValueError(f"a sequence of {seq_len} tokens leaves some of the {world_size} ranks "
+                         f"without a token")
+    parts = _pieces(layout, world_size)
+    base, extra = divmod(seq_len, parts)
+    lengths = [base + (i < extra) for i in range(parts)]
+    starts = [sum(lengths[:i]) for i in range(parts)]
+    pieces = [(starts[i], lengths[i]) for i in range(parts)]
+    if layout == "contiguous":
+        return tuple((pieces[r],) for r in range(world_size))
+    # Zigzag: a piece of no token (fewer tokens than pieces) is left out.
+    return tuple(tuple(p for p in (pieces[r], pieces[parts - 1 - r]) if p[1] > 0)
+                 for r in range(world_size))
+
+
+def shard_segments(layout: str, rank: int, world_size: int, shard_len: Optional[int] = None, *,
+                   seq_len: Optional[int] = None) -> Tuple[Segment, ...]:
+    """The pieces of rank ``rank``'s shard as ``(global start, length)``, in local order.
+
+    Give ``shard_len`` (every rank holds that many tokens: ``seq_len = shard_len · P``; zigzag
+    needs it even) or ``seq_len`` (the whole sequence, any length)."""
+    check_layout(layout)
+    if (shard_len is None) == (seq_len is None):
+        raise ValueError("give shard_len (equal shards) or seq_len (the whole sequence), not both")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
-    if layout == "contiguous":
-        return ((rank * shard_len, shard_len),)
-    chunk = shard_len // 2
-    return ((rank * chunk, chunk), ((2 * world_size - 1 - rank) * chunk, chunk))
+    if shard_len is not None:
+        if layout == "zigzag" and shard_len % 2:
+            raise ValueError(
+                f"equal zigzag shards need an even number of tokens per rank (two pieces of equal "
+                f"length); got {shard_len}. For any length pass seq_len instead"
+            )
+        seq_len = shard_len * world_size
+    return sequence_segments(layout, world_size, seq_len)[rank]
 
 
-def shard_positions(layout: str, rank: int, world_size: int, shard_len: int,
-                    device=None) -> torch.Tensor:
-    """int64 ``(shard_len,)``: the global position of each token of the rank's shard."""
-    pieces = [torch.arange(start, start + length, device=device)
-              for start, length in shard_segments(layout, rank, world_size, shard_len)]
+def shard_positions(layout: str, rank: int, world_size: int, shard_len: Optional[int] = None,
+                    device=None, *, seq_len: Optional[int] = None) -> torch.Tensor:
+    """int64: the global position of each token of the rank's shard (arguments as
+    :func:`shard_segments`)."""
+    return segment_positions(shard_segments(layout, rank, world_size, shard_len, seq_len=seq_len),
+                             device)
+
+
+def segment_positions(segments: Sequence[Segment], device=None) -> torch.Tensor:
+    """int64: the positions of ``segments``, in order."""
+    pieces = [torch.arange(start, start + length, device=device) for start, length in segments]
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
-def _shard_len(total: int, world_size: int, layout: str) -> int:
-    parts = world_size * (2 if layout == "zigzag" else 1)
-    if world_size < 1 or total % parts:
+def check_lengths(layout: str, lengths: Sequence[int]) -> Tuple[Tuple[Segment, ...], ...]:
+    """Every rank's segments, from the number of tokens each rank holds (indexed by rank);
+    ValueError unless they are the layout's split of their sum."""
+    world = len(lengths)
+    total = sum(lengths)
+    if min(lengths) < 1:
+        raise ValueError(f"every rank needs at least one token; the ranks hold {list(lengths)}")
+    segments = sequence_segments(layout, world, total)
+    expected = [sum(n for _, n in segs) for segs in segments]
+    if list(lengths) != expected:
         raise ValueError(
-            f"a sequence of {total} tokens does not split into {parts} equal pieces "
-            f"({layout} layout over {world_size} ranks)"
+            f"the ranks hold {list(lengths)} tokens, but the {layout} layout of {total} tokens "
+            f"over {world} ranks gives them {expected} (the first {total % _pieces(layout, world)} "
+            f"of its {_pieces(layout, world)} pieces one token longer); cut the shards with "
+            f"flash_dmattn.distributed.shard_sequence, or pad the sequence to a multiple of "
+            f"{_pieces(layout, world)} tokens"
         )
-    return total // world_size
+    return segments
 
 
 def shard_sequence(x: Union[torch.Tensor, KeyIntervals], rank: int, world_size: int,
@@ -82,9 +131,8 @@ def shard_sequence(x: Union[torch.Tensor, KeyIntervals], rank: int, world_size: 
     check_layout(layout)
     if isinstance(x, KeyIntervals):
         return KeyIntervals.from_bounds(shard_sequence(x.bounds, rank, world_size, layout, -1))
-    shard_len = _shard_len(x.shape[dim], world_size, layout)
     pieces = [x.narrow(dim, start, length)
-              for start, length in shard_segments(layout, rank, world_size, shard_len)]
+              for start, length in shard_segments(layout, rank, world_size, seq_len=x.shape[dim])]
     return torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0].clone()
 
 
@@ -92,12 +140,11 @@ def unshard_sequence(shards: Sequence[torch.Tensor], layout: str = "contiguous",
                      dim: int = 1) -> torch.Tensor:
     """The whole sequence from every rank's shard (``shards[r]`` is rank ``r``'s), along ``dim``."""
     check_layout(layout)
-    world_size = len(shards)
-    shard_len = shards[0].shape[dim]
+    segments = check_lengths(layout, [shard.shape[dim] for shard in shards])
     pieces: List[Tuple[int, torch.Tensor]] = []
     for rank, shard in enumerate(shards):
         offset = 0
-        for start, length in shard_segments(layout, rank, world_size, shard_len):
+        for start, length in segments[rank]:
             pieces.append((start, shard.narrow(dim, offset, length)))
             offset += length
     pieces.sort(key=lambda p: p[0])

@@ -128,44 +128,78 @@ class Merger:
 # Masks, biases and key intervals along the sequence
 
 
+def key_dim(t: Optional[Tensor]) -> int:
+    """The key dim of a mask, bias or interval bounds as exchanged between ranks (-1: none)."""
+    return -1 if t is None else int(t.shape[-1])
+
+
+def query_dim(t: Optional[Tensor]) -> int:
+    """The query dim of a mask or bias as exchanged between ranks (-1: none)."""
+    return -1 if t is None else int(t.shape[-2])
+
+
+def classify_keys(name: str, key_dims: Sequence[int], lengths: Sequence[int],
+                  bounds: bool = False) -> str:
+    """What the key dim of ``name`` is, from its size on every rank (``key_dims``, indexed by
+    rank, -1 where a rank passed none) and every rank's number of tokens: ``"global"`` (the
+    whole sequence everywhere), ``"shard"`` (each rank's own tokens) or ``"none"`` (1). The
+    same answer on every rank, which the transfers need."""
+    total = sum(lengths)
+    if any(k < 0 for k in key_dims):
+        given = [r for r, k in enumerate(key_dims) if k >= 0]
+        raise ValueError(f"{name} was passed on ranks {given} only; every rank of the group "
+                         f"passes its own (or none does)")
+    if all(k == total for k in key_dims):
+        return "global"
+    if all(k == n for k, n in zip(key_dims, lengths)):
+        return "shard"
+    if not bounds and all(k == 1 for k in key_dims):
+        return "none"
+    sizes = "the shard length (rank by rank: " + ", ".join(str(n) for n in lengths) + ")"
+    raise ValueError(
+        f"{name}: the key dim has sizes {list(key_dims)} on the ranks; on every rank it must be "
+        f"{'' if bounds else '1, '}{sizes} (that rank's keys) or the whole sequence {total} (every "
+        f"key, global order)"
+    )
+
+
 class Aux:
     """A mask or bias of a context-parallel call, 4-D ``(Bx, Hx, Qx, Kx)``, or the int32
     bounds ``(2, Bx, Hx, Kx)`` of key intervals (``Qx`` is then 1).
 
     ``per_query``: ``Qx`` is the shard length (rows follow the rank's queries).
-    ``keys``: ``"none"`` (``Kx == 1``), ``"shard"`` (``Kx`` is the shard length: the rank's
-    own keys, which travel with its K/V) or ``"global"`` (``Kx == L``: every key, in global
-    position order, the same on every rank).
+    ``keys`` (:func:`classify_keys`): ``"none"`` (``Kx == 1``), ``"shard"`` (``Kx`` is the
+    shard length: the rank's own keys, which travel with its K/V) or ``"global"``
+    (``Kx == L``: every key, in global position order, the same on every rank).
     """
 
-    def __init__(self, name: str, tensor: Tensor, shard_len: int, world: int,
+    def __init__(self, name: str, tensor: Tensor, shard_len: int, keys: str,
                  bounds: bool = False) -> None:
-        self.name, self.tensor, self.bounds = name, tensor, bounds
-        total = shard_len * world
-        kx = tensor.shape[-1]
-        qx = 1 if bounds else tensor.shape[-2]
-        if kx == total:
-            self.keys = "global"
-        elif kx == shard_len:
-            self.keys = "shard"
-        elif kx == 1 and not bounds:
-            self.keys = "none"
-        else:
+        self.name, self.tensor, self.bounds, self.keys = name, tensor, bounds, keys
+        # (a query dim of 1 broadcasts, also on a rank of one token)
+        self.per_query = not bounds and tensor.shape[-2] == shard_len != 1
+
+    @staticmethod
+    def check_query_and_key_dims(name: str, shape: Sequence[int], keys: str, query_dims: Sequence[int],
+                                 lengths: Sequence[int]) -> None:
+        """Refuse a mask or bias with this rank's queries and this rank's keys only (from every
+        rank's query dim, so that every rank refuses it)."""
+        if keys == "shard" and len(lengths) > 1 and any(
+                qx == n != 1 for qx, n in zip(query_dims, lengths)):
             raise ValueError(
-                f"{name}: the key dim has size {kx}; it must be 1, the shard length {shard_len} "
-                f"(this rank's keys) or the whole sequence {total} (every key, global order)"
+                f"{name} of shape {tuple(shape)} has this rank's queries and this rank's keys "
+                f"only; a mask or bias with a query dim must span every key (key dim "
+                f"{sum(lengths)}, global order) or none (key dim 1)"
             )
-        if qx not in (1, shard_len):
+
+    @staticmethod
+    def check_query_dim(name: str, tensor: Optional[Tensor], shard_len: int) -> None:
+        """A mask's or bias's query dim is 1 or the rank's shard length (a check of the rank's
+        own arguments)."""
+        if tensor is not None and tensor.shape[-2] not in (1, shard_len):
             raise ValueError(
-                f"{name}: the query dim has size {qx}; it must be 1 or the shard length "
-                f"{shard_len} (this rank's queries)"
-            )
-        self.per_query = qx == shard_len and not bounds
-        if self.per_query and self.keys == "shard" and world > 1:
-            raise ValueError(
-                f"{name} of shape {tuple(tensor.shape)} has this rank's queries and this rank's "
-                f"keys only; a mask or bias with a query dim must span every key "
-                f"(key dim {total}, global order) or none (key dim 1)"
+                f"{name}: the query dim has size {tensor.shape[-2]}; it must be 1 or the shard "
+                f"length {shard_len} (this rank's queries)"
             )
 
     @property

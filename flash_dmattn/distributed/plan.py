@@ -124,10 +124,31 @@ def plan_block(q_segs: Sequence[Segment], k_segs: Sequence[Segment], causal: boo
             continue
         for j in keys:
             call = make_call([i], [j])
-            if call is None:
-                raise NotImplementedError(
-                    f"query segment {q_segs[i]} and key segment {k_segs[j]} overlap in a way "
-                    f"no bottom-right causal call covers"
-                )
-            calls.append(call)
+            if call is not None:
+                calls.append(call)
+            else:  # a diagonal off the bottom-right corner
+                calls.extend(_diagonal_calls(q_segs[i], k_segs[j], q_off[i], k_off[j], rel[i][j][1]))
+    return calls
+
+
+def _diagonal_calls(q_seg: Segment, k_seg: Segment, row0: int, col0: int,
+                    offset: int) -> List[Call]:
+    """One query segment against one key segment (local rows from ``row0``, columns from
+    ``col0``) where key ``jj`` is visible from query ``ii`` iff ``jj <= ii + offset``, for any
+    diagonal ``offset``: the rows that see part of the keys as one bottom-right causal call on
+    the columns they reach, the rows that see every key as one call without a causal rule
+    (rows that see none are left out). Layouts never need it (a rank's segments and another
+    block's are the same or disjoint, and a segment against itself is the bottom-right
+    diagonal); segments that overlap otherwise do."""
+    (qa, m), (kb, n) = q_seg, k_seg
+    first = max(0, -offset)  # rows before it see no key
+    full = min(m, n - 1 - offset)  # rows from it see every key
+    calls = []
+    if full > first:
+        cols = full + offset  # what row full - 1 sees; the bottom-right rule gives jj <= ii + offset
+        calls.append(Call((row0 + first, row0 + full), (col0, col0 + cols), True, qa + first,
+                          ((kb, kb + cols),)))
+    if full < m:
+        calls.append(Call((row0 + full, row0 + m), (col0, col0 + n), False, qa + full,
+                          ((kb, kb + n),)))
     return calls

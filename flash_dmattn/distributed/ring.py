@@ -13,7 +13,7 @@ accumulator home. dQ and the gradients of per-query or whole-sequence masks' bia
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -21,7 +21,7 @@ from torch import Tensor
 from ..inputs import AttentionInputs
 from ..masks import KeyIntervals
 from .comm import Group
-from .layout import check_layout, check_shard_length, shard_segments
+from .layout import Segment, check_layout, check_lengths
 from .local import (
     Aux,
     LocalKernel,
@@ -29,7 +29,10 @@ from .local import (
     accumulation_dtype,
     add_ranges,
     choose_backend,
+    classify_keys,
+    key_dim,
     pad4,
+    query_dim,
     translate_bounds,
 )
 from .plan import Call, plan_block
@@ -47,23 +50,46 @@ def check_shards(query, key, value) -> int:
                              f"shape {tuple(t.shape)}")
     if not (query.shape[1] == key.shape[1] == value.shape[1]):
         raise ValueError(
-            f"query, key and value must be shards of one sequence (the same number of tokens "
-            f"per rank), got query {tuple(query.shape)}, key {tuple(key.shape)}, value "
-            f"{tuple(value.shape)}"
+            f"query, key and value must be the same tokens (this rank's shard of one sequence), "
+            f"got query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
         )
     return query.shape[1]
+
+
+def check_devices(query: Tensor, *others: Optional[Tensor]) -> None:
+    """Every tensor of the call on the query's device (what is sent must be where the process
+    group's backend moves it from)."""
+    for t in others:
+        if t is not None and t.device != query.device:
+            raise ValueError(f"a tensor of shape {tuple(t.shape)} is on {t.device}, the query on "
+                             f"{query.device}; every input of a context-parallel call is on one device")
+
+
+def _resized(t: Tensor, dim: int, length: int) -> Tensor:
+    """An uninitialised tensor like ``t`` with ``length`` along ``dim``."""
+    shape = list(t.shape)
+    shape[dim] = length
+    return torch.empty(shape, dtype=t.dtype, device=t.device)
+
+
+def _seq_dim(name: str) -> int:
+    """The token dim of what travels with a K/V block: dim 1 of K and V, the last of the rest."""
+    return 1 if name in ("k", "v") else -1
 
 
 class Setup:
     """Everything a ring call needs besides its tensors."""
 
-    def __init__(self, group: Group, layout: str, shard_len: int, mask: Optional[Aux],
-                 bias: Optional[Aux], bounds: Optional[Aux], is_causal: bool) -> None:
-        self.group, self.layout, self.shard_len = group, layout, shard_len
+    def __init__(self, group: Group, layout: str, segments: Sequence[Tuple[Segment, ...]],
+                 mask: Optional[Aux], bias: Optional[Aux], bounds: Optional[Aux],
+                 is_causal: bool) -> None:
+        self.group, self.layout = group, layout
         self.mask, self.bias, self.bounds = mask, bias, bounds
         self.is_causal = is_causal
         world = group.size
-        self.segments = [shard_segments(layout, s, world, shard_len) for s in range(world)]
+        self.segments = list(segments)
+        self.lengths = [sum(n for _, n in segs) for segs in self.segments]
+        self.shard_len = self.lengths[group.rank]
         mine = self.segments[group.rank]
         self.plans: List[List[Call]] = [
             plan_block(mine, self.segments[s], is_causal, bounds is not None) for s in range(world)
@@ -86,6 +112,10 @@ class Setup:
             if aux is not None and aux.travels:
                 block[name] = t.detach().contiguous()
         return block
+
+    def incoming(self, block: Dict[str, Tensor], src: int) -> Dict[str, Tensor]:
+        """Receive buffers for rank ``src``'s block, shaped like ``block`` with its length."""
+        return {name: _resized(t, _seq_dim(name), self.lengths[src]) for name, t in block.items()}
 
     def call_args(self, call: Call, q: Tensor, block: Dict[str, Tensor], mask, bias, bounds):
         """``(q, k, v, mask, bias, bounds)`` of one local call."""
@@ -115,7 +145,7 @@ class _RingAttention(torch.autograd.Function):
             src = (grp.rank - step) % grp.size
             nxt, transfer = None, None
             if step < grp.size - 1:
-                nxt = {name: torch.empty_like(t) for name, t in block.items()}
+                nxt = st.incoming(block, (src - 1) % grp.size)
                 transfer = grp.ring_shift("kv", list(block.values()), list(nxt.values()))
             for call in st.plans[src]:
                 args = st.call_args(call, q, block, mask, bias, bounds)
@@ -145,12 +175,18 @@ class _RingAttention(torch.autograd.Function):
         dbias_local = (torch.zeros(bias.shape, dtype=acc, device=q.device)
                        if need_bias and not bias_travels else None)
         # The accumulator that follows each block: dK, dV and (per-key bias) dbias.
-        carry_shapes = []
+        carried = []
         if need_k or need_v or bias_travels:
-            carry_shapes = [k.shape, v.shape] + ([bias.shape] if bias_travels else [])
+            carried = [(k, 1), (v, 1)] + ([(bias, -1)] if bias_travels else [])
 
-        def zeros_carry():
-            return [torch.zeros(s, dtype=acc, device=q.device) for s in carry_shapes]
+        def zeros_carry(src: int) -> List[Tensor]:
+            """Rank ``src``'s block's accumulators."""
+            out = []
+            for t, dim in carried:
+                shape = list(t.shape)
+                shape[dim] = st.lengths[src]
+                out.append(torch.zeros(shape, dtype=acc, device=q.device))
+            return out
 
         block = st.travelling(k, v, mask, bias, bounds)
         carry: List[Tensor] = []
@@ -158,13 +194,14 @@ class _RingAttention(torch.autograd.Function):
             src = (grp.rank - step) % grp.size
             incoming, carry_transfer = [], None
             if step > 0 and carry:
-                incoming = [torch.empty_like(t) for t in carry]
+                # Rank r - 1's accumulator of the block this rank computes now (its previous one).
+                incoming = [_resized(t, dim, st.lengths[src]) for t, (_, dim) in zip(carry, carried)]
                 carry_transfer = grp.ring_shift("grad", carry, incoming)
             nxt, transfer = None, None
             if step < grp.size - 1:
-                nxt = {name: torch.empty_like(t) for name, t in block.items()}
+                nxt = st.incoming(block, (src - 1) % grp.size)
                 transfer = grp.ring_shift("kv", list(block.values()), list(nxt.values()))
-            contrib = zeros_carry()
+            contrib = zeros_carry(src)
             for call in st.plans[src]:
                 (r0, r1), (c0, c1) = call.rows, call.cols
                 qc, kc, vc, mask_c, bias_c, bounds_c = st.call_args(call, q, block, mask, bias,
@@ -194,7 +231,7 @@ class _RingAttention(torch.autograd.Function):
                 transfer.wait()
                 block = nxt
         if carry and grp.size > 1:
-            home = [torch.empty_like(t) for t in carry]
+            home = [_resized(t, dim, st.shard_len) for t, (_, dim) in zip(carry, carried)]
             grp.ring_shift("grad", carry, home).wait()
             carry = home
         dk = carry[0].to(k.dtype) if need_k else None
@@ -266,19 +303,42 @@ def context_parallel_attention(
     """
     layout = check_layout(layout)
     grp = Group(group, mesh_dim)
-    shard_len = check_shards(query, key, value)
-    check_shard_length(layout, shard_len)
-    bounds_aux = None
-    bounds = None
-    if isinstance(attn_mask, KeyIntervals):
-        bounds = attn_mask.bounds
-        bounds_aux = Aux("attn_mask (KeyIntervals)", bounds, shard_len, grp.size, bounds=True)
-        attn_mask = None
-    mask = pad4("attn_mask", attn_mask)
-    bias = pad4("attn_bias", attn_bias)
-    mask_aux = Aux("attn_mask", mask, shard_len, grp.size) if mask is not None else None
-    bias_aux = Aux("attn_bias", bias, shard_len, grp.size) if bias is not None else None
-    st = Setup(grp, layout, shard_len, mask_aux, bias_aux, bounds_aux, bool(is_causal))
+    device = query.device if isinstance(query, Tensor) else torch.device("cpu")
+    # This rank's own checks, then one exchange of what the ranks must agree on: shard lengths
+    # (the layout's split of their sum) and the key dims of mask, bias and intervals.
+    error, shard_len, mask, bias, bounds = None, 0, None, None, None
+    try:
+        shard_len = check_shards(query, key, value)
+        if isinstance(attn_mask, KeyIntervals):
+            bounds = attn_mask.bounds
+            attn_mask = None
+        mask = pad4("attn_mask", attn_mask)
+        bias = pad4("attn_bias", attn_bias)
+        if mask is not None and mask.dtype != torch.bool:
+            raise TypeError(f"attn_mask must be bool, got {mask.dtype}")
+        Aux.check_query_dim("attn_mask", mask, shard_len)
+        Aux.check_query_dim("attn_bias", bias, shard_len)
+        check_devices(query, key, value, mask, bias, bounds)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    rows = grp.agree(device, [shard_len, key_dim(mask), key_dim(bias), key_dim(bounds),
+                              query_dim(mask), query_dim(bias)], 6, error)
+    lengths = [r[0] for r in rows]
+    segments = check_lengths(layout, lengths)
+
+    def aux(name: str, t: Optional[Tensor], col: int, qcol: Optional[int] = None) -> Optional[Aux]:
+        dims = [r[col] for r in rows]
+        if all(d < 0 for d in dims):
+            return None
+        keys = classify_keys(name, dims, lengths, qcol is None)
+        if qcol is not None:
+            Aux.check_query_and_key_dims(name, t.shape, keys, [r[qcol] for r in rows], lengths)
+        return Aux(name, t, shard_len, keys, bounds=qcol is None)
+
+    mask_aux = aux("attn_mask", mask, 1, 4)
+    bias_aux = aux("attn_bias", bias, 2, 5)
+    bounds_aux = aux("attn_mask (KeyIntervals)", bounds, 3)
+    st = Setup(grp, layout, segments, mask_aux, bias_aux, bounds_aux, bool(is_causal))
 
     # Validate the call as the local kernels will see it: this rank's queries against its keys.
     whole = st.whole_shard_call()
@@ -291,6 +351,4 @@ def context_parallel_attention(
     )
     st.kernel = LocalKernel(choose_backend(inputs, backend))
     st.scale, st.softcap, st.deterministic = inputs.softmax_scale, inputs.softcap, inputs.deterministic
-    if mask is not None and mask.dtype != torch.bool:
-        raise TypeError(f"attn_mask must be bool, got {mask.dtype}")
     return _RingAttention.apply(st, query, key, value, mask, bias, bounds)

@@ -34,9 +34,9 @@ from ..inputs import AttentionInputs
 from ..masks import KeyIntervals
 from ..planning.selection import topk_intervals
 from .comm import Group
-from .layout import check_layout, check_shard_length, shard_positions, shard_segments, unshard_sequence
+from .layout import check_layout, check_lengths, segment_positions, unshard_sequence
 from .local import Aux, LocalKernel, Merger, accumulation_dtype, choose_backend, pad4, translate_bounds
-from .ring import Setup, check_shards
+from .ring import Setup, check_devices, check_shards
 
 __all__ = ["context_parallel_selected_attention", "context_parallel_dma_attention"]
 
@@ -48,15 +48,14 @@ class Selection:
     batch ``b`` for selection head ``h`` (all the kv heads that head covers).
     """
 
-    def __init__(self, grp: Group, layout: str, shard_len: int, bounds: Tensor, batch: int,
-                 is_causal: bool) -> None:
-        world, me, n = grp.size, grp.rank, shard_len
+    def __init__(self, grp: Group, segments, bounds: Tensor, batch: int, is_causal: bool) -> None:
+        world, me = grp.size, grp.rank
         device = bounds.device
         heads = bounds.shape[2]
         self.heads = heads
         self.peers = [p for p in range(world) if p != me]
-        segments = [shard_segments(layout, s, world, n) for s in range(world)]
-        positions = [shard_positions(layout, s, world, n, device) for s in range(world)]
+        positions = [segment_positions(segs, device) for segs in segments]
+        n = positions[me].numel()
         full = bounds.expand(2, batch, heads, bounds.shape[-1])
 
         def needed(r: int, s: int) -> Tensor:
@@ -313,37 +312,43 @@ class _SelectedAttention(torch.autograd.Function):
                 dbias.to(bias.dtype) if need_bias else None, None)
 
 
-def _selected(grp: Group, layout: str, query, key, value, intervals: KeyIntervals, bias,
-              softmax_scale, is_causal, softcap, deterministic, backend) -> Tensor:
-    shard_len = check_shards(query, key, value)
-    check_shard_length(layout, shard_len)
-    B, n = query.shape[0], shard_len
-    H, Hkv = query.shape[2], key.shape[2]
-    total = n * grp.size
+def _check_selected(query, key, value, intervals, bias, shard_len: int, total: Optional[int]):
+    """This rank's own checks of a selected-keys call. ``total``: the sequence length, when
+    known (else the intervals' key dim is taken as it, and checked once the ranks agree)."""
+    B, H, Hkv = query.shape[0], query.shape[2], key.shape[2]
     if not isinstance(intervals, KeyIntervals):
         raise TypeError(f"intervals must be a KeyIntervals, got {type(intervals).__name__}")
-    bounds = intervals.bounds
-    bx, hs, lk = bounds.shape[1:]
-    if lk != total or bx not in (1, B) or Hkv == 0 or hs not in (1, Hkv):
+    bx, hs, lk = intervals.bounds.shape[1:]
+    if (total is not None and lk != total) or bx not in (1, B) or Hkv == 0 or hs not in (1, Hkv):
         raise ValueError(
             f"intervals must cover the whole sequence on every rank: start/end of shape "
-            f"(1|B, 1|Hkv, L) = (1|{B}, 1|{Hkv}, {total}); got {(bx, hs, lk)}"
+            f"(1|B, 1|Hkv, L) = (1|{B}, 1|{Hkv}, {'L' if total is None else total}); got "
+            f"{(bx, hs, lk)}"
         )
-    if bounds.device != query.device:
-        raise ValueError(f"intervals are on {bounds.device} but query is on {query.device}")
     bias4 = pad4("attn_bias", bias)
     if bias4 is not None:
         bb, hb, qx, kx = bias4.shape
-        if bb not in (1, B) or hb not in (1, Hkv, H) or qx != 1 or kx != n:
+        if bb not in (1, B) or hb not in (1, Hkv, H) or qx != 1 or kx != shard_len:
             raise ValueError(
                 f"attn_bias must be this rank's per-key shard (1|B, 1|Hkv|H, 1, n) = "
-                f"(1|{B}, 1|{Hkv}|{H}, 1, {n}); got {tuple(bias4.shape)}"
+                f"(1|{B}, 1|{Hkv}|{H}, 1, {shard_len}); got {tuple(bias4.shape)}"
             )
-    own = shard_positions(layout, grp.rank, grp.size, n, query.device)
+    check_devices(query, key, value, intervals.bounds, bias4)
+    return bias4
+
+
+def _selected(grp: Group, layout: str, segments, query, key, value, intervals: KeyIntervals,
+              bias4, softmax_scale, is_causal, softcap, deterministic, backend) -> Tensor:
+    """The selected-keys call once the ranks agree on ``segments`` (every rank's) and the
+    arguments passed their checks."""
+    B, Hkv = query.shape[0], key.shape[2]
+    n = query.shape[1]
+    bounds = intervals.bounds
+    own = segment_positions(segments[grp.rank], query.device)
     own_bounds = bounds[..., own].contiguous()
-    bias_aux = Aux("attn_bias", bias4, n, grp.size) if bias4 is not None else None
-    bounds_aux = Aux("intervals", own_bounds, n, grp.size, bounds=True)
-    st = Setup(grp, layout, n, None, bias_aux, bounds_aux, bool(is_causal))
+    bias_aux = Aux("attn_bias", bias4, n, "shard") if bias4 is not None else None
+    bounds_aux = Aux("intervals", own_bounds, n, "shard", bounds=True)
+    st = Setup(grp, layout, segments, None, bias_aux, bounds_aux, bool(is_causal))
     whole = st.whole_shard_call()
     _, _, _, _, bias_c, bounds_c = st.call_args(
         whole, query, st.travelling(key, value, None, bias4, own_bounds), None, bias4, own_bounds)
@@ -351,9 +356,22 @@ def _selected(grp: Group, layout: str, query, key, value, intervals: KeyInterval
                                        softmax_scale, bool(is_causal), softcap, deterministic)
     st.kernel = LocalKernel(choose_backend(inputs, backend))
     st.scale, st.softcap, st.deterministic = inputs.softmax_scale, inputs.softcap, inputs.deterministic
-    sel = Selection(grp, layout, n, bounds, B, bool(is_causal))
+    sel = Selection(grp, segments, bounds, B, bool(is_causal))
     plan = _Plan(st, sel, Hkv, None if bias4 is None else bias4.shape[1], B)
     return _SelectedAttention.apply(plan, query, key, value, bias4, own_bounds)
+
+
+def _agree(grp: Group, layout: str, query, check) -> list:
+    """This rank's checks (``check()``, returning its shard length), the exchange of every
+    rank's shard length, and the layout's segments of every rank."""
+    device = query.device if isinstance(query, Tensor) else torch.device("cpu")
+    error, shard_len = None, 0
+    try:
+        shard_len = check()
+    except (TypeError, ValueError) as exc:
+        error = exc
+    lengths = [r[0] for r in grp.agree(device, [shard_len], 1, error)]
+    return list(check_lengths(layout, lengths))
 
 
 def context_parallel_selected_attention(
@@ -392,7 +410,19 @@ def context_parallel_selected_attention(
     ``requires_grad`` of query, key, value and bias must be the same on every rank.
     """
     grp = Group(group, mesh_dim)
-    return _selected(grp, check_layout(layout), query, key, value, intervals, attn_bias,
+    layout = check_layout(layout)
+    checked = {}
+
+    def check() -> int:
+        n = check_shards(query, key, value)
+        checked["bias"] = _check_selected(query, key, value, intervals, attn_bias, n, None)
+        return n
+
+    segments = _agree(grp, layout, query, check)
+    total = sum(n for segs in segments for _, n in segs)
+    if intervals.bounds.shape[-1] != total:  # the same on every rank: the key dim vs sum(n)
+        _check_selected(query, key, value, intervals, attn_bias, query.shape[1], total)
+    return _selected(grp, layout, segments, query, key, value, intervals, checked["bias"],
                      softmax_scale, is_causal, softcap, deterministic, backend)
 
 
@@ -438,18 +468,28 @@ def context_parallel_dma_attention(
     """
     grp = Group(group, mesh_dim)
     layout = check_layout(layout)
-    shard_len = check_shards(query, key, value)
-    bias4 = pad4("attn_bias", attn_bias)
-    if bias4 is None or bias4.shape[2] != 1 or bias4.shape[3] != shard_len or \
-            bias4.shape[1] not in (1, key.shape[2]):
-        raise ValueError(
-            f"attn_bias must be this rank's per-key bias shard (1|B, 1|Hkv, 1, n) = "
-            f"(1|{query.shape[0]}, 1|{key.shape[2]}, 1, {shard_len}); got "
-            f"{None if bias4 is None else tuple(bias4.shape)}"
-        )
-    pieces = grp.all_gather("bias", bias4.detach())
+    checked = {}
+
+    def check() -> int:
+        n = check_shards(query, key, value)
+        bias4 = pad4("attn_bias", attn_bias)
+        if bias4 is None or bias4.shape[2] != 1 or bias4.shape[3] != n or \
+                bias4.shape[1] not in (1, key.shape[2]) or bias4.shape[0] not in (1, query.shape[0]):
+            raise ValueError(
+                f"attn_bias must be this rank's per-key bias shard (1|B, 1|Hkv, 1, n) = "
+                f"(1|{query.shape[0]}, 1|{key.shape[2]}, 1, {n}); got "
+                f"{None if bias4 is None else tuple(bias4.shape)}"
+            )
+        check_devices(query, key, value, bias4)
+        checked["bias"] = bias4
+        return n
+
+    segments = _agree(grp, layout, query, check)
+    bias4 = checked["bias"]
+    lengths = [sum(n for _, n in segs) for segs in segments]
+    pieces = grp.all_gather("bias", bias4.detach(), lengths)
     whole = unshard_sequence(pieces, layout, dim=-1)
     intervals = topk_intervals(whole, window_size, is_causal=bool(is_causal), min_dtype=min_dtype)
-    out = _selected(grp, layout, query, key, value, intervals, bias4, softmax_scale, is_causal,
-                    softcap, deterministic, backend)
+    out = _selected(grp, layout, segments, query, key, value, intervals, bias4, softmax_scale,
+                    is_causal, softcap, deterministic, backend)
     return (out, intervals) if return_intervals else out
