@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
@@ -328,10 +327,22 @@ def rule_for(f: CallFeatures) -> Rule:
 
 def rank_features(f: CallFeatures) -> Ranking:
     """The :class:`Ranking` of a call with features ``f`` (shared: do not modify it)."""
-    return _rank(f, f.gpu and cuda_auto_everywhere())
+    key = (f, f.gpu and cuda_auto_everywhere())
+    if torch.compiler.is_compiling():  # traced once per graph: no cache to guard on
+        return _rank(*key)
+    ranking = _RANKINGS.get(key)
+    if ranking is None:
+        if len(_RANKINGS) >= _MAX_RANKINGS:
+            _RANKINGS.clear()
+        ranking = _RANKINGS[key] = _rank(*key)
+    return ranking
 
 
-@functools.lru_cache(maxsize=1024)
+# Rankings by (features, cuda first): a call's ranking is a dictionary look-up after the first.
+_RANKINGS: Dict[tuple, "Ranking"] = {}
+_MAX_RANKINGS = 1024
+
+
 def _rank(f: CallFeatures, cuda_first: bool) -> Ranking:
     rule = rule_for(f)
     prefer = rule.prefer
