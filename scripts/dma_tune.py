@@ -98,8 +98,9 @@ def sweep_cuda(a, q, k, v, bias, do, W, L):
     from flash_dmattn.backends.cuda import intervals as civ
     from flash_dmattn.planning import key_lists
 
-    base_bucket, base_seg = key_lists.end_bucket_for, civ.SEGMENT_ROWS
-    segments = [int(x) for x in a.segments.split(",") if x] or [base_seg]
+    base_bucket = key_lists.end_bucket_for
+    base_seg, base_item = civ.SEGMENT_ROWS, civ.ITEM_SEGMENT_ROWS
+    segments = [int(x) for x in a.segments.split(",") if x] or [base_item]
 
     def time_bwd(plan, ki, label):
         out, lse, _ = civ.interval_forward(q, k, v, bias, ki.bounds, 0.088, True, 0.0, plan)
@@ -111,7 +112,7 @@ def sweep_cuda(a, q, k, v, bias, do, W, L):
     for kind in a.kinds.split(","):
         ki = topk_intervals(bias, W, is_causal=kind == "causal")
         for seg in segments:
-            civ.SEGMENT_ROWS = seg
+            civ.SEGMENT_ROWS = civ.ITEM_SEGMENT_ROWS = seg
             plan = civ.plan_for(q, k, bias, ki.bounds, True, backward=True, window=ki.window)
             time_bwd(plan, ki, f"{kind:6s} bwd segment items {seg}")
             for bucket in [int(x) for x in a.buckets.split(",") if x] or [base_bucket(L)]:
@@ -119,7 +120,7 @@ def sweep_cuda(a, q, k, v, bias, do, W, L):
                 plan = civ.plan_for(q, k, bias, ki.bounds, True, backward=True)
                 time_bwd(plan, ki, f"{kind:6s} bwd key blocks bucket {bucket} segment {seg}")
             key_lists.end_bucket_for = base_bucket
-        civ.SEGMENT_ROWS = base_seg
+        civ.SEGMENT_ROWS, civ.ITEM_SEGMENT_ROWS = base_seg, base_item
         fwd = lambda: civ.interval_forward(q, k, v, bias, ki.bounds, 0.088, True, 0.0, plan)
         print(f"cuda {kind:6s} fwd kernel (plan prebuilt): "
               f"{do_bench(fwd, warmup=10, rep=100, return_mode='median'):.3f} ms", flush=True)

@@ -56,7 +56,7 @@ def test_cuda_topk_selection(hopper, causal_selection, monkeypatch):
     from flash_dmattn.backends.cuda import intervals
     from flash_dmattn.utils.mask import topk_intervals
 
-    monkeypatch.setattr(intervals, "SEGMENT_ROWS", 256)
+    monkeypatch.setattr(intervals, "ITEM_SEGMENT_ROWS", 256)  # segment items, 12 segments
     B, L, H, Hkv, D, W = 1, 3000, 8, 2, 128, 256
     bias = torch.randn(B, Hkv, 1, L, device="cuda")
     ki = topk_intervals(bias, W, is_causal=causal_selection)

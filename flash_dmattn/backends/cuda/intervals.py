@@ -27,13 +27,17 @@ from ...planning.key_lists import DenseEquivalent, full_bounds, plan_intervals
 from ...policy import HOPPER, device_capability
 from .extension import kernel_module, reduce_key_partials, vector_ready
 
-# Query rows one dK/dV CTA walks at most (a multiple of the backward's 64-row tiles): a key
-# that stays selected for most of the sequence is spread over several CTAs. Under a window
-# promise it is also the planner's segment of the segment items.
+# Query rows one dK/dV CTA walks at most over a key block (a multiple of the backward's 64-row
+# tiles): a key that stays selected for most of the sequence is spread over several CTAs.
 SEGMENT_ROWS = 2048
+# The segment of the segment items (masks with a window promise). Shorter segments waste fewer
+# pairs at the ends of keys' ranges and cost more K/V loads and dK/dV atomics: 1024 was the
+# fastest of 1024 / 2048 / 4096 for causal and shared top-2048 selections at 32K and 64K
+# (benchmarks/results/nvidia-h100/SUMMARY.md).
+ITEM_SEGMENT_ROWS = 1024
 
-__all__ = ["DenseEquivalent", "SEGMENT_ROWS", "interval_reasons", "interval_forward",
-           "interval_backward", "plan_for"]
+__all__ = ["DenseEquivalent", "SEGMENT_ROWS", "ITEM_SEGMENT_ROWS", "interval_reasons",
+           "interval_forward", "interval_backward", "plan_for"]
 
 
 def interval_reasons(inputs) -> List[str]:
@@ -73,7 +77,7 @@ def plan_for(q, k, bias, bounds, is_causal, backward: bool, window=None):
     fb, _ = full_bounds(bounds, B, H, Hkv)
     fwd_m, _, _, bwd_n = mod.block_sizes()
     return plan_intervals(fb, Lq, Lk, is_causal, fwd_m, bwd_n, backward, window=window,
-                          segment_rows=SEGMENT_ROWS), fb
+                          segment_rows=ITEM_SEGMENT_ROWS), fb
 
 
 def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None):
