@@ -361,6 +361,11 @@ def test_triton_kernels_as_local_calls(pool):
     run_and_check(pool, dict(_case("ring", 2, "zigzag", True, bias="per_key", mask="per_key"),
                              **small))
     run_and_check(pool, dict(_case("dma", 2, "zigzag", True, bias="per_key", window=6), **small))
+    # shards of 15 and 16 tokens
+    run_and_check(pool, dict(_case("ring", 2, "zigzag", True, bias="per_key", mask="per_key"),
+                             **dict(small, L=31)))
+    run_and_check(pool, dict(_case("dma", 2, "contiguous", True, bias="per_key", window=6),
+                             **dict(small, L=31)))
 
 
 def test_dma_moves_only_the_selected_keys(pool):
@@ -438,6 +443,8 @@ def _run_error_case(spec, group, rank, world):
     if spec.get("bad_mask"):  # (this rank's queries, this rank's keys): meaningless
         n = q.shape[1]
         mask = torch.ones(1, 1, n, n, dtype=torch.bool)
+    if rank in spec.get("float_mask_on", ()):  # fails that rank's own checks
+        mask = torch.ones(1, 1, 1, q.shape[1])
     bias = None
     if p["bias"] is not None and rank in spec.get("bias_on", range(world)):
         bias = part(p["bias"], -1)
@@ -457,6 +464,18 @@ def test_errors(pool, extra, exc_type, message):
     for res in results:
         assert res.get("error", "").startswith(exc_type.__name__), res
         assert message in res["error"], res["error"]
+
+
+def test_a_rank_failing_its_own_checks_fails_every_rank(pool):
+    # Rank 1's mask is not bool: it raises its TypeError, rank 0 (whose arguments are fine)
+    # raises too instead of waiting for rank 1's K/V.
+    spec = dict(_case("ring", 2, "zigzag", True), error_case=True, float_mask_on=(1,))
+    first, second = pool().run(spec)
+    assert second["error"].startswith("TypeError: attn_mask must be bool"), second
+    assert first["error"].startswith("ValueError: rank(s) [1] of the context-parallel group "
+                                     "rejected their arguments"), first
+    # and the group still works afterwards
+    run_and_check(pool, _case("ring", 2, "zigzag", True, bias="per_key"))
 
 
 # ------------------------------------------------------------------------------------------

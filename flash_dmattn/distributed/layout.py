@@ -126,7 +126,8 @@ def shard_sequence(x: Union[torch.Tensor, KeyIntervals], rank: int, world_size: 
 
     ``x`` may also be a :class:`~flash_dmattn.KeyIntervals` over the whole sequence: its keys
     (the last dim of start/end) are split, the bounds (query positions) are kept as they are,
-    i.e. in global coordinates. Returns a new tensor (or ``KeyIntervals``).
+    i.e. in global coordinates. Any length splits (:func:`sequence_segments`). Returns a new
+    tensor (or ``KeyIntervals``).
     """
     check_layout(layout)
     if isinstance(x, KeyIntervals):

@@ -275,8 +275,11 @@ def context_parallel_attention(
 
     Args:
         query: ``(B, n, H, D)``, this rank's ``n`` tokens; key, value: ``(B, n, Hkv, D)``, the
-            same tokens (``H % Hkv == 0``). ``n`` is the same on every rank; the sequence has
-            ``L = n · P`` tokens.
+            same tokens (``H % Hkv == 0``). The sequence has ``L`` = the sum of the ranks'
+            ``n`` tokens, any length: the shards are the layout's split of ``L``
+            (:func:`~flash_dmattn.distributed.shard_sequence`; equal when the layout's pieces
+            divide ``L``). The ranks exchange their ``n`` once per call and raise
+            ``ValueError`` on every rank when they are not that split.
         attn_mask: bool, 4-D or fewer dims, ``(1|B, 1|Hkv|H, Qx, Kx)``, or a
             :class:`~flash_dmattn.KeyIntervals` whose bounds are global query positions. The
             key dim ``Kx`` is 1, ``n`` (this rank's keys: the shard travels with its keys) or
