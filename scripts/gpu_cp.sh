@@ -9,9 +9,12 @@
 #   GLOO_S / TEST_S / EXAMPLE_S   per-step limits (0 skips the step)
 #   EXAMPLE_LEN   total tokens of the longer example runs (default 65536 on 2 GPUs, x2 on 4)
 #   BENCH_S    the benchmark's limit (default: the rest of TOTAL_S; 0 skips it)
-#   BENCH_ARGS extra arguments of benchmarks.run (e.g. --match "L131072 D128 dense")
-#   FLASH_DMATTN_CP_REPEATS="W,R" / FLASH_DMATTN_CP_VARIANTS="1,4:zigzag" /
-#   FLASH_DMATTN_CP_LAUNCH_S   see benchmarks/cp.py
+#   BENCH_MATCH   benchmarks.run --match (default "dense causal,DMA": the target rows,
+#              not the 128K mask + bias one; "" runs every workload)
+#   FLASH_DMATTN_CP_VARIANTS   default "1,4:zigzag" (what the targets compare; "" runs every
+#              variant: + 2 GPUs and 4 GPUs contiguous, ~2 min more)
+#   BENCH_ARGS extra arguments of benchmarks.run
+#   FLASH_DMATTN_CP_REPEATS="W,R" / FLASH_DMATTN_CP_LAUNCH_S   see benchmarks/cp.py
 #   CUDA=1     the cuda backend as the local kernel (installs the CUTLASS wheel: run with carry
 #              [".wheels"]; builds the specialisations the benchmark uses first, ~2 min);
 #              default: triton
@@ -84,9 +87,12 @@ fi
 
 # 4. The cp suite: 1, 2 and 4 GPUs (one torchrun a variant), with the time that is left.
 BENCH_LIMIT=${BENCH_S:-$(( $(left) - 10 ))}
+BENCH_MATCH=${BENCH_MATCH-dense causal,DMA}
+export FLASH_DMATTN_CP_VARIANTS=${FLASH_DMATTN_CP_VARIANTS-1,4:zigzag}
 if [ "$BENCH_LIMIT" -gt 0 ]; then
   # shellcheck disable=SC2086
-  bench cp "$BENCH_LIMIT" --suite cp --backends "$BACKEND" ${BENCH_ARGS:-}
+  bench cp "$BENCH_LIMIT" --suite cp --backends "$BACKEND" ${BENCH_MATCH:+--match "$BENCH_MATCH"} \
+    ${BENCH_ARGS:-}
   echo "bench limit $BENCH_LIMIT s" | tee -a "$OUT/bench-cp.log"
   [ -d "$W/bench-cp" ] && cp "$W"/bench-cp/*/*.md "$W"/bench-cp/*/*.json "$OUT/" 2>/dev/null
   grep -A6 "^| target" "$OUT"/*cp*.md 2>/dev/null | head -8
