@@ -112,22 +112,29 @@ def _short_decline(exc: Exception) -> str:
 
 
 class FlashDmattn(Impl):
-    """``flash_dmattn_func_auto(backend)``: one flash_dmattn backend, no fallback."""
+    """``flash_dmattn_func_auto(backend)``: one flash_dmattn backend, no fallback; ``None``:
+    auto-dispatch (``flash_dmattn[auto]``, its notes name the backend it picks)."""
 
     kind = "flash_dmattn"
     takes_cache_seqlens = True
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: Optional[str]) -> None:
         super().__init__()
         self.backend = backend
-        self.name = f"flash_dmattn[{backend}]"
+        self.name = f"flash_dmattn[{backend or 'auto'}]"
         self.fn = flash_dmattn_func_auto(backend)
 
     def setup(self, case: Case, ctx: RunContext) -> None:
         super().setup(case, ctx)
         self.cache_seqlens = case.cache_seqlens
         w = case.workload
-        if self.backend == "torch-reference" and ctx.cuda and not ctx.quick:
+        runs = self.backend
+        if runs is None:
+            runs = auto_picks(case, ctx.backward and not w.forward_only)
+            self.notes.append("auto-dispatch picks " + " / ".join(
+                f"{name} ({mode})" for mode, name in runs.items()))
+            runs = runs["fwd"]
+        if runs == "torch-reference" and ctx.cuda and not ctx.quick:
             if w.seqlen_q * w.seqlen_k > REFERENCE_MAX_WORK_GPU:
                 raise Skipped("torch-reference is plain PyTorch (O(Lq·Lk) traffic); not timed on GPU for L > 4096")
 
@@ -139,6 +146,24 @@ class FlashDmattn(Impl):
             )
         except ValueError as exc:
             raise Declined(_short_decline(exc)) from None
+
+
+def auto_picks(case: Case, backward: bool) -> dict:
+    """``{"fwd": backend, "fwd+bwd": backend}``: what auto-dispatch runs for ``case`` without
+    and (``backward``) with gradients of q, k, v and the bias."""
+    from flash_dmattn import registry
+    from flash_dmattn.inputs import AttentionInputs
+
+    picks = {}
+    for mode, grad in (("fwd", False), ("fwd+bwd", True)):
+        if grad and not backward:
+            continue
+        q, k, v, bias = (None if t is None else t.detach().requires_grad_(grad)
+                         for t in (case.q, case.k, case.v, case.bias))
+        inputs = AttentionInputs.from_args(q, k, v, case.mask, bias, None, case.workload.causal,
+                                           cache_seqlens=case.cache_seqlens)
+        picks[mode] = registry.auto_backend_name(inputs) or "none"
+    return picks
 
 
 # Paged decode rows: the page size of vLLM-style caches, pages in a shuffled order.
@@ -421,6 +446,10 @@ class FlexDirect(Impl):
 def implementations(w: Workload, ctx: RunContext, backends: List[str]) -> List[Impl]:
     """The implementations to run on ``w``: the given flash_dmattn backends, then the baselines."""
     impls: List[Impl] = [FlashDmattn(b) for b in backends]
+    if len(backends) > 1:
+        # Auto-dispatch beside the backends it chooses from (the report compares it with the
+        # fastest of them, report.auto_digest).
+        impls.insert(0, FlashDmattn(None))
     if w.suite == "decode" and "triton" in backends:
         impls.append(FlashDmattnPaged("triton"))
     dense_suffix = (" (dense causal)" if w.causal else " (dense)") if w.has_mask_or_bias else ""

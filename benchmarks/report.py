@@ -90,6 +90,42 @@ def _cell(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+AUTO_IMPL = "flash_dmattn[auto]"
+# auto-dispatch more than this much slower than the fastest explicit backend is marked.
+AUTO_SLACK = 1.05
+
+
+def auto_digest(rows: List[Row]) -> List[str]:
+    """One line per workload that has an auto-dispatch row: its fwd and fwd+bwd times beside
+    the fastest explicit flash_dmattn backend's (same run), marked where auto is slower than
+    that by more than ``AUTO_SLACK``."""
+    out = []
+    for workload in dict.fromkeys(r.workload for r in rows):
+        mine = [r for r in rows if r.workload == workload]
+        auto = next((r for r in mine if r.impl == AUTO_IMPL), None)
+        if auto is None:
+            continue
+        explicit = [r for r in mine if r.kind == "flash_dmattn" and r.impl != AUTO_IMPL
+                    and r.impl.startswith("flash_dmattn[") and r.impl.endswith("]")]
+        cells = []
+        for label, attr in (("fwd", "fwd_ms"), ("fwd+bwd", "fwd_bwd_ms")):
+            timed = [(getattr(r, attr), r.impl[len("flash_dmattn["):-1]) for r in explicit
+                     if getattr(r, attr) is not None]
+            mine_ms = getattr(auto, attr)
+            if mine_ms is None or not timed:
+                continue
+            best_ms, best = min(timed)
+            mark = " **slower**" if mine_ms > AUTO_SLACK * best_ms else ""
+            cells.append(f"{label} auto {fmt_ms(mine_ms)} ms, best {best} {fmt_ms(best_ms)} ms"
+                         f" ({mine_ms / best_ms:.2f}×){mark}")
+        if cells:
+            picks = next((n for n in auto.notes if n.startswith("auto-dispatch picks")), "")
+            out.append(f"- {workload}: " + "; ".join(cells) + (f" — {picks}" if picks else ""))
+    if out:
+        out.insert(0, "Auto-dispatch against the fastest explicit backend of the same run:")
+    return out
+
+
 def markdown(rows: List[Row], env: dict, suites: List[str],
              summaries: Optional[Dict[str, Callable[[List[Row]], List[str]]]] = None,
              readings: Optional[Dict[str, str]] = None) -> str:
@@ -126,6 +162,10 @@ def markdown(rows: List[Row], env: dict, suites: List[str],
         out += [f"## {suite}", ""]
         if suite in summaries:
             out += summaries[suite](suite_rows) + [""]
+        else:
+            digest = auto_digest(suite_rows)
+            if digest:
+                out += digest + [""]
         out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         previous = None
         for r in suite_rows:
