@@ -58,6 +58,60 @@ class BackendDeclined(RuntimeError):
         self.reason = reason
 
 
+# Exception types by which a compiler reports that it could not build a call's kernels
+# (Inductor, Triton; names, so that versions lacking one still import this module). Raised
+# when a backend first runs a call of a new shape, before anything was computed.
+_COMPILE_FAILURES = ("InductorError", "LoweringException", "NoValidChoicesError",
+                     "BackendCompilerFailed", "OutOfResources", "CompilationError")
+
+
+def is_compile_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it wraps) is a compile failure (:data:`_COMPILE_FAILURES`)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if any(t.__name__ in _COMPILE_FAILURES for t in type(exc).__mro__):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def failure_reason(exc: BaseException) -> str:
+    """A one-line reason from a compile failure: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+
+
+# (backend name, call_key) -> why that backend could not run such a call when it tried: the
+# backend declines calls with that key from then on (auto-dispatch and explicit use).
+_runtime_declines: Dict[Tuple[str, tuple], str] = {}
+
+
+def call_key(inputs: Inputs) -> tuple:
+    """What one compiled entry of a backend is specialised on: device, dtype, shapes, which
+    mask / bias / cache arguments and which gradients. Calls with equal keys compile alike."""
+
+    def shape(t):
+        return None if t is None else (tuple(t.shape), t.dtype)
+
+    return (type(inputs).__name__, inputs.device, inputs.dtype, tuple(inputs.query.shape),
+            tuple(inputs.key.shape), shape(inputs.attn_mask), shape(inputs.attn_bias),
+            shape(getattr(inputs, "key_intervals", None)),
+            getattr(inputs, "cache_seqlens", None) is not None,
+            shape(getattr(inputs, "block_table", None)), inputs.is_causal, inputs.softcap > 0.0,
+            inputs.deterministic, inputs.needs_grad, inputs.bias_needs_grad)
+
+
+def remember_decline(name: str, inputs: Inputs, reason: str) -> None:
+    """Backend ``name`` failed to run a call like ``inputs`` (``reason``): decline such calls."""
+    _runtime_declines[(name, call_key(inputs))] = reason
+
+
+def forget_declines() -> None:
+    """Forget every remembered run-time decline (tests; after upgrading a compiler)."""
+    _runtime_declines.clear()
+
+
 def register_backend(backend: Backend) -> Backend:
     if backend.name not in PRIORITY:
         raise ValueError(f"unknown backend name {backend.name!r}; expected one of {PRIORITY}")
@@ -118,8 +172,14 @@ def can_run(name: str, inputs: Inputs) -> bool:
 
 def _reasons(backend: Backend, inputs: Inputs) -> List[str]:
     if isinstance(inputs, VarlenInputs):
-        return list(backend.varlen_not_supported_reasons(inputs))
-    return list(backend.not_supported_reasons(inputs))
+        reasons = list(backend.varlen_not_supported_reasons(inputs))
+    else:
+        reasons = list(backend.not_supported_reasons(inputs))
+    if _runtime_declines:
+        failed = _runtime_declines.get((backend.name, call_key(inputs)))
+        if failed is not None:
+            reasons.append(f"it failed to compile a call like this one: {failed}")
+    return reasons
 
 
 def check_explicit(backend: Backend, inputs: Inputs) -> Backend:
@@ -154,8 +214,9 @@ def select_backend(inputs: Inputs) -> Backend:
 
 def run_auto(inputs: Inputs):
     """Run ``inputs`` on the backend auto-dispatch selects. A backend that finds the call beyond
-    it only when it runs (:class:`BackendDeclined`, e.g. a compile failure) declines such
-    calls from then on, and the next backend runs this one."""
+    it only when it runs (:class:`BackendDeclined`, or its kernels fail to compile,
+    :func:`is_compile_failure`) declines calls like it from then on (:func:`remember_decline`),
+    and the next backend runs this one."""
     varlen = isinstance(inputs, VarlenInputs)
     for _ in range(len(PRIORITY)):
         backend = select_backend(inputs)
@@ -164,10 +225,16 @@ def run_auto(inputs: Inputs):
             return entry(inputs)
         try:
             return entry(inputs)
-        except BackendDeclined as exc:
-            if exc.backend != backend.name or not _reasons(backend, inputs):
-                raise  # a decline it will not remember would be selected again
-            logger.warning("flash_dmattn: %s; running the next backend", exc)
+        except Exception as exc:
+            if isinstance(exc, BackendDeclined) and exc.backend == backend.name:
+                reason = exc.reason
+            elif is_compile_failure(exc):
+                reason = failure_reason(exc)
+            else:
+                raise
+            remember_decline(backend.name, inputs, reason)
+            logger.warning("flash_dmattn: backend %r cannot run this call (%s); running the "
+                           "next backend", backend.name, reason)
     raise RuntimeError(f"every backend declined these inputs while running ({inputs.describe()})")
 
 

@@ -68,22 +68,25 @@ def test_compile_failure_is_recognised_through_wrappers():
         except NoValidChoicesError as inner:
             raise InductorError("LoweringException: ...") from inner
     except InductorError as exc:
-        assert flex.is_compile_failure(exc)
-    assert not flex.is_compile_failure(ValueError("bad shape"))
+        assert registry.is_compile_failure(exc)
+        assert registry.failure_reason(exc) == "InductorError: LoweringException: ..."
+    assert not registry.is_compile_failure(ValueError("bad shape"))
 
 
 @pytest.fixture
 def on_simulated_gpu(monkeypatch):
-    """CPU tensors that report a CUDA device of compute capability 8.0 (flex first there)."""
+    """CPU tensors that report a CUDA device of compute capability 8.0 (flex first there); no
+    run-time declines remembered before or after."""
     monkeypatch.setattr(AttentionInputs, "device", property(lambda self: torch.device("cuda")))
+    registry.forget_declines()
     with policy.simulated_capability((8, 0)):
         yield
+    registry.forget_declines()
 
 
 def test_compile_failure_becomes_a_remembered_decline_and_auto_moves_on(monkeypatch,
                                                                          on_simulated_gpu):
     backend = registry.get_backend("flex")
-    monkeypatch.setattr(backend, "_compile_failures", {})
     attempts = []
 
     def failing_compile(q, k, v, kwargs, options):
@@ -103,19 +106,19 @@ def test_compile_failure_becomes_a_remembered_decline_and_auto_moves_on(monkeypa
         ref, _ = naive_attention(q, k, v)
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
         assert len(attempts) == 1
-        reasons = backend.not_supported_reasons(inputs)
-        assert any("compiling FlexAttention failed" in r and "InductorError" in r for r in reasons)
+        reasons = registry._reasons(backend, inputs)
+        assert any("failed to compile a call like this one" in r and "InductorError" in r
+                   for r in reasons)
         flash_dmattn_func(q, k, v)  # declined up front: no second compile
     assert len(attempts) == 1
     # A call of another shape is not affected; an explicit call says why it cannot run.
-    assert not backend.not_supported_reasons(AttentionInputs.from_args(q[:, :64], k, v))
-    with pytest.raises(ValueError, match="compiling FlexAttention failed"):
+    assert not registry._reasons(backend, AttentionInputs.from_args(q[:, :64], k, v))
+    with pytest.raises(ValueError, match="failed to compile a call like this one"):
         registry.check_explicit(backend, inputs)
 
 
 def test_explicit_flex_raises_the_decline_with_its_reason(monkeypatch, on_simulated_gpu):
     backend = registry.get_backend("flex")
-    monkeypatch.setattr(backend, "_compile_failures", {})
 
     def failing_compile(q, k, v, kwargs, options):
         raise NoValidChoicesError("No choices to select")
@@ -129,7 +132,6 @@ def test_explicit_flex_raises_the_decline_with_its_reason(monkeypatch, on_simula
 
 def test_other_errors_are_not_turned_into_declines(monkeypatch, on_simulated_gpu):
     backend = registry.get_backend("flex")
-    monkeypatch.setattr(backend, "_compile_failures", {})
 
     def broken(q, k, v, kwargs, options):
         raise IndexError("a bug, not a compile failure")
@@ -138,4 +140,41 @@ def test_other_errors_are_not_turned_into_declines(monkeypatch, on_simulated_gpu
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(IndexError):
         backend.attention(AttentionInputs.from_args(q, q, q))
-    assert backend._compile_failures == {}
+    assert not registry._runtime_declines
+
+
+class OutOfResources(RuntimeError):
+    """Named as Triton's shared-memory failure at a kernel's first launch."""
+
+
+def test_any_backends_compile_failure_is_remembered_and_auto_moves_on(monkeypatch,
+                                                                      on_simulated_gpu):
+    # The triton backend (run here by the interpreter) failing to compile its kernels for a
+    # call: auto-dispatch remembers it for calls like this one and runs the next backend.
+    from flash_dmattn.backends.triton.backend import TritonBackend
+
+    triton = registry._BACKENDS["triton"]
+    if registry.unavailable_reason(triton) is not None:
+        pytest.skip("triton unavailable here")
+    tried = []
+
+    def failing(self, inputs):
+        tried.append(self.name)
+        raise OutOfResources("out of resource: shared memory, Required: 264192")
+
+    monkeypatch.setattr(TritonBackend, "attention", failing)
+    monkeypatch.setenv("FLASH_DMATTN_DISABLE", "flex")  # next: torch-reference, on CPU tensors
+    q = torch.randn(1, 1, 8, 16, dtype=torch.bfloat16)
+    k = torch.randn(1, 512, 2, 16, dtype=torch.bfloat16)  # a decode shape: triton first
+    inputs = AttentionInputs.from_args(q, k, k)
+    assert registry.select_backend(inputs).name == "triton"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = flash_dmattn_func(q, k, k)
+        flash_dmattn_func(q, k, k)
+        want = registry.get_backend("torch-reference").attention(inputs)
+    assert torch.equal(out, want)
+    assert tried == ["triton"]
+    assert registry.select_backend(inputs).name != "triton"
+    with pytest.raises(ValueError, match="OutOfResources: out of resource"):
+        registry.check_explicit(triton, inputs)

@@ -29,6 +29,7 @@ from typing import List, Optional
 import torch
 
 from ..block_map import block_reduce, tile_liveness
+from .. import registry
 from ..intmath import cdiv
 from .base import Backend, BackendDeclined
 
@@ -323,36 +324,6 @@ def kernel_options_for(inputs, light: bool) -> Optional[dict]:
     return options or None
 
 
-# Exception types by which Inductor reports that it could not compile a call (names, so that
-# torch versions that lack one of them still import this module).
-_COMPILE_FAILURES = ("InductorError", "LoweringException", "NoValidChoicesError",
-                     "BackendCompilerFailed", "OutOfResources")
-
-
-def is_compile_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what it wraps) says FlexAttention's compile failed for this call."""
-    seen = 0
-    while exc is not None and seen < 8:
-        if any(t.__name__ in _COMPILE_FAILURES for t in type(exc).__mro__):
-            return True
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return False
-
-
-def _call_key(inputs) -> tuple:
-    """What one compiled FlexAttention entry is specialised on (static shapes, dtypes, which
-    captures and which gradients): calls with equal keys compile to the same kernels."""
-
-    def shape(t):
-        return None if t is None else (tuple(t.shape), t.dtype)
-
-    return (inputs.device, inputs.dtype, tuple(inputs.query.shape), tuple(inputs.key.shape),
-            shape(inputs.attn_mask), shape(inputs.attn_bias),
-            shape(getattr(inputs, "key_intervals", None)), inputs.cache_seqlens is not None,
-            inputs.is_causal, inputs.softcap > 0.0, inputs.needs_grad, inputs.bias_needs_grad)
-
-
 def _run_compiled(q, k, v, kwargs, options: Optional[dict]):
     with torch._dynamo.config.patch(cache_size_limit=_RECOMPILE_LIMIT):
         try:
@@ -367,10 +338,6 @@ def _run_compiled(q, k, v, kwargs, options: Optional[dict]):
 class FlexBackend(Backend):
     name = "flex"
 
-    def __init__(self) -> None:
-        super().__init__()
-        # _call_key -> the compile error of a call that failed (declined from then on).
-        self._compile_failures = {}
 
     def probe(self) -> Optional[str]:
         if _TORCH_VERSION < (2, 5):
@@ -411,11 +378,6 @@ class FlexBackend(Backend):
             reasons.append("attention dropout is not supported by FlexAttention")
         if inputs.seqlen_q == 0 or inputs.seqlen_k == 0:
             reasons.append("empty sequences are not supported")
-        if self._compile_failures and dev == "cuda":
-            failed = self._compile_failures.get(_call_key(inputs))
-            if failed is not None:
-                reasons.append(f"compiling FlexAttention failed for a call like this one: "
-                               f"{failed}")
         return reasons
 
     def attention(self, inputs):
@@ -442,12 +404,12 @@ class FlexBackend(Backend):
             try:
                 out = _run_compiled(q, k, v, kwargs, kernel_options_for(inputs, light))
             except Exception as exc:
-                if not is_compile_failure(exc):
+                if not registry.is_compile_failure(exc):
                     raise
-                # Nothing was computed: remember the failure (later calls like this one are
-                # declined up front) and let auto-dispatch run the next backend.
-                reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
-                self._compile_failures[_call_key(inputs)] = reason
+                # Nothing was computed: calls like this one are declined from now on (also
+                # when flex is asked for by name), and auto-dispatch runs the next backend.
+                reason = registry.failure_reason(exc)
+                registry.remember_decline(self.name, inputs, reason)
                 raise BackendDeclined(self.name, reason) from exc
         else:
             with warnings.catch_warnings():
