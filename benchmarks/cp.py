@@ -60,10 +60,15 @@ WARMUP, RUNS = {True: 1, False: 1}, {True: 3, False: 3}
 #   FLASH_DMATTN_CP_REPEATS="W,R"     W warm-up and R timed calls per row and phase;
 #   FLASH_DMATTN_CP_VARIANTS="1,4:zigzag"  only these variants (ranks, or ranks:layout); the
 #                                      others give skipped rows;
-#   FLASH_DMATTN_CP_LAUNCH_S=S        the time limit of one variant's launch.
+#   FLASH_DMATTN_CP_LAUNCH_S=S        the time limit of one variant's launch;
+#   FLASH_DMATTN_CP_DEADLINE=T        a Unix time: launches end by then, later variants give
+#                                      skipped rows, and the report is still written.
 # benchmarks.run's --match picks workloads by name (e.g. "L262144 D128 dense").
-ENV_REPEATS, ENV_VARIANTS, ENV_LAUNCH_S = ("FLASH_DMATTN_CP_REPEATS", "FLASH_DMATTN_CP_VARIANTS",
-                                           "FLASH_DMATTN_CP_LAUNCH_S")
+ENV_REPEATS, ENV_VARIANTS, ENV_LAUNCH_S, ENV_DEADLINE = (
+    "FLASH_DMATTN_CP_REPEATS", "FLASH_DMATTN_CP_VARIANTS", "FLASH_DMATTN_CP_LAUNCH_S",
+    "FLASH_DMATTN_CP_DEADLINE")
+# A launch with less time than this left before the deadline is not started.
+MIN_LAUNCH_S = 20
 # A one-GPU run at the same L as this many-GPU one is the dense scaling baseline; the DMA
 # anchor is one GPU at 256K (equal work per GPU: every query keeps W keys).
 TARGET_EFFICIENCY = 0.85
@@ -149,8 +154,13 @@ def _variant_wanted(ranks: int, layout: str) -> bool:
 
 
 def _launch_timeout(quick: bool) -> float:
+    """Seconds the next launch may take: its own limit, or less when the deadline is nearer."""
     text = os.environ.get(ENV_LAUNCH_S, "").strip()
-    return float(text) if text else LAUNCH_TIMEOUT_S[quick]
+    limit = float(text) if text else LAUNCH_TIMEOUT_S[quick]
+    deadline = os.environ.get(ENV_DEADLINE, "").strip()
+    if deadline:
+        limit = min(limit, float(deadline) - time.time())
+    return limit
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,6 +185,12 @@ def run_cp_workload(w: CpWorkload, ctx, backends: List[str]) -> List[Row]:
         if not _variant_wanted(ranks, layout):
             row = Row(w.suite, w.name, w.short, label, "flash_dmattn", w.to_dict(), status=SKIPPED)
             row.notes.append(f"left out by {ENV_VARIANTS}={os.environ[ENV_VARIANTS]}")
+            rows.append(row)
+            print(f"   {label:<44} skipped: {row.notes[-1]}", flush=True)
+            continue
+        if _launch_timeout(ctx.quick) < MIN_LAUNCH_S:
+            row = Row(w.suite, w.name, w.short, label, "flash_dmattn", w.to_dict(), status=SKIPPED)
+            row.notes.append(f"not run: {ENV_DEADLINE} reached")
             rows.append(row)
             print(f"   {label:<44} skipped: {row.notes[-1]}", flush=True)
             continue
@@ -305,7 +321,7 @@ def summary_markdown(rows: List[Row]) -> List[str]:
                f"L256K | {'-' if ratio is None else f'{ratio:.2f}x'} | "
                f"{verdict(None if ratio is None else ratio <= TARGET_DMA_RATIO)} |")
     traffic = [r.ratios["traffic / (selected K/V + bias)"] for r in rows
-               if "traffic / (selected K/V + bias)" in r.ratios]
+               if "traffic / (selected K/V + bias)" in r.ratios and r.shape.get("ranks", 1) > 1]
     worst = max(traffic) if traffic else None
     out.append(f"| DMA traffic per rank and pass <= {TARGET_TRAFFIC_RATIO}x (selected K/V bytes "
                f"+ bias bytes) | {'-' if worst is None else f'{worst:.2f}x (worst row)'} | "

@@ -90,6 +90,8 @@ BENCH_LIMIT=${BENCH_S:-$(( $(left) - 10 ))}
 BENCH_MATCH=${BENCH_MATCH-dense causal,DMA}
 export FLASH_DMATTN_CP_VARIANTS=${FLASH_DMATTN_CP_VARIANTS-1,4:zigzag}
 if [ "$BENCH_LIMIT" -gt 0 ]; then
+  # launches end 15 s before the limit, so that the report (markdown, JSON) is still written
+  export FLASH_DMATTN_CP_DEADLINE=$(( $(date +%s) + BENCH_LIMIT - 15 ))
   # shellcheck disable=SC2086
   bench cp "$BENCH_LIMIT" --suite cp --backends "$BACKEND" ${BENCH_MATCH:+--match "$BENCH_MATCH"} \
     ${BENCH_ARGS:-}
