@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from .inputs import AttentionInputs
+from .inputs import AttentionInputs, VarlenInputs
 
 
 def _device_line() -> str:
@@ -94,10 +94,13 @@ def _aux_shape(text: str, dims: dict, what: str) -> tuple:
 
 def described_call(shape="", dtype="bf16", mask="none", bias="none", bias_dtype=None,
                    causal=False, softcap=0.0, train=False, bias_grad=False,
-                   deterministic=False, cache_seqlens=False, device=None, capability=None):
+                   deterministic=False, cache_seqlens=False, device=None, capability=None,
+                   varlen=False):
     """The validated inputs of a described call, on meta tensors (nothing is allocated, so a
     32K-token call describes as fast as a small one), that report ``device`` (``cpu`` or
-    ``cuda``; a ``capability`` such as ``(9, 0)`` implies ``cuda``)."""
+    ``cuda``; a ``capability`` such as ``(9, 0)`` implies ``cuda``). ``varlen``: ``B``
+    packed sequences of ``Lq`` / ``Lk`` tokens (``flash_dmattn_varlen_func``; a mask or bias
+    is then per key, ``(Hkv, total_k)``)."""
     from .masks import KeyIntervals
 
     dims = _parse_dims(shape)
@@ -120,22 +123,67 @@ def described_call(shape="", dtype="bf16", mask="none", bias="none", bias_dtype=
         bdt = _DTYPES[bias_dtype] if bias_dtype else dt
         attn_bias = torch.empty(_aux_shape(bias, dims, "bias"), dtype=bdt, device=meta,
                                 requires_grad=bool(bias_grad))
-    lengths = torch.empty(B, dtype=torch.int32, device=meta) if cache_seqlens else None
-    inputs = AttentionInputs.from_args(q, k, v, attn_mask, attn_bias, None, causal,
-                                       softcap or None, deterministic, None, lengths)
     if capability is not None:
         device = "cuda"
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--device takes cpu or cuda, got {device!r}")
+    if varlen:
+        return _described_packed(q, k, v, attn_mask, attn_bias, causal, softcap, deterministic,
+                                 torch.device(device))
+    lengths = torch.empty(B, dtype=torch.int32, device=meta) if cache_seqlens else None
+    inputs = AttentionInputs.from_args(q, k, v, attn_mask, attn_bias, None, causal,
+                                       softcap or None, deterministic, None, lengths)
     values = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
     return DescribedInputs(**values, described_device=torch.device(device))
+
+
+def _described_packed(q, k, v, mask, bias, causal, softcap, deterministic, device):
+    """The packed form of a described batch: its B sequences back to back, per-key mask / bias."""
+    from .masks import KeyIntervals
+
+    B, Lq, H, D = q.shape
+    Lk, Hkv = k.shape[1], k.shape[2]
+    if isinstance(mask, KeyIntervals):
+        raise ValueError("--varlen takes a per-key --mask (or none), not intervals")
+    for name, t in (("mask", mask), ("bias", bias)):
+        if t is not None and t.dim() == 4 and t.shape[2] > 1:
+            raise ValueError(f"--varlen takes a per-key --{name} (packed calls have no "
+                             f"per-query {name}), got {tuple(t.shape)}")
+
+    def packed(t, length, heads):
+        return torch.empty(B * length, heads, D, dtype=t.dtype, device=t.device,
+                           requires_grad=t.requires_grad)
+
+    def per_key(t):
+        if t is None:
+            return None
+        return torch.empty(t.shape[1], B * Lk, dtype=t.dtype, device=t.device,
+                           requires_grad=t.requires_grad)
+
+    cu = torch.empty(B + 1, dtype=torch.int32, device=q.device)
+    inputs = VarlenInputs.from_args(packed(q, Lq, H), packed(k, Lk, Hkv), packed(v, Lk, Hkv),
+                                    cu, cu, Lq, Lk, per_key(mask), per_key(bias), None, causal,
+                                    softcap or None, deterministic)
+    values = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
+    return DescribedVarlenInputs(**values, described_device=device)
 
 
 @dataclasses.dataclass(frozen=True)
 class DescribedInputs(AttentionInputs):
     """A described call: meta tensors that report the device the call is described on."""
+
+    described_device: torch.device = torch.device("cpu")
+
+    @property
+    def device(self) -> torch.device:
+        return self.described_device
+
+
+@dataclasses.dataclass(frozen=True)
+class DescribedVarlenInputs(VarlenInputs):
+    """A described packed call: meta tensors that report the device it is described on."""
 
     described_device: torch.device = torch.device("cpu")
 
@@ -165,7 +213,8 @@ def explain(args) -> int:
     try:
         inputs = described_call(args.shape, args.dtype, args.mask, args.bias, args.bias_dtype,
                                 args.causal, args.softcap, args.train, args.bias_grad,
-                                args.deterministic, args.cache_seqlens, args.device, capability)
+                                args.deterministic, args.cache_seqlens, args.device, capability,
+                                args.varlen)
     except (ValueError, TypeError) as exc:
         print(f"flash_dmattn info: {exc}", file=sys.stderr)
         return 2
@@ -407,6 +456,8 @@ def main(argv=None) -> int:
     p_info.add_argument("--bias-grad", action="store_true", help="the bias needs a gradient")
     p_info.add_argument("--deterministic", action="store_true")
     p_info.add_argument("--cache-seqlens", action="store_true", help="a KV cache's used lengths")
+    p_info.add_argument("--varlen", action="store_true",
+                        help="B packed sequences (flash_dmattn_varlen_func); per-key mask / bias")
     p_info.add_argument("--device", default=None, help="cpu | cuda (default: this machine's)")
     p_info.add_argument("--capability", default=None,
                         help="a GPU generation, e.g. 9.0 (Hopper), 8.0 (Ampere), 10.0: "

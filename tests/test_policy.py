@@ -202,6 +202,18 @@ def test_info_explain_cli(capsys):
                  "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "auto takes: torch-reference" in out and "flex: passed over" in out
+    # Packed sequences on Hopper: forward-only on cuda, training on triton.
+    packed = ["info", "--explain", "--varlen", "--shape", "B=4,H=16,Hkv=4,Lq=2048,D=128",
+              "--bias", "per-key", "--causal", "--capability", "9.0"]
+    assert main(packed) == 0
+    out = capsys.readouterr().out
+    assert "hopper-packed-forward" in out and "auto takes: cuda" in out
+    assert main(packed + ["--train"]) == 0
+    out = capsys.readouterr().out
+    assert "hopper-packed-training" in out and "auto takes: triton" in out
+    assert "flex: declined" in out
+    assert main(packed[:-2] + ["--mask", "per-query", "--device", "cpu"]) == 2
+    assert "per-key --mask" in capsys.readouterr().err
     assert main(["info", "--explain", "--rules"]) == 0
     assert "hopper-dense" in capsys.readouterr().out
     assert main(["info", "--explain", "--mask", "diagonal", "--device", "cpu"]) == 2
