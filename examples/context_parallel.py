@@ -17,7 +17,8 @@ runs, forward and backward:
    selected keys' K/V move.
 
 With ``--check`` (default for sequences up to 8192 tokens) every rank also runs the same two
-calls on the whole sequence in one process, in float32 (float64 for ``--dtype fp64``), and
+calls on the whole sequence in one process, in float32 (float64 for ``--dtype fp64``) on the
+torch reference (it materialises the L x L scores of every head), and
 compares its shards of the output and of every gradient with them; in bf16/fp16 the error must
 stay within twice that of the one call in the same dtype (or 1e-2). The exit status is 1
 otherwise.
@@ -39,7 +40,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flash_dmattn import flash_dmattn_func  # noqa: E402
+from flash_dmattn import flash_dmattn_func, reference_dmattn_func  # noqa: E402
 from flash_dmattn.distributed import (  # noqa: E402
     context_parallel_attention,
     context_parallel_dma_attention,
@@ -118,16 +119,18 @@ def rel_err(got, want) -> float:
 
 def check_against_one_process(args, full, ring, dma, shard, dtype, lines) -> bool:
     """Compare this rank's shards with one call on the whole sequence in float32 (float64 for
-    float64 inputs). In half precision the same one call in the input dtype is compared too, and
-    context parallelism must stay within twice its error; otherwise within ``TOLERANCE``."""
+    float64 inputs) on the torch reference (plain matrix products: no kernel under test, nothing
+    to compile). In half precision the same one call in the input dtype (``flash_dmattn_func``,
+    auto-dispatch) is compared too, and context parallelism must stay within twice its error;
+    otherwise within ``TOLERANCE``."""
     names = ("out", "dq", "dk", "dv", "dbias")
     exact = torch.float64 if dtype == torch.float64 else torch.float32
     selection = topk_intervals(full["bias"], args.window, is_causal=True)
 
     def one_process(mask, in_dtype):
         whole = [full[n].to(in_dtype) for n in ("q", "k", "v", "bias")]
-        fn = (lambda q_, k_, v_, b_: flash_dmattn_func(q_, k_, v_, attn_mask=mask, attn_bias=b_,
-                                                       is_causal=True))
+        func = reference_dmattn_func if in_dtype == exact else flash_dmattn_func
+        fn = (lambda q_, k_, v_, b_: func(q_, k_, v_, attn_mask=mask, attn_bias=b_, is_causal=True))
         out, grads, _, _ = run_step(fn, whole, full["dout"].to(in_dtype), warmup=0)
         return [out] + grads
 
