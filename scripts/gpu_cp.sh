@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One device call for context-parallel attention (issue 37) on a machine with 2-4 GPUs: the
-# GPUs, the gloo tests, the NCCL tests (the example under torchrun on 2 and 4 GPUs, checked
-# against one process), the example at a longer sequence on 2 and 4 GPUs, then the cp
-# benchmark suite with whatever time is left. Logs go to $OUT; phases are timed in $OUT/times.log.
+# GPUs, the gloo tests, the NCCL tests (the example under torchrun on 2 and 4 GPUs, both
+# layouts, equal and uneven shards, checked against one process; its output is in
+# tests-gpu.log), the example at a longer sequence, then the cp benchmark suite with whatever
+# time is left. Logs go to $OUT; phases are timed in $OUT/times.log.
 #   bash scripts/gpu_cp.sh
 # Knobs (environment):
 #   TOTAL_S    the whole call's budget in seconds (default 540); the benchmark gets what is left
 #   GLOO_S / TEST_S / EXAMPLE_S   per-step limits (0 skips the step)
-#   EXAMPLE_LEN   total tokens of the longer example runs (default 65536 on 2 GPUs, x2 on 4)
+#   EXAMPLE_GPUS / EXAMPLE_LEN   the longer example runs: on these GPU counts (default "4"),
+#              EXAMPLE_LEN tokens per GPU (default 32768)
 #   BENCH_S    the benchmark's limit (default: the rest of TOTAL_S; 0 skips it)
 #   BENCH_MATCH   benchmarks.run --match (default "dense causal,DMA": the issue's target rows,
 #              not the 128K mask + bias one; "" runs every workload)
@@ -54,8 +56,8 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 stamp "installed (local kernel: $BACKEND)"
 
 # 1. gloo (CPU) tests, without the CPU torchrun ones (the GPU steps below launch torchrun).
-if [ "${GLOO_S:-90}" -gt 0 ]; then
-  timeout "$(limit "${GLOO_S:-90}" 300)" python3 -m pytest -q -p no:cacheprovider -m "not gpu" \
+if [ "${GLOO_S:-60}" -gt 0 ]; then
+  timeout "$(limit "${GLOO_S:-60}" 420)" python3 -m pytest -q -p no:cacheprovider -m "not gpu" \
     -k "not torchrun and not benchmark" tests/test_context_parallel.py >"$OUT/tests-gloo.log" 2>&1
   echo "gloo tests rc=$?" >>"$OUT/tests-gloo.log"
   tail -3 "$OUT/tests-gloo.log"
@@ -63,8 +65,8 @@ if [ "${GLOO_S:-90}" -gt 0 ]; then
 fi
 
 # 2. NCCL tests: the example on 2 and 4 GPUs, both layouts, shards checked against one process.
-if [ "${TEST_S:-200}" -gt 0 ]; then
-  timeout "$(limit "${TEST_S:-200}" 200)" python3 -m pytest -q -p no:cacheprovider -rs -m gpu \
+if [ "${TEST_S:-180}" -gt 0 ]; then
+  timeout "$(limit "${TEST_S:-180}" 280)" python3 -m pytest -q -p no:cacheprovider -rsP -m gpu \
     tests/test_context_parallel.py >"$OUT/tests-gpu.log" 2>&1
   echo "gpu tests rc=$?" >>"$OUT/tests-gpu.log"
   grep -E "passed|failed|error|SKIP|rc=" "$OUT/tests-gpu.log" | tail -8
@@ -72,11 +74,11 @@ if [ "${TEST_S:-200}" -gt 0 ]; then
 fi
 
 # 3. The example as a user runs it, longer sequences (timing and bytes per rank, no check).
-if [ "${EXAMPLE_S:-60}" -gt 0 ]; then
-  for p in 2 4; do
+if [ "${EXAMPLE_S:-45}" -gt 0 ]; then
+  for p in ${EXAMPLE_GPUS:-4}; do
     [ "$NGPU" -lt "$p" ] && { echo "example on $p GPUs: only $NGPU GPUs"; continue; }
-    len=$(( ${EXAMPLE_LEN:-65536} * p / 2 ))
-    timeout "$(limit "${EXAMPLE_S:-60}" 150)" torchrun --standalone --nproc-per-node "$p" \
+    len=$(( ${EXAMPLE_LEN:-32768} * p ))
+    timeout "$(limit "${EXAMPLE_S:-45}" 250)" torchrun --standalone --nproc-per-node "$p" \
       examples/context_parallel.py --seq-len "$len" --window 2048 --heads 16 --kv-heads 4 \
       --head-dim 128 --backend "$BACKEND" --no-check >"$OUT/example-$p.log" 2>&1
     echo "example on $p GPUs rc=$?" >>"$OUT/example-$p.log"

@@ -652,5 +652,6 @@ def test_example_on_gpus(gpus, layout, seq_len):
            "--window", "512", "--heads", "16", "--kv-heads", "4", "--head-dim", "128", "--check"]
     res = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
+    print(res.stdout)  # every rank's errors against one process (pytest -rP shows them)
     assert res.stdout.count("vs one process") == 2 * gpus
     assert f"rank {gpus - 1}/{gpus}: {seq_len} tokens, {layout} layout" in res.stdout
