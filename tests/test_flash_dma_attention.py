@@ -231,10 +231,12 @@ def test_selection_is_key_intervals_with_the_window(monkeypatch):
     assert seen[-1] is None
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
 @pytest.mark.parametrize("causal", [True, False])
-def test_the_triton_kernels_run_the_selection(causal, monkeypatch):
+def test_the_triton_kernels_run_the_selection(causal, dropout_p, monkeypatch):
     # The same call with the kernels' backend forced (on CPU through Triton's interpreter):
-    # the KeyIntervals selection with its window, the per-key bias and its gradients.
+    # the KeyIntervals selection with its window, the per-key bias and its gradients, and the
+    # kernels' dropout on the keep-mask the call drew.
     pytest.importorskip("triton")
     import os
 
@@ -244,13 +246,17 @@ def test_the_triton_kernels_run_the_selection(causal, monkeypatch):
     if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.fail("tests/conftest.py sets TRITON_INTERPRET=1 on machines without a GPU")
     monkeypatch.setattr(dma, "flash_dmattn_func", flash_dmattn.triton_dmattn_func)
-    inputs = [t.to(device) for t in make_inputs(1, 37, 37, 4, 2, 16, dtype=torch.float32, seed=1)]
+    B, L, H, Hkv, D = 1, 37, 4, 2, 16
+    inputs = [t.to(device) for t in make_inputs(B, L, L, H, Hkv, D, dtype=torch.float32, seed=1)]
     leaves = [t.clone().requires_grad_(True) for t in inputs]
-    out = flash_dma_attention(*leaves, keep_window_size=8, causal=causal)
+    torch.manual_seed(6)
+    keep = dropout_mask(dropout_rng(device), B, H, L, L, dropout_p).cpu() if dropout_p else None
+    torch.manual_seed(6)
+    out = flash_dma_attention(*leaves, keep_window_size=8, causal=causal, dropout_p=dropout_p)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(device)
     grads = torch.autograd.grad(out, leaves, grad_out)
     leaves = [t.cpu().clone().requires_grad_(True) for t in inputs]
-    ref, _ = dma_naive(*leaves, 8, causal)
+    ref, _ = dma_naive(*leaves, 8, causal, keep=keep, dropout_p=dropout_p)
     ref_grads = torch.autograd.grad(ref, leaves, grad_out.cpu().double())
     assert_close("out", out.cpu(), ref, 1e-5)
     for name, g, r in zip(NAMES, grads, ref_grads):
