@@ -61,6 +61,9 @@ SLOW: Dict[str, Dict[str, str]] = {
         "test_multi_tile_cases": "all",
         "test_random_cases": "all",
     },
+    "test_fuzz_backends.py": {
+        "test_interpreted_triton_answers_or_declines": "all",
+    },
     "test_key_intervals.py": {
         "test_flex_matches_dense": "rest",
     },
