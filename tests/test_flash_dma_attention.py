@@ -33,7 +33,8 @@ def dma_naive(q, k, v, w, a, keep_window_size, causal, scale=None, w_bias=None, 
         score = bias.detach().expand(B, Hkv, Lq, Lk).masked_fill(~visible, float("-inf"))
         order = score.sort(dim=-1, descending=True, stable=True).indices[..., :keep_window_size]
         visible = visible & torch.zeros_like(visible).scatter(-1, order, True)
-    s = torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(g, 2)) * (D ** -0.5 if scale is None else scale)
+    scale = D ** -0.5 if scale is None else scale
+    s = torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(g, 2)) * scale
     s = s + bias.repeat_interleave(g, 1)
     seen = visible.repeat_interleave(g, 1)
     empty = ~seen.any(-1, keepdim=True)  # causal queries before the first key see nothing

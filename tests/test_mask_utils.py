@@ -567,7 +567,8 @@ def test_apply_dynamic_mask_attention_dropout(is_causal):
         leaves = [t.clone().requires_grad_(True) for t in inputs]
         if run == "library":
             torch.manual_seed(3)
-            out = apply_dynamic_mask_attention(*leaves, keep_window_size=5, is_causal=is_causal, dropout_p=0.25)
+            out = apply_dynamic_mask_attention(*leaves, keep_window_size=5, is_causal=is_causal,
+                                               dropout_p=0.25)
         else:
             allowed = _causal(17, 17) if is_causal else torch.ones(1, 1, 17, 17, dtype=torch.bool)
             out, _ = _naive_dma(*leaves, allowed, 5, dropout_keep=keep, dropout_p=0.25)

@@ -233,7 +233,8 @@ class _OutputOnly:
         return self.module.named_parameters()
 
 
-@pytest.mark.parametrize("extra", [{}, dict(add_bias_kv=True, add_zero_attn=True)], ids=["plain", "extra-keys"])
+@pytest.mark.parametrize("extra", [{}, dict(add_bias_kv=True, add_zero_attn=True)],
+                         ids=["plain", "extra-keys"])
 @pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
 def test_mha_dropout_is_the_kernels_and_matches_torch_on_its_mask(need_weights, average, extra, monkeypatch):
     # Training with dropout runs flash_dmattn's dropout (no fallback to torch): outputs,

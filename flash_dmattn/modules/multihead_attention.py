@@ -83,7 +83,9 @@ def _next_dropout_keep(device, batch, heads, query_len, key_len, dropout_p) -> t
     if device.type == "cpu":
         devices, device_type = [], None
     else:
-        index = device.index if device.index is not None else torch.get_device_module(device.type).current_device()
+        index = device.index
+        if index is None:
+            index = torch.get_device_module(device.type).current_device()
         devices, device_type = [index], device.type
     with torch.random.fork_rng(devices=devices, device_type=device_type):
         rng = draw_rng(device)
