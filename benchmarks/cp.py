@@ -471,11 +471,12 @@ def worker_main(spec_path: str, result_path: str) -> int:
     single = flash_dmattn_func_auto(backend)  # flash_dmattn_func when backend is None
 
     def cp_call(q_, k_, v_, b_):
+        # seq_len: the lengths are known, no exchange before the call (as a training loop would)
         if w.kind == "dma":
             return context_parallel_dma_attention(q_, k_, v_, b_, w.window, is_causal=True,
-                                                  layout=layout, backend=backend)
+                                                  layout=layout, backend=backend, seq_len=L)
         return context_parallel_attention(q_, k_, v_, attn_mask=mask, attn_bias=b_, is_causal=True,
-                                          layout=layout, backend=backend)
+                                          layout=layout, backend=backend, seq_len=L)
 
     def one_call(q_, k_, v_, b_):
         attn_mask = mask

@@ -171,7 +171,7 @@ def main(args, device) -> int:
     pos = shard_positions(layout, rank, world, seq_len=L)
     ranges = " and ".join(f"[{a}, {a + n})" for a, n in shard_segments(layout, rank, world, seq_len=L))
     assert pos.numel() == q.shape[1]
-    common = dict(layout=layout, backend=args.backend)
+    common = dict(layout=layout, backend=args.backend, seq_len=L)  # seq_len: no length exchange
 
     ring = run_step(lambda q_, k_, v_, b_: context_parallel_attention(
         q_, k_, v_, attn_mask=mask, attn_bias=b_, is_causal=True, **common), (q, k, v, bias), dout)

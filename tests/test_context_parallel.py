@@ -107,6 +107,8 @@ def _run_case(spec, group, rank: int, world: int):
     kwargs = dict(layout=layout, is_causal=spec["causal"], softcap=spec.get("softcap"),
                   backend=spec.get("backend", "torch-reference"))
     kwargs.update(spec.get("group_kwargs", {}) or {"group": group})
+    if spec.get("pass_seq_len"):  # the lengths known without an exchange
+        kwargs["seq_len"] = spec["L"]
     with record_communication() as log:
         if spec["kind"] == "ring":
             attn_mask = mask
@@ -261,6 +263,13 @@ def check(spec, results):
 
 def run_and_check(pool, spec):
     results = pool().run(spec)
+    for res in results:
+        assert "error" not in res, res.get("trace", res.get("error"))
+    # The lengths are exchanged unless seq_len was given and no rank holds a single token.
+    world = 2 if spec.get("mesh") else spec["world"]
+    lengths = [sum(n for _, n in segs) for segs in sequence_segments(spec["layout"], world, spec["L"])]
+    exchanged = world > 1 and not (spec.get("pass_seq_len") and min(lengths) >= 2)
+    assert all(bool(res["sent"].get("setup")) == exchanged for res in results), [r["sent"] for r in results]
     if spec.get("mesh"):  # two data-parallel replicas of the same problem
         check(spec, results[:2])
         check(spec, results[2:])
@@ -286,6 +295,10 @@ def _id(spec):
         parts.append("softcap")
     if spec.get("frozen"):
         parts.append("frozen=" + "".join(spec["frozen"]))
+    if spec.get("L", BASE["L"]) != BASE["L"]:
+        parts.append(f"L{spec['L']}")
+    if spec.get("pass_seq_len"):
+        parts.append("seq_len")
     if spec.get("dtype") == torch.float32:
         parts.append("fp32")
     return "-".join(str(p) for p in parts)
@@ -321,6 +334,12 @@ RING_CASES = [
     _case("ring", 4, "zigzag", True, intervals="window", bias="global_keys", L=29),
     _case("ring", 4, "zigzag", True, bias="per_key", mask="per_key", L=6, frozen=("q",)),
     dict(_case("ring", 2, "zigzag", True, bias="per_key", L=27), mesh=True),
+    # seq_len given: no exchange (ranks of one token: exchanged anyway)
+    _case("ring", 4, "zigzag", True, mask="per_key", bias="per_key", L=30, pass_seq_len=True),
+    _case("ring", 2, "zigzag", False, mask="rows", bias="per_query", L=33, pass_seq_len=True),
+    _case("ring", 4, "contiguous", True, intervals="random", intervals_sharded=True,
+          bias="replicated", L=32, pass_seq_len=True),
+    _case("ring", 4, "zigzag", True, bias="per_key", mask="per_key", L=6, pass_seq_len=True),
 ]
 
 DMA_CASES = [
@@ -339,6 +358,9 @@ DMA_CASES = [
     _case("dma", 2, "contiguous", False, bias="per_key_b1h1", window=4, L=33),
     _case("selected", 4, "contiguous", False, intervals="random", bias="per_key", L=27),
     _case("selected", 4, "zigzag", True, intervals="window", L=6),
+    _case("dma", 4, "zigzag", True, bias="per_key", window=5, L=30, pass_seq_len=True),
+    _case("selected", 4, "contiguous", False, intervals="random", bias="per_key", L=27,
+          pass_seq_len=True),
 ]
 
 
@@ -411,6 +433,8 @@ ERROR_CASES = [
     (dict(L=3, cut=(3, 0), layout="contiguous"), ValueError, "every rank needs at least one token"),
     (dict(kind="dma", bias="per_key", L=30, cut=(16, 14), layout="contiguous"), ValueError,
      "the ranks hold [16, 14] tokens, but the contiguous layout"),
+    # seq_len given: each rank checks its own length (both wrong here)
+    (dict(L=32, seq_len=34), ValueError, "tokens, but the zigzag layout of seq_len=34 gives it 17"),
 ]
 
 
@@ -437,6 +461,8 @@ def _run_error_case(spec, group, rank, world):
 
     q, k, v = (part(p[x]) for x in ("q", "k", "v"))
     kw = dict(group=group, layout=layout, backend=spec.get("backend", "torch-reference"))
+    if spec.get("seq_len"):
+        kw["seq_len"] = spec["seq_len"]
     if spec["kind"] == "selected":
         return context_parallel_selected_attention(q, k, v, shard(p["intervals"]), **kw)
     mask = None

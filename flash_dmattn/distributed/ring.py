@@ -21,7 +21,7 @@ from torch import Tensor
 from ..inputs import AttentionInputs
 from ..masks import KeyIntervals
 from .comm import Group
-from .layout import Segment, check_layout, check_lengths
+from .layout import Segment, check_layout, check_lengths, sequence_segments
 from .local import (
     Aux,
     LocalKernel,
@@ -63,6 +63,42 @@ def check_devices(query: Tensor, *others: Optional[Tensor]) -> None:
         if t is not None and t.device != query.device:
             raise ValueError(f"a tensor of shape {tuple(t.shape)} is on {t.device}, the query on "
                              f"{query.device}; every input of a context-parallel call is on one device")
+
+
+def agreed_rows(grp: Group, device, values: Sequence[int], error: Optional[Exception],
+                layout: str, seq_len: Optional[int]) -> List[List[int]]:
+    """Every rank's ``values`` (its shard length first, then key dims, then query dims of a
+    mask / bias: sizes equal to the shard length or the sequence length follow each rank's),
+    indexed by group rank.
+
+    Without ``seq_len`` they are exchanged (:meth:`Group.agree`: one small all-gather and a
+    host synchronisation). With it every rank's length is known, and the others' values are
+    taken to be this rank's, read for their length: no communication and no host wait, but
+    this rank's checks (and a length that is not the layout's split of ``seq_len``) raise on
+    this rank alone. Ranks of a single token make a key dim of 1 ambiguous (its own key or
+    every key): they are exchanged anyway.
+    """
+    if seq_len is None:
+        return grp.agree(device, values, len(values), error)
+    lengths = [sum(n for _, n in segs) for segs in sequence_segments(layout, grp.size, seq_len)]
+    if min(lengths) < 2:
+        return grp.agree(device, values, len(values), error)
+    if error is not None:
+        raise error
+    mine = lengths[grp.rank]
+    if values[0] != mine:
+        raise ValueError(
+            f"this rank (rank {grp.rank} of {grp.size}) holds {values[0]} tokens, but the {layout} "
+            f"layout of seq_len={seq_len} gives it {mine}; cut the shards with "
+            f"flash_dmattn.distributed.shard_sequence"
+        )
+
+    def theirs(v: int, n: int) -> int:
+        if v < 0 or v == seq_len or v != mine:
+            return v
+        return n
+
+    return [[n] + [theirs(v, n) for v in values[1:]] for n in lengths]
 
 
 def _resized(t: Tensor, dim: int, length: int) -> Tensor:
@@ -266,6 +302,7 @@ def context_parallel_attention(
     mesh_dim=None,
     layout: str = "contiguous",
     backend: Optional[str] = None,
+    seq_len: Optional[int] = None,
 ) -> Tensor:
     """Attention over a sequence split across the ranks of ``group``; each rank passes its shard.
 
@@ -300,6 +337,10 @@ def context_parallel_attention(
         backend: the backend of the local calls (``"cuda"``, ``"triton"``,
             ``"torch-reference"``); default: the one auto-dispatch picks for this rank's queries
             against its own keys.
+        seq_len: ``L``, when the caller knows it: the ranks then skip the exchange of their
+            lengths and dims (no communication before the ring, and no host wait for it), and
+            a rank whose arguments do not fit raises alone instead of on every rank
+            (:func:`agreed_rows`).
 
     Returns ``(B, n, H, Dv)`` in the query's dtype. Differentiable in query, key, value and
     attn_bias (eager mode).
@@ -324,8 +365,8 @@ def context_parallel_attention(
         check_devices(query, key, value, mask, bias, bounds)
     except (TypeError, ValueError) as exc:
         error = exc
-    rows = grp.agree(device, [shard_len, key_dim(mask), key_dim(bias), key_dim(bounds),
-                              query_dim(mask), query_dim(bias)], 6, error)
+    rows = agreed_rows(grp, device, [shard_len, key_dim(mask), key_dim(bias), key_dim(bounds),
+                                     query_dim(mask), query_dim(bias)], error, layout, seq_len)
     lengths = [r[0] for r in rows]
     segments = check_lengths(layout, lengths)
 

@@ -36,7 +36,7 @@ from ..planning.selection import topk_intervals
 from .comm import Group
 from .layout import check_layout, check_lengths, segment_positions, unshard_sequence
 from .local import Aux, LocalKernel, Merger, accumulation_dtype, choose_backend, pad4, translate_bounds
-from .ring import Setup, check_devices, check_shards
+from .ring import Setup, agreed_rows, check_devices, check_shards
 
 __all__ = ["context_parallel_selected_attention", "context_parallel_dma_attention"]
 
@@ -361,16 +361,17 @@ def _selected(grp: Group, layout: str, segments, query, key, value, intervals: K
     return _SelectedAttention.apply(plan, query, key, value, bias4, own_bounds)
 
 
-def _agree(grp: Group, layout: str, query, check) -> list:
-    """This rank's checks (``check()``, returning its shard length), the exchange of every
-    rank's shard length, and the layout's segments of every rank."""
+def _agree(grp: Group, layout: str, query, check, seq_len: Optional[int]) -> list:
+    """This rank's checks (``check()``, returning its shard length), every rank's shard length
+    (exchanged, or from ``seq_len``: :func:`~.ring.agreed_rows`), and the layout's segments of
+    every rank."""
     device = query.device if isinstance(query, Tensor) else torch.device("cpu")
     error, shard_len = None, 0
     try:
         shard_len = check()
     except (TypeError, ValueError) as exc:
         error = exc
-    lengths = [r[0] for r in grp.agree(device, [shard_len], 1, error)]
+    lengths = [r[0] for r in agreed_rows(grp, device, [shard_len], error, layout, seq_len)]
     return list(check_lengths(layout, lengths))
 
 
@@ -389,6 +390,7 @@ def context_parallel_selected_attention(
     mesh_dim=None,
     layout: str = "contiguous",
     backend: Optional[str] = None,
+    seq_len: Optional[int] = None,
 ) -> Tensor:
     """Attention under a key-interval mask over a sequence split across ``group``, moving only
     the keys each rank's queries see.
@@ -402,8 +404,8 @@ def context_parallel_selected_attention(
             ``(1|B, 1|Hkv, L)`` in global key order, bounds in global query positions.
         attn_bias: None or this rank's per-key shard ``(1|B, 1|Hkv|H, 1, n)``; its values
             travel with the selected keys and its gradient comes back with theirs.
-        softmax_scale, is_causal, softcap, deterministic, group, mesh_dim, layout, backend: as
-            :func:`context_parallel_attention`.
+        softmax_scale, is_causal, softcap, deterministic, group, mesh_dim, layout, backend,
+            seq_len: as :func:`context_parallel_attention`.
 
     Each rank sends and receives the needed K/V rows once per pass (the forward's rows, then
     their gradients in the backward); the received keys are kept for the backward.
@@ -418,7 +420,7 @@ def context_parallel_selected_attention(
         checked["bias"] = _check_selected(query, key, value, intervals, attn_bias, n, None)
         return n
 
-    segments = _agree(grp, layout, query, check)
+    segments = _agree(grp, layout, query, check, seq_len)
     total = sum(n for segs in segments for _, n in segs)
     if intervals.bounds.shape[-1] != total:  # the same on every rank: the key dim vs sum(n)
         _check_selected(query, key, value, intervals, attn_bias, query.shape[1], total)
@@ -443,6 +445,7 @@ def context_parallel_dma_attention(
     layout: str = "contiguous",
     backend: Optional[str] = None,
     return_intervals: bool = False,
+    seq_len: Optional[int] = None,
 ):
     """Dynamic Mask Attention over a sequence split across ``group``: each query keeps the
     ``window_size`` keys of largest bias (among its causal prefix when ``is_causal``), and only
@@ -484,7 +487,7 @@ def context_parallel_dma_attention(
         checked["bias"] = bias4
         return n
 
-    segments = _agree(grp, layout, query, check)
+    segments = _agree(grp, layout, query, check, seq_len)
     bias4 = checked["bias"]
     lengths = [sum(n for _, n in segs) for segs in segments]
     pieces = grp.all_gather("bias", bias4.detach(), lengths)
