@@ -8,7 +8,7 @@ loop body pays. Usage::
 
     python scripts/compile_check.py [--arch 90] [--workload t2|dense|per-key|varlen|decode|intervals|selection]
                                     [--dump DIR]
-                                    [--first-config]
+                                    [--first-config] [--dropout P]
 
 The workload's inputs are built on CPU at a small length (the kernels' code does not depend
 on it); every kernel launch of one forward and one backward is captured instead of run and
@@ -112,9 +112,15 @@ class _PlanCapture:
         return launch
 
 
-def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
-    """Run one forward + backward on CPU with every Triton launch captured, not executed."""
+def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512, dropout_p: float = 0.0):
+    """Run one forward + backward on CPU with every Triton launch captured, not executed
+    (with attention dropout ``dropout_p``: the kernels' DROPOUT specialisations)."""
     launches = []
+    drop = {}
+    if dropout_p:
+        if workload in ("decode", "selection"):
+            raise ValueError(f"the {workload} kernels have no attention dropout")
+        drop = dict(dropout_p=dropout_p, dropout_rng=torch.zeros(2, dtype=torch.int64))
 
     def grab(name, tuned):
         def launch(grid, args, meta):
@@ -174,16 +180,17 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
 
         for kname in ("_ki_fwd_kernel", "_ki_dq_kernel", "_ki_dkv_kernel"):
             setattr(iv_mod, kname, _PlanCapture(kname, getattr(iv_mod, kname), launches))
+        iv_mod._bwd_preprocess = _NoLaunch()
         q = torch.randn(B, L, H, D, generator=g).to(dtype)
         k = torch.randn(B, L, Hkv, D, generator=g).to(dtype)
         bias = torch.randn(B, Hkv, 1, L, generator=g).to(dtype)
         bounds = topk_intervals(bias, L // 8, is_causal=True).bounds
         out, lse, plan = iv_mod.interval_forward(
             q, k, k, bias, bounds, D ** -0.5, True, 0.0,
-            plan=iv_mod.plan_for(q, k, bounds, True, backward=True))
+            plan=iv_mod.plan_for(q, k, bounds, True, backward=True), **drop)
         iv_mod.interval_backward(torch.randn_like(out), q, k, k, bias, bounds, out,
                                  torch.zeros(B, H, L), D ** -0.5, True, 0.0, False,
-                                 (True, True, True, True), plan=plan)
+                                 (True, True, True, True), plan=plan, **drop)
         return launches
     if workload == "decode":
         # One decode step, H32/Hkv8, per-key mask + bias, with and without a part-filled cache;
@@ -234,16 +241,16 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512):
         scale = D ** -0.5
         mx = int(lens.max())
         out, lse = fwd_mod.attention_forward_varlen(qv, kv, vv, cu, cu, mx, mx, mask, bias, scale,
-                                                    causal, 0.0)
+                                                    causal, 0.0, **drop)
         bwd_mod.attention_backward_varlen(torch.randn_like(out), qv, kv, vv, out, lse, cu, cu,
-                                          mx, mx, mask, bias, scale, causal, 0.0, True)
+                                          mx, mx, mask, bias, scale, causal, 0.0, True, **drop)
         return launches
     else:
         raise ValueError(workload)
     scale = D ** -0.5
-    out, lse = fwd_mod.attention_forward(q, k, v, mask, bias, scale, causal, 0.0)
+    out, lse = fwd_mod.attention_forward(q, k, v, mask, bias, scale, causal, 0.0, **drop)
     bwd_mod.attention_backward(torch.randn_like(out), q, k, v, out, lse, mask, bias, scale,
-                               causal, 0.0, False, bias is not None)
+                               causal, 0.0, False, bias is not None, **drop)
     return launches
 
 
@@ -306,13 +313,16 @@ def main() -> int:
                          "flash_dmattn.planning.plain_rows (fwd, fwd+net)")
     ap.add_argument("--first-config", action="store_true",
                     help="compile only the first autotuning config per kernel (quick check)")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="attention dropout of the captured call (the kernels' DROPOUT code)")
     args = ap.parse_args()
     from flash_dmattn.planning import plain_rows
 
     plain_rows._FORCED = args.plain_rows == "always"  # the planner's hook: one way, no lag
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0
-    for name, tuned, kargs, meta in capture(args.workload, seqlen=args.seqlen):
+    for name, tuned, kargs, meta in capture(args.workload, seqlen=args.seqlen,
+                                               dropout_p=args.dropout):
         kernel = tuned.fn
         sig, consts, attrs = _signature(kernel, kargs, meta)
         configs, prune = _configs(tuned)

@@ -33,14 +33,19 @@ KERNELS = {
 }
 
 
+# Workloads compiled again with attention dropout on (the kernels' DROPOUT code).
+DROPOUT_WORKLOADS = ("dense", "varlen", "intervals")
+
+
 @pytest.mark.skipif(not _nvidia_backend_available(), reason="triton without its nvidia backend")
-@pytest.mark.parametrize("workload", list(KERNELS))
-def test_kernels_compile_for_sm90(workload):
+@pytest.mark.parametrize("workload, dropout",
+                         [(w, 0.0) for w in KERNELS] + [(w, 0.1) for w in DROPOUT_WORKLOADS])
+def test_kernels_compile_for_sm90(workload, dropout):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     res = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "compile_check.py"), "--workload", workload,
-         "--first-config"],
+         "--first-config", "--dropout", str(dropout)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
     )
     report = res.stdout + res.stderr[-3000:]
