@@ -83,20 +83,25 @@ class LocalKernel:
         self._fwd, self._bwd = ops
 
     def forward(self, q, k, v, mask, bias, bounds, scale, causal, softcap,
-                deterministic) -> Tuple[Tensor, Tensor]:
-        """``(out (B, Lq, H, Dv) in q's dtype, lse (B, H, Lq) in the accumulation dtype)``."""
+                deterministic, window: int = 0) -> Tuple[Tensor, Tensor]:
+        """``(out (B, Lq, H, Dv) in q's dtype, lse (B, H, Lq) in the accumulation dtype)``.
+
+        ``window``: the window promise of key-interval ``bounds`` (0: none; see
+        :class:`~flash_dmattn.masks.KeyIntervals`); it holds for any subset of the queries and
+        keys of a mask that makes it, so every local call of a selection may pass it on."""
         out, lse = self._fwd(q, k, v, mask, bias, scale, causal, softcap, deterministic,
-                             None, None, bounds)
+                             None, None, bounds, int(window) if bounds is not None else 0)
         return out, lse.to(accumulation_dtype(q.dtype))
 
     def backward(self, dout, q, k, v, mask, bias, bounds, out, lse, scale, causal, softcap,
-                 deterministic, needs: Sequence[bool]) -> List[Optional[Tensor]]:
+                 deterministic, needs: Sequence[bool], window: int = 0) -> List[Optional[Tensor]]:
         """``[dq, dk, dv, dbias]``, None where ``needs`` did not ask; each in its input's dtype
-        and shape."""
+        and shape. ``window`` as in :meth:`forward`."""
         needs = [bool(n) for n in needs]
         needs[3] = needs[3] and bias is not None
         grads = self._bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap,
-                          deterministic, needs, None, bounds)
+                          deterministic, needs, None, bounds,
+                          int(window) if bounds is not None else 0)
         return [g if n else None for g, n in zip(grads, needs)]
 
 
