@@ -89,7 +89,8 @@ _runtime_declines: Dict[Tuple[str, tuple], str] = {}
 
 def call_key(inputs: Inputs) -> tuple:
     """What one compiled entry of a backend is specialised on: device, dtype, shapes, which
-    mask / bias / cache arguments and which gradients. Calls with equal keys compile alike."""
+    mask / bias / cache / dropout arguments and which gradients. Calls with equal keys compile
+    alike."""
 
     def shape(t):
         return None if t is None else (tuple(t.shape), t.dtype)
@@ -99,7 +100,8 @@ def call_key(inputs: Inputs) -> tuple:
             shape(getattr(inputs, "key_intervals", None)),
             getattr(inputs, "cache_seqlens", None) is not None,
             shape(getattr(inputs, "block_table", None)), inputs.is_causal, inputs.softcap > 0.0,
-            inputs.deterministic, inputs.needs_grad, inputs.bias_needs_grad)
+            getattr(inputs, "dropout_p", 0.0) > 0.0, inputs.deterministic, inputs.needs_grad,
+            inputs.bias_needs_grad)
 
 
 def remember_decline(name: str, inputs: Inputs, reason: str) -> None:
