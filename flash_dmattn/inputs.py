@@ -366,6 +366,10 @@ class AttentionInputs:
     D)`` and the logical key length is ``Lk = P * page_size``; use :attr:`seqlen_k`,
     :attr:`num_kv_heads` and :attr:`page_size`, never ``key.shape[1]``, for the logical shape.
     Logical key ``j`` of batch ``b`` is ``key[block_table[b, j // page_size], j % page_size]``.
+
+    Attention dropout: ``dropout_p`` in ``[0, 1)``; when it is positive ``dropout_rng`` is the
+    call's int64 ``(seed, offset)`` on the query's device, drawn once here from torch's
+    generator (:mod:`flash_dmattn.dropout`), else None.
     """
 
     query: torch.Tensor
@@ -558,6 +562,9 @@ class VarlenInputs:
     :class:`~flash_dmattn.masks.KeyIntervals` mask (``Hx in {1, Hkv, H}``; ``attn_mask`` is
     then None): query ``i`` of a sequence of lengths ``(lq, lk)`` sees that sequence's key
     ``j`` iff ``start[j] <= i + lk - lq < end[j]`` (positions are per sequence).
+
+    ``dropout_p`` / ``dropout_rng`` as in :class:`AttentionInputs`; the dropout's batch
+    coordinate is the sequence index, its rows and keys count from the sequence's start.
     """
 
     query: torch.Tensor
