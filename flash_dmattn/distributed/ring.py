@@ -143,6 +143,8 @@ class Setup:
         self.kernel: Optional[LocalKernel] = None
         self.scale = self.softcap = 0.0
         self.deterministic = False
+        # The key-interval mask's window promise (0: none), passed to every local call.
+        self.window = 0
 
     def whole_shard_call(self) -> Call:
         """The rank's queries against its own keys as one call (validation and dispatch)."""
@@ -196,7 +198,7 @@ class _RingAttention(torch.autograd.Function):
             for call in st.plans[src]:
                 args = st.call_args(call, q, block, mask, bias, bounds)
                 out_c, lse_c = kernel.forward(*args, st.scale, call.causal, st.softcap,
-                                              st.deterministic)
+                                              st.deterministic, st.window)
                 merger.add(call.rows, out_c, lse_c)
             if transfer is not None:
                 transfer.wait()
@@ -255,7 +257,7 @@ class _RingAttention(torch.autograd.Function):
                 dq_c, dk_c, dv_c, db_c = kernel.backward(
                     dout[:, r0:r1].contiguous(), qc, kc, vc, mask_c, bias_c, bounds_c,
                     out[:, r0:r1].contiguous(), lse[:, :, r0:r1].contiguous(), st.scale,
-                    call.causal, st.softcap, st.deterministic, needs,
+                    call.causal, st.softcap, st.deterministic, needs, st.window,
                 )
                 if dq_c is not None:
                     dq[:, r0:r1] += dq_c
@@ -360,11 +362,11 @@ def context_parallel_attention(
     device = query.device if isinstance(query, Tensor) else torch.device("cpu")
     # This rank's own checks, then one exchange of what the ranks must agree on: shard lengths
     # (the layout's split of their sum) and the key dims of mask, bias and intervals.
-    error, shard_len, mask, bias, bounds = None, 0, None, None, None
+    error, shard_len, mask, bias, bounds, window = None, 0, None, None, None, 0
     try:
         shard_len = check_shards(query, key, value)
         if isinstance(attn_mask, KeyIntervals):
-            bounds = attn_mask.bounds
+            bounds, window = attn_mask.bounds, attn_mask.window or 0
             attn_mask = None
         mask = pad4("attn_mask", attn_mask)
         bias = pad4("attn_bias", attn_bias)
@@ -405,4 +407,5 @@ def context_parallel_attention(
     )
     st.kernel = LocalKernel(choose_backend(inputs, backend))
     st.scale, st.softcap, st.deterministic = inputs.softmax_scale, inputs.softcap, inputs.deterministic
+    st.window = window
     return _RingAttention.apply(st, query, key, value, mask, bias, bounds)

@@ -179,7 +179,9 @@ def _softmax_parts(s: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
 
 
 def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
-             key_intervals=None, dropout_p=0.0, dropout_rng=None):
+             key_intervals=None, dropout_p=0.0, dropout_rng=None, key_window=0):
+    # key_window (a key-interval mask's window promise) only sizes the kernels' work lists;
+    # the reference evaluates the intervals themselves.
     geo = _Geometry(q, k, mask, bias, scale, is_causal, softcap, cache_seqlens, key_intervals,
                     dropout_p, dropout_rng)
     B, Lq, H, D = q.shape
@@ -262,7 +264,8 @@ def _backward(ctx_flags, dout, q, k, v, mask, bias, out, lse, scale, is_causal, 
 
 
 def _backward_op(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, _det, needs,
-                 cache_seqlens=None, key_intervals=None, dropout_p=0.0, dropout_rng=None):
+                 cache_seqlens=None, key_intervals=None, dropout_p=0.0, dropout_rng=None,
+                 key_window=0):
     # The reference is deterministic whatever was asked.
     return _backward(
         needs, dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, cache_seqlens,
