@@ -8,13 +8,17 @@ regenerate the mask instead of storing it and any implementation can reproduce a
   torch's default generator of that device (:func:`draw_rng`): ``torch.manual_seed`` makes
   calls reproducible, every call advances the generator, and the draw is an ordinary random
   op, so CUDA-graph capture and ``torch.compile`` handle it like any other;
-* entry ``(b, h, i, j)`` (batch -- for packed sequences the sequence index --, query head,
-  query row and key position, rows and keys counted from the start of the sequence) is
-  Philox4x32-10 with key ``seed`` (its low and high 32 bits) and counter ``(j, i, b * H + h,
-  offset mod 2**32)``: Triton's ``tl.philox`` with those words, reimplemented exactly below;
-* the entry is kept iff the first output word's top 31 bits, ``word >> 1``, are at least
-  :func:`keep_threshold` ``(p) = round(p * 2**31)``: a keep rate of ``1 - p`` up to
-  ``2**-31``, compared as integers so every implementation agrees bit for bit;
+* one Philox4x32-10 evaluation serves 8 consecutive keys: entry ``(b, h, i, j)`` (batch --
+  for packed sequences the sequence index --, query head, query row and key position, rows
+  and keys counted from the start of the sequence) reads the 16-bit half ``j % 2`` (low half
+  first) of output word ``(j // 2) % 4`` of Philox4x32-10 keyed by ``seed`` (its low and high
+  32 bits) at counter ``(j // 8, i, b * H + h, offset mod 2**32)``: Triton's ``tl.philox``
+  with those words, reimplemented exactly below. Eight keys a call keep the kernels' cost of
+  random numbers per score small;
+* the entry is kept iff that 16-bit number is at least :func:`keep_threshold` ``(p) =
+  round(p * 2**16)``: a keep rate of ``1 - p`` up to ``2**-17`` (PyTorch's fused attention
+  quantises ``p`` to 8 bits), compared as integers so every implementation agrees bit for
+  bit;
 * kept probabilities are scaled by ``1 / (1 - p)``: ``O = dropout(P) @ V`` as in SDPA.
 
 The mask depends on nothing but those coordinates: not on tile sizes, splits or which kernel
@@ -60,8 +64,8 @@ def draw_rng(device) -> Tensor:
 
 
 def keep_threshold(dropout_p: float) -> int:
-    """The 31-bit integer below which an entry is dropped."""
-    return int(round(dropout_p * (1 << 31)))
+    """The 16-bit random number below which an entry is dropped."""
+    return int(round(dropout_p * (1 << 16)))
 
 
 def keep_scale(dropout_p: float) -> float:
@@ -105,8 +109,12 @@ def keep_mask(rng: Tensor, dropout_p: float, batch: Tensor, num_heads: int, head
     seed, offset = rng[0], rng[1] & _MASK32
     if rng.numel() > 2:
         batch = batch + rng[2]
-    word = philox(seed, cols, rows, batch * num_heads + head, offset)
-    return (word >> 1) >= keep_threshold(dropout_p)
+    words = philox4x32(seed & _MASK32, (seed >> 32) & _MASK32, cols >> 3, rows,
+                       batch * num_heads + head, offset)
+    pick = (cols >> 1) & 3
+    word = torch.where(pick == 0, words[0], torch.where(pick == 1, words[1], torch.where(
+        pick == 2, words[2], words[3])))
+    return ((word >> ((cols & 1) * 16)) & 0xFFFF) >= keep_threshold(dropout_p)
 
 
 def dense_keep_mask(rng: Tensor, dropout_p: float, batch: int, num_heads: int, seqlen_q: int,

@@ -128,8 +128,14 @@ def test_mask_is_a_function_of_coordinates():
     assert torch.equal(testing.dropout_mask(rng, 2, 4, 17, 23, 0.3), big[:2, :, :17, :23])
     rows = dense_keep_mask(rng, 0.3, 3, 4, 40, 50, rows=slice(16, 32))
     assert torch.equal(rows, big[:, :, 16:32])
-    # The threshold is 31-bit and exact: p = 0.5 keeps words whose top 31 bits reach 2**30.
-    assert keep_threshold(0.5) == 1 << 30 and keep_threshold(0.0) == 0
+    # Entry (b, h, i, j) reads the 16-bit half j % 2 of word (j // 2) % 4 of Philox at counter
+    # (j // 8, i, b * H + h, offset), kept iff it reaches round(p * 2**16).
+    assert keep_threshold(0.5) == 1 << 15 and keep_threshold(0.0) == 0
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    for b, h, i, j in ((0, 0, 0, 0), (2, 3, 39, 49), (1, 2, 17, 13), (0, 1, 5, 8)):
+        words = philox4x32(t(123456789), t(0), t(j // 8), t(i), t(b * 4 + h), t(987654))
+        half = (int(words[(j // 2) % 4]) >> (16 * (j % 2))) & 0xFFFF
+        assert bool(big[b, h, i, j]) == (half >= keep_threshold(0.3))
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])

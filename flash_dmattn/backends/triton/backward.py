@@ -61,6 +61,8 @@ from .common import (
     _varlen_seq,
     _dot,
     _dropout_keep,
+    _dropout_keep_tile,
+    _dropout_keep_tile_t,
     _dropout_seed,
     _tanh,
     dot_upcast,
@@ -206,7 +208,7 @@ def _dkdv_tile(dk, dv, col_acc, sc_acc, k, v, start_m, need_elem, mask_klim, bia
                        IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM)
     pt = tl.exp2(st - lse2[None, :])
     if DROPOUT:
-        keep = _dropout_keep(seed, offset, bh, offs_m[None, :], offs_n[:, None], drop_thresh)
+        keep = _dropout_keep_tile_t(seed, offset, bh, offs_m, offs_n, drop_thresh)
         pt_drop = tl.where(keep, pt * drop_scale, 0.0)
     else:
         pt_drop = pt
@@ -465,7 +467,10 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
     p = tl.exp2(s - lse2[:, None])
     dp = _dot(do, vt, DOT_UPCAST)
     if DROPOUT:
-        keep = _dropout_keep(seed, offset, bh, offs_m[:, None], offs_n[None, :], drop_thresh)
+        if ELEM == 1:  # gathered keys
+            keep = _dropout_keep(seed, offset, bh, offs_m[:, None], offs_n[None, :], drop_thresh)
+        else:  # a key tile
+            keep = _dropout_keep_tile(seed, offset, bh, offs_m, offs_n, drop_thresh)
         dp = tl.where(keep, dp * drop_scale, 0.0)
     ds = p * (dp - delta[:, None])
     if HAS_SOFTCAP:

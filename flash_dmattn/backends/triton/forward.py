@@ -34,6 +34,7 @@ from .common import (
     LOG2E,
     _dot,
     _dropout_keep,
+    _dropout_keep_tile,
     _dropout_seed,
     _gathered_row_bits,
     _key_bounds,
@@ -90,7 +91,10 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
-        keep = _dropout_keep(seed, offset, bh, offs_m[:, None], offs_n[None, :], drop_thresh)
+        if ELEM == 1:  # gathered keys
+            keep = _dropout_keep(seed, offset, bh, offs_m[:, None], offs_n[None, :], drop_thresh)
+        else:  # a key tile
+            keep = _dropout_keep_tile(seed, offset, bh, offs_m, offs_n, drop_thresh)
         p = tl.where(keep, p, 0.0)
     v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
                 mask=n_ok[:, None] & d_ok[None, :], other=0.0)
