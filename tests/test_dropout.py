@@ -523,3 +523,41 @@ def test_triton_two_kernel_per_key_forward_keeps_the_mask(poisoned, monkeypatch)
     out, keep = call_with_mask(fn, 16, q, k, v, p, attn_mask=mask, is_causal=True)
     assert [int(m.get("CUT_ROWS", False)) for m in seen] == [0, 1]
     check_against_dense(out, keep, p, (q, k, v, None), KTOL, mask=mask.cpu(), causal=True)
+
+
+@pytest.mark.gpu
+def test_triton_dropout_in_a_cuda_graph():
+    """The rng draw and the kernels captured in a CUDA graph: every replay draws new numbers
+    from the device's generator, and its output is the formula on the mask of what it drew."""
+    if "triton" not in registry.get_available_backends():
+        pytest.skip("triton unavailable here")
+    from flash_dmattn.backends.triton.backend import triton_op
+    from flash_dmattn.dropout import draw_rng
+
+    B, L, H, Hkv, D, p = 1, 256, 4, 2, 64, 0.2
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(B, L, H, D, device="cuda", generator=g).half()
+    k = torch.randn(B, L, Hkv, D, device="cuda", generator=g).half()
+    v = torch.randn(B, L, Hkv, D, device="cuda", generator=g).half()
+
+    def step():
+        rng = draw_rng("cuda")
+        out, _ = triton_op()(q, k, v, None, None, D ** -0.5, True, 0.0, dropout_p=p,
+                             dropout_rng=rng)
+        return rng, out
+
+    for _ in range(3):  # compile and tune outside the capture
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rng, out = step()
+    seen = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        keep = testing.dropout_mask(rng, B, H, L, L, p).cpu()
+        ref = dense_dropout_attention(q.cpu(), k.cpu(), v.cpu(), keep, p, causal=True)
+        assert_close("out", out.cpu(), ref, 4e-3)
+        seen.append(rng.clone())
+    assert not torch.equal(seen[0], seen[1])
