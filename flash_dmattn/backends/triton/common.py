@@ -57,10 +57,8 @@ def dropout_args(dropout_p: float, dropout_rng: Optional[torch.Tensor], dummy: t
     is never read)."""
     if not dropout_p:
         return (dummy, 0, 1.0), False
-    # p < 1, but round(p * 2**31) may still reach 2**31: keep it an int32.
-    thresh = min(keep_threshold(dropout_p), (1 << 31) - 1)
     rng = dropout_rng.to(device=dummy.device, dtype=torch.int64).contiguous()
-    return (rng, thresh, keep_scale(dropout_p)), True
+    return (rng, keep_threshold(dropout_p), keep_scale(dropout_p)), True
 
 
 def broadcast_strides(t: Optional[torch.Tensor], num_heads: int):
