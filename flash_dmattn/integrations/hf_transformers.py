@@ -87,12 +87,17 @@ def _split_additive_mask(mask: torch.Tensor) -> Tuple[torch.Tensor, Optional[tor
     Equivalent plain PyTorch::
 
         keep = torch.isfinite(mask) & (mask > torch.finfo(mask.dtype).min / 2)
-        bias = mask if (mask[keep] != 0).any() else None
+        bias = mask if mask.shape[-2] == 1 or (mask[keep] != 0).any() else None
 
     The bias is the given tensor itself (its masked entries are never read because the bool
     mask excludes them), so nothing larger than the input is allocated.
     """
     keep = torch.isfinite(mask) & (mask > _masked_threshold(mask.dtype))
+    if mask.dim() >= 2 and mask.shape[-2] == 1:
+        # One row for every query (a decoding step's mask, a padding mask): kept as a per-key
+        # bias without looking, because looking makes the host wait for the device at every
+        # layer of every step, and reading one bias row per tile costs next to nothing.
+        return keep, mask
     # A pure 0 / sentinel mask carries no bias: skipping it saves a bias read per tile and,
     # during training, a bias-gradient reduction nobody asked for.
     has_bias = bool(((mask != 0) & keep).any()) if mask.numel() else False
