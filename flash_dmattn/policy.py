@@ -185,8 +185,8 @@ _CUDA_UNMEASURED = ("the cuda kernels were built, tested and timed on sm_90 (H10
                     "on this GPU generation auto-dispatch leaves them to explicit use "
                     f"(backend='cuda', or {CUDA_AUTO_ENV}=1 to prefer them)")
 _REFERENCE_ON_GPU = "plain PyTorch: the fallback when no kernel backend runs the call"
-_H200 = "benchmarks/results/nvidia-h200/"
-_H100 = "benchmarks/results/nvidia-h100/"
+# Where each rule's measurements are written out, with the logs they come from.
+_EVIDENCE = "benchmarks/results/POLICY.md"
 
 
 def _always(f: CallFeatures) -> bool:
@@ -216,7 +216,7 @@ RULES: Tuple[Rule, ...] = (
         lambda f: f.packed and not f.training,
         prefer=("cuda", "triton", "torch-reference"),
         reason="the cuda varlen forward measured faster than triton's on the varlen benchmark",
-        evidence=_H200 + "cuda-2026-11-22d-varlen-bench.log",
+        evidence=_EVIDENCE + " (hopper-packed-forward / hopper-packed-training)",
     ),
     Rule(
         "hopper-packed-training", "sm_90", "packed sequences, forward + backward",
@@ -224,7 +224,7 @@ RULES: Tuple[Rule, ...] = (
         prefer=("triton", "cuda", "torch-reference"),
         reason="triton's varlen backward measured faster than cuda's (fwd+bwd) on the varlen "
                "benchmark",
-        evidence=_H200 + "cuda-2026-11-22d-varlen-bench.log",
+        evidence=_EVIDENCE + " (hopper-packed-forward / hopper-packed-training)",
     ),
     Rule(
         "hopper-key-intervals", "sm_90", "a key-interval mask (KeyIntervals)",
@@ -233,7 +233,7 @@ RULES: Tuple[Rule, ...] = (
         reason="cuda's key-interval kernels measured ahead of triton's on the dma_long rows "
                "(all but one, within a few percent); flex visits whole 128-key blocks, which a "
                "scattered selection keeps live",
-        evidence=_H100 + "dma_long-cuda.log, " + _H200 + "dma_long-cuda.log",
+        evidence=_EVIDENCE + " (hopper-key-intervals)",
     ),
     Rule(
         "hopper-decode", "sm_90", "decoding: few query rows per kv head, long keys or a KV cache",
@@ -241,7 +241,7 @@ RULES: Tuple[Rule, ...] = (
         prefer=("triton", "cuda", "flex", "torch-reference"),
         reason="triton's split-KV decode kernel measured faster than cuda's on every row, and "
                "both far faster than flex",
-        evidence=_H200 + "cuda-decode-2026-11-23d-time.log, " + _H200 + "decode-2026-11-23d-bench.md",
+        evidence=_EVIDENCE + " (hopper-decode)",
     ),
     Rule(
         "hopper-per-query-bias-training", "sm_90",
@@ -259,11 +259,10 @@ RULES: Tuple[Rule, ...] = (
         "or with a per-query mask",
         _always,
         prefer=("cuda", "flex", "triton", "torch-reference"),
-        reason="cuda measured fastest: forward T1-T3; forward + backward dense (T1, the dense "
-               "suite), with a per-key mask (T3), a per-query mask + per-key bias (T2) and a "
-               "per-key mask + per-key bias (issue 33's H100 case)",
-        evidence=_H200 + "cuda-final-2026-11-23c-ab-bench.log, " + _H200
-        + "cuda-t2-sampled-2026-11-23c-bench.log, benchmarks/results/POLICY.md",
+        reason="cuda measured fastest: forward with every mask kind; forward + backward dense, "
+               "with a per-key mask, a per-query mask + per-key bias and a per-key mask + "
+               "per-key bias",
+        evidence=_EVIDENCE + " (hopper-dense)",
     ),
     Rule(
         "gpu-packed", "other GPUs", "packed sequences",
@@ -279,7 +278,7 @@ RULES: Tuple[Rule, ...] = (
         prefer=("triton", "flex", "torch-reference"),
         reason="triton's key-interval kernels visit only the selected keys (measured on "
                "Hopper; cuda's are built for sm_90 only)",
-        evidence=_H100 + "dma_long.md",
+        evidence=_EVIDENCE + " (hopper-key-intervals)",
         passed_over={"cuda": _CUDA_UNMEASURED},
     ),
     Rule(
@@ -288,7 +287,7 @@ RULES: Tuple[Rule, ...] = (
         prefer=("triton", "flex", "torch-reference"),
         reason="triton's split-KV decode kernel measured faster than flex at every cache "
                "length on Hopper",
-        evidence=_H200 + "decode-2026-11-23d-bench.md",
+        evidence=_EVIDENCE + " (hopper-decode)",
         passed_over={"cuda": _CUDA_UNMEASURED},
     ),
     Rule(
