@@ -460,51 +460,35 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     // Key-interval tile: + the staged bias, -inf where the row's query index lies outside the
     // column's staged range (columns past the list have an empty one). A step whose keys all
     // lie among the list's leading n_full (seen by every query of the tile) skips the test.
-    // The test is uniform over a step, so steps without it (most of a long list) branch to a
-    // body that neither reads nor compares the staged ranges.
     auto interval_logits = [&](auto& acc_s, int i, int a) {
+      const bool test = (i + 1) * kBlockN > n_full;
       const char* range_smem = mask_smem0 + a * aux.stride;
       const char* bias_smem = bias_smem0 + a * aux.stride;
       constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
       int qrow[2];
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) qrow[r] = q0 + get<0>(cS(make_coord(0, r, 0), 0, 0));
-      auto body = [&](auto test_c) {
-        constexpr bool kTest = decltype(test_c)::value;
-        CUTE_UNROLL
-        for (int g = 0; g < kGroupsS; ++g) {
-          const int c = get<1>(cS(make_coord(0, 0, g), 0, 0));  // even: ranges c, c + 1 in 16 B
-          int4 rg;
-          if constexpr (kTest) rg = *reinterpret_cast<const int4*>(range_smem + c * 8);
-          float b0 = 0.f, b1 = 0.f;
-          if constexpr (kHasBias) {
-            __align__(4) Elem two[2];
-            *reinterpret_cast<uint32_t*>(two) =
-                *reinterpret_cast<const uint32_t*>(bias_smem + c * int(sizeof(Elem)));
-            b0 = float(two[0]);
-            b1 = float(two[1]);
-          }
-          CUTE_UNROLL
-          for (int r = 0; r < 2; ++r) {
-            float& s0 = acc_s(make_coord(0, r, g), 0, 0);
-            float& s1 = acc_s(make_coord(1, r, g), 0, 0);
-            const float x0 = scaled_score<kSoftcap>(p, s0) + b0;
-            const float x1 = scaled_score<kSoftcap>(p, s1) + b1;
-            if constexpr (kTest) {
-              const int q = qrow[r];
-              s0 = (rg.x <= q) & (q < rg.y) ? x0 : -INFINITY;
-              s1 = (rg.z <= q) & (q < rg.w) ? x1 : -INFINITY;
-            } else {
-              s0 = x0;
-              s1 = x1;
-            }
-          }
+      CUTE_UNROLL
+      for (int g = 0; g < kGroupsS; ++g) {
+        const int c = get<1>(cS(make_coord(0, 0, g), 0, 0));  // even: ranges c, c + 1 in 16 B
+        const int4 rg = *reinterpret_cast<const int4*>(range_smem + c * 8);
+        float b0 = 0.f, b1 = 0.f;
+        if constexpr (kHasBias) {
+          __align__(4) Elem two[2];
+          *reinterpret_cast<uint32_t*>(two) =
+              *reinterpret_cast<const uint32_t*>(bias_smem + c * int(sizeof(Elem)));
+          b0 = float(two[0]);
+          b1 = float(two[1]);
         }
-      };
-      if ((i + 1) * kBlockN > n_full) {
-        body(std::true_type{});
-      } else {
-        body(std::false_type{});
+        CUTE_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          float& s0 = acc_s(make_coord(0, r, g), 0, 0);
+          float& s1 = acc_s(make_coord(1, r, g), 0, 0);
+          const float x0 = scaled_score<kSoftcap>(p, s0), x1 = scaled_score<kSoftcap>(p, s1);
+          const int q = qrow[r];
+          s0 = !test | ((rg.x <= q) & (q < rg.y)) ? x0 + b0 : -INFINITY;
+          s1 = !test | ((rg.z <= q) & (q < rg.w)) ? x1 + b1 : -INFINITY;
+        }
       }
     };
 
