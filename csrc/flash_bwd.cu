@@ -46,7 +46,7 @@ __global__ void delta_kernel(const BwdParams p) {
   const int nb = kPacked ? 1 : p.B;
   // Half a warp per (b, i, h) row, 8 columns (one 16-byte load of each operand) per lane and
   // step; the head varies fastest, which is memory order for (B, L, H, D) tensors. (A warp
-  // per row with 2-byte loads took 0.13 ms for T3's 268 MB, ~2 TB/s.)
+  // per row with 2-byte loads reached about half of this kernel's bandwidth.)
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
   const int sub = threadIdx.x % 16;
   if (row >= int64_t(nb) * L * p.H) return;  // whole half-warps: the shuffles stay within one

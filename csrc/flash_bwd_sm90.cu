@@ -546,7 +546,8 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       // queries (c2): per key, the range / causal bounds become one query interval and a mask
       // or bias broadcast over queries one read. The queries are the outer loop so each lse /
       // delta value is read and used once for both keys: with the keys outer, the 16 queries'
-      // lse and delta stayed live across the loop and spilled (T2's mask + bias module).
+      // lse and delta stayed live across the loop and spilled (the per-query mask + bias
+      // module).
       int q_lo[2], q_hi[2];  // queries q0 + [q_lo, q_hi) of the tile see key r
       float key_bias[2];
       bool key_mask[2];
@@ -588,11 +589,11 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       // one (most steps: whole live tiles off the diagonal): P = 2^(S log2e - lse log2e),
       // one FFMA and one EX2 an element. The general path below costs about three times the
       // instructions (range, mask and causal tests, a 64-bit shift per element), and this
-      // element work, not the MMAs, set T3's dK/dV time (H200: 2.37 ms, 1.29 in a timing-only
-      // build without it; cuda-bwd-bounds-2026-11-23c-T3-probe.log).
+      // element work, not the MMAs, sets the dK/dV time of block-sparse masks (a build without
+      // it ran in about half the time).
       // Compiled where it pays (kPlainPath): modules without a bias, whose masks are per key
-      // or absent (whole visible tiles); T2's per-query mask + bias module, where few tiles
-      // are whole, measured slower with it (1.38 against 1.26 ms).
+      // or absent (whole visible tiles); the per-query mask + bias module, where few tiles
+      // are whole, measured slower with it.
       bool plain;
       if constexpr (kIntervals) {
         // Every value of this warp's keys x the tile's queries visible (most steps of a

@@ -164,7 +164,7 @@ struct RowIndices {
 // load_tile_swizzled with the tile's rows taken by index: tile row r is row rows.idx of `base`
 // (row stride in elements), fetched beforehand (RowIndices::fetch); rows with index -1 are
 // zero-filled. (The decode kernel's load_tile_rows reads each row's index just before its
-// copies; with that order the gathered T2 forward took 0.70 instead of 0.63 ms on an H200.)
+// copies; with that order the gathered forward was about 10 % slower.)
 template <int kHeadDim, int kAtomK, int kThreads, int R>
 __device__ __forceinline__ void load_rows_by_index(const Elem* base, int64_t row_stride,
                                                    const RowIndices<kAtomK, kThreads, R>& rows,
@@ -301,8 +301,7 @@ __device__ __forceinline__ SeqRows seq_rows(const FwdParams& p, int b) {
 
 // The sequence's lengths. Kernels call these where the length is used rather than copying it
 // into a local: a dense call then reads the kernel parameter in place, which ptxas keeps in
-// uniform registers; a local copy made it per-thread (T2 on an H200: forward kernel +2.5 %,
-// Hopper dK/dV +12 %).
+// uniform registers; a local copy made it per-thread (a slower forward and Hopper dK/dV).
 __device__ __forceinline__ int seq_lq(const FwdParams& p, const SeqRows& s) {
   if constexpr (kPacked) return s.Lq;
   return p.Lq;

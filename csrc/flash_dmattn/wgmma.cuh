@@ -102,9 +102,8 @@ struct GmmaTiles {
 // Launch order of the Hopper kernels with one CTA per (query tile, b, h). The heaviest query
 // tiles (the last ones, under causal masking) go first, so the final wave is made of short
 // CTAs. With GQA the query heads of one tile are launched next to each other, so the heads of
-// a group read their shared K / V and mask / bias tiles while these are in L2 (H200, T2: fwd
-// 1.59 -> 1.53 ms, fwd+bwd 6.76 -> 6.66 ms); without GQA, query tiles vary fastest (T1 fwd
-// 2.57 -> 2.49 ms against the head-major order).
+// a group read their shared K / V and mask / bias tiles while these are in L2; without GQA,
+// query tiles vary fastest (both a few percent faster than the head-major order).
 struct QTileCoord {
   int m_block, b, h;
 };
