@@ -119,7 +119,7 @@ def _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem, mask_klim, 
               ELEM: tl.constexpr):
     """Transposed scores (keys x queries) in log2 units, plus tanh (for the softcap chain).
 
-    ``ELEM`` as in :func:`.forward._scores` (1: always masked, 2: ``need_elem`` decides).
+    ``ELEM`` as in :func:`.common._scores` (1: always masked, 2: ``need_elem`` decides).
     """
     st = _dot(k, tl.trans(q), DOT_UPCAST)
     if HAS_SOFTCAP:
@@ -949,7 +949,7 @@ def attention_backward_varlen(
 
     Args:
         dout, out, q: ``(total_q, H, D)``; k, v: ``(total_k, Hkv, D)``; lse ``(H, total_q)``
-            fp32 from :func:`~.forward.attention_forward_varlen`; cu_seqlens / max_seqlen /
+            fp32 from :func:`~.forward_varlen.attention_forward_varlen`; cu_seqlens / max_seqlen /
             mask / bias / scale / causal / softcap exactly as given to the forward.
         bias_needs_grad: compute dbias (requires ``bias``). needs_dq / needs_dkv: skip work
             for gradients nobody wants. dropout_p / dropout_rng: the forward's dropout.
