@@ -685,3 +685,35 @@ def test_example_on_gpus(gpus, layout, seq_len):
     print(res.stdout)  # every rank's errors against one process (pytest -rP shows them)
     assert res.stdout.count("vs one process") == 2 * gpus
     assert f"rank {gpus - 1}/{gpus}: {seq_len} tokens, {layout} layout" in res.stdout
+
+
+def test_merger_copies_fresh_rows_and_merges_overlaps():
+    """The merger against a plain log-sum-exp merge: calls on fresh rows, on rows reached
+    before, on rows partly reached before, calls whose rows see no key (lse -inf), and rows
+    no call reaches (0, -inf)."""
+    from flash_dmattn.distributed.local import Merger
+
+    gen = torch.Generator().manual_seed(4)
+    B, n, H, D = 2, 40, 3, 5
+    calls = [(0, 10), (20, 30), (5, 15), (0, 10), (25, 35), (12, 13)]
+    merger = Merger(B, n, H, D, torch.float32, "cpu")
+    want_out = torch.zeros(B, n, H, D, dtype=torch.float64)
+    want_lse = torch.full((B, H, n), float("-inf"), dtype=torch.float64)
+    for i, (r0, r1) in enumerate(calls):
+        out = torch.randn(B, r1 - r0, H, D, generator=gen)
+        lse = torch.randn(B, H, r1 - r0, generator=gen)
+        if i == 4:
+            lse[:, :, :3] = float("-inf")  # rows of this call that see no key
+            out[:, :3] = 0
+        merger.add((r0, r1), out, lse)
+        for r in range(r0, r1):
+            a, b = want_lse[:, :, r], lse[:, :, r - r0].double()
+            m = torch.logaddexp(a, b)
+            ref = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+            wa, wb = torch.exp(a - ref), torch.exp(b - ref)
+            want_out[:, r] = want_out[:, r] * wa[..., None] + out[:, r - r0].double() * wb[..., None]
+            want_lse[:, :, r] = m
+    got_out, got_lse = merger.result(torch.float32)
+    torch.testing.assert_close(got_out.double(), want_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    assert torch.isinf(got_lse[:, :, 35:]).all() and (got_out[:, 35:] == 0).all()

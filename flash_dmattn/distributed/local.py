@@ -108,16 +108,46 @@ class LocalKernel:
 class Merger:
     """Outputs and log-sum-exps of calls on row ranges of a shard, merged in the accumulation
     dtype: ``lse = logaddexp(lse, lse_c)``, ``out = out·exp(lse_old - lse) + out_c·exp(lse_c - lse)``.
-    Rows no call reached stay 0 with lse = -inf, like rows with no visible key."""
+    Rows no call reached stay 0 with lse = -inf, like rows with no visible key.
+
+    A call on rows no earlier call reached is copied in, not merged (most calls of a shard:
+    the first key block of every query segment), and the buffers are only written where a
+    call reached (:meth:`result` fills the rest), so the merging costs reads and writes of the
+    accumulators only where two calls meet."""
 
     def __init__(self, batch: int, rows: int, heads: int, dim: int, dtype: torch.dtype,
                  device) -> None:
         acc = accumulation_dtype(dtype)
-        self.out = torch.zeros(batch, rows, heads, dim, dtype=acc, device=device)
-        self.lse = torch.full((batch, heads, rows), float("-inf"), dtype=acc, device=device)
+        self.out = torch.empty(batch, rows, heads, dim, dtype=acc, device=device)
+        self.lse = torch.empty((batch, heads, rows), dtype=acc, device=device)
+        self._rows = rows
+        self._reached: List[Tuple[int, int]] = []  # disjoint, sorted row ranges
+
+    def _fresh(self, r0: int, r1: int) -> bool:
+        return all(b1 <= r0 or r1 <= b0 for b0, b1 in self._reached)
+
+    def _mark(self, r0: int, r1: int) -> None:
+        spans = sorted(self._reached + [(r0, r1)])
+        merged = [spans[0]]
+        for a, b in spans[1:]:
+            if a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        self._reached = merged
 
     def add(self, rows: Tuple[int, int], out: Tensor, lse: Tensor) -> None:
         r0, r1 = rows
+        if r0 >= r1:
+            return
+        if self._fresh(r0, r1):
+            self.out[:, r0:r1].copy_(out)
+            self.lse[:, :, r0:r1].copy_(lse)
+            self._mark(r0, r1)
+            return
+        if not any(a <= r0 and r1 <= b for a, b in self._reached):
+            # Rows partly reached before: bring the unreached ones to (0, -inf) first.
+            self._clear_unreached(r0, r1)
         old = self.lse[:, :, r0:r1]
         new = torch.logaddexp(old, lse)
         # Rows still without any visible key: both weights 0 (not exp(nan)).
@@ -125,8 +155,28 @@ class Merger:
         w_old = torch.exp(old - ref).transpose(1, 2).unsqueeze(-1)
         w_new = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
         acc = self.out[:, r0:r1]
-        acc.mul_(w_old).add_(out.to(acc.dtype) * w_new)
+        acc.mul_(w_old).addcmul_(out, w_new)
         self.lse[:, :, r0:r1] = new
+        self._mark(r0, r1)
+
+    def _clear_unreached(self, r0: int, r1: int) -> None:
+        at = r0
+        for a, b in self._reached:
+            if b <= at or a >= r1:
+                continue
+            if a > at:
+                self.out[:, at:a].zero_()
+                self.lse[:, :, at:a].fill_(float("-inf"))
+            at = max(at, b)
+        if at < r1:
+            self.out[:, at:r1].zero_()
+            self.lse[:, :, at:r1].fill_(float("-inf"))
+
+    def result(self, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+        """``(out in dtype, lse)``: the merged rows, 0 / -inf where no call reached."""
+        self._clear_unreached(0, self._rows)
+        self._reached = [(0, self._rows)] if self._rows else []
+        return self.out.to(dtype), self.lse
 
 
 # ------------------------------------------------------------------------------------------

@@ -203,8 +203,8 @@ class _RingAttention(torch.autograd.Function):
             if transfer is not None:
                 transfer.wait()
                 block = nxt
-        out = merger.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, mask, bias, bounds, out, merger.lse)
+        out, lse = merger.result(q.dtype)
+        ctx.save_for_backward(q, k, v, mask, bias, bounds, out, lse)
         ctx.st = st
         return out
 

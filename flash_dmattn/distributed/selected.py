@@ -213,8 +213,8 @@ class _SelectedAttention(torch.autograd.Function):
                                               bounds_c, st.scale, False, st.softcap,
                                               st.deterministic, st.window)
                 merger.add((r0, r1), out_c, lse_c)
-        out = merger.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, bias, own_bounds, out, merger.lse, k_sel, v_sel, b_sel)
+        out, lse = merger.result(q.dtype)
+        ctx.save_for_backward(q, k, v, bias, own_bounds, out, lse, k_sel, v_sel, b_sel)
         ctx.plan = plan
         return out
 
