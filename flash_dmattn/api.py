@@ -62,7 +62,9 @@ def flash_dmattn_func(
             torch-reference (also gradients w.r.t. the pools); not by flex.
         dropout_p: attention dropout in ``[0, 1)``, on the normalised probabilities as in
             SDPA (``O = dropout(P) @ V``, kept entries scaled by ``1 / (1 - dropout_p)``),
-            forward and backward. Each call draws its seed and offset from torch's default
+            forward and backward. The keep rate uses ``dropout_p`` rounded to a multiple of
+            ``1/256`` (as PyTorch's fused attention kernels round it to 8 bits); the scale
+            uses it unrounded. Each call draws its seed and offset from torch's default
             generator for the query's device, so ``torch.manual_seed`` reproduces it; which
             entries it keeps is a pure function of them and of ``(batch, head, query, key)``
             (:mod:`flash_dmattn.dropout`; :func:`flash_dmattn.testing.dropout_mask` rebuilds

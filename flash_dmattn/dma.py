@@ -85,7 +85,8 @@ def flash_dma_attention(
         keep_window_size: keys each query keeps when ``Lk > keep_window_size`` (ties go to
             the lower key index); with ``Lk <= keep_window_size`` every visible key is kept.
         dropout_p: attention dropout in ``[0, 1)`` on the normalised probabilities (kept
-            entries scaled by ``1 / (1 - dropout_p)``), as
+            entries scaled by ``1 / (1 - dropout_p)``; the keep rate uses ``dropout_p``
+            rounded to a multiple of ``1/256``), as
             :func:`~flash_dmattn.flash_dmattn_func` applies it: the random stream comes from
             torch's generator for the query's device (``torch.manual_seed`` reproduces a
             call). A plain function has no training mode: pass ``0.0`` for inference.

@@ -8,18 +8,21 @@ regenerate the mask instead of storing it and any implementation can reproduce a
   torch's default generator of that device (:func:`draw_rng`): ``torch.manual_seed`` makes
   calls reproducible, every call advances the generator, and the draw is an ordinary random
   op, so CUDA-graph capture and ``torch.compile`` handle it like any other;
-* one Philox4x32-10 evaluation serves 8 consecutive keys: entry ``(b, h, i, j)`` (batch --
+* one Philox4x32-10 evaluation serves 16 consecutive keys: entry ``(b, h, i, j)`` (batch --
   for packed sequences the sequence index --, query head, query row and key position, rows
-  and keys counted from the start of the sequence) reads the 16-bit half ``j % 2`` (low half
-  first) of output word ``(j // 2) % 4`` of Philox4x32-10 keyed by ``seed`` (its low and high
-  32 bits) at counter ``(j // 8, i, b * H + h, offset mod 2**32)``: Triton's ``tl.philox``
-  with those words, reimplemented exactly below. Eight keys a call keep the kernels' cost of
-  random numbers per score small;
-* the entry is kept iff that 16-bit number is at least :func:`keep_threshold` ``(p) =
-  round(p * 2**16)``: a keep rate of ``1 - p`` up to ``2**-17`` (PyTorch's fused attention
-  quantises ``p`` to 8 bits), compared as integers so every implementation agrees bit for
-  bit;
-* kept probabilities are scaled by ``1 / (1 - p)``: ``O = dropout(P) @ V`` as in SDPA.
+  and keys counted from the start of the sequence) reads byte ``j % 4`` (low byte first) of
+  output word ``(j // 4) % 4`` of Philox4x32-10 keyed by ``seed`` (its low and high 32 bits)
+  at counter ``(j // 16, i, b * H + h, offset mod 2**32)``: Triton's ``tl.philox`` with those
+  words, reimplemented exactly below. Sixteen keys a call keep the kernels' cost of random
+  numbers per score small, and a key tile's 16 keep bits pack into one word;
+* the entry is kept iff that byte is at least :func:`keep_threshold` ``(p) = round(p *
+  256)``, compared as integers so every implementation agrees bit for bit: ``p`` is rounded
+  to a multiple of ``1/256`` (as PyTorch's fused attention kernels round it to 8 bits), so
+  the keep rate is ``1 - round(256 p) / 256``, within ``1/512`` of ``1 - p``; ``p <= 1/512``
+  keeps everything and ``p >= 1 - 1/512`` drops everything;
+* kept probabilities are scaled by ``1 / (1 - p)`` with the ``p`` asked for (as PyTorch's
+  fused kernels do; the rounding of the keep rate is not compensated): ``O = dropout(P) @
+  V`` as in SDPA.
 
 The mask depends on nothing but those coordinates: not on tile sizes, splits or which kernel
 ran. The rng tensor may carry a third element, the batch index of the call's first row, for
@@ -64,8 +67,9 @@ def draw_rng(device) -> Tensor:
 
 
 def keep_threshold(dropout_p: float) -> int:
-    """The 16-bit random number below which an entry is dropped."""
-    return int(round(dropout_p * (1 << 16)))
+    """The random byte below which an entry is dropped: ``round(p * 256)``, in ``[0, 256]``
+    (``p`` rounded to 8 bits)."""
+    return int(round(dropout_p * 256))
 
 
 def keep_scale(dropout_p: float) -> float:
@@ -109,12 +113,12 @@ def keep_mask(rng: Tensor, dropout_p: float, batch: Tensor, num_heads: int, head
     seed, offset = rng[0], rng[1] & _MASK32
     if rng.numel() > 2:
         batch = batch + rng[2]
-    words = philox4x32(seed & _MASK32, (seed >> 32) & _MASK32, cols >> 3, rows,
+    words = philox4x32(seed & _MASK32, (seed >> 32) & _MASK32, cols >> 4, rows,
                        batch * num_heads + head, offset)
-    pick = (cols >> 1) & 3
+    pick = (cols >> 2) & 3
     word = torch.where(pick == 0, words[0], torch.where(pick == 1, words[1], torch.where(
         pick == 2, words[2], words[3])))
-    return ((word >> ((cols & 1) * 16)) & 0xFFFF) >= keep_threshold(dropout_p)
+    return ((word >> ((cols & 3) * 8)) & 0xFF) >= keep_threshold(dropout_p)
 
 
 def dense_keep_mask(rng: Tensor, dropout_p: float, batch: int, num_heads: int, seqlen_q: int,

@@ -128,30 +128,44 @@ def test_mask_is_a_function_of_coordinates():
     assert torch.equal(testing.dropout_mask(rng, 2, 4, 17, 23, 0.3), big[:2, :, :17, :23])
     rows = dense_keep_mask(rng, 0.3, 3, 4, 40, 50, rows=slice(16, 32))
     assert torch.equal(rows, big[:, :, 16:32])
-    # Entry (b, h, i, j) reads the 16-bit half j % 2 of word (j // 2) % 4 of Philox at counter
-    # (j // 8, i, b * H + h, offset), kept iff it reaches round(p * 2**16).
-    assert keep_threshold(0.5) == 1 << 15 and keep_threshold(0.0) == 0
+    # Entry (b, h, i, j) reads byte j % 4 of word (j // 4) % 4 of Philox at counter
+    # (j // 16, i, b * H + h, offset), kept iff it reaches round(p * 256).
+    assert keep_threshold(0.5) == 128 and keep_threshold(0.0) == 0
+    assert keep_threshold(0.1) == 26 and keep_threshold(0.3) == 77
+    assert keep_threshold(1 / 512 - 1e-9) == 0 and keep_threshold(1 - 1 / 512 + 1e-9) == 256
     t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    for b, h, i, j in ((0, 0, 0, 0), (2, 3, 39, 49), (1, 2, 17, 13), (0, 1, 5, 8)):
-        words = philox4x32(t(123456789), t(0), t(j // 8), t(i), t(b * 4 + h), t(987654))
-        half = (int(words[(j // 2) % 4]) >> (16 * (j % 2))) & 0xFFFF
-        assert bool(big[b, h, i, j]) == (half >= keep_threshold(0.3))
+    for b, h, i, j in ((0, 0, 0, 0), (2, 3, 39, 49), (1, 2, 17, 13), (0, 1, 5, 8),
+                       (1, 1, 20, 31), (2, 0, 7, 36)):
+        words = philox4x32(t(123456789), t(0), t(j // 16), t(i), t(b * 4 + h), t(987654))
+        byte = (int(words[(j // 4) % 4]) >> (8 * (j % 4))) & 0xFF
+        assert bool(big[b, h, i, j]) == (byte >= keep_threshold(0.3))
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.03])
 def test_keep_rate_within_binomial_bound(p):
     torch.manual_seed(0)
     keep = testing.dropout_mask(testing.dropout_rng("cpu"), 2, 4, 64, 96, p)
-    n = keep.numel()
-    rate = keep.double().mean().item()
-    # Six standard deviations of the binomial: a false alarm has odds ~1e-9.
-    assert abs(rate - (1 - p)) <= 6 * math.sqrt(p * (1 - p) / n), rate
+    # The keep rate is 1 - p with p rounded to a multiple of 1/256 (8-bit random numbers).
+    pq = keep_threshold(p) / 256
+    assert abs(pq - p) <= 1 / 512
+
+    def check(k):
+        # Six standard deviations of the binomial: a false alarm has odds ~1e-9.
+        rate = k.double().mean().item()
+        assert abs(rate - (1 - pq)) <= 6 * math.sqrt(pq * (1 - pq) / k.numel()), rate
+
+    check(keep)
+    # Each of the 16 keys one Philox evaluation serves (its 16 bytes) keeps at that rate.
+    for slot in range(16):
+        check(keep[..., slot::16])
 
 
 def _agreement_is_chance(a, b, p):
     """Two keep-masks agree on a fraction of entries within 6 sigma of independent draws'
-    ``(1-p)^2 + p^2``, and their correlation is within 6 / sqrt(n) of 0."""
+    ``(1-p)^2 + p^2`` (``p`` rounded as the keep rate is), and their correlation is within
+    6 / sqrt(n) of 0."""
     n = a.numel()
+    p = keep_threshold(p) / 256
     expect = (1 - p) ** 2 + p ** 2
     agree = (a == b).double().mean().item()
     assert abs(agree - expect) <= 6 * math.sqrt(expect * (1 - expect) / n), (agree, expect)
@@ -173,6 +187,11 @@ def test_independence_across_heads_batches_calls_and_tiles(p):
     _agreement_is_chance(a[..., :64], a[..., 64:], p)          # key tiles
     _agreement_is_chance(a[:, :, 1:, 1:], a[:, :, :-1, :-1], p)  # diagonal neighbours
     _agreement_is_chance(a[:, :, :, 16:], a[:, :, :, :-16], p)  # a tile width apart
+    # Keys that share a Philox evaluation (16 consecutive keys): neighbouring bytes of one
+    # word, the same byte of neighbouring words, the first and last byte of the group.
+    _agreement_is_chance(a[..., 1:], a[..., :-1], p)
+    _agreement_is_chance(a[..., 4:], a[..., :-4], p)
+    _agreement_is_chance(a[..., 15::16], a[..., 0::16], p)
 
 
 # --- Validation, declines and dispatch -------------------------------------------------------
@@ -418,6 +437,28 @@ def test_triton_gathered_keys_and_other_tiles_use_the_same_mask(poisoned, monkey
     ref = dense_dropout_attention(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), keep.cpu(),
                                   0.5, mask=mask.cpu(), causal=True)
     assert_close("out", again.detach().cpu(), ref, KTOL)
+
+
+@needs_kernels
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_triton_keep_tiles_of_several_key_groups(block_n):
+    # The kernels' tiles hold several 16-key groups (the interpreter's 16x16 tiles hold one):
+    # the packed bits expand to the mask's own keys, in both orientations, at any tile start.
+    from triton_keep_tiles import keep_tiles_kernel as kernel
+
+    p, B, H = 0.3, 2, 3
+    rng = torch.tensor([0x1234_5678_9ABC, 4242], dtype=torch.int64)
+    full = dense_keep_mask(rng, p, B, H, 48, 4 * block_n)
+    for b, h, start_m, start_n in ((0, 0, 0, 0), (1, 2, 16, block_n), (1, 1, 32, 3 * block_n)):
+        out = torch.zeros(16, block_n, dtype=torch.int8, device=KDEV)
+        out_t = torch.zeros(block_n, 16, dtype=torch.int8, device=KDEV)
+        out_e = torch.zeros(16, block_n, dtype=torch.int8, device=KDEV)
+        kernel[(1,)](rng.to(KDEV), out, out_t, out_e, start_m, start_n, b * H + h,
+                     keep_threshold(p), BM=16, BN=block_n)
+        want = full[b, h, start_m:start_m + 16, start_n:start_n + block_n]
+        assert torch.equal(out.cpu().bool(), want)
+        assert torch.equal(out_t.cpu().bool(), want.T)
+        assert torch.equal(out_e.cpu().bool(), want)
 
 
 @needs_kernels

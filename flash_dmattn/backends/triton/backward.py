@@ -208,15 +208,17 @@ def _dkdv_tile(dk, dv, col_acc, sc_acc, k, v, start_m, need_elem, mask_klim, bia
                        IS_CAUSAL, HAS_SOFTCAP, DOT_UPCAST, ELEM)
     pt = tl.exp2(st - lse2[None, :])
     if DROPOUT:
+        # The keep tile is made after dP^T and applied to both of its uses at once, so it is
+        # never live across a dot (a (N, M) boolean tile costs a register per element).
+        dpt = _dot(v, tl.trans(do), DOT_UPCAST)
         keep = _dropout_keep_tile_t(seed, offset, bh, offs_m, offs_n, drop_thresh)
-        pt_drop = tl.where(keep, pt * drop_scale, 0.0)
-    else:
-        pt_drop = pt
-    if STORE_DKV:
-        dv += _dot(pt_drop.to(do.dtype), do, DOT_UPCAST)
-    dpt = _dot(v, tl.trans(do), DOT_UPCAST)
-    if DROPOUT:
         dpt = tl.where(keep, dpt * drop_scale, 0.0)
+        if STORE_DKV:
+            dv += _dot(tl.where(keep, pt * drop_scale, 0.0).to(do.dtype), do, DOT_UPCAST)
+    else:
+        if STORE_DKV:
+            dv += _dot(pt.to(do.dtype), do, DOT_UPCAST)
+        dpt = _dot(v, tl.trans(do), DOT_UPCAST)
     # dst: gradient w.r.t. the final (soft-capped + bias) score, natural units.
     dst = pt * (dpt - delta[None, :])
 

@@ -109,46 +109,67 @@ def _dropout_seed(Rng, DROPOUT: tl.constexpr):
 def _dropout_keep(seed, offset, bh, rows, cols, drop_thresh):
     """Whether the dropout keeps the entries of query rows ``rows`` and keys ``cols`` (int
     tiles that broadcast to the result, e.g. ``(M, 1)`` and ``(1, N)``, or transposed) of
-    (batch * heads + head) ``bh``, for any keys (gathered ones too): the 16-bit half ``cols %
-    2`` of word ``(cols // 2) % 4`` of Philox4x32 keyed by ``seed`` at counter ``(cols // 8,
-    rows, bh, offset)``, kept iff it reaches ``drop_thresh`` (:mod:`flash_dmattn.dropout`).
-    A pure function of the coordinates, so every kernel and tiling regenerates one mask."""
+    (batch * heads + head) ``bh``, for any keys (gathered ones too): byte ``cols % 4`` of word
+    ``(cols // 4) % 4`` of Philox4x32 keyed by ``seed`` at counter ``(cols // 16, rows, bh,
+    offset)``, kept iff it reaches ``drop_thresh`` (:mod:`flash_dmattn.dropout`). A pure
+    function of the coordinates, so every kernel and tiling regenerates one mask."""
     zero = rows * 0 + cols * 0
     keys = cols + zero
-    r0, r1, r2, r3 = tl.philox(seed, (keys >> 3).to(tl.int32), (rows + zero).to(tl.int32),
+    r0, r1, r2, r3 = tl.philox(seed, (keys >> 4).to(tl.int32), (rows + zero).to(tl.int32),
                                (zero + bh).to(tl.int32), zero.to(tl.uint32) + offset)
-    pick = (keys >> 1) & 3
+    pick = (keys >> 2) & 3
     word = tl.where(pick == 0, r0, tl.where(pick == 1, r1, tl.where(pick == 2, r2, r3)))
-    half = tl.where((keys & 1) != 0, word >> 16, word & 0xFFFF)
-    return half.to(tl.int32) >= drop_thresh
+    byte = (word >> ((keys & 3) * 8).to(tl.uint32)) & 0xFF
+    return byte.to(tl.int32) >= drop_thresh
+
+
+@triton.jit
+def _dropout_word_bits(word, drop_thresh):
+    """Int32 whose bits 0-3 say whether bytes 0-3 (low first) of ``word`` reach
+    ``drop_thresh``."""
+    b0 = ((word & 0xFF).to(tl.int32) >= drop_thresh).to(tl.int32)
+    b1 = (((word >> 8) & 0xFF).to(tl.int32) >= drop_thresh).to(tl.int32)
+    b2 = (((word >> 16) & 0xFF).to(tl.int32) >= drop_thresh).to(tl.int32)
+    b3 = ((word >> 24).to(tl.int32) >= drop_thresh).to(tl.int32)
+    return b0 | (b1 << 1) | (b2 << 2) | (b3 << 3)
+
+
+@triton.jit
+def _dropout_group_bits(seed, offset, bh, offs_m, offs_n, drop_thresh):
+    """The keep bits of rows ``offs_m`` and keys ``offs_n`` (consecutive, the first a multiple
+    of 16: a kernel's key tile) packed as an int32 ``(N / 16, M)`` tile: bit ``i`` of entry
+    ``(g, r)`` is :func:`_dropout_keep` of key ``16 * g + i`` (counted from the tile's first
+    key) and row ``r``. One Philox evaluation per entry serves 16 keys.
+
+    The tile is computed in a compact layout (each entry once) and only the packed words are
+    moved to the consumer's layout: the ``join`` / ``max`` below changes no value, but left
+    out, the compiler computes the Philox rounds directly in the dot layout, where every
+    entry is evaluated by 4 (query-major) or 8 (key-major) threads."""
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    tl.static_assert(BLOCK_N % 16 == 0, "key tiles are whole groups of 16 keys")
+    groups = (tl.min(offs_n, 0) >> 4) + tl.arange(0, BLOCK_N // 16)
+    rows = offs_m[None, :]
+    zero = groups[:, None] * 0 + rows * 0
+    r0, r1, r2, r3 = tl.philox(seed, (groups[:, None] + zero).to(tl.int32),
+                               (rows + zero).to(tl.int32), (zero + bh).to(tl.int32),
+                               zero.to(tl.uint32) + offset)
+    bits = (_dropout_word_bits(r0, drop_thresh) | (_dropout_word_bits(r1, drop_thresh) << 4)
+            | (_dropout_word_bits(r2, drop_thresh) << 8)
+            | (_dropout_word_bits(r3, drop_thresh) << 12))
+    return tl.max(tl.join(bits, bits), 2)
 
 
 @triton.jit
 def _dropout_keep_tile(seed, offset, bh, offs_m, offs_n, drop_thresh):
     """:func:`_dropout_keep` of rows ``offs_m`` and keys ``offs_n`` as a ``(M, N)`` tile, for
-    consecutive keys whose first is a multiple of 8 (the kernels' key tiles): one Philox
-    evaluation per 8 keys, its eight 16-bit halves interleaved back into key order."""
+    a key tile (consecutive keys, the first a multiple of 16): the packed bits of
+    :func:`_dropout_group_bits`, expanded only here."""
     BLOCK_M: tl.constexpr = offs_m.shape[0]
     BLOCK_N: tl.constexpr = offs_n.shape[0]
-    tl.static_assert(BLOCK_N % 8 == 0, "key tiles are whole groups of 8 keys")
-    groups = (tl.min(offs_n, 0) >> 3) + tl.arange(0, BLOCK_N // 8)
-    zero = offs_m[:, None] * 0 + groups[None, :] * 0
-    r0, r1, r2, r3 = tl.philox(seed, (groups[None, :] + zero).to(tl.int32),
-                               (offs_m[:, None] + zero).to(tl.int32), (zero + bh).to(tl.int32),
-                               zero.to(tl.uint32) + offset)
-    # k_i: key 8 * group + i, the half i % 2 of word i // 2.
-    k0 = ((r0 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
-    k1 = ((r0 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
-    k2 = ((r1 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
-    k3 = ((r1 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
-    k4 = ((r2 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
-    k5 = ((r2 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
-    k6 = ((r3 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
-    k7 = ((r3 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
-    # join appends an axis of two: the last join's axis is the least significant of i.
-    eight = tl.join(tl.join(tl.join(k0, k4), tl.join(k2, k6)),
-                    tl.join(tl.join(k1, k5), tl.join(k3, k7)))
-    return tl.reshape(eight, (BLOCK_M, BLOCK_N)) != 0
+    bits = tl.trans(_dropout_group_bits(seed, offset, bh, offs_m, offs_n, drop_thresh))
+    full = tl.reshape(tl.broadcast_to(bits[:, :, None], (BLOCK_M, BLOCK_N // 16, 16)),
+                      (BLOCK_M, BLOCK_N))
+    return ((full >> (offs_n & 15)[None, :]) & 1) != 0
 
 
 @triton.jit
@@ -157,24 +178,10 @@ def _dropout_keep_tile_t(seed, offset, bh, offs_m, offs_n, drop_thresh):
     dK/dV kernel's orientation)."""
     BLOCK_M: tl.constexpr = offs_m.shape[0]
     BLOCK_N: tl.constexpr = offs_n.shape[0]
-    tl.static_assert(BLOCK_N % 8 == 0, "key tiles are whole groups of 8 keys")
-    groups = (tl.min(offs_n, 0) >> 3) + tl.arange(0, BLOCK_N // 8)
-    zero = groups[:, None] * 0 + offs_m[None, :] * 0
-    r0, r1, r2, r3 = tl.philox(seed, (groups[:, None] + zero).to(tl.int32),
-                               (offs_m[None, :] + zero).to(tl.int32), (zero + bh).to(tl.int32),
-                               zero.to(tl.uint32) + offset)
-    k0 = ((r0 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
-    k1 = ((r0 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
-    k2 = ((r1 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
-    k3 = ((r1 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
-    k4 = ((r2 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
-    k5 = ((r2 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
-    k6 = ((r3 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
-    k7 = ((r3 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
-    eight = tl.join(tl.join(tl.join(k0, k4), tl.join(k2, k6)),
-                    tl.join(tl.join(k1, k5), tl.join(k3, k7)))  # (N / 8, M, 2, 2, 2)
-    eight = tl.permute(eight, (0, 2, 3, 4, 1))
-    return tl.reshape(eight, (BLOCK_N, BLOCK_M)) != 0
+    bits = _dropout_group_bits(seed, offset, bh, offs_m, offs_n, drop_thresh)
+    full = tl.reshape(tl.broadcast_to(bits[:, None, :], (BLOCK_N // 16, 16, BLOCK_M)),
+                      (BLOCK_N, BLOCK_M))
+    return ((full >> (offs_n & 15)[:, None]) & 1) != 0
 
 
 @triton.jit
