@@ -30,8 +30,8 @@ def assert_matches(label, got, want, tol, relative, scale=None):
 
     A bias broadcast over whole softmax rows (its key dim 1) shifts each row by a constant: its
     gradient is 0 exactly, a sum of score gradients that cancel, so it has no relative error.
-    Its entries are held to ``tol`` times ``scale``, the sum of the magnitudes of the score
-    gradients each entry adds up (what rounding in those sums is relative to)."""
+    Its entries are held to ``tol`` times ``scale``, the magnitudes of what each entry adds up
+    (what rounding in those sums is relative to; see :func:`score_gradient_scale`)."""
     got, want = got.double().cpu(), want.double().cpu()
     assert got.shape == want.shape and not got.isnan().any(), label
     if scale is not None and want.abs().max() <= 1e-9 * scale.max():
@@ -44,8 +44,11 @@ def assert_matches(label, got, want, tol, relative, scale=None):
 
 
 def score_gradient_scale(case, rq, rk, rv, rmask, rbias, gout):
-    """For each entry of the bias: the sum of |dS| over the (batch, head, query, key) entries
-    of the score gradient it is broadcast to (float64 reference)."""
+    """For each entry of the bias: the sum, over the (batch, head, query, key) entries of the
+    score gradient it is broadcast to, of the magnitudes of the terms each such entry
+    ``dS = P (dP - delta)`` is computed from, ``P (|dP| + |delta|)`` (float64 reference). A
+    kernel's dS carries rounding relative to those terms even where they cancel to 0 (a row
+    with one visible key has P = 1 and dP = delta)."""
     B, Lq, H, _ = rq.shape
     Lk, Hkv = rk.shape[1], rk.shape[2]
     b4 = rbias.detach()
@@ -55,10 +58,15 @@ def score_gradient_scale(case, rq, rk, rv, rmask, rbias, gout):
     per_kv_head = hx == Hkv and Hkv != H
     full = (b4.repeat_interleave(H // Hkv, dim=1) if per_kv_head else b4).expand(B, H, Lq, Lk)
     full = full.clone().requires_grad_()
-    ref, _ = naive_attention(rq.detach(), rk.detach(), rv.detach(), rmask, full, case.scale,
+    _, lse = naive_attention(rq.detach(), rk.detach(), rv.detach(), rmask, full, case.scale,
                              case.causal, case.softcap)
-    ds, = torch.autograd.grad(ref, full, gout)
-    x = ds.abs()
+    # d lse / d S = P (rows without a visible key: no probabilities, 0).
+    p, = torch.autograd.grad(lse, full, torch.where(torch.isfinite(lse), 1.0, 0.0))
+    p = torch.nan_to_num(p)
+    v = rv.detach().repeat_interleave(H // Hkv, dim=2)  # (B, Lk, H, D)
+    dp = torch.einsum("bihd,bjhd->bhij", gout, v)
+    delta = (p * dp).sum(-1, keepdim=True)
+    x = p * (dp.abs() + delta.abs())
     x = x.view(B, Hkv, H // Hkv, Lq, Lk).sum(2) if per_kv_head else x
     for dim, size in enumerate((bx, hx, qx, kx)):
         if size == 1 and x.shape[dim] > 1:
