@@ -35,6 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from flash_dmattn.backends.triton import backward as bwd_mod  # noqa: E402
 from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
+from flash_dmattn.backends.triton import forward_kernel  # noqa: E402
+from flash_dmattn.backends.triton import forward_varlen  # noqa: E402
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
            torch.float64: "fp64", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8",
@@ -131,21 +133,21 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512, dropout_p: f
         def __getitem__(self, grid):
             return lambda *a, **k: None
 
-    fwd_mod._launch_fwd = grab("fwd", fwd_mod._attn_fwd_tuned)
-    fwd_mod._launch_fwd_untuned = grab("fwd", fwd_mod._attn_fwd_tuned)
+    forward_kernel.launch_fwd = grab("fwd", forward_kernel._attn_fwd_tuned)
+    forward_kernel.launch_fwd_untuned = grab("fwd", forward_kernel._attn_fwd_tuned)
     fwd_mod.sm_count = lambda device: 132  # an H100 SXM / H200
     bwd_mod._launch_dkdv = grab("dkdv", bwd_mod._dkdv_tuned)
     bwd_mod._launch_dq = grab("dq", bwd_mod._dq_tuned)
     bwd_mod._bwd_preprocess = _NoLaunch()
     # Plans then come from torch reductions (same lists; the summary kernel needs a device).
-    from flash_dmattn.planning import gather as gather_mod
+    from flash_dmattn.planning import gather_build
     from flash_dmattn.planning import plan as plan_mod
 
     fwd_mod.wants_summary = plan_mod.wants_summary = lambda *a: False
     # The gather plan's own kernels are captured too (their outputs stay unwritten: zero
     # totals choose gathering, which is all the rest of the capture needs).
     for kname in ("_compact_keys_kernel", "_gather_mask_bits_kernel", "_gather_bias_kernel"):
-        setattr(gather_mod, kname, _PlanCapture(kname, getattr(gather_mod, kname), launches))
+        setattr(gather_build, kname, _PlanCapture(kname, getattr(gather_build, kname), launches))
     # And a per-key mask's list planner (its plain-PyTorch twin serves CPU calls otherwise).
     from flash_dmattn.planning import key_mask_lists as klists
     from flash_dmattn.planning import tiles as tiles_mod
@@ -240,8 +242,8 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512, dropout_p: f
         bias = torch.randn(Hkv, L, generator=g).to(dtype)
         scale = D ** -0.5
         mx = int(lens.max())
-        out, lse = fwd_mod.attention_forward_varlen(qv, kv, vv, cu, cu, mx, mx, mask, bias, scale,
-                                                    causal, 0.0, **drop)
+        out, lse = forward_varlen.attention_forward_varlen(qv, kv, vv, cu, cu, mx, mx, mask, bias,
+                                                           scale, causal, 0.0, **drop)
         bwd_mod.attention_backward_varlen(torch.randn_like(out), qv, kv, vv, out, lse, cu, cu,
                                           mx, mx, mask, bias, scale, causal, 0.0, True, **drop)
         return launches

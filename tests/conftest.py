@@ -66,10 +66,9 @@ def _clean_dispatch_state(monkeypatch):
     monkeypatch.delenv("FLASH_DMATTN_BACKEND", raising=False)
     monkeypatch.delenv("FLASH_DMATTN_DISABLE", raising=False)
     registry.reset_dispatch_notes()
-    try:  # the Triton planner's lagged gather decisions start from nothing in every test
-        from flash_dmattn.planning.gather import _LAGGED_TOTALS
-    except ImportError:  # no triton package
-        _LAGGED_TOTALS = {}
+    # The planner's lagged gather decisions start from nothing in every test.
+    from flash_dmattn.planning.gather_verdicts import _LAGGED_TOTALS
+
     _LAGGED_TOTALS.clear()
     yield
 

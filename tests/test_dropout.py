@@ -362,16 +362,16 @@ def poisoned(monkeypatch):
 
 def _spy_forward_launches(monkeypatch):
     """The meta flags of every forward kernel launch, in order."""
-    from flash_dmattn.backends.triton import forward as fwd_mod
+    from flash_dmattn.backends.triton import forward_kernel
 
     seen = []
-    for name in ("_launch_fwd", "_launch_fwd_untuned"):
-        real = getattr(fwd_mod, name)
+    for name in ("launch_fwd", "launch_fwd_untuned"):
+        real = getattr(forward_kernel, name)
 
         def launch(grid, args, meta, real=real):
             seen.append(dict(meta))
             return real(grid, args, meta)
-        monkeypatch.setattr(fwd_mod, name, launch)
+        monkeypatch.setattr(forward_kernel, name, launch)
     return seen
 
 

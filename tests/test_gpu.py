@@ -162,9 +162,9 @@ def test_triton_lagged_gather_decisions_stay_exact():
     the reference."""
     if "triton" not in get_available_backends():
         pytest.skip("triton unavailable here")
-    from flash_dmattn.planning import gather
+    from flash_dmattn.planning import gather, gather_verdicts
 
-    gather._LAGGED_TOTALS.clear()
+    gather_verdicts._LAGGED_TOTALS.clear()
     b, lq, lk, h, hkv = 1, 1000, 1024, 4, 2
     q, k, v, _, bias = make_problem(b, lq, lk, h, hkv, 64, torch.bfloat16, "none", "per_key",
                                     seed=7)
@@ -181,7 +181,7 @@ def test_triton_lagged_gather_decisions_stay_exact():
     assert gathers(sparse) and not gathers(dense)  # each one's own choice
     for mask in (sparse, dense, sparse, sparse):
         check("triton", (q, k, v, mask, bias), causal=True)
-    gather._LAGGED_TOTALS.clear()
+    gather_verdicts._LAGGED_TOTALS.clear()
 
 
 @pytest.mark.parametrize("warm", [True, False])
@@ -193,9 +193,9 @@ def test_triton_gather_plan_in_a_cuda_graph(warm):
     if "triton" not in get_available_backends():
         pytest.skip("triton unavailable here")
     from flash_dmattn.backends.triton import forward as fwd_mod
-    from flash_dmattn.planning import gather
+    from flash_dmattn.planning import gather_verdicts
 
-    gather._LAGGED_TOTALS.clear()
+    gather_verdicts._LAGGED_TOTALS.clear()
     b, l, h, hkv = 1, 1024, 4, 2
     q, k, v, _, bias = make_problem(b, l, l, h, hkv, 64, torch.bfloat16, "none", "per_key",
                                     seed=8)
@@ -207,7 +207,7 @@ def test_triton_gather_plan_in_a_cuda_graph(warm):
         want = fwd()
     torch.cuda.synchronize()
     if not warm:
-        gather._LAGGED_TOTALS.clear()
+        gather_verdicts._LAGGED_TOTALS.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         got = fwd()
@@ -219,7 +219,7 @@ def test_triton_gather_plan_in_a_cuda_graph(warm):
                                  64 ** -0.5, True, 0.0)
     assert not got[0].isnan().any()
     assert rel_err(got[0], ref) < 1.5e-2  # bf16 output rounding, as check()
-    gather._LAGGED_TOTALS.clear()
+    gather_verdicts._LAGGED_TOTALS.clear()
 
 
 def _plain_rows_auto(monkeypatch):
@@ -243,17 +243,17 @@ def test_triton_plain_rows_are_exact(causal, monkeypatch):
     with ones whose second head adds scattered keys in the second half (cut rows beside
     uncut ones), so the two-kernel forward meets cut rows it did not predict. Poisoned
     outputs; every call matches the reference, outputs and gradients."""
-    fwd_mod = _plain_rows_auto(monkeypatch)
-    from flash_dmattn.backends.triton import common
+    _plain_rows_auto(monkeypatch)
+    from flash_dmattn.backends.triton import common, forward_kernel
 
     monkeypatch.setattr(common, "DEBUG_POISON", True)
     guards = []
-    real = fwd_mod._launch_fwd_untuned
+    real = forward_kernel.launch_fwd_untuned
 
     def spy(grid, args, meta):
         guards.append(int(meta.get("CUT_ROWS", False)))
         return real(grid, args, meta)
-    monkeypatch.setattr(fwd_mod, "_launch_fwd_untuned", spy)
+    monkeypatch.setattr(forward_kernel, "launch_fwd_untuned", spy)
     b, lq, lk, h, hkv = 2, 1500, 2000, 8, 2  # a ragged last key tile, Lq != Lk
     q, k, v, _, bias = make_problem(b, lq, lk, h, hkv, 128, torch.bfloat16, "none", "per_key",
                                     seed=9)
@@ -288,9 +288,11 @@ def test_triton_plain_rows_in_a_cuda_graph(monkeypatch):
     for _ in range(2):
         want = fwd()
         torch.cuda.synchronize()
+    from flash_dmattn.backends.triton import forward_kernel
+
     nets = []
-    real = fwd_mod._launch_fwd_untuned
-    monkeypatch.setattr(fwd_mod, "_launch_fwd_untuned",
+    real = forward_kernel.launch_fwd_untuned
+    monkeypatch.setattr(forward_kernel, "launch_fwd_untuned",
                         lambda *a: (nets.append(1), real(*a)))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -12,7 +12,7 @@ from naive import assert_close
 require_triton_interpreter()
 
 from flash_dmattn.backends.triton import common  # noqa: E402
-from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402
+from flash_dmattn.backends.triton import forward_kernel  # noqa: E402
 from flash_dmattn.planning import plain_rows  # noqa: E402
 from flash_dmattn.backends.triton.forward import attention_forward  # noqa: E402
 from flash_dmattn.planning.key_mask_lists import per_key_lists  # noqa: E402
@@ -177,13 +177,13 @@ def _mixed_cut_mask(shape, lk, gen):
 def _spy_row_guards(monkeypatch):
     """Per forward launch, in order: whether it was the net over cut rows."""
     guards = []
-    for name in ("_launch_fwd", "_launch_fwd_untuned"):
-        real = getattr(fwd_mod, name)
+    for name in ("launch_fwd", "launch_fwd_untuned"):
+        real = getattr(forward_kernel, name)
 
         def launch(grid, args, meta, real=real):
             guards.append(int(meta.get("CUT_ROWS", False)))
             return real(grid, args, meta)
-        monkeypatch.setattr(fwd_mod, name, launch)
+        monkeypatch.setattr(forward_kernel, name, launch)
     return guards
 
 

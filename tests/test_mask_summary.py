@@ -236,7 +236,8 @@ def test_gather_bits_from_key_bits_equal_bits_from_the_mask(Lq, Lk, block_m, cau
     # listed keys' words) instead of from the mask rows: the same plan, word for word, and
     # the plain PyTorch definition of that kernel agrees. Tiles with no listed key and rows
     # past Lq (60 rows in a 128-row tile) included.
-    from flash_dmattn.planning import gather
+    from flash_dmattn.planning.gather import KeyGather
+    from flash_dmattn.planning.gather_reference import gather_key_bits_reference
 
     gen = torch.Generator().manual_seed(5 * Lq + Lk)
     for name, mask in list(_masks(Lq, Lk, gen))[:2]:  # the layouts matter to the summary only
@@ -250,8 +251,8 @@ def test_gather_bits_from_key_bits_equal_bits_from_the_mask(Lq, Lk, block_m, cau
         assert torch.equal(got.cnt, want.cnt), name
         for a, b in zip(_written(got), _written(want)):
             assert torch.equal(a, b), name
-        ref = gather.gather_key_bits_reference(with_bits.key_bits, got.idx, got.cnt, Lq, block_m)
-        assert torch.equal(_written(got)[1], _written(gather.KeyGather(
+        ref = gather_key_bits_reference(with_bits.key_bits, got.idx, got.cnt, Lq, block_m)
+        assert torch.equal(_written(got)[1], _written(KeyGather(
             block_m, 1, got.idx, got.cnt, ref))[1]), name
 
 
@@ -274,7 +275,7 @@ def test_gather_plan_kernel_matches_torch(Lq, Lk, block_m, causal):
     # The compact-and-gather kernels against the plain PyTorch definition of idx / gbits:
     # written up to each tile's count (the kernels read no further), unions taken from a
     # summary with finer rows (two or more row blocks per tile) and from the mask itself.
-    from flash_dmattn.planning.gather import pack_bits_reference
+    from flash_dmattn.planning.gather_reference import pack_bits_reference
 
     gen = torch.Generator().manual_seed(11 * Lq + Lk)
     for name, mask in _masks(Lq, Lk, gen):
@@ -313,7 +314,8 @@ def test_gather_plan_kernel_matches_torch(Lq, Lk, block_m, causal):
 
 
 def test_gather_plan_kernels_match_torch_reference():
-    from flash_dmattn.planning import gather
+    from flash_dmattn.planning import gather_build, gather_reference
+    from flash_dmattn.planning.gather import KeyGather
 
     Lq, Lk, block_m = 70, 90, 16
     gen = torch.Generator().manual_seed(5)
@@ -321,26 +323,28 @@ def test_gather_plan_kernels_match_torch_reference():
         mask = mask.to(DEVICE)
         for causal in (False, True):
             g = plan_key_gather(mask, None, Lq, Lk, 6, causal, block_m, 16, policy="always")
-            union_u8, per_tile = gather._tile_union(mask, None, block_m)
-            idx, cnt, totals = gather.compact_keys_reference(union_u8, per_tile, Lq, Lk, causal,
-                                                             block_m, 16, True)
-            gbits = gather.gather_mask_bits_reference(mask.view(torch.uint8), union_u8, per_tile,
-                                                      Lq, block_m, causal)
+            union_u8, per_tile = gather_build.tile_union(mask, None, block_m)
+            idx, cnt, totals = gather_reference.compact_keys_reference(
+                union_u8, per_tile, Lq, Lk, causal, block_m, 16, True)
+            gbits = gather_reference.gather_mask_bits_reference(
+                mask.view(torch.uint8), union_u8, per_tile, Lq, block_m, causal)
             assert torch.equal(cnt, g.cnt), (name, causal)
             got_idx, got_bits = _written(g)
             assert torch.equal(got_idx, idx), (name, causal)
-            assert torch.equal(got_bits, _written(gather.KeyGather(
+            assert torch.equal(got_bits, _written(KeyGather(
                 block_m, 1, idx, cnt, gbits))[1]), (name, causal)
             # The totals of the auto policy, counted by the same kernel.
-            _, _, got_totals = gather._compact_keys(union_u8, per_tile, Lq, Lk, causal,
-                                                    block_m, 16, True)
+            _, _, got_totals = gather_build.compact_keys(union_u8, per_tile, Lq, Lk, causal,
+                                                         block_m, 16, True)
             assert got_totals.tolist() == totals.tolist(), (name, causal)
 
 
 def test_gather_plan_auto_policy_is_decided_on_totals(monkeypatch):
     # Under "auto" the plan is dropped exactly when prefers_tiles says so; the bits kernels
     # make the same test on the device and skip their work.
-    from flash_dmattn.planning import gather
+    from flash_dmattn.planning import gather_build
+    from flash_dmattn.planning.gather_reference import compact_keys_reference
+    from flash_dmattn.planning.gather_verdicts import prefers_tiles
 
     Lq = Lk = 128
     gen = torch.Generator().manual_seed(4)
@@ -349,18 +353,18 @@ def test_gather_plan_auto_policy_is_decided_on_totals(monkeypatch):
     dense = torch.rand(1, 2, Lq, Lk, generator=gen) < 0.6
     for mask, want in ((sparse, True), (dense, False)):
         mask = mask.to(DEVICE)
-        union_u8, per_tile = gather._tile_union(mask, None, 16)
-        live, gathered = gather.compact_keys_reference(union_u8, per_tile, Lq, Lk, True, 16, 16,
-                                                       True)[2].tolist()
-        assert gather.prefers_tiles(live, gathered) == (not want)
+        union_u8, per_tile = gather_build.tile_union(mask, None, 16)
+        live, gathered = compact_keys_reference(union_u8, per_tile, Lq, Lk, True, 16, 16,
+                                                True)[2].tolist()
+        assert prefers_tiles(live, gathered) == (not want)
         g = plan_key_gather(mask, None, Lq, Lk, 2, True, 16, 16, policy="auto")
         assert (g is not None) == want
         # The bits kernel skips its work for a plan the totals reject (nothing written).
         totals = torch.tensor([live, gathered], dtype=torch.int32, device=DEVICE)
         sentinel = lambda shape, dtype, device: torch.full(shape, 7, dtype=dtype, device=device)
-        monkeypatch.setattr(gather, "_empty", sentinel)
-        bits = gather._gather_mask_bits(mask.view(torch.uint8), union_u8, per_tile, Lq, 16,
-                                        True, totals)
+        monkeypatch.setattr(gather_build, "_empty", sentinel)
+        bits = gather_build.gather_mask_bits(mask.view(torch.uint8), union_u8, per_tile, Lq, 16,
+                                             True, totals)
         monkeypatch.undo()
         assert torch.all(bits == 7).item() == (not want)
 
@@ -388,7 +392,7 @@ def test_gather_plan_gathers_a_per_key_bias(mask_heads, bias_shape):
                 end = -(-n // 64) * 64  # written: the count rounded up to 64, 0 past it
                 assert torch.equal(g.gbias[b, h, m, :n], want), (b, h, m)
                 assert torch.all(g.gbias[b, h, m, n:end] == 0), (b, h, m)
-    from flash_dmattn.planning.gather import gather_bias_reference
+    from flash_dmattn.planning.gather_reference import gather_bias_reference
 
     ref = gather_bias_reference(bias, g.idx, g.cnt, Lk)
     hm = torch.arange(g.gbias.size(1), device=DEVICE) // (g.gbias.size(1) // mask_heads)

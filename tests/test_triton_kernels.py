@@ -353,14 +353,14 @@ def gather_always(monkeypatch):
     """Gather mode on, and the plan's partly written outputs poisoned: a kernel reading an
     idx entry, gbits word or gbias value past a tile's count meets a key far out of range, set
     bits or NaN."""
-    from flash_dmattn.planning import gather
+    from flash_dmattn.planning import gather_build
 
     def poisoned(shape, dtype, device):
         t = torch.empty(shape, dtype=dtype, device=device)
         return t.fill_(float("nan") if dtype.is_floating_point else
                        (1 << 30) if dtype == torch.int32 else -1)
 
-    monkeypatch.setattr(gather, "_empty", poisoned)
+    monkeypatch.setattr(gather_build, "_empty", poisoned)
     monkeypatch.setattr("flash_dmattn.planning.gather._FORCED_POLICY", "always")
 
 
@@ -443,10 +443,10 @@ def test_gather_plan_auto_prefers_gather_only_when_it_saves_work():
 def test_lagged_gather_plan_follows_the_previous_call_of_its_shape(monkeypatch):
     # The kernels' own planning decides "auto" from the previous call of the same shapes (no
     # host wait); the first call of a shape decides from its own totals.
-    from flash_dmattn.planning import gather
+    from flash_dmattn.planning import gather_verdicts
     from flash_dmattn.planning.gather import plan_key_gather
 
-    monkeypatch.setattr(gather, "LAGGED_SAMPLE_EVERY", 1)  # every call counts its tiles
+    monkeypatch.setattr(gather_verdicts, "LAGGED_SAMPLE_EVERY", 1)  # every call counts its tiles
 
     Lq = Lk = 256
     sparse = _topk_mask(1, 2, Lq, Lk, keep=20, causal=True)
@@ -468,15 +468,15 @@ def test_lagged_gather_plan_follows_the_previous_call_of_its_shape(monkeypatch):
 def test_lagged_gather_plans_count_tiles_every_few_calls(monkeypatch):
     # Alike lagged calls count their tiles every LAGGED_SAMPLE_EVERY-th call and follow the
     # last count in between; a call decided on tile lists that does not count builds nothing.
-    from flash_dmattn.planning import gather
+    from flash_dmattn.planning import gather, gather_verdicts
 
-    monkeypatch.setattr(gather, "LAGGED_SAMPLE_EVERY", 3)
+    monkeypatch.setattr(gather_verdicts, "LAGGED_SAMPLE_EVERY", 3)
     Lq = Lk = 256
     sparse = _topk_mask(1, 2, Lq, Lk, keep=20, causal=True)
     dense = torch.rand(1, 2, Lq, Lk) > 0.5
     counted = []
-    real = gather._compact_keys
-    monkeypatch.setattr(gather, "_compact_keys",
+    real = gather.compact_keys
+    monkeypatch.setattr(gather, "compact_keys",
                         lambda *a: counted.append(a[-1]) or real(*a))
     plan = lambda m: gather.plan_key_gather(m, None, Lq, Lk, 4, True, 16, 16, policy="auto",
                                             lagged=True)
@@ -493,7 +493,7 @@ def test_lagged_verdict_does_not_wait_for_totals_still_on_their_way():
     # A lagged plan whose previous totals have not reached the host takes the previous call's
     # own verdict instead of waiting (waiting drained the device's queue); a call that was
     # planned from its own totals (no verdict to fall back on) is waited for.
-    from flash_dmattn.planning.gather import _TotalsToHost
+    from flash_dmattn.planning.gather_verdicts import TotalsToHost
 
     class InFlight:
         waited = False
@@ -507,12 +507,12 @@ def test_lagged_verdict_does_not_wait_for_totals_still_on_their_way():
     totals = torch.tensor([10, 2], dtype=torch.int32)  # 2 gathered of 10 live tiles: gather
     for planned_with, want, waits in ((False, False, False), (True, True, False),
                                       (None, True, True)):
-        on_host = _TotalsToHost(totals, planned_with)
+        on_host = TotalsToHost(totals, planned_with)
         on_host.event = InFlight()
         InFlight.waited = False
         assert on_host.gathers(False, wait=False) is want, planned_with
         assert InFlight.waited is waits, planned_with
-    on_host = _TotalsToHost(totals, False)
+    on_host = TotalsToHost(totals, False)
     on_host.event = InFlight()
     assert on_host.gathers(False) is True  # waiting (the default) reads the totals
 

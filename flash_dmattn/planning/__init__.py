@@ -10,7 +10,9 @@ plain-PyTorch twin that the CPU path and the tests use.
   transposed lists; :mod:`.tile_compact` compacts them in one kernel, :mod:`.key_mask_lists`
   builds a per-key mask's lists and each listed tile's mask bits in one kernel.
 * :mod:`.gather` — per query tile, the union of its rows' live keys, for per-query masks whose
-  query tiles share few keys.
+  query tiles share few keys; :mod:`.gather_verdicts` decides whether gathering beats tile
+  skipping, :mod:`.gather_build` / :mod:`.gather_kernels` / :mod:`.gather_reference` build the
+  plan's tensors.
 * :mod:`.plain_rows` — which rows of a per-key mask the mask cuts no tile of.
 * :mod:`.plan` — the backward's plan, made by the forward on the eager autograd path.
 * :mod:`.rows` — per-query masks and biases with 16-byte aligned rows.

@@ -28,7 +28,7 @@ def __getattr__(name):
 
         return attention_backward
     if name == "attention_forward_varlen":
-        from .forward import attention_forward_varlen
+        from .forward_varlen import attention_forward_varlen
 
         return attention_forward_varlen
     if name == "attention_backward_varlen":

@@ -127,7 +127,7 @@ _varlen_op = None
 
 def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
                     dropout_p=0.0, dropout_rng=None):
-    from .forward import attention_forward_varlen
+    from .forward_varlen import attention_forward_varlen
 
     return attention_forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale,
                                     is_causal, softcap, dropout_p=dropout_p,
