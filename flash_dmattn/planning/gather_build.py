@@ -122,10 +122,9 @@ def gather_mask_bits(mask_u8: torch.Tensor, union_u8: torch.Tensor, rows_per_til
     words = max(cdiv(seqlen_k, 64), 1)
     gbits = _empty((bx, hx, n_q * block_m, words), torch.int64, mask_u8.device)
     # Walks the mask rows in order, 256 keys a step, reading them whole (coalesced) and
-    # compressing each row's bits at the union's keys into a running word. Its predecessor
-    # walked the output, reading the mask byte by byte at the listed keys, and wrote the
-    # gathered bytes: issue-bound on scattered byte loads. 64 rows per program measured a
-    # little faster than 32.
+    # compressing each row's bits at the union's keys into a running word: walking the output
+    # instead, reading the mask byte by byte at the listed keys, is issue-bound on scattered
+    # byte loads. 64 rows per program measured a little faster than 32.
     block_r, warps, stages = launch or (min(block_m, 8 if on_cpu else 64), 4, 3)
     num, den = GATHER_MAX_RATIO
     _gather_mask_bits_kernel[(n_q * (block_m // block_r), bx * hx)](
