@@ -108,11 +108,28 @@ def _dropout_seed(Rng, DROPOUT: tl.constexpr):
 @triton.jit
 def _dropout_keep(seed, offset, bh, rows, cols, drop_thresh):
     """Whether the dropout keeps the entries of query rows ``rows`` and keys ``cols`` (int
-    tiles that broadcast to the result, e.g. ``(M, 1)`` and ``(1, N)``, or transposed) of
+    tiles that broadcast to the 2-D result, e.g. ``(M, 1)`` and ``(1, N)``, or transposed) of
     (batch * heads + head) ``bh``, for any keys (gathered ones too): byte ``cols % 4`` of word
     ``(cols // 4) % 4`` of Philox4x32 keyed by ``seed`` at counter ``(cols // 16, rows, bh,
     offset)``, kept iff it reaches ``drop_thresh`` (:mod:`flash_dmattn.dropout`). A pure
-    function of the coordinates, so every kernel and tiling regenerates one mask."""
+    function of the coordinates, so every kernel and tiling regenerates one mask.
+
+    One Philox evaluation per entry, whose four-word state is live until its last round: the
+    tile is evaluated as its even and its odd columns one after the other (a thread's
+    neighbouring columns in the dot layouts), which halves the state live at once."""
+    zero = rows * 0 + cols * 0
+    R: tl.constexpr = zero.shape[0]
+    C: tl.constexpr = zero.shape[1]
+    rows_e, rows_o = tl.split(tl.reshape(rows + zero, (R, C // 2, 2)))
+    cols_e, cols_o = tl.split(tl.reshape(cols + zero, (R, C // 2, 2)))
+    keep_e = _dropout_keep_each(seed, offset, bh, rows_e, cols_e, drop_thresh)
+    keep_o = _dropout_keep_each(seed, offset, bh, rows_o, cols_o, drop_thresh)
+    return tl.reshape(tl.join(keep_e, keep_o), (R, C))
+
+
+@triton.jit
+def _dropout_keep_each(seed, offset, bh, rows, cols, drop_thresh):
+    """:func:`_dropout_keep` of same-shaped ``rows`` and ``cols``, all entries at once."""
     zero = rows * 0 + cols * 0
     keys = cols + zero
     r0, r1, r2, r3 = tl.philox(seed, (keys >> 4).to(tl.int32), (rows + zero).to(tl.int32),
