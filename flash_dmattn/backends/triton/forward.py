@@ -195,10 +195,9 @@ def attention_forward(
 
 def _launch_plain_rows(grid, args, meta, device: torch.device, plain_args) -> None:
     """The two-kernel forward of a per-key mask (see :mod:`flash_dmattn.planning.plain_rows`):
-    every row without
-    the mask, on counts that give the rows the mask cuts no tile (``plain_args``: the
-    arguments with those counts), then a net of about one wave that runs the cut rows again,
-    with the mask's bits, over what the first kernel stored for them."""
+    every row without the mask, on counts that give the rows the mask cuts no tile
+    (``plain_args``: the arguments with those counts), then a net of about one wave that runs
+    the cut rows again, with the mask's bits, over what the first kernel stored for them."""
     forward_kernel.launch_fwd(grid, plain_args, dict(meta, HAS_MASK=False, MASK_BITS=0))
     n_q, n_bh = grid
     if interpret_mode():

@@ -383,7 +383,6 @@ _attn_fwd_tuned = triton.autotune(
 )(_attn_fwd_kernel)
 
 
-
 def launch_fwd(grid, args, meta) -> None:
     """The forward kernel on ``grid`` with positional ``args`` and constexpr ``meta``,
     autotuned (see :func:`.common.launch_tuned`)."""
@@ -391,5 +390,5 @@ def launch_fwd(grid, args, meta) -> None:
 
 
 def launch_fwd_untuned(grid, args, meta) -> None:
-    """:func:`launch_fwd` with the first configuration, not autotuned."""
+    """:func:`launch_fwd` without autotuning: the first (pruned) configuration that fits."""
     launch_tuned(_attn_fwd_kernel, _attn_fwd_tuned, grid, args, meta, autotune=False)
