@@ -130,7 +130,10 @@ def _dropout_keep(seed, offset, bh, rows, cols, drop_thresh):
 @triton.jit
 def _dropout_keep_each(seed, offset, bh, rows, cols, drop_thresh):
     """:func:`_dropout_keep` of same-shaped ``rows`` and ``cols``, all entries at once."""
-    zero = rows * 0 + cols * 0
+    # Zero (rows and keys are non-negative), but not to the compiler: every counter word then
+    # depends on both, so a loop over query or key tiles cannot hoist the first Philox round
+    # of the other's invariant words out of the loop as a whole tile kept live across it.
+    zero = (rows >> 31) + (cols >> 31)
     keys = cols + zero
     r0, r1, r2, r3 = tl.philox(seed, (keys >> 4).to(tl.int32), (rows + zero).to(tl.int32),
                                (zero + bh).to(tl.int32), zero.to(tl.uint32) + offset)
@@ -166,7 +169,10 @@ def _dropout_group_bits(seed, offset, bh, offs_m, offs_n, drop_thresh):
     tl.static_assert(BLOCK_N % 16 == 0, "key tiles are whole groups of 16 keys")
     groups = (tl.min(offs_n, 0) >> 4) + tl.arange(0, BLOCK_N // 16)
     rows = offs_m[None, :]
-    zero = groups[:, None] * 0 + rows * 0
+    # Zero (rows are non-negative), but it ties the key-only counter words to the rows: the
+    # dK/dV kernel's loop over query tiles would otherwise hoist their first Philox round and
+    # keep it live across the loop.
+    zero = groups[:, None] * 0 + (rows >> 31)
     r0, r1, r2, r3 = tl.philox(seed, (groups[:, None] + zero).to(tl.int32),
                                (rows + zero).to(tl.int32), (zero + bh).to(tl.int32),
                                zero.to(tl.uint32) + offset)
