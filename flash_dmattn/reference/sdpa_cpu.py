@@ -42,9 +42,20 @@ SAVED_ELEMENTS = 1 << 25
 # CAUSAL_MIN_ROWS rows) so that each chunk skips the keys past its diagonal.
 CAUSAL_CHUNKS = 4
 CAUSAL_MIN_ROWS = 128
+# Below this many score elements a chunk's call overhead outweighs repeating its mask over the
+# query heads: one SDPA call for all heads instead of one per group member.
+PER_MEMBER_ELEMENTS = 1 << 19
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NEG_INF = float("-inf")
+_FILLS: dict = {}
+
+
+def _fills(dtype: torch.dtype):
+    """0-d ``(0, -inf)`` of ``dtype``, made once (never written to)."""
+    if dtype not in _FILLS:
+        _FILLS[dtype] = (torch.zeros((), dtype=dtype), torch.full((), _NEG_INF, dtype=dtype))
+    return _FILLS[dtype]
 
 
 def sdpa_cpu_reasons(inputs) -> list:
@@ -118,7 +129,7 @@ def _chunk(q, k, v, mask, bias, bounds, scale, is_causal, i0, lq, per_member, re
     if bias is not None and not finite_bias:
         seen = bias > _NEG_INF
         visible = seen if visible is None else visible & seen
-    zero = torch.zeros((), dtype=q.dtype)
+    zero, neg_inf = _fills(q.dtype)
     live = None
     if visible is None:
         add = bias
@@ -130,9 +141,9 @@ def _chunk(q, k, v, mask, bias, bounds, scale, is_causal, i0, lq, per_member, re
             # A row that sees no key attends to every key with finite scores instead, and its
             # output is zeroed below.
             live = visible.any(-1, keepdim=True)
-            fill = torch.where(live, torch.full((), _NEG_INF, dtype=q.dtype), zero)
+            fill = torch.where(live, neg_inf, zero)
         else:
-            fill = torch.full((), _NEG_INF, dtype=q.dtype)
+            fill = neg_inf
         # Hidden pairs -inf, rows that see nothing 0: one pass over the chunk's scores.
         add = torch.where(visible, zero if bias is None else bias, fill)
     if per_member:
@@ -143,13 +154,13 @@ def _chunk(q, k, v, mask, bias, bounds, scale, is_causal, i0, lq, per_member, re
                                                scale=scale).transpose(1, 2) for m in members]
         out = torch.stack(outs, dim=3)  # (B, rows, Hkv, g, Dv)
         if live is not None:
-            out = out * live.transpose(1, 2).unsqueeze(-1).to(out.dtype)
+            out = out * live.transpose(1, 2).unsqueeze(-1)
         return out.flatten(2, 3)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                          v.transpose(1, 2), attn_mask=add, scale=scale,
                                          enable_gqa=True).transpose(1, 2)
     if live is not None:
-        out = out * live.transpose(1, 2).to(out.dtype)
+        out = out * live.transpose(1, 2)
     return out
 
 
@@ -177,14 +188,15 @@ def sdpa_cpu_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     aux_heads = {t.shape[1] for t in (mask, bias) if t is not None}
     if key_intervals is not None:
         aux_heads.add(key_intervals.shape[2])
-    grouped = heads != kv_heads
-    repeat_heads = grouped and heads in aux_heads and kv_heads in aux_heads
-    per_member = grouped and kv_heads in aux_heads and heads not in aux_heads
-    # A bias without -inf hides nothing: visibility comes from the rest alone.
-    finite_bias = bias is None or bool(bias.detach().amin() > _NEG_INF)
+    grouped = heads != kv_heads and kv_heads in aux_heads
     rows = max(1, CHUNK_ELEMENTS // max(1, batch * heads * lk))
     if is_causal:
         rows = min(rows, max(CAUSAL_MIN_ROWS, -(-lq // CAUSAL_CHUNKS)))
+    per_member = (grouped and heads not in aux_heads
+                  and batch * heads * min(rows, lq) * lk >= PER_MEMBER_ELEMENTS)
+    repeat_heads = grouped and not per_member
+    # A bias without -inf hides nothing: visibility comes from the rest alone.
+    finite_bias = bias is None or bool(bias.detach().amin() > _NEG_INF)
     count = -(-lq // rows)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, bias))
