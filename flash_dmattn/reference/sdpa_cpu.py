@@ -100,8 +100,8 @@ def _chunk(q, k, v, mask, bias, bounds, scale, is_causal, i0, lq, per_member, re
     ``q`` is that chunk ``(B, rows, H, D)``, ``k``/``v`` all keys ``(B, Lk, Hkv, D)``, ``mask``
     and ``bias`` the chunk's rows (or their single broadcast row), ``bounds`` key intervals
     ``(2, Bx, Hx, Lk)``. ``per_member``: one SDPA call per query-head group member, against a
-    mask with one head per kv head; ``repeat_heads``: the mask has one head per query head, so
-    per-kv-head parts are repeated. ``finite_bias``: the bias has no ``-inf``, so only
+    mask with one head per kv head; ``repeat_heads``: one call for all query heads, so a mask
+    with one head per kv head is repeated over the query heads. ``finite_bias``: the bias has no ``-inf``, so only
     ``mask``, causality and intervals hide keys.
     """
     rows, heads = q.shape[1], q.shape[2]
@@ -114,7 +114,9 @@ def _chunk(q, k, v, mask, bias, bounds, scale, is_causal, i0, lq, per_member, re
         if end < lk:
             k, v = k[:, :end], v[:, :end]
             mask, bias, bounds = _keys(mask, end), _keys(bias, end), _keys(bounds, end)
-    if repeat_heads:
+    if repeat_heads and heads in {t.shape[d] for t, d in ((mask, 1), (bias, 1), (bounds, 2))
+                                  if t is not None}:
+        # Parts per query head and parts per kv head: these are repeated before they meet.
         mask, bias, bounds = _heads(mask, heads), _heads(bias, heads), _heads(bounds, heads, 2)
     visible = mask
     pos = None
@@ -156,12 +158,16 @@ def _chunk(q, k, v, mask, bias, bounds, scale, is_causal, i0, lq, per_member, re
         if live is not None:
             out = out * live.transpose(1, 2).unsqueeze(-1)
         return out.flatten(2, 3)
+    # One call for all query heads: a mask per kv head is repeated once, as the finished mask.
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                         v.transpose(1, 2), attn_mask=add, scale=scale,
-                                         enable_gqa=True).transpose(1, 2)
-    if live is not None:
-        out = out * live.transpose(1, 2)
-    return out
+                                         v.transpose(1, 2), attn_mask=_heads(add, heads),
+                                         scale=scale, enable_gqa=True).transpose(1, 2)
+    if live is None:
+        return out
+    if live.shape[1] in (1, heads):
+        return out * live.transpose(1, 2)
+    grouped = out.unflatten(2, (kv_heads, heads // kv_heads))
+    return (grouped * live.transpose(1, 2).unsqueeze(-1)).flatten(2, 3)
 
 
 def _rows(t: Optional[Tensor], rows: int, count: int) -> list:
