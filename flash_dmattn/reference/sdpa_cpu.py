@@ -201,8 +201,10 @@ def sdpa_cpu_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     per_member = (grouped and heads not in aux_heads
                   and batch * heads * min(rows, lq) * lk >= PER_MEMBER_ELEMENTS)
     repeat_heads = grouped and not per_member
-    # A bias without -inf hides nothing: visibility comes from the rest alone.
-    finite_bias = bias is None or bool(bias.detach().amin() > _NEG_INF)
+    # A bias without -inf hides nothing: visibility comes from the rest alone (a compiled
+    # graph cannot branch on the bias's values, so it always takes the general path).
+    finite_bias = bias is None or (not torch.compiler.is_compiling()
+                                   and bool(bias.detach().amin() > _NEG_INF))
     count = -(-lq // rows)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, bias))
