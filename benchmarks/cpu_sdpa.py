@@ -1,11 +1,11 @@
 """CPU: a user's call through auto-dispatch against PyTorch's own SDPA on the same call.
 
-    python -m benchmarks.cpu_sdpa [--length 1024] [--reps 9]
+    python -m benchmarks.cpu_sdpa [--length 1024] [--reps 9] [--threads N]
 
 B1 H8/Hkv2 D64, float32, causal, a per-key top-256 mask (``create_mask``) and a per-key bias
 that needs a gradient. ``sdpa`` builds the mask out to ``(B, H, L, L)`` (causal and top-k folded
 into one additive float mask, as a user of SDPA would) inside the timed region. Medians of
-``--reps`` wall-clock runs, forward and forward + backward.
+``--reps`` wall-clock runs (the two alternating), forward and forward + backward.
 """
 from __future__ import annotations
 
@@ -20,14 +20,18 @@ import flash_dmattn as fd
 from flash_dmattn.utils.mask import create_mask
 
 
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def median_ms(fns, reps: int) -> list:
+    """Median wall-clock ms of each function; the functions alternate within each repetition,
+    so a change in the machine's load reaches all of them alike."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) * 1e3 for ts in times]
 
 
 def main() -> None:
@@ -35,7 +39,10 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     B, L, H, Hkv, D = 1, a.length, 8, 2, 64
     q = torch.randn(B, L, H, D, requires_grad=True)
@@ -63,8 +70,7 @@ def main() -> None:
           f"D{D} fp32 causal top-{a.window} + per-key bias; medians of {a.reps} (ms)")
     for grad in (False, True):
         label = "fwd+bwd" if grad else "fwd"
-        t_ours = median_ms(lambda: ours(grad), a.reps)
-        t_sdpa = median_ms(lambda: sdpa(grad), a.reps)
+        t_ours, t_sdpa = median_ms((lambda: ours(grad), lambda: sdpa(grad)), a.reps)
         print(f"{label:8s} flash_dmattn (auto) {t_ours:8.1f}   sdpa (mask built) {t_sdpa:8.1f}"
               f"   ratio {t_ours / t_sdpa:.2f}", flush=True)
 
