@@ -181,6 +181,9 @@ def test_cpu_sdpa_path_fixed_cases(case, monkeypatch):
     # Several query chunks: chunk boundaries and per-query mask / bias rows.
     monkeypatch.setattr(sdpa_cpu, "CHUNK_ELEMENTS", 4 * 65 * 4)
     check_sdpa_path(case, monkeypatch=monkeypatch)
+    # One SDPA call per query-head group member wherever the mask has one head per kv head.
+    monkeypatch.setattr(sdpa_cpu, "PER_MEMBER_ELEMENTS", 0)
+    check_sdpa_path(case, monkeypatch=monkeypatch)
 
 
 @settings(max_examples=40, deadline=None)
