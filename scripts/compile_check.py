@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile the real kernels
@@ -270,11 +271,13 @@ def _ptxas_for(ptx: str) -> Path:
 
 
 def _ptxas_report(ptx: str, arch: int) -> str:
-    path = Path("/tmp/flash_dmattn_compile_check.ptx")
-    path.write_text(ptx)
-    sm = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-    res = subprocess.run([str(_ptxas_for(ptx)), "-v", f"--gpu-name={sm}", str(path), "-o", "/dev/null"],
-                         capture_output=True, text=True)
+    # A file of this run's own: runs at the same time must not read each other's PTX.
+    with tempfile.TemporaryDirectory(prefix="flash_dmattn_compile_check_") as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        sm = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        res = subprocess.run([str(_ptxas_for(ptx)), "-v", f"--gpu-name={sm}", str(path), "-o",
+                              "/dev/null"], capture_output=True, text=True)
     text = res.stdout + res.stderr
     regs = re.findall(r"Used (\d+) registers", text)
     spill = re.findall(r"(\d+) bytes spill stores", text)
