@@ -57,3 +57,14 @@ def require_triton_interpreter() -> None:
     reason = interpreter_skip_reason()
     if reason is not None:
         pytest.skip(reason, allow_module_level=True)
+
+
+def skip_unless_available(name: str) -> None:
+    """Skip the calling test when backend ``name`` cannot run here, with the registry's own
+    reason (for GPU tests run on machines without that backend's toolchain or GPU kind)."""
+    from flash_dmattn import registry
+
+    backend = registry._BACKENDS.get(name)
+    reason = "not registered" if backend is None else registry.unavailable_reason(backend)
+    if reason is not None:
+        pytest.skip(f"{name} backend unavailable here: {reason}")

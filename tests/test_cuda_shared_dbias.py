@@ -11,6 +11,8 @@ GPU (marker ``gpu``): the compiled kernels on every bias broadcast shape.
 import pytest
 import torch
 
+from interpreter_only import skip_unless_available
+
 from flash_dmattn.backends.cuda import kernels
 from flash_dmattn.inputs import AttentionInputs
 
@@ -204,8 +206,7 @@ def test_cuda_shared_dbias_in_small_chunks(monkeypatch):
 def test_cuda_auto_dispatch_runs_shared_bias_training_on_cuda():
     from flash_dmattn import registry
 
-    if "cuda" not in registry.get_available_backends():
-        pytest.skip("cuda unavailable here")
+    skip_unless_available("cuda")
     q = torch.randn(1, 256, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     bias = torch.randn(1, 1, 256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     inputs = AttentionInputs.from_args(q, q.detach(), q.detach(), None, bias)

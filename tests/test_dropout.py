@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from interpreter_only import triton_kernels_skip_reason
+from interpreter_only import skip_unless_available, triton_kernels_skip_reason
 from naive import assert_close, expand_heads
 
 from flash_dmattn import (
@@ -23,7 +23,6 @@ from flash_dmattn import (
     flash_dmattn_func,
     flash_dmattn_func_auto,
     flash_dmattn_varlen_func,
-    reference_dmattn_func,
     registry,
     testing,
 )
@@ -570,8 +569,7 @@ def test_triton_two_kernel_per_key_forward_keeps_the_mask(poisoned, monkeypatch)
 def test_triton_dropout_in_a_cuda_graph():
     """The rng draw and the kernels captured in a CUDA graph: every replay draws new numbers
     from the device's generator, and its output is the formula on the mask of what it drew."""
-    if "triton" not in registry.get_available_backends():
-        pytest.skip("triton unavailable here")
+    skip_unless_available("triton")
     from flash_dmattn.backends.triton.backend import triton_op
     from flash_dmattn.dropout import draw_rng
 

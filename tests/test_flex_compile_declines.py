@@ -6,6 +6,8 @@ import warnings
 import pytest
 import torch
 
+from interpreter_only import skip_unless_available
+
 from flash_dmattn import flash_dmattn_func, policy, registry
 from flash_dmattn.backends import flex
 from flash_dmattn.backends.base import BackendDeclined
@@ -153,9 +155,8 @@ def test_any_backends_compile_failure_is_remembered_and_auto_moves_on(monkeypatc
     # call: auto-dispatch remembers it for calls like this one and runs the next backend.
     from flash_dmattn.backends.triton.backend import TritonBackend
 
+    skip_unless_available("triton")
     triton = registry._BACKENDS["triton"]
-    if registry.unavailable_reason(triton) is not None:
-        pytest.skip("triton unavailable here")
     tried = []
 
     def failing(self, inputs):

@@ -12,11 +12,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from flash_dmattn import flash_dmattn_func, get_available_backends, registry
+from flash_dmattn import flash_dmattn_func, registry
 from flash_dmattn.inputs import AttentionInputs
 
 from cases import Case, cases
-from interpreter_only import interpreting
+from interpreter_only import interpreting, skip_unless_available
 from naive import naive_attention
 
 
@@ -128,8 +128,7 @@ def test_cpu_backends_answer_or_decline(case):
 @settings(max_examples=6, deadline=None)
 @given(cases(max_len=24, head_dims=(16,)))
 def test_interpreted_triton_answers_or_declines(case):
-    if "triton" not in get_available_backends():
-        pytest.skip("triton unavailable here")
+    skip_unless_available("triton")
     for grads in (False, True):
         run_or_decline("triton", case, torch.float32, "cpu", grads, CPU_TOL, CPU_GRAD_TOL)
 
@@ -175,8 +174,8 @@ GPU_RUNS = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,dtype,calls,head_dims", GPU_RUNS)
 def test_gpu_backends_answer_or_decline(name, dtype, calls, head_dims):
-    if name is not None and name not in get_available_backends():
-        pytest.skip(f"{name} unavailable here")
+    if name is not None:
+        skip_unless_available(name)
     # The tolerances of tests/test_gpu.py: bf16 / fp16 output rounding, gradients 2x.
     tol = 1.5e-2 if dtype == torch.bfloat16 else 3e-3
     ran = 0
