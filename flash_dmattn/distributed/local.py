@@ -70,9 +70,14 @@ def choose_backend(inputs: AttentionInputs, backend: Optional[str]) -> str:
 
 
 class LocalKernel:
-    """The forward/backward op pair of one backend."""
+    """The forward/backward op pair of one backend.
 
-    def __init__(self, backend: str) -> None:
+    ``window``: the window promise of the call's key-interval mask (0: none; see
+    :class:`~flash_dmattn.masks.KeyIntervals`). It holds for any subset of the queries and
+    keys of a mask that makes it, so every local call with key-interval bounds passes it on
+    (the kernels then plan without waiting for the device)."""
+
+    def __init__(self, backend: str, window: int = 0) -> None:
         module, factory = _OPS[backend]
         mod = importlib.import_module(module)
         if factory is not None:
@@ -80,28 +85,25 @@ class LocalKernel:
         ops = getattr(torch.ops.flash_dmattn, _OP_NAMES[backend] + "_fwd"), getattr(
             torch.ops.flash_dmattn, _OP_NAMES[backend] + "_bwd")
         self.backend = backend
+        self.window = int(window)
         self._fwd, self._bwd = ops
 
     def forward(self, q, k, v, mask, bias, bounds, scale, causal, softcap,
-                deterministic, window: int = 0) -> Tuple[Tensor, Tensor]:
-        """``(out (B, Lq, H, Dv) in q's dtype, lse (B, H, Lq) in the accumulation dtype)``.
-
-        ``window``: the window promise of key-interval ``bounds`` (0: none; see
-        :class:`~flash_dmattn.masks.KeyIntervals`); it holds for any subset of the queries and
-        keys of a mask that makes it, so every local call of a selection may pass it on."""
+                deterministic) -> Tuple[Tensor, Tensor]:
+        """``(out (B, Lq, H, Dv) in q's dtype, lse (B, H, Lq) in the accumulation dtype)``."""
         out, lse = self._fwd(q, k, v, mask, bias, scale, causal, softcap, deterministic,
-                             None, None, bounds, int(window) if bounds is not None else 0)
+                             None, None, bounds, self.window if bounds is not None else 0)
         return out, lse.to(accumulation_dtype(q.dtype))
 
     def backward(self, dout, q, k, v, mask, bias, bounds, out, lse, scale, causal, softcap,
-                 deterministic, needs: Sequence[bool], window: int = 0) -> List[Optional[Tensor]]:
+                 deterministic, needs: Sequence[bool]) -> List[Optional[Tensor]]:
         """``[dq, dk, dv, dbias]``, None where ``needs`` did not ask; each in its input's dtype
-        and shape. ``window`` as in :meth:`forward`."""
+        and shape."""
         needs = [bool(n) for n in needs]
         needs[3] = needs[3] and bias is not None
         grads = self._bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap,
                           deterministic, needs, None, bounds,
-                          int(window) if bounds is not None else 0)
+                          self.window if bounds is not None else 0)
         return [g if n else None for g, n in zip(grads, needs)]
 
 

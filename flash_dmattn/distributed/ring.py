@@ -143,8 +143,6 @@ class Setup:
         self.kernel: Optional[LocalKernel] = None
         self.scale = self.softcap = 0.0
         self.deterministic = False
-        # The key-interval mask's window promise (0: none), passed to every local call.
-        self.window = 0
 
     def whole_shard_call(self) -> Call:
         """The rank's queries against its own keys as one call (validation and dispatch)."""
@@ -198,7 +196,7 @@ class _RingAttention(torch.autograd.Function):
             for call in st.plans[src]:
                 args = st.call_args(call, q, block, mask, bias, bounds)
                 out_c, lse_c = kernel.forward(*args, st.scale, call.causal, st.softcap,
-                                              st.deterministic, st.window)
+                                              st.deterministic)
                 merger.add(call.rows, out_c, lse_c)
             if transfer is not None:
                 transfer.wait()
@@ -257,7 +255,7 @@ class _RingAttention(torch.autograd.Function):
                 dq_c, dk_c, dv_c, db_c = kernel.backward(
                     dout[:, r0:r1].contiguous(), qc, kc, vc, mask_c, bias_c, bounds_c,
                     out[:, r0:r1].contiguous(), lse[:, :, r0:r1].contiguous(), st.scale,
-                    call.causal, st.softcap, st.deterministic, needs, st.window,
+                    call.causal, st.softcap, st.deterministic, needs,
                 )
                 if dq_c is not None:
                     dq[:, r0:r1] += dq_c
@@ -405,7 +403,6 @@ def context_parallel_attention(
         KeyIntervals.from_bounds(bounds_c) if bounds_c is not None else mask_c, bias_c,
         softmax_scale, bool(is_causal), softcap, deterministic,
     )
-    st.kernel = LocalKernel(choose_backend(inputs, backend))
+    st.kernel = LocalKernel(choose_backend(inputs, backend), window)
     st.scale, st.softcap, st.deterministic = inputs.softmax_scale, inputs.softcap, inputs.deterministic
-    st.window = window
     return _RingAttention.apply(st, query, key, value, mask, bias, bounds)

@@ -195,8 +195,7 @@ class _SelectedAttention(torch.autograd.Function):
         me = grp.rank
         for call in st.plans[me]:
             args = st.call_args(call, q, block, None, bias, own_bounds)
-            out_c, lse_c = kernel.forward(*args, st.scale, call.causal, st.softcap, st.deterministic,
-                                          st.window)
+            out_c, lse_c = kernel.forward(*args, st.scale, call.causal, st.softcap, st.deterministic)
             merger.add(call.rows, out_c, lse_c)
         transfer.wait()
 
@@ -211,7 +210,7 @@ class _SelectedAttention(torch.autograd.Function):
             for (r0, r1), bounds_c in plan.remote_calls():
                 out_c, lse_c = kernel.forward(q[:, r0:r1].contiguous(), k_sel, v_sel, None, b_sel,
                                               bounds_c, st.scale, False, st.softcap,
-                                              st.deterministic, st.window)
+                                              st.deterministic)
                 merger.add((r0, r1), out_c, lse_c)
         out, lse = merger.result(q.dtype)
         ctx.save_for_backward(q, k, v, bias, own_bounds, out, lse, k_sel, v_sel, b_sel)
@@ -241,7 +240,7 @@ class _SelectedAttention(torch.autograd.Function):
                 dq_c, dk_c, dv_c, db_c = kernel.backward(
                     dout[:, r0:r1].contiguous(), q[:, r0:r1].contiguous(), k_sel, v_sel, None,
                     b_sel, bounds_c, out[:, r0:r1].contiguous(), lse[:, :, r0:r1].contiguous(),
-                    st.scale, False, st.softcap, st.deterministic, needs, st.window)
+                    st.scale, False, st.softcap, st.deterministic, needs)
                 if dq_c is not None:
                     dq[:, r0:r1] += dq_c
                 for acc_t, g in zip(d_sel, (dk_c, dv_c, db_c)):
@@ -281,7 +280,7 @@ class _SelectedAttention(torch.autograd.Function):
             dq_c, dk_c, dv_c, db_c = kernel.backward(
                 dout[:, r0:r1].contiguous(), qc, kc, vc, None, bias_c, bounds_c,
                 out[:, r0:r1].contiguous(), lse[:, :, r0:r1].contiguous(), st.scale, call.causal,
-                st.softcap, st.deterministic, needs, st.window)
+                st.softcap, st.deterministic, needs)
             if dq_c is not None:
                 dq[:, r0:r1] += dq_c
             if dk_c is not None:
@@ -355,11 +354,10 @@ def _selected(grp: Group, layout: str, segments, query, key, value, intervals: K
         whole, query, st.travelling(key, value, None, bias4, own_bounds), None, bias4, own_bounds)
     inputs = AttentionInputs.from_args(query, key, value, KeyIntervals.from_bounds(bounds_c), bias_c,
                                        softmax_scale, bool(is_causal), softcap, deterministic)
-    st.kernel = LocalKernel(choose_backend(inputs, backend))
-    st.scale, st.softcap, st.deterministic = inputs.softmax_scale, inputs.softcap, inputs.deterministic
     # A selection's window promise holds for every local call (each is a subset of the queries
     # and keys): the kernels then plan without waiting for the device.
-    st.window = intervals.window or 0
+    st.kernel = LocalKernel(choose_backend(inputs, backend), intervals.window or 0)
+    st.scale, st.softcap, st.deterministic = inputs.softmax_scale, inputs.softcap, inputs.deterministic
     sel = Selection(grp, segments, bounds, B, bool(is_causal))
     plan = _Plan(st, sel, Hkv, None if bias4 is None else bias4.shape[1], B)
     return _SelectedAttention.apply(plan, query, key, value, bias4, own_bounds)
