@@ -226,3 +226,12 @@ def test_float64_and_softcap_stay_on_the_oracle():
     assert sdpa_cpu_reasons(AttentionInputs.from_args(q, q, q, softcap=5.0))
     h = q.half()
     assert sdpa_cpu_reasons(AttentionInputs.from_args(h, h, h, attn_bias=torch.randn(8, 8)))
+
+
+def test_cpu_sdpa_path_causal_with_softmax_scale_zero():
+    """softmax_scale 0 makes every visible key equally likely; causal rows average their
+    prefix's values (SDPA's own causal path would give NaN: it scales its -inf by 0)."""
+    q, k, v = (torch.randn(1, 9, h, 8) for h in (4, 2, 2))
+    out = flash_dmattn_func(q, k, v, softmax_scale=0.0, is_causal=True)
+    ref, _ = naive_attention(q.double(), k.double(), v.double(), None, None, 0.0, True, 0.0)
+    torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=1e-6)

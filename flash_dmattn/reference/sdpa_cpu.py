@@ -186,7 +186,10 @@ def sdpa_cpu_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     heads, ``key_intervals`` the ``(2, Bx, Hx, Lk)`` bounds of a KeyIntervals mask."""
     batch, lq, heads = q.shape[0], q.shape[1], q.shape[2]
     lk, kv_heads = k.shape[1], k.shape[2]
-    if mask is None and bias is None and key_intervals is None and (not is_causal or lq == lk):
+    # SDPA's own causal masking scales scores it has already set to -inf (0 * -inf is NaN for
+    # softmax_scale 0): with scale 0 causality goes through the additive mask below.
+    if (mask is None and bias is None and key_intervals is None
+            and (not is_causal or (lq == lk and scale != 0.0))):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                              v.transpose(1, 2), is_causal=is_causal,
                                              scale=scale, enable_gqa=True)
