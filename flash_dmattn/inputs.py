@@ -562,6 +562,7 @@ class VarlenInputs:
     :class:`~flash_dmattn.masks.KeyIntervals` mask (``Hx in {1, Hkv, H}``; ``attn_mask`` is
     then None): query ``i`` of a sequence of lengths ``(lq, lk)`` sees that sequence's key
     ``j`` iff ``start[j] <= i + lk - lq < end[j]`` (positions are per sequence).
+    ``key_window``: that mask's window promise, per sequence (None: none).
 
     ``dropout_p`` / ``dropout_rng`` as in :class:`AttentionInputs`; the dropout's batch
     coordinate is the sequence index, its rows and keys count from the sequence's start.
@@ -582,6 +583,7 @@ class VarlenInputs:
     deterministic: bool
     return_attn_probs: bool
     key_intervals: Optional[torch.Tensor] = None
+    key_window: Optional[int] = None
     # Attention dropout, as in AttentionInputs; the batch coordinate is the sequence index.
     dropout_p: float = 0.0
     dropout_rng: Optional[torch.Tensor] = None
@@ -632,9 +634,10 @@ class VarlenInputs:
                 f"{cu_seqlens_k.numel()}; both must hold n+1 offsets"
             )
         scale, cap = _scale_and_softcap(softmax_scale, softcap, d)
-        intervals = None
+        intervals = window = None
         if isinstance(attn_mask, KeyIntervals):
             intervals = _check_varlen_key_intervals(attn_mask, query, h, hkv, total_k)
+            window = attn_mask.window
             attn_mask = None
         mask = _normalise_varlen_per_key("attn_mask", attn_mask, query, h, hkv, total_k)
         bias = _normalise_varlen_per_key("attn_bias", attn_bias, query, h, hkv, total_k)
@@ -655,6 +658,7 @@ class VarlenInputs:
             deterministic=_flag("deterministic", deterministic),
             return_attn_probs=_flag("return_attn_probs", return_attn_probs),
             key_intervals=intervals,
+            key_window=window,
             dropout_p=p,
             dropout_rng=draw_rng(query.device) if p > 0.0 else None,
         )
@@ -686,6 +690,10 @@ class VarlenInputs:
     @property
     def needs_grad(self) -> bool:
         return _needs_grad(self.query, self.key, self.value, self.attn_bias)
+
+    @property
+    def bias_needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and self.attn_bias is not None and self.attn_bias.requires_grad
 
     def describe(self) -> str:
         parts = [

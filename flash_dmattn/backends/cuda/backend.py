@@ -108,10 +108,15 @@ class CudaBackend(Backend):
 
     def varlen_not_supported_reasons(self, inputs) -> List[str]:
         """Why the kernels cannot run packed sequences ``inputs`` (a VarlenInputs)."""
-        reasons = self._call_reasons(inputs)
         if getattr(inputs, "key_intervals", None) is not None:
-            reasons.append("key-interval masks (KeyIntervals) have no cuda kernel yet")
+            # One packed key-interval call (flash_dmattn.planning.packed_intervals): its reasons.
+            from ...planning.packed_intervals import packed_interval_inputs, packed_interval_reasons
+
+            reasons = packed_interval_reasons(inputs)
+            packed = packed_interval_inputs(inputs, remap=False)
+            reasons.extend(r for r in self.not_supported_reasons(packed) if r not in reasons)
             return reasons
+        reasons = self._call_reasons(inputs)
         from .kernels import varlen_input_reasons
 
         reasons.extend(r for r in varlen_input_reasons(
@@ -119,7 +124,13 @@ class CudaBackend(Backend):
         return reasons
 
     def varlen_attention(self, inputs):
-        """Packed-sequence attention (docs/contract.md §4) through the ``cuda_varlen`` custom ops."""
+        """Packed-sequence attention (docs/contract.md §4) through the ``cuda_varlen`` custom
+        ops; with key intervals, one batch-1 key-interval call over the packed tokens (the
+        ``cuda`` ops), whose gradients reach the varlen tensors through its views."""
+        if getattr(inputs, "key_intervals", None) is not None:
+            from ...planning.packed_intervals import packed_interval_inputs
+
+            return self.attention(packed_interval_inputs(inputs))[0]
         return cuda_varlen_op().attention(inputs)
 
     def kernel_module(self, spec: KernelSpec, device=None):

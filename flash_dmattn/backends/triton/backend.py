@@ -224,14 +224,26 @@ class TritonBackend(Backend):
         return reasons
 
     def varlen_not_supported_reasons(self, inputs) -> List[str]:
-        """Why the packed-sequence kernels cannot run ``inputs`` (a VarlenInputs)."""
-        reasons = _kernel_reasons(inputs)
+        """Why the packed-sequence kernels cannot run ``inputs`` (a VarlenInputs). With key
+        intervals the call runs as one packed key-interval call
+        (:mod:`flash_dmattn.planning.packed_intervals`), whose reasons these are."""
         if getattr(inputs, "key_intervals", None) is not None:
-            reasons.append("key-interval masks (KeyIntervals) are not supported by triton varlen")
-        return reasons
+            from ...planning.packed_intervals import packed_interval_inputs, packed_interval_reasons
+
+            reasons = packed_interval_reasons(inputs)
+            packed = packed_interval_inputs(inputs, remap=False)
+            reasons.extend(r for r in self.not_supported_reasons(packed) if r not in reasons)
+            return reasons
+        return _kernel_reasons(inputs)
 
     def varlen_attention(self, inputs):
-        """Packed-sequence attention (docs/contract.md §4) through the ``triton_varlen`` custom ops."""
+        """Packed-sequence attention (docs/contract.md §4) through the ``triton_varlen`` custom
+        ops; with key intervals, one batch-1 key-interval call over the packed tokens (the
+        ``triton`` ops), whose gradients reach the varlen tensors through its views."""
+        if getattr(inputs, "key_intervals", None) is not None:
+            from ...planning.packed_intervals import packed_interval_inputs
+
+            return self.attention(packed_interval_inputs(inputs))[0]
         return triton_varlen_op().attention(inputs)
 
     def attention(self, inputs):
