@@ -86,8 +86,14 @@ class CudaBackend(Backend):
         reasons = self._call_reasons(inputs)
         if getattr(inputs, "key_intervals", None) is not None:
             from .intervals import interval_reasons
+            from .kernels import input_reasons
 
             reasons.extend(r for r in interval_reasons(inputs) if r not in reasons)
+            # The tensors' own limits (a float32 bias, head dims the vector loads cannot
+            # take), which the interval kernels share with the dense ones.
+            reasons.extend(r for r in input_reasons(
+                inputs.query, inputs.key, inputs.value, None, inputs.attn_bias, False)
+                if r not in reasons)
             return reasons
         from .kernels import input_reasons
 
