@@ -132,8 +132,8 @@ def flash_dmattn_varlen_func(
     every query of that key's sequence. Causal alignment is per sequence (bottom-right).
     ``attn_mask`` may also be a :class:`~flash_dmattn.masks.KeyIntervals` whose start/end have
     those per-key shapes; positions are per sequence: query ``i`` of a sequence of lengths
-    ``(lq, lk)`` sees its key ``j`` iff ``start[j] <= i + lk - lq < end[j]`` (torch-reference
-    runs it; the kernels' varlen paths decline it).
+    ``(lq, lk)`` sees its key ``j`` iff ``start[j] <= i + lk - lq < end[j]`` (triton and cuda
+    run it as one key-interval call over the packed tokens, at the cost of the selected keys).
     ``dropout_p`` as in :func:`flash_dmattn_func`, with the sequence index as the batch
     coordinate and rows / keys counted from the sequence's start (sequence ``i``'s keep-mask
     is ``flash_dmattn.testing.dropout_mask(rng, n, H, max_seqlen_q, max_seqlen_k,

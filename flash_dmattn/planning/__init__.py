@@ -22,4 +22,6 @@ plain-PyTorch twin that the CPU path and the tests use.
   (:func:`topk_intervals`), in O(L log L) and O(L) memory.
 * :mod:`.key_lists` — per query tile, the position-sorted list of keys whose interval meets
   the tile, and the key blocks of the backward; shared by the forward and backward kernels.
+* :mod:`.packed_intervals` — packed sequences with key intervals as one key-interval call over
+  the packed tokens (their bounds moved to packed query positions).
 """
