@@ -235,16 +235,18 @@ def selected_keys_attention(
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     cache_seqlens = _check_cache_seqlens(cache_seqlens, query, batch, seqlen_k)
-    return run_selected(query, key, value, key_index, bias, scale, is_causal, cap,
-                        cache_seqlens, bias_floor)
+    return run_selected(query, key, value, key_index, bias, scale, is_causal, cap, cache_seqlens,
+                        bias_floor)
 
 
-def run_selected(query, key, value, key_index, bias, scale: float, is_causal: bool,
-                 softcap: float, cache_seqlens=None, bias_floor: Optional[float] = None):
-    """:func:`selected_keys_attention` on arguments already checked: ``bias`` a 4-D view,
-    ``scale`` / ``softcap`` floats (0.0: no softcap), ``cache_seqlens`` None or int32 ``(B,)``.
-    Callers that check their own arguments (a model's decoding step, once per layer) call this
-    directly."""
+def run_selected(query, key, value, key_index, attn_bias=None, softmax_scale: float = 1.0,
+                 is_causal: bool = False, softcap: float = 0.0, cache_seqlens=None,
+                 bias_floor: Optional[float] = None):
+    """:func:`selected_keys_attention` on arguments already checked: ``attn_bias`` None or a
+    4-D view, ``softmax_scale`` / ``softcap`` floats (0.0: no softcap), ``cache_seqlens`` None
+    or int32 ``(B,)``. Callers that check their own arguments (a model's decoding step, once
+    per layer) call this directly."""
+    bias, scale = attn_bias, softmax_scale
     heads, kv_heads = query.shape[2], key.shape[2]
     if _triton_runs(query, key, value, key_index, bias, heads, kv_heads):
         from .backends.triton.decode_selected import selected_decode_forward

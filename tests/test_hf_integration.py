@@ -64,18 +64,23 @@ def _causal_additive(b, lq, lk, extra=0, dtype=torch.float32):
 def kernel_spy(monkeypatch):
     """Counts library calls and records their masks/biases; proves dmattn actually ran."""
     calls = []
-    real = hf_transformers._get_kernel
 
-    def spy_get_kernel():
-        fn = real()
+    def spy(real):
+        def spy_get_kernel():
+            fn = real()
 
-        def run(**kw):
-            calls.append(kw)
-            return fn(**kw)
+            def run(**kw):
+                calls.append(kw)
+                return fn(**kw)
 
-        return run
+            return run
 
-    monkeypatch.setattr(hf_transformers, "_get_kernel", spy_get_kernel)
+        return spy_get_kernel
+
+    # Dense calls, and decoding steps over a top-W selection (their calls carry key_index).
+    monkeypatch.setattr(hf_transformers, "_get_kernel", spy(hf_transformers._get_kernel))
+    monkeypatch.setattr(hf_transformers, "_get_selected_kernel",
+                        spy(hf_transformers._get_selected_kernel))
     return calls
 
 
@@ -480,6 +485,11 @@ def test_doge_matches_eager(kernel_spy, mask_spy):
     assert prefill and all(c["attn_bias"] is not None for c in prefill)
     # the top-k keeps at most keep_window_size keys per query
     assert all(int(c["attn_mask"].sum(-1).max()) <= 8 for c in prefill)
+    # decoding steps attend to the 8 kept keys of each kv head by index, reading the mask
+    # values as bias: no bool mask over the cache
+    steps = [c for c in calls if c["query"].shape[1] == 1]
+    assert steps and all(tuple(c["key_index"].shape) == (2, 2, 8) for c in steps)
+    assert all(c["attn_bias"].shape[1] == 2 for c in steps)
 
 
 @pytest.mark.gpu

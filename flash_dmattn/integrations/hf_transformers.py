@@ -29,6 +29,16 @@ query against a KV cache), masks with any other content (sliding windows, chunks
 masks, user 4-D masks, masks edited in place) and calls with ``attention_bias`` /
 ``position_bias`` always keep the dense path. Padded query rows of causal packed calls are
 zeros; rows of real tokens are identical to the dense path's.
+
+Decoding steps of top-W dynamic-mask models read only the kept keys
+-------------------------------------------------------------------
+A Doge decoding step (one query; its layer has already kept the ``keep_window_size`` best
+keys per kv head and written dtype-min into the others' entries of the additive mask) runs
+over the kept keys by index (:func:`~flash_dmattn.topk_decode.selected_keys_attention`): one
+``torch.topk`` over each kv head's mask row finds them, and the triton decode kernel reads
+their K/V rows and mask values only, with no ``(B, H, 1, L)`` bool mask built and no
+dispatch per layer. Other calls (prefill, other models, ``L <= keep_window_size``) keep the
+dense path.
 """
 from __future__ import annotations
 
@@ -40,6 +50,7 @@ import torch
 
 from ..api import flash_dmattn_func_auto
 from ..dropout import check_dropout_p
+from ..topk_decode import run_selected
 from . import hf_varlen
 
 #: The name under which :func:`register` installs the attention and mask functions. It must not
@@ -58,6 +69,13 @@ _DYNAMIC_MASK_MODEL_TYPES = frozenset({"doge"})
 def _get_kernel() -> Callable:
     """The library call used for every attention (a seam: tests spy on it)."""
     return flash_dmattn_func_auto()
+
+
+def _get_selected_kernel() -> Callable:
+    """The library call of a top-W decoding step (:func:`_topk_decode`; a seam: tests spy on
+    it). Takes keywords ``query, key, value, key_index, attn_bias, softmax_scale, is_causal,
+    softcap, cache_seqlens, bias_floor`` (:func:`flash_dmattn.topk_decode.run_selected`)."""
+    return run_selected
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,15 +292,20 @@ def dmattn_attention_forward(
     cache, whose later slots are empty).
     """
     _validate_call(module, query, key, value, scaling, dropout, kwargs)
+    dropout_p = _dropout_p(module, dropout)
+    # A Doge decoding step: attend to the W keys its additive mask keeps, by index.
+    out = _topk_decode(module, query, key, value, attention_mask, scaling, softcap, kwargs,
+                       dropout_p)
+    if out is not None:
+        return out, None
     # A "causal + key padding" mask may be cheaper as packed sequences (see module docstring).
     out = hf_varlen.maybe_varlen_attention(
-        module, query, key, value, attention_mask, scaling, softcap, kwargs,
-        _dropout_p(module, dropout),
+        module, query, key, value, attention_mask, scaling, softcap, kwargs, dropout_p,
     )
     if out is not None:
         return out, None
-    call = prepare_attention_call(
-        module, query, key, value, attention_mask, scaling, dropout, softcap, kwargs
+    call = _attention_call(
+        module, query, key, value, attention_mask, scaling, softcap, kwargs, dropout_p
     )
     out = _get_kernel()(**call)
     return out, None
@@ -329,6 +352,22 @@ def prepare_attention_call(
     ``attn_bias``, ``softmax_scale``, ``is_causal``, ``softcap``, ``dropout_p``.
     """
     _validate_call(module, query, key, value, scaling, dropout, kwargs)
+    return _attention_call(module, query, key, value, attention_mask, scaling, softcap, kwargs,
+                           _dropout_p(module, dropout))
+
+
+def _attention_call(
+    module: Optional[torch.nn.Module],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float],
+    softcap: Optional[float],
+    kwargs: dict,
+    dropout_p: float,
+) -> dict:
+    """:func:`prepare_attention_call` on validated arguments (``dropout_p``: the call's)."""
     query_len, key_len = query.shape[2], key.shape[2]
 
     mask, mask_bias, structural, key_limit = normalise_hf_mask(attention_mask, key_len)
@@ -360,16 +399,7 @@ def prepare_attention_call(
     if bias is not None and bias.dtype not in (query.dtype, torch.float32):
         bias = bias.float()
 
-    # Library layout (B, L, H, D) as views; K/V caches in another dtype (quantised caches
-    # dequantise to their own dtype) are cast because the kernels take one dtype.
-    q = query.transpose(1, 2)
-    k = key.transpose(1, 2)
-    v = value.transpose(1, 2)
-    if k.dtype != q.dtype:
-        k = k.to(q.dtype)
-    if v.dtype != q.dtype:
-        v = v.to(q.dtype)
-
+    q, k, v = _library_layout(query, key, value)
     return dict(
         query=q,
         key=k,
@@ -379,7 +409,103 @@ def prepare_attention_call(
         softmax_scale=scaling,
         is_causal=causal,
         softcap=softcap if softcap else None,
-        dropout_p=_dropout_p(module, dropout),
+        dropout_p=dropout_p,
+    )
+
+
+def _library_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """``(B, L, H, D)`` views of transformers' heads-first tensors; K/V caches in another dtype
+    (quantised caches dequantise to their own dtype) are cast because the kernels take one
+    dtype."""
+    q = query.transpose(1, 2)
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
+    if k.dtype != q.dtype:
+        k = k.to(q.dtype)
+    if v.dtype != q.dtype:
+        v = v.to(q.dtype)
+    return q, k, v
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding steps of models with a top-W dynamic mask (Doge)
+# ---------------------------------------------------------------------------------------------
+def _decode_window(
+    module: Optional[torch.nn.Module],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: Any,
+    kwargs: dict,
+    dropout_p: float,
+) -> Optional[int]:
+    """``W`` when this call is a decoding step of a top-W dynamic-mask model whose additive
+    mask keeps at most ``W`` of more than ``W`` keys; else None (the dense path runs).
+
+    Doge (``config.model_type == "doge"``) keeps, per kv head, the ``keep_window_size`` keys
+    with the largest dynamic bias (a ``torch.topk`` over every key), writes dtype-min into the
+    others and repeats the result over each group's query heads before calling the attention
+    function, so every kv head's mask row has at most ``W`` entries that are not masked, and
+    the first query head of a group carries the group's row.
+    """
+    if query.shape[2] != 1 or not isinstance(attention_mask, torch.Tensor) or dropout_p:
+        return None
+    m = attention_mask
+    if m.dim() != 4 or m.shape[2] != 1 or not m.is_floating_point():
+        return None
+    if getattr(getattr(module, "config", None), "model_type", None) not in _DYNAMIC_MASK_MODEL_TYPES:
+        return None
+    window = getattr(module, "keep_window_size", None)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        return None
+    batch, heads = query.shape[0], query.shape[1]
+    kv_heads, key_len = key.shape[1], key.shape[2]
+    if key_len <= window or m.shape[-1] < key_len or heads % kv_heads:
+        return None
+    if m.shape[0] not in (1, batch) or m.shape[1] not in (1, kv_heads, heads):
+        return None
+    if any(kwargs.get(n) is not None for n in ("attention_bias", "position_bias", "sliding_window")):
+        return None
+    return window
+
+
+def _topk_decode(
+    module: Optional[torch.nn.Module],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: Optional[float],
+    softcap: Optional[float],
+    kwargs: dict,
+    dropout_p: float,
+) -> Optional[torch.Tensor]:
+    """A Doge decoding step over the ``W`` keys its mask keeps, or None (see
+    :func:`_decode_window`).
+
+    The kept keys are found with one ``torch.topk`` of ``W`` over each kv head's mask row (the
+    row has at most ``W`` unmasked entries, so the top ``W`` hold all of them, whatever order
+    ties take) and attended by index (:func:`flash_dmattn.topk_decode.run_selected`): the
+    triton kernel reads those ``W`` keys' K/V rows and mask values and nothing of the other
+    keys, and no ``(B, H, 1, Lk)`` bool mask is built. Which slots are visible is read from the
+    mask values as the dense path reads them (``isfinite(m) & (m > finfo.min / 2)``), and the
+    values are added as the bias, so the output is the dense path's.
+    """
+    window = _decode_window(module, query, key, attention_mask, kwargs, dropout_p)
+    if window is None:
+        return None
+    group = query.shape[1] // key.shape[1]
+    m = attention_mask[..., : key.shape[2]]
+    if m.shape[1] == query.shape[1] and group > 1:
+        m = m[:, ::group]  # one row per kv head: the group's first query head
+    if m.dtype not in (query.dtype, torch.float32):
+        m = m.float()
+    index = torch.topk(m[:, :, 0], window, dim=-1, sorted=False).indices  # (B, Hkv, W)
+    q, k, v = _library_layout(query, key, value)
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    return _get_selected_kernel()(
+        query=q, key=k, value=v, key_index=index, attn_bias=m, softmax_scale=scale,
+        is_causal=False, softcap=float(softcap) if softcap else 0.0, cache_seqlens=None,
+        bias_floor=_masked_threshold(m.dtype),
     )
 
 
@@ -410,8 +536,10 @@ def dmattn_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
     function, with the same arguments, and the same ``None`` when the mask is plain causal (or
     plain full) so the attention function can use ``is_causal`` and skip tiles without reading
     a mask. For models that derive their own dynamic mask from the mask they receive
-    (``config.model_type == "doge"``) the causal mask is always materialised, because they drop
-    the ``None`` → causal meaning when they fold it into their bias.
+    (``config.model_type == "doge"``) the causal mask is materialised for every call with more
+    than one query, because they drop the ``None`` → causal meaning when they fold it into
+    their bias; a single query (a decoding step) has no causality to drop and gets sdpa's
+    answer.
 
     When the mask is plain causal or plain bidirectional plus a 2-D padding mask, the returned
     tensor carries a :class:`~flash_dmattn.integrations.hf_varlen.PaddingRecord` (a Python
@@ -423,7 +551,11 @@ def dmattn_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
         return transformers.masking_utils.sdpa_mask(*args, **kwargs)
     """
     config = kwargs.get("config")
-    if getattr(config, "model_type", None) in _DYNAMIC_MASK_MODEL_TYPES:
+    if (getattr(config, "model_type", None) in _DYNAMIC_MASK_MODEL_TYPES
+            and _query_length(kwargs) != 1):
+        # A single query (a decoding step) has no causality to lose: there sdpa's rule applies
+        # (None without padding, as for sdpa), which spares the step the mask and every layer
+        # the folding of it into the dynamic mask.
         kwargs["allow_is_causal_skip"] = False
     build = _sdpa_mask_function()
     mask = build(*args, **kwargs)
@@ -439,6 +571,18 @@ def dmattn_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
         if record is not None:
             hf_varlen.attach_record(mask, record)
     return mask
+
+
+def _query_length(kwargs: dict) -> Optional[int]:
+    """The query length a mask-function call describes (``q_length``, or transformers < 5's
+    ``cache_position``), None when the call does not say."""
+    q_length = kwargs.get("q_length")
+    if isinstance(q_length, int) and not isinstance(q_length, bool):
+        return q_length
+    cache_position = kwargs.get("cache_position")
+    if isinstance(cache_position, torch.Tensor) and cache_position.dim() == 1:
+        return cache_position.shape[0]
+    return None
 
 
 def _bind_mask_arguments(build: Callable, args: tuple, kwargs: dict) -> dict:
