@@ -38,28 +38,13 @@
 #include "flash_dmattn/pipeline.cuh"
 #include "flash_dmattn/wgmma.cuh"
 
-// setmaxnreg budgets of the dK/dV kernel's producer / consumers (FLASH_DMATTN_CUDA_FLAGS).
-#ifndef FLASH_DMATTN_BWD_SM90_PREGS
-#define FLASH_DMATTN_BWD_SM90_PREGS 24
-#endif
-#ifndef FLASH_DMATTN_BWD_SM90_CREGS
-#define FLASH_DMATTN_BWD_SM90_CREGS 240
-#endif
-// 1: the dK/dV producer transposes a per-element mask tile into query bits per key; 0: the
-// consumers read its bytes (A/B experiment, FLASH_DMATTN_CUDA_FLAGS).
-#ifndef FLASH_DMATTN_BWD_SM90_MASK_BITS
-#define FLASH_DMATTN_BWD_SM90_MASK_BITS 1
-#endif
-// Modules whose dK/dV kernel has the plain path for whole visible tiles: 2, those without a
-// bias; 1, all; 0, none (A/B runs).
-#ifndef FLASH_DMATTN_BWD_SM90_PLAIN
-#define FLASH_DMATTN_BWD_SM90_PLAIN 2
-#endif
-
 namespace flash_dmattn {
 
-constexpr bool kPlainPath =
-    FLASH_DMATTN_BWD_SM90_PLAIN == 1 || (FLASH_DMATTN_BWD_SM90_PLAIN == 2 && !kHasBias);
+// The dK/dV kernel's plain path for whole visible tiles (see its use) is compiled into the
+// modules without a bias, where most steps of block-sparse and per-key masks are whole tiles.
+// Modules with a bias go without it: in the per-query mask + bias module few tiles are whole,
+// and it ran slower with the path.
+constexpr bool kPlainPath = !kHasBias;
 
 void launch_delta(const BwdParams& p, cudaStream_t stream);  // flash_bwd.cu
 cudaError_t run_dq_gathered_sm90(const BwdParams& p, cudaStream_t stream);  // flash_dq_gathered_sm90.cu
@@ -89,11 +74,14 @@ struct Sm90BwdConfig {
   using BiasTile = BcastTile<Elem, kBlockM, kBlockN, kThreads>;
 
   // Warp-specialised dK/dV kernel: a producer warpgroup and two consumer warpgroups (64 keys
-  // each). setmaxnreg moves registers within the 168 a thread the CTA got at launch.
+  // each). setmaxnreg moves registers within the 168 a thread the CTA got at launch: the
+  // producer only computes addresses and copies, so it drops to 24 (the least setmaxnreg
+  // takes), and the consumers, which hold dK and dV (64 x kHD fp32 each) beside S^T, dP^T and
+  // the fused dQ partial, take the rest: 128 x 24 + 256 x 240 = 384 x 168.
   static constexpr int kKvProducerThreads = 128;
   static constexpr int kKvThreads = kKvProducerThreads + kThreads;
-  static constexpr int kKvProducerRegs = FLASH_DMATTN_BWD_SM90_PREGS;
-  static constexpr int kKvConsumerRegs = FLASH_DMATTN_BWD_SM90_CREGS;
+  static constexpr int kKvProducerRegs = 24;
+  static constexpr int kKvConsumerRegs = 240;
   static_assert(kKvProducerThreads * kKvProducerRegs + kThreads * kKvConsumerRegs <=
                     kKvThreads * (65536 / kKvThreads / 8 * 8),
                 "setmaxnreg requests beyond the CTA's registers never complete");
@@ -138,7 +126,9 @@ struct Sm90BwdConfig {
   static constexpr int kKvSmem = kKvInfoOff + 2 * 4;
   // A per-element mask tile reaches the consumers as bits, one 64-bit word of query bits per
   // key (kKeyBitsBytes a stage, in the second mask tile's space); the producer lands the raw
-  // bytes in the first tile's space and transposes them. One word per producer thread.
+  // bytes in the first tile's space and transposes them. One word per producer thread. A
+  // consumer then tests an element with a shift of a word it holds instead of a shared-memory
+  // byte read, and the transpose runs on the producer, off the consumers' path.
   static constexpr int kKeyBitsBytes = kBlockN * 8;
   static_assert(kBlockN == kKvProducerThreads && kBlockM == 64, "one key's query bits per producer thread");
   static_assert(2 * kKeyBitsBytes <= MaskTile::kBytes, "key bits fit the second mask tile");
@@ -397,8 +387,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
                         : dkdv_tile_partial<kBM, kBN>(p, sr, walk.key_partial, k0, q0);
         }
         ClusterBarrier::wait(empty + st, ((step >> 1) & 1) ^ 1);
-        const bool mask_bits =
-            FLASH_DMATTN_BWD_SM90_MASK_BITS && kHasMask && partial && p.mask.sq != 0;
+        const bool mask_bits = kHasMask && partial && p.mask.sq != 0;
         if constexpr (kHasMask && !kIntervals) {
           if (mask_bits && p.kbits != nullptr) {
             // The summary's key bits: 8 bytes a key, copied like the rest of the stage.
@@ -578,7 +567,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
         query_bits[r] = ~uint64_t(0);
         if constexpr (kHasMask) {
           if (use_mask && !mask_rows) key_mask[r] = MaskT::read(mtile, false, 0, kr) != 0;
-          if (FLASH_DMATTN_BWD_SM90_MASK_BITS && use_mask && mask_rows) {
+          if (use_mask && mask_rows) {
             query_bits[r] = reinterpret_cast<const uint64_t*>(mask_smem + MaskT::kBytes +
                                                               st * Cfg::kKeyBitsBytes)[kr] >>
                             (2 * (lane % 4));
@@ -653,10 +642,6 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
             bool visible = (qc >= q_lo[r]) & (qc < q_hi[r]) & key_mask[r];
             if constexpr (kHasMask) {
               visible &= ((query_bits[r] >> (8 * g + c2)) & 1u) != 0;  // qc - 2 (lane % 4)
-              if (!FLASH_DMATTN_BWD_SM90_MASK_BITS && use_mask && mask_rows) {
-                const int kr = kw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
-                visible &= MaskT::read(mtile, true, qc, kr) != 0;
-              }
             }
             float dt = 1.f, pr;
             if constexpr (kSoftcap) {

@@ -29,9 +29,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
-#include <cstdlib>
 #include <optional>
-#include <string>
 #include <vector>
 
 #include "flash_dmattn/params.h"
@@ -683,10 +681,7 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const a
   p.lse = lse.data_ptr<float>();
   if (finished_without_keys(p, out, lse)) return {out, lse};
   p.num_splits = static_cast<int>(std::max<int64_t>(1, num_splits));
-  // FLASH_DMATTN_CUDA_DECODE_WARP_SPLIT=0 keeps one warp per 16 rows (A/B timing).
-  const char* warp_split_env = std::getenv("FLASH_DMATTN_CUDA_DECODE_WARP_SPLIT");
-  const bool warp_split_off = warp_split_env != nullptr && std::string(warp_split_env) == "0";
-  p.warp_split = !warp_split_off && flash_dmattn::decode_warp_split(p.rows);
+  p.warp_split = flash_dmattn::decode_warp_split(p.rows);
   at::Tensor o_part, lse_part;
   if (p.num_splits > 1) {
     const int64_t part_rows = int64_t(p.B) * p.Hkv * p.rows;

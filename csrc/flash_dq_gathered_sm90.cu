@@ -28,19 +28,6 @@
 #include "flash_dmattn/pipeline.cuh"
 #include "flash_dmattn/wgmma.cuh"
 
-// Stages of K / V rows in flight (FLASH_DMATTN_CUDA_FLAGS, for tuning).
-#ifndef FLASH_DMATTN_DQG_SM90_STAGES
-#define FLASH_DMATTN_DQG_SM90_STAGES 4
-#endif
-// setmaxnreg budgets: the producer computes row addresses only; the consumers hold dQ (64 x D
-// fp32), S and dP (64 x 64 fp32 each) and dS (bf16).
-#ifndef FLASH_DMATTN_DQG_SM90_PREGS
-#define FLASH_DMATTN_DQG_SM90_PREGS 56
-#endif
-#ifndef FLASH_DMATTN_DQG_SM90_CREGS
-#define FLASH_DMATTN_DQG_SM90_CREGS 224
-#endif
-
 namespace flash_dmattn {
 
 template <int kHD>
@@ -51,9 +38,15 @@ struct Sm90DqGatherConfig {
   static constexpr int kConsumerThreads = 256;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  static constexpr int kStages = FLASH_DMATTN_DQG_SM90_STAGES;
-  static constexpr int kProducerRegs = FLASH_DMATTN_DQG_SM90_PREGS;
-  static constexpr int kConsumerRegs = FLASH_DMATTN_DQG_SM90_CREGS;
+  // Stages of K / V rows in flight. Listed rows are copied by index, so the producer runs
+  // steps ahead to hide their latency: four stages (32 KB each at kHD = 128) are the most
+  // that fit next to Q, dO, the bits and the bias rows at kHD = 128.
+  static constexpr int kStages = 4;
+  // setmaxnreg budgets: the producer computes row addresses only; the consumers hold dQ
+  // (64 x kHD fp32), S and dP (64 x 64 fp32 each) and dS (bf16). The forward's split of the
+  // same 384 threads: 128 x 56 + 256 x 224 = 384 x 168.
+  static constexpr int kProducerRegs = 56;
+  static constexpr int kConsumerRegs = 224;
   static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <=
                     kThreads * (65536 / kThreads / 8 * 8),
                 "setmaxnreg requests beyond the CTA's registers never complete");

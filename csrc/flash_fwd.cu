@@ -10,13 +10,9 @@ namespace flash_dmattn {
 
 template <int kHeadDim>
 struct FwdConfig {
-#ifdef FLASH_DMATTN_FWD_BLOCK_M
-  static constexpr int kBlockM = FLASH_DMATTN_FWD_BLOCK_M;
-#else
   // 64 rows (4 warps): two CTAs per SM instead of one, faster than 128 rows (8 warps) on
   // dense and masked forwards.
   static constexpr int kBlockM = 64;
-#endif
   static constexpr int kBlockN = 64;
   // One warp per 16 query rows keeps the fp32 accumulators (O and S) in registers.
   using Tr = Traits<kHeadDim, kBlockM, kBlockN, kBlockM / 16, 1>;

@@ -35,12 +35,9 @@
 #define FLASH_DMATTN_NO_SM90 0
 #endif
 // The wgmma backward (flash_bwd_sm90.cu) covers head dims up to 128 (its dK and dV accumulators
-// share a thread's registers); NO_SM90_BWD keeps the sm80 backward for comparisons.
-#ifndef FLASH_DMATTN_NO_SM90_BWD
-#define FLASH_DMATTN_NO_SM90_BWD 0
-#endif
+// share a thread's registers); larger head dims run the sm80 backward on Hopper too.
 #define FLASH_DMATTN_SM90_BWD \
-  (FLASH_DMATTN_SM90 && !FLASH_DMATTN_NO_SM90 && !FLASH_DMATTN_NO_SM90_BWD && FLASH_DMATTN_HEADDIM <= 128)
+  (FLASH_DMATTN_SM90 && !FLASH_DMATTN_NO_SM90 && FLASH_DMATTN_HEADDIM <= 128)
 
 namespace flash_dmattn {
 

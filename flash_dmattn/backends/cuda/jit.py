@@ -126,8 +126,8 @@ def source_digest(csrc_dir: Path) -> str:
 
 
 def cuda_flags(spec: KernelSpec, tc: Toolchain) -> List[str]:
-    """nvcc flags for ``spec`` on ``tc``'s arch, plus ``$FLASH_DMATTN_CUDA_FLAGS`` (for tuning
-    experiments such as ``-DFLASH_DMATTN_FWD_BLOCK_M=128``; part of the cache key)."""
+    """nvcc flags for ``spec`` on ``tc``'s arch, plus ``$FLASH_DMATTN_CUDA_FLAGS`` (kernel
+    development, e.g. ``-lineinfo``; part of the cache key)."""
     extra = envs.cuda_extra_flags()
     return NVCC_FLAGS + tc.gencode_flags() + spec.defines() + extra
 
