@@ -687,25 +687,26 @@ def test_example_on_gpus(gpus, layout, seq_len):
     assert f"rank {gpus - 1}/{gpus}: {seq_len} tokens, {layout} layout" in res.stdout
 
 
-def test_merger_copies_fresh_rows_and_merges_overlaps():
-    """The merger against a plain log-sum-exp merge: calls on fresh rows, on rows reached
-    before, on rows partly reached before, calls whose rows see no key (lse -inf), and rows
-    no call reaches (0, -inf)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_merger_merges_each_row_range_once(dtype):
+    """The merger against a plain log-sum-exp merge in float64: rows one call reaches, two
+    calls, three and four, calls whose rows see no key (lse -inf), and rows no call reaches
+    (0, -inf)."""
     from flash_dmattn.distributed.local import Merger
 
     gen = torch.Generator().manual_seed(4)
     B, n, H, D = 2, 40, 3, 5
-    calls = [(0, 10), (20, 30), (5, 15), (0, 10), (25, 35), (12, 13)]
-    merger = Merger(B, n, H, D, torch.float32, "cpu")
+    calls = [(0, 10), (20, 30), (5, 15), (0, 10), (25, 35), (12, 13), (0, 4)]
+    merger = Merger(B, n, H, D, dtype, "cpu", calls)
     want_out = torch.zeros(B, n, H, D, dtype=torch.float64)
     want_lse = torch.full((B, H, n), float("-inf"), dtype=torch.float64)
     for i, (r0, r1) in enumerate(calls):
-        out = torch.randn(B, r1 - r0, H, D, generator=gen)
+        out = torch.randn(B, r1 - r0, H, D, generator=gen).to(dtype)
         lse = torch.randn(B, H, r1 - r0, generator=gen)
         if i == 4:
             lse[:, :, :3] = float("-inf")  # rows of this call that see no key
             out[:, :3] = 0
-        merger.add((r0, r1), out, lse)
+        merger.add((r0, r1), out, lse.double() if dtype == torch.float64 else lse)
         for r in range(r0, r1):
             a, b = want_lse[:, :, r], lse[:, :, r - r0].double()
             m = torch.logaddexp(a, b)
@@ -713,7 +714,53 @@ def test_merger_copies_fresh_rows_and_merges_overlaps():
             wa, wb = torch.exp(a - ref), torch.exp(b - ref)
             want_out[:, r] = want_out[:, r] * wa[..., None] + out[:, r - r0].double() * wb[..., None]
             want_lse[:, :, r] = m
-    got_out, got_lse = merger.result(torch.float32)
-    torch.testing.assert_close(got_out.double(), want_out, rtol=1e-6, atol=1e-6)
+    got_out, got_lse = merger.result()
+    assert got_out.dtype == dtype
+    # bfloat16: one rounding of the float32 sum (2**-8 relative)
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_out.double(), want_out, **tol)
     torch.testing.assert_close(got_lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    if dtype == torch.bfloat16:  # rounded once: within half an ulp of the float64 merge
+        assert torch.equal(got_out, want_out.to(dtype))
     assert torch.isinf(got_lse[:, :, 35:]).all() and (got_out[:, 35:] == 0).all()
+    # One call on every row: its output is the result (no copy).
+    one = Merger(B, n, H, D, dtype, "cpu", [(0, n)])
+    out, lse = torch.randn(B, n, H, D).to(dtype), torch.randn(B, H, n)
+    one.add((0, n), out, lse)
+    assert one.result()[0] is out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accumulator_sums_each_term_once(dtype):
+    """Accumulator: ranges of one, two and three terms and none, along dim 1 and dim -1,
+    each sum formed in float32 and rounded once; one term over the whole dim is the result."""
+    from flash_dmattn.distributed.local import Accumulator
+
+    gen = torch.Generator().manual_seed(5)
+    for dim, shape in ((1, (2, 30, 3, 4)), (-1, (2, 3, 1, 30))):
+        ranges = [(0, 12), (8, 20), (10, 14), (22, 30)]  # 18..22 none, 10..12 three terms
+        acc = Accumulator(shape, dim, ranges, dtype, "cpu")
+        want = torch.zeros(shape, dtype=torch.float64)
+        for r0, r1 in ranges:
+            part_shape = list(shape)
+            part_shape[dim] = r1 - r0
+            t = torch.randn(*part_shape, generator=gen).to(dtype)
+            acc.add((r0, r1), t)
+            want.narrow(dim % 4, r0, r1 - r0).add_(t.double())
+        got = acc.result()
+        assert got.dtype == dtype
+        if dtype == torch.bfloat16:
+            # float32 sums of at most three bfloat16 terms are exact: one rounding
+            assert torch.equal(got, want.to(torch.float32).to(dtype))
+        else:
+            torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    whole = torch.randn(2, 30, 3, 4).to(dtype)
+    one = Accumulator(whole.shape, 1, [(0, 30)], dtype, "cpu")
+    one.add((0, 30), whole)
+    assert one.result() is whole
+    # half terms into a float32 sum: no rounding to half on the way
+    a, b = torch.tensor([[1.0]], dtype=torch.bfloat16), torch.tensor([[2 ** -9]], dtype=torch.bfloat16)
+    two = Accumulator((1, 1), 1, [(0, 1), (0, 1)], torch.float32, "cpu")
+    two.add((0, 1), a)
+    two.add((0, 1), b)
+    assert two.result().item() == 1.0 + 2 ** -9

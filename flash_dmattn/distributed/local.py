@@ -69,116 +69,330 @@ def choose_backend(inputs: AttentionInputs, backend: Optional[str]) -> str:
     raise RuntimeError(f"no backend with a forward/backward op pair can run {inputs.describe()}")
 
 
+# Rows of a local call whose query positions jump (a zigzag shard's two pieces as one call):
+# the kernels' query tiles and the cuda backward's segments (ITEM_SEGMENT_ROWS, 1024) never
+# exceed this many rows, and the planner aligns them to row 0, so a jump at a multiple of it
+# falls between tiles and segments. See LocalKernel.window_for.
+_JUMP_ALIGN = 1024
+
+
 class LocalKernel:
-    """The forward/backward op pair of one backend.
+    """The forward/backward pair of one backend.
 
     ``window``: the window promise of the call's key-interval mask (0: none; see
     :class:`~flash_dmattn.masks.KeyIntervals`). It holds for any subset of the queries and
     keys of a mask that makes it, so every local call with key-interval bounds passes it on
-    (the kernels then plan without waiting for the device)."""
+    (the kernels then plan without waiting for the device; :meth:`window_for` adapts it to a
+    call).
+
+    Where the backend plans its backward in the forward (``AttentionOp.planned_forward``:
+    cuda, triton), :meth:`forward` with ``keep_plan`` returns that plan and :meth:`backward`
+    takes it back, as one ``flash_dmattn_func`` call does: the local calls' work lists are
+    made once per training step, not once per direction. Otherwise (torch-reference, or no
+    plan kept) the registered ``flash_dmattn::<backend>_fwd`` / ``_bwd`` ops run."""
 
     def __init__(self, backend: str, window: int = 0) -> None:
         module, factory = _OPS[backend]
         mod = importlib.import_module(module)
-        if factory is not None:
-            getattr(mod, factory)()  # registers the ops on first use
+        op = getattr(mod, factory)() if factory is not None else None  # registers the ops
         ops = getattr(torch.ops.flash_dmattn, _OP_NAMES[backend] + "_fwd"), getattr(
             torch.ops.flash_dmattn, _OP_NAMES[backend] + "_bwd")
         self.backend = backend
         self.window = int(window)
         self._fwd, self._bwd = ops
+        self._planned = getattr(op, "_planned_forward", None)
+        self._planned_backward = getattr(op, "_backward", None) if self._planned else None
 
-    def forward(self, q, k, v, mask, bias, bounds, scale, causal, softcap,
-                deterministic) -> Tuple[Tensor, Tensor]:
-        """``(out (B, Lq, H, Dv) in q's dtype, lse (B, H, Lq) in the accumulation dtype)``."""
+    def window_for(self, query_ranges: Optional[Sequence[Tuple[int, int]]], num_cols: int) -> int:
+        """The window promise as one call passes it (0: none).
+
+        * A call whose rows are two pieces of the sequence (``query_ranges`` of several
+          ranges): every query still sees at most ``window`` keys, but at the jump a row may
+          see up to ``window`` keys the row before it did not. A tile (or backward segment) of
+          ``m`` rows across the jump meets at most ``2·window + m - 2`` keys, which a promise
+          of ``2·window`` covers; a jump at a multiple of :data:`_JUMP_ALIGN` rows lies
+          between tiles and segments, whose bounds then hold with ``window``.
+        * A call of at most ``window`` keys: the planner sizes its lists ``min(Lk, window +
+          m - 1)`` and trusts a promise only below ``Lk``; ``Lk - 1`` gives lists of ``Lk``
+          keys a tile (all of them, which no tile can exceed) without asking the device.
+        """
+        w = self.window
+        if not w:
+            return 0
+        if query_ranges is not None and len(query_ranges) > 1:
+            row = 0
+            for a, b in query_ranges[:-1]:
+                row += b - a
+                if row % _JUMP_ALIGN:
+                    w = 2 * self.window
+        if w >= num_cols:
+            w = num_cols - 1
+        return max(w, 0)
+
+    def _extra(self, bounds, query_ranges, num_cols) -> dict:
+        if bounds is None:
+            return {}
+        extra = {"key_intervals": bounds}
+        w = self.window_for(query_ranges, num_cols)
+        if w:
+            extra["key_window"] = w
+        return extra
+
+    def forward(self, q, k, v, mask, bias, bounds, scale, causal, softcap, deterministic,
+                query_ranges=None, keep_plan: bool = False):
+        """``(out (B, Lq, H, Dv) in q's dtype, lse (B, H, Lq) in the accumulation dtype,
+        plan)``; ``plan`` is what :meth:`backward` takes back (None unless ``keep_plan`` and
+        the backend plans in its forward). ``query_ranges``: the global positions of the rows
+        (:attr:`~.plan.Call.row_ranges`), for the window promise."""
+        extra = self._extra(bounds, query_ranges, k.shape[1])
+        if keep_plan and self._planned is not None:
+            out, lse, plan = self._planned(q, k, v, mask, bias, float(scale), bool(causal),
+                                           float(softcap), **extra)
+            return out.contiguous(), lse.contiguous().to(accumulation_dtype(q.dtype)), plan
         out, lse = self._fwd(q, k, v, mask, bias, scale, causal, softcap, deterministic,
-                             None, None, bounds, self.window if bounds is not None else 0)
-        return out, lse.to(accumulation_dtype(q.dtype))
+                             None, None, bounds, extra.get("key_window", 0))
+        return out, lse.to(accumulation_dtype(q.dtype)), None
 
     def backward(self, dout, q, k, v, mask, bias, bounds, out, lse, scale, causal, softcap,
-                 deterministic, needs: Sequence[bool]) -> List[Optional[Tensor]]:
+                 deterministic, needs: Sequence[bool], query_ranges=None,
+                 plan=None) -> List[Optional[Tensor]]:
         """``[dq, dk, dv, dbias]``, None where ``needs`` did not ask; each in its input's dtype
-        and shape."""
+        and shape, contiguous. ``plan``: what :meth:`forward` returned for this call."""
         needs = [bool(n) for n in needs]
         needs[3] = needs[3] and bias is not None
+        extra = self._extra(bounds, query_ranges, k.shape[1])
+        if plan is not None and self._planned_backward is not None:
+            grads = self._planned_backward(dout, q, k, v, mask, bias, out, lse, float(scale),
+                                           bool(causal), float(softcap), bool(deterministic),
+                                           tuple(needs), plan=plan, **extra)
+            return [g.contiguous() if n and g is not None else None for g, n in zip(grads, needs)]
         grads = self._bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap,
-                          deterministic, needs, None, bounds,
-                          self.window if bounds is not None else 0)
+                          deterministic, needs, None, bounds, extra.get("key_window", 0))
         return [g if n else None for g, n in zip(grads, needs)]
 
 
-class Merger:
-    """Outputs and log-sum-exps of calls on row ranges of a shard, merged in the accumulation
-    dtype: ``lse = logaddexp(lse, lse_c)``, ``out = out·exp(lse_old - lse) + out_c·exp(lse_c - lse)``.
-    Rows no call reached stay 0 with lse = -inf, like rows with no visible key.
+def _cuts(size: int, ranges: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
+    """The pieces ``[a, b)`` of ``[0, size)`` between every range's ends, each with the number
+    of ranges that cover it."""
+    points = sorted({0, size} | {x for r in ranges for x in r if 0 <= x <= size})
+    out = []
+    for a, b in zip(points, points[1:]):
+        out.append((a, b, sum(1 for r0, r1 in ranges if r0 <= a and b <= r1)))
+    return out
 
-    A call on rows no earlier call reached is copied in, not merged (most calls of a shard:
-    the first key block of every query segment), and the buffers are only written where a
-    call reached (:meth:`result` fills the rest), so the merging costs reads and writes of the
-    accumulators only where two calls meet."""
+
+def max_terms(size: int, ranges: Sequence[Tuple[int, int]]) -> int:
+    """The most ranges that cover one index of ``[0, size)``."""
+    return max((t for _, _, t in _cuts(size, ranges)), default=0)
+
+
+class _Piece:
+    __slots__ = ("a", "b", "total", "seen", "pending")
+
+    def __init__(self, a: int, b: int, total: int) -> None:
+        self.a, self.b, self.total, self.seen, self.pending = a, b, total, 0, None
+
+
+class Accumulator:
+    """The sum of partial results over ranges of one dim, every range known in advance.
+
+    ``ranges``: the ``[start, end)`` of every contribution :meth:`add` will bring (any order),
+    so each element's number of terms is known before the first arrives, and each sum is
+    formed with one pass per term and no zero-fill: a piece's first term is kept as it is (a
+    piece with one term *is* the result, as the tensor given when it spans the whole dim, or
+    copied in once); the second is added to it (into the result when it is the last, else into
+    an accumulation buffer); the last is added into the result. Sums are computed in the
+    accumulation dtype (float32 for half types: PyTorch's elementwise arithmetic on bfloat16 /
+    float16 computes in float32 and rounds once at the store), so every element is rounded to
+    ``dtype`` once, whatever the number of terms. Elements no range covers are 0.
+    """
+
+    def __init__(self, shape: Sequence[int], dim: int, ranges: Sequence[Tuple[int, int]],
+                 dtype: torch.dtype, device) -> None:
+        self.shape = tuple(shape)
+        self.dim = dim % len(self.shape)
+        self.dtype, self.acc = dtype, accumulation_dtype(dtype)
+        if dtype == torch.float32:
+            self.acc = torch.float32
+        self.device = device
+        size = self.shape[self.dim]
+        self._pieces = [_Piece(a, b, t) for a, b, t in _cuts(size, ranges)]
+        self._out: Optional[Tensor] = None
+        self._whole: Optional[Tensor] = None
+        self._buf: Optional[Tensor] = None
+
+    def _slice(self, t: Tensor, a: int, b: int) -> Tensor:
+        return t.narrow(self.dim, a, b - a)
+
+    def _result_view(self, p: _Piece) -> Tensor:
+        if self._out is None:
+            self._out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return self._slice(self._out, p.a, p.b)
+
+    def _acc_view(self, p: _Piece) -> Tensor:
+        if self.acc == self.dtype:
+            return self._result_view(p)
+        if self._buf is None:
+            self._buf = torch.empty(self.shape, dtype=self.acc, device=self.device)
+        return self._slice(self._buf, p.a, p.b)
+
+    def add(self, rng: Tuple[int, int], t: Tensor) -> None:
+        """Add ``t`` (this range's part: the dim has ``rng[1] - rng[0]`` entries)."""
+        r0, r1 = rng
+        for p in self._pieces:
+            if p.b <= r0 or p.a >= r1:
+                continue
+            if p.seen >= p.total:
+                raise RuntimeError(f"Accumulator: a term for [{p.a}, {p.b}) beyond the {p.total} announced")
+            part = self._slice(t, p.a - r0, p.b - r0)
+            last = p.seen == p.total - 1
+            if p.total == 1:
+                whole = p.a == 0 and p.b == self.shape[self.dim] and self._out is None
+                if whole and t.dtype == self.dtype and tuple(t.shape) == self.shape:
+                    self._whole = t
+                else:
+                    self._result_view(p).copy_(part)
+            elif p.seen == 0:
+                p.pending = part
+            elif p.seen == 1:
+                first, p.pending = p.pending, None
+                if last:
+                    self._add_into(self._result_view(p), first, part)
+                else:
+                    buf = self._acc_view(p)
+                    buf.copy_(first)
+                    buf.add_(part)
+            elif last:
+                self._add_into(self._result_view(p), self._acc_view(p), part)
+            else:
+                self._acc_view(p).add_(part)
+            p.seen += 1
+
+    @staticmethod
+    def _add_into(out: Tensor, a: Tensor, b: Tensor) -> None:
+        """``out = a + b`` computed in the accumulation dtype, rounded once into ``out``."""
+        if out.dtype in (torch.float16, torch.bfloat16) or \
+                torch.promote_types(a.dtype, b.dtype) == out.dtype:
+            torch.add(a, b, out=out)  # half types compute in float32, then round at the store
+        else:  # two half terms into a float32 sum: their own add would round to half first
+            out.copy_(a)
+            out.add_(b)
+
+    def result(self) -> Tensor:
+        """The sums in ``dtype`` (every announced term must have come)."""
+        for p in self._pieces:
+            if p.seen != p.total:
+                raise RuntimeError(f"Accumulator: [{p.a}, {p.b}) got {p.seen} of {p.total} terms")
+        if self._whole is not None:
+            return self._whole
+        for p in self._pieces:
+            if p.total == 0:
+                self._result_view(p).zero_()
+        if self._out is None:
+            self._out = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self._out
+
+
+class Merger:
+    """Outputs and log-sum-exps of calls on row ranges of a shard, merged by log-sum-exp in the
+    accumulation dtype: ``lse = logaddexp(lse_1, lse_2, ...)``, ``out = sum_c out_c·exp(lse_c -
+    lse)``. Rows no call reaches are 0 with lse = -inf, like rows with no visible key.
+
+    ``ranges``: every call's rows, known before the first result arrives, so that each row
+    range is written once per term: rows one call reaches take its output as it is (a call
+    on every row of the shard *is* the result, no copy); rows two calls reach are merged as
+    the second arrives, ``out_1·w_1 + out_2·w_2`` computed in float32 and stored in the
+    output dtype (two passes, no float32 copy of the output kept); rows of more calls
+    accumulate in a float32 buffer, the last term stored in the output dtype."""
 
     def __init__(self, batch: int, rows: int, heads: int, dim: int, dtype: torch.dtype,
-                 device) -> None:
-        acc = accumulation_dtype(dtype)
-        self.out = torch.empty(batch, rows, heads, dim, dtype=acc, device=device)
-        self.lse = torch.empty((batch, heads, rows), dtype=acc, device=device)
-        self._rows = rows
-        self._reached: List[Tuple[int, int]] = []  # disjoint, sorted row ranges
+                 device, ranges: Sequence[Tuple[int, int]]) -> None:
+        self.shape = (batch, rows, heads, dim)
+        self.dtype, self.acc = dtype, accumulation_dtype(dtype)
+        self.device = device
+        self.lse = torch.empty((batch, heads, rows), dtype=self.acc, device=device)
+        self._pieces = [_Piece(a, b, t) for a, b, t in _cuts(rows, ranges)]
+        self._out: Optional[Tensor] = None
+        self._buf: Optional[Tensor] = None
+        self._whole: Optional[Tuple[Tensor, Tensor]] = None
 
-    def _fresh(self, r0: int, r1: int) -> bool:
-        return all(b1 <= r0 or r1 <= b0 for b0, b1 in self._reached)
+    def _out_view(self, a: int, b: int) -> Tensor:
+        if self._out is None:
+            self._out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return self._out[:, a:b]
 
-    def _mark(self, r0: int, r1: int) -> None:
-        spans = sorted(self._reached + [(r0, r1)])
-        merged = [spans[0]]
-        for a, b in spans[1:]:
-            if a <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-            else:
-                merged.append((a, b))
-        self._reached = merged
+    def _buf_view(self, a: int, b: int) -> Tensor:
+        if self.acc == self.dtype:
+            return self._out_view(a, b)
+        if self._buf is None:
+            self._buf = torch.empty(self.shape, dtype=self.acc, device=self.device)
+        return self._buf[:, a:b]
+
+    @staticmethod
+    def _weights(old: Tensor, new: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """``(lse, w_old, w_new)``, the weights as ``(B, rows, H, 1)``; rows without any
+        visible key get weights 0 (not exp(nan))."""
+        both = torch.logaddexp(old, new)
+        ref = torch.where(both == float("-inf"), torch.zeros_like(both), both)
+        w_old = torch.exp(old - ref).transpose(1, 2).unsqueeze(-1)
+        w_new = torch.exp(new - ref).transpose(1, 2).unsqueeze(-1)
+        return both, w_old, w_new
 
     def add(self, rows: Tuple[int, int], out: Tensor, lse: Tensor) -> None:
         r0, r1 = rows
-        if r0 >= r1:
-            return
-        if self._fresh(r0, r1):
-            self.out[:, r0:r1].copy_(out)
-            self.lse[:, :, r0:r1].copy_(lse)
-            self._mark(r0, r1)
-            return
-        if not any(a <= r0 and r1 <= b for a, b in self._reached):
-            # Rows partly reached before: bring the unreached ones to (0, -inf) first.
-            self._clear_unreached(r0, r1)
-        old = self.lse[:, :, r0:r1]
-        new = torch.logaddexp(old, lse)
-        # Rows still without any visible key: both weights 0 (not exp(nan)).
-        ref = torch.where(new == float("-inf"), torch.zeros_like(new), new)
-        w_old = torch.exp(old - ref).transpose(1, 2).unsqueeze(-1)
-        w_new = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
-        acc = self.out[:, r0:r1]
-        acc.mul_(w_old).addcmul_(out, w_new)
-        self.lse[:, :, r0:r1] = new
-        self._mark(r0, r1)
-
-    def _clear_unreached(self, r0: int, r1: int) -> None:
-        at = r0
-        for a, b in self._reached:
-            if b <= at or a >= r1:
+        for p in self._pieces:
+            if p.b <= r0 or p.a >= r1:
                 continue
-            if a > at:
-                self.out[:, at:a].zero_()
-                self.lse[:, :, at:a].fill_(float("-inf"))
-            at = max(at, b)
-        if at < r1:
-            self.out[:, at:r1].zero_()
-            self.lse[:, :, at:r1].fill_(float("-inf"))
+            if p.seen >= p.total:
+                raise RuntimeError(f"Merger: a call on rows [{p.a}, {p.b}) beyond the {p.total} announced")
+            o = out[:, p.a - r0:p.b - r0]
+            lc = lse[:, :, p.a - r0:p.b - r0]
+            last = p.seen == p.total - 1
+            if p.total == 1:
+                if p.a == 0 and p.b == self.shape[1] and out.dtype == self.dtype and \
+                        tuple(out.shape) == self.shape and self._out is None:
+                    self._whole = (out, lse)
+                else:
+                    self._out_view(p.a, p.b).copy_(o)
+                    self.lse[:, :, p.a:p.b].copy_(lc)
+            elif p.seen == 0:
+                p.pending = (o, lc)
+            else:
+                if p.seen == 1:
+                    (o_old, l_old), p.pending = p.pending, None
+                else:
+                    o_old, l_old = self._buf_view(p.a, p.b), self.lse[:, :, p.a:p.b]
+                both, w_old, w_new = self._weights(l_old, lc)
+                if p.seen == 1:
+                    # o_old·w_old in float32: a fresh buffer when this is the last term,
+                    # else the accumulation buffer
+                    acc = torch.mul(o_old, w_old) if last else torch.mul(
+                        o_old, w_old, out=self._buf_view(p.a, p.b))
+                else:
+                    acc = o_old.mul_(w_old)
+                if last:
+                    torch.addcmul(acc, o, w_new, out=self._out_view(p.a, p.b))
+                else:
+                    acc.addcmul_(o, w_new)
+                self.lse[:, :, p.a:p.b] = both
+            p.seen += 1
 
-    def result(self, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
-        """``(out in dtype, lse)``: the merged rows, 0 / -inf where no call reached."""
-        self._clear_unreached(0, self._rows)
-        self._reached = [(0, self._rows)] if self._rows else []
-        return self.out.to(dtype), self.lse
+    def result(self, dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+        """``(out in the output dtype, lse)``: the merged rows, 0 / -inf where no call
+        reached (every announced call must have come)."""
+        for p in self._pieces:
+            if p.seen != p.total:
+                raise RuntimeError(f"Merger: rows [{p.a}, {p.b}) got {p.seen} of {p.total} calls")
+        if self._whole is not None:
+            out, lse = self._whole
+            return out, lse.to(self.acc)
+        for p in self._pieces:
+            if p.total == 0:
+                self._out_view(p.a, p.b).zero_()
+                self.lse[:, :, p.a:p.b].fill_(float("-inf"))
+        if self._out is None:  # a shard of no rows
+            self._out = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self._out, self.lse
 
 
 # ------------------------------------------------------------------------------------------
@@ -290,12 +504,44 @@ def add_ranges(dst: Tensor, ranges: Sequence[Tuple[int, int]], src: Tensor) -> N
         offset += b - a
 
 
-def translate_bounds(bounds: Tensor, query_pos: int, num_rows: int, num_cols: int) -> Tensor:
-    """Key-interval bounds in global query positions -> those of a local call whose row 0 is
-    global position ``query_pos``: the local call places row ``i`` at ``i + Lk - Lq``."""
-    shift = num_cols - num_rows - query_pos
-    out = bounds.to(torch.int64) + shift
-    return out.clamp_(-_CLAMP, _CLAMP).to(torch.int32).contiguous()
+def translate_bounds(bounds: Tensor, query_ranges: Sequence[Tuple[int, int]], num_rows: int,
+                     num_cols: int) -> Tensor:
+    """Key-interval bounds in global query positions -> those of a local call whose rows are
+    the positions ``query_ranges`` (``[start, end)`` ranges in row order, increasing): the
+    local call places row ``i`` at ``i + Lk - Lq``.
+
+    One range from ``p``: a shift by ``Lk - Lq - p``. Several (a zigzag shard's two pieces
+    as one call): the rows' positions increase, so the rows whose position lies in
+    ``[s, e)`` are the rows ``[rank(s), rank(e))``, ``rank(x)`` the number of rows before
+    position ``x`` (``sum over ranges of clamp(x - a, 0, b - a)``): the same rows see the key."""
+    shift = num_cols - num_rows
+    if len(query_ranges) == 1:
+        shift -= query_ranges[0][0]
+        if shift == 0 and bounds.dtype == torch.int32:
+            return bounds.contiguous()
+        out = bounds.to(torch.int64) + shift
+        return out.clamp_(-_CLAMP, _CLAMP).to(torch.int32).contiguous()
+    for (_, b), (a, _) in zip(query_ranges, query_ranges[1:]):
+        if a < b:
+            raise ValueError(f"query ranges {tuple(query_ranges)} do not increase")
+    x = bounds.to(torch.int64)
+    rank = None
+    for a, b in query_ranges:
+        part = (x - a).clamp_(0, b - a)
+        rank = part if rank is None else rank.add_(part)
+    return rank.add_(shift).to(torch.int32)
+
+
+def take_segments(t: Tensor, segments: Sequence[Tuple[int, int]]) -> Tensor:
+    """``t``'s last dim at the positions of ``segments`` (``(start, length)``, in order), as
+    slices (consecutive segments as one): no index tensor, and a view when one slice."""
+    ranges: List[Tuple[int, int]] = []
+    for a, n in segments:
+        if ranges and ranges[-1][1] == a:
+            ranges[-1] = (ranges[-1][0], a + n)
+        else:
+            ranges.append((a, a + n))
+    return take_ranges(t, ranges)
 
 
 def pad4(name: str, t: Optional[Tensor]) -> Optional[Tensor]:

@@ -9,8 +9,12 @@ query rows and key columns on which that rule (or no causal rule) gives exactly 
 visibility; hidden pairs are left out, and with them whole blocks (contiguous layout, keys
 after every query).
 
-When the call carries key intervals (positions compared against each query's position), its
-query rows must be consecutive global positions, so that ``position = first + row``.
+Every call also names the global positions of its query rows (``query_ranges``, in row order),
+so that key-interval bounds (positions compared against each query's position) can be
+translated to the call's rows even when its rows are two pieces of the sequence (a zigzag
+shard): positions increase with the rows, so an interval of positions is an interval of rows
+(:func:`.local.translate_bounds`). ``consecutive_queries`` asks for calls whose rows are
+consecutive positions (one query range each) instead.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ class Call:
     ``causal``: the bottom-right causal rule applies; ``query_pos``: global position of row
     ``r0`` (rows are consecutive positions whenever the plan was asked for it);
     ``key_ranges``: the global positions of the columns, as ``[start, end)`` ranges in column
-    order.
+    order; ``query_ranges``: those of the rows, likewise (None: one range from ``query_pos``).
     """
 
     rows: Tuple[int, int]
@@ -38,6 +42,14 @@ class Call:
     causal: bool
     query_pos: int
     key_ranges: Tuple[Tuple[int, int], ...]
+    query_ranges: Optional[Tuple[Tuple[int, int], ...]] = None
+
+    @property
+    def row_ranges(self) -> Tuple[Tuple[int, int], ...]:
+        """The global positions of the rows as ``[start, end)`` ranges in row order."""
+        if self.query_ranges is not None:
+            return self.query_ranges
+        return ((self.query_pos, self.query_pos + self.num_rows),)
 
     @property
     def num_rows(self) -> int:
@@ -102,7 +114,8 @@ def plan_block(q_segs: Sequence[Segment], k_segs: Sequence[Segment], causal: boo
                     if local != rel[i][j]:
                         return None
         ranges = tuple((k_segs[j][0], k_segs[j][0] + k_segs[j][1]) for j in kj)
-        return Call((r0, r1), (c0, c1), needs_causal, q_segs[qi[0]][0], ranges)
+        rows = tuple((q_segs[i][0], q_segs[i][0] + q_segs[i][1]) for i in qi)
+        return Call((r0, r1), (c0, c1), needs_causal, q_segs[qi[0]][0], ranges, rows)
 
     def consecutive(idx: Sequence[int]) -> bool:
         return all(b == a + 1 for a, b in zip(idx, idx[1:]))

@@ -23,6 +23,7 @@ from ..masks import KeyIntervals
 from .comm import Group
 from .layout import Segment, check_layout, check_lengths, sequence_segments
 from .local import (
+    Accumulator,
     Aux,
     LocalKernel,
     Merger,
@@ -137,10 +138,13 @@ class Setup:
         self.lengths = [sum(n for _, n in segs) for segs in self.segments]
         self.shard_len = self.lengths[group.rank]
         mine = self.segments[group.rank]
+        # (Calls may span both pieces of a zigzag shard, key intervals included: their bounds
+        # are translated to the call's rows, see translate_bounds.)
         self.plans: List[List[Call]] = [
-            plan_block(mine, self.segments[s], is_causal, bounds is not None) for s in range(world)
+            plan_block(mine, self.segments[s], is_causal, False) for s in range(world)
         ]
         self.kernel: Optional[LocalKernel] = None
+        self.keep_plans = False  # local calls' plans kept for the backward (LocalKernel)
         self.scale = self.softcap = 0.0
         self.deterministic = False
 
@@ -148,7 +152,8 @@ class Setup:
         """The rank's queries against its own keys as one call (validation and dispatch)."""
         mine = self.segments[self.group.rank]
         ranges = tuple((a, a + n) for a, n in mine)
-        return Call((0, self.shard_len), (0, self.shard_len), self.is_causal, mine[0][0], ranges)
+        return Call((0, self.shard_len), (0, self.shard_len), self.is_causal, mine[0][0], ranges,
+                    ranges)
 
     def travelling(self, k: Tensor, v: Tensor, mask, bias, bounds) -> Dict[str, Tensor]:
         """What goes round the ring with the keys: K, V and the per-key shards."""
@@ -176,7 +181,7 @@ class Setup:
             bias_c = self.bias.rows(self.bias.cols(block.get("bias", bias), call), call.rows)
         if self.bounds is not None:
             raw = self.bounds.cols(block.get("bounds", bounds), call)
-            bounds_c = translate_bounds(raw, call.query_pos, r1 - r0, c1 - c0)
+            bounds_c = translate_bounds(raw, call.row_ranges, r1 - r0, c1 - c0)
         return qc, kc, vc, mask_c, bias_c, bounds_c
 
 
@@ -185,23 +190,24 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, st: Setup, q, k, v, mask, bias, bounds):
         grp, kernel = st.group, st.kernel
         q, k, v = (t.contiguous() for t in (q, k, v))
-        merger = Merger(q.shape[0], q.shape[1], q.shape[2], v.shape[3], q.dtype, q.device)
+        order = [(grp.rank - step) % grp.size for step in range(grp.size)]
+        merger = Merger(q.shape[0], q.shape[1], q.shape[2], v.shape[3], q.dtype, q.device,
+                        [call.rows for src in order for call in st.plans[src]])
         block = st.travelling(k, v, mask, bias, bounds)
-        for step in range(grp.size):
-            src = (grp.rank - step) % grp.size
+        for step, src in enumerate(order):
             nxt, transfer = None, None
             if step < grp.size - 1:
                 nxt = st.incoming(block, (src - 1) % grp.size)
                 transfer = grp.ring_shift("kv", list(block.values()), list(nxt.values()))
             for call in st.plans[src]:
                 args = st.call_args(call, q, block, mask, bias, bounds)
-                out_c, lse_c = kernel.forward(*args, st.scale, call.causal, st.softcap,
-                                              st.deterministic)
+                out_c, lse_c, _ = kernel.forward(*args, st.scale, call.causal, st.softcap,
+                                                 st.deterministic, call.row_ranges)
                 merger.add(call.rows, out_c, lse_c)
             if transfer is not None:
                 transfer.wait()
                 block = nxt
-        out, lse = merger.result(q.dtype)
+        out, lse = merger.result()
         ctx.save_for_backward(q, k, v, mask, bias, bounds, out, lse)
         ctx.st = st
         return out
@@ -216,7 +222,10 @@ class _RingAttention(torch.autograd.Function):
         needs = (need_q, need_k, need_v, need_bias)
         acc = accumulation_dtype(q.dtype)
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device) if need_q else None
+        order = [(grp.rank - step) % grp.size for step in range(grp.size)]
+        # dQ: every call's rows, summed once per term (Accumulator: no zero-fill).
+        dq = (Accumulator(q.shape, 1, [c.rows for src in order for c in st.plans[src]], q.dtype,
+                          q.device) if need_q else None)
         bias_travels = need_bias and st.bias.travels
         dbias_local = (torch.zeros(bias.shape, dtype=acc, device=q.device)
                        if need_bias and not bias_travels else None)
@@ -224,20 +233,24 @@ class _RingAttention(torch.autograd.Function):
         carried = []
         if need_k or need_v or bias_travels:
             carried = [(k, 1), (v, 1)] + ([(bias, -1)] if bias_travels else [])
+        produced = (need_k, need_v, bias_travels)  # which of them this rank's calls add to
 
-        def zeros_carry(src: int) -> List[Tensor]:
-            """Rank ``src``'s block's accumulators."""
+        def block_sums(src: int, incoming: bool) -> List[Accumulator]:
+            """Rank ``src``'s block's accumulators: this rank's calls on it, and the sums
+            received from rank r - 1 (``incoming``), in the accumulation dtype (they travel)."""
             out = []
-            for t, dim in carried:
+            for (t, dim), made in zip(carried, produced):
                 shape = list(t.shape)
                 shape[dim] = st.lengths[src]
-                out.append(torch.zeros(shape, dtype=acc, device=q.device))
+                ranges = [c.cols for c in st.plans[src]] if made else []
+                if incoming:
+                    ranges.append((0, st.lengths[src]))
+                out.append(Accumulator(shape, dim, ranges, acc, q.device))
             return out
 
         block = st.travelling(k, v, mask, bias, bounds)
         carry: List[Tensor] = []
-        for step in range(grp.size):
-            src = (grp.rank - step) % grp.size
+        for step, src in enumerate(order):
             incoming, carry_transfer = [], None
             if step > 0 and carry:
                 # Rank r - 1's accumulator of the block this rank computes now (its previous one).
@@ -247,32 +260,28 @@ class _RingAttention(torch.autograd.Function):
             if step < grp.size - 1:
                 nxt = st.incoming(block, (src - 1) % grp.size)
                 transfer = grp.ring_shift("kv", list(block.values()), list(nxt.values()))
-            contrib = zeros_carry(src)
+            contrib = block_sums(src, bool(incoming))
             for call in st.plans[src]:
-                (r0, r1), (c0, c1) = call.rows, call.cols
+                r0, r1 = call.rows
                 qc, kc, vc, mask_c, bias_c, bounds_c = st.call_args(call, q, block, mask, bias,
                                                                     bounds)
                 dq_c, dk_c, dv_c, db_c = kernel.backward(
                     dout[:, r0:r1].contiguous(), qc, kc, vc, mask_c, bias_c, bounds_c,
                     out[:, r0:r1].contiguous(), lse[:, :, r0:r1].contiguous(), st.scale,
-                    call.causal, st.softcap, st.deterministic, needs,
+                    call.causal, st.softcap, st.deterministic, needs, call.row_ranges,
                 )
                 if dq_c is not None:
-                    dq[:, r0:r1] += dq_c
-                if dk_c is not None:
-                    contrib[0][:, c0:c1] += dk_c
-                if dv_c is not None:
-                    contrib[1][:, c0:c1] += dv_c
-                if db_c is not None:
-                    if bias_travels:
-                        contrib[2][..., c0:c1] += db_c
-                    else:
-                        _add_bias_grad(st.bias, dbias_local, call, db_c)
+                    dq.add(call.rows, dq_c)
+                for a, g, made in zip(contrib, (dk_c, dv_c, db_c), produced):
+                    if made:
+                        a.add(call.cols, g)
+                if db_c is not None and not bias_travels:
+                    _add_bias_grad(st.bias, dbias_local, call, db_c)
             if carry_transfer is not None:
                 carry_transfer.wait()
-                for c, x in zip(contrib, incoming):
-                    c += x
-            carry = contrib
+                for a, x in zip(contrib, incoming):
+                    a.add((0, st.lengths[src]), x)
+            carry = [a.result() for a in contrib]
             if transfer is not None:
                 transfer.wait()
                 block = nxt
@@ -285,7 +294,7 @@ class _RingAttention(torch.autograd.Function):
         dbias = None
         if need_bias:
             dbias = (carry[2] if bias_travels else dbias_local).to(bias.dtype)
-        return None, (dq.to(q.dtype) if need_q else None), dk, dv, None, dbias, None
+        return None, (dq.result() if need_q else None), dk, dv, None, dbias, None
 
 
 def _add_bias_grad(aux: Aux, dst: Tensor, call: Call, grad: Tensor) -> None:

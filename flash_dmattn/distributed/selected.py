@@ -35,10 +35,45 @@ from ..masks import KeyIntervals
 from ..planning.selection import topk_intervals
 from .comm import Group
 from .layout import check_layout, check_lengths, segment_positions, unshard_sequence
-from .local import Aux, LocalKernel, Merger, accumulation_dtype, choose_backend, pad4, translate_bounds
+from .local import (
+    Accumulator,
+    Aux,
+    LocalKernel,
+    Merger,
+    accumulation_dtype,
+    choose_backend,
+    pad4,
+    max_terms,
+    take_segments,
+    translate_bounds,
+)
 from .ring import Setup, agreed_rows, check_devices, check_shards
 
 __all__ = ["context_parallel_selected_attention", "context_parallel_dma_attention"]
+
+
+# The start and end of a padding query range (a rank with fewer pieces): no interval meets it.
+_FAR = 1 << 62
+
+
+def _device_ints(values, device) -> Tensor:
+    """int64 ``values`` on ``device`` without a host wait (an asynchronous copy: the host's
+    list is staged at once, the device copies it in stream order)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _true_positions(flags: Tensor, count: int) -> Tensor:
+    """int64: the indices of the True entries of the 1-D bool ``flags``, in order, given their
+    number ``count`` (known on the host): ``flags.nonzero()[:, 0]`` without the host waiting
+    to learn its size. A stable partition: each True entry's index goes to its rank among the
+    Trues, each False one's after them (every slot written once, deterministic)."""
+    n = flags.numel()
+    idx = torch.arange(n, device=flags.device)
+    before = torch.cumsum(flags, 0) - 1  # Trues before each entry, minus one where it is one
+    target = torch.where(flags, before, idx - before - 1 + count)
+    out = torch.empty(n, dtype=torch.int64, device=flags.device)
+    out.scatter_(0, target, idx)
+    return out[:count]
 
 
 class Selection:
@@ -46,6 +81,11 @@ class Selection:
 
     Rows are K/V viewed as ``(B·n·Hs, (Hkv/Hs)·D)``: row ``(b·n + j)·Hs + h`` is key ``j`` of
     batch ``b`` for selection head ``h`` (all the kv heads that head covers).
+
+    One host synchronisation (the buffer sizes: rows to send to and receive from each peer,
+    the padded width of each peer's columns, the rows any peer needs); every index is then
+    built on the device from those sizes (no ``nonzero``, no boolean indexing). A group of one
+    rank moves nothing and builds nothing.
     """
 
     def __init__(self, grp: Group, segments, bounds: Tensor, batch: int, is_causal: bool) -> None:
@@ -54,54 +94,86 @@ class Selection:
         heads = bounds.shape[2]
         self.heads = heads
         self.peers = [p for p in range(world) if p != me]
-        positions = [segment_positions(segs, device) for segs in segments]
-        n = positions[me].numel()
-        full = bounds.expand(2, batch, heads, bounds.shape[-1])
-
-        def needed(r: int, s: int) -> Tensor:
-            """Bool ``(B, Hs, n)``: rank ``s``'s keys that rank ``r``'s queries see."""
-            own = full[..., positions[s]].to(torch.int64)
-            lo, hi = own[0], own[1]
-            if is_causal:
-                lo = torch.maximum(lo, positions[s])
-            vis = torch.zeros(lo.shape, dtype=torch.bool, device=device)
-            for a, m in segments[r]:  # [lo, hi) meets the query range [a, a + m)
-                vis |= (lo < a + m) & (hi > a) & (lo < hi)
-            return vis
-
-        send_need = {r: needed(r, me) for r in self.peers}
-        recv_need = {s: needed(me, s) for s in self.peers}
-        # One host synchronisation for every buffer size: rows to send, to receive, and the
-        # longest list per peer (the padded width of its columns).
-        sizes = [send_need[r].sum() for r in self.peers] + [recv_need[s].sum() for s in self.peers]
-        sizes += [recv_need[s].sum(-1).amax() for s in self.peers]
-        sizes = torch.stack(sizes).tolist() if self.peers else []
-        k = len(self.peers)
-        self.send_rows = dict(zip(self.peers, sizes[:k]))
-        self.recv_rows = dict(zip(self.peers, sizes[k:2 * k]))
-        widths = dict(zip(self.peers, sizes[2 * k:]))
-        self.width = sum(widths.values())  # M: columns of the received block
-
-        # Rows this rank sends to each peer, in (b, h, j) order.
+        self.query_segments = tuple(segments[me])  # (first global position, rows)
+        lengths = [sum(m for _, m in segs) for segs in segments]
+        n = lengths[me]
+        self.send_rows: Dict[int, int] = {}
+        self.recv_rows: Dict[int, int] = {}
         self.send_index: Dict[int, Tensor] = {}
-        for r in self.peers:
-            b, h, j = send_need[r].nonzero(as_tuple=True)
-            self.send_index[r] = (b * n + j) * heads + h
-        # Where each received row goes in the (B·M·Hs) rows of the received block (the same
-        # (b, h, j) order as the sender's), and the key position and bounds of every column.
-        M = self.width
         self.recv_index: Dict[int, Tensor] = {}
-        col_pos = torch.zeros(batch, heads, M, dtype=torch.int64, device=device)
-        col_live = torch.zeros(batch, heads, M, dtype=torch.bool, device=device)
+        self.union_index: Optional[Tensor] = None  # this rank's rows any peer needs
+        self.union_pos: Dict[int, Tensor] = {}  # where a peer's rows are among them
+        self.width = 0  # M: columns of the received block
+        self.col_bounds: Optional[Tensor] = None
+        if not self.peers:
+            return
+        L = bounds.shape[-1]
+        full = bounds.expand(2, batch, heads, L)
+        lo, hi = full[0].to(torch.int64), full[1].to(torch.int64)
+        if is_causal:
+            lo = torch.maximum(lo, torch.arange(L, device=device))
+        # seen[r, b, h, j]: rank r's queries see key j (global order) for (b, h), i.e. its
+        # interval [lo, hi) meets one of r's query ranges [a, e).
+        most = max(len(segs) for segs in segments)
+        ranges = [[(a, a + m) for a, m in segs] + [(_FAR, _FAR)] * (most - len(segs))
+                  for segs in segments]
+        bounds_q = _device_ints(ranges, device).view(world, most, 2, 1, 1, 1)
+        seen = None
+        for i in range(most):
+            hit = (lo < bounds_q[:, i, 1]) & (hi > bounds_q[:, i, 0])  # (world, B, Hs, L)
+            seen = hit if seen is None else seen.logical_or_(hit)
+        seen.logical_and_(lo < hi)
+        # To send: this rank's keys (local order) each rank needs; to receive: each peer's keys
+        # this rank needs (that peer's local order).
+        send_need = take_segments(seen, segments[me])  # (world, B, Hs, n)
+        send_need[me] = False
+        recv_need = [take_segments(seen[me], segments[s]) for s in self.peers]  # (B, Hs, n_s)
+        per_head = torch.stack([t.sum(-1) for t in recv_need])  # (peers, B, Hs)
+        union = send_need.any(0)  # (B, Hs, n)
+        sizes = torch.cat([send_need.sum((1, 2, 3)), per_head.sum((1, 2)), per_head.amax((1, 2)),
+                           union.sum().view(1)])
+        sizes = sizes.tolist()  # the one host synchronisation
+        k = len(self.peers)
+        send_counts = sizes[:world]
+        self.send_rows = {p: send_counts[p] for p in self.peers}
+        self.recv_rows = dict(zip(self.peers, sizes[world:world + k]))
+        widths = dict(zip(self.peers, sizes[world + k:world + 2 * k]))
+        self.width = M = sum(widths.values())
+        n_union = sizes[-1]
+
+        # Rows this rank sends to each peer, in (b, h, j) order, and where they are among the
+        # rows any peer needs (the backward adds the peers' gradients there).
+        per_rank = batch * heads * n
+        flat = _true_positions(send_need.reshape(-1), sum(send_counts)) % per_rank  # (b, h, j)
+        b, h, j = flat // (heads * n), (flat // n) % heads, flat % n
+        rows = (b * n + j) * heads + h
+        union_flags = union.view(-1)
+        union_rank = torch.cumsum(union_flags, 0) - 1
+        u = _true_positions(union_flags, n_union)
+        self.union_index = ((u // (heads * n)) * n + u % n) * heads + (u // n) % heads
+        for p, part, at in zip(range(world), rows.split(send_counts), flat.split(send_counts)):
+            if p != me:
+                self.send_index[p] = part
+                self.union_pos[p] = union_rank[at]
+
+        # Where each received row goes in the (B·M·Hs) rows of the received block (the
+        # sender's (b, h, j) order), and the key position and bounds of every column; a
+        # peer's columns are [offset, offset + its width), padding after each head's list.
+        col_pos = torch.zeros(batch * heads * M, dtype=torch.int64, device=device)
+        live = []
         offset = 0
-        for s in self.peers:
-            need = recv_need[s]
-            b, h, j = need.nonzero(as_tuple=True)
-            slot = (need.cumsum(-1) - 1)[b, h, j] + offset
+        for t, s in enumerate(self.peers):
+            need, n_s, w = recv_need[t], lengths[s], widths[s]
+            f = _true_positions(need.reshape(-1), self.recv_rows[s])
+            b, h, j = f // (heads * n_s), (f // n_s) % heads, f % n_s
+            slot = (torch.cumsum(need, -1) - 1).view(-1)[f] + offset
             self.recv_index[s] = (b * M + slot) * heads + h
-            col_pos[b, h, slot] = positions[s][j]
-            col_live[b, h, slot] = True
-            offset += widths[s]
+            col_pos.scatter_(0, (b * heads + h) * M + slot,
+                             segment_positions(segments[s], device)[j])
+            live.append(torch.arange(w, device=device) < per_head[t].unsqueeze(-1))
+            offset += w
+        col_pos = col_pos.view(batch, heads, M)
+        col_live = torch.cat(live, -1) if live else col_pos.new_zeros(batch, heads, 0).bool()
         # Bounds of the received columns in global query positions, causal folded into the
         # start; padding columns get the empty interval.
         cols = full.gather(-1, col_pos.unsqueeze(0).expand(2, batch, heads, M)).to(torch.int64)
@@ -111,11 +183,6 @@ class Selection:
         zero = torch.zeros_like(start)
         self.col_bounds = torch.stack([torch.where(col_live, start, zero),
                                        torch.where(col_live, end, zero)])
-        self.query_segments = []  # (first local row, rows, first global position)
-        row = 0
-        for a, m in segments[me]:
-            self.query_segments.append((row, m, a))
-            row += m
 
 
 class _Plan:
@@ -128,10 +195,14 @@ class _Plan:
         self.group = kv_heads // sel.heads  # kv heads per selection head
         # Bias values per row: a bias of Hb heads seen as max(Hb, Hs) heads, Hs of them a row.
         self.bias_heads = None if bias_heads is None else max(bias_heads, sel.heads)
+        # The received keys, one call for all of this rank's queries (its pieces' rows as one:
+        # translate_bounds maps positions to rows).
+        self.query_ranges = tuple((a, a + m) for a, m in sel.query_segments)
+        self.num_rows = sum(m for _, m in sel.query_segments)
 
     def rows(self, t: Tensor) -> Tensor:
         """K or V ``(B, n, Hkv, D)`` as rows ``(B·n·Hs, Hkv/Hs·D)``."""
-        return t.reshape(-1, self.group * t.shape[-1])
+        return t.view(-1, self.group * t.shape[-1])
 
     def bias_rows(self, bias: Tensor) -> Tensor:
         """A per-key bias ``(Bb, Hb, 1, n)`` as rows ``(B·n·Hs, max(Hb, Hs)/Hs)``."""
@@ -158,11 +229,10 @@ class _Plan:
             out.index_copy_(0, index, torch.cat(parts))
         return out
 
-    def remote_calls(self):
-        """``(rows, translated bounds)`` per query segment of this rank."""
-        M = self.sel.width
-        for row, m, pos in self.sel.query_segments:
-            yield (row, row + m), translate_bounds(self.sel.col_bounds, pos, m, M)
+    def remote_bounds(self) -> Tensor:
+        """The received columns' bounds, translated to the rows of the one remote call."""
+        return translate_bounds(self.sel.col_bounds, self.query_ranges, self.num_rows,
+                                self.sel.width)
 
 
 class _SelectedAttention(torch.autograd.Function):
@@ -173,6 +243,7 @@ class _SelectedAttention(torch.autograd.Function):
         q, k, v = (t.contiguous() for t in (q, k, v))
         B, n, H, _ = q.shape
         Hkv, D, Dv = k.shape[2], k.shape[3], v.shape[3]
+        keep = st.keep_plans
         k_rows, v_rows = plan.rows(k), plan.rows(v)
         b_rows = plan.bias_rows(bias.detach()) if bias is not None else None
         ops, got_k, got_v, got_b = [], [], [], []
@@ -190,31 +261,38 @@ class _SelectedAttention(torch.autograd.Function):
                 ops.append(("recv", p, got_b[-1]))
         transfer = grp.exchange("kv", ops)
 
-        merger = Merger(B, n, H, Dv, q.dtype, q.device)
-        block = st.travelling(k, v, None, bias, own_bounds)
+        M = sel.width
         me = grp.rank
-        for call in st.plans[me]:
+        own_calls = st.plans[me]
+        merger = Merger(B, n, H, Dv, q.dtype, q.device,
+                        [c.rows for c in own_calls] + ([(0, n)] if M > 0 else []))
+        block = st.travelling(k, v, None, bias, own_bounds)
+        own_plans = []
+        for call in own_calls:
             args = st.call_args(call, q, block, None, bias, own_bounds)
-            out_c, lse_c = kernel.forward(*args, st.scale, call.causal, st.softcap, st.deterministic)
+            out_c, lse_c, kplan = kernel.forward(*args, st.scale, call.causal, st.softcap,
+                                                 st.deterministic, call.row_ranges, keep)
+            own_plans.append(kplan)
             merger.add(call.rows, out_c, lse_c)
         transfer.wait()
 
-        k_sel = v_sel = b_sel = None
-        M = sel.width
+        k_sel = v_sel = b_sel = bounds_sel = None
+        remote_plan = None
         if M > 0:
             k_sel = plan.received_block(got_k, k_rows.shape[1]).view(B, M, Hkv, D)
             v_sel = plan.received_block(got_v, v_rows.shape[1]).view(B, M, Hkv, Dv)
             if b_rows is not None:
                 packed = plan.received_block(got_b, b_rows.shape[1])
                 b_sel = packed.view(B, M, plan.bias_heads).permute(0, 2, 1).unsqueeze(2).contiguous()
-            for (r0, r1), bounds_c in plan.remote_calls():
-                out_c, lse_c = kernel.forward(q[:, r0:r1].contiguous(), k_sel, v_sel, None, b_sel,
-                                              bounds_c, st.scale, False, st.softcap,
-                                              st.deterministic)
-                merger.add((r0, r1), out_c, lse_c)
-        out, lse = merger.result(q.dtype)
-        ctx.save_for_backward(q, k, v, bias, own_bounds, out, lse, k_sel, v_sel, b_sel)
+            bounds_sel = plan.remote_bounds()
+            out_c, lse_c, remote_plan = kernel.forward(q, k_sel, v_sel, None, b_sel, bounds_sel,
+                                                       st.scale, False, st.softcap,
+                                                       st.deterministic, plan.query_ranges, keep)
+            merger.add((0, n), out_c, lse_c)
+        out, lse = merger.result()
+        ctx.save_for_backward(q, k, v, bias, own_bounds, out, lse, k_sel, v_sel, b_sel, bounds_sel)
         ctx.plan = plan
+        ctx.kernel_plans = (own_plans, remote_plan)
         return out
 
     @staticmethod
@@ -222,36 +300,35 @@ class _SelectedAttention(torch.autograd.Function):
         plan: _Plan = ctx.plan
         st, sel, kernel = plan.st, plan.sel, plan.st.kernel
         grp = st.group
-        q, k, v, bias, own_bounds, out, lse, k_sel, v_sel, b_sel = ctx.saved_tensors
+        q, k, v, bias, own_bounds, out, lse, k_sel, v_sel, b_sel, bounds_sel = ctx.saved_tensors
+        own_plans, remote_plan = ctx.kernel_plans
+        ctx.kernel_plans = None
         need_q, need_k, need_v = ctx.needs_input_grad[1:4]
         need_bias = bias is not None and ctx.needs_input_grad[4]
         needs = (need_q, need_k, need_v, need_bias)
         acc = accumulation_dtype(q.dtype)
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device) if need_q else None
+        n = q.shape[1]
+        M = sel.width
+        own_calls = st.plans[grp.rank]
+        # dQ: the remote call's rows and the own calls', each term added once (no zero-fill).
+        dq = (Accumulator(q.shape, 1, ([(0, n)] if M > 0 else []) + [c.rows for c in own_calls],
+                          q.dtype, q.device) if need_q else None)
 
         # Selected keys first, so that their gradients travel while the own keys are computed.
         sends = []
-        M = sel.width
         if M > 0:
-            d_sel = [torch.zeros(t.shape, dtype=acc, device=q.device) if need else None
-                     for t, need in ((k_sel, need_k), (v_sel, need_v), (b_sel, need_bias))]
-            for (r0, r1), bounds_c in plan.remote_calls():
-                dq_c, dk_c, dv_c, db_c = kernel.backward(
-                    dout[:, r0:r1].contiguous(), q[:, r0:r1].contiguous(), k_sel, v_sel, None,
-                    b_sel, bounds_c, out[:, r0:r1].contiguous(), lse[:, :, r0:r1].contiguous(),
-                    st.scale, False, st.softcap, st.deterministic, needs)
-                if dq_c is not None:
-                    dq[:, r0:r1] += dq_c
-                for acc_t, g in zip(d_sel, (dk_c, dv_c, db_c)):
-                    if g is not None:
-                        acc_t += g
+            dq_c, dk_sel, dv_sel, db_sel = kernel.backward(
+                dout, q, k_sel, v_sel, None, b_sel, bounds_sel, out, lse, st.scale, False,
+                st.softcap, st.deterministic, needs, plan.query_ranges, remote_plan)
+            if dq_c is not None:
+                dq.add((0, n), dq_c)
             if need_k:
-                sends.append(plan.rows(d_sel[0].to(k.dtype)))
+                sends.append(plan.rows(dk_sel))
             if need_v:
-                sends.append(plan.rows(d_sel[1].to(v.dtype)))
+                sends.append(plan.rows(dv_sel))
             if need_bias:
-                db = d_sel[2][:, :, 0].permute(0, 2, 1).to(bias.dtype)
+                db = db_sel[:, :, 0].permute(0, 2, 1)
                 sends.append(db.reshape(-1, plan.bias_heads // sel.heads))
         widths = []
         if need_k:
@@ -270,46 +347,50 @@ class _SelectedAttention(torch.autograd.Function):
                 ops.append(("recv", p, buf))
         transfer = grp.exchange("grad", ops)
 
-        dk = torch.zeros(k.shape, dtype=acc, device=q.device) if need_k else None
-        dv = torch.zeros(v.shape, dtype=acc, device=q.device) if need_v else None
-        dbias = torch.zeros(bias.shape, dtype=acc, device=q.device) if need_bias else None
+        # The own keys: dK, dV, dbias summed over the own calls (one call for a layout's shard:
+        # its gradients are the result as they come), then the peers' rows added in.
+        # (In the accumulation dtype when the peers' rows are added to a sum of several own
+        # terms, so that every element is rounded once.)
+        cols = [c.cols for c in own_calls]
+        summed = bool(sel.peers) and max_terms(n, cols) > 1
+        dk = Accumulator(k.shape, 1, cols, acc if summed else k.dtype, q.device) if need_k else None
+        dv = Accumulator(v.shape, 1, cols, acc if summed else v.dtype, q.device) if need_v else None
+        dbias = (Accumulator(bias.shape, -1, cols, acc if sel.peers else bias.dtype, q.device)
+                 if need_bias else None)
         block = st.travelling(k, v, None, bias, own_bounds)
-        for call in st.plans[grp.rank]:
-            (r0, r1), (c0, c1) = call.rows, call.cols
+        for call, kplan in zip(own_calls, own_plans):
+            r0, r1 = call.rows
             qc, kc, vc, _, bias_c, bounds_c = st.call_args(call, q, block, None, bias, own_bounds)
             dq_c, dk_c, dv_c, db_c = kernel.backward(
                 dout[:, r0:r1].contiguous(), qc, kc, vc, None, bias_c, bounds_c,
                 out[:, r0:r1].contiguous(), lse[:, :, r0:r1].contiguous(), st.scale, call.causal,
-                st.softcap, st.deterministic, needs)
-            if dq_c is not None:
-                dq[:, r0:r1] += dq_c
-            if dk_c is not None:
-                dk[:, c0:c1] += dk_c
-            if dv_c is not None:
-                dv[:, c0:c1] += dv_c
-            if db_c is not None:
-                dbias[..., c0:c1] += db_c
+                st.softcap, st.deterministic, needs, call.row_ranges, kplan)
+            for a, g in ((dq, dq_c), (dk, dk_c), (dv, dv_c), (dbias, db_c)):
+                if a is not None:
+                    a.add(call.rows if a is dq else call.cols, g)
+        dk = dk.result() if need_k else None
+        dv = dv.result() if need_v else None
+        dbias = dbias.result() if need_bias else None
         transfer.wait()
 
         if sel.peers:
-            targets = []
-            if need_k:
-                targets.append(plan.rows(dk))
-            if need_v:
-                targets.append(plan.rows(dv))
-            b_acc = None
+            # The rows any peer needs, gathered once: own value + every peer's, summed in the
+            # accumulation dtype and rounded once (only those rows are touched).
+            k_targets = [plan.rows(t) for t in (dk, dv) if t is not None]
+            for i, target in enumerate(k_targets):
+                part = target.index_select(0, sel.union_index).to(acc)
+                for p in sel.peers:
+                    part.index_add_(0, sel.union_pos[p], got[p][i].to(acc))
+                target.index_copy_(0, sel.union_index, part.to(target.dtype))
             if need_bias:
-                b_acc = torch.zeros(plan.batch * k.shape[1] * sel.heads, plan.bias_heads // sel.heads,
-                                    dtype=acc, device=q.device)
-                targets.append(b_acc)
-            for p in sel.peers:
-                for target, buf in zip(targets, got[p]):
-                    target.index_add_(0, sel.send_index[p], buf.to(acc))
-            if b_acc is not None:
-                dbias += plan.unrows_bias(b_acc, bias.shape)
-        return (None, dq.to(q.dtype) if need_q else None,
-                dk.to(k.dtype) if need_k else None, dv.to(v.dtype) if need_v else None,
-                dbias.to(bias.dtype) if need_bias else None, None)
+                rows = torch.zeros(plan.batch * n * sel.heads, plan.bias_heads // sel.heads,
+                                   dtype=acc, device=q.device)
+                for p in sel.peers:
+                    rows.index_add_(0, sel.send_index[p], got[p][-1].to(acc))
+                dbias = dbias + plan.unrows_bias(rows, bias.shape)
+        return (None, dq.result() if need_q else None, dk.to(k.dtype) if need_k else None,
+                dv.to(v.dtype) if need_v else None, dbias.to(bias.dtype) if need_bias else None,
+                None)
 
 
 def _check_selected(query, key, value, intervals, bias, shard_len: int, total: Optional[int]):
@@ -344,20 +425,21 @@ def _selected(grp: Group, layout: str, segments, query, key, value, intervals: K
     B, Hkv = query.shape[0], key.shape[2]
     n = query.shape[1]
     bounds = intervals.bounds
-    own = segment_positions(segments[grp.rank], query.device)
-    own_bounds = bounds[..., own].contiguous()
+    own_bounds = take_segments(bounds, segments[grp.rank]).contiguous()
     bias_aux = Aux("attn_bias", bias4, n, "shard") if bias4 is not None else None
     bounds_aux = Aux("intervals", own_bounds, n, "shard", bounds=True)
     st = Setup(grp, layout, segments, None, bias_aux, bounds_aux, bool(is_causal))
-    whole = st.whole_shard_call()
-    _, _, _, _, bias_c, bounds_c = st.call_args(
-        whole, query, st.travelling(key, value, None, bias4, own_bounds), None, bias4, own_bounds)
-    inputs = AttentionInputs.from_args(query, key, value, KeyIntervals.from_bounds(bounds_c), bias_c,
+    # Validation and dispatch as the local kernels see the rank's queries against its own keys
+    # (the shapes of that call: its bounds' values are not read, so they are not translated).
+    inputs = AttentionInputs.from_args(query, key, value, KeyIntervals.from_bounds(own_bounds), bias4,
                                        softmax_scale, bool(is_causal), softcap, deterministic)
     # A selection's window promise holds for every local call (each is a subset of the queries
     # and keys): the kernels then plan without waiting for the device.
     st.kernel = LocalKernel(choose_backend(inputs, backend), intervals.window or 0)
     st.scale, st.softcap, st.deterministic = inputs.softmax_scale, inputs.softcap, inputs.deterministic
+    # The local calls' plans are kept for the backward when there will be one.
+    st.keep_plans = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, bias4))
     sel = Selection(grp, segments, bounds, B, bool(is_causal))
     plan = _Plan(st, sel, Hkv, None if bias4 is None else bias4.shape[1], B)
     return _SelectedAttention.apply(plan, query, key, value, bias4, own_bounds)
