@@ -6,7 +6,7 @@ compiler made of them -- registers and spills (``ptxas -v``), whether the key lo
 were software-pipelined (async copies inside the loop) and how many layout conversions the
 loop body pays. Usage::
 
-    python scripts/compile_check.py [--arch 90] [--workload t2|dense|per-key|varlen|decode|intervals|selection]
+    python scripts/compile_check.py [--arch 90] [--workload t2|dense|per-key|varlen|decode|decode-selected|intervals|selection]
                                     [--dump DIR]
                                     [--first-config] [--dropout P]
 
@@ -104,7 +104,7 @@ class _PlanCapture:
         def launch(*args, num_warps=4, num_stages=3, maxnreg=None, **meta):
             label = {"_compact_keys_kernel": "keys", "_gather_mask_bits_kernel": "gbits",
                      "_gather_bias_kernel": "gbias", "_per_key_lists_kernel": "keyl",
-                     "_decode_split_kernel": "dsplit",
+                     "_decode_split_kernel": "dsplit", "_selected_split_kernel": "ssplit",
                      "_decode_combine_kernel": "dcomb", "_ki_fwd_kernel": "ifwd",
                      "_ki_dq_kernel": "idq", "_ki_dkv_kernel": "idkv",
                      "_score_kernel": "sscore",
@@ -121,7 +121,7 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512, dropout_p: f
     launches = []
     drop = {}
     if dropout_p:
-        if workload in ("decode", "selection"):
+        if workload in ("decode", "decode-selected", "selection"):
             raise ValueError(f"the {workload} kernels have no attention dropout")
         drop = dict(dropout_p=dropout_p, dropout_rng=torch.zeros(2, dtype=torch.int64))
 
@@ -219,6 +219,30 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512, dropout_p: f
                                    torch.tensor([L // 2], dtype=torch.int32), 66,
                                    block_table=table)
         return launches
+    if workload == "decode-selected":
+        # Decoding steps over 256 selected keys per kv head (flash_dmattn.topk_decode), H32 /
+        # Hkv8: a Doge step (the additive mask read as bias and visibility, one split); a
+        # per-key bias with a part-filled cache in 4 splits; a per-query-head bias, causal, 2
+        # queries, softcap.
+        from flash_dmattn.backends.triton import decode_selected as sel_mod
+
+        for kname in ("_selected_split_kernel", "_decode_combine_kernel"):
+            setattr(sel_mod, kname, _PlanCapture(kname, getattr(sel_mod, kname), launches))
+        q = torch.randn(B, 1, 32, D, generator=g).to(dtype)
+        k = torch.randn(B, L, 8, D, generator=g).to(dtype)
+        v = torch.randn(B, L, 8, D, generator=g).to(dtype)
+        bias = torch.randn(B, 8, 1, L, generator=g).to(dtype)
+        index = torch.stack([torch.randperm(L, generator=g)[:256] for _ in range(8)])[None]
+        cache = torch.tensor([L // 2], dtype=torch.int32)
+        sel_mod.selected_decode_forward(q, k, v, index, bias, D ** -0.5, False, 0.0, None,
+                                        bias_floor=-1e38, num_splits=1)
+        sel_mod.selected_decode_forward(q, k, v, index.to(torch.int32), bias, D ** -0.5, False,
+                                        0.0, cache, num_splits=4)
+        q2 = torch.randn(B, 2, 32, D, generator=g).to(dtype)
+        bias2 = torch.randn(B, 32, 2, L, generator=g).to(dtype)
+        sel_mod.selected_decode_forward(q2, k, v, index, bias2, D ** -0.5, True, 30.0, cache,
+                                        bias_floor=-1e38, num_splits=1)
+        return launches
     q = torch.randn(B, L, H, D, generator=g).to(dtype)
     k = torch.randn(B, L, Hkv, D, generator=g).to(dtype)
     v = torch.randn(B, L, Hkv, D, generator=g).to(dtype)
@@ -309,7 +333,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--workload", default="t2", choices=["t2", "dense", "per-key", "full-bias", "varlen", "decode",
-                             "intervals", "selection"])
+                             "decode-selected", "intervals", "selection"])
     ap.add_argument("--dump", type=Path, default=None, help="write each kernel's TTGIR here")
     ap.add_argument("--seqlen", type=int, default=512,
                     help="sequence length of the captured call (divisibility by 16 changes codegen)")

@@ -204,7 +204,12 @@ def _launch_plan(device: torch.device, dtype: torch.dtype, head_dim: int, rows: 
     if interp:
         block_n, warps, stages, maxnreg = INTERPRET_BLOCK_N, 4, 1, None
     else:
-        block_n, warps, stages, maxnreg = decode_config(block_d, block_m)
+        # The decode kernel's tile and warps, without its register cap: capped at 128, this
+        # kernel spilled (88 bytes with a per-key additive-mask bias, 344 with a per-query-head
+        # bias on sm_90; scripts/compile_check.py --workload decode-selected), and a selection
+        # of a few hundred keys runs one split per (batch, kv head), far from four per SM.
+        block_n, warps, stages, _ = decode_config(block_d, block_m)
+        maxnreg = None
     if num_splits is None:
         num_splits = selected_num_splits(batch, num_kv_heads, num_slots, device)
     per_split = cdiv(cdiv(num_slots, max(1, num_splits)), block_n) * block_n
