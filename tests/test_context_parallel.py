@@ -154,6 +154,8 @@ def _worker(rank, tasks, results, store):
             if spec.get("error_case"):
                 _run_error_case(spec, groups[spec["world"]], rank, spec["world"])
                 result = {"no_error": True}
+            elif spec["kind"] == "syncs":
+                result = _run_sync_count(spec, groups[spec["world"]], rank, spec["world"])
             elif spec.get("mesh"):
                 spec = dict(spec, group_kwargs={"group": mesh, "mesh_dim": "cp"})
                 result = _run_case(spec, None, rank % 2, 2)
@@ -163,6 +165,39 @@ def _worker(rank, tasks, results, store):
             result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
         results.put((rank, result))
     dist.destroy_process_group()
+
+
+def _run_sync_count(spec, group, rank: int, world: int):
+    """The host synchronisations (flash_dmattn.distributed.syncs.HostSyncs) of one forward and
+    one backward of a context-parallel call with ``seq_len``, at each of ``spec["lengths"]``
+    (after one untimed call that pays one-off costs): ``{L: (forward sites, backward sites)}``."""
+    from flash_dmattn.distributed import context_parallel_attention, context_parallel_dma_attention
+    from flash_dmattn.distributed.comm import Group
+    from flash_dmattn.distributed.syncs import HostSyncs
+
+    Group(group).agree(torch.device("cpu"), [0], 1)  # the group's first exchange, done
+    found = {}
+    for L in (spec["lengths"][0],) + tuple(spec["lengths"]):
+        case = dict(spec, L=L)
+        p = make_problem(case)
+        layout = spec["layout"]
+
+        def shard(t, dim=1):
+            return shard_sequence(t, rank, world, layout, dim)
+
+        q, k, v = (shard(p[n]).requires_grad_() for n in ("q", "k", "v"))
+        bias = shard(p["bias"], -1).requires_grad_()
+        kw = dict(group=group, layout=layout, is_causal=True, backend=spec["backend"], seq_len=L)
+        with HostSyncs() as fwd:
+            if spec["call"] == "dma":
+                out = context_parallel_dma_attention(q, k, v, bias, spec["window"], **kw)
+            else:
+                out = context_parallel_attention(q, k, v, attn_mask=p["intervals"], attn_bias=bias,
+                                                 **kw)
+        with HostSyncs() as bwd:
+            out.backward(shard(p["dout"]))
+        found[L] = ([site for site, _ in fwd.events], [site for site, _ in bwd.events])
+    return {"syncs": found}
 
 
 class Pool:
@@ -421,6 +456,53 @@ def test_dma_moves_only_the_selected_keys(pool):
         assert ring[rank]["received"]["kv"] == 2 * ring_pass
         assert ring[rank]["received"]["grad"] == world * B * n * Hkv * row_bytes
         assert res["received"]["kv"] < ring_pass / 2
+
+
+@pytest.mark.parametrize("call,world,backend", [
+    ("dma", 1, "torch-reference"), ("dma", 2, "torch-reference"), ("dma", 4, "torch-reference"),
+    ("dma", 2, "triton"), ("ring", 2, "torch-reference"),
+], ids=lambda x: str(x))
+def test_host_syncs_per_call_do_not_grow_with_length(pool, call, world, backend):
+    # Counted on CPU by HostSyncs (item / tolist / nonzero / bool indexing / unique / copies to
+    # the host), per forward and per backward, with seq_len: the DMA path waits once, for the
+    # selection's buffer sizes, and not at all on one rank; the ring never. The local kernels
+    # (Triton's interpreter here, the GPU's kernels on a GPU) plan without waiting: every call
+    # carries the selection's window promise, and the backward reuses the forward's plan.
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton kernels run on CPU only through the interpreter")
+    spec = dict(B=1, H=2, Hkv=1, D=16, kind="syncs", call=call, world=world, layout="zigzag",
+                backend=backend, bias="per_key", window=6, lengths=(32, 128),
+                intervals="window" if call == "ring" else None,
+                dtype=torch.float32 if backend == "triton" else torch.float64)
+    results = pool().run(spec)
+    expected = 1 if call == "dma" and world > 1 else 0
+    for res in results:
+        assert "error" not in res, res.get("trace", res.get("error"))
+        for L, (fwd, bwd) in res["syncs"].items():
+            assert len(fwd) == expected and bwd == [], (L, fwd, bwd)
+            assert all("flash_dmattn/distributed/selected.py" in site for site in fwd), fwd
+
+
+def test_host_syncs_counter_sees_the_waits():
+    # HostSyncs itself: what makes a GPU host wait is counted, with the line that asked.
+    from flash_dmattn.distributed.syncs import HostSyncs
+
+    x = torch.arange(10.0)
+    tolist = torch.Tensor.tolist
+    with HostSyncs() as syncs:
+        x.sum().item()
+        x.tolist()
+        x[x > 3]
+        torch.nonzero(x)
+        torch.unique(x)
+        if x[0]:
+            pass
+        x.cumsum(0)[:2] + x[torch.tensor([1, 2])]  # none: sizes known from the shapes
+    assert syncs.count == 6, syncs.report()
+    assert all("test_context_parallel.py" in site for site, _ in syncs.events), syncs.events
+    assert torch.Tensor.tolist is tolist  # restored
 
 
 ERROR_CASES = [
@@ -764,3 +846,28 @@ def test_accumulator_sums_each_term_once(dtype):
     two.add((0, 1), a)
     two.add((0, 1), b)
     assert two.result().item() == 1.0 + 2 ** -9
+
+
+def test_bounds_of_a_call_over_two_pieces():
+    # A zigzag shard's two pieces as one call: the translated bounds show each row exactly the
+    # keys its global position sees; and the window promise a call passes on.
+    from flash_dmattn.distributed.local import LocalKernel, translate_bounds
+
+    g = torch.Generator().manual_seed(6)
+    L, ranges = 40, ((5, 12), (27, 35))  # rows 0..6 at positions 5..11, rows 7..14 at 27..34
+    rows = torch.cat([torch.arange(a, b) for a, b in ranges])
+    start = torch.randint(-3, L + 3, (1, 2, 9), generator=g, dtype=torch.int32)
+    end = start + torch.randint(0, L, (1, 2, 9), generator=g, dtype=torch.int32)
+    bounds = torch.stack([start, end])
+    for num_cols in (9, 20):  # bottom-right alignment: row i sits at i + Lk - Lq
+        local = translate_bounds(bounds, ranges, len(rows), num_cols).long()
+        pos = torch.arange(len(rows)) + num_cols - len(rows)
+        seen = (local[0, ..., None, :] <= pos[:, None]) & (pos[:, None] < local[1, ..., None, :])
+        want = (start[..., None, :] <= rows[:, None]) & (rows[:, None] < end[..., None, :])
+        assert torch.equal(seen, want)
+    kernel = LocalKernel("torch-reference", window=64)
+    assert kernel.window_for(((0, 100),), 500) == 64
+    assert kernel.window_for(((0, 100), (300, 400)), 500) == 128  # a jump inside a tile
+    assert kernel.window_for(((0, 2048), (6144, 8192)), 5000) == 64  # a jump between tiles
+    assert kernel.window_for(((0, 100),), 50) == 49  # no more keys than the call has
+    assert LocalKernel("torch-reference").window_for(((0, 100),), 500) == 0

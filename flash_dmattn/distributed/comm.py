@@ -146,6 +146,8 @@ class Group:
         except the last dim when ``lengths`` gives each rank's (the tensors travel padded to
         the longest)."""
         tensor = tensor.contiguous()
+        if self.size == 1:  # nothing to move: no collective (and no NCCL launch) for one rank
+            return [tensor]
         if lengths is not None and max(lengths) != tensor.shape[-1]:
             padded = tensor.new_zeros(*tensor.shape[:-1], max(lengths))
             padded[..., : tensor.shape[-1]] = tensor
@@ -161,8 +163,12 @@ class Group:
     def all_gather_ints(self, purpose: str, values: Sequence[int], device) -> List[List[int]]:
         """Every rank's ``values`` (as many on every rank), indexed by group rank: one
         collective and one host synchronisation. ``device``: where the collective runs (the
-        GPU of the rank with NCCL)."""
-        mine = torch.tensor([int(x) for x in values], dtype=torch.int64, device=device)
+        GPU of the rank with NCCL). A group of one rank has nothing to ask: no collective, no
+        wait."""
+        if self.size == 1:
+            return [[int(x) for x in values]]
+        # (to the device without a wait: the list is staged at once, copied in stream order)
+        mine = torch.tensor([int(x) for x in values], dtype=torch.int64).to(device, non_blocking=True)
         return torch.stack(self.all_gather(purpose, mine)).tolist()
 
     def agree(self, device, values: Optional[Sequence[int]], width: int,

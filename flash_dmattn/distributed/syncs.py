@@ -127,9 +127,15 @@ class HostSyncs(TorchDispatchMode):
             src = args[1] if packet is _aten.copy_ else args[0]
             dst_dev = (args[0].device if packet is _aten.copy_
                        else kwargs.get("device") or getattr(src, "device", None))
-            if isinstance(src, torch.Tensor) and src.device.type != "cpu" and \
-                    torch.device(dst_dev).type == "cpu" and not kwargs.get("non_blocking"):
-                self._note(f"{packet} (device to host)")
+            blocking = not (kwargs.get("non_blocking") or (packet is _aten.copy_ and len(args) > 2
+                                                            and args[2]))
+            if isinstance(src, torch.Tensor) and dst_dev is not None and blocking:
+                src_type, dst_type = src.device.type, torch.device(dst_dev).type
+                if src_type != "cpu" and dst_type == "cpu":
+                    self._note(f"{packet} (device to host)")
+                elif src_type == "cpu" and dst_type != "cpu":
+                    # from pageable memory without non_blocking: PyTorch waits for the stream
+                    self._note(f"{packet} (host to device, blocking)")
         return func(*args, **kwargs)
 
     def __enter__(self):
