@@ -31,220 +31,23 @@
 // dQ kernel: the next step's K/V and mask/bias tiles are loaded with cp.async into the other of
 // two stages while this step computes. Both kernels walk the
 // host's live-tile lists, built at 64 queries x 128 keys (bwd_block_m / bwd_block_n).
+//
+// This file holds the two kernels and the launch; their configuration (tiles, shared-memory
+// layouts, register budgets) is flash_dmattn/bwd_sm90_config.cuh, the fused dQ steps and the
+// accumulator's conversion flash_dmattn/bwd_sm90_fused_dq.cuh.
 #include "flash_dmattn/kernel_common.cuh"
 
 #if FLASH_DMATTN_SM90_BWD
 
 #include "flash_dmattn/pipeline.cuh"
 #include "flash_dmattn/wgmma.cuh"
+#include "flash_dmattn/bwd_sm90_config.cuh"
+#include "flash_dmattn/bwd_sm90_fused_dq.cuh"
 
 namespace flash_dmattn {
 
-// The dK/dV kernel's plain path for whole visible tiles (see its use) is compiled into the
-// modules without a bias, where most steps of block-sparse and per-key masks are whole tiles.
-// Modules with a bias go without it: in the per-query mask + bias module few tiles are whole,
-// and it ran slower with the path.
-constexpr bool kPlainPath = !kHasBias;
-
 void launch_delta(const BwdParams& p, cudaStream_t stream);  // flash_bwd.cu
 cudaError_t run_dq_gathered_sm90(const BwdParams& p, cudaStream_t stream);  // flash_dq_gathered_sm90.cu
-
-template <int kHD>
-struct Sm90BwdConfig {
-  static constexpr int kBlockM = 64;   // queries per tile
-  static constexpr int kBlockN = 128;  // keys per tile: 64 per warpgroup
-  static constexpr int kThreads = 256;
-  using Tiles = GmmaTiles<kHD>;
-  static constexpr int kAtomK = Tiles::kAtomK;
-  // Every operand is a 64-row tile (Q, dO, or one warpgroup's half of K, V); 64 * kHD * 2
-  // bytes is a multiple of 1024, so consecutive tiles keep the swizzle's 1024-byte alignment.
-  using Tile = typename Tiles::template Rows<64>;
-  using TileT = typename Tiles::template RowsT<64>;
-  static constexpr int kT = 64 * kHD * 2;
-  using One = Layout<Shape<_1, _1, _1>>;
-  // (64 x 64) = (64 x kHD) (64 x kHD)^T: S, dP and their transposes.
-  using MmaScores = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, _64, Int<kHD>>>(), One{}));
-  // (64 x kHD) += (64 x 64, registers) (64 x kHD): dV, dK, dQ.
-  using MmaGrad = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, Int<kHD>, _64>, GMMA::Major::K,
-                           GMMA::Major::MN>(),
-      One{}));
-  using MaskTile = BcastTile<uint8_t, kBlockM, kBlockN, kThreads>;
-  using BiasTile = BcastTile<Elem, kBlockM, kBlockN, kThreads>;
-
-  // Warp-specialised dK/dV kernel: a producer warpgroup and two consumer warpgroups (64 keys
-  // each). setmaxnreg moves registers within the 168 a thread the CTA got at launch: the
-  // producer only computes addresses and copies, so it drops to 24 (the least setmaxnreg
-  // takes), and the consumers, which hold dK and dV (64 x kHD fp32 each) beside S^T, dP^T and
-  // the fused dQ partial, take the rest: 128 x 24 + 256 x 240 = 384 x 168.
-  static constexpr int kKvProducerThreads = 128;
-  static constexpr int kKvThreads = kKvProducerThreads + kThreads;
-  static constexpr int kKvProducerRegs = 24;
-  static constexpr int kKvConsumerRegs = 240;
-  static_assert(kKvProducerThreads * kKvProducerRegs + kThreads * kKvConsumerRegs <=
-                    kKvThreads * (65536 / kKvThreads / 8 * 8),
-                "setmaxnreg requests beyond the CTA's registers never complete");
-  using MaskTileP = BcastTile<uint8_t, kBlockM, kBlockN, kKvProducerThreads>;
-  using BiasTileP = BcastTile<Elem, kBlockM, kBlockN, kKvProducerThreads>;
-
-  // Fused dQ. Each warpgroup stages its dS^T (64 keys x 64 queries, K-major over queries) as a
-  // 64-column GMMA tile and reads it back as an MN-major A operand (64 queries x 64 keys).
-  // kHD = 128: warpgroup w computes dQ columns [64 w, 64 w + 64) over all 128 keys of the tile
-  // (K's column block w is itself a 64-column tile, 8 KB into the K tile); an m64n64
-  // accumulator keeps the register budget of the kernel. Other head dims: each warpgroup
-  // computes all kHD columns over its own 64 keys.
-  static constexpr bool kSplitD = kHD == 128;
-  static constexpr int kDqN = kSplitD ? 64 : kHD;
-  using DsTiles = GmmaTiles<64>;
-  using DsTile = typename DsTiles::template Rows<64>;
-  using DsTileT = typename DsTiles::template RowsT<64>;
-  static constexpr int kDsT = 64 * 64 * 2;
-  using KtTile = std::conditional_t<kSplitD, DsTileT, TileT>;  // (kDqN x 64 keys) of K^T
-  using MmaDq = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kDqN>, _64>, GMMA::Major::MN,
-                           GMMA::Major::MN>(),
-      One{}));
-
-  // dK/dV: [K0][K1][V0][V1] [Q][dO] x 2 stages, dS^T x 2 warpgroups, lse / delta x 2 stages,
-  // mask / bias x 2 stages.
-  static constexpr int kKvDsOff = 8 * kT;
-  static constexpr int kKvLseOff = kKvDsOff + 2 * kDsT;
-  static constexpr int kKvMaskOff = kKvLseOff + 4 * kBlockM * 4;
-  static constexpr int kKvBiasOff = kKvMaskOff + (kHasMask ? 2 * MaskTile::kBytes : 0);
-  static constexpr int kKvSmemBase = kKvBiasOff + (kHasBias ? 2 * BiasTile::kBytes : 0);
-  // Fused dQ: each warpgroup's fp32 partial (64 x kDqN) is staged here 32 columns at a time
-  // (8 KB: a 64 x kDqN stage does not fit next to d128's mask and bias tiles) and each piece is
-  // added to the accumulator by one bulk asynchronous reduction (cp.reduce.async.bulk).
-  static constexpr int kDqCols = 32;
-  static constexpr int kDqStage = 64 * kDqCols * 4;
-  static constexpr int kKvDqOff = (kKvSmemBase + 127) / 128 * 128;
-  // mbarriers: K/V landed; full / empty of each of the two Q / dO / lse / delta / aux stages;
-  // then each stage's step entry (query tile << 1 | partial), written by the producer.
-  static constexpr int kKvBarOff = kKvDqOff + 2 * kDqStage;
-  static constexpr int kKvInfoOff = kKvBarOff + 5 * 8;
-  static constexpr int kKvSmem = kKvInfoOff + 2 * 4;
-  // A per-element mask tile reaches the consumers as bits, one 64-bit word of query bits per
-  // key (kKeyBitsBytes a stage, in the second mask tile's space); the producer lands the raw
-  // bytes in the first tile's space and transposes them. One word per producer thread. A
-  // consumer then tests an element with a shift of a word it holds instead of a shared-memory
-  // byte read, and the transpose runs on the producer, off the consumers' path.
-  static constexpr int kKeyBitsBytes = kBlockN * 8;
-  static_assert(kBlockN == kKvProducerThreads && kBlockM == 64, "one key's query bits per producer thread");
-  static_assert(2 * kKeyBitsBytes <= MaskTile::kBytes, "key bits fit the second mask tile");
-  // dQ: [Q][dO] [K0][K1][V0][V1] x 2 stages, mask / bias x 2 stages.
-  static constexpr int kQMaskOff = 10 * kT;
-  static constexpr int kQBiasOff = kQMaskOff + (kHasMask ? 2 * MaskTile::kBytes : 0);
-  static constexpr int kQSmem = kQBiasOff + (kHasBias ? 2 * BiasTile::kBytes : 0);
-  static_assert(kKvSmem <= 227 * 1024 && kQSmem <= 227 * 1024, "shared memory over the sm_90 limit");
-};
-
-// Named barriers of the dK/dV kernel (0 is __syncthreads): 1 + wg for one consumer warpgroup,
-// kBarDsExchange for both (their dS^T halves), and kBarDsFree + wg: warpgroup wg is done
-// reading the other's dS^T buffer (it arrives, the other syncs before overwriting it).
-constexpr int kBarDsExchange = 3;
-constexpr int kBarDsFree = 4;
-constexpr int kBarProducer = 6;  // the producer warpgroup alone
-
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-// Copy a 64-row tile (rows from `g`, `rows_valid` of them) into the GMMA layout at `dst`.
-template <typename Cfg>
-__device__ __forceinline__ void load_tile64(const Elem* g, int64_t row_stride, int rows_valid,
-                                            int cols_valid, char* dst, int tid) {
-  load_tile_swizzled<kHeadDimBucket, Cfg::kAtomK, Cfg::kThreads, 64>(g, row_stride, rows_valid,
-                                                                     cols_valid, dst, tid);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Fused dQ steps of the dK/dV kernel
-// ---------------------------------------------------------------------------------------------
-// 1. Stage this warpgroup's dS^T as a 64 x 64 K-major tile with the 128-byte swizzle
-// (GmmaTiles<64>::Rows<64>) and make it visible to the MMAs of the warpgroups that read it.
-// Thread (warp w, lane) holds keys 16 w + 8 r + lane / 4 and queries 8 g + 2 (lane % 4) +
-// {0, 1}: byte offset (2 w + r) * 1024 + (lane / 4) * 128 + ((g ^ lane / 4) * 16) +
-// (lane % 4) * 4, each pair one 4-byte store. Written out rather than through the layout so no
-// per-value addresses stay live across the loop (that spilled 644 bytes at d128).
-template <typename Cfg, typename Frag>
-__device__ __forceinline__ void stage_ds_t(char* smem, int wg, int tid, Frag const& rdS) {
-  constexpr int kGroups = decltype(size<0, 2>(rdS))::value;
-  const int lane = tid % 32, wq = (tid % 128) / 32, row8 = lane / 4;
-  char* ds_base = smem + Cfg::kKvDsOff + wg * Cfg::kDsT + wq * 2048 + row8 * 128 + (lane % 4) * 4;
-  CUTE_UNROLL
-  for (int r = 0; r < 2; ++r) {
-    CUTE_UNROLL
-    for (int g = 0; g < kGroups; ++g) {
-      __align__(4) Elem pair[2] = {rdS(make_coord(make_coord(0, r, g), 0, 0)),
-                                   rdS(make_coord(make_coord(1, r, g), 0, 0))};
-      *reinterpret_cast<uint32_t*>(ds_base + r * 1024 + ((g ^ row8) * 16)) =
-          *reinterpret_cast<uint32_t*>(pair);
-    }
-  }
-  fence_async_shared();
-  if constexpr (Cfg::kSplitD) {
-    named_barrier_sync(kBarDsExchange, 256);  // both halves of dS feed each warpgroup's dQ columns
-  } else {
-    named_barrier_sync(1 + wg, 128);  // this warpgroup's four warps wrote its dS
-  }
-}
-
-// 2. Issue dQ_partial = dS K from shared memory (no wait): kHD = 128, this warpgroup's 64
-// columns over both 64-key chunks; otherwise all columns over its own keys.
-template <typename Cfg, typename Mma, typename Thr, typename Acc>
-__device__ __forceinline__ void issue_fused_dq(Mma& mma_q, Thr& thr_q, char* smem, int wg,
-                                               Acc& acc_dq) {
-  auto at = [&](int off) { return make_smem_ptr(reinterpret_cast<Elem*>(smem + off)); };
-  if constexpr (Cfg::kSplitD) {
-    CUTE_UNROLL
-    for (int c = 0; c < 2; ++c) {  // key chunk c: warpgroup c's dS^T and K rows
-      Tensor tArdS = thr_q.partition_fragment_A(
-          make_tensor(at(Cfg::kKvDsOff + c * Cfg::kDsT), typename Cfg::DsTileT{}));
-      Tensor tBrK = thr_q.partition_fragment_B(
-          make_tensor(at(c * Cfg::kT + wg * Cfg::kDsT), typename Cfg::KtTile{}));
-      wgmma_issue<false>(mma_q, tArdS, tBrK, acc_dq, /*zero=*/c == 0);
-    }
-  } else {
-    Tensor tArdS = thr_q.partition_fragment_A(
-        make_tensor(at(Cfg::kKvDsOff + wg * Cfg::kDsT), typename Cfg::DsTileT{}));
-    Tensor tBrK = thr_q.partition_fragment_B(make_tensor(at(wg * Cfg::kT), typename Cfg::KtTile{}));
-    wgmma_issue<false>(mma_q, tArdS, tBrK, acc_dq, /*zero=*/true);
-  }
-}
-
-// 3. Add the finished partial to its block `dst` of the fp32 accumulator: staged 32 columns at
-// a time, each piece one bulk reduction (the last runs while the next step computes). The
-// leader first waits until the previous reduction has read the stage. Within a piece,
-// (row, col) sits at row * 32 + (col ^ 4 (row % 8)): the swizzle spreads a warp's 8-byte
-// stores over the banks (dq_accum_to_dq_kernel undoes it).
-template <typename Cfg, typename Acc>
-__device__ __forceinline__ void reduce_dq_partial(char* smem, float* dst, int wg, int tid,
-                                                  Acc const& acc_dq) {
-  float* stage = reinterpret_cast<float*>(smem + Cfg::kKvDqOff + wg * Cfg::kDqStage);
-  const int lane = tid % 32;
-  const bool leader = tid % 128 == 0;
-  const int row0 = ((tid % 128) / 32) * 16 + lane / 4;
-  const int col0 = (2 * (lane % 4)) ^ (4 * (lane / 4));  // row0 % 8 == lane / 4
-  CUTE_UNROLL
-  for (int cb = 0; cb < Cfg::kDqN / Cfg::kDqCols; ++cb) {
-    if (leader) bulk_wait_read<0>();
-    named_barrier_sync(1 + wg, 128);
-    CUTE_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      CUTE_UNROLL
-      for (int g4 = 0; g4 < 4; ++g4) {
-        const int g = cb * 4 + g4;
-        *reinterpret_cast<float2*>(stage + (row0 + 8 * r) * 32 + (col0 ^ (8 * g4))) =
-            make_float2(acc_dq(make_coord(make_coord(0, r, g), 0, 0)),
-                        acc_dq(make_coord(make_coord(1, r, g), 0, 0)));
-      }
-    }
-    fence_async_shared();
-    named_barrier_sync(1 + wg, 128);
-    if (leader) bulk_reduce_add_f32(dst + cb * (64 * 32), stage, Cfg::kDqStage);
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // dK, dV (+ per-key dbias partials)
@@ -920,35 +723,6 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Fused dQ: fp32 accumulator (B, Lq, H, D) -> dQ * scale in the input dtype
-// ---------------------------------------------------------------------------------------------
-__global__ void dq_accum_to_dq_kernel(const BwdParams p) {
-  constexpr int kHD = kHeadDimBucket;
-  const int half_d = p.D / 2;  // D is even (a multiple of 8): pairs of columns
-  constexpr int kBM = Sm90BwdConfig<kHD>::kBlockM;
-  const int m_tiles = (p.Lq + kBM - 1) / kBM;
-  const int64_t n = int64_t(p.B) * p.Lq * p.H * half_d;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int c = int(i % half_d) * 2;
-    int64_t rest = i / half_d;
-    const int h = int(rest % p.H);
-    rest /= p.H;
-    const int l = int(rest % p.Lq);
-    const int b = int(rest / p.Lq);
-    // (B, H, query tile, kHD / 32 column blocks, 64, 32), swizzled within a block.
-    const int row = l % kBM;
-    const float2 v = *reinterpret_cast<const float2*>(
-        p.dq_accum + ((int64_t(b) * p.H + h) * m_tiles + l / kBM) * (kBM * kHD) +
-        (c / 32) * (kBM * 32) + row * 32 + ((c % 32) ^ (4 * (row % 8))));
-    __align__(4) Elem pair[2] = {Elem(v.x * p.scale), Elem(v.y * p.scale)};
-    Elem* dst = reinterpret_cast<Elem*>(p.dq) + int64_t(b) * p.dq_sb + int64_t(l) * p.dq_sl +
-                int64_t(h) * p.dq_sh + c;
-    *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<uint32_t*>(pair);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
 // Launch
 // ---------------------------------------------------------------------------------------------
 template <bool kSoftcap>
@@ -992,7 +766,7 @@ static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
     const int64_t n = int64_t(p.B) * p.Lq * p.H * (p.D / 2);
     const int threads = 256;
     const int blocks = int(std::min<int64_t>((n + threads - 1) / threads, 65535LL * 8));
-    dq_accum_to_dq_kernel<<<blocks, threads, 0, stream>>>(p);
+    dq_accum_to_dq_kernel<kHeadDimBucket><<<blocks, threads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
