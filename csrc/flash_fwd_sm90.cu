@@ -103,9 +103,10 @@ struct Sm90FwdConfig {
   static constexpr int kStageBytes = kBlockN * kHeadDim * 2;
   static constexpr int kKOff = align1k(kQBytes);
   static constexpr int kVOff = kKOff + kStages * kStageBytes;
-  // mbarriers: Q; full / empty of each K and V stage; full / empty of each mask-bias stage.
+  // mbarriers: Q full / empty; full / empty of each K and V stage; full / empty of each
+  // mask-bias stage.
   static constexpr int kMaxAuxStages = FLASH_DMATTN_FWD_SM90_AUX_STAGES;
-  static constexpr int kBarriers = 1 + 4 * kStages + 2 * kMaxAuxStages;
+  static constexpr int kBarriers = 2 + 4 * kStages + 2 * kMaxAuxStages;
   static constexpr int kBarOff = kVOff + kStages * kStageBytes;
   static constexpr int kAuxOff = kBarOff + (8 * kBarriers + 15) / 16 * 16;
   static constexpr int kSmemLimit = 227 * 1024;
@@ -133,8 +134,10 @@ struct Sm90FwdConfig {
   static constexpr int kBitWords = kBlockN / 64;
   static constexpr int kBitsBytes = kBlockM * kBitWords * 8;
   static constexpr int kGBiasBytes = kBlockN * 2;
-  // Key intervals: a stage is the listed keys' query ranges (an int2 a key) and their bias.
+  // Key intervals: a stage is the listed keys' query ranges (an int2 a key) and their bias as
+  // fp32 log2-unit logits (bias * log2 e), so a score takes one FMA to become a logit.
   static constexpr int kRangeBytes = kBlockN * 8;
+  static constexpr int kIBiasBytes = kBlockN * 4;
   __host__ __device__ static AuxLayout aux_layout(const FwdParams& p) {
     const bool g = p.gather, iv = p.intervals;
     const int mask_bytes =
@@ -143,7 +146,9 @@ struct Sm90FwdConfig {
                   : (g ? kBitsBytes : (p.mask.sq == 0 ? 1 : kBlockM) * MaskTile::kPitch);
     const int bias_bytes =
         !kHasBias ? 0
-                  : (g || iv ? kGBiasBytes : (p.bias.sq == 0 ? 1 : kBlockM) * BiasTile::kPitch);
+        : iv      ? kIBiasBytes
+        : g       ? kGBiasBytes
+                  : (p.bias.sq == 0 ? 1 : kBlockM) * BiasTile::kPitch;
     const int stride = mask_bytes + bias_bytes;  // pitches are multiples of 16
     int stages = 1;
     if (stride > 0) {
@@ -159,6 +164,7 @@ struct Sm90FwdConfig {
 // warps (each arrives once it stopped reading the stage).
 struct Sm90FwdBarriers {
   uint64_t* q_full;
+  uint64_t* q_empty;
   uint64_t* k_full;
   uint64_t* k_empty;
   uint64_t* v_full;
@@ -171,7 +177,8 @@ struct Sm90FwdBarriers {
     uint64_t* b = reinterpret_cast<uint64_t*>(smem + Cfg::kBarOff);
     constexpr int S = Cfg::kStages;
     constexpr int A = Cfg::kMaxAuxStages;
-    return {b, b + 1, b + 1 + S, b + 1 + 2 * S, b + 1 + 3 * S, b + 1 + 4 * S, b + 1 + 4 * S + A};
+    return {b,         b + 1,         b + 2,         b + 2 + S,
+            b + 2 + 2 * S, b + 2 + 3 * S, b + 2 + 4 * S, b + 2 + 4 * S + A};
   }
 };
 
@@ -203,11 +210,13 @@ __device__ __forceinline__ void load_gathered_aux(const FwdParams& p, int b, int
   }
 }
 
-// A raw score q·k as a logit: scaled, soft-capped where the call asks for it.
+// A raw score q·k as a logit in log2 units (the natural-log logit times log2 e): scaled,
+// soft-capped where the call asks for it. The sm90 forward keeps every logit, running max and
+// bias in these units, so exp2 of a logit minus the max needs no multiply.
 template <bool kSoftcap>
-__device__ __forceinline__ float scaled_score(const FwdParams& p, float s) {
-  if constexpr (kSoftcap) return p.softcap * tanhf(s * (p.scale / p.softcap));
-  return s * p.scale;
+__device__ __forceinline__ float log2_logit(const FwdParams& p, float s) {
+  if constexpr (kSoftcap) return (p.softcap * kLog2e) * tanhf(s * (p.scale / p.softcap));
+  return s * (p.scale * kLog2e);
 }
 
 // One listed key of a key-interval tile, as the producer thread that stages it holds it: the
@@ -215,7 +224,7 @@ __device__ __forceinline__ float scaled_score(const FwdParams& p, float s) {
 // past the list get an empty range.
 struct IntervalKey {
   int lo = 1 << 30, hi = -(1 << 30);
-  Elem bias = Elem(0.f);
+  float bias = 0.f;  // log2 units
 };
 
 __device__ __forceinline__ IntervalKey fetch_interval_key(const FwdParams& p, int b, int h,
@@ -228,9 +237,9 @@ __device__ __forceinline__ IntervalKey fetch_interval_key(const FwdParams& p, in
   k.lo = p.causal ? max(s[0], key) - off : s[0] - off;
   k.hi = s[iv.bounds_plane] - off;
   if constexpr (kHasBias) {
-    k.bias = reinterpret_cast<const Elem*>(iv.bias)[int64_t(b) * iv.bias_sb +
-                                                   int64_t(h / iv.bias_hdiv) * iv.bias_sh +
-                                                   int64_t(key) * iv.bias_sk];
+    k.bias = kLog2e * float(reinterpret_cast<const Elem*>(iv.bias)[int64_t(b) * iv.bias_sb +
+                                                                 int64_t(h / iv.bias_hdiv) * iv.bias_sh +
+                                                                 int64_t(key) * iv.bias_sk]);
   }
   return k;
 }
@@ -251,40 +260,13 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
   const int kAuxStages = aux.stages;
   extern __shared__ __align__(1024) char smem[];
 
-  const QTileCoord coord = q_tile_coord(p.H, p.Hkv);
-  const int m_block = coord.m_block, b = coord.b, h = coord.h;
-  const int q0 = m_block * kBlockM;
-
-  const SeqRows sr = seq_rows(p, b);
-  // Lengths read where used: dense calls straight from the parameters (kept uniform).
-  const auto Lq = [&] { return seq_lq(p, sr); };
-  const auto Lk = [&] { return seq_lk(p, sr); };
-  const int32_t* list;
-  int n_steps, n_keys = 0, n_full = 0;
-  if constexpr (kIntervals) {
-    const KeyIntervalLists& iv = p.iv;
-    const int at = (b * iv.row_heads + h / iv.hdiv) * iv.n_tiles + m_block;
-    list = iv.keys + iv.tile_start[at];
-    n_keys = iv.tile_len[at];
-    n_full = iv.tile_full[at];
-    n_steps = (n_keys + kBlockN - 1) / kBlockN;
-  } else if constexpr (kGather) {
-    const int hl = h / p.g.hdiv;
-    list = p.g.idx + b * p.g.idx_sb + hl * p.g.idx_sh + m_block * p.g.idx_sm;
-    n_keys = p.g.cnt[b * p.g.cnt_sb + hl * p.g.cnt_sh + m_block * p.g.cnt_sm];
-    n_steps = (n_keys + kBlockN - 1) / kBlockN;
-  } else {
-    n_steps = key_tiles_of<kBlockM, kBlockN>(p, sr, b, h, m_block, q0, list);
-  }
-  const FwdTileWalk<kBlockN> walk(p, sr, b, h, q0, kGather ? nullptr : list);
-  auto tile_of = [&](int i) { return walk.tile(i); };
-  auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0, Lq(), Lk()); };
   char* mask_smem0 = smem + Cfg::kAuxOff;
   char* bias_smem0 = smem + Cfg::kAuxOff + aux.mask_bytes;
 
   const Sm90FwdBarriers bar = Sm90FwdBarriers::at<Cfg>(smem);
   if (threadIdx.x == 0) {
     ClusterBarrier::init(bar.q_full, Cfg::kProducerThreads);
+    ClusterBarrier::init(bar.q_empty, Cfg::kConsumerWarps);
     for (int s = 0; s < kStages; ++s) {
       ClusterBarrier::init(bar.k_full + s, Cfg::kProducerThreads);
       ClusterBarrier::init(bar.v_full + s, Cfg::kProducerThreads);
@@ -299,415 +281,518 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
   }
   __syncthreads();
 
+  // Work items are (query tile, batch, head), in the order q_tile_coord_at gives them. A grid
+  // of one CTA per item runs each once; a smaller grid (key-interval walks) makes CTAs walk
+  // items grid-strided, so the next item's Q and first keys load while the consumers finish
+  // the last one. Each role walks the items in its own loop (setmaxnreg budgets hold per
+  // role); `step0` counts the CTA's key steps so far (stage and phase of the K / V / aux
+  // rings), `rounds` its items with keys (the phase of the Q barriers).
+  const int m_blocks = (p.Lq + kBlockM - 1) / kBlockM;
+  const int n_items = m_blocks * p.B * p.H;
+  struct Item {
+    int m_block, b, h, q0;
+    SeqRows sr;
+    const int32_t* list;
+    int n_steps, n_keys, n_full;
+  };
+  auto item_at = [&](int t) {
+    Item it;
+    const QTileCoord coord = q_tile_coord_at(t, m_blocks, p.H, p.Hkv);
+    it.m_block = coord.m_block;
+    it.b = coord.b;
+    it.h = coord.h;
+    it.q0 = it.m_block * kBlockM;
+    it.sr = seq_rows(p, it.b);
+    it.n_keys = 0;
+    it.n_full = 0;
+    const int m_block = it.m_block, b = it.b, h = it.h;
+    if constexpr (kIntervals) {
+      const KeyIntervalLists& iv = p.iv;
+      const int at = (b * iv.row_heads + h / iv.hdiv) * iv.n_tiles + m_block;
+      it.list = iv.keys + iv.tile_start[at];
+      it.n_keys = iv.tile_len[at];
+      it.n_full = iv.tile_full[at];
+      it.n_steps = (it.n_keys + kBlockN - 1) / kBlockN;
+    } else if constexpr (kGather) {
+      const int hl = h / p.g.hdiv;
+      it.list = p.g.idx + b * p.g.idx_sb + hl * p.g.idx_sh + m_block * p.g.idx_sm;
+      it.n_keys = p.g.cnt[b * p.g.cnt_sb + hl * p.g.cnt_sh + m_block * p.g.cnt_sm];
+      it.n_steps = (it.n_keys + kBlockN - 1) / kBlockN;
+    } else {
+      it.n_steps = key_tiles_of<kBlockM, kBlockN>(p, it.sr, b, h, m_block, it.q0, it.list);
+    }
+    return it;
+  };
+
   // ---- Producer warpgroup: copies Q once, then K, mask / bias and V of every live tile into
   // the stage the consumers freed last, running up to kStages tiles ahead of them.
   if (threadIdx.x < Cfg::kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    const int ptid = threadIdx.x;
-    if (n_steps > 0) {
-      load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockM, true>(
-          walk.q, p.q_sl, Lq() - q0, p.D, smem, ptid);
-      stage_filled(bar.q_full);
-      using Rows = RowIndices<Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>;
-      Rows rows, rows_next;
-      if constexpr (kGather) rows_next.fetch(list, n_keys, ptid);
-      // Key intervals: this thread's column of the staged ranges. Its key index is read two
-      // steps ahead and its range / bias one step ahead, so neither global load waits.
-      IntervalKey ikey;
-      int ikey_next = -1;
-      if constexpr (kIntervals) {
-        const int k1 = ptid < kBlockN && ptid < n_keys ? list[ptid] : -1;
-        ikey_next = ptid < kBlockN && kBlockN + ptid < n_keys ? list[kBlockN + ptid] : -1;
-        ikey = fetch_interval_key(p, b, h, k1);
-      }
-      for (int i = 0; i < n_steps; ++i) {
-        const int s = i % kStages;
-        const uint32_t free_phase = ((i / kStages) & 1) ^ 1;
-        const int k0 = kGather ? i * kBlockN : tile_of(i) * kBlockN;
-        if constexpr (kGather) {
-          // This step's rows were fetched last step; fetch the next step's now.
-          rows = rows_next;
-          if (i + 1 < n_steps) rows_next.fetch(list + k0 + kBlockN, n_keys - k0 - kBlockN, ptid);
-        }
-        ClusterBarrier::wait(bar.k_empty + s, free_phase);
-        if constexpr (kGather) {
-          load_rows_by_index<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
-              walk.k, p.k_sl, rows, p.D, smem + Cfg::kKOff + s * Cfg::kStageBytes, ptid);
-        } else {
-          load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN, true>(
-              walk.k + int64_t(k0) * p.k_sl, p.k_sl, Lk() - k0, p.D,
-              smem + Cfg::kKOff + s * Cfg::kStageBytes, ptid);
-        }
-        stage_filled(bar.k_full + s);
+    int step0 = 0, rounds = 0;
+    for (int t = blockIdx.x; t < n_items; t += gridDim.x) {
+      const Item it = item_at(t);
+      const int m_block = it.m_block, b = it.b, h = it.h, q0 = it.q0;
+      const int n_steps = it.n_steps, n_keys = it.n_keys, n_full = it.n_full;
+      const int32_t* list = it.list;
+      const SeqRows& sr = it.sr;
+      // Lengths read where used: dense calls straight from the parameters (kept uniform).
+      const auto Lq = [&] { return seq_lq(p, sr); };
+      const auto Lk = [&] { return seq_lk(p, sr); };
+      const FwdTileWalk<kBlockN> walk(p, sr, b, h, q0, kGather ? nullptr : list);
+      auto tile_of = [&](int i) { return walk.tile(i); };
+      auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0, Lq(), Lk()); };
+      const int ptid = threadIdx.x;
+      if (n_steps > 0) {
+        // Q of the previous item is free once the consumers' last S product read it.
+        if (rounds > 0) ClusterBarrier::wait(bar.q_empty, (rounds - 1) & 1);
+        load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockM, true>(
+            walk.q, p.q_sl, Lq() - q0, p.D, smem, ptid);
+        stage_filled(bar.q_full);
+        using Rows = RowIndices<Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>;
+        Rows rows, rows_next;
+        if constexpr (kGather) rows_next.fetch(list, n_keys, ptid);
+        // Key intervals: this thread's column of the staged ranges. Its key index is read two
+        // steps ahead and its range / bias one step ahead, so neither global load waits.
+        IntervalKey ikey;
+        int ikey_next = -1;
         if constexpr (kIntervals) {
-          const int a = i % kAuxStages;
-          ClusterBarrier::wait(bar.aux_empty + a, ((i / kAuxStages) & 1) ^ 1);
-          if (ptid < kBlockN) {
-            reinterpret_cast<int2*>(mask_smem0 + a * aux.stride)[ptid] = make_int2(ikey.lo, ikey.hi);
+          const int k1 = ptid < kBlockN && ptid < n_keys ? list[ptid] : -1;
+          ikey_next = ptid < kBlockN && kBlockN + ptid < n_keys ? list[kBlockN + ptid] : -1;
+          ikey = fetch_interval_key(p, b, h, k1);
+        }
+        for (int i = 0; i < n_steps; ++i) {
+          const int g = step0 + i;  // steps of this CTA so far: stage and phase
+          const int s = g % kStages;
+          const uint32_t free_phase = ((g / kStages) & 1) ^ 1;
+          const int k0 = kGather ? i * kBlockN : tile_of(i) * kBlockN;
+          if constexpr (kGather) {
+            // This step's rows were fetched last step; fetch the next step's now.
+            rows = rows_next;
+            if (i + 1 < n_steps) rows_next.fetch(list + k0 + kBlockN, n_keys - k0 - kBlockN, ptid);
+          }
+          ClusterBarrier::wait(bar.k_empty + s, free_phase);
+          if constexpr (kGather) {
+            load_rows_by_index<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
+                walk.k, p.k_sl, rows, p.D, smem + Cfg::kKOff + s * Cfg::kStageBytes, ptid);
+          } else {
+            load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN, true>(
+                walk.k + int64_t(k0) * p.k_sl, p.k_sl, Lk() - k0, p.D,
+                smem + Cfg::kKOff + s * Cfg::kStageBytes, ptid);
+          }
+          stage_filled(bar.k_full + s);
+          if constexpr (kIntervals) {
+            const int a = g % kAuxStages;
+            ClusterBarrier::wait(bar.aux_empty + a, ((g / kAuxStages) & 1) ^ 1);
+            if (ptid < kBlockN) {
+              reinterpret_cast<int2*>(mask_smem0 + a * aux.stride)[ptid] = make_int2(ikey.lo, ikey.hi);
+              if constexpr (kHasBias) {
+                reinterpret_cast<float*>(bias_smem0 + a * aux.stride)[ptid] = ikey.bias;
+              }
+            }
+            stage_filled(bar.aux_full + a);
+            ikey = fetch_interval_key(p, b, h, ikey_next);
+            const int c2 = (i + 2) * kBlockN + ptid;
+            ikey_next = ptid < kBlockN && c2 < n_keys ? list[c2] : -1;
+          } else if constexpr (kGather) {
+            const int a = g % kAuxStages;
+            ClusterBarrier::wait(bar.aux_empty + a, ((g / kAuxStages) & 1) ^ 1);
+            load_gathered_aux(p, b, h, m_block, q0, k0, mask_smem0 + a * aux.stride,
+                              bias_smem0 + a * aux.stride, ptid);
+            stage_filled(bar.aux_full + a);
+          } else if constexpr (Cfg::kHasAux) {
+            const int a = g % kAuxStages;
+            ClusterBarrier::wait(bar.aux_empty + a, ((g / kAuxStages) & 1) ^ 1);
+            if constexpr (kHasMask) {
+              if (partial_of(i, k0)) {
+                Cfg::MaskTile::template load<true>(mask_smem0 + a * aux.stride, p.mask, walk.mask, q0, k0,
+                                    Lq(), Lk(), ptid);
+              }
+            }
             if constexpr (kHasBias) {
-              reinterpret_cast<Elem*>(bias_smem0 + a * aux.stride)[ptid] = ikey.bias;
+              Cfg::BiasTile::template load<true>(bias_smem0 + a * aux.stride, p.bias, walk.bias, q0, k0, Lq(),
+                                  Lk(), ptid);
             }
+            stage_filled(bar.aux_full + a);
           }
-          stage_filled(bar.aux_full + a);
-          ikey = fetch_interval_key(p, b, h, ikey_next);
-          const int c2 = (i + 2) * kBlockN + ptid;
-          ikey_next = ptid < kBlockN && c2 < n_keys ? list[c2] : -1;
-        } else if constexpr (kGather) {
-          const int a = i % kAuxStages;
-          ClusterBarrier::wait(bar.aux_empty + a, ((i / kAuxStages) & 1) ^ 1);
-          load_gathered_aux(p, b, h, m_block, q0, k0, mask_smem0 + a * aux.stride,
-                            bias_smem0 + a * aux.stride, ptid);
-          stage_filled(bar.aux_full + a);
-        } else if constexpr (Cfg::kHasAux) {
-          const int a = i % kAuxStages;
-          ClusterBarrier::wait(bar.aux_empty + a, ((i / kAuxStages) & 1) ^ 1);
-          if constexpr (kHasMask) {
-            if (partial_of(i, k0)) {
-              Cfg::MaskTile::template load<true>(mask_smem0 + a * aux.stride, p.mask, walk.mask, q0, k0,
-                                  Lq(), Lk(), ptid);
-            }
+          ClusterBarrier::wait(bar.v_empty + s, free_phase);
+          if constexpr (kGather) {
+            load_rows_by_index<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
+                walk.v, p.v_sl, rows, p.D, smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
+          } else {
+            load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN, true>(
+                walk.v + int64_t(k0) * p.v_sl, p.v_sl, Lk() - k0, p.D,
+                smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
           }
-          if constexpr (kHasBias) {
-            Cfg::BiasTile::template load<true>(bias_smem0 + a * aux.stride, p.bias, walk.bias, q0, k0, Lq(),
-                                Lk(), ptid);
-          }
-          stage_filled(bar.aux_full + a);
+          stage_filled(bar.v_full + s);
         }
-        ClusterBarrier::wait(bar.v_empty + s, free_phase);
-        if constexpr (kGather) {
-          load_rows_by_index<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>(
-              walk.v, p.v_sl, rows, p.D, smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
-        } else {
-          load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockN, true>(
-              walk.v + int64_t(k0) * p.v_sl, p.v_sl, Lk() - k0, p.D,
-              smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
-        }
-        stage_filled(bar.v_full + s);
       }
-      // Copies still in flight must not outlive their thread.
-      cp_async_wait<0>();
+      if (n_steps > 0) {
+        step0 += n_steps;
+        ++rounds;
+      }
     }
+    // Copies still in flight must not outlive their thread.
+    cp_async_wait<0>();
     return;
   }
 
   // ---- Consumer warpgroups: 64 query rows each.
   cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
-  const int tid = threadIdx.x - Cfg::kProducerThreads;
-  Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_sb + sr.q_row0 * p.o_sl +
-              int64_t(h) * p.o_sh;
-  float* lse = p.lse + lse_offset(p, sr, b, h);
+  int step0 = 0, rounds = 0;
+  for (int t = blockIdx.x; t < n_items; t += gridDim.x) {
+    const Item it = item_at(t);
+    const int m_block = it.m_block, b = it.b, h = it.h, q0 = it.q0;
+    const int n_steps = it.n_steps, n_keys = it.n_keys, n_full = it.n_full;
+    const int32_t* list = it.list;
+    const SeqRows& sr = it.sr;
+    // Lengths read where used: dense calls straight from the parameters (kept uniform).
+    const auto Lq = [&] { return seq_lq(p, sr); };
+    const auto Lk = [&] { return seq_lk(p, sr); };
+    const FwdTileWalk<kBlockN> walk(p, sr, b, h, q0, kGather ? nullptr : list);
+    auto tile_of = [&](int i) { return walk.tile(i); };
+    auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0, Lq(), Lk()); };
+    const int tid = threadIdx.x - Cfg::kProducerThreads;
+    Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_sb + sr.q_row0 * p.o_sl +
+                int64_t(h) * p.o_sh;
+    float* lse = p.lse + lse_offset(p, sr, b, h);
 
-  typename Cfg::MmaQK mma_qk;
-  typename Cfg::MmaPV mma_pv;
-  auto thr_qk = mma_qk.get_thread_slice(tid);
-  auto thr_pv = mma_pv.get_thread_slice(tid);
-  Tensor acc_o = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kD>>{});
-  clear(acc_o);
-  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    typename Cfg::MmaQK mma_qk;
+    typename Cfg::MmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(tid);
+    auto thr_pv = mma_pv.get_thread_slice(tid);
+    Tensor acc_o = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kD>>{});
+    clear(acc_o);
+    Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 
-  if (n_steps > 0) {
-    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)), typename Cfg::SmemQ{});
-    Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Cfg::kKOff)),
-                            typename Cfg::SmemK{});
-    Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Cfg::kVOff)),
-                             typename Cfg::SmemVt{});
-    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
-    Tensor tSrK = thr_qk.partition_fragment_B(sK);    // (..., stage)
-    Tensor tOrVt = thr_pv.partition_fragment_B(sVt);  // (..., stage)
-    Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-    const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
+    if (n_steps > 0) {
+      Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)), typename Cfg::SmemQ{});
+      Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Cfg::kKOff)),
+                              typename Cfg::SmemK{});
+      Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Cfg::kVOff)),
+                               typename Cfg::SmemVt{});
+      Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
+      Tensor tSrK = thr_qk.partition_fragment_B(sK);    // (..., stage)
+      Tensor tOrVt = thr_pv.partition_fragment_B(sVt);  // (..., stage)
+      Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+      const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
 
-    // Raw scores of tile i -> scaled (softcapped) logits + bias, -inf where invisible; the
-    // mask / bias tile is read from aux stage `a`.
-    // Gathered tile i: + the gathered bias, -inf where the row's bit is clear or the column
-    // lies past the list (its bits there are not written).
-    auto gathered_logits = [&](auto& acc_s, int i, int a) {
-      const char* bits_smem = mask_smem0 + a * aux.stride;
-      const char* bias_smem = bias_smem0 + a * aux.stride;
-      const int limit = n_keys - i * kBlockN;
-      constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
-      const int lane_shift = 2 * (tid % 4);  // this thread's first column within 8
-      CUTE_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        const int row = get<0>(cS(make_coord(0, r, 0), 0, 0));
-        uint64_t words[Cfg::kBitWords];
-        CUTE_UNROLL
-        for (int w = 0; w < Cfg::kBitWords; ++w) {
-          words[w] = reinterpret_cast<const uint64_t*>(bits_smem)[row * Cfg::kBitWords + w] >>
-                     lane_shift;
-        }
-        CUTE_UNROLL
-        for (int g = 0; g < kGroupsS; ++g) {
-          const int c = get<1>(cS(make_coord(0, r, g), 0, 0));  // 8 g + lane_shift
-          float& s0 = acc_s(make_coord(0, r, g), 0, 0);
-          float& s1 = acc_s(make_coord(1, r, g), 0, 0);
-          float x0 = scaled_score<kSoftcap>(p, s0), x1 = scaled_score<kSoftcap>(p, s1);
-          if constexpr (kHasBias) {
-            __align__(4) Elem two[2];
-            *reinterpret_cast<uint32_t*>(two) =
-                *reinterpret_cast<const uint32_t*>(bias_smem + c * int(sizeof(Elem)));
-            x0 += float(two[0]);
-            x1 += float(two[1]);
-          }
-          const uint32_t pair = uint32_t(words[g / 8] >> (8 * (g % 8))) & 3u;
-          s0 = ((pair & 1u) != 0u) & (c < limit) ? x0 : -INFINITY;
-          s1 = ((pair & 2u) != 0u) & (c + 1 < limit) ? x1 : -INFINITY;
-        }
-      }
-    };
-
-    // Key-interval tile: + the staged bias, -inf where the row's query index lies outside the
-    // column's staged range (columns past the list have an empty one). A step whose keys all
-    // lie among the list's leading n_full (seen by every query of the tile) skips the test.
-    auto interval_logits = [&](auto& acc_s, int i, int a) {
-      const bool test = (i + 1) * kBlockN > n_full;
-      const char* range_smem = mask_smem0 + a * aux.stride;
-      const char* bias_smem = bias_smem0 + a * aux.stride;
-      constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
-      int qrow[2];
-      CUTE_UNROLL
-      for (int r = 0; r < 2; ++r) qrow[r] = q0 + get<0>(cS(make_coord(0, r, 0), 0, 0));
-      CUTE_UNROLL
-      for (int g = 0; g < kGroupsS; ++g) {
-        const int c = get<1>(cS(make_coord(0, 0, g), 0, 0));  // even: ranges c, c + 1 in 16 B
-        const int4 rg = *reinterpret_cast<const int4*>(range_smem + c * 8);
-        float b0 = 0.f, b1 = 0.f;
-        if constexpr (kHasBias) {
-          __align__(4) Elem two[2];
-          *reinterpret_cast<uint32_t*>(two) =
-              *reinterpret_cast<const uint32_t*>(bias_smem + c * int(sizeof(Elem)));
-          b0 = float(two[0]);
-          b1 = float(two[1]);
-        }
+      // Raw scores of tile i -> scaled (softcapped) logits + bias, -inf where invisible; the
+      // mask / bias tile is read from aux stage `a`.
+      // Gathered tile i: + the gathered bias, -inf where the row's bit is clear or the column
+      // lies past the list (its bits there are not written).
+      auto gathered_logits = [&](auto& acc_s, int i, int a) {
+        const char* bits_smem = mask_smem0 + a * aux.stride;
+        const char* bias_smem = bias_smem0 + a * aux.stride;
+        const int limit = n_keys - i * kBlockN;
+        constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
+        const int lane_shift = 2 * (tid % 4);  // this thread's first column within 8
         CUTE_UNROLL
         for (int r = 0; r < 2; ++r) {
-          float& s0 = acc_s(make_coord(0, r, g), 0, 0);
-          float& s1 = acc_s(make_coord(1, r, g), 0, 0);
-          const float x0 = scaled_score<kSoftcap>(p, s0), x1 = scaled_score<kSoftcap>(p, s1);
-          const int q = qrow[r];
-          s0 = !test | ((rg.x <= q) & (q < rg.y)) ? x0 + b0 : -INFINITY;
-          s1 = !test | ((rg.z <= q) & (q < rg.w)) ? x1 + b1 : -INFINITY;
-        }
-      }
-    };
-
-    auto to_logits = [&](auto& acc_s, int i, int a) {
-      if constexpr (kIntervals) {
-        interval_logits(acc_s, i, a);
-        return;
-      } else if constexpr (kGather) {
-        gathered_logits(acc_s, i, a);
-        return;
-      }
-      const char* mask_smem = mask_smem0 + a * aux.stride;
-      const char* bias_smem = bias_smem0 + a * aux.stride;
-      const int k0 = tile_of(i) * kBlockN;
-      const bool partial = partial_of(i, k0);
-      CUTE_UNROLL
-      for (int e = 0; e < size(acc_s); ++e) {
-        float s = acc_s(e);
-        if constexpr (kSoftcap) {
-          s = p.softcap * tanhf(s * (p.scale / p.softcap));
-        } else {
-          s *= p.scale;
-        }
-        acc_s(e) = s;
-      }
-      // A thread's accumulator values come in pairs of adjacent columns (c, c + 1), c even: read
-      // their bias / mask as one 4-byte / 2-byte word, and a bias or mask broadcast over queries
-      // once for both of the thread's rows; the causal / ragged bound becomes one column limit
-      // per row (about 10 % faster than per-element reads on a per-query mask + bias).
-      constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
-      if constexpr (kHasBias) {
-        CUTE_UNROLL
-        for (int g = 0; g < kGroupsS; ++g) {
-          const int c = get<1>(cS(make_coord(0, 0, g), 0, 0));
-          if (!bias_rows) {
-            const float2 b2 = Cfg::BiasTile::read_pair(bias_smem, 0, c);
-            CUTE_UNROLL
-            for (int r = 0; r < 2; ++r) {
-              acc_s(make_coord(0, r, g), 0, 0) += b2.x;
-              acc_s(make_coord(1, r, g), 0, 0) += b2.y;
+          const int row = get<0>(cS(make_coord(0, r, 0), 0, 0));
+          uint64_t words[Cfg::kBitWords];
+          CUTE_UNROLL
+          for (int w = 0; w < Cfg::kBitWords; ++w) {
+            words[w] = reinterpret_cast<const uint64_t*>(bits_smem)[row * Cfg::kBitWords + w] >>
+                       lane_shift;
+          }
+          CUTE_UNROLL
+          for (int g = 0; g < kGroupsS; ++g) {
+            const int c = get<1>(cS(make_coord(0, r, g), 0, 0));  // 8 g + lane_shift
+            float& s0 = acc_s(make_coord(0, r, g), 0, 0);
+            float& s1 = acc_s(make_coord(1, r, g), 0, 0);
+            float x0 = log2_logit<kSoftcap>(p, s0), x1 = log2_logit<kSoftcap>(p, s1);
+            if constexpr (kHasBias) {
+              __align__(4) Elem two[2];
+              *reinterpret_cast<uint32_t*>(two) =
+                  *reinterpret_cast<const uint32_t*>(bias_smem + c * int(sizeof(Elem)));
+              x0 = fmaf(float(two[0]), kLog2e, x0);
+              x1 = fmaf(float(two[1]), kLog2e, x1);
             }
-          } else {
-            CUTE_UNROLL
-            for (int r = 0; r < 2; ++r) {
-              const float2 b2 =
-                  Cfg::BiasTile::read_pair(bias_smem, get<0>(cS(make_coord(0, r, g), 0, 0)), c);
-              acc_s(make_coord(0, r, g), 0, 0) += b2.x;
-              acc_s(make_coord(1, r, g), 0, 0) += b2.y;
-            }
+            const uint32_t pair = uint32_t(words[g / 8] >> (8 * (g % 8))) & 3u;
+            s0 = ((pair & 1u) != 0u) & (c < limit) ? x0 : -INFINITY;
+            s1 = ((pair & 2u) != 0u) & (c + 1 < limit) ? x1 : -INFINITY;
           }
         }
-      }
-      if (partial || (k0 + kBlockN > Lk())) {
-        // Branch-free: every element gets a select, the mask word is read unconditionally
-        // (bitwise &, not &&, so the compiler does not guard the load with a branch).
-        auto apply = [&](auto with_mask) {
+      };
+
+      // Key-interval tile: + the staged bias, -inf where the row's query index lies outside the
+      // column's staged range (columns past the list have an empty one). A step whose keys all
+      // lie among the list's leading n_full (seen by every query of the tile) skips the test:
+      // the test is uniform over a step, so those steps (most of a long list) branch to a body
+      // that neither reads nor compares the staged ranges and makes a logit with one FMA.
+      const float scale_log2 = p.scale * kLog2e;
+      auto interval_logits = [&](auto& acc_s, int i, int a) {
+        const char* range_smem = mask_smem0 + a * aux.stride;
+        const char* bias_smem = bias_smem0 + a * aux.stride;
+        constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
+        int qrow[2];
+        CUTE_UNROLL
+        for (int r = 0; r < 2; ++r) qrow[r] = q0 + get<0>(cS(make_coord(0, r, 0), 0, 0));
+        auto body = [&](auto test_c) {
+          constexpr bool kTest = decltype(test_c)::value;
           CUTE_UNROLL
-          for (int r = 0; r < 2; ++r) {
-            const int row = get<0>(cS(make_coord(0, r, 0), 0, 0));
-            // Columns < limit are in range and causally visible to this row.
-            int limit = Lk() - k0;
-            if (p.causal) limit = min(limit, q0 + row + Lk() - Lq() - k0 + 1);
+          for (int g = 0; g < kGroupsS; ++g) {
+            const int c = get<1>(cS(make_coord(0, 0, g), 0, 0));  // even: ranges c, c + 1 in 16 B
+            int4 rg;
+            if constexpr (kTest) rg = *reinterpret_cast<const int4*>(range_smem + c * 8);
+            float2 b2 = make_float2(0.f, 0.f);
+            if constexpr (kHasBias) b2 = *reinterpret_cast<const float2*>(bias_smem + c * 4);
             CUTE_UNROLL
-            for (int g = 0; g < kGroupsS; ++g) {
-              const int c = get<1>(cS(make_coord(0, r, g), 0, 0));
-              bool v0 = c < limit, v1 = c + 1 < limit;
-              if constexpr (decltype(with_mask)::value) {
-                const uint32_t m2 = Cfg::MaskTile::read_pair(mask_smem, mask_rows ? row : 0, c);
-                v0 = v0 & ((m2 & 0xffu) != 0u);
-                v1 = v1 & ((m2 >> 8) != 0u);
-              }
+            for (int r = 0; r < 2; ++r) {
               float& s0 = acc_s(make_coord(0, r, g), 0, 0);
               float& s1 = acc_s(make_coord(1, r, g), 0, 0);
-              s0 = v0 ? s0 : -INFINITY;
-              s1 = v1 ? s1 : -INFINITY;
+              float x0, x1;
+              if constexpr (kSoftcap) {
+                x0 = log2_logit<kSoftcap>(p, s0) + b2.x;
+                x1 = log2_logit<kSoftcap>(p, s1) + b2.y;
+              } else {
+                x0 = fmaf(s0, scale_log2, b2.x);
+                x1 = fmaf(s1, scale_log2, b2.y);
+              }
+              if constexpr (kTest) {
+                const int q = qrow[r];
+                s0 = (rg.x <= q) & (q < rg.y) ? x0 : -INFINITY;
+                s1 = (rg.z <= q) & (q < rg.w) ? x1 : -INFINITY;
+              } else {
+                s0 = x0;
+                s1 = x1;
+              }
             }
           }
         };
-        if (kHasMask && partial) {
-          apply(cute::true_type{});
+        if ((i + 1) * kBlockN > n_full) {
+          body(std::true_type{});
         } else {
-          apply(cute::false_type{});
+          body(std::false_type{});
         }
-      }
-    };
+      };
 
-    // Online softmax: logits -> unnormalised probabilities in place, running max and sum
-    // updated; alpha[r] is the factor the accumulated output rows must be rescaled by.
-    // Accumulator value (c, r, g) is column 8 g + c, row 8 r of this thread's quad; the four
-    // threads of a quad share rows.
-    auto softmax_step = [&](auto& acc_s, float (&alpha)[2]) {
-      constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
-      CUTE_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        float mx = row_max[r];
-        CUTE_UNROLL
-        for (int g = 0; g < kGroupsS; ++g) {
-          mx = fmaxf(mx, fmaxf(acc_s(make_coord(0, r, g), 0, 0), acc_s(make_coord(1, r, g), 0, 0)));
+      auto to_logits = [&](auto& acc_s, int i, int a) {
+        if constexpr (kIntervals) {
+          interval_logits(acc_s, i, a);
+          return;
+        } else if constexpr (kGather) {
+          gathered_logits(acc_s, i, a);
+          return;
         }
-        mx = quad_max(mx);
-        const float base = mx == -INFINITY ? 0.f : mx * kLog2e;
-        alpha[r] = exp2f(row_max[r] * kLog2e - base);
-        row_max[r] = mx;
-        float sum = 0.f;
+        const char* mask_smem = mask_smem0 + a * aux.stride;
+        const char* bias_smem = bias_smem0 + a * aux.stride;
+        const int k0 = tile_of(i) * kBlockN;
+        const bool partial = partial_of(i, k0);
         CUTE_UNROLL
-        for (int g = 0; g < kGroupsS; ++g) {
+        for (int e = 0; e < size(acc_s); ++e) {
+          float s = acc_s(e);
+          acc_s(e) = log2_logit<kSoftcap>(p, s);
+        }
+        // A thread's accumulator values come in pairs of adjacent columns (c, c + 1), c even: read
+        // their bias / mask as one 4-byte / 2-byte word, and a bias or mask broadcast over queries
+        // once for both of the thread's rows; the causal / ragged bound becomes one column limit
+        // per row (about 10 % faster than per-element reads on a per-query mask + bias).
+        constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
+        if constexpr (kHasBias) {
           CUTE_UNROLL
-          for (int c = 0; c < 2; ++c) {
-            const float pv = exp2f(acc_s(make_coord(c, r, g), 0, 0) * kLog2e - base);
-            acc_s(make_coord(c, r, g), 0, 0) = pv;
-            sum += pv;
+          for (int g = 0; g < kGroupsS; ++g) {
+            const int c = get<1>(cS(make_coord(0, 0, g), 0, 0));
+            if (!bias_rows) {
+              const float2 b2 = Cfg::BiasTile::read_pair(bias_smem, 0, c);
+              CUTE_UNROLL
+              for (int r = 0; r < 2; ++r) {
+                float& s0 = acc_s(make_coord(0, r, g), 0, 0);
+                float& s1 = acc_s(make_coord(1, r, g), 0, 0);
+                s0 = fmaf(b2.x, kLog2e, s0);
+                s1 = fmaf(b2.y, kLog2e, s1);
+              }
+            } else {
+              CUTE_UNROLL
+              for (int r = 0; r < 2; ++r) {
+                const float2 b2 =
+                    Cfg::BiasTile::read_pair(bias_smem, get<0>(cS(make_coord(0, r, g), 0, 0)), c);
+                float& s0 = acc_s(make_coord(0, r, g), 0, 0);
+                float& s1 = acc_s(make_coord(1, r, g), 0, 0);
+                s0 = fmaf(b2.x, kLog2e, s0);
+                s1 = fmaf(b2.y, kLog2e, s1);
+              }
+            }
           }
         }
-        row_sum[r] = row_sum[r] * alpha[r] + sum;  // quad-reduced once, at the end
-      }
-    };
-    auto rescale_o = [&](const float (&alpha)[2]) {
-      constexpr int kGroupsO = decltype(size<0, 2>(acc_o))::value;
-      CUTE_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        CUTE_UNROLL
-        for (int g = 0; g < kGroupsO; ++g) {
-          acc_o(make_coord(0, r, g), 0, 0) *= alpha[r];
-          acc_o(make_coord(1, r, g), 0, 0) *= alpha[r];
+        if (partial || (k0 + kBlockN > Lk())) {
+          // Branch-free: every element gets a select, the mask word is read unconditionally
+          // (bitwise &, not &&, so the compiler does not guard the load with a branch).
+          auto apply = [&](auto with_mask) {
+            CUTE_UNROLL
+            for (int r = 0; r < 2; ++r) {
+              const int row = get<0>(cS(make_coord(0, r, 0), 0, 0));
+              // Columns < limit are in range and causally visible to this row.
+              int limit = Lk() - k0;
+              if (p.causal) limit = min(limit, q0 + row + Lk() - Lq() - k0 + 1);
+              CUTE_UNROLL
+              for (int g = 0; g < kGroupsS; ++g) {
+                const int c = get<1>(cS(make_coord(0, r, g), 0, 0));
+                bool v0 = c < limit, v1 = c + 1 < limit;
+                if constexpr (decltype(with_mask)::value) {
+                  const uint32_t m2 = Cfg::MaskTile::read_pair(mask_smem, mask_rows ? row : 0, c);
+                  v0 = v0 & ((m2 & 0xffu) != 0u);
+                  v1 = v1 & ((m2 >> 8) != 0u);
+                }
+                float& s0 = acc_s(make_coord(0, r, g), 0, 0);
+                float& s1 = acc_s(make_coord(1, r, g), 0, 0);
+                s0 = v0 ? s0 : -INFINITY;
+                s1 = v1 ? s1 : -INFINITY;
+              }
+            }
+          };
+          if (kHasMask && partial) {
+            apply(cute::true_type{});
+          } else {
+            apply(cute::false_type{});
+          }
         }
-      }
-    };
+      };
 
-    Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    // P of the tile whose P V product is next, as the register A operand of that product.
-    Tensor rP = make_tensor_like<Elem>(acc_s);
-    Tensor tOrP = make_tensor(rP.data(), acc_as_gmma_a_layout(rP.layout()));
-    auto to_p = [&] {
-      CUTE_UNROLL
-      for (int e = 0; e < size(acc_s); ++e) rP(e) = Elem(acc_s(e));
-    };
-    auto issue_qk = [&](int i) {
-      const int s = i % kStages;
-      ClusterBarrier::wait(bar.k_full + s, (i / kStages) & 1);
-      Tensor tSrKs = tSrK(_, _, _, s);
-      wgmma_issue<false>(mma_qk, tSrQ, tSrKs, acc_s, /*zero=*/true);
-    };
-    auto issue_pv = [&](int i) {
-      const int s = i % kStages;
-      ClusterBarrier::wait(bar.v_full + s, (i / kStages) & 1);
-      Tensor tOrVts = tOrVt(_, _, _, s);
-      wgmma_issue<true>(mma_pv, tOrP, tOrVts, acc_o, /*zero=*/false);
-    };
-    // Scores of tile i (its S product waited for) -> probabilities; alpha as softmax_step.
-    auto scores_to_probs = [&](int i, float (&alpha)[2]) {
-      stage_released(bar.k_empty + i % kStages);
-      if constexpr (Cfg::kHasAux || kGather) {
-        const int a = i % kAuxStages;
-        ClusterBarrier::wait(bar.aux_full + a, (i / kAuxStages) & 1);
-        to_logits(acc_s, i, a);
-        stage_released(bar.aux_empty + a);
-      } else {
-        to_logits(acc_s, i, 0);
-      }
-      softmax_step(acc_s, alpha);
-    };
-    auto pv_done = [&](int i) {
-      wgmma_wait<0>(acc_o);
-      warpgroup_fence_operand(rP);
-      stage_released(bar.v_empty + i % kStages);
-    };
+      // Online softmax: logits (log2 units) -> unnormalised probabilities in place, running max
+      // (log2 units) and sum updated; alpha[r] is the factor the accumulated output rows must be
+      // rescaled by.
+      // Accumulator value (c, r, g) is column 8 g + c, row 8 r of this thread's quad; the four
+      // threads of a quad share rows.
+      auto softmax_step = [&](auto& acc_s, float (&alpha)[2]) {
+        constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
+        CUTE_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          float mx = row_max[r];
+          CUTE_UNROLL
+          for (int g = 0; g < kGroupsS; ++g) {
+            mx = fmaxf(mx, fmaxf(acc_s(make_coord(0, r, g), 0, 0), acc_s(make_coord(1, r, g), 0, 0)));
+          }
+          mx = quad_max(mx);
+          const float base = mx == -INFINITY ? 0.f : mx;
+          alpha[r] = exp2f(row_max[r] - base);
+          row_max[r] = mx;
+          float sum = 0.f;
+          CUTE_UNROLL
+          for (int g = 0; g < kGroupsS; ++g) {
+            CUTE_UNROLL
+            for (int c = 0; c < 2; ++c) {
+              const float pv = exp2f(acc_s(make_coord(c, r, g), 0, 0) - base);
+              acc_s(make_coord(c, r, g), 0, 0) = pv;
+              sum += pv;
+            }
+          }
+          row_sum[r] = row_sum[r] * alpha[r] + sum;  // quad-reduced once, at the end
+        }
+      };
+      auto rescale_o = [&](const float (&alpha)[2]) {
+        constexpr int kGroupsO = decltype(size<0, 2>(acc_o))::value;
+        CUTE_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          CUTE_UNROLL
+          for (int g = 0; g < kGroupsO; ++g) {
+            acc_o(make_coord(0, r, g), 0, 0) *= alpha[r];
+            acc_o(make_coord(1, r, g), 0, 0) *= alpha[r];
+          }
+        }
+      };
 
-    ClusterBarrier::wait(bar.q_full, 0);
-    float alpha[2];
-    if constexpr (FLASH_DMATTN_FWD_SM90_OVERLAP) {
-      issue_qk(0);
-      wgmma_wait<0>(acc_s);
-      scores_to_probs(0, alpha);  // O is still zero: nothing to rescale
-      to_p();
-      for (int i = 1; i < n_steps; ++i) {
-        issue_qk(i);
-        issue_pv(i - 1);
-        wgmma_wait<1>(acc_s);  // batches complete in order: S(i) is ready, P V may still run
-        scores_to_probs(i, alpha);
-        pv_done(i - 1);
-        rescale_o(alpha);
-        to_p();
-      }
-      issue_pv(n_steps - 1);
-      pv_done(n_steps - 1);
-    } else {
-      for (int i = 0; i < n_steps; ++i) {
-        issue_qk(i);
+      Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      // P of the tile whose P V product is next, as the register A operand of that product.
+      Tensor rP = make_tensor_like<Elem>(acc_s);
+      Tensor tOrP = make_tensor(rP.data(), acc_as_gmma_a_layout(rP.layout()));
+      auto to_p = [&] {
+        CUTE_UNROLL
+        for (int e = 0; e < size(acc_s); ++e) rP(e) = Elem(acc_s(e));
+      };
+      auto issue_qk = [&](int i) {
+        const int s = (step0 + i) % kStages;
+        ClusterBarrier::wait(bar.k_full + s, ((step0 + i) / kStages) & 1);
+        Tensor tSrKs = tSrK(_, _, _, s);
+        wgmma_issue<false>(mma_qk, tSrQ, tSrKs, acc_s, /*zero=*/true);
+      };
+      auto issue_pv = [&](int i) {
+        const int s = (step0 + i) % kStages;
+        ClusterBarrier::wait(bar.v_full + s, ((step0 + i) / kStages) & 1);
+        Tensor tOrVts = tOrVt(_, _, _, s);
+        wgmma_issue<true>(mma_pv, tOrP, tOrVts, acc_o, /*zero=*/false);
+      };
+      // Scores of tile i (its S product waited for) -> probabilities; alpha as softmax_step.
+      auto scores_to_probs = [&](int i, float (&alpha)[2]) {
+        const int g = step0 + i;
+        stage_released(bar.k_empty + g % kStages);
+        // The last S product was the last reader of Q: the producer may load the next item's.
+        if (i == n_steps - 1) stage_released(bar.q_empty);
+        if constexpr (Cfg::kHasAux || kGather) {
+          const int a = g % kAuxStages;
+          ClusterBarrier::wait(bar.aux_full + a, (g / kAuxStages) & 1);
+          to_logits(acc_s, i, a);
+          stage_released(bar.aux_empty + a);
+        } else {
+          to_logits(acc_s, i, 0);
+        }
+        softmax_step(acc_s, alpha);
+      };
+      auto pv_done = [&](int i) {
+        wgmma_wait<0>(acc_o);
+        warpgroup_fence_operand(rP);
+        stage_released(bar.v_empty + (step0 + i) % kStages);
+      };
+
+      ClusterBarrier::wait(bar.q_full, rounds & 1);
+      float alpha[2];
+      if constexpr (FLASH_DMATTN_FWD_SM90_OVERLAP) {
+        issue_qk(0);
         wgmma_wait<0>(acc_s);
-        scores_to_probs(i, alpha);
-        rescale_o(alpha);
+        scores_to_probs(0, alpha);  // O is still zero: nothing to rescale
         to_p();
-        issue_pv(i);
-        pv_done(i);
+        for (int i = 1; i < n_steps; ++i) {
+          issue_qk(i);
+          issue_pv(i - 1);
+          wgmma_wait<1>(acc_s);  // batches complete in order: S(i) is ready, P V may still run
+          scores_to_probs(i, alpha);
+          pv_done(i - 1);
+          rescale_o(alpha);
+          to_p();
+        }
+        issue_pv(n_steps - 1);
+        pv_done(n_steps - 1);
+      } else {
+        for (int i = 0; i < n_steps; ++i) {
+          issue_qk(i);
+          wgmma_wait<0>(acc_s);
+          scores_to_probs(i, alpha);
+          rescale_o(alpha);
+          to_p();
+          issue_pv(i);
+          pv_done(i);
+        }
       }
     }
-  }
 
-  // Epilogue: normalise, write lse (natural log; -inf and zero output for rows with no key).
-  const int lane = tid % 32;
-  constexpr int kGroupsO = decltype(size<0, 2>(acc_o))::value;
-  CUTE_UNROLL
-  for (int r = 0; r < 2; ++r) {
-    const float sum = quad_sum(row_sum[r]);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const int row = q0 + get<0>(cO(make_coord(0, r, 0), 0, 0));
-    if (row < Lq()) {
-      if (lane % 4 == 0) lse[row] = sum > 0.f ? row_max[r] + logf(sum) : -INFINITY;
-      Elem* orow = out + int64_t(row) * p.o_sl;
-      CUTE_UNROLL
-      for (int g = 0; g < kGroupsO; ++g) {
-        const int col = get<1>(cO(make_coord(0, r, g), 0, 0));
-        if (col < p.D) {
-          // col is even and D a multiple of 8: the pair is in range and 4-byte aligned.
-          __align__(4) Elem pair[2] = {Elem(acc_o(make_coord(0, r, g), 0, 0) * inv),
-                                       Elem(acc_o(make_coord(1, r, g), 0, 0) * inv)};
-          *reinterpret_cast<uint32_t*>(orow + col) = *reinterpret_cast<uint32_t*>(pair);
+    // Epilogue: normalise, write lse (natural log; -inf and zero output for rows with no key).
+    const int lane = tid % 32;
+    constexpr int kGroupsO = decltype(size<0, 2>(acc_o))::value;
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const float sum = quad_sum(row_sum[r]);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const int row = q0 + get<0>(cO(make_coord(0, r, 0), 0, 0));
+      if (row < Lq()) {
+        // The running max is in log2 units; lse is in natural-log units.
+        if (lane % 4 == 0) lse[row] = sum > 0.f ? row_max[r] * kLn2 + logf(sum) : -INFINITY;
+        Elem* orow = out + int64_t(row) * p.o_sl;
+        CUTE_UNROLL
+        for (int g = 0; g < kGroupsO; ++g) {
+          const int col = get<1>(cO(make_coord(0, r, g), 0, 0));
+          if (col < p.D) {
+            // col is even and D a multiple of 8: the pair is in range and 4-byte aligned.
+            __align__(4) Elem pair[2] = {Elem(acc_o(make_coord(0, r, g), 0, 0) * inv),
+                                         Elem(acc_o(make_coord(1, r, g), 0, 0) * inv)};
+            *reinterpret_cast<uint32_t*>(orow + col) = *reinterpret_cast<uint32_t*>(pair);
+          }
         }
       }
+    }
+    if (n_steps > 0) {
+      step0 += n_steps;
+      ++rounds;
     }
   }
 }
@@ -720,7 +805,12 @@ static cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  const dim3 grid = q_tile_grid((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM, p.B, p.H, p.Hkv);
+  const int items = (p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM * p.B * p.H;
+  // Key-interval walks are short (about window / kBlockN steps an item), so a CTA's own load
+  // of Q and its epilogue would be a large share of its time: one CTA per SM walks items in
+  // turn and overlaps them (the lists are of similar lengths, so a fixed stride balances).
+  // Other walks keep one CTA per item, which the hardware schedules as SMs free up.
+  const int grid = kIntervals ? std::min(items, sm_count()) : items;
   kernel<<<grid, Cfg::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

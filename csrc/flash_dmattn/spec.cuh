@@ -27,5 +27,6 @@ using Elem = cutlass::half_t;
 #endif
 
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 }  // namespace flash_dmattn
