@@ -2,14 +2,18 @@
 # One device call for context-parallel attention (issue 37) on a machine with 2-4 GPUs: the
 # GPUs, the gloo tests, the NCCL tests (the example under torchrun on 2 and 4 GPUs, both
 # layouts, equal and uneven shards, checked against one process; its output is in
-# tests-gpu.log), the example at a longer sequence, then the cp benchmark suite with whatever
-# time is left. Logs go to $OUT; phases are timed in $OUT/times.log.
+# tests-gpu.log), the example at a longer sequence, optionally the DMA profile (PROFILE_S), then
+# the cp benchmark suite with whatever time is left. Logs go to $OUT; phases are timed in $OUT/times.log.
 #   bash scripts/gpu_cp.sh
 # Knobs (environment):
 #   TOTAL_S    the whole call's budget in seconds (default 540); the benchmark gets what is left
 #   GLOO_S / TEST_S / EXAMPLE_S   per-step limits (0 skips the step)
 #   EXAMPLE_GPUS / EXAMPLE_LEN   the longer example runs: on these GPU counts (default "4"),
 #              EXAMPLE_LEN tokens per GPU (default 32768)
+#   PROFILE_S  the DMA profile's limit (default 0: skipped): scripts/cp_profile.py under torchrun
+#              on PROFILE_GPUS GPUs (default: all), PROFILE_LEN tokens per GPU (default 262144,
+#              the 1M row on 4), PROFILE_ARGS extra arguments (e.g. "--trace $OUT/traces");
+#              log in $OUT/profile.log
 #   BENCH_S    the benchmark's limit (default: the rest of TOTAL_S; 0 skips it)
 #   BENCH_MATCH   benchmarks.run --match (default "dense causal,DMA": the issue's target rows,
 #              not the 128K mask + bias one; "" runs every workload)
@@ -85,6 +89,18 @@ if [ "${EXAMPLE_S:-45}" -gt 0 ]; then
     grep -E "^rank|^  |rc=|Error" "$OUT/example-$p.log" | head -20
   done
   stamp "examples"
+fi
+
+# 3b. The DMA profile: one fwd+bwd under torch.profiler (top CUDA / CPU ops, host waits, kernel
+#     launches), then one rank against the plain call at the per-GPU length (scripts/cp_profile.py).
+if [ "${PROFILE_S:-0}" -gt 0 ]; then
+  # shellcheck disable=SC2086
+  timeout "$(limit "$PROFILE_S" 20)" torchrun --standalone --nproc-per-node "${PROFILE_GPUS:-$NGPU}" \
+    scripts/cp_profile.py --per-gpu "${PROFILE_LEN:-262144}" --backend "$BACKEND" ${PROFILE_ARGS:-} \
+    >"$OUT/profile.log" 2>&1
+  echo "profile rc=$?" >>"$OUT/profile.log"
+  grep -E "^== |host synchronisations|^trace|selected.py|rc=|Error" "$OUT/profile.log" | head -24
+  stamp "profile"
 fi
 
 # 4. The cp suite: 1, 2 and 4 GPUs (one torchrun a variant), with the time that is left.

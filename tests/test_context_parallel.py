@@ -714,6 +714,29 @@ def test_example_under_torchrun():
     assert "rank 1/2: 256 tokens, zigzag layout" in res.stdout
 
 
+def test_cp_profile_script_under_torchrun():
+    # scripts/cp_profile.py as gpu_cp.sh runs it (PROFILE_S), on CPU with gloo and tiny sizes:
+    # the DMA call on 2 ranks, its host waits, and the one-rank comparison with the plain call.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "FLASH_DMATTN_BACKEND", "FLASH_DMATTN_DISABLE")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "scripts/cp_profile.py", "--per-gpu", "32", "--window", "4", "--repeats", "1",
+           "--top", "3"]
+    res = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
+    out = res.stdout
+    assert "== context_parallel_dma_attention on 2 rank(s), L=64" in out, out
+    assert "host synchronisations of one fwd+bwd (HostSyncs), by rank: [1, 1]" in out, out
+    assert "selected.py" in out and "-- top ops by CPU time" in out, out
+    assert "== one rank at L=32" in out and "host synchronisations (HostSyncs): CP 0" in out, out
+
+
 def test_cp_benchmark_quick(tmp_path):
     # The cp suite on CPU: one torchrun (gloo) per variant, rows and the targets' summary.
     import json
