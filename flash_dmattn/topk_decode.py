@@ -8,11 +8,11 @@ not ``L``. Two functions:
   keys, ``O(B·Hkv·W)`` integers (``-1`` for empty slots), exactly the keys that
   :func:`~flash_dmattn.utils.mask.create_mask` / :func:`~flash_dmattn.utils.mask.topk_intervals`
   let the step's (last) query see.
-* :func:`selected_keys_attention` attends over the listed keys only. On the triton backend (GPU,
-  or CPU under ``TRITON_INTERPRET=1``) its split-KV decode kernel reads the K/V rows and bias
-  values by index (:mod:`flash_dmattn.backends.triton.decode_selected`); elsewhere the listed
-  rows are gathered and attended by :func:`~flash_dmattn.flash_dmattn_func`. Both equal the
-  dense call with the selection as a bool mask.
+* :func:`selected_keys_attention` attends over the listed keys only. On a GPU with triton its
+  split-KV decode kernel reads the K/V rows and bias values by index
+  (:mod:`flash_dmattn.backends.triton.decode_selected`); elsewhere the listed rows are gathered
+  and attended by :func:`~flash_dmattn.flash_dmattn_func`. Both equal the dense call with the
+  selection as a bool mask.
 
 Together (``cache_seqlens`` optional, a preallocated cache's used lengths)::
 
@@ -63,7 +63,8 @@ def topk_key_index(
     Returns int64 ``(B, H, min(window_size, L))``: per (batch, head) the positions of the
     ``window_size`` candidates with the largest bias (ties to the lower position), best first,
     then ``-1`` for the slots left when fewer keys are candidates. With ``window_size >= L``
-    the list is every candidate in position order.
+    every candidate is kept, and slot ``j`` holds key ``j`` (or ``-1`` where ``j`` is no
+    candidate): no sort.
 
     The same keys as the last row of the dense selections: for batch ``b`` with used length
     ``n``, ``create_mask(bias[b:b+1, ..., :n], padding_mask[b:b+1, :n], window_size=W,
@@ -198,10 +199,11 @@ def selected_keys_attention(
                                 softmax_scale=softmax_scale, is_causal=is_causal,
                                 softcap=softcap, cache_seqlens=cache_seqlens)
 
-    The triton kernel runs eager forward calls of at most 64 rows (``Lq * H / Hkv``) with a
-    list per kv head; others (gradients, per-query-head lists, other backends forced by
-    ``FLASH_DMATTN_BACKEND``, no triton) gather the listed rows and run one dense call on the
-    backend auto-dispatch picks. Either way K/V are read at the listed rows only.
+    The triton kernel runs forward calls on a GPU (or on CPU with ``FLASH_DMATTN_BACKEND=triton``
+    under ``TRITON_INTERPRET=1``) of at most 64 rows (``Lq * H / Hkv``) with a list per kv
+    head; the others (gradients, per-query-head lists, CPU, another backend forced, no triton)
+    gather the listed rows and run one dense call on the backend auto-dispatch picks. Either
+    way K/V are read at the listed rows only.
     """
     _check_qkv(query, key, value, "4-D (batch, seqlen, heads, head_dim)")
     batch, seqlen_q, heads, head_dim = query.shape
@@ -265,6 +267,8 @@ def _triton_runs(query, key, value, key_index, bias, heads: int, kv_heads: int) 
     forced = envs.forced_backend()
     if forced is not None and forced != "triton":
         return False
+    if query.device.type != "cuda" and forced is None:
+        return False  # on CPU the reference runs (the dispatch policy's cpu rule)
     group = heads // kv_heads
     if group * query.shape[1] > DECODE_MAX_ROWS or (key_index.shape[1] == heads and group > 1):
         return False

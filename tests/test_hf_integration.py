@@ -492,6 +492,97 @@ def test_doge_matches_eager(kernel_spy, mask_spy):
     assert all(c["attn_bias"].shape[1] == 2 for c in steps)
 
 
+def test_doge_generate_without_padding_matches_eager(kernel_spy):
+    # Greedy tokens equal eager's; every decoding step took the top-W path.
+    doge = pytest.importorskip("transformers.models.doge", reason="transformers has no Doge")
+    cfg = doge.DogeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        keep_window_size=8,
+    )
+    torch.manual_seed(1)
+    model = doge.DogeForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        model.set_attn_implementation("dmattn")
+        gen = model.generate(ids, **kw)
+    assert torch.equal(gen, ref)
+    steps = [c for c in kernel_spy if c["query"].shape[1] == 1]
+    assert len(steps) == 3 * 2 and all(c["key_index"].shape[-1] == 8 for c in steps)
+
+
+def test_mask_function_lets_doge_decoding_steps_skip_the_causal_mask():
+    # Doge folds the mask into its dynamic mask, which drops the meaning of None (causal) for
+    # several queries: those always get the materialised mask. A single query has no
+    # causality: it gets sdpa's answer (None where sdpa may skip, i.e. without padding).
+    doge = pytest.importorskip("transformers.models.doge", reason="transformers has no Doge")
+    from transformers.masking_utils import causal_mask_function
+
+    cfg = doge.DogeConfig(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4,
+                          num_key_value_heads=2, num_hidden_layers=1)
+    common = dict(batch_size=2, kv_length=13, kv_offset=0, mask_function=causal_mask_function,
+                  allow_is_causal_skip=True, config=cfg, device="cpu")
+    prefill = hf_transformers.dmattn_mask(q_length=13, q_offset=0, attention_mask=None, **common)
+    assert prefill is not None and prefill.shape == (2, 1, 13, 13)
+    assert hf_transformers.dmattn_mask(q_length=1, q_offset=12, attention_mask=None, **common) is None
+    padded = torch.ones(2, 13, dtype=torch.bool)
+    padded[0, :3] = False
+    step = hf_transformers.dmattn_mask(q_length=1, q_offset=12, attention_mask=padded, **common)
+    assert torch.equal(step[:, 0, 0], padded)
+
+
+class _DogeLayer(_Module):
+    """What the integration reads of a Doge attention layer."""
+
+    def __init__(self, window):
+        super().__init__()
+        self.keep_window_size = window
+        self.config = type("Cfg", (), {"model_type": "doge"})()
+
+
+def _doge_step_mask(b, hkv, g, lk, window, dtype, seed=0):
+    """A Doge decoding step's additive mask: per kv head the top-``window`` of a random bias
+    (dtype-min elsewhere; the last keys of batch 0 are padding), repeated over each group."""
+    gen = torch.Generator().manual_seed(seed)
+    bias = torch.rand(b, hkv, 1, lk, generator=gen).to(dtype)
+    lo = torch.finfo(dtype).min
+    bias[0, :, :, -3:] = lo
+    top = torch.topk(bias, window, dim=-1).indices
+    m = torch.full_like(bias, lo).scatter(-1, top, bias.gather(-1, top))
+    return m.repeat_interleave(g, 1)
+
+
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_doge_decode_step_attends_to_the_kept_keys_by_index(kernel_spy, monkeypatch, backend):
+    # One step through the attention function: the kept keys by index (the triton kernel when
+    # forced under the interpreter, else the gathered call), equal to eager on the mask.
+    if backend == "triton":
+        from interpreter_only import interpreter_skip_reason
+
+        reason = interpreter_skip_reason()
+        if reason is not None:
+            pytest.skip(str(reason))
+        monkeypatch.setenv("FLASH_DMATTN_BACKEND", "triton")
+    q, k, v = _qkv(b=2, h=4, hkv=2, lq=1, lk=30, d=16)
+    add = _doge_step_mask(2, 2, 2, 30, 6, torch.float32)
+    out, _ = hf_transformers.dmattn_attention_forward(_DogeLayer(6), q, k, v, add, scaling=0.25)
+    torch.testing.assert_close(out.double(), _eager(q, k, v, add, 0.25), atol=1e-5, rtol=1e-5)
+    call = kernel_spy[-1]
+    assert tuple(call["key_index"].shape) == (2, 2, 6) and call["attn_bias"].shape[1] == 2
+    if backend is not None:
+        return
+    # Not a Doge step: the dense path (window not exceeded, another model, two queries)
+    for module, lk, lq in ((_DogeLayer(30), 30, 1), (_Module(), 30, 1), (_DogeLayer(6), 30, 2)):
+        q2, k2, v2 = _qkv(b=2, h=4, hkv=2, lq=lq, lk=lk, d=16)
+        add2 = _doge_step_mask(2, 2, 2, lk, min(6, lk), torch.float32).expand(2, 4, lq, lk)
+        out2, _ = hf_transformers.dmattn_attention_forward(module, q2, k2, v2, add2, scaling=0.25)
+        torch.testing.assert_close(out2.double(), _eager(q2, k2, v2, add2, 0.25),
+                                   atol=1e-5, rtol=1e-5)
+        assert "key_index" not in kernel_spy[-1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "doge"])
 def test_gpu_bf16_matches_eager_on_fast_backend(arch, kernel_spy):
