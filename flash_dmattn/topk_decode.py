@@ -31,6 +31,7 @@ import torch
 
 from . import envs, registry
 from .inputs import _check_cache_seqlens, _check_qkv, _scale_and_softcap, normalise_mask_or_bias
+from .ops import eager_inference
 from .planning.decode import DECODE_MAX_ROWS
 
 __all__ = ["topk_key_index", "selected_keys_attention"]
@@ -272,8 +273,9 @@ def _triton_runs(query, key, value, key_index, bias, heads: int, kv_heads: int) 
     group = heads // kv_heads
     if group * query.shape[1] > DECODE_MAX_ROWS or (key_index.shape[1] == heads and group > 1):
         return False
-    if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (query, key, value, bias)):
+    # Gradients, compiling / tracing, tensor subclasses and dispatch modes take the gathered
+    # call, whose dense kernels are custom ops with autograd and fake kernels.
+    if not eager_inference(query, key, value, key_index, bias):
         return False
     return _triton_usable(query.device, query.dtype, query.shape[3], envs.interpret_mode(),
                           frozenset(envs.disabled_backends()))
