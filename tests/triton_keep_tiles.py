@@ -3,7 +3,7 @@ and keys (imported by tests/test_dropout.py only where the Triton kernels can ru
 import triton
 import triton.language as tl
 
-from flash_dmattn.backends.triton.common import (
+from flash_dmattn.backends.triton.dropout_mask import (
     _dropout_keep,
     _dropout_keep_tile,
     _dropout_keep_tile_t,

@@ -45,34 +45,40 @@ import triton.language as tl
 from ...planning.rows import aligned_rows
 from .common import (
     LOG2E,
-    _load_bcast,
-    _key_bounds,
-    _key_tile,
-    _gathered_row_bits,
-    bwd_blocks,
-    launch_tuned,
-    _load_mask_tile,
-    _scores,
-    _varlen_key_tiles,
-    _varlen_list_len,
-    _varlen_list_need_elem,
-    _varlen_need_elem,
-    _varlen_tile_state,
-    _varlen_seq,
     _dot,
+    _tanh,
+    alloc_output,
+    broadcast_strides,
+    bwd_blocks,
+    dot_upcast,
+    head_block,
+    interpret_mode,
+    last_dim_contiguous,
+    launch_tuned,
+    seqlen_bucket,
+)
+from .dropout_mask import (
     _dropout_keep,
     _dropout_keep_tile,
     _dropout_keep_tile_t,
     _dropout_seed,
-    _tanh,
-    dot_upcast,
     dropout_args,
-    alloc_output,
-    broadcast_strides,
-    head_block,
-    interpret_mode,
-    last_dim_contiguous,
-    seqlen_bucket,
+)
+from .scores import (
+    _gathered_row_bits,
+    _key_bounds,
+    _key_tile,
+    _load_bcast,
+    _load_mask_tile,
+    _scores,
+)
+from .varlen import (
+    _varlen_key_tiles,
+    _varlen_list_len,
+    _varlen_list_need_elem,
+    _varlen_need_elem,
+    _varlen_seq,
+    _varlen_tile_state,
     varlen_aux_4d,
     varlen_list_args,
     varlen_tail_rows,
@@ -119,7 +125,7 @@ def _scores_t(k, q, bias_base, mask_base, offs_n, offs_m, need_elem, mask_klim, 
               ELEM: tl.constexpr):
     """Transposed scores (keys x queries) in log2 units, plus tanh (for the softcap chain).
 
-    ``ELEM`` as in :func:`.common._scores` (1: always masked, 2: ``need_elem`` decides).
+    ``ELEM`` as in :func:`.scores._scores` (1: always masked, 2: ``need_elem`` decides).
     """
     st = _dot(k, tl.trans(q), DOT_UPCAST)
     if HAS_SOFTCAP:

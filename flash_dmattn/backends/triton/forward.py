@@ -28,12 +28,12 @@ from .common import (
     broadcast_strides,
     bwd_blocks,
     dot_upcast,
-    dropout_args,
     fwd_blocks,
     head_block,
     last_dim_contiguous,
     seqlen_bucket,
 )
+from .dropout_mask import dropout_args
 
 
 def attention_forward(

@@ -23,21 +23,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (
-    _dot,
-    _dropout_keep,
-    _dropout_keep_tile,
-    _dropout_seed,
-    _gathered_row_bits,
-    _key_bounds,
-    _key_tile,
-    _scores,
-    _varlen_key_tiles,
-    _varlen_list_len,
-    _varlen_list_need_elem,
-    _varlen_seq,
-    launch_tuned,
-)
+from .common import _dot, launch_tuned
+from .dropout_mask import _dropout_keep, _dropout_keep_tile, _dropout_seed
+from .scores import _gathered_row_bits, _key_bounds, _key_tile, _scores
+from .varlen import _varlen_key_tiles, _varlen_list_len, _varlen_list_need_elem, _varlen_seq
 
 
 @triton.jit

@@ -14,15 +14,13 @@ from .common import (
     alloc_output,
     broadcast_strides,
     dot_upcast,
-    dropout_args,
     fwd_blocks,
     head_block,
     last_dim_contiguous,
     seqlen_bucket,
-    varlen_aux_4d,
-    varlen_list_args,
-    varlen_tail_rows,
 )
+from .dropout_mask import dropout_args
+from .varlen import varlen_aux_4d, varlen_list_args, varlen_tail_rows
 
 
 def attention_forward_varlen(

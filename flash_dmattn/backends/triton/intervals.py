@@ -34,17 +34,8 @@ import triton.language as tl
 from ...intmath import cdiv
 from ...planning.key_lists import full_bounds, plan_intervals
 from .backward import _bwd_preprocess
-from .common import (
-    _dot,
-    _dropout_keep,
-    _dropout_seed,
-    _tanh,
-    alloc_output,
-    dot_upcast,
-    dropout_args,
-    head_block,
-    interpret_mode,
-)
+from .common import _dot, _tanh, alloc_output, dot_upcast, head_block, interpret_mode
+from .dropout_mask import _dropout_keep, _dropout_seed, dropout_args
 
 # Kernels read module constants only as constexprs.
 LOG2E = tl.constexpr(1.4426950408889634)
