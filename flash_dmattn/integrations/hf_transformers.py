@@ -66,6 +66,11 @@ DEFAULT_NAME = "dmattn"
 _DYNAMIC_MASK_MODEL_TYPES = frozenset({"doge"})
 
 
+def _model_type(module: Optional[torch.nn.Module]) -> Optional[str]:
+    """``module.config.model_type`` (None where the layer has no config)."""
+    return getattr(getattr(module, "config", None), "model_type", None)
+
+
 def _get_kernel() -> Callable:
     """The library call used for every attention (a seam: tests spy on it)."""
     return flash_dmattn_func_auto()
@@ -99,18 +104,23 @@ def _masked_threshold(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min / 2
 
 
-def _split_additive_mask(mask: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _split_additive_mask(
+    mask: torch.Tensor, has_bias: bool = False
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Split a float additive mask into ``(bool attend-mask, bias or None)``.
 
     Equivalent plain PyTorch::
 
         keep = torch.isfinite(mask) & (mask > torch.finfo(mask.dtype).min / 2)
-        bias = mask if mask.shape[-2] == 1 or (mask[keep] != 0).any() else None
+        bias = mask if has_bias or mask.shape[-2] == 1 or (mask[keep] != 0).any() else None
 
     The bias is the given tensor itself (its masked entries are never read because the bool
     mask excludes them), so nothing larger than the input is allocated.
     """
     keep = torch.isfinite(mask) & (mask > _masked_threshold(mask.dtype))
+    if has_bias:
+        # The caller knows the mask carries a bias (a dynamic-mask model's): no need to look.
+        return keep, mask
     if mask.dim() >= 2 and mask.shape[-2] == 1:
         # One row for every query (a decoding step's mask, a padding mask): kept as a per-key
         # bias without looking, because looking makes the host wait for the device at every
@@ -157,9 +167,12 @@ def _slice_keys(name: str, t: torch.Tensor, key_len: int) -> torch.Tensor:
 
 
 def normalise_hf_mask(
-    attention_mask: Optional[torch.Tensor], key_len: int
+    attention_mask: Optional[torch.Tensor], key_len: int, has_bias: bool = False
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], bool, int]:
     """Turn whatever a transformers model passed as ``attention_mask`` into library inputs.
+
+    ``has_bias``: a float mask is known to carry a bias (a dynamic-mask model's), so it is
+    kept as the bias without looking at its values (which makes the host wait for the device).
 
     Returns ``(bool_mask, bias, is_structural, key_limit)``:
 
@@ -205,7 +218,7 @@ def normalise_hf_mask(
     if m.dtype == torch.bool:
         return m, None, True, key_len
     if m.is_floating_point():
-        keep, bias = _split_additive_mask(m)
+        keep, bias = _split_additive_mask(m, has_bias)
         return keep, bias, True, key_len
     # Integer 4-D masks follow the 2-D convention: nonzero = attend.
     return m != 0, None, True, key_len
@@ -370,7 +383,9 @@ def _attention_call(
     """:func:`prepare_attention_call` on validated arguments (``dropout_p``: the call's)."""
     query_len, key_len = query.shape[2], key.shape[2]
 
-    mask, mask_bias, structural, key_limit = normalise_hf_mask(attention_mask, key_len)
+    mask, mask_bias, structural, key_limit = normalise_hf_mask(
+        attention_mask, key_len, has_bias=_model_type(module) in _DYNAMIC_MASK_MODEL_TYPES
+    )
 
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
@@ -452,7 +467,7 @@ def _decode_window(
     m = attention_mask
     if m.dim() != 4 or m.shape[2] != 1 or not m.is_floating_point():
         return None
-    if getattr(getattr(module, "config", None), "model_type", None) not in _DYNAMIC_MASK_MODEL_TYPES:
+    if _model_type(module) not in _DYNAMIC_MASK_MODEL_TYPES:
         return None
     window = getattr(module, "keep_window_size", None)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
