@@ -891,6 +891,8 @@ def test_bounds_of_a_call_over_two_pieces():
     kernel = LocalKernel("torch-reference", window=64)
     assert kernel.window_for(((0, 100),), 500) == 64
     assert kernel.window_for(((0, 100), (300, 400)), 500) == 128  # a jump inside a tile
+    assert kernel.window_for(((0, 100), (300, 400)), 500, ((0, 100), (300, 400))) == 64
+    assert kernel.window_for(((0, 100), (300, 400)), 500, ((150, 200),)) == 128  # keys between
     assert kernel.window_for(((0, 2048), (6144, 8192)), 5000) == 64  # a jump between tiles
     assert kernel.window_for(((0, 100),), 50) == 49  # no more keys than the call has
     assert LocalKernel("torch-reference").window_for(((0, 100),), 500) == 0

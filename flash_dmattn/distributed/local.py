@@ -103,15 +103,21 @@ class LocalKernel:
         self._planned = getattr(op, "_planned_forward", None)
         self._planned_backward = getattr(op, "_backward", None) if self._planned else None
 
-    def window_for(self, query_ranges: Optional[Sequence[Tuple[int, int]]], num_cols: int) -> int:
+    def window_for(self, query_ranges: Optional[Sequence[Tuple[int, int]]], num_cols: int,
+                   key_ranges: Optional[Sequence[Tuple[int, int]]] = None) -> int:
         """The window promise as one call passes it (0: none).
 
         * A call whose rows are two pieces of the sequence (``query_ranges`` of several
-          ranges): every query still sees at most ``window`` keys, but at the jump a row may
-          see up to ``window`` keys the row before it did not. A tile (or backward segment) of
-          ``m`` rows across the jump meets at most ``2·window + m - 2`` keys, which a promise
-          of ``2·window`` covers; a jump at a multiple of :data:`_JUMP_ALIGN` rows lies
-          between tiles and segments, whose bounds then hold with ``window``.
+          ranges) jumps from position ``p`` to ``p'``. Every query still sees at most
+          ``window`` keys, and the keys a later position keeps that an earlier one did not
+          lie between them (a top-W selection never takes a key back): at the jump, the
+          call's keys with positions in ``(p, p')``. Where the call's columns
+          (``key_ranges``) have none there (a zigzag shard against its own keys), the promise
+          holds as it is. Otherwise a row may see up to ``window`` keys the row before it did
+          not: a tile (or backward segment) of ``m`` rows across the jump meets at most
+          ``2·window + m - 2`` keys, which a promise of ``2·window`` covers; a jump at a
+          multiple of :data:`_JUMP_ALIGN` rows lies between tiles and segments, whose bounds
+          then hold with ``window``. ``key_ranges`` None: columns anywhere.
         * A call of at most ``window`` keys: the planner sizes its lists ``min(Lk, window +
           m - 1)`` and trusts a promise only below ``Lk``; ``Lk - 1`` gives lists of ``Lk``
           keys a tile (all of them, which no tile can exceed) without asking the device.
@@ -121,30 +127,31 @@ class LocalKernel:
             return 0
         if query_ranges is not None and len(query_ranges) > 1:
             row = 0
-            for a, b in query_ranges[:-1]:
-                row += b - a
-                if row % _JUMP_ALIGN:
+            for (a, e), (nxt, _) in zip(query_ranges, query_ranges[1:]):
+                row += e - a
+                gap_keys = key_ranges is None or any(ka < nxt and kb > e for ka, kb in key_ranges)
+                if gap_keys and row % _JUMP_ALIGN:
                     w = 2 * self.window
         if w >= num_cols:
             w = num_cols - 1
         return max(w, 0)
 
-    def _extra(self, bounds, query_ranges, num_cols) -> dict:
+    def _extra(self, bounds, query_ranges, num_cols, key_ranges=None) -> dict:
         if bounds is None:
             return {}
         extra = {"key_intervals": bounds}
-        w = self.window_for(query_ranges, num_cols)
+        w = self.window_for(query_ranges, num_cols, key_ranges)
         if w:
             extra["key_window"] = w
         return extra
 
     def forward(self, q, k, v, mask, bias, bounds, scale, causal, softcap, deterministic,
-                query_ranges=None, keep_plan: bool = False):
+                query_ranges=None, keep_plan: bool = False, key_ranges=None):
         """``(out (B, Lq, H, Dv) in q's dtype, lse (B, H, Lq) in the accumulation dtype,
         plan)``; ``plan`` is what :meth:`backward` takes back (None unless ``keep_plan`` and
-        the backend plans in its forward). ``query_ranges``: the global positions of the rows
-        (:attr:`~.plan.Call.row_ranges`), for the window promise."""
-        extra = self._extra(bounds, query_ranges, k.shape[1])
+        the backend plans in its forward). ``query_ranges`` / ``key_ranges``: the global
+        positions of the rows / columns (:class:`~.plan.Call`), for the window promise."""
+        extra = self._extra(bounds, query_ranges, k.shape[1], key_ranges)
         if keep_plan and self._planned is not None:
             out, lse, plan = self._planned(q, k, v, mask, bias, float(scale), bool(causal),
                                            float(softcap), **extra)
@@ -155,12 +162,12 @@ class LocalKernel:
 
     def backward(self, dout, q, k, v, mask, bias, bounds, out, lse, scale, causal, softcap,
                  deterministic, needs: Sequence[bool], query_ranges=None,
-                 plan=None) -> List[Optional[Tensor]]:
+                 plan=None, key_ranges=None) -> List[Optional[Tensor]]:
         """``[dq, dk, dv, dbias]``, None where ``needs`` did not ask; each in its input's dtype
         and shape, contiguous. ``plan``: what :meth:`forward` returned for this call."""
         needs = [bool(n) for n in needs]
         needs[3] = needs[3] and bias is not None
-        extra = self._extra(bounds, query_ranges, k.shape[1])
+        extra = self._extra(bounds, query_ranges, k.shape[1], key_ranges)
         if plan is not None and self._planned_backward is not None:
             grads = self._planned_backward(dout, q, k, v, mask, bias, out, lse, float(scale),
                                            bool(causal), float(softcap), bool(deterministic),

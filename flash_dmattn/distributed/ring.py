@@ -202,7 +202,8 @@ class _RingAttention(torch.autograd.Function):
             for call in st.plans[src]:
                 args = st.call_args(call, q, block, mask, bias, bounds)
                 out_c, lse_c, _ = kernel.forward(*args, st.scale, call.causal, st.softcap,
-                                                 st.deterministic, call.row_ranges)
+                                                 st.deterministic, call.row_ranges,
+                                                 key_ranges=call.key_ranges)
                 merger.add(call.rows, out_c, lse_c)
             if transfer is not None:
                 transfer.wait()
@@ -269,6 +270,7 @@ class _RingAttention(torch.autograd.Function):
                     dout[:, r0:r1].contiguous(), qc, kc, vc, mask_c, bias_c, bounds_c,
                     out[:, r0:r1].contiguous(), lse[:, :, r0:r1].contiguous(), st.scale,
                     call.causal, st.softcap, st.deterministic, needs, call.row_ranges,
+                    key_ranges=call.key_ranges,
                 )
                 if dq_c is not None:
                     dq.add(call.rows, dq_c)

@@ -271,7 +271,8 @@ class _SelectedAttention(torch.autograd.Function):
         for call in own_calls:
             args = st.call_args(call, q, block, None, bias, own_bounds)
             out_c, lse_c, kplan = kernel.forward(*args, st.scale, call.causal, st.softcap,
-                                                 st.deterministic, call.row_ranges, keep)
+                                                 st.deterministic, call.row_ranges, keep,
+                                                 call.key_ranges)
             own_plans.append(kplan)
             merger.add(call.rows, out_c, lse_c)
         transfer.wait()
@@ -364,7 +365,7 @@ class _SelectedAttention(torch.autograd.Function):
             dq_c, dk_c, dv_c, db_c = kernel.backward(
                 dout[:, r0:r1].contiguous(), qc, kc, vc, None, bias_c, bounds_c,
                 out[:, r0:r1].contiguous(), lse[:, :, r0:r1].contiguous(), st.scale, call.causal,
-                st.softcap, st.deterministic, needs, call.row_ranges, kplan)
+                st.softcap, st.deterministic, needs, call.row_ranges, kplan, call.key_ranges)
             for a, g in ((dq, dq_c), (dk, dk_c), (dv, dv_c), (dbias, db_c)):
                 if a is not None:
                     a.add(call.rows if a is dq else call.cols, g)
