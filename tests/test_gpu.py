@@ -230,7 +230,7 @@ def _plain_rows_auto(monkeypatch):
     from flash_dmattn.backends.triton import forward as fwd_mod
     from flash_dmattn.planning import plain_rows
 
-    monkeypatch.setattr(plain_rows, "_MEMO", type(plain_rows._MEMO)())
+    monkeypatch.setattr(plain_rows, "VERDICTS", plain_rows.VerdictMemo())
     monkeypatch.setattr(plain_rows, "SAMPLE_EVERY", 1)
     monkeypatch.setattr(plain_rows, "MIN_WAVES", 0)  # small enough to run quickly
     return fwd_mod

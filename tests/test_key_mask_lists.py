@@ -208,7 +208,7 @@ def test_plain_rows_split_is_exact(causal, monkeypatch):
 def test_plain_rows_follow_the_previous_alike_call(monkeypatch):
     # auto: split only when the previous call of the same shapes had no cut row -- and exact
     # when the mask changed since and now cuts some rows.
-    monkeypatch.setattr(plain_rows, "_MEMO", type(plain_rows._MEMO)())
+    monkeypatch.setattr(plain_rows, "VERDICTS", plain_rows.VerdictMemo())
     monkeypatch.setattr(plain_rows, "SAMPLE_EVERY", 1)
     guards = _spy_row_guards(monkeypatch)
     B, H, Lq, Lk, D = 1, 2, 48, 96, 16
@@ -223,6 +223,18 @@ def test_plain_rows_follow_the_previous_alike_call(monkeypatch):
         out, lse = attention_forward(q, k, v, mask, None, 1 / math.sqrt(D), True, 0.0)
         assert guards == want
         _assert_causal_forward(out, lse, q, k, v, mask)
+
+
+def test_verdict_memo_is_bounded_and_never_creates_when_told_not_to():
+    memo = plain_rows.VerdictMemo(max_keys=2)
+    cpu = torch.device("cpu")
+    assert memo.get("a", cpu, create=False) is None and len(memo) == 0
+    a = memo.get("a", cpu, create=True)
+    memo.get("b", cpu, create=True)
+    assert memo.get("a", cpu, create=False) is a  # "a" is now the most recently used
+    memo.get("c", cpu, create=True)                # drops "b"
+    assert len(memo) == 2 and memo.get("b", cpu, create=False) is None
+    assert memo.get("a", cpu, create=False) is a
 
 
 def test_lagged_verdict_samples_the_flag_every_few_calls(monkeypatch):

@@ -26,6 +26,11 @@ the copy once the event has passed -- nothing waits, and the host cost (two smal
 an event, tens of microseconds) is paid once per sample. Calls of fewer than ``MIN_WAVES``
 waves of programs never split: their time is mostly the host's, and the split adds a launch.
 Tests force one way with the private hook ``_FORCED``.
+
+The verdicts of alike calls live in :data:`VERDICTS`, a :class:`VerdictMemo` for the
+process's lifetime: at most ``max_keys`` keys, the least recently used dropped first. It
+changes only which of the two launches a call takes, never its result; tests give each case
+a fresh one.
 """
 from __future__ import annotations
 
@@ -73,19 +78,42 @@ def plan_plain_rows(key: Optional[tuple], device: torch.device, n_programs: int)
     if device.type == "cuda" and n_programs < MIN_WAVES * sm_count(device):
         return PlainRows(False)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    memo = _MEMO.get(key)
+    # A new verdict's buffers would come from the graph's pool while capturing: none then.
+    memo = VERDICTS.get(key, device, create=not capturing)
     if memo is None:
-        if capturing:  # its buffers would come from the graph's pool
-            return PlainRows(False)
-        memo = _MEMO[key] = _LaggedVerdict(device)
-        while len(_MEMO) > _MEMO_KEYS:
-            _MEMO.popitem(last=False)
-    _MEMO.move_to_end(key)
+        return PlainRows(False)
     return PlainRows(None, memo, capturing)
 
 
-_MEMO: "OrderedDict[tuple, _LaggedVerdict]" = OrderedDict()
-_MEMO_KEYS = 64
+class VerdictMemo:
+    """The :class:`_LaggedVerdict` of each key of alike calls, at most ``max_keys`` of them,
+    the least recently used dropped first. Not a ``functools.lru_cache``: an entry is device
+    state that every call updates, and a call under graph capture must look one up without
+    creating it."""
+
+    def __init__(self, max_keys: int = 64):
+        self.max_keys = max_keys
+        self._entries: "OrderedDict[tuple, _LaggedVerdict]" = OrderedDict()
+
+    def get(self, key: tuple, device: torch.device, create: bool) -> "Optional[_LaggedVerdict]":
+        """``key``'s verdict, now the most recently used; when it has none, a new one on
+        ``device`` if ``create``, else None."""
+        memo = self._entries.get(key)
+        if memo is None:
+            if not create:
+                return None
+            memo = self._entries[key] = _LaggedVerdict(device)
+            while len(self._entries) > self.max_keys:
+                self._entries.popitem(last=False)
+        self._entries.move_to_end(key)
+        return memo
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# The process's verdicts (see the module docstring); tests replace it with a fresh one.
+VERDICTS = VerdictMemo()
 
 
 class _LaggedVerdict:
@@ -118,6 +146,4 @@ class _LaggedVerdict:
         if self.event is not None:
             self.event.record()
         self.pending = True
-
-
 
