@@ -566,11 +566,16 @@ def test_doge_decode_step_attends_to_the_kept_keys_by_index(kernel_spy, monkeypa
             pytest.skip(str(reason))
         monkeypatch.setenv("FLASH_DMATTN_BACKEND", "triton")
     q, k, v = _qkv(b=2, h=4, hkv=2, lq=1, lk=30, d=16)
-    add = _doge_step_mask(2, 2, 2, 30, 6, torch.float32)
-    out, _ = hf_transformers.dmattn_attention_forward(_DogeLayer(6), q, k, v, add, scaling=0.25)
-    torch.testing.assert_close(out.double(), _eager(q, k, v, add, 0.25), atol=1e-5, rtol=1e-5)
-    call = kernel_spy[-1]
-    assert tuple(call["key_index"].shape) == (2, 2, 6) and call["attn_bias"].shape[1] == 2
+    # A mask in another float dtype than the query (fp16 here): masked where its own dtype's
+    # minimum is, as the dense path reads it.
+    for dtype in (torch.float32, torch.float16):
+        add = _doge_step_mask(2, 2, 2, 30, 6, dtype)
+        out, _ = hf_transformers.dmattn_attention_forward(_DogeLayer(6), q, k, v, add,
+                                                          scaling=0.25)
+        torch.testing.assert_close(out.double(), _eager(q, k, v, add, 0.25), atol=1e-5,
+                                   rtol=1e-5)
+        call = kernel_spy[-1]
+        assert tuple(call["key_index"].shape) == (2, 2, 6) and call["attn_bias"].shape[1] == 2
     if backend is not None:
         return
     # Not a Doge step: the dense path (window not exceeded, another model, two queries)

@@ -512,6 +512,7 @@ def _topk_decode(
     m = attention_mask[..., : key.shape[2]]
     if m.shape[1] == query.shape[1] and group > 1:
         m = m[:, ::group]  # one row per kv head: the group's first query head
+    floor = _masked_threshold(m.dtype)  # of the mask's own dtype, as the dense path reads it
     if m.dtype not in (query.dtype, torch.float32):
         m = m.float()
     index = torch.topk(m[:, :, 0], window, dim=-1, sorted=False).indices  # (B, Hkv, W)
@@ -520,7 +521,7 @@ def _topk_decode(
     return _get_selected_kernel()(
         query=q, key=k, value=v, key_index=index, attn_bias=m, softmax_scale=scale,
         is_causal=False, softcap=float(softcap) if softcap else 0.0, cache_seqlens=None,
-        bias_floor=_masked_threshold(m.dtype),
+        bias_floor=floor,
     )
 
 
