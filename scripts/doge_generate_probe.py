@@ -260,7 +260,12 @@ def profile_step(model, ids, a, impl):
           f"(cache {length - 1} keys){attn_text}")
     print(events.table(sort_by="self_cpu_time_total", row_limit=25))
     if a.device.startswith("cuda"):
-        print(events.table(sort_by="self_cuda_time_total", row_limit=12))
+        for key in ("self_device_time_total", "self_cuda_time_total"):  # torch renamed it
+            try:
+                print(events.table(sort_by=key, row_limit=12))
+                break
+            except (AttributeError, KeyError, ValueError):
+                continue
 
 
 # ---------------------------------------------------------------------------------------------
