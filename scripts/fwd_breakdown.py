@@ -8,6 +8,7 @@ the row before it, all over the same W keys and L queries (medians of do_bench, 
   cudnn        cuDNN SDPA over the W gathered keys, not causal (the limit)
   dense        the cuda backend's dense forward over the gathered keys (contiguous K/V rows)
   dense+bias   the same with the per-key bias (1, Hkv, 1, W)
+  walk-nobias  the key-interval forward over the gathered keys without the bias
   walk         the key-interval forward over the gathered keys, every key (but one) seen by
                every query: K/V rows copied by index, ranges and bias staged (plan prebuilt)
   shared       the key-interval forward over L keys, shared top-W selection (plan prebuilt)
@@ -55,6 +56,7 @@ def main():
     end[..., 0] = -L
     everyone = KeyIntervals(torch.full((1, Hkv, W), -L, dtype=torch.int32, device=dev), end)
     walk_plan = civ.plan_for(q, kg, bg, everyone.bounds, False, backward=False)
+    walk_plan_nobias = civ.plan_for(q, kg, None, everyone.bounds, False, backward=False)
     sel = {kind: topk_intervals(bias, W, is_causal=kind == "causal") for kind in ("shared", "causal")}
     plans = {kind: civ.plan_for(q, k, bias, ki.bounds, True, backward=False, window=ki.window)
              for kind, ki in sel.items()}
@@ -67,6 +69,8 @@ def main():
         "cudnn": cudnn,
         "dense": lambda: cuda(q, kg, vg),
         "dense+bias": lambda: cuda(q, kg, vg, attn_bias=bg),
+        "walk-nobias": lambda: civ.interval_forward(q, kg, vg, None, everyone.bounds, scale,
+                                                    False, 0.0, walk_plan_nobias),
         "walk": lambda: civ.interval_forward(q, kg, vg, bg, everyone.bounds, scale, False, 0.0,
                                              walk_plan),
         "shared": lambda: civ.interval_forward(q, k, v, bias, sel["shared"].bounds, scale, True,
