@@ -52,6 +52,9 @@ SLOW: Dict[str, Dict[str, str]] = {
     "test_decode.py": {
         "test_decode_kernel_shapes": "rest",
     },
+    "test_doge_generate_probe.py": {
+        "test_tiny_probe_runs_and_reports": "all",
+    },
     "test_examples.py": {
         "test_loss_decreases_on_a_tiny_problem": "all",
         "test_smoke_cli_writes_reports": "all",

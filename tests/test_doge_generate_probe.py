@@ -1,0 +1,23 @@
+"""scripts/doge_generate_probe.py runs (--tiny: CPU, a tiny Doge and Llama, a profiled step)."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "doge_generate_probe.py"
+
+
+def test_tiny_probe_runs_and_reports(capsys):
+    spec = importlib.util.spec_from_file_location("doge_generate_probe", SCRIPT)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.main(["--tiny", "--runs", "1", "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert "device: CPU" in out
+    assert out.count("tok/s") >= 2
+    # Doge's decoding steps took the top-W path; the Llama's the dense one
+    assert "top-W decode (key_index) 10, dense 2" in out
+    assert "top-W decode (key_index) 0, dense 12" in out
+    assert "one decoding step, dmattn" in out and "attention function" in out
