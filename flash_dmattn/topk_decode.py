@@ -302,6 +302,23 @@ def _triton_usable(device: torch.device, dtype: torch.dtype, head_dim: int, inte
     return head_dim <= 256
 
 
+def _gather_rows(t: torch.Tensor, b_ar: torch.Tensor, pos: torch.Tensor,
+                 head: torch.Tensor) -> torch.Tensor:
+    """``t[b, pos[b, s, w], head[s]]`` as ``(B, W, S, D)``: the listed rows of a ``(B, L, Hkv, D)``
+    tensor. One ``index_select`` of whole rows where ``t``'s rows are one array (heads-first or
+    sequence-first contiguous: a KV cache either way), else advanced indexing."""
+    batch, length, heads, dim = t.shape
+    if t.transpose(1, 2).is_contiguous():  # (B, Hkv, L, D) storage, as transformers keeps it
+        flat = (b_ar * heads + head) * length + pos
+        rows = t.transpose(1, 2).reshape(-1, dim)
+    elif t.is_contiguous():
+        flat = (b_ar * length + pos) * heads + head
+        rows = t.reshape(-1, dim)
+    else:
+        return t[b_ar, pos, head].transpose(1, 2)
+    return rows.index_select(0, flat.reshape(-1)).view(*pos.shape, dim).transpose(1, 2)
+
+
 def _gathered_attention(query, key, value, key_index, bias, scale, is_causal, softcap,
                         cache_seqlens, bias_floor):
     """The listed keys gathered into ``(B, W, Hs, D)`` K/V (``Hs`` the list's heads, at least
@@ -320,9 +337,9 @@ def _gathered_attention(query, key, value, key_index, bias, scale, is_causal, so
     valid = (idx >= 0) & (idx < used) & (idx < seqlen_k)
     pos = torch.where(valid, idx, 0)
     b_ar = torch.arange(batch, device=device).view(-1, 1, 1)
-    head_kv = torch.arange(sel_heads, device=device) // (sel_heads // kv_heads)
-    k_sel = key[b_ar, pos, head_kv.view(1, -1, 1)].transpose(1, 2)  # (B, W, Hs, D)
-    v_sel = value[b_ar, pos, head_kv.view(1, -1, 1)].transpose(1, 2)
+    head_kv = (torch.arange(sel_heads, device=device) // (sel_heads // kv_heads)).view(1, -1, 1)
+    k_sel = _gather_rows(key, b_ar, pos, head_kv)  # (B, W, Hs, D)
+    v_sel = _gather_rows(value, b_ar, pos, head_kv)
     mask = valid[:, :, None, :]  # (B, Hs, 1, W)
     if is_causal and seqlen_q > 1:
         # Query i sits at position i + n - Lq (n: the batch's used length).
@@ -334,15 +351,21 @@ def _gathered_attention(query, key, value, key_index, bias, scale, is_causal, so
         bx, hx, qx, kx = bias.shape
         # Per query head if the bias or the lists are; else one per list head.
         out_heads = heads if heads in (hx, sel_heads) else sel_heads
-        # The position list of each of the bias's output heads, and the bias head it reads.
+        # The position list of each of the bias's output heads.
         pos_o = pos if out_heads == sel_heads else pos.repeat_interleave(out_heads // sel_heads, 1)
-        head_b = torch.arange(out_heads, device=device) // (out_heads // hx)
-        src = bias.expand(batch, hx, qx, kx)
-        cols = pos_o[:, :, None, :] if kx > 1 else torch.zeros_like(pos_o[:, :, None, :])
-        bias_sel = src[b_ar.view(-1, 1, 1, 1), head_b.view(1, -1, 1, 1),
-                       torch.arange(qx, device=device).view(1, 1, -1, 1), cols]  # (B, Ho, qx, W)
+        if hx in (1, out_heads):
+            # Bias heads line up with the output heads: one gather along the keys.
+            cols = pos_o[:, :, None, :].expand(batch, out_heads, qx, pos_o.shape[-1])
+            bias_sel = bias.expand(batch, out_heads, qx, kx).gather(3, cols if kx > 1 else
+                                                                    torch.zeros_like(cols))
+        else:
+            head_b = torch.arange(out_heads, device=device) // (out_heads // hx)
+            cols = pos_o[:, :, None, :] if kx > 1 else torch.zeros_like(pos_o[:, :, None, :])
+            bias_sel = bias.expand(batch, hx, qx, kx)[
+                b_ar.view(-1, 1, 1, 1), head_b.view(1, -1, 1, 1),
+                torch.arange(qx, device=device).view(1, 1, -1, 1), cols]  # (B, Ho, qx, W)
         if bias_floor is not None:
-            seen = torch.isfinite(bias_sel) & (bias_sel > bias_floor)
+            seen = (bias_sel > bias_floor) & (bias_sel < float("inf"))  # finite and above
             if out_heads != sel_heads:
                 mask = mask.repeat_interleave(out_heads // sel_heads, 1)
             mask = mask & seen

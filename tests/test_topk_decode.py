@@ -147,6 +147,7 @@ def test_selected_decode_causal_queries_per_head_bias_softcap(poison, monkeypatc
     # query head and query; softcap; unsorted lists with empty slots in the middle.
     B, Lq, H, Hkv, Lk, D = 2, 2, 4, 2, 37, 24
     q, k, v = make(B, Lq, H, Hkv, Lk, D, seed=3)
+    k = torch.cat([k, torch.ones_like(k)], -1)[..., :D]  # rows with a stride of their own
     bias = torch.randn(B, H, Lq, Lk, generator=torch.Generator().manual_seed(4))
     g = torch.Generator().manual_seed(5)
     index = torch.stack([torch.randperm(Lk, generator=g)[:20] for _ in range(B * Hkv)])
