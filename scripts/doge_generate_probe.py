@@ -317,6 +317,10 @@ def run_model(kind, a):
 
 def main(argv=None):
     a = parse_args(argv)
+    # The library logs which backend auto-dispatch takes, once per kind of call.
+    import logging
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("flash_dmattn").setLevel(logging.INFO)
     header(a)
     try:
         import transformers
