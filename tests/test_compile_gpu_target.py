@@ -30,6 +30,7 @@ KERNELS = {
     "varlen": ("fwd", "dkdv", "dq"),
     "intervals": ("ifwd", "idq", "idkv"),
     "selection": ("sscore", "sprep", "spart", "squery"),
+    "decode-selected": ("ssplit", "dcomb"),
 }
 
 
