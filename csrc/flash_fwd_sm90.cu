@@ -55,10 +55,6 @@ namespace flash_dmattn {
 #ifndef FLASH_DMATTN_FWD_SM90_AUX_STAGES
 #define FLASH_DMATTN_FWD_SM90_AUX_STAGES 4
 #endif
-// 1: key-interval walks run one CTA per SM over the items; 0: one CTA per item.
-#ifndef FLASH_DMATTN_FWD_SM90_PERSISTENT
-#define FLASH_DMATTN_FWD_SM90_PERSISTENT 1
-#endif
 #ifndef FLASH_DMATTN_FWD_SM90_OVERLAP
 #define FLASH_DMATTN_FWD_SM90_OVERLAP 1
 #endif
@@ -814,8 +810,7 @@ static cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // of Q and its epilogue would be a large share of its time: one CTA per SM walks items in
   // turn and overlaps them (the lists are of similar lengths, so a fixed stride balances).
   // Other walks keep one CTA per item, which the hardware schedules as SMs free up.
-  const int grid =
-      kIntervals && FLASH_DMATTN_FWD_SM90_PERSISTENT ? std::min(items, sm_count()) : items;
+  const int grid = kIntervals ? std::min(items, sm_count()) : items;
   kernel<<<grid, Cfg::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

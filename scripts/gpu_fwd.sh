@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the cuda key-interval forward: builds the d128 bf16 modules the
-# breakdown uses side by side (and, with AB_FLAGS, the interval modules again with those nvcc
-# flags), then scripts/fwd_breakdown.py at each of LENGTHS (default and AB_FLAGS builds in the
+# breakdown uses side by side (and, with AB_FLAGS, all of them again with those nvcc flags), then scripts/fwd_breakdown.py at each of LENGTHS (default and AB_FLAGS builds in the
 # same call, so their rows compare), Nsight Compute on NCU_ROWS (0 skips), and
 # scripts/dma_probe.py with PROBE_ARGS (PROBE_S=0 skips). Logs go to $OUT.
 #   bash scripts/gpu_fwd.sh   (run with carry [".wheels"])
@@ -12,7 +11,7 @@ device_install cutlass
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 for spec in d128-bf16 d128-bf16-bias d128-bf16-mask d128-bf16-mask-bias; do
   timeout 300 python3 -m flash_dmattn build "$spec" >"$W/build-$spec.log" 2>&1 &
-  if [ -n "${AB_FLAGS:-}" ] && [[ $spec == *mask* ]]; then
+  if [ -n "${AB_FLAGS:-}" ]; then
     FLASH_DMATTN_CUDA_FLAGS="$AB_FLAGS" timeout 300 python3 -m flash_dmattn build "$spec" \
       >"$W/build-ab-$spec.log" 2>&1 &
   fi
