@@ -39,8 +39,6 @@ namespace flash_dmattn {
 #ifndef FLASH_DMATTN_FWD_SM90_STAGES
 #define FLASH_DMATTN_FWD_SM90_STAGES 2
 #endif
-// 1: a warpgroup issues S(i) = Q K(i)^T before O += P(i - 1) V(i - 1) and runs the softmax of
-// tile i while that product is on the tensor cores; 0: the two products one after the other.
 // setmaxnreg budgets. They move registers within what the CTA got at launch (168 a thread for
 // 384 threads: 64512), so 128 x producer + 256 x consumer must not exceed that -- a request the
 // pool cannot meet never returns. The consumers hold O, S and P of 64 rows and fit 224 without
@@ -55,10 +53,13 @@ namespace flash_dmattn {
 #ifndef FLASH_DMATTN_FWD_SM90_AUX_STAGES
 #define FLASH_DMATTN_FWD_SM90_AUX_STAGES 4
 #endif
-#ifndef FLASH_DMATTN_FWD_SM90_OVERLAP
-#define FLASH_DMATTN_FWD_SM90_OVERLAP 1
+// 1: the consumer warpgroups take turns issuing their products (ping-pong); 0: each issues
+// as soon as its operands are ready.
+#ifndef FLASH_DMATTN_FWD_SM90_PINGPONG
+#define FLASH_DMATTN_FWD_SM90_PINGPONG 1
 #endif
-
+constexpr bool kPingPong = FLASH_DMATTN_FWD_SM90_PINGPONG;
+constexpr int kBarTurn = 1;  // named barriers 1, 2: warpgroup 0's, 1's turn to issue
 template <int kHD>
 struct Sm90FwdConfig {
   static constexpr int kHeadDim = kHD;
@@ -438,6 +439,18 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
 
   // ---- Consumer warpgroups: 64 query rows each.
   cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+  // The two warpgroups take turns issuing their products (named barriers kBarTurn + wg): one
+  // issues S(i) and P(i-1) V(i-1), passes the turn and runs its softmax while the other's
+  // products occupy the tensor cores. Warpgroup 1 hands warpgroup 0 the first turn; warpgroup
+  // 0 takes one more turn after its last item, so every arrival is matched by a wait.
+  const int wg = (threadIdx.x - Cfg::kProducerThreads) / 128;
+  auto my_turn = [&] {
+    if constexpr (kPingPong) named_barrier_sync(kBarTurn + wg, Cfg::kConsumerThreads);
+  };
+  auto pass_turn = [&] {
+    if constexpr (kPingPong) named_barrier_arrive(kBarTurn + 1 - wg, Cfg::kConsumerThreads);
+  };
+  if (wg == 1) pass_turn();
   int step0 = 0, rounds = 0;
   for (int t = blockIdx.x; t < n_items; t += gridDim.x) {
     const Item it = item_at(t);
@@ -737,33 +750,27 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
 
       ClusterBarrier::wait(bar.q_full, rounds & 1);
       float alpha[2];
-      if constexpr (FLASH_DMATTN_FWD_SM90_OVERLAP) {
-        issue_qk(0);
-        wgmma_wait<0>(acc_s);
-        scores_to_probs(0, alpha);  // O is still zero: nothing to rescale
+      my_turn();
+      issue_qk(0);
+      pass_turn();
+      wgmma_wait<0>(acc_s);
+      scores_to_probs(0, alpha);  // O is still zero: nothing to rescale
+      to_p();
+      for (int i = 1; i < n_steps; ++i) {
+        my_turn();
+        issue_qk(i);
+        issue_pv(i - 1);
+        pass_turn();
+        wgmma_wait<1>(acc_s);  // batches complete in order: S(i) is ready, P V may still run
+        scores_to_probs(i, alpha);
+        pv_done(i - 1);
+        rescale_o(alpha);
         to_p();
-        for (int i = 1; i < n_steps; ++i) {
-          issue_qk(i);
-          issue_pv(i - 1);
-          wgmma_wait<1>(acc_s);  // batches complete in order: S(i) is ready, P V may still run
-          scores_to_probs(i, alpha);
-          pv_done(i - 1);
-          rescale_o(alpha);
-          to_p();
-        }
-        issue_pv(n_steps - 1);
-        pv_done(n_steps - 1);
-      } else {
-        for (int i = 0; i < n_steps; ++i) {
-          issue_qk(i);
-          wgmma_wait<0>(acc_s);
-          scores_to_probs(i, alpha);
-          rescale_o(alpha);
-          to_p();
-          issue_pv(i);
-          pv_done(i);
-        }
       }
+      my_turn();
+      issue_pv(n_steps - 1);
+      pass_turn();
+      pv_done(n_steps - 1);
     }
 
     // Epilogue: normalise, write lse (natural log; -inf and zero output for rows with no key).
@@ -795,6 +802,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       ++rounds;
     }
   }
+  if (wg == 0) my_turn();
 }
 
 template <bool kSoftcap, bool kGather, bool kIntervals = false>

@@ -111,11 +111,6 @@ constexpr int kBarDsExchange = 3;
 constexpr int kBarDsFree = 4;
 constexpr int kBarProducer = 6;  // the producer warpgroup alone
 
-// Arrive on barrier `id` without waiting (named_barrier_sync, wgmma.cuh, waits).
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 // Copy a 64-row tile (rows from `g`, `rows_valid` of them) into the GMMA layout at `dst`.
 template <typename Cfg>
 __device__ __forceinline__ void load_tile64(const Elem* g, int64_t row_stride, int rows_valid,

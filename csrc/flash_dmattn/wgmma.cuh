@@ -21,6 +21,11 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Arrive on barrier `id` without waiting (the threads that named_barrier_sync it wait).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // dst[0, bytes / 4) += src[...] (fp32) as one bulk asynchronous reduction from shared to global
 // memory (sm_90; 16-byte aligned, bytes a multiple of 16), committed as its own bulk group.
 __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, int bytes) {
