@@ -207,7 +207,7 @@ static cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-#if FLASH_DMATTN_SM90 && !FLASH_DMATTN_NO_SM90
+#if FLASH_DMATTN_SM90
 // flash_fwd_sm90.cu: the wgmma forward, used whenever the module is built for sm_90a.
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream);
 int fwd_sm90_block_m();

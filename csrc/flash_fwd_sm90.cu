@@ -23,43 +23,17 @@
 // key-interval planner, K / V rows copied by index as above; each listed key's visible query
 // range and its bias are staged beside it and tested arithmetically (no mask memory).
 //
-// Built only when the module targets sm_90a (the JIT passes -DFLASH_DMATTN_SM90=1 there);
-// -DFLASH_DMATTN_NO_SM90=1 keeps the sm80 kernel on Hopper for comparisons.
+// Built only when the module targets sm_90a (the JIT passes -DFLASH_DMATTN_SM90=1 there).
 #include "flash_dmattn/kernel_common.cuh"
 
-#if FLASH_DMATTN_SM90 && !FLASH_DMATTN_NO_SM90
+#if FLASH_DMATTN_SM90
 
 #include "flash_dmattn/pipeline.cuh"
 #include "flash_dmattn/wgmma.cuh"
 
 namespace flash_dmattn {
 
-// Depth of the K / V pipeline (stages of each), for tuning experiments through
-// FLASH_DMATTN_CUDA_FLAGS; the mask / bias tiles get two stages where shared memory allows.
-#ifndef FLASH_DMATTN_FWD_SM90_STAGES
-#define FLASH_DMATTN_FWD_SM90_STAGES 2
-#endif
-// setmaxnreg budgets. They move registers within what the CTA got at launch (168 a thread for
-// 384 threads: 64512), so 128 x producer + 256 x consumer must not exceed that -- a request the
-// pool cannot meet never returns. The consumers hold O, S and P of 64 rows and fit 224 without
-// spilling; the producer only computes addresses.
-#ifndef FLASH_DMATTN_FWD_SM90_PREGS
-#define FLASH_DMATTN_FWD_SM90_PREGS 56
-#endif
-#ifndef FLASH_DMATTN_FWD_SM90_CREGS
-#define FLASH_DMATTN_FWD_SM90_CREGS 224
-#endif
-// At most this many mask / bias stages (as many as fit, for the call's mask and bias shapes).
-#ifndef FLASH_DMATTN_FWD_SM90_AUX_STAGES
-#define FLASH_DMATTN_FWD_SM90_AUX_STAGES 4
-#endif
-// 1: the consumer warpgroups take turns issuing their products (ping-pong); 0: each issues
-// as soon as its operands are ready.
-#ifndef FLASH_DMATTN_FWD_SM90_PINGPONG
-#define FLASH_DMATTN_FWD_SM90_PINGPONG 1
-#endif
-constexpr bool kPingPong = FLASH_DMATTN_FWD_SM90_PINGPONG;
-constexpr int kBarTurn = 1;  // named barriers 1, 2: warpgroup 0's, 1's turn to issue
+
 template <int kHD>
 struct Sm90FwdConfig {
   static constexpr int kHeadDim = kHD;
@@ -72,9 +46,15 @@ struct Sm90FwdConfig {
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  static constexpr int kStages = FLASH_DMATTN_FWD_SM90_STAGES;
-  static constexpr int kProducerRegs = FLASH_DMATTN_FWD_SM90_PREGS;
-  static constexpr int kConsumerRegs = FLASH_DMATTN_FWD_SM90_CREGS;
+  // Two stages of K and of V: with Q, 160 KB of the 227 KB at d128; a third would not leave
+  // room for a per-query mask / bias tile.
+  static constexpr int kStages = 2;
+  // setmaxnreg budgets. They move registers within what the CTA got at launch (168 a thread
+  // for 384 threads: 64512), so 128 x producer + 256 x consumer must not exceed that -- a
+  // request the pool cannot meet never returns. The consumers hold O, S and P of 64 rows and
+  // fit 224 without spilling; the producer only computes addresses.
+  static constexpr int kProducerRegs = 56;
+  static constexpr int kConsumerRegs = 224;
 
   using SmemAtom = typename GmmaTiles<kHD>::Atom;
   static constexpr int kAtomK = GmmaTiles<kHD>::kAtomK;
@@ -106,7 +86,9 @@ struct Sm90FwdConfig {
   static constexpr int kVOff = kKOff + kStages * kStageBytes;
   // mbarriers: Q full / empty; full / empty of each K and V stage; full / empty of each
   // mask-bias stage.
-  static constexpr int kMaxAuxStages = FLASH_DMATTN_FWD_SM90_AUX_STAGES;
+  // At most this many mask / bias stages (as many as fit, for the call's mask and bias
+  // shapes): 4 keep a per-key bias two tiles ahead of the consumers with room to spare.
+  static constexpr int kMaxAuxStages = 4;
   static constexpr int kBarriers = 2 + 4 * kStages + 2 * kMaxAuxStages;
   static constexpr int kBarOff = kVOff + kStages * kStageBytes;
   static constexpr int kAuxOff = kBarOff + (8 * kBarriers + 15) / 16 * 16;
@@ -439,18 +421,6 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
 
   // ---- Consumer warpgroups: 64 query rows each.
   cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
-  // The two warpgroups take turns issuing their products (named barriers kBarTurn + wg): one
-  // issues S(i) and P(i-1) V(i-1), passes the turn and runs its softmax while the other's
-  // products occupy the tensor cores. Warpgroup 1 hands warpgroup 0 the first turn; warpgroup
-  // 0 takes one more turn after its last item, so every arrival is matched by a wait.
-  const int wg = (threadIdx.x - Cfg::kProducerThreads) / 128;
-  auto my_turn = [&] {
-    if constexpr (kPingPong) named_barrier_sync(kBarTurn + wg, Cfg::kConsumerThreads);
-  };
-  auto pass_turn = [&] {
-    if constexpr (kPingPong) named_barrier_arrive(kBarTurn + 1 - wg, Cfg::kConsumerThreads);
-  };
-  if (wg == 1) pass_turn();
   int step0 = 0, rounds = 0;
   for (int t = blockIdx.x; t < n_items; t += gridDim.x) {
     const Item it = item_at(t);
@@ -750,26 +720,20 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
 
       ClusterBarrier::wait(bar.q_full, rounds & 1);
       float alpha[2];
-      my_turn();
       issue_qk(0);
-      pass_turn();
       wgmma_wait<0>(acc_s);
       scores_to_probs(0, alpha);  // O is still zero: nothing to rescale
       to_p();
       for (int i = 1; i < n_steps; ++i) {
-        my_turn();
         issue_qk(i);
         issue_pv(i - 1);
-        pass_turn();
         wgmma_wait<1>(acc_s);  // batches complete in order: S(i) is ready, P V may still run
         scores_to_probs(i, alpha);
         pv_done(i - 1);
         rescale_o(alpha);
         to_p();
       }
-      my_turn();
       issue_pv(n_steps - 1);
-      pass_turn();
       pv_done(n_steps - 1);
     }
 
@@ -802,7 +766,6 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       ++rounds;
     }
   }
-  if (wg == 0) my_turn();
 }
 
 template <bool kSoftcap, bool kGather, bool kIntervals = false>
@@ -843,4 +806,4 @@ int fwd_sm90_block_n() { return Sm90FwdConfig<kHeadDimBucket>::kBlockN; }
 
 }  // namespace flash_dmattn
 
-#endif  // FLASH_DMATTN_SM90 && !FLASH_DMATTN_NO_SM90
+#endif  // FLASH_DMATTN_SM90

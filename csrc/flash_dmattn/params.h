@@ -27,17 +27,14 @@
 #ifndef FLASH_DMATTN_PACKED
 #define FLASH_DMATTN_PACKED 0
 #endif
-// Built for sm_90a (wgmma forward in flash_fwd_sm90.cu); NO_SM90 keeps the sm80 forward there.
+// Built for sm_90a (wgmma forward in flash_fwd_sm90.cu).
 #ifndef FLASH_DMATTN_SM90
 #define FLASH_DMATTN_SM90 0
-#endif
-#ifndef FLASH_DMATTN_NO_SM90
-#define FLASH_DMATTN_NO_SM90 0
 #endif
 // The wgmma backward (flash_bwd_sm90.cu) covers head dims up to 128 (its dK and dV accumulators
 // share a thread's registers); larger head dims run the sm80 backward on Hopper too.
 #define FLASH_DMATTN_SM90_BWD \
-  (FLASH_DMATTN_SM90 && !FLASH_DMATTN_NO_SM90 && FLASH_DMATTN_HEADDIM <= 128)
+  (FLASH_DMATTN_SM90 && FLASH_DMATTN_HEADDIM <= 128)
 
 namespace flash_dmattn {
 
