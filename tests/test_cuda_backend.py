@@ -396,9 +396,13 @@ def test_cuda_inference_gather_reads_key_bits_like_the_mask(monkeypatch):
 def test_cuda_reasons_for_what_it_does_not_take():
     backend = _cuda()
     q, k, v, mask, _ = make_problem(1, 128, 128, 4, 2, 64, torch.bfloat16, "topk", None)
+    # A float32 bias is taken (converted for the kernels, tests/test_cuda_host_inputs.py);
+    # float64 inputs are not.
     bias32 = torch.randn(1, 4, 128, 128, device="cuda")
-    reasons = backend.not_supported_reasons(AttentionInputs.from_args(q, k, v, mask, bias32))
-    assert any("float32 bias" in r for r in reasons)
+    assert backend.not_supported_reasons(AttentionInputs.from_args(q, k, v, mask, bias32)) == []
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    reasons = backend.not_supported_reasons(AttentionInputs.from_args(q64, k64, v64, mask))
+    assert any("float64 is not supported" in r for r in reasons)
 
 
 @pytest.mark.parametrize("d,causal", [(256, True), (32, False), (64, True)])

@@ -89,8 +89,8 @@ class CudaBackend(Backend):
             from .kernels import input_reasons
 
             reasons.extend(r for r in interval_reasons(inputs) if r not in reasons)
-            # The tensors' own limits (a float32 bias, head dims the vector loads cannot
-            # take), which the interval kernels share with the dense ones.
+            # The tensors' own limits (dtypes, head dims), which the interval kernels share
+            # with the dense ones.
             reasons.extend(r for r in input_reasons(
                 inputs.query, inputs.key, inputs.value, None, inputs.attn_bias, False)
                 if r not in reasons)
@@ -110,6 +110,15 @@ class CudaBackend(Backend):
             from ...planning.decode import block_table_reasons
 
             reasons.extend(r for r in block_table_reasons(inputs, "cuda") if r not in reasons)
+        from .kernels import HEAD_DIM_ALIGN, head_dim_padding
+
+        if head_dim_padding(inputs.head_dim) and (
+                getattr(inputs, "cache_seqlens", None) is not None
+                or getattr(inputs, "block_table", None) is not None):
+            # Other head dims are zero-padded to a multiple of 8 (kernels.pad_head_dim), which
+            # would copy the whole KV cache every step.
+            reasons.append(f"head_dim {inputs.head_dim} is not a multiple of {HEAD_DIM_ALIGN} "
+                           f"with a KV cache (padding it would copy the cache each call)")
         return reasons
 
     def varlen_not_supported_reasons(self, inputs) -> List[str]:

@@ -4,6 +4,8 @@ take; shared by the cuda backend's tile-list path (:mod:`.kernels`) and its key-
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import jit, toolchain
@@ -23,8 +25,38 @@ def vector_ready(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
-def reduce_key_partials(partial: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """(B, H, Lk) fp32 per-(batch, head) key sums -> the bias's own shape and dtype."""
+def kernel_bias(bias, dtype: torch.dtype):
+    """``bias`` as the kernels read it: in the inputs' ``dtype`` (fp16 / bf16).
+
+    A float32 bias (docs/contract.md §3.2) is converted once per call, its stored elements
+    only: broadcast (stride-0) dims stay broadcast, so the copy has the bias's own size at
+    half its bytes. Finite values beyond ``dtype``'s range saturate at its largest finite value
+    instead of becoming infinite, so a row of large negative finite values (an additive mask
+    built with ``torch.finfo(torch.float32).min``) keeps its meaning; ``+-inf`` and NaN stay as
+    they are. Equivalent plain PyTorch::
+
+        big = torch.finfo(dtype).max
+        torch.where(bias.isinf(), bias, bias.clamp(-big, big)).to(dtype)
+
+    The gradient of such a bias is summed in fp32 and returned in float32 (the callers'
+    ``dbias_dtype``)."""
+    if bias is None or bias.dtype == dtype:
+        return bias
+    base = bias.detach()
+    for dim in range(base.dim()):
+        if base.size(dim) > 1 and base.stride(dim) == 0:
+            base = base.narrow(dim, 0, 1)
+    out = base.to(dtype)
+    big = torch.finfo(dtype).max
+    over = out.isinf() & base.isfinite()
+    out.masked_fill_(over & (base > 0), big).masked_fill_(over & (base < 0), -big)
+    return out.expand(bias.shape)
+
+
+def reduce_key_partials(partial: torch.Tensor, bias: torch.Tensor,
+                        dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """(B, H, Lk) fp32 per-(batch, head) key sums -> the bias's own shape, in ``dtype``
+    (default: the bias's dtype)."""
     B, H, Lk = partial.shape
     bb, hb, _, kb = bias.shape
     x = partial.view(B, hb, H // hb, Lk).sum(2)
@@ -32,4 +64,4 @@ def reduce_key_partials(partial: torch.Tensor, bias: torch.Tensor) -> torch.Tens
         x = x.sum(0, keepdim=True)
     if kb == 1 and Lk > 1:
         x = x.sum(-1, keepdim=True)
-    return x.unsqueeze(2).to(bias.dtype)
+    return x.unsqueeze(2).to(dtype or bias.dtype)

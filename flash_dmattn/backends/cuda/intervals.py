@@ -94,8 +94,9 @@ def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None
 
 
 def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, softcap, needs,
-                      plan=None):
-    """``(dq, dk, dv, dbias)`` with None where ``needs`` did not ask."""
+                      plan=None, dbias_dtype=None):
+    """``(dq, dk, dv, dbias)`` with None where ``needs`` did not ask; dbias (summed in fp32)
+    in ``dbias_dtype`` (default: the bias's dtype)."""
     need_dq, need_dk, need_dv, need_dbias = needs
     need_dbias = need_dbias and bias is not None
     dout, q, k, v, out = (vector_ready(t) for t in (dout, q, k, v, out))
@@ -111,7 +112,7 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
         dk = torch.zeros_like(k) if need_dk else None
         dv = torch.zeros_like(v) if need_dv else None
         db = torch.zeros((B, H, Lk), dtype=torch.float32, device=q.device)
-        return dq, dk, dv, reduce_key_partials(db, bias) if need_dbias else None
+        return dq, dk, dv, reduce_key_partials(db, bias, dbias_dtype) if need_dbias else None
     segment_rows = SEGMENT_ROWS
     if ivp.segment_rows is not None:
         # Segment items lie within one segment each: one CTA per item.
@@ -124,5 +125,5 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
     return (dq if need_dq else None,
             dk32.to(k.dtype) if need_dk else None,
             dv32.to(v.dtype) if need_dv else None,
-            reduce_key_partials(db32, bias) if need_dbias else None)
+            reduce_key_partials(db32, bias, dbias_dtype) if need_dbias else None)
 

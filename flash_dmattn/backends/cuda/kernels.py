@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .extension import kernel_module, reduce_key_partials, vector_ready
+from .extension import kernel_bias, kernel_module, reduce_key_partials, vector_ready
 from .spec import DTYPES, HEAD_DIM_BUCKETS
 
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
@@ -46,21 +46,55 @@ def dbias_mode(bias: Optional[torch.Tensor], batch: int, heads: int, seqlen_q: i
 
 
 def input_reasons(q, k, v, mask, bias, bias_needs_grad: bool) -> List[str]:
-    """Why the kernels cannot take these tensors (beyond device and option checks)."""
+    """Why the kernels cannot take these tensors (beyond device and option checks).
+
+    Two things the kernels do not read are made on the host instead: a float32 bias is
+    converted to the inputs' dtype (:func:`~.extension.kernel_bias`, its gradient comes back
+    in float32) and a head dim that is not a multiple of 8 is zero-padded to one
+    (:func:`pad_head_dim`)."""
     reasons = []
     if q.dtype not in DTYPES.values():
         reasons.append(f"dtype {q.dtype} is not supported (float16, bfloat16)")
     d = q.shape[-1]
     if d > MAX_HEAD_DIM:
         reasons.append(f"head_dim {d} > {MAX_HEAD_DIM}")
-    elif d % 8:
-        reasons.append(f"head_dim {d} is not a multiple of 8 (rows are read as 16-byte vectors)")
     if v.shape[-1] != d:
         reasons.append("value head dim differs from the query's")
-    if bias is not None and bias.dtype != q.dtype:
-        reasons.append(f"bias dtype {bias.dtype} differs from q's {q.dtype} (a float32 bias "
-                       f"is not supported by the cuda kernels yet)")
+    if bias is not None and bias.dtype not in (q.dtype, torch.float32):
+        reasons.append(f"bias dtype {bias.dtype} is neither q's {q.dtype} nor float32")
     return reasons
+
+
+# The kernels read rows of q, k, v as 16-byte vectors: head dims are multiples of 8 elements.
+HEAD_DIM_ALIGN = 8
+
+
+def head_dim_padding(head_dim: int) -> int:
+    """Zero columns :func:`pad_head_dim` appends to rows of ``head_dim`` elements."""
+    return -head_dim % HEAD_DIM_ALIGN
+
+
+def pad_head_dim(*tensors):
+    """``tensors`` (q, k, v, or dout and out) with their head dim zero-padded to a multiple
+    of 8 (copies; the tensors as they are when it already is one).
+
+    Exact: zero columns of q and k add nothing to ``q . k``, and zero columns of v give zero
+    output columns, which are dropped, as are the padded columns of dq, dk and dv (the
+    scale is the call's, computed from the caller's head dim). Costs one padded copy of
+    q, k, v (and of dout and out in the backward). Equivalent plain PyTorch::
+
+        t = torch.nn.functional.pad(t, (0, -t.shape[-1] % 8))"""
+    pad = head_dim_padding(tensors[0].shape[-1])
+    if not pad:
+        return tensors
+    return tuple(None if t is None else torch.nn.functional.pad(t, (0, pad)) for t in tensors)
+
+
+def _unpad(t, head_dim: int):
+    """``t`` without the columns :func:`pad_head_dim` added (a contiguous copy)."""
+    if t is None or t.shape[-1] == head_dim:
+        return t
+    return t[..., :head_dim].contiguous()
 
 
 def _summary(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n, key_bits=False):
@@ -167,14 +201,25 @@ def cuda_planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_s
                          key_intervals=None, key_window=None):
     """:func:`cuda_forward` plus its :class:`CudaPlan` (``(out, lse, plan)``); a key-interval
     call's plan is its interval lists (or :class:`~.intervals.DenseEquivalent`)."""
+    d = q.shape[-1]
+    q, k, v = pad_head_dim(q, k, v)
+    out, lse, plan = _planned_forward(q, k, v, mask, kernel_bias(bias, q.dtype), scale,
+                                      is_causal, softcap, cache_seqlens, key_intervals,
+                                      key_window)
+    return _unpad(out, d), lse, plan
+
+
+def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
+                     key_intervals=None, key_window=None):
+    """:func:`cuda_planned_forward` on what the kernels read (head dim a multiple of 8, the
+    bias in q's dtype)."""
     if key_intervals is not None:
         from .intervals import DenseEquivalent, interval_forward, plan_for
 
         plan = plan_for(q, k, bias, key_intervals, is_causal, backward=True, window=key_window)
         if not plan[0].hides_nothing:
             return interval_forward(q, k, v, bias, key_intervals, scale, is_causal, softcap, plan)
-        out, lse, dense_plan = cuda_planned_forward(q, k, v, None, bias, scale, is_causal,
-                                                    softcap)
+        out, lse, dense_plan = _planned_forward(q, k, v, None, bias, scale, is_causal, softcap)
         return out, lse, DenseEquivalent(dense_plan)
     if use_cuda_decode(q.shape[1], q.shape[2], k.shape[2], k.shape[1], cache_seqlens is not None):
         # Decode shapes gather nothing; a KV cache's backward folds its lengths into the mask.
@@ -194,7 +239,19 @@ def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=N
     Few query rows per kv head (decoding), a KV cache's ``cache_seqlens`` or paged K/V
     (``block_table``) run the split-KV decode kernel (:func:`cuda_decode_forward`); a
     key-interval mask (``key_intervals``) the kernels of :mod:`.intervals`, unless it hides
-    nothing beyond ``is_causal`` (then the dense kernels run without it)."""
+    nothing beyond ``is_causal`` (then the dense kernels run without it). A float32 bias is
+    read in q's dtype and a head dim that is not a multiple of 8 zero-padded
+    (:func:`input_reasons`)."""
+    d = q.shape[-1]
+    q, k, v = pad_head_dim(q, k, v)
+    bias = kernel_bias(bias, q.dtype)
+    out, lse = _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
+                        block_table, key_intervals, key_window)
+    return _unpad(out, d), lse
+
+
+def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens, block_table,
+             key_intervals, key_window):
     if key_intervals is not None:
         from .intervals import interval_forward, plan_for
 
@@ -397,7 +454,26 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     each key tile's ``dS K`` into an fp32 accumulator with atomics (one kernel and 5 products
     per tile instead of 7 across two; the summation order, hence the last bits, vary between
     runs). ``deterministic=True`` keeps the separate dQ kernel, which uses no atomics:
-    bitwise-identical gradients across runs."""
+    bitwise-identical gradients across runs.
+
+    A float32 bias is read in q's dtype and its gradient summed in fp32 and returned in
+    float32; a head dim that is not a multiple of 8 is zero-padded (as in the forward)."""
+    d = q.shape[-1]
+    dbias_dtype = bias.dtype if bias is not None else None
+    dout, q, k, v, out = pad_head_dim(dout, q, k, v, out)
+    dq, dk, dv, dbias = _backward(dout, q, k, v, mask, kernel_bias(bias, q.dtype), out, lse,
+                                  scale, is_causal, softcap, deterministic, needs,
+                                  cache_seqlens, plan, key_intervals, key_window, dbias_dtype)
+    return _unpad(dq, d), _unpad(dk, d), _unpad(dv, d), dbias
+
+
+def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
+              needs, cache_seqlens=None, plan: Optional[CudaPlan] = None, key_intervals=None,
+              key_window=None, dbias_dtype=None):
+    """:func:`cuda_backward` on what the kernels read (head dim a multiple of 8, the bias in
+    q's dtype); dbias in ``dbias_dtype`` (default: the bias's)."""
+    if bias is not None and dbias_dtype is None:
+        dbias_dtype = bias.dtype
     if key_intervals is not None:
         from .intervals import DenseEquivalent, interval_backward, plan_for
 
@@ -407,10 +483,10 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
             if plan[0].hides_nothing:
                 plan = DenseEquivalent(None)
         if isinstance(plan, DenseEquivalent):
-            return cuda_backward(dout, q, k, v, None, bias, out, lse, scale, is_causal, softcap,
-                                 deterministic, needs, plan=plan.plan)
+            return _backward(dout, q, k, v, None, bias, out, lse, scale, is_causal, softcap,
+                             deterministic, needs, plan=plan.plan, dbias_dtype=dbias_dtype)
         return interval_backward(dout, q, k, v, bias, key_intervals, out, lse, scale, is_causal,
-                                 softcap, needs, plan=plan)
+                                 softcap, needs, plan=plan, dbias_dtype=dbias_dtype)
     need_dq, need_dk, need_dv, need_dbias = needs
     if cache_seqlens is not None:
         # The backward kernels take one key length for all batches: the per-batch used length
@@ -430,12 +506,12 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     mode = dbias_mode(bias, B, H, Lq, Lk) if need_dbias else 0
     if mode == DBIAS_SHARED:
         return _shared_bias_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal,
-                                     softcap, deterministic, needs)
+                                     softcap, deterministic, needs, dbias_dtype)
     if mode == DBIAS_ZERO:
-        dq, dk, dv, _ = cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal,
-                                      softcap, deterministic, (need_dq, need_dk, need_dv, False),
-                                      plan=plan)
-        return dq, dk, dv, torch.zeros_like(bias)
+        dq, dk, dv, _ = _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal,
+                                  softcap, deterministic, (need_dq, need_dk, need_dv, False),
+                                  plan=plan)
+        return dq, dk, dv, torch.zeros(bias.shape, dtype=dbias_dtype, device=bias.device)
     mask, bias = _read_ready(mask, bias, Lq, Lk)
     summary = plan.summary if plan is not None else None
     if not _summary_serves(summary, mod):
@@ -469,9 +545,9 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
                              *gargs, *kargs)
     dbias = None
     if mode == 1:
-        dbias = db
+        dbias = db.to(dbias_dtype)
     elif mode == 2:
-        dbias = reduce_key_partials(db, orig_bias)
+        dbias = reduce_key_partials(db, orig_bias, dbias_dtype)
     return (dq if need_dq else None, dk if need_dk else None, dv if need_dv else None, dbias)
 
 
@@ -497,7 +573,7 @@ def _aux_chunk(t, b0, b1, g0, g1, group, heads):
 
 
 def _shared_bias_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap,
-                          deterministic, needs):
+                          deterministic, needs, dbias_dtype=None):
     """``(dq, dk, dv, dbias)`` for a per-query bias ``(Bx, Hx, Lq, Lk)`` whose rows several
     heads or batches share (``Bx < B`` or ``Hx < H``), e.g. a ``(1, 1, Lq, Lk)`` position bias.
 
@@ -506,7 +582,8 @@ def _shared_bias_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal,
     its kv head's whole group of query heads (so dK / dV of a chunk are complete), reading the
     bias through a broadcast view of the chunk's full shape; each chunk's dbias is summed in
     fp32 into the bias's own shape. Extra memory: one fp32 copy of the bias plus one chunk of
-    at most :data:`SHARED_DBIAS_CHUNK_BYTES`. Equivalent plain PyTorch::
+    at most :data:`SHARED_DBIAS_CHUNK_BYTES`. dbias comes back in ``dbias_dtype`` (default: the
+    bias's). Equivalent plain PyTorch::
 
         dbias_full = dS                                # (B, H, Lq, Lk), as for a full bias
         dbias = dbias_full.sum(dims where bias has size 1, keepdim=True)   # per chunk
@@ -538,7 +615,7 @@ def _shared_bias_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal,
             hs = slice(g0 * group, g1 * group)
             nb, nh = b1 - b0, (g1 - g0) * group
             chunk_bias = _aux_chunk(rows, b0, b1, g0, g1, group, H).expand(nb, nh, Lq, Lk)
-            cq, ck, cv, cb = cuda_backward(
+            cq, ck, cv, cb = _backward(
                 dout[b0:b1, :, hs], q[b0:b1, :, hs], k[b0:b1, :, g0:g1], v[b0:b1, :, g0:g1],
                 _aux_chunk(mask, b0, b1, g0, g1, group, H), chunk_bias, out[b0:b1, :, hs],
                 lse[b0:b1, hs].contiguous(), scale, is_causal, softcap, deterministic,
@@ -563,7 +640,7 @@ def _shared_bias_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal,
                 target += part
             else:
                 target[:, g0:g1] += part
-    return dq, dk, dv, acc.to(bias.dtype)
+    return dq, dk, dv, acc.to(dbias_dtype or bias.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -633,8 +710,11 @@ def _aligned_aux(mask, bias, cu_k):
 def cuda_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
                         softcap) -> Tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences: ``(out (total_q, H, D), lse (H, total_q) fp32)``; rows no sequence
-    owns (past ``cu_q[-1]``) give 0 / -inf."""
-    q, k, v = vector_ready(q), vector_ready(k), vector_ready(v)
+    owns (past ``cu_q[-1]``) give 0 / -inf. A float32 bias is read in q's dtype, a head dim
+    that is not a multiple of 8 zero-padded (as in :func:`cuda_forward`)."""
+    d = q.shape[-1]
+    q, k, v = (vector_ready(t) for t in pad_head_dim(q, k, v))
+    bias = kernel_bias(bias, q.dtype)
     H = q.shape[1]
     mod = kernel_module(q, mask is not None, bias is not None, packed=True)
     _, block_n, _, _ = mod.block_sizes()
@@ -644,7 +724,7 @@ def cuda_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is
     out, lse = mod.fwd(q[None], k[None], v[None], mask_a, bias_a, None, float(scale),
                        bool(is_causal), float(softcap), idx, cnt, hdiv, cu_q, cu_k, cu_aux,
                        int(max_q), int(max_k))
-    return out[0], lse
+    return _unpad(out[0], d), lse
 
 
 def cuda_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, out, lse, scale,
@@ -652,7 +732,10 @@ def cuda_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, ou
     """``(dq, dk, dv, dbias)`` of packed sequences, None where ``needs`` did not ask; dbias in
     the per-key bias's ``(Hx, total_k)`` shape. Never uses atomics (``deterministic`` is free)."""
     need_dq, need_dk, need_dv, need_dbias = needs
-    dout, q, k, v, out = (vector_ready(t) for t in (dout, q, k, v, out))
+    d = q.shape[-1]
+    dout, q, k, v, out = (vector_ready(t) for t in pad_head_dim(dout, q, k, v, out))
+    dbias_dtype = bias.dtype if bias is not None else None
+    bias = kernel_bias(bias, q.dtype)
     H = q.shape[1]
     mod = kernel_module(q, mask is not None, bias is not None, packed=True)
     _, _, _, block_n = mod.block_sizes()
@@ -668,6 +751,6 @@ def cuda_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, ou
     dbias = None
     if mode == 2:
         hx, total_k = bias.shape
-        dbias = db.view(hx, H // hx, total_k).sum(1).to(bias.dtype)
-    return (dq[0] if need_dq else None, dk[0] if need_dk else None,
-            dv[0] if need_dv else None, dbias)
+        dbias = db.view(hx, H // hx, total_k).sum(1).to(dbias_dtype)
+    return (_unpad(dq[0], d) if need_dq else None, _unpad(dk[0], d) if need_dk else None,
+            _unpad(dv[0], d) if need_dv else None, dbias)
