@@ -12,7 +12,7 @@ each reason's count.
     python scripts/cuda_coverage.py --preset issue33 [--calls 1000]
 
 ``--head-dims`` entries are drawn with equal weight; ``x8`` stands for a random multiple of 8
-up to 256. ``--preset issue33`` is issue 33 item 3's whole distribution: bf16 and fp16, head
+up to 256, ``x1`` for any head dim from 1 to 256. ``--preset issue33`` is issue 33 item 3's whole distribution: bf16 and fp16, head
 dims 64, 128 or any multiple of 8 up to 256, half the biases float32, half the calls with
 gradients (of q, k, v and the bias), the rest forward only.
 """
@@ -45,7 +45,9 @@ PRESETS = {
 
 def head_dim(rng: random.Random, head_dims) -> int:
     d = rng.choice(head_dims)
-    return rng.randrange(8, 257, 8) if d == "x8" else int(d)
+    if d == "x8":
+        return rng.randrange(8, 257, 8)
+    return rng.randrange(1, 257) if d == "x1" else int(d)
 
 
 def random_call(rng: random.Random, dtype: str, head_dims, fp32_bias: float = 0.0,
@@ -73,6 +75,7 @@ def random_call(rng: random.Random, dtype: str, head_dims, fp32_bias: float = 0.
 
 def general(reason: str) -> str:
     """A reason with its call's numbers replaced, so that reasons of one kind count together."""
+    reason = re.sub(r"head_dim \d+", "head_dim N", reason)
     return re.sub(r"\(\d+(, \d+)*\)", "(...)", reason)
 
 
@@ -82,18 +85,18 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="bf16", help="bf16, fp16 or both: bf16,fp16")
     parser.add_argument("--head-dims", default="64,128",
-                        help="choices; x8: a random multiple of 8 up to 256")
+                        help="choices; x8: a random multiple of 8 up to 256, x1: any of 1..256")
     parser.add_argument("--fp32-bias", type=float, default=0.0,
                         help="share of biases given in float32 (0 to 1)")
     parser.add_argument("--grads", type=float, default=1.0,
                         help="share of calls with gradients of q, k, v and the bias (0 to 1)")
     parser.add_argument("--preset", choices=sorted(PRESETS),
-                        help="a named distribution (sets --dtype, --head-dims, --fp32-bias, "
-                             "--grads)")
+                        help="a named distribution (defaults of --dtype, --head-dims, "
+                             "--fp32-bias, --grads)")
     args = parser.parse_args(argv)
-    if args.preset:
-        for name, value in PRESETS[args.preset].items():
-            setattr(args, name, value)
+    if args.preset:  # the preset's values, where the command line gives none
+        parser.set_defaults(**PRESETS[args.preset])
+        args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     head_dims = args.head_dims.split(",")
     backend = CudaBackend()
