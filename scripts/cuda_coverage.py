@@ -12,9 +12,10 @@ each reason's count.
     python scripts/cuda_coverage.py --preset issue33 [--calls 1000]
 
 ``--head-dims`` entries are drawn with equal weight; ``x8`` stands for a random multiple of 8
-up to 256, ``x1`` for any head dim from 1 to 256. ``--preset issue33`` is issue 33 item 3's whole distribution: bf16 and fp16, head
-dims 64, 128 or any multiple of 8 up to 256, half the biases float32, half the calls with
-gradients (of q, k, v and the bias), the rest forward only.
+up to 256, ``x1`` for any head dim from 1 to 256. ``--preset issue33`` is issue 33 item 3's
+whole distribution: bf16 and fp16, head dims 64, 128 or any multiple of 8 up to 256, half the
+biases float32, half the calls with gradients (of q, k, v and the bias), the rest forward only;
+the command line's options override its values.
 """
 from __future__ import annotations
 
