@@ -60,7 +60,10 @@ def _check_window(window_size) -> int:
 
 
 def _check_inputs(attention_bias, window_size, is_causal, padding_mask, min_dtype):
-    """Validate the arguments; return ``(bias (B, H, L), padding (B|1, L) or None, min_dtype)``."""
+    """Validate the arguments; return ``(padding (B|1, L) or None, min_dtype)``.
+
+    Takes no view of the bias (host time: the kernels read the ``(B, H, 1, L)`` bias through
+    its strides; the plain path slices it itself)."""
     _check_window(window_size)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
@@ -82,8 +85,7 @@ def _check_inputs(attention_bias, window_size, is_causal, padding_mask, min_dtyp
             f"attention_bias must be a per-key bias of shape (batch, heads, 1, L), got shape "
             f"{tuple(attention_bias.shape)}{hint}"
         )
-    bias = attention_bias.detach()[:, :, 0]
-    batch, _, length = bias.shape
+    batch, _, _, length = attention_bias.shape
     if padding_mask is not None:
         if not isinstance(padding_mask, torch.Tensor):
             raise TypeError(
@@ -100,19 +102,20 @@ def _check_inputs(attention_bias, window_size, is_causal, padding_mask, min_dtyp
                 f"padding_mask must have shape (batch, L) = ({batch}, {length}), got "
                 f"{tuple(padding_mask.shape)}"
             )
-        if padding_mask.device != bias.device:
+        if padding_mask.device != attention_bias.device:
             raise ValueError(
-                f"padding_mask is on {padding_mask.device} but attention_bias is on {bias.device}"
+                f"padding_mask is on {padding_mask.device} but attention_bias is on "
+                f"{attention_bias.device}"
             )
     if min_dtype is None:
-        min_dtype = torch.finfo(bias.dtype).min
+        min_dtype = torch.finfo(attention_bias.dtype).min
     elif isinstance(min_dtype, torch.Tensor):
         if min_dtype.numel() != 1:
             raise ValueError(f"min_dtype must be a scalar, got a tensor of shape {tuple(min_dtype.shape)}")
         min_dtype = float(min_dtype)
     elif isinstance(min_dtype, bool) or not isinstance(min_dtype, (int, float)):
         raise TypeError(f"min_dtype must be a float or None, got {type(min_dtype).__name__}")
-    return bias, padding_mask, min_dtype
+    return padding_mask, min_dtype
 
 
 def kth_smallest_of_prefixes(perm: torch.Tensor, prefix_len: torch.Tensor, k: int) -> torch.Tensor:
@@ -261,23 +264,27 @@ def topk_intervals(
             last = L - 1 - dense.flip(2).int().argmax(2)                        # last query keeping j
             start = torch.where(seen, j, 0); end = torch.where(seen, last + 1, 0)
     """
-    bias, padding, min_dtype = _check_inputs(attention_bias, window_size, is_causal, padding_mask, min_dtype)
-    batch = max(bias.shape[0], 1 if padding is None else padding.shape[0])
-    heads, length = bias.shape[1], bias.shape[2]
+    padding, min_dtype = _check_inputs(attention_bias, window_size, is_causal, padding_mask, min_dtype)
+    bias_batch, heads, _, length = attention_bias.shape
+    batch = max(bias_batch, 1 if padding is None else padding.shape[0])
     # Every query keeps at most W keys, and a query keeps at most one key the query before it
     # did not (its own position): the KeyIntervals window promise.
     # The kernels' module imports triton: only when a call may use it.
     from . import selection_kernels as _kernels
 
-    if batch * heads * length > 0 and _kernels.available(bias.device, batch * heads):
-        # Triton: one score pass, the sort and (causal) a launch per tree level plus one for
-        # all queries; the same integers as the plain path below.
+    if batch * heads * length > 0 and _kernels.available(attention_bias.device, batch * heads):
+        # Triton: one score pass, the sort and (causal) a launch per tree level plus two; the
+        # same integers as the plain path below. The kernels only read the bias (no gradient
+        # flows through the selection), through its strides.
         if length <= window_size:
-            bounds = _kernels.all_kept_bounds(bias, padding, min_dtype, batch, heads, is_causal)
+            bounds = _kernels.all_kept_bounds(attention_bias, padding, min_dtype, batch, heads,
+                                              is_causal)
             return KeyIntervals.from_bounds(bounds, window_size)
         if is_causal:
-            bounds = _kernels.causal_bounds(bias, padding, min_dtype, window_size, batch, heads)
+            bounds = _kernels.causal_bounds(attention_bias, padding, min_dtype, window_size,
+                                            batch, heads)
             return KeyIntervals.from_bounds(bounds, window_size)
+    bias = attention_bias.detach()[:, :, 0]
     out = _plain_intervals(bias, window_size, is_causal, padding, min_dtype)
     out.window = window_size
     return out
@@ -292,8 +299,8 @@ def _topk_intervals_torch(
 ) -> KeyIntervals:
     """:func:`topk_intervals` by the plain-PyTorch path only (the CPU fallback; the tests'
     reference for the Triton path)."""
-    bias, padding, min_dtype = _check_inputs(attention_bias, window_size, is_causal, padding_mask, min_dtype)
-    return _plain_intervals(bias, window_size, is_causal, padding, min_dtype)
+    padding, min_dtype = _check_inputs(attention_bias, window_size, is_causal, padding_mask, min_dtype)
+    return _plain_intervals(attention_bias.detach()[:, :, 0], window_size, is_causal, padding, min_dtype)
 
 
 def _plain_intervals(bias, window_size, is_causal, padding, min_dtype) -> KeyIntervals:

@@ -14,12 +14,18 @@ levels, so a causal call is a handful of launches:
    the level by digit (the next level's sequence), the next level's per-block digit counts
    (integer atomics, so the result does not depend on their order) and the level's
    checkpoint table: cumulative digit counts every ``CHECK`` entries of the sequence.
-5. ``_query_kernel``: every key walks all levels (checkpoint + at most ``CHECK - 1`` entries
-   give any prefix count) and writes its interval bounds directly.
+5. ``_query_kernel``: every key walks all levels (one checkpoint row + at most ``CHECK - 1``
+   entries give any prefix count; both are loaded at once per level, so a level costs one
+   round trip to memory) and writes its interval bounds directly.
 
 Keys of a row are processed in blocks of ``n_sub * SUB`` entries: one program per block, so
 that at most ``MAX_BLOCKS`` blocks precede any entry (a program sums their counts itself; no
 separate scan launch) while a row of up to 1M keys still has enough programs.
+
+Host work per call is kept small (the call is often host bound): the sizes and grids of a
+``(L, rows)`` problem are computed once (:func:`_layout`, cached), the sequences and count
+tables of all levels share one int32 workspace (one allocation; kernels take the level as an
+integer, no tensor views), and the bias is read through its strides (no copy, no view).
 
 Everything is exact integer work on the same tree as the torch path, so the results are equal
 bit for bit.
@@ -115,10 +121,12 @@ if triton is not None:
             tl.store(Out + rows * L + out_off, tl.where(valid, hi, 0), mask=ok)
 
     @triton.jit
-    def _prep_kernel(Order, Seq, Tot, L, n_sub, n_blocks, rows, shift0, n_tables,
+    def _prep_kernel(Order, Ws, L, rows, n_sub, n_blocks, n_tables, tot_off, shift0,
                      R: tl.constexpr, SUB: tl.constexpr):
-        """Block ``b`` of every row: ``Seq[0] = order`` as int32, the level-0 digit counts of the
-        block into ``Tot[0]``, zeros into ``Tot[1:]`` (later levels add to them)."""
+        """Block ``b`` of every row: the level-0 sequence ``order`` as int32, the level-0 digit
+        counts of the block into count table 0, zeros into the later tables (later levels add
+        to them). The workspace ``Ws`` holds the sequences of all levels ``(levels, rows, L)``
+        and, from ``tot_off``, the count tables ``(n_tables, rows, n_blocks, R)``."""
         blk = tl.program_id(0)
         row = tl.program_id(1).to(tl.int64)
         digits = tl.arange(0, R)
@@ -127,20 +135,24 @@ if triton is not None:
             offs = (blk * n_sub + sb) * SUB + tl.arange(0, SUB)
             ok = offs < L
             v = tl.load(Order + row * L + offs, mask=ok, other=0).to(tl.int32)
-            tl.store(Seq + row * L + offs, v, mask=ok)
+            tl.store(Ws + row * L + offs, v, mask=ok)
             d = (v >> shift0) & (R - 1)
             hit = (d[:, None] == digits[None, :]) & ok[:, None]
             hist += tl.sum(hit.to(tl.int32), 0)
-        tl.store(Tot + (row * n_blocks + blk) * R + digits, hist)
+        tot = Ws + tot_off
+        tl.store(tot + (row * n_blocks + blk) * R + digits, hist)
         for t in range(1, n_tables):
-            tl.store(Tot + ((t * rows + row) * n_blocks + blk) * R + digits,
+            tl.store(tot + ((t * rows + row) * n_blocks + blk) * R + digits,
                      tl.zeros([R], dtype=tl.int32))
 
-    @triton.jit
-    def _partition_kernel(SeqIn, SeqOut, TotIn, TotOut, Ck, L, n_sub, n_blocks, n_ck, shift,
+    @triton.jit(do_not_specialize=["level"])
+    def _partition_kernel(Ws, L, rows, n_sub, n_blocks, n_ck, tot_off, ck_off, level, top,
                           R: tl.constexpr, RB: tl.constexpr, SUB: tl.constexpr,
                           CHK: tl.constexpr, TB: tl.constexpr, NEXT_COUNTS: tl.constexpr):
-        """One level, block ``b`` of a row (see the module docstring).
+        """Level ``level``, block ``b`` of a row (see the module docstring). Reads the level's
+        sequence and count table in the workspace ``Ws``, writes the next level's sequence, the
+        level's checkpoint table (from ``ck_off``: ``(levels - 1, rows, n_ck, R)``) and, with
+        ``NEXT_COUNTS``, adds the next level's block counts to its (zeroed) count table.
 
         The sequence lists the values node by node (a node: ``R * child`` consecutive values)
         and inside a node in rank order. Every node but the last is full, so the entries of a
@@ -151,22 +163,28 @@ if triton is not None:
         blk = tl.program_id(0)
         row = tl.program_id(1).to(tl.int64)
         digits = tl.arange(0, R)
+        shift = top - RB * (level + 1)
+        seq_in = Ws + (level * rows + row) * L
+        seq_out = Ws + ((level + 1) * rows + row) * L
+        tot_in = Ws + tot_off + (level * rows + row) * n_blocks * R
+        tot_out = Ws + tot_off + ((level + 1) * rows + row) * n_blocks * R
+        ck = Ws + ck_off + (level * rows + row) * n_ck * R
         # Per-digit counts of the blocks before this one (at most MAX_BLOCKS of them).
         before = tl.zeros([R], dtype=tl.int32)
         for j0 in range(0, blk, TB):
             j = j0 + tl.arange(0, TB)
-            cnt = tl.load(TotIn + (row * n_blocks + j)[:, None] * R + digits[None, :],
+            cnt = tl.load(tot_in + j[:, None] * R + digits[None, :],
                           mask=(j < blk)[:, None], other=0)
             before += tl.sum(cnt, 0)
         if blk == 0:
-            tl.store(Ck + row * n_ck * R + digits, tl.zeros([R], dtype=tl.int32))
+            tl.store(ck + digits, tl.zeros([R], dtype=tl.int32))
         child = 1 << shift
         span = n_sub * SUB
         for sb in range(n_sub):
             start = (blk * n_sub + sb) * SUB
             offs = start + tl.arange(0, SUB)
             ok = offs < L
-            v = tl.load(SeqIn + row * L + offs, mask=ok, other=0)
+            v = tl.load(seq_in + offs, mask=ok, other=0)
             d = (v >> shift) & (R - 1)
             hit = ((d[:, None] == digits[None, :]) & ok[:, None]).to(tl.int32)
             # Row-wide count of each digit up to and including every entry.
@@ -177,21 +195,19 @@ if triton is not None:
             at_end = tl.cumsum(chunk, 0) + before[None, :]
             le = tl.cumsum(at_end, 1)
             c = start // CHK + 1 + tl.arange(0, SUB // CHK)
-            tl.store(Ck + (row * n_ck + c)[:, None] * R + digits[None, :], le,
-                     mask=(c < n_ck)[:, None])
+            tl.store(ck + c[:, None] * R + digits[None, :], le, mask=(c < n_ck)[:, None])
             before += tl.sum(hit, 0)
             # Stable partition into the next level.
             node = (v >> (shift + RB)) << (shift + RB)
             dest = node + d * child + (same - 1) - node // R
-            tl.store(SeqOut + row * L + dest, v, mask=ok)
+            tl.store(seq_out + dest, v, mask=ok)
             if NEXT_COUNTS:
                 # The next level's per-block digit counts (it is partitioned in turn).
                 nd = (v >> (shift - RB)) & (R - 1)
-                tl.atomic_add(TotOut + (row * n_blocks + dest // span) * R + nd, 1, mask=ok,
-                              sem="relaxed")
+                tl.atomic_add(tot_out + (dest // span) * R + nd, 1, mask=ok, sem="relaxed")
 
     @triton.jit
-    def _query_kernel(Seq, Sorted, Ck, Bounds, L, W, n_ck, rows, n_levels, top,
+    def _query_kernel(Ws, Sorted, Bounds, L, W, n_ck, rows, n_levels, top, ck_off,
                       R: tl.constexpr, RB: tl.constexpr, CHK: tl.constexpr,
                       BLOCK: tl.constexpr, F64: tl.constexpr):
         """Keys of ranks ``i`` in the block: ``t`` = the W-th smallest of ``order[:max(i, W)]``
@@ -201,13 +217,16 @@ if triton is not None:
         wanted) ``le(d)``, the number of those entries with digit ``<= d``, is non-decreasing
         with ``le(R - 1) = m >= kk``: a binary search over the digit finds the child ``pick``
         (the first with ``le >= kk``) in ``RB`` evaluations, keeping ``le(pick - 1)`` and
-        ``le(pick)`` on the way.
+        ``le(pick)`` on the way. ``le(d)`` = the checkpoint row's count for ``d`` plus the
+        scanned entries' count, less the full nodes before ``a``; the whole checkpoint row
+        (``R`` counts) and the ``CHK`` entries after it are loaded together, so the search
+        itself reads no memory and a level waits for one round trip.
         """
         qb = tl.program_id(0)
         row = tl.program_id(1).to(tl.int64)
         i = qb * BLOCK + tl.arange(0, BLOCK)
         ok = i < L
-        key = tl.load(Seq + row * L + i, mask=ok, other=0)  # level 0 is the rank order
+        key = tl.load(Ws + row * L + i, mask=ok, other=0)  # level 0 is the rank order
         s = tl.load(Sorted + row * L + i, mask=ok, other=float("-inf"))
         # Candidates have a finite or +inf key, the others -inf. Compared in fp32 (exact for
         # fp16/bf16/fp32 keys) or, for fp64 keys, in fp64 (fp32 would overflow to -inf).
@@ -216,28 +235,31 @@ if triton is not None:
         else:
             valid = s.to(tl.float32) > float("-inf")
         g = tl.arange(0, CHK)
+        digits = tl.arange(0, R)
         a = tl.zeros([BLOCK], dtype=tl.int32)  # node start
         m = tl.maximum(i, W)  # entries of the node inside the prefix
         kk = tl.zeros([BLOCK], dtype=tl.int32) + W  # rank of the wanted value in the node
         for lev in range(n_levels - 1):
             shift = top - RB * (lev + 1)
-            seq = Seq + (lev * rows + row) * L
+            seq = Ws + (lev * rows + row) * L
             x = a + m  # the prefix ends at seq[x - 1]
             c = x // CHK
             pos = (c * CHK)[:, None] + g[None, :]
             tm = (pos < x[:, None]) & ok[:, None]
             tv = tl.load(seq + pos, mask=tm, other=0)
+            ckrow = Ws + ck_off + ((lev * rows + row) * n_ck + c) * R
+            cks = tl.load(ckrow[:, None] + digits[None, :], mask=ok[:, None], other=0)
             td = tl.where(tm, (tv >> shift) & (R - 1), R)  # R: past every digit
-            ckrow = Ck + ((lev * rows + row) * n_ck + c) * R
-            off = a // R  # entries per digit in the (full) nodes before this one
+            # Entries per digit in the (full) nodes before this one: a / R each.
+            cks -= (a // R)[:, None] * (digits[None, :] + 1)
             lo = tl.zeros([BLOCK], dtype=tl.int32)
             hi = lo + (R - 1)
             below = lo  # le(lo - 1)
             upto = m  # le(hi)
             for _ in tl.static_range(RB):
                 mid = (lo + hi) >> 1
-                le = (tl.load(ckrow + mid, mask=ok, other=0)
-                      + tl.sum((td <= mid[:, None]).to(tl.int32), 1) - off * (mid + 1))
+                le = (tl.sum(tl.where(digits[None, :] == mid[:, None], cks, 0), 1)
+                      + tl.sum((td <= mid[:, None]).to(tl.int32), 1))
                 up = le >= kk
                 hi = tl.where(up, mid, hi)
                 upto = tl.where(up, le, upto)
@@ -247,8 +269,7 @@ if triton is not None:
             m = upto - below
             a += lo << shift
         # Last level: a node of at most R values a .. a+R-1, its first m entries in the prefix.
-        digits = tl.arange(0, R)
-        last = Seq + ((n_levels - 1) * rows + row) * L
+        last = Ws + ((n_levels - 1) * rows + row) * L
         tm = (digits[None, :] < m[:, None]) & ok[:, None]
         w = tl.load(last + a[:, None] + digits[None, :], mask=tm, other=0) - a[:, None]
         w = tl.where(tm, w, R)
@@ -281,10 +302,58 @@ def _threshold_args(min_dtype: float, dtype: torch.dtype):
     return value, 0, 0
 
 
+def _cdiv(a: int, b: int) -> int:
+    # triton.cdiv is a constexpr function (a few microseconds a host call).
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _cdiv(a, b) * b
+
+
+class _Layout:
+    """Sizes, grids and workspace offsets of a causal selection of ``rows`` rows of ``L`` keys."""
+
+    __slots__ = ("radix", "rb", "levels", "top", "sub", "n_sub", "n_blocks", "n_ck", "tables",
+                 "tot_off", "ck_off", "ws_numel", "grid", "query_grid")
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(length, rows, rb, tile, max_blocks, check, query_block) -> _Layout:
+    """The layout of one problem; cached (every argument is a key: the tests change the block
+    sizes of this module)."""
+    lay = _Layout()
+    lay.rb = rb
+    lay.radix = radix = 1 << rb
+    bits = max(1, (length - 1).bit_length())
+    lay.levels = levels = _cdiv(bits, rb)
+    lay.top = levels * rb
+    lay.sub = sub = tile // radix
+    lay.n_sub = n_sub = _cdiv(_cdiv(length, sub), max_blocks)
+    lay.n_blocks = n_blocks = _cdiv(length, sub * n_sub)
+    lay.n_ck = n_ck = length // check + 1
+    lay.tables = tables = max(levels - 1, 1)
+    # Workspace (int32): the sequences (levels, rows, L), the block counts (tables, rows,
+    # n_blocks, R), the checkpoints (tables, rows, n_ck, R); every part 128-byte aligned.
+    lay.tot_off = _round_up(levels * rows * length, 32)
+    lay.ck_off = lay.tot_off + _round_up(tables * rows * n_blocks * radix, 32)
+    lay.ws_numel = lay.ck_off + tables * rows * n_ck * radix
+    lay.grid = (n_blocks, rows)
+    lay.query_grid = (_cdiv(length, query_block), rows)
+    return lay
+
+
+def _bias_strides(bias):
+    """``(batch, head, key)`` strides of a ``(B|1, H, L)`` or ``(B|1, H, 1, L)`` bias; a batch
+    of one broadcasts (stride 0)."""
+    st = bias.stride()
+    return (st[0] if bias.shape[0] != 1 else 0), st[1], st[-1]
+
+
 def _launch_score(bias, padding, min_dtype, batch, heads, out, mode):
     length = bias.shape[-1]
     rows = batch * heads
-    bb = bias.stride(0) if bias.shape[0] != 1 else 0
+    bb, bh, bl = _bias_strides(bias)
     if padding is not None:
         pad = padding.view(torch.uint8)
         pb = pad.stride(0) if pad.shape[0] != 1 else 0
@@ -292,17 +361,17 @@ def _launch_score(bias, padding, min_dtype, batch, heads, out, mode):
     else:
         pad, pb, pl = bias, 0, 0
     min_f32, min_hi, min_lo = _threshold_args(float(min_dtype), bias.dtype)
-    grid = (triton.cdiv(length, SCORE_BLOCK), rows)
-    _score_kernel[grid](
+    _score_kernel[(_cdiv(length, SCORE_BLOCK), rows)](
         bias, pad, out, min_f32, min_hi, min_lo, heads, length, rows,
-        bb, bias.stride(1), bias.stride(2), pb, pl,
+        bb, bh, bl, pb, pl,
         HAS_PAD=padding is not None, F64=bias.dtype == torch.float64, MODE=mode,
         ALWAYS=_ALWAYS, BLOCK=SCORE_BLOCK, num_warps=4,
     )
 
 
 def all_kept_bounds(bias, padding, min_dtype, batch, heads, is_causal) -> torch.Tensor:
-    """``(2, B, H, L)`` int32 bounds when every candidate is kept (``L <= W``): one launch."""
+    """``(2, B, H, L)`` int32 bounds when every candidate is kept (``L <= W``): one launch.
+    ``bias`` ``(B|1, H, L)`` or ``(B|1, H, 1, L)``, any strides."""
     length = bias.shape[-1]
     bounds = torch.empty((2, batch, heads, length), dtype=torch.int32, device=bias.device)
     _launch_score(bias, padding, min_dtype, batch, heads, bounds, 1 if is_causal else 2)
@@ -312,47 +381,36 @@ def all_kept_bounds(bias, padding, min_dtype, batch, heads, is_causal) -> torch.
 def causal_bounds(bias, padding, min_dtype, window, batch, heads) -> torch.Tensor:
     """The causal top-``window`` bounds ``(2, B, H, L)`` int32, as the torch path computes them.
 
-    ``bias`` ``(B|1, H, L)`` (any strides), ``padding`` None or bool ``(B|1, L)``; requires
-    ``window < L``.
+    ``bias`` ``(B|1, H, L)`` or ``(B|1, H, 1, L)`` (any strides), ``padding`` None or bool
+    ``(B|1, L)``; requires ``window < L``. Host work: three allocations (sort key, workspace,
+    bounds), the sort, ``levels + 2`` kernel launches.
     """
     length = bias.shape[-1]
     device = bias.device
     rows = batch * heads
-    score = torch.empty((batch, heads, length), dtype=bias.dtype, device=device)
+    lay = _layout(length, rows, radix_bits(length), _TILE, MAX_BLOCKS, CHECK, QUERY_BLOCK)
+    score = torch.empty((rows, length), dtype=bias.dtype, device=device)
     _launch_score(bias, padding, min_dtype, batch, heads, score, 0)
     # Rank order: a stable descending sort (ties to the lower index, non-candidates last).
     ranked, order = torch.sort(score, dim=-1, descending=True, stable=True)
 
-    rb = radix_bits(length)
-    radix = 1 << rb
-    bits = max(1, (length - 1).bit_length())
-    levels = -(-bits // rb)
-    top = levels * rb
-    sub = _TILE // radix
-    n_sub = triton.cdiv(triton.cdiv(length, sub), MAX_BLOCKS)
-    n_blocks = triton.cdiv(length, sub * n_sub)
-    n_ck = length // CHECK + 1
-    tables = max(levels - 1, 1)
-
-    seq = torch.empty((levels, rows, length), dtype=torch.int32, device=device)
-    tot = torch.empty((tables, rows, n_blocks, radix), dtype=torch.int32, device=device)
-    ck = torch.empty((tables, rows, n_ck, radix), dtype=torch.int32, device=device)
+    ws = torch.empty(lay.ws_numel, dtype=torch.int32, device=device)
     bounds = torch.empty((2, batch, heads, length), dtype=torch.int32, device=device)
-
-    _prep_kernel[(n_blocks, rows)](
-        order, seq, tot, length, n_sub, n_blocks, rows, top - rb, tables,
-        R=radix, SUB=sub, num_warps=4,
+    radix, rb, levels, top = lay.radix, lay.rb, lay.levels, lay.top
+    _prep_kernel[lay.grid](
+        order, ws, length, rows, lay.n_sub, lay.n_blocks, lay.tables, lay.tot_off, top - rb,
+        R=radix, SUB=lay.sub, num_warps=4,
     )
     for level in range(levels - 1):
         # The last level is only read by the queries: no counts for it.
-        more = level + 2 < levels
-        _partition_kernel[(n_blocks, rows)](
-            seq[level], seq[level + 1], tot[level], tot[level + 1] if more else tot[level],
-            ck[level], length, n_sub, n_blocks, n_ck, top - rb * (level + 1),
-            R=radix, RB=rb, SUB=sub, CHK=CHECK, TB=MAX_BLOCKS, NEXT_COUNTS=more, num_warps=4,
+        _partition_kernel[lay.grid](
+            ws, length, rows, lay.n_sub, lay.n_blocks, lay.n_ck, lay.tot_off, lay.ck_off,
+            level, top,
+            R=radix, RB=rb, SUB=lay.sub, CHK=CHECK, TB=MAX_BLOCKS,
+            NEXT_COUNTS=level + 2 < levels, num_warps=4,
         )
-    _query_kernel[(triton.cdiv(length, QUERY_BLOCK), rows)](
-        seq, ranked, ck, bounds, length, window, n_ck, rows, levels, top,
+    _query_kernel[lay.query_grid](
+        ws, ranked, bounds, length, window, lay.n_ck, rows, levels, top, lay.ck_off,
         R=radix, RB=rb, CHK=CHECK, BLOCK=QUERY_BLOCK, F64=bias.dtype == torch.float64,
         num_warps=8,
     )
