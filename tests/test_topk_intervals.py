@@ -289,7 +289,7 @@ def test_kernels_match_plain_path(length):
 
 
 @_needs_kernels
-@pytest.mark.parametrize("radix_bits", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("radix_bits", [1, 2, 3, 4, 5, 6])
 def test_kernels_every_radix_and_small_blocks(radix_bits, monkeypatch):
     # Small blocks and checkpoints: several sub-blocks per program, several programs per row
     # (their digit counts summed by the later ones) and many checkpoints, at small L.
