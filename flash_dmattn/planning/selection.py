@@ -28,7 +28,8 @@ anything of size (L, L) or (L, L / C).
 On CUDA (and on CPU under ``TRITON_INTERPRET=1``) the causal selection runs the same tree as
 Triton kernels (:mod:`~flash_dmattn.planning.selection_kernels`): a handful of launches instead
 of a few hundred small torch ops; this module's torch code stays the CPU fallback and the
-tests' reference.
+tests' reference. ``scripts/selection_probe.py`` times the call on a GPU (device and host time,
+launches, a profiler table).
 """
 from __future__ import annotations
 
@@ -48,6 +49,19 @@ _RADIX_BITS = 4
 # "Before every query" / "after every query" bounds of a key that every query sees; the same
 # clamp value as KeyIntervals uses, so the bounds survive its int32 normalisation unchanged.
 _ALWAYS = 1 << 30
+
+
+_KERNELS = None
+
+
+def _import_kernels():
+    """The kernels' module, imported on the first call that may use it (it imports triton),
+    then kept (no import machinery on every call)."""
+    global _KERNELS
+    from . import selection_kernels
+
+    _KERNELS = selection_kernels
+    return selection_kernels
 
 
 def _check_window(window_size) -> int:
@@ -247,9 +261,13 @@ def topk_intervals(
     Cost: one stable sort per (batch, head) row plus ``ceil(log2(L) / 4)`` levels of
     vectorised O(16 L) ops (causal only); O(16 L) memory per row; no host synchronisation.
     On CUDA (and on CPU under ``TRITON_INTERPRET=1``) the causal selection runs as Triton
-    kernels (:mod:`~flash_dmattn.planning.selection_kernels`): a score pass, the sort, a count
-    pass, one partition per tree level but the last and one query pass (6 launches for L = 32K,
-    whose 15 position bits take 3 levels of 5); the same results bit for bit.
+    kernels (:mod:`~flash_dmattn.planning.selection_kernels`): a score pass, the sort (torch's
+    radix sort; a 16-bit key for bf16/fp16 biases), a count pass, one partition per tree level
+    but the last and one query pass that walks every key down all levels, one memory round trip
+    a level. Host work: ``levels + 2`` Triton launches (5 for L = 32K, whose 15 position bits
+    take 3 levels of 5; 6 for 64K and 128K), the sort and three allocations (the sort key, one
+    int32 workspace for every level's sequence and counts, the bounds); sizes and grids cached
+    per ``(L, rows)``. The same results bit for bit.
 
     Equivalent plain PyTorch (dense, O(L^2))::
 
@@ -269,8 +287,7 @@ def topk_intervals(
     batch = max(bias_batch, 1 if padding is None else padding.shape[0])
     # Every query keeps at most W keys, and a query keeps at most one key the query before it
     # did not (its own position): the KeyIntervals window promise.
-    # The kernels' module imports triton: only when a call may use it.
-    from . import selection_kernels as _kernels
+    _kernels = _KERNELS or _import_kernels()
 
     if batch * heads * length > 0 and _kernels.available(attention_bias.device, batch * heads):
         # Triton: one score pass, the sort and (causal) a launch per tree level plus two; the
