@@ -190,12 +190,13 @@ if triton is not None:
             # Row-wide count of each digit up to and including every entry.
             incl = tl.cumsum(hit, 0) + before[None, :]
             same = tl.sum(tl.where(hit != 0, incl, 0), 1)
-            # Checkpoints: cumulative (digit <= d) counts at the end of every CHK entries.
-            chunk = tl.sum(tl.reshape(hit, [SUB // CHK, CHK, R]), 1)
-            at_end = tl.cumsum(chunk, 0) + before[None, :]
-            le = tl.cumsum(at_end, 1)
-            c = start // CHK + 1 + tl.arange(0, SUB // CHK)
-            tl.store(ck + c[:, None] * R + digits[None, :], le, mask=(c < n_ck)[:, None])
+            # Checkpoints: cumulative (digit <= d) counts at the end of every CHK entries, i.e.
+            # the digit-prefix sums of ``incl`` at the entries CHK - 1, 2 CHK - 1, ... (a masked
+            # store: no reshaped copy of the tile).
+            le = tl.cumsum(incl, 1)
+            at_end = (((offs + 1) % CHK) == 0) & ok
+            tl.store(ck + ((offs + 1) // CHK)[:, None] * R + digits[None, :], le,
+                     mask=at_end[:, None])
             before += tl.sum(hit, 0)
             # Stable partition into the next level.
             node = (v >> (shift + RB)) << (shift + RB)
