@@ -51,6 +51,8 @@ def check_dropout_p(dropout_p) -> float:
     """``dropout_p`` as a float in ``[0, 1)``; ``TypeError`` / ``ValueError`` otherwise."""
     if dropout_p is None:
         return 0.0
+    if type(dropout_p) is float and 0.0 <= dropout_p < 1.0:  # the usual case, on every call
+        return dropout_p
     if isinstance(dropout_p, (bool, str, bytes)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__} "
                         f"{dropout_p!r}")

@@ -51,7 +51,10 @@ def forced_backend() -> Optional[str]:
 
 def disabled_backends() -> Set[str]:
     """The names in ``$FLASH_DMATTN_DISABLE`` (comma separated, blanks ignored)."""
-    return {n.strip() for n in os.environ.get(DISABLE, "").split(",") if n.strip()}
+    raw = os.environ.get(DISABLE)
+    if not raw:  # the usual case, read on every dispatched call: no parsing
+        return set()
+    return {n.strip() for n in raw.split(",") if n.strip()}
 
 
 def cache_dir() -> Optional[Path]:

@@ -83,6 +83,8 @@ def _collapse_broadcast_dims(t: torch.Tensor) -> torch.Tensor:
 def _number(name: str, value) -> float:
     """``value`` as a float; a ``TypeError`` naming the argument for anything but a real
     number (bool excluded: ``True`` as a scale or cap is a caller bug, not 1.0)."""
+    if type(value) is float:  # the usual case, on every call
+        return value
     if isinstance(value, (bool, str, bytes)) or (
         isinstance(value, torch.Tensor) and (value.numel() != 1 or value.dtype == torch.bool)
     ):
@@ -437,19 +439,23 @@ class AttentionInputs:
                 + (f"; {_HEADS_FIRST_HINT}" if heads_first else "")
             )
         scale, cap = _scale_and_softcap(softmax_scale, softcap, d)
-        dims = dict(query=query, batch=b, num_heads=h, num_kv_heads=hkv, seqlen_q=lq, seqlen_k=lk)
         intervals = window = None
         if isinstance(attn_mask, KeyIntervals):
             intervals = check_key_intervals(attn_mask, query, b, h, hkv, lk)
             window = attn_mask.window
             attn_mask = None
-        mask = normalise_mask_or_bias("attn_mask", attn_mask, **dims)
-        bias = normalise_mask_or_bias("attn_bias", attn_bias, **dims)
-        if mask is not None:
-            mask = _collapse_broadcast_dims(mask)
-        if bias is not None and not bias.requires_grad:
-            bias = _collapse_broadcast_dims(bias)
-        cache_seqlens = _check_cache_seqlens(cache_seqlens, query, b, lk)
+        mask = bias = None
+        if attn_mask is not None or attn_bias is not None:
+            dims = dict(query=query, batch=b, num_heads=h, num_kv_heads=hkv, seqlen_q=lq,
+                        seqlen_k=lk)
+        if attn_mask is not None:
+            mask = _collapse_broadcast_dims(normalise_mask_or_bias("attn_mask", attn_mask, **dims))
+        if attn_bias is not None:
+            bias = normalise_mask_or_bias("attn_bias", attn_bias, **dims)
+            if not bias.requires_grad:
+                bias = _collapse_broadcast_dims(bias)
+        if cache_seqlens is not None:
+            cache_seqlens = _check_cache_seqlens(cache_seqlens, query, b, lk)
         p = check_dropout_p(dropout_p)
         return AttentionInputs(
             query=_last_dim_contiguous(query),

@@ -93,27 +93,42 @@ def plain_eager(*tensors: Optional[Tensor], allow_grad: bool = True) -> bool:
     """Whether a call is plain eager PyTorch: not compiling or tracing, no tensor subclasses,
     meta tensors or active torch-function / dispatch modes (and, unless ``allow_grad``, no
     gradient to record). See :func:`eager_inference`."""
-    try:
-        if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
-            return False
-        if torch._C._len_torch_function_stack() > 0:
-            return False
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-        if _get_current_dispatch_mode() is not None:
-            return False
-        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    except AttributeError:  # a torch without one of these probes: keep the op
+    probes = _eager_probes()
+    if probes is None:  # a torch without one of these probes: keep the op
         return False
-    grad = torch.is_grad_enabled() and not allow_grad
+    tracing_state, function_stack, dispatch_mode, wrapped = probes
+    if (torch.compiler.is_compiling() or tracing_state() is not None or function_stack() > 0
+            or dispatch_mode() is not None):
+        return False
+    grad = not allow_grad and torch.is_grad_enabled()
     for t in tensors:
         if t is None:
             continue
-        if type(t) is not Tensor or t.device.type == "meta" or wrapped(t):
+        if type(t) is not Tensor or t.is_meta or wrapped(t):
             return False
         if grad and t.requires_grad:
             return False
     return True
+
+
+_EAGER_PROBES: Optional[tuple] = None
+
+
+def _eager_probes() -> Optional[tuple]:
+    """The torch internals :func:`plain_eager` asks (looked up once: a decode step calls it
+    for every layer): the tracing state, the torch-function mode stack's length, the current
+    dispatch mode and the functorch-wrapper test; None where this torch lacks one."""
+    global _EAGER_PROBES
+    if _EAGER_PROBES is None:
+        try:
+            from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+            _EAGER_PROBES = (torch._C._get_tracing_state, torch._C._len_torch_function_stack,
+                             _get_current_dispatch_mode,
+                             torch._C._functorch.is_functorch_wrapped_tensor)
+        except (AttributeError, ImportError):
+            _EAGER_PROBES = ()
+    return _EAGER_PROBES or None
 
 
 class AttentionOp:
@@ -288,7 +303,7 @@ class AttentionOp:
                 bool(deterministic), cache_seqlens, block_table, key_intervals, window,
                 dropout_p, dropout_rng,
             )
-        return out, lse.to(torch.float32)
+        return out, (lse if lse.dtype == torch.float32 else lse.to(torch.float32))
 
 
 class _PlannedAttention(torch.autograd.Function):

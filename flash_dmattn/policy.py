@@ -136,17 +136,23 @@ def features_of(inputs) -> CallFeatures:
     cache = getattr(inputs, "cache_seqlens", None) is not None
     paged = getattr(inputs, "block_table", None) is not None
     bias = inputs.attn_bias
-    return CallFeatures(
-        device=inputs.device.type,
-        capability=device_capability(inputs.device),
-        packed=packed,
-        decode=not packed and _decode_shape(inputs),
-        kv_cache=cache or paged,
-        mask="intervals" if intervals else _aux_kind(inputs.attn_mask),
-        bias=_aux_kind(bias),
-        training=inputs.needs_grad,
-        bias_grad=torch.is_grad_enabled() and bias is not None and bias.requires_grad,
-    )
+    device = inputs.device
+    grad = torch.is_grad_enabled()
+    # Positionally, in CallFeatures' field order (asked on every dispatched call).
+    return _make_features((
+        device.type,                                                  # device
+        device_capability(device),                                    # capability
+        packed,                                                       # packed
+        not packed and _decode_shape(inputs),                         # decode
+        cache or paged,                                               # kv_cache
+        "intervals" if intervals else _aux_kind(inputs.attn_mask),    # mask
+        _aux_kind(bias),                                              # bias
+        grad and inputs.needs_grad,                                   # training
+        grad and bias is not None and bias.requires_grad,             # bias_grad
+    ))
+
+
+_make_features = CallFeatures._make
 
 
 # ---------------------------------------------------------------------------------------------

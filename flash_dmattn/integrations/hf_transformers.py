@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-from ..api import flash_dmattn_func_auto
+from ..api import flash_dmattn_func
 from ..dropout import check_dropout_p
 from ..topk_decode import run_selected
 from . import hf_varlen
@@ -72,8 +72,9 @@ def _model_type(module: Optional[torch.nn.Module]) -> Optional[str]:
 
 
 def _get_kernel() -> Callable:
-    """The library call used for every attention (a seam: tests spy on it)."""
-    return flash_dmattn_func_auto()
+    """The library call used for every attention (a seam: tests spy on it):
+    :func:`~flash_dmattn.flash_dmattn_func`, i.e. ``flash_dmattn_func_auto()``."""
+    return flash_dmattn_func
 
 
 def _get_selected_kernel() -> Callable:
@@ -101,7 +102,13 @@ def _dropout_p(module: Optional[torch.nn.Module], dropout: Optional[float]) -> f
 def _masked_threshold(dtype: torch.dtype) -> float:
     # transformers writes torch.finfo(dtype).min (or -inf) into masked entries of additive
     # masks; anything at or below half of it cannot be a real score offset.
-    return torch.finfo(dtype).min / 2
+    floor = _MASKED_THRESHOLDS.get(dtype)
+    if floor is None:
+        floor = _MASKED_THRESHOLDS[dtype] = torch.finfo(dtype).min / 2
+    return floor
+
+
+_MASKED_THRESHOLDS: dict = {}  # by dtype: a decoding step asks once per layer
 
 
 def _split_additive_mask(
@@ -304,8 +311,7 @@ def dmattn_attention_forward(
     transformers' sdpa integration does: this only happens when prefilling an empty static
     cache, whose later slots are empty).
     """
-    _validate_call(module, query, key, value, scaling, dropout, kwargs)
-    dropout_p = _dropout_p(module, dropout)
+    dropout_p = _validate_call(module, query, key, value, scaling, dropout, kwargs)
     # A Doge decoding step: attend to the W keys its additive mask keeps, by index.
     out = _topk_decode(module, query, key, value, attention_mask, scaling, softcap, kwargs,
                        dropout_p)
@@ -332,9 +338,10 @@ def _validate_call(
     scaling: Optional[float],
     dropout: float,
     kwargs: dict,
-) -> None:
-    """Checks shared by the dense and the packed route (typed errors, before any work)."""
-    _dropout_p(module, dropout)
+) -> float:
+    """Checks shared by the dense and the packed route (typed errors, before any work);
+    returns the call's dropout (:func:`_dropout_p`)."""
+    dropout_p = _dropout_p(module, dropout)
     if kwargs.get("s_aux") is not None:
         raise ValueError(
             "flash_dmattn does not support attention sinks (s_aux); use attn_implementation='eager'"
@@ -346,6 +353,7 @@ def _validate_call(
         )
     if scaling is not None and not math.isfinite(float(scaling)):
         raise ValueError(f"scaling must be finite, got {scaling}")
+    return dropout_p
 
 
 def prepare_attention_call(
@@ -364,9 +372,9 @@ def prepare_attention_call(
     Keys: ``query``, ``key``, ``value`` (``(B, L, H|Hkv, D)`` views), ``attn_mask``,
     ``attn_bias``, ``softmax_scale``, ``is_causal``, ``softcap``, ``dropout_p``.
     """
-    _validate_call(module, query, key, value, scaling, dropout, kwargs)
+    dropout_p = _validate_call(module, query, key, value, scaling, dropout, kwargs)
     return _attention_call(module, query, key, value, attention_mask, scaling, softcap, kwargs,
-                           _dropout_p(module, dropout))
+                           dropout_p)
 
 
 def _attention_call(
@@ -478,7 +486,8 @@ def _decode_window(
         return None
     if m.shape[0] not in (1, batch) or m.shape[1] not in (1, kv_heads, heads):
         return None
-    if any(kwargs.get(n) is not None for n in ("attention_bias", "position_bias", "sliding_window")):
+    if (kwargs.get("attention_bias") is not None or kwargs.get("position_bias") is not None
+            or kwargs.get("sliding_window") is not None):
         return None
     return window
 
@@ -509,7 +518,9 @@ def _topk_decode(
     if window is None:
         return None
     group = query.shape[1] // key.shape[1]
-    m = attention_mask[..., : key.shape[2]]
+    m = attention_mask
+    if m.shape[-1] > key.shape[2]:
+        m = m[..., : key.shape[2]]
     if m.shape[1] == query.shape[1] and group > 1:
         m = m[:, ::group]  # one row per kv head: the group's first query head
     floor = _masked_threshold(m.dtype)  # of the mask's own dtype, as the dense path reads it

@@ -60,8 +60,9 @@ def broadcast_strides(t: Optional[torch.Tensor], num_heads: int):
     """
     if t is None:
         return 0, 0, 0, 0, 1
-    st = [0 if t.size(d) == 1 else t.stride(d) for d in range(4)]
-    return st[0], st[1], st[2], st[3], num_heads // t.size(1)
+    (b, h, m, n), (sb, sh, sm, sn) = t.shape, t.stride()
+    return (0 if b == 1 else sb, 0 if h == 1 else sh, 0 if m == 1 else sm, 0 if n == 1 else sn,
+            num_heads // h)
 
 
 

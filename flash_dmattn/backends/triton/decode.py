@@ -29,7 +29,8 @@ backend declines paged calls that need gradients or more rows than it takes
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import functools
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -508,75 +509,105 @@ def decode_forward(
         lse.fill_(float("-inf"))
         return out, lse
 
+    def row_invariant(t):
+        # Same value for every row of a (batch, kv head) tile: one query row (or Lq == 1), and
+        # the head dim is not per query head (or the group has one head).
+        return t is not None and (t.size(2) == 1 or Lq == 1) and (t.size(1) != H or G == 1)
+
     interp = interpret_mode()
-    has_softcap = softcap > 0.0
-    block_m = max(16, next_power_of_2(rows))
-    deep = not interp and use_deep_pipeline(B, Hkv, mask is not None or bias is not None,
-                                            block_table is not None, device)
+    # Under the interpreter the plan is made afresh (tests patch its settings); on a GPU it
+    # depends only on the key below, and every layer of a decoding step shares it.
+    plan = (_decode_plan if interp else _cached_decode_plan)(
+        device, q.dtype, B, Lq, H, Hkv, D, Lk, mask is not None, row_invariant(mask),
+        bias is not None, row_invariant(bias), bool(is_causal), softcap > 0.0,
+        cache_seqlens is not None, page_size, block_table is not None, num_splits, interp)
+    num_splits = plan.num_splits
+    if plan.single:  # the split kernel writes out / lse itself, no combine launch
+        o_part, l_part = out, lse
+    else:
+        o_part = alloc_output((num_splits, plan.split_rows, D), torch.float32, device)
+        l_part = alloc_output((num_splits, plan.split_rows), torch.float32, device)
+
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+    _decode_split_kernel[(num_splits, B, Hkv)](
+        q, k, v, mask.view(torch.uint8) if mask is not None else q,
+        bias if bias is not None else q,
+        cache_seqlens if cache_seqlens is not None else q,
+        block_table if block_table is not None else q, o_part, l_part,
+        qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+        *broadcast_strides(mask, H), *broadcast_strides(bias, H),
+        B, H, G, Lq, Lk, plan.keys_per_split,
+        softmax_scale * LOG2E, (softmax_scale / softcap) if softcap > 0.0 else 0.0, softcap,
+        block_table.stride(0) if block_table is not None else 0, num_pages,
+        os_[0], os_[1], os_[2],
+        **plan.split_meta,
+    )
+    if plan.single:
+        return out, lse
+    _decode_combine_kernel[(plan.split_rows, plan.combine_cols)](
+        o_part, l_part, out, lse,
+        num_splits, plan.split_rows, H, Lq, os_[0], os_[1], os_[2],
+        **plan.combine_meta,
+    )
+    return out, lse
+
+
+class DecodePlan(NamedTuple):
+    """What a decode launch needs besides its tensors (:func:`_decode_plan`): the split count
+    and split length, the split kernel's constexprs and launch settings, and the combine's."""
+
+    num_splits: int
+    keys_per_split: int
+    single: bool
+    split_rows: int
+    split_meta: dict
+    combine_cols: int
+    combine_meta: Optional[dict]
+
+
+def _decode_plan(device: torch.device, dtype: torch.dtype, B: int, Lq: int, H: int, Hkv: int,
+                 D: int, Lk: int, has_mask: bool, mask_rowb: bool, has_bias: bool,
+                 bias_rowb: bool, is_causal: bool, has_softcap: bool, has_cache: bool,
+                 page_size: int, paged: bool, num_splits: Optional[int],
+                 interp: bool) -> DecodePlan:
+    """The launch plan of :func:`decode_forward` for a call of these shapes and flags (its
+    arguments are everything the plan depends on: :func:`_cached_decode_plan` keys on them)."""
+    G = H // Hkv
+    block_d = head_block(D)
+    block_m = max(16, next_power_of_2(G * Lq))
+    deep = not interp and use_deep_pipeline(B, Hkv, has_mask or has_bias, paged, device)
     if interp:
         block_n, warps, stages, maxnreg = INTERPRET_BLOCK_N, 4, 1, None
     else:
-        block_n, warps, stages, maxnreg = decode_config(
-            head_block(D), block_m, has_softcap and block_table is not None, deep)
+        block_n, warps, stages, maxnreg = decode_config(block_d, block_m, has_softcap and paged,
+                                                        deep)
     if num_splits is None:
         num_splits = choose_num_splits(B, Hkv, Lk, device, per_sm=DEEP_PER_SM if deep else 4)
     # Splits start on whole tiles (so a page of whole tiles holds each tile entirely).
     align = max(16 if interp else SPLIT_ALIGN, block_n)
     keys_per_split = cdiv(cdiv(Lk, max(1, num_splits)), align) * align
     num_splits = cdiv(Lk, keys_per_split)  # no split that starts past the capacity
-
     split_rows = B * H * Lq
-    single = num_splits == 1  # the split kernel writes out / lse itself, no combine launch
-    if single:
-        o_part, l_part = out, lse
-    else:
-        o_part = alloc_output((num_splits, split_rows, D), torch.float32, device)
-        l_part = alloc_output((num_splits, split_rows), torch.float32, device)
-
-    mask_arg = mask.view(torch.uint8) if mask is not None else q
-    ms = broadcast_strides(mask, H)
-    bias_arg = bias if bias is not None else q
-    bs = broadcast_strides(bias, H)
-
-    def row_invariant(t):
-        # Same value for every row of a (batch, kv head) tile: one query row (or Lq == 1), and
-        # the head dim is not per query head (or the group has one head).
-        return t is not None and (t.size(2) == 1 or Lq == 1) and (t.size(1) != H or G == 1)
-
-    cache_arg = cache_seqlens if cache_seqlens is not None else q
-    table_arg = block_table if block_table is not None else q
-    args = (
-        q, k, v, mask_arg, bias_arg, cache_arg, table_arg, o_part, l_part,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        *ms, *bs,
-        B, H, G, Lq, Lk, keys_per_split,
-        softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
-        block_table.stride(0) if block_table is not None else 0, num_pages,
-        out.stride(0), out.stride(1), out.stride(2),
+    single = num_splits == 1
+    split_meta = dict(
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m,
+        HAS_MASK=has_mask, MASK_ROWB=mask_rowb, HAS_BIAS=has_bias, BIAS_ROWB=bias_rowb,
+        IS_CAUSAL=is_causal, HAS_SOFTCAP=has_softcap, HAS_CACHE=has_cache,
+        DOT_UPCAST=dot_upcast(dtype), PAGE_SIZE=page_size,
+        TILE_PAGES=tile_pages(page_size, block_n), SINGLE_SPLIT=single,
+        BLOCK_N=block_n, num_warps=warps, num_stages=stages,
     )
-    meta = dict(
-        HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_M=block_m,
-        HAS_MASK=mask is not None, MASK_ROWB=row_invariant(mask),
-        HAS_BIAS=bias is not None, BIAS_ROWB=row_invariant(bias),
-        IS_CAUSAL=bool(is_causal), HAS_SOFTCAP=has_softcap, HAS_CACHE=cache_seqlens is not None,
-        DOT_UPCAST=dot_upcast(q.dtype), PAGE_SIZE=page_size,
-        TILE_PAGES=tile_pages(page_size, block_n),
-        SINGLE_SPLIT=single,
-    )
-    grid = (num_splits, B, Hkv)
-    launch = dict(maxnreg=maxnreg) if maxnreg is not None else {}
-    _decode_split_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
-                               num_stages=stages, **launch)
+    if maxnreg is not None:
+        split_meta["maxnreg"] = maxnreg
+    cols, combine_meta = 1, None
+    if not single:
+        chunk, cols, combine_warps = combine_config(num_splits, block_d, split_rows, device)
+        combine_meta = dict(HEAD_DIM=D, BLOCK_D=block_d // cols, CHUNK_S=chunk,
+                            num_warps=combine_warps)
+    return DecodePlan(num_splits, keys_per_split, single, split_rows, split_meta, cols,
+                      combine_meta)
 
-    if single:
-        return out, lse
-    chunk, cols, combine_warps = combine_config(num_splits, head_block(D), split_rows, device)
-    _decode_combine_kernel[(split_rows, cols)](
-        o_part, l_part, out, lse,
-        num_splits, split_rows, H, Lq,
-        out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=D, BLOCK_D=head_block(D) // cols, CHUNK_S=chunk, num_warps=combine_warps,
-    )
-    return out, lse
+
+# A decoding step calls the decode kernel once per layer with the same shapes: the plan is made
+# once per shape (the key length, and with it the split count, grows by one a step).
+_cached_decode_plan = functools.lru_cache(maxsize=1024)(_decode_plan)

@@ -289,18 +289,17 @@ def selected_decode_forward(
     # One bias value per key for every row of a (batch, kv head) tile: one query row (or
     # Lq == 1) and a head dim that is not per query head (or a group of one head).
     rowb = bias is not None and (bias.size(2) == 1 or Lq == 1) and (bias.size(1) != H or G == 1)
+    qs, ks, vs, os_, ixs = q.stride(), k.stride(), v.stride(), out.stride(), index.stride()
     _selected_split_kernel[(num_splits, B, Hkv)](
         q, k, v, bias if bias is not None else q, index,
         cache_seqlens if cache_seqlens is not None else q, o_part, l_part,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
+        qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
         *bs,
-        index.stride(0) if index.size(0) > 1 else 0, index.stride(1) if index.size(1) > 1 else 0,
+        ixs[0] if index.shape[0] > 1 else 0, ixs[1] if index.shape[1] > 1 else 0,
         B, H, G, Lq, Lk, W, per_split,
         softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
         float(bias_floor) if bias_floor is not None else 0.0,
-        out.stride(0), out.stride(1), out.stride(2),
+        os_[0], os_[1], os_[2],
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_BIAS=bias is not None, BIAS_ROWB=rowb,
         BIAS_VIS=bias is not None and bias_floor is not None,
@@ -313,8 +312,7 @@ def selected_decode_forward(
     chunk, cols, combine_warps = combine
     _decode_combine_kernel[(split_rows, cols)](
         o_part, l_part, out, lse,
-        num_splits, split_rows, H, Lq,
-        out.stride(0), out.stride(1), out.stride(2),
+        num_splits, split_rows, H, Lq, os_[0], os_[1], os_[2],
         HEAD_DIM=D, BLOCK_D=block_d // cols, CHUNK_S=chunk, num_warps=combine_warps,
     )
     return out, lse

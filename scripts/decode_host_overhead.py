@@ -1,0 +1,291 @@
+"""Host time of one decoding-step attention call through the Hugging Face integration (CPU).
+
+    python scripts/decode_host_overhead.py [--calls 2000] [--batch 4] [--keys 1088]
+
+A ``generate()`` step of the issue-33 probe models (``scripts/doge_generate_probe.py``) is
+host bound: its CUDA time is a fraction of its wall time, so what the library's attention
+function costs on the host, per call, sets tokens/s. This tool times that host path on a
+machine without a GPU, with nothing of the device work in it:
+
+* ``llama``: ``dmattn_attention_forward`` with no mask, one query against ``--keys`` cached
+  keys (the dense path: validation, auto-dispatch to triton's ``hopper-decode`` rule,
+  the split-KV decode launcher);
+* ``doge``: the same with Doge's additive top-W mask ``(B, H, 1, Lk)`` (the top-W path:
+  ``torch.topk`` over the mask row, the selected-keys launcher).
+
+Every Triton kernel launch of those paths is replaced by a counter (the outputs are the
+launchers' ``torch.empty``); the dispatch policy is told the call is on an H100 (sm_90)
+while its tensors are CPU tensors, the decode launchers plan as on an H100 (132 SMs, not
+interpreted), the selected-keys path is let run there (``FLASH_DMATTN_BACKEND=triton`` for
+that path only), and ``torch.topk`` answers from a table (its CPU arithmetic would swamp the
+host time: the step's one selection op is left out). Host synchronisations are counted by
+wrapping ``Tensor.item / tolist / __bool__ / nonzero / cpu`` and ``torch.cuda.synchronize``.
+
+Printed per path: microseconds per call (median of 5 blocks of ``--calls``), kernel launches
+and host synchronisations per call, and beside them two yardsticks: transformers'
+``sdpa_attention_forward`` on the same CPU tensors (host overhead plus the CPU's attention
+arithmetic) and on a one-key call (mostly overhead).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the triton backend is "available" on CPU
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flash_dmattn import policy  # noqa: E402
+from flash_dmattn.integrations import hf_transformers  # noqa: E402
+
+
+class _StubKernel:
+    """Stands for a ``@triton.jit`` kernel: ``kernel[grid](*args, **meta)`` counts a launch
+    (and, where ``counts`` has a ``"log"`` list, records ``(name, grid, args, meta)``)."""
+
+    def __init__(self, counts: dict, name: str) -> None:
+        self.counts, self.name = counts, name
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.counts["launches"] += 1
+            log = self.counts.get("log")
+            if log is not None:
+                log.append((self.name, grid, args, kwargs))
+        return launch
+
+
+H100_SMS = 132
+
+
+@contextlib.contextmanager
+def stubbed_device(counts: dict):
+    """Kernels replaced by counters; the policy sees an sm_90 GPU for CPU tensors, and the
+    decode launchers plan as on an H100 (their GPU branch: not interpreted, 132 SMs)."""
+    from flash_dmattn.backends.triton import decode, decode_selected
+    from flash_dmattn.planning import decode as decode_planning
+
+    saved = []
+
+    def patch(obj, name, value):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    gpu = torch.device("cuda", 0)
+
+    def on_gpu(fn, at):
+        # The planning helpers branch on device.type: their device argument (position ``at``)
+        # becomes a CUDA device.
+        def call(*args, **kwargs):
+            return fn(*args[:at], gpu, *args[at + 1:], **kwargs)
+        return call
+
+    for mod, names in ((decode, ("_decode_split_kernel", "_decode_combine_kernel")),
+                       (decode_selected, ("_selected_split_kernel", "_decode_combine_kernel"))):
+        for name in names:
+            patch(mod, name, _StubKernel(counts, name))
+    for mod in (decode, decode_selected, decode_planning):
+        patch(mod, "sm_count", lambda device: H100_SMS)
+    for mod in (decode, decode_selected):
+        patch(mod, "interpret_mode", lambda: False)
+    for mod, name, at in ((decode, "choose_num_splits", 3), (decode, "combine_config", 3),
+                          (decode, "use_deep_pipeline", 4),
+                          (decode_selected, "selected_num_splits", 3),
+                          (decode_selected, "combine_config", 3)):
+        patch(mod, name, on_gpu(getattr(mod, name), at))
+    # torch.topk (the top-W path's selection, a device op) is answered from a table of the
+    # results it gave: on a CPU its arithmetic would swamp the host time measured here.
+    real_topk, answers = torch.topk, {}
+
+    def topk(t, k, dim=-1, largest=True, sorted=True):
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), k, dim, largest, sorted)
+        if key not in answers:
+            answers[key] = real_topk(t, k, dim=dim, largest=largest, sorted=sorted)
+        return answers[key]
+
+    patch(torch, "topk", topk)
+    real_features = policy.features_of
+
+    def features_on_h100(inputs):
+        f = real_features(inputs)
+        return f._replace(device="cuda", capability=policy.HOPPER)
+
+    patch(policy, "features_of", features_on_h100)
+    # Launch plans made under these patches must not outlive them (nor older ones serve them).
+    caches = [c for c in (getattr(decode, "_cached_decode_plan", None),  # (older trees: none)
+                          decode_selected._launch_plan) if c is not None]
+    for cache in caches:
+        cache.cache_clear()
+    try:
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+        for cache in caches:
+            cache.cache_clear()
+
+
+@contextlib.contextmanager
+def count_syncs(counts: dict):
+    """Counts the calls that make the host wait for the device (on a GPU)."""
+    names = ("item", "tolist", "__bool__", "nonzero", "cpu")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def spy(name, real):
+        def wrapped(self, *args, **kwargs):
+            counts["syncs"] += 1
+            counts.setdefault("sync_sites", {}).setdefault(name, 0)
+            counts["sync_sites"][name] += 1
+            return real(self, *args, **kwargs)
+        return wrapped
+
+    for n, real in saved.items():
+        setattr(torch.Tensor, n, spy(n, real))
+    real_sync = torch.cuda.synchronize
+    torch.cuda.synchronize = spy("synchronize", lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        for n, real in saved.items():
+            setattr(torch.Tensor, n, real)
+        torch.cuda.synchronize = real_sync
+
+
+class _Module(torch.nn.Module):
+    """The attributes of a transformers attention layer the integration reads."""
+
+    def __init__(self, model_type: str, window: int) -> None:
+        super().__init__()
+        self.config = type("Config", (), {"model_type": model_type})()
+        self.is_causal = True
+        self.keep_window_size = window
+        self.eval()
+
+
+def make_call(kind: str, a):
+    """Arguments of one decoding-step call as transformers passes them (bf16)."""
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, D, L = a.batch, a.heads, a.kv_heads, a.head_dim, a.keys
+    dt = torch.bfloat16
+    # q from a (B, 1, H*D) projection, transposed to heads-first; K/V a DynamicCache's
+    # torch.cat result (B, Hkv, L, D), contiguous.
+    q = torch.randn(B, 1, H, D, generator=g, dtype=dt).transpose(1, 2)
+    k = torch.randn(B, Hkv, L, D, generator=g, dtype=dt)
+    v = torch.randn(B, Hkv, L, D, generator=g, dtype=dt)
+    mask = None
+    if kind == "doge":
+        bias = torch.rand(B, H, 1, L, generator=g).to(dt)
+        keep = torch.topk(bias.float(), a.window, dim=-1).indices
+        drop = torch.ones_like(bias, dtype=torch.bool).scatter(-1, keep, False)
+        mask = bias.masked_fill(drop, torch.finfo(dt).min)
+    module = _Module("doge" if kind == "doge" else "llama", a.window)
+    return module, q, k, v, mask
+
+
+def time_calls(fn, calls: int, blocks: int = 5) -> float:
+    """Median microseconds per call over ``blocks`` blocks of ``calls`` calls."""
+    for _ in range(min(calls, 200)):
+        fn()
+    per = []
+    for _ in range(blocks):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(per)
+
+
+def measure(kind: str, a) -> dict:
+    module, q, k, v, mask = make_call(kind, a)
+    scale = a.head_dim ** -0.5
+    counts = {"launches": 0, "syncs": 0}
+
+    def call():
+        return hf_transformers.dmattn_attention_forward(module, q, k, v, mask, scaling=scale,
+                                                        dropout=0.0)
+
+    env = {"FLASH_DMATTN_BACKEND": "triton"} if kind == "doge" else {}
+    old = {n: os.environ.get(n) for n in env}
+    os.environ.update(env)
+    try:
+        with torch.no_grad(), stubbed_device(counts):
+            call()  # the first call: imports, probes, logging
+            counts.update(launches=0, syncs=0)
+            with count_syncs(counts):
+                call()
+            one = dict(counts)
+            us = time_calls(call, a.calls)
+            if a.cprofile:
+                import cProfile
+                import pstats
+
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(a.calls):
+                    call()
+                prof.disable()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(a.cprofile)
+    finally:
+        for n, val in old.items():
+            if val is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = val
+    return dict(us=us, launches=one["launches"], syncs=one["syncs"],
+                sync_sites=one.get("sync_sites", {}))
+
+
+def sdpa_yardstick(a, keys: int) -> float:
+    """transformers' sdpa attention function on CPU tensors (mask None, one query)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b = argparse.Namespace(**{**vars(a), "keys": keys})
+    module, q, k, v, _ = make_call("llama", b)
+    scale = a.head_dim ** -0.5
+    with torch.no_grad():
+        return time_calls(lambda: sdpa_attention_forward(module, q, k, v, None, scaling=scale),
+                          a.calls if keys <= 16 else max(50, a.calls // 20))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--keys", type=int, default=1088)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--paths", default="llama,doge")
+    ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--cprofile", type=int, default=0,
+                    help="print the N costliest functions (cProfile, tottime) of each path")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)  # host time: no thread-pool wake-ups in the yardsticks
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; B {a.batch}, H {a.heads}, "
+          f"Hkv {a.kv_heads}, D {a.head_dim}, Lq 1, Lk {a.keys}, window {a.window}, bf16")
+    for kind in [p.strip() for p in a.paths.split(",") if p.strip()]:
+        r = measure(kind, a)
+        sites = ", ".join(f"{n} {c}" for n, c in r["sync_sites"].items()) or "none"
+        print(f"{kind:6s} dmattn_attention_forward: {r['us']:7.1f} us/call, "
+              f"{r['launches']} kernel launches, {r['syncs']} host syncs ({sites})")
+    if not a.no_sdpa:
+        try:
+            print(f"yardstick sdpa_attention_forward, Lk {a.keys}: "
+                  f"{sdpa_yardstick(a, a.keys):7.1f} us/call (CPU arithmetic included)")
+            print(f"yardstick sdpa_attention_forward, Lk 1:    "
+                  f"{sdpa_yardstick(a, 1):7.1f} us/call (mostly host overhead)")
+        except ImportError as exc:
+            print(f"no transformers sdpa yardstick ({exc})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
