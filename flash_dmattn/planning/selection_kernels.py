@@ -209,7 +209,7 @@ if triton is not None:
 
     @triton.jit
     def _query_kernel(Ws, Sorted, Bounds, L, W, n_ck, rows, n_levels, top, ck_off,
-                      R: tl.constexpr, RB: tl.constexpr, CHK: tl.constexpr,
+                      R: tl.constexpr, RB: tl.constexpr, CHK: tl.constexpr, WIDTH: tl.constexpr,
                       BLOCK: tl.constexpr, F64: tl.constexpr):
         """Keys of ranks ``i`` in the block: ``t`` = the W-th smallest of ``order[:max(i, W)]``
         (a walk down the tree, as kth_smallest_of_prefixes), then the key's bounds.
@@ -235,7 +235,9 @@ if triton is not None:
             valid = s.to(tl.float64) > float("-inf")
         else:
             valid = s.to(tl.float32) > float("-inf")
-        g = tl.arange(0, CHK)
+        # One width for the scanned entries (CHK) and the checkpoint row (R), so that both
+        # tiles, and every per-key vector, share a layout (no conversions between them).
+        g = tl.arange(0, WIDTH)
         digits = tl.arange(0, R)
         a = tl.zeros([BLOCK], dtype=tl.int32)  # node start
         m = tl.maximum(i, W)  # entries of the node inside the prefix
@@ -246,20 +248,21 @@ if triton is not None:
             x = a + m  # the prefix ends at seq[x - 1]
             c = x // CHK
             pos = (c * CHK)[:, None] + g[None, :]
-            tm = (pos < x[:, None]) & ok[:, None]
+            tm = (pos < x[:, None]) & (g < CHK)[None, :] & ok[:, None]
             tv = tl.load(seq + pos, mask=tm, other=0)
             ckrow = Ws + ck_off + ((lev * rows + row) * n_ck + c) * R
-            cks = tl.load(ckrow[:, None] + digits[None, :], mask=ok[:, None], other=0)
+            cks = tl.load(ckrow[:, None] + g[None, :], mask=(g < R)[None, :] & ok[:, None],
+                          other=0)
             td = tl.where(tm, (tv >> shift) & (R - 1), R)  # R: past every digit
             # Entries per digit in the (full) nodes before this one: a / R each.
-            cks -= (a // R)[:, None] * (digits[None, :] + 1)
+            cks -= (a // R)[:, None] * (g[None, :] + 1)
             lo = tl.zeros([BLOCK], dtype=tl.int32)
             hi = lo + (R - 1)
             below = lo  # le(lo - 1)
             upto = m  # le(hi)
             for _ in tl.static_range(RB):
                 mid = (lo + hi) >> 1
-                le = (tl.sum(tl.where(digits[None, :] == mid[:, None], cks, 0), 1)
+                le = (tl.sum(tl.where(g[None, :] == mid[:, None], cks, 0), 1)
                       + tl.sum((td <= mid[:, None]).to(tl.int32), 1))
                 up = le >= kk
                 hi = tl.where(up, mid, hi)
@@ -412,7 +415,8 @@ def causal_bounds(bias, padding, min_dtype, window, batch, heads) -> torch.Tenso
         )
     _query_kernel[lay.query_grid](
         ws, ranked, bounds, length, window, lay.n_ck, rows, levels, top, lay.ck_off,
-        R=radix, RB=rb, CHK=CHECK, BLOCK=QUERY_BLOCK, F64=bias.dtype == torch.float64,
+        R=radix, RB=rb, CHK=CHECK, WIDTH=max(radix, CHECK), BLOCK=QUERY_BLOCK,
+        F64=bias.dtype == torch.float64,
         num_warps=8,
     )
     return bounds
