@@ -44,14 +44,35 @@ TRITON_AUTOTUNE = "FLASH_DMATTN_TRITON_AUTOTUNE"
 CUDA_FLAGS = "FLASH_DMATTN_CUDA_FLAGS"
 
 
+def _env(name: str) -> Optional[str]:
+    """``os.environ.get(name)``. Read on every dispatched call (a decoding step asks a few per
+    layer), so it looks in the mapping's own store: CPython's ``os.environ`` keeps its entries
+    encoded in ``_data`` (updated by every assignment and deletion through it, as
+    ``monkeypatch.setenv`` makes them), where the generic ``Mapping.get`` costs several Python
+    calls. A mapping without that store is asked the usual way."""
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if data is None:
+        return env.get(name)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = env.encodekey(name)
+    raw = data.get(key)
+    return None if raw is None else env.decodevalue(raw)
+
+
+_ENV_KEYS: dict = {}  # name -> its key in os.environ._data
+
+
 def forced_backend() -> Optional[str]:
     """``$FLASH_DMATTN_BACKEND`` stripped, or None when unset or blank."""
-    return os.environ.get(BACKEND, "").strip() or None
+    raw = _env(BACKEND)
+    return (raw.strip() or None) if raw else None
 
 
 def disabled_backends() -> Set[str]:
     """The names in ``$FLASH_DMATTN_DISABLE`` (comma separated, blanks ignored)."""
-    raw = os.environ.get(DISABLE)
+    raw = _env(DISABLE)
     if not raw:  # the usual case, read on every dispatched call: no parsing
         return set()
     return {n.strip() for n in raw.split(",") if n.strip()}
@@ -59,31 +80,35 @@ def disabled_backends() -> Set[str]:
 
 def cache_dir() -> Optional[Path]:
     """``$FLASH_DMATTN_CACHE_DIR`` (``~`` expanded), or None when unset or empty."""
-    raw = os.environ.get(CACHE_DIR)
+    raw = _env(CACHE_DIR)
     return Path(raw).expanduser() if raw else None
 
 
 def hf_varlen_mode() -> Optional[str]:
     """``$FLASH_DMATTN_HF_VARLEN`` stripped, or None when unset or blank (the integration
     validates the value)."""
-    return os.environ.get(HF_VARLEN, "").strip() or None
+    raw = _env(HF_VARLEN)
+    return (raw.strip() or None) if raw else None
 
 
 def cuda_auto() -> bool:
     """True when ``$FLASH_DMATTN_CUDA_AUTO`` is set and not ``0``."""
-    return os.environ.get(CUDA_AUTO, "0").strip() not in ("", "0")
+    raw = _env(CUDA_AUTO)
+    return raw is not None and raw.strip() not in ("", "0")
 
 
 def triton_autotune() -> bool:
     """False when ``$FLASH_DMATTN_TRITON_AUTOTUNE`` is ``0``: launch the first fitting config."""
-    return os.environ.get(TRITON_AUTOTUNE, "1").strip() != "0"
+    raw = _env(TRITON_AUTOTUNE)
+    return raw is None or raw.strip() != "0"
 
 
 def cuda_extra_flags() -> List[str]:
     """``$FLASH_DMATTN_CUDA_FLAGS`` split on whitespace (extra nvcc flags, kernel development)."""
-    return os.environ.get(CUDA_FLAGS, "").split()
+    return (_env(CUDA_FLAGS) or "").split()
 
 
 def interpret_mode() -> bool:
     """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    raw = _env("TRITON_INTERPRET")
+    return raw is not None and raw.lower() in ("1", "true", "yes", "on")

@@ -252,13 +252,26 @@ def run_selected(query, key, value, key_index, attn_bias=None, softmax_scale: fl
     bias, scale = attn_bias, softmax_scale
     heads, kv_heads = query.shape[2], key.shape[2]
     if _triton_runs(query, key, value, key_index, bias, heads, kv_heads):
-        from .backends.triton.decode_selected import selected_decode_forward
-
-        out, _ = selected_decode_forward(query, key, value, key_index, bias, scale, is_causal,
-                                         softcap, cache_seqlens, bias_floor)
+        out, _ = _selected_module().selected_decode_forward(
+            query, key, value, key_index, bias, scale, is_causal, softcap, cache_seqlens,
+            bias_floor)
         return out
     return _gathered_attention(query, key, value, key_index, bias, scale, is_causal, softcap,
                                cache_seqlens, bias_floor)
+
+
+_SELECTED = None
+
+
+def _selected_module():
+    """:mod:`flash_dmattn.backends.triton.decode_selected` (imported on first use: it needs
+    triton; then kept, since a decoding step reaches it once per layer)."""
+    global _SELECTED
+    if _SELECTED is None:
+        from .backends.triton import decode_selected
+
+        _SELECTED = decode_selected
+    return _SELECTED
 
 
 def _triton_runs(query, key, value, key_index, bias, heads: int, kv_heads: int) -> bool:

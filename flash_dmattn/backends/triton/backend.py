@@ -33,8 +33,8 @@ def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
             return out, lse
         # A mask that hides nothing beyond is_causal: the dense kernels, which skip tiles
         # past the diagonal instead of gathering every key.
-    from .decode import decode_forward, use_decode_kernel
-
+    decode = _decode_module()
+    decode_forward = decode.decode_forward
     if block_table is not None:
         # Paged KV: only the decode kernel reads pages (block_table_reasons declines the rest).
         return decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
@@ -44,12 +44,26 @@ def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
     # It is also the only forward that honours cache_seqlens (not_supported_reasons declines
     # cache_seqlens for every other shape, and dropout with a KV cache: the split-KV kernel
     # has none).
-    if not dropout_p and use_decode_kernel(q.shape[1], q.shape[2], k.shape[2], k.shape[1],
-                                           cache_seqlens is not None):
+    if not dropout_p and decode.use_decode_kernel(q.shape[1], q.shape[2], k.shape[2], k.shape[1],
+                                                  cache_seqlens is not None):
         return decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens)
     from .forward import attention_forward
 
     return attention_forward(q, k, v, mask, bias, scale, is_causal, softcap, **drop)
+
+
+_DECODE = None
+
+
+def _decode_module():
+    """:mod:`.decode` (imported on first use, so that importing this module needs no triton;
+    then kept: a decoding step reaches it once per layer)."""
+    global _DECODE
+    if _DECODE is None:
+        from . import decode
+
+        _DECODE = decode
+    return _DECODE
 
 
 def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
