@@ -19,7 +19,8 @@ while its tensors are CPU tensors, the decode launchers plan as on an H100 (132 
 interpreted), the selected-keys path is let run there (``FLASH_DMATTN_BACKEND=triton`` for
 that path only), and ``torch.topk`` answers from a table (its CPU arithmetic would swamp the
 host time: the step's one selection op is left out). Host synchronisations are counted by
-wrapping ``Tensor.item / tolist / __bool__ / nonzero / cpu`` and ``torch.cuda.synchronize``.
+wrapping ``Tensor.item / tolist / __bool__ / __int__ / __float__ / __index__ / nonzero / cpu /
+numpy / equal`` and ``torch.cuda.synchronize``.
 
 Printed per path: microseconds per call (median of 5 blocks of ``--calls``), kernel launches
 and host synchronisations per call, and beside them two yardsticks: transformers'
@@ -135,15 +136,16 @@ def stubbed_device(counts: dict):
 @contextlib.contextmanager
 def count_syncs(counts: dict):
     """Counts the calls that make the host wait for the device (on a GPU)."""
-    names = ("item", "tolist", "__bool__", "nonzero", "cpu")
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+             "cpu", "numpy", "equal")
     saved = {n: getattr(torch.Tensor, n) for n in names}
 
     def spy(name, real):
-        def wrapped(self, *args, **kwargs):
+        def wrapped(*args, **kwargs):
             counts["syncs"] += 1
             counts.setdefault("sync_sites", {}).setdefault(name, 0)
             counts["sync_sites"][name] += 1
-            return real(self, *args, **kwargs)
+            return real(*args, **kwargs)
         return wrapped
 
     for n, real in saved.items():

@@ -33,6 +33,17 @@ def alloc_output(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def alloc_partials(num_splits: int, rows: int, head_dim: int,
+                   device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 partial outputs (``num_splits * rows`` rows of ``head_dim``) and their
+    log-sum-exps (``num_splits * rows``) of a split-KV decode launch, in one allocation: the
+    kernels address both as flat rows from their base pointers, so the log-sum-exps are the
+    buffer's tail (one allocator call per decode step's layer instead of two)."""
+    n = num_splits * rows * head_dim
+    buf = alloc_output((n + num_splits * rows,), torch.float32, device)
+    return buf, buf[n:]
+
+
 def dot_upcast(dtype: torch.dtype) -> bool:
     """Whether kernels must feed tl.dot fp32 copies (bf16 under the interpreter)."""
     return interpret_mode() and dtype == torch.bfloat16

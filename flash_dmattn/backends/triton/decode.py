@@ -49,6 +49,7 @@ from .common import (
     _dot,
     _tanh,
     alloc_output,
+    alloc_partials,
     broadcast_strides,
     dot_upcast,
     head_block,
@@ -525,8 +526,7 @@ def decode_forward(
     if plan.single:  # the split kernel writes out / lse itself, no combine launch
         o_part, l_part = out, lse
     else:
-        o_part = alloc_output((num_splits, plan.split_rows, D), torch.float32, device)
-        l_part = alloc_output((num_splits, plan.split_rows), torch.float32, device)
+        o_part, l_part = alloc_partials(num_splits, plan.split_rows, D, device)
 
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     _decode_split_kernel[(num_splits, B, Hkv)](

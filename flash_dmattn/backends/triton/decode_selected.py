@@ -32,6 +32,7 @@ from .common import (
     _dot,
     _tanh,
     alloc_output,
+    alloc_partials,
     broadcast_strides,
     dot_upcast,
     head_block,
@@ -282,8 +283,7 @@ def selected_decode_forward(
     if single:
         o_part, l_part = out, lse
     else:
-        o_part = alloc_output((num_splits, split_rows, D), torch.float32, device)
-        l_part = alloc_output((num_splits, split_rows), torch.float32, device)
+        o_part, l_part = alloc_partials(num_splits, split_rows, D, device)
     has_softcap = softcap > 0.0
     bs = broadcast_strides(bias, H)
     # One bias value per key for every row of a (batch, kv head) tile: one query row (or
