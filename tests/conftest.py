@@ -20,7 +20,7 @@ def pytest_addoption(parser):
         "--record-cuda-specs", metavar="FILE", default=None,
         help="do not build or run cuda kernels: append the name of every kernel specialisation "
              "a test asks for to FILE and skip the test there (a device run builds the list "
-             "side by side, then runs the tests; scripts/gpu_cuda_suite.sh)")
+             "side by side, then runs the tests; tools/gpu_cuda_suite.sh)")
 
 
 @pytest.fixture(autouse=True)

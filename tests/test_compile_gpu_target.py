@@ -1,7 +1,7 @@
 """The real (compiled, not interpreted) Triton kernels build for sm_90 on this GPU-less machine.
 
 The interpreter runs the kernels' Python, not Triton's compiler: constexpr handling, layouts
-and the software pipeliner are only exercised by a real compile. ``scripts/compile_check.py``
+and the software pipeliner are only exercised by a real compile. ``tools/compile_check.py``
 captures one forward + backward's launches and compiles each for an H100/H200 target.
 """
 import os
@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tool_env import tool_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,9 +47,9 @@ def test_kernels_compile_for_sm90(workload, dropout):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     res = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compile_check.py"), "--workload", workload,
+        [sys.executable, str(ROOT / "tools" / "compile_check.py"), "--workload", workload,
          "--first-config", "--dropout", str(dropout)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+        capture_output=True, text=True, env=tool_env(env), cwd=ROOT, timeout=600,
     )
     report = res.stdout + res.stderr[-3000:]
     assert res.returncode == 0, report

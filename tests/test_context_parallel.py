@@ -715,7 +715,9 @@ def test_example_under_torchrun():
 
 
 def test_cp_profile_script_under_torchrun():
-    # scripts/cp_profile.py as gpu_cp.sh runs it (PROFILE_S), on CPU with gloo and tiny sizes:
+    from tool_env import tool_env
+
+    # tools/cp_profile.py as gpu_cp.sh runs it (PROFILE_S), on CPU with gloo and tiny sizes:
     # the DMA call on 2 ranks, its host waits, and the one-rank comparison with the plain call.
     import subprocess
     import sys
@@ -726,9 +728,10 @@ def test_cp_profile_script_under_torchrun():
            if k not in ("TRITON_INTERPRET", "FLASH_DMATTN_BACKEND", "FLASH_DMATTN_DISABLE")}
     env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "scripts/cp_profile.py", "--per-gpu", "32", "--window", "4", "--repeats", "1",
+           "tools/cp_profile.py", "--per-gpu", "32", "--window", "4", "--repeats", "1",
            "--top", "3"]
-    res = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=repo, env=tool_env(env), capture_output=True, text=True,
+                         timeout=300)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
     out = res.stdout
     assert "== context_parallel_dma_attention on 2 rank(s), L=64" in out, out

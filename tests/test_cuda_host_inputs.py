@@ -27,6 +27,7 @@ from flash_dmattn.backends.cuda.backend import CudaBackend
 from flash_dmattn.backends.cuda.extension import kernel_bias, reduce_key_partials
 
 from naive import expand_heads, naive_attention
+from tool_env import ROOT, tool_env
 
 
 def rel_err(a, b):
@@ -136,11 +137,12 @@ def test_reasons_left_for_head_dims():
 
 
 def test_issue33_distribution_is_covered():
-    # scripts/cuda_coverage.py --preset issue33: bf16 and fp16, head dims 64 / 128 / any
+    # tools/cuda_coverage.py --preset issue33: bf16 and fp16, head dims 64 / 128 / any
     # multiple of 8 up to 256, every mask and bias broadcast, half the biases float32, GQA,
     # causal, softcap, with and without gradients (target: at most 10 % declined).
-    res = subprocess.run([sys.executable, "scripts/cuda_coverage.py", "--preset", "issue33",
-                          "--calls", "400"], capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "tools/cuda_coverage.py", "--preset", "issue33",
+                          "--calls", "400"], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT, env=tool_env())
     assert res.returncode == 0, res.stderr[-2000:]
     assert "declines 0 of 400" in res.stdout, res.stdout
 

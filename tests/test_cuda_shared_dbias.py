@@ -129,13 +129,15 @@ def test_per_query_bias_broadcast_over_keys_has_zero_gradient(monkeypatch):
 
 
 def test_issue_distribution_is_fully_covered():
-    # scripts/cuda_coverage.py: issue 33's random bf16 calls (D 64 / 128, every mask and bias
+    # tools/cuda_coverage.py: issue 33's random bf16 calls (D 64 / 128, every mask and bias
     # broadcast shape, GQA, causal, softcap, gradients of q, k, v and the bias) on sm_90.
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "scripts/cuda_coverage.py", "--calls", "300"],
-                         capture_output=True, text=True, timeout=300)
+    from tool_env import ROOT, tool_env
+
+    res = subprocess.run([sys.executable, "tools/cuda_coverage.py", "--calls", "300"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=tool_env())
     assert res.returncode == 0, res.stderr[-2000:]
     assert "declines 0 of 300" in res.stdout, res.stdout
 

@@ -3,7 +3,7 @@
 A ``generate()`` step is host bound, so what one decode call costs on the host decides tokens/s.
 These tests run the Hugging Face integration's two decode routes (Llama's dense split-KV decode,
 Doge's top-W selected keys) with the kernels replaced by recorders and the launchers planning as
-on an H100 (``scripts/decode_host_overhead.py``'s harness), and hold:
+on an H100 (``tools/decode_host_overhead.py``'s harness), and hold:
 
 * no host synchronisation on either route (``.item()``, ``.tolist()``, ``bool / int /
   float(tensor)``, ``nonzero``, ``.cpu()``, ``.numpy()``, ``equal``,
@@ -22,7 +22,7 @@ import torch
 
 from interpreter_only import needs_triton
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "decode_host_overhead.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "decode_host_overhead.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""scripts/doge_generate_probe.py runs (--tiny: CPU, a tiny Doge and Llama, a profiled step)."""
+"""tools/doge_generate_probe.py runs (--tiny: CPU, a tiny Doge and Llama, a profiled step)."""
 import importlib.util
 from pathlib import Path
 
@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "doge_generate_probe.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "doge_generate_probe.py"
 
 
 def test_tiny_probe_runs_and_reports(capsys):

@@ -371,7 +371,7 @@ def test_kernels_match_plain_path_random(case):
     _same_as_plain(bias, window, True, padding, min_dtype)
 
 
-# The compiled (not interpreted) kernels are built for sm_90 by scripts/compile_check.py
+# The compiled (not interpreted) kernels are built for sm_90 by tools/compile_check.py
 # (workload "selection"), which tests/test_compile_gpu_target.py runs.
 
 

@@ -115,7 +115,7 @@ def per_key_lists(
 
 def _interpreted(device: torch.device) -> bool:
     """Whether launches on ``device`` run in the interpreter (CPU tensors). A function so that
-    ``scripts/compile_check.py`` can capture the GPU's launch shape on a CPU machine."""
+    ``tools/compile_check.py`` can capture the GPU's launch shape on a CPU machine."""
     return device.type == "cpu"
 
 

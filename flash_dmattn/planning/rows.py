@@ -12,7 +12,7 @@ import torch
 
 # A per-query mask or bias whose rows are not 16-byte aligned (odd Lk, or an odd row stride)
 # is read element by element, which Triton neither vectorises nor software-pipelines; on sm_90
-# that compile also spills heavily (scripts/compile_check.py --seqlen 500: 780 bytes in the
+# that compile also spills heavily (tools/compile_check.py --seqlen 500: 780 bytes in the
 # forward with a mask, 584 with a full bias). Such a tensor is copied into zero-padded rows of
 # a multiple of ROW_ALIGN elements first, for reading only (gradients keep the input's shape).
 ROW_ALIGN = 64

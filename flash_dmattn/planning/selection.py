@@ -28,7 +28,7 @@ anything of size (L, L) or (L, L / C).
 On CUDA (and on CPU under ``TRITON_INTERPRET=1``) the causal selection runs the same tree as
 Triton kernels (:mod:`~flash_dmattn.planning.selection_kernels`): a handful of launches instead
 of a few hundred small torch ops; this module's torch code stays the CPU fallback and the
-tests' reference. ``scripts/selection_probe.py`` times the call on a GPU (device and host time,
+tests' reference. ``tools/selection_probe.py`` times the call on a GPU (device and host time,
 launches, a profiler table).
 """
 from __future__ import annotations

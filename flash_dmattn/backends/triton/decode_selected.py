@@ -207,7 +207,7 @@ def _launch_plan(device: torch.device, dtype: torch.dtype, head_dim: int, rows: 
     else:
         # The decode kernel's tile and warps, without its register cap: capped at 128, this
         # kernel spilled (88 bytes with a per-key additive-mask bias, 344 with a per-query-head
-        # bias on sm_90; scripts/compile_check.py --workload decode-selected), and a selection
+        # bias on sm_90; tools/compile_check.py --workload decode-selected), and a selection
         # of a few hundred keys runs one split per (batch, kv head), far from four per SM.
         block_n, warps, stages, _ = decode_config(block_d, block_m)
         maxnreg = None

@@ -159,7 +159,7 @@ def _attn_fwd_program(
         # loops (full tiles, then partial ones; the lists are ordered for it) measured clearly
         # slower on the dense and the dynamic workloads. Each loop fills and drains its own
         # pipeline and the second one's buffers cost up to 40 KB more shared memory
-        # (scripts/compile_check.py); which of these costs more is not established.
+        # (tools/compile_check.py); which of these costs more is not established.
         # The entry is loaded one iteration ahead: the software pipeliner issues the next
         # tile's K/V copies right after the entry load, so an entry loaded in the same
         # iteration puts a global-load latency in front of every prefetch.

@@ -50,7 +50,7 @@ def _fwd_config(head_dim: int, interp: bool) -> Tuple[int, int, int, int]:
 
     Narrow key chunks win: each chunk's rows are gathered by index, and 32-key chunks with
     three stages in flight kept the gathers ahead of the tensor cores better than 64 or 128
-    (``scripts/dma_tune.py``; results in ``benchmarks/results/``).
+    (``tools/dma_tune.py``; results in ``benchmarks/results/``).
     """
     if interp:
         return 16, 16, 4, 1
@@ -61,7 +61,7 @@ def _fwd_config(head_dim: int, interp: bool) -> Tuple[int, int, int, int]:
 
 def _bwd_config(head_dim: int, interp: bool) -> Tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) of the dK/dV kernel: 64-key blocks held in
-    registers, 32 queries a step (``scripts/dma_tune.py``)."""
+    registers, 32 queries a step (``tools/dma_tune.py``)."""
     if interp:
         return 16, 16, 4, 1
     if head_dim <= 128:

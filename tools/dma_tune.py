@@ -1,11 +1,15 @@
 """Sweep the key-interval kernels' block configs on a GPU (kernel time only, plan prebuilt).
 
-    python3 scripts/dma_tune.py [L] [--window W] [--kinds shared,causal] [--which fwd,dq,dkv]
+    python3 tools/dma_tune.py [L] [--window W] [--kinds shared,causal] [--which fwd,dq,dkv]
                                 [--segments ...] [--buckets ...] [--backend triton|cuda]
 
 For each selection kind, each config of the forward (and of the dQ / dK-dV kernels) is timed
 with do_bench (median) on bf16, B1 H16/Hkv4 D128, per-key bias; the planner's lists are built
 once per config outside the timed region.
+
+Internal modules: the key-interval kernels (``backends.triton.intervals``,
+``backends.cuda.intervals``) and ``planning.key_lists`` are called directly, with their block
+configs overridden and the plan prebuilt, to time the kernels alone.
 """
 import argparse
 

@@ -1,4 +1,4 @@
-# Sourced by the scripts/gpu_*.sh device runs: the shared preamble and helpers.
+# Sourced by the tools/gpu_*.sh device runs: the shared preamble and helpers.
 #   OUT  where logs go ($OUT on the device machine, gpu_out locally)
 #   W    a scratch directory for build caches, bench JSON and install logs
 # device_install [cutlass]   editable install of this checkout (no network on the device:

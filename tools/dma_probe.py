@@ -1,6 +1,6 @@
 """Quick timings of key-interval attention on a GPU (fast iteration beside benchmarks' dma_long).
 
-    python3 scripts/dma_probe.py [L ...] [--window W] [--kinds shared,causal]
+    python3 tools/dma_probe.py [L ...] [--window W] [--kinds shared,causal]
                                  [--backends triton,cuda] [--profile]
 
 Per L and selection kind: topk_intervals build, the planner alone, each backend's forward and

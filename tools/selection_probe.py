@@ -1,9 +1,9 @@
-"""Timings of the causal top-W selection alone (``topk_intervals``), beside scripts/dma_probe.py.
+"""Timings of the causal top-W selection alone (``topk_intervals``), beside tools/dma_probe.py.
 
-    python3 scripts/selection_probe.py [L ...] [--window W] [--heads H] [--batch B]
+    python3 tools/selection_probe.py [L ...] [--window W] [--heads H] [--batch B]
                                        [--dtype bf16|fp16|fp32] [--radix 4,5,6] [--shared]
                                        [--no-check] [--no-profile]
-    python3 scripts/selection_probe.py --host-stub [L ...]   # no GPU: host time, launches stubbed
+    python3 tools/selection_probe.py --host-stub [L ...]   # no GPU: host time, launches stubbed
 
 On a GPU, per L (default 16K 32K 64K 128K; bf16 bias (B1, Hkv4, 1, L), W 2048): the median of
 do_bench (device time, L2 flushed between calls), the host time of one call (the wall time of
@@ -18,6 +18,10 @@ the interpreter is slow; the times mean nothing, the script is exercised). ``--h
 measures the host (Python) work of a call on a machine without GPU: Triton's launch path runs
 up to its C launcher, which is replaced by a no-op, as is compilation; torch.sort is replaced by
 its two output allocations. It prints launches and microseconds per call.
+
+Internal modules: ``planning.selection`` (its plain-PyTorch reference) and
+``planning.selection_kernels`` (the radix rule, and stubs for ``--host-stub``) are reached
+directly; the timed call is the public ``topk_intervals``.
 """
 import argparse
 import os
@@ -25,8 +29,6 @@ import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -2,7 +2,7 @@
 # The cuda backend's whole GPU test suite with its kernel builds, in one device call (issue 4:
 # "the GPU test suite including compiles fits one 10-minute device call"), from an empty
 # kernel cache. Logs go to $OUT; the call's phases are timed in $OUT/suite-times.log.
-#   bash scripts/gpu_cuda_suite.sh      (run with carry: [".wheels"]; BUILD_P builds at once)
+#   bash tools/gpu_cuda_suite.sh      (run with carry: [".wheels"]; BUILD_P builds at once)
 # 1. first-use build of d128-bf16-mask-bias alone (issue target <= 90 s; FIRST_BUILD=0 skips);
 # 2. the tests run once with --record-cuda-specs: every kernel module they ask for is listed
 #    and nothing is built or run (fast);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, report the environment, run the whole test suite (GPU tests
 # included), the demo and (optionally) benchmarks. Logs go to $OUT (or ./gpu_out).
-#   bash scripts/gpu_check.sh [tests|demo|bench|testbench|profile|all] [extra pytest args...]
+#   bash tools/gpu_check.sh [tests|demo|bench|testbench|profile|all] [extra pytest args...]
 # env: BENCH_SUITE (default all), BENCH_BACKENDS (default: every available backend),
 #      PROFILE_SUITE (default dynamic,dense), PROFILE_BACKENDS (default triton,flex)
 set -uo pipefail

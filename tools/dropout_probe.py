@@ -1,7 +1,7 @@
 """Cost of attention dropout on a GPU: forward + backward with ``dropout_p`` 0 and 0.1 on the
 triton backend (the kernels that have dropout), bf16, B1 H16/Hkv4 D128.
 
-    python3 scripts/dropout_probe.py [--lengths 16384] [--dma-lengths 32768] [--p 0.1]
+    python3 tools/dropout_probe.py [--lengths 16384] [--dma-lengths 32768] [--p 0.1]
 
 Rows: dense causal attention, and a causal top-2048 selection of a per-key bias (key-interval
 mask, bias gradient included). Medians of do_bench; the ratio is the issue's "at most 15 %

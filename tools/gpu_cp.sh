@@ -4,13 +4,13 @@
 # layouts, equal and uneven shards, checked against one process; its output is in
 # tests-gpu.log), the example at a longer sequence, optionally the DMA profile (PROFILE_S), then
 # the cp benchmark suite with whatever time is left. Logs go to $OUT; phases are timed in $OUT/times.log.
-#   bash scripts/gpu_cp.sh
+#   bash tools/gpu_cp.sh
 # Knobs (environment):
 #   TOTAL_S    the whole call's budget in seconds (default 540); the benchmark gets what is left
 #   GLOO_S / TEST_S / EXAMPLE_S   per-step limits (0 skips the step)
 #   EXAMPLE_GPUS / EXAMPLE_LEN   the longer example runs: on these GPU counts (default "4"),
 #              EXAMPLE_LEN tokens per GPU (default 32768)
-#   PROFILE_S  the DMA profile's limit (default 0: skipped): scripts/cp_profile.py under torchrun
+#   PROFILE_S  the DMA profile's limit (default 0: skipped): tools/cp_profile.py under torchrun
 #              on PROFILE_GPUS GPUs (default: all), PROFILE_LEN tokens per GPU (default 262144,
 #              the 1M row on 4), PROFILE_ARGS extra arguments (e.g. "--trace $OUT/traces");
 #              log in $OUT/profile.log
@@ -92,11 +92,11 @@ if [ "${EXAMPLE_S:-45}" -gt 0 ]; then
 fi
 
 # 3b. The DMA profile: one fwd+bwd under torch.profiler (top CUDA / CPU ops, host waits, kernel
-#     launches), then one rank against the plain call at the per-GPU length (scripts/cp_profile.py).
+#     launches), then one rank against the plain call at the per-GPU length (tools/cp_profile.py).
 if [ "${PROFILE_S:-0}" -gt 0 ]; then
   # shellcheck disable=SC2086
   timeout "$(limit "$PROFILE_S" 20)" torchrun --standalone --nproc-per-node "${PROFILE_GPUS:-$NGPU}" \
-    scripts/cp_profile.py --per-gpu "${PROFILE_LEN:-262144}" --backend "$BACKEND" ${PROFILE_ARGS:-} \
+    tools/cp_profile.py --per-gpu "${PROFILE_LEN:-262144}" --backend "$BACKEND" ${PROFILE_ARGS:-} \
     >"$OUT/profile.log" 2>&1
   echo "profile rc=$?" >>"$OUT/profile.log"
   grep -E "^== |host synchronisations|^trace|selected.py|rc=|Error" "$OUT/profile.log" | head -24

@@ -4,7 +4,7 @@
 # first-use build of the T2 specialisation, run the cuda GPU tests, then benchmark cuda next to
 # triton and the baselines on T2 and T1 (and T3 with SPARSE_S=seconds, the varlen suite with
 # VARLEN_S=seconds, a per-kernel profile with PROBE_S=seconds). Logs go to $OUT.
-#   bash scripts/gpu_cuda.sh            (run with carry: [".wheels"])
+#   bash tools/gpu_cuda.sh            (run with carry: [".wheels"])
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}
 export MAX_JOBS=16
@@ -46,5 +46,5 @@ bench dense "${DENSE_S:-100}" --suite dense --backends cuda,triton --match "L163
 # Packed sequences (issue 6): 16 random lengths up to 8K, packed vs sequential vs padded.
 [ -n "${VARLEN_S:-}" ] && bench varlen "$VARLEN_S" --suite varlen --backends cuda,triton
 # Per-kernel GPU times of one T1 forward and forward + backward (where the time goes).
-[ -n "${PROBE_S:-}" ] && timeout "$PROBE_S" python3 scripts/cuda_probe.py >"$OUT/probe.log" 2>&1
+[ -n "${PROBE_S:-}" ] && timeout "$PROBE_S" python3 -m tools.cuda_probe >"$OUT/probe.log" 2>&1
 exit 0

@@ -1,8 +1,8 @@
 """Host time of one decoding-step attention call through the Hugging Face integration (CPU).
 
-    python scripts/decode_host_overhead.py [--calls 2000] [--batch 4] [--keys 1088]
+    python tools/decode_host_overhead.py [--calls 2000] [--batch 4] [--keys 1088]
 
-A ``generate()`` step of the issue-33 probe models (``scripts/doge_generate_probe.py``) is
+A ``generate()`` step of the issue-33 probe models (``tools/doge_generate_probe.py``) is
 host bound: its CUDA time is a fraction of its wall time, so what the library's attention
 function costs on the host, per call, sets tokens/s. This tool times that host path on a
 machine without a GPU, with nothing of the device work in it:
@@ -26,6 +26,10 @@ Printed per path: microseconds per call (median of 5 blocks of ``--calls``), ker
 and host synchronisations per call, and beside them two yardsticks: transformers'
 ``sdpa_attention_forward`` on the same CPU tensors (host overhead plus the CPU's attention
 arithmetic) and on a one-key call (mostly overhead).
+
+Internal modules: the decode kernels' modules (``backends.triton.decode``, ``decode_selected``,
+``planning.decode``) are reached directly to replace their launches by recorders, so that
+only the host path is timed.
 """
 from __future__ import annotations
 
@@ -33,15 +37,11 @@ import argparse
 import contextlib
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the triton backend is "available" on CPU
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flash_dmattn import policy  # noqa: E402
 from flash_dmattn.integrations import hf_transformers  # noqa: E402

@@ -1,6 +1,6 @@
 """Where the cuda key-interval forward spends its time beyond the "selected keys only" limit.
 
-    python3 scripts/fwd_breakdown.py [L] [--window W] [--ncu]
+    python3 tools/fwd_breakdown.py [L] [--window W] [--ncu]
 
 bf16, B1 H16/Hkv4 D128, W keys gathered from L by a per-key top-W. Each row adds one thing to
 the row before it, all over the same W keys and L queries (medians of do_bench, ms):
@@ -15,7 +15,10 @@ the row before it, all over the same W keys and L queries (medians of do_bench, 
   causal       the same, causal top-W per query (plan prebuilt)
 
 --ncu runs each kernel a few times inside NVTX ranges named after the rows, for
-`ncu --nvtx --nvtx-include <row>/` (scripts/device_common.sh: ncu_ranges).
+`ncu --nvtx --nvtx-include <row>/` (tools/device_common.sh: ncu_ranges).
+
+Internal module: ``backends.cuda.intervals`` (``plan_for`` / ``interval_forward``) is called
+directly, with the plan prebuilt, to time the kernel apart from planning.
 """
 import argparse
 

@@ -1,10 +1,14 @@
 """Which cuda forward kernel runs, and how fast, on the T1 / T2 shapes (one device call).
 
-    python3 scripts/cuda_probe.py [--t2-only]   (FLASH_DMATTN_CUDA_FLAGS selects a build variant)
+    python3 -m tools.cuda_probe [--t2-only]   (FLASH_DMATTN_CUDA_FLAGS selects a build variant)
 
 Prints the module's block sizes, the kernel names a profiled forward launches with their GPU
 times, the median forward time next to cuDNN SDPA on the same inputs, and the per-kernel GPU
 times of one forward + backward.
+
+Run from the repository root as ``python3 -m tools.cuda_probe`` (``--t2-only`` reaches the
+benchmark workloads in ``benchmarks/``, which are not part of the package). Internal module:
+``backends.cuda.kernels.kernel_module``, for the built module's block sizes and kernel names.
 """
 import os
 import sys
@@ -76,7 +80,6 @@ def main():
 def t2_kernels():
     """Per-kernel GPU times of one T2 forward (the dynamic suite's workload), cuda and triton:
     the attention kernel apart from the mask summary and tile lists built per call."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from benchmarks.workloads import build_case, core_workloads
 
     (w,) = core_workloads("dynamic", quick=False)

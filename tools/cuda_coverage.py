@@ -7,26 +7,26 @@ capability checks (``not_supported_reasons``) about each: no kernel runs, so it 
 machine (what it measures is the reasons, not the kernels). Prints the share declined and
 each reason's count.
 
-    python scripts/cuda_coverage.py [--calls 60] [--seed 0] [--dtype bf16[,fp16]]
+    python tools/cuda_coverage.py [--calls 60] [--seed 0] [--dtype bf16[,fp16]]
                                     [--head-dims 64,128[,x8]] [--fp32-bias 0.0] [--grads 1.0]
-    python scripts/cuda_coverage.py --preset issue33 [--calls 1000]
+    python tools/cuda_coverage.py --preset issue33 [--calls 1000]
 
 ``--head-dims`` entries are drawn with equal weight; ``x8`` stands for a random multiple of 8
 up to 256, ``x1`` for any head dim from 1 to 256. ``--preset issue33`` is issue 33 item 3's
 whole distribution: bf16 and fp16, head dims 64, 128 or any multiple of 8 up to 256, half the
 biases float32, half the calls with gradients (of q, k, v and the bias), the rest forward only;
 the command line's options override its values.
+
+Internal modules: the cuda backend's capability checks (``backends.cuda.backend.CudaBackend``)
+and the call description of ``python -m flash_dmattn`` (``flash_dmattn.__main__.described_call``),
+asked directly because without a GPU the public entry points decline before any check runs.
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import os
 import random
 import re
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from flash_dmattn import policy  # noqa: E402
 from flash_dmattn.__main__ import described_call  # noqa: E402

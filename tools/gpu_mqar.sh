@@ -2,7 +2,7 @@
 # One device call for the model-level demos: the MQAR window sweep of examples/mqar.py (issue 5)
 # and the varlen benchmark (issue 6: packed vs one-by-one vs padded, triton and baselines).
 # Results (mqar.json / .md / .png) and logs go to $OUT.
-#   bash scripts/gpu_mqar.sh
+#   bash tools/gpu_mqar.sh
 source "$(dirname "$0")/device_common.sh"
 device_install
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;

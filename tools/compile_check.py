@@ -6,13 +6,17 @@ compiler made of them -- registers and spills (``ptxas -v``), whether the key lo
 were software-pipelined (async copies inside the loop) and how many layout conversions the
 loop body pays. Usage::
 
-    python scripts/compile_check.py [--arch 90] [--workload t2|dense|per-key|varlen|decode|decode-selected|intervals|selection]
+    python tools/compile_check.py [--arch 90] [--workload t2|dense|per-key|varlen|decode|decode-selected|intervals|selection]
                                     [--dump DIR]
                                     [--first-config] [--dropout P]
 
 The workload's inputs are built on CPU at a small length (the kernels' code does not depend
 on it); every kernel launch of one forward and one backward is captured instead of run and
 compiled for each autotuning config that the launch would try.
+
+Internal modules: it imports the Triton backend's forward / backward modules and the planner
+directly and replaces their launch functions by recorders, since the kernels it compiles have no
+public entry point that stops short of running them.
 """
 from __future__ import annotations
 
@@ -20,7 +24,6 @@ import argparse
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -30,9 +33,6 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from flash_dmattn.backends.triton import backward as bwd_mod  # noqa: E402
 from flash_dmattn.backends.triton import forward as fwd_mod  # noqa: E402

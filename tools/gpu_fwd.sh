@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call for the cuda key-interval forward: builds the d128 bf16 modules the
-# breakdown uses side by side (and, with AB_FLAGS, all of them again with those nvcc flags), then scripts/fwd_breakdown.py at each of LENGTHS (default and AB_FLAGS builds in the
+# breakdown uses side by side (and, with AB_FLAGS, all of them again with those nvcc flags), then tools/fwd_breakdown.py at each of LENGTHS (default and AB_FLAGS builds in the
 # same call, so their rows compare), Nsight Compute on NCU_ROWS (0 skips), and
-# scripts/dma_probe.py with PROBE_ARGS (PROBE_S=0 skips). Logs go to $OUT.
-#   bash scripts/gpu_fwd.sh   (run with carry [".wheels"])
+# tools/dma_probe.py with PROBE_ARGS (PROBE_S=0 skips). Logs go to $OUT.
+#   bash tools/gpu_fwd.sh   (run with carry [".wheels"])
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}
 export MAX_JOBS=${MAX_JOBS:-2}
@@ -19,18 +19,18 @@ done
 wait
 for f in "$W"/build-*.log; do echo "== $f"; tail -1 "$f"; done >"$OUT/build.log"
 for L in ${LENGTHS:-32768 65536}; do
-  timeout 60 python3 scripts/fwd_breakdown.py "$L" 2>&1 | tee -a "$OUT/breakdown.log"
+  timeout 60 python3 tools/fwd_breakdown.py "$L" 2>&1 | tee -a "$OUT/breakdown.log"
   if [ -n "${AB_FLAGS:-}" ]; then
     echo "-- with FLASH_DMATTN_CUDA_FLAGS=$AB_FLAGS" | tee -a "$OUT/breakdown.log"
-    FLASH_DMATTN_CUDA_FLAGS="$AB_FLAGS" timeout 60 python3 scripts/fwd_breakdown.py "$L" 2>&1 |
+    FLASH_DMATTN_CUDA_FLAGS="$AB_FLAGS" timeout 60 python3 tools/fwd_breakdown.py "$L" 2>&1 |
       tee -a "$OUT/breakdown.log"
   fi
 done
 if [ "${NCU_ROWS:-0}" != 0 ]; then
-  NCU_S=${NCU_S:-90} ncu_ranges scripts/fwd_breakdown.py $NCU_ROWS
+  NCU_S=${NCU_S:-90} ncu_ranges tools/fwd_breakdown.py $NCU_ROWS
 fi
 if [ "${PROBE_S:-120}" -gt 0 ]; then
-  timeout "${PROBE_S:-120}" python3 scripts/dma_probe.py ${PROBE_ARGS:-32768 65536 --kinds causal --backends cuda} \
+  timeout "${PROBE_S:-120}" python3 tools/dma_probe.py ${PROBE_ARGS:-32768 65536 --kinds causal --backends cuda} \
     2>&1 | tee "$OUT/probe.log"
 fi
 exit 0

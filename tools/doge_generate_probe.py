@@ -1,8 +1,8 @@
 """generate() throughput of a Doge model with sdpa and with flash_dmattn (issue 33, item 5).
 
-    python scripts/doge_generate_probe.py [--runs 5] [--profile] [--no-llama]
+    python tools/doge_generate_probe.py [--runs 5] [--profile] [--no-llama]
         [--batch 4] [--prompt 1024] [--new 64] [--layers 8] [--window 256] [--impls sdpa,dmattn]
-    python scripts/doge_generate_probe.py --tiny      # CPU, tiny model: checks that it runs
+    python tools/doge_generate_probe.py --tiny      # CPU, tiny model: checks that it runs
 
 The issue's case: a randomly initialised 8-layer ``DogeForCausalLM`` (transformers' defaults
 otherwise, ``keep_window_size`` 256), bf16 on the GPU, ``model.generate`` of 64 new tokens
@@ -25,13 +25,9 @@ import argparse
 import contextlib
 import inspect
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flash_dmattn  # noqa: E402
 import flash_dmattn.integrations  # noqa: E402,F401  (registers attn_implementation="dmattn")

@@ -2,9 +2,9 @@
 
 Run under torchrun, one process per GPU (NCCL), or on CPU (gloo, tiny sizes)::
 
-    torchrun --standalone --nproc-per-node 4 scripts/cp_profile.py                 # 1M tokens
-    torchrun --standalone --nproc-per-node 4 scripts/cp_profile.py --per-gpu 65536
-    torchrun --standalone --nproc-per-node 2 scripts/cp_profile.py                 # CPU: 2 x 256 tokens
+    torchrun --standalone --nproc-per-node 4 tools/cp_profile.py                 # 1M tokens
+    torchrun --standalone --nproc-per-node 4 tools/cp_profile.py --per-gpu 65536
+    torchrun --standalone --nproc-per-node 2 tools/cp_profile.py                 # CPU: 2 x 256 tokens
 
 Every rank runs ``context_parallel_dma_attention`` (causal top-W of a per-key bias, zigzag, with
 ``seq_len``) on its shard; rank 0 prints:
@@ -41,9 +41,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-if __package__ in (None, ""):  # run as a script from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flash_dmattn import flash_dmattn_func_auto  # noqa: E402
 from flash_dmattn.distributed import (  # noqa: E402

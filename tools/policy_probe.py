@@ -1,6 +1,6 @@
 """Every backend and auto-dispatch on each class of call the dispatch policy tells apart (GPU).
 
-    python scripts/policy_probe.py [--quick] [--only NAME,...] [--dtype bf16|fp16]
+    python -m tools.policy_probe [--quick] [--only NAME,...] [--dtype bf16|fp16]
 
 For each call class (dense, per-key / per-query masks, per-key / per-query / shared biases,
 forward only and forward + backward) it times every available backend and the call through
@@ -8,14 +8,15 @@ forward only and forward + backward) it times every available backend and the ca
 marks where auto is not within 5 % of the fastest explicit backend. A declined backend shows
 its reason. The table is what ``benchmarks/results/POLICY.md`` and the rules of
 ``flash_dmattn/policy.py`` are checked against, on each GPU generation.
+
+Run from the repository root as ``python -m tools.policy_probe`` (it times with
+``benchmarks.timing``, which is not part of the package). It asks ``flash_dmattn.registry`` and
+``flash_dmattn.inputs.AttentionInputs`` which backend auto takes and why.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
 

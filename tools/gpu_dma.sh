@@ -2,8 +2,8 @@
 # One device call for Dynamic Mask Attention on long sequences (key-interval masks): the GPU
 # tests of the selection, the interval kernels and the KeyIntervals API, a quick probe of the
 # key rows, then the dma_long benchmark suite. Logs go to $OUT.
-#   bash scripts/gpu_dma.sh   (TEST_S / PROBE_S / BENCH_S: per-step time limits, 0 skips;
-#                              PROBE_ARGS: arguments of scripts/dma_probe.py;
+#   bash tools/gpu_dma.sh   (TEST_S / PROBE_S / BENCH_S: per-step time limits, 0 skips;
+#                              PROBE_ARGS: arguments of tools/dma_probe.py;
 #                              CUDA=1: also the cuda backend's interval kernels -- installs
 #                              the CUTLASS wheel, run with carry [".wheels"], builds the
 #                              specialisations the tests use side by side first;
@@ -35,7 +35,7 @@ if [ "${TEST_S:-240}" -gt 0 ]; then
   tail -4 "$OUT/tests.log"
 fi
 if [ "${PROBE_S:-300}" -gt 0 ]; then
-  timeout "${PROBE_S:-300}" python3 scripts/dma_probe.py ${PROBE_ARGS:-16384 32768} >"$OUT/probe.log" 2>&1
+  timeout "${PROBE_S:-300}" python3 tools/dma_probe.py ${PROBE_ARGS:-16384 32768} >"$OUT/probe.log" 2>&1
   echo "probe rc=$?" >>"$OUT/probe.log"
   cat "$OUT/probe.log" | head -80
 fi
