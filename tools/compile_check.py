@@ -224,10 +224,13 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512, dropout_p: f
         # Hkv8: a Doge step (the additive mask read as bias and visibility, one split); a
         # per-key bias with a part-filled cache in 4 splits; a per-query-head bias, causal, 2
         # queries, softcap.
+        from flash_dmattn.backends.triton import decode as dec_mod
         from flash_dmattn.backends.triton import decode_selected as sel_mod
 
-        for kname in ("_selected_split_kernel", "_decode_combine_kernel"):
-            setattr(sel_mod, kname, _PlanCapture(kname, getattr(sel_mod, kname), launches))
+        # The combine is launched by decode's launch_split_decode for both launchers.
+        for mod, kname in ((sel_mod, "_selected_split_kernel"),
+                           (dec_mod, "_decode_combine_kernel")):
+            setattr(mod, kname, _PlanCapture(kname, getattr(mod, kname), launches))
         q = torch.randn(B, 1, 32, D, generator=g).to(dtype)
         k = torch.randn(B, L, 8, D, generator=g).to(dtype)
         v = torch.randn(B, L, 8, D, generator=g).to(dtype)

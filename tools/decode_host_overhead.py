@@ -88,8 +88,10 @@ def stubbed_device(counts: dict):
             return fn(*args[:at], gpu, *args[at + 1:], **kwargs)
         return call
 
+    # Both launchers plan their splits and launch the combine through decode's helpers
+    # (split_plan, launch_split_decode): decode's names serve the selected path too.
     for mod, names in ((decode, ("_decode_split_kernel", "_decode_combine_kernel")),
-                       (decode_selected, ("_selected_split_kernel", "_decode_combine_kernel"))):
+                       (decode_selected, ("_selected_split_kernel",))):
         for name in names:
             patch(mod, name, _StubKernel(counts, name))
     for mod in (decode, decode_selected, decode_planning):
@@ -98,8 +100,7 @@ def stubbed_device(counts: dict):
         patch(mod, "interpret_mode", lambda: False)
     for mod, name, at in ((decode, "choose_num_splits", 3), (decode, "combine_config", 3),
                           (decode, "use_deep_pipeline", 4),
-                          (decode_selected, "selected_num_splits", 3),
-                          (decode_selected, "combine_config", 3)):
+                          (decode_selected, "selected_num_splits", 3)):
         patch(mod, name, on_gpu(getattr(mod, name), at))
     # torch.topk (the top-W path's selection, a device op) is answered from a table of the
     # results it gave: on a CPU its arithmetic would swamp the host time measured here.

@@ -502,45 +502,73 @@ def decode_forward(
     rows = G * Lq
     if rows > DECODE_MAX_ROWS:
         raise ValueError(f"decode_forward takes Lq * H / Hkv <= {DECODE_MAX_ROWS} rows, got {rows}")
-    device = q.device
-    out = alloc_output((B, Lq, H, D), q.dtype, device)
-    lse = alloc_output((B, H, Lq), torch.float32, device)
     if B * H * Lq == 0 or Lk == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
-
-    def row_invariant(t):
-        # Same value for every row of a (batch, kv head) tile: one query row (or Lq == 1), and
-        # the head dim is not per query head (or the group has one head).
-        return t is not None and (t.size(2) == 1 or Lq == 1) and (t.size(1) != H or G == 1)
-
+        return empty_outputs(q)
     interp = interpret_mode()
     # Under the interpreter the plan is made afresh (tests patch its settings); on a GPU it
     # depends only on the key below, and every layer of a decoding step shares it.
     plan = (_decode_plan if interp else _cached_decode_plan)(
-        device, q.dtype, B, Lq, H, Hkv, D, Lk, mask is not None, row_invariant(mask),
-        bias is not None, row_invariant(bias), bool(is_causal), softcap > 0.0,
+        q.device, q.dtype, B, Lq, H, Hkv, D, Lk, mask is not None, row_invariant(mask, Lq, H, G),
+        bias is not None, row_invariant(bias, Lq, H, G), bool(is_causal), softcap > 0.0,
         cache_seqlens is not None, page_size, block_table is not None, num_splits, interp)
+    return launch_split_decode(
+        _decode_split_kernel, plan, q, k, v,
+        (mask.view(torch.uint8) if mask is not None else q, bias if bias is not None else q,
+         cache_seqlens if cache_seqlens is not None else q,
+         block_table if block_table is not None else q),
+        (*broadcast_strides(mask, H), *broadcast_strides(bias, H),
+         B, H, G, Lq, Lk, plan.keys_per_split,
+         softmax_scale * LOG2E, (softmax_scale / softcap) if softcap > 0.0 else 0.0, softcap,
+         block_table.stride(0) if block_table is not None else 0, num_pages),
+        plan.split_meta)
+
+
+# ------------------------------------------------------------------------------------------
+# Host side shared by the split-KV launchers (this module's and .decode_selected's)
+# ------------------------------------------------------------------------------------------
+
+def row_invariant(t: Optional[torch.Tensor], Lq: int, H: int, G: int) -> bool:
+    """Whether a mask / bias view ``(Bx, Hx, Qx, Lk)`` has the same value for every row of a
+    (batch, kv head) tile: one query row (or ``Lq == 1``), and a head dim that is not per
+    query head (or a group of one head). The kernels' ``*_ROWB``: one key vector a tile."""
+    return t is not None and (t.size(2) == 1 or Lq == 1) and (t.size(1) != H or G == 1)
+
+
+def empty_outputs(q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``out`` (zeros) and ``lse`` (-inf) of a decode call with no rows or no keys."""
+    B, Lq, H, D = q.shape
+    out = alloc_output((B, Lq, H, D), q.dtype, q.device)
+    lse = alloc_output((B, H, Lq), torch.float32, q.device)
+    out.zero_()
+    lse.fill_(float("-inf"))
+    return out, lse
+
+
+def launch_split_decode(split_kernel, plan: "DecodePlan", q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, inputs: tuple, scalars: tuple, split_meta: dict
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Allocates ``out (B, Lq, H, D)`` / ``lse (B, H, Lq)``, launches a split kernel over
+    ``(plan.num_splits, B, Hkv)`` programs and, with several splits, the combine kernel.
+
+    A split kernel takes ``Q, K, V, *inputs, OPart, LPart``, the (batch, key, head) strides of
+    q, k, v, ``*scalars``, the (batch, query, head) strides of ``out``, then ``split_meta``:
+    with one split (``plan.single``) OPart / LPart are ``out`` / ``lse`` themselves, else one
+    fp32 buffer of partials (:func:`.common.alloc_partials`) that the combine merges."""
+    B, Lq, H, D = q.shape
+    device = q.device
+    out = alloc_output((B, Lq, H, D), q.dtype, device)
+    lse = alloc_output((B, H, Lq), torch.float32, device)
     num_splits = plan.num_splits
     if plan.single:  # the split kernel writes out / lse itself, no combine launch
         o_part, l_part = out, lse
     else:
         o_part, l_part = alloc_partials(num_splits, plan.split_rows, D, device)
-
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
-    _decode_split_kernel[(num_splits, B, Hkv)](
-        q, k, v, mask.view(torch.uint8) if mask is not None else q,
-        bias if bias is not None else q,
-        cache_seqlens if cache_seqlens is not None else q,
-        block_table if block_table is not None else q, o_part, l_part,
+    split_kernel[(num_splits, B, k.shape[2])](
+        q, k, v, *inputs, o_part, l_part,
         qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-        *broadcast_strides(mask, H), *broadcast_strides(bias, H),
-        B, H, G, Lq, Lk, plan.keys_per_split,
-        softmax_scale * LOG2E, (softmax_scale / softcap) if softcap > 0.0 else 0.0, softcap,
-        block_table.stride(0) if block_table is not None else 0, num_pages,
-        os_[0], os_[1], os_[2],
-        **plan.split_meta,
+        *scalars, os_[0], os_[1], os_[2],
+        **split_meta,
     )
     if plan.single:
         return out, lse
@@ -572,40 +600,57 @@ def _decode_plan(device: torch.device, dtype: torch.dtype, B: int, Lq: int, H: i
                  interp: bool) -> DecodePlan:
     """The launch plan of :func:`decode_forward` for a call of these shapes and flags (its
     arguments are everything the plan depends on: :func:`_cached_decode_plan` keys on them)."""
-    G = H // Hkv
-    block_d = head_block(D)
-    block_m = max(16, next_power_of_2(G * Lq))
     deep = not interp and use_deep_pipeline(B, Hkv, has_mask or has_bias, paged, device)
+    meta = split_meta(dtype, D, (H // Hkv) * Lq, interp, has_softcap and paged, deep)
+    if num_splits is None:
+        num_splits = choose_num_splits(B, Hkv, Lk, device, per_sm=DEEP_PER_SM if deep else 4)
+    block_n = meta["BLOCK_N"]
+    meta.update(HAS_MASK=has_mask, MASK_ROWB=mask_rowb, HAS_BIAS=has_bias, BIAS_ROWB=bias_rowb,
+                IS_CAUSAL=is_causal, HAS_SOFTCAP=has_softcap, HAS_CACHE=has_cache,
+                PAGE_SIZE=page_size, TILE_PAGES=tile_pages(page_size, block_n))
+    # Splits start on whole tiles (so a page of whole tiles holds each tile entirely).
+    return split_plan(meta, device, Lk, num_splits, max(16 if interp else SPLIT_ALIGN, block_n),
+                      B * H * Lq)
+
+
+def split_meta(dtype: torch.dtype, D: int, rows: int, interp: bool,
+               softcap_and_paged: bool = False, deep: bool = False,
+               cap_registers: bool = True) -> dict:
+    """The constexprs and launch settings every split kernel takes (``HEAD_DIM``, ``BLOCK_D``,
+    ``BLOCK_M`` for ``rows`` tile rows, ``BLOCK_N``, ``DOT_UPCAST``, warps, stages and, where
+    :func:`decode_config` caps it and ``cap_registers``, ``maxnreg``); under the interpreter,
+    :data:`INTERPRET_BLOCK_N` keys a tile, 4 warps, 1 stage."""
+    block_d = head_block(D)
+    block_m = max(16, next_power_of_2(rows))
     if interp:
         block_n, warps, stages, maxnreg = INTERPRET_BLOCK_N, 4, 1, None
     else:
-        block_n, warps, stages, maxnreg = decode_config(block_d, block_m, has_softcap and paged,
+        block_n, warps, stages, maxnreg = decode_config(block_d, block_m, softcap_and_paged,
                                                         deep)
-    if num_splits is None:
-        num_splits = choose_num_splits(B, Hkv, Lk, device, per_sm=DEEP_PER_SM if deep else 4)
-    # Splits start on whole tiles (so a page of whole tiles holds each tile entirely).
-    align = max(16 if interp else SPLIT_ALIGN, block_n)
-    keys_per_split = cdiv(cdiv(Lk, max(1, num_splits)), align) * align
-    num_splits = cdiv(Lk, keys_per_split)  # no split that starts past the capacity
-    split_rows = B * H * Lq
+    meta = dict(HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+                DOT_UPCAST=dot_upcast(dtype), num_warps=warps, num_stages=stages)
+    if maxnreg is not None and cap_registers:
+        meta["maxnreg"] = maxnreg
+    return meta
+
+
+def split_plan(meta: dict, device: torch.device, n: int, num_splits: int, align: int,
+               split_rows: int) -> DecodePlan:
+    """The plan of ``num_splits`` (at least 1) splits of ``n`` keys (or slots) that start on
+    multiples of ``align``: the split length, the count that leaves no split starting past
+    ``n``, ``SINGLE_SPLIT`` set in the split kernel's ``meta``, and the combine's settings for
+    ``split_rows`` output rows."""
+    per_split = cdiv(cdiv(n, max(1, num_splits)), align) * align
+    num_splits = cdiv(n, per_split)
     single = num_splits == 1
-    split_meta = dict(
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m,
-        HAS_MASK=has_mask, MASK_ROWB=mask_rowb, HAS_BIAS=has_bias, BIAS_ROWB=bias_rowb,
-        IS_CAUSAL=is_causal, HAS_SOFTCAP=has_softcap, HAS_CACHE=has_cache,
-        DOT_UPCAST=dot_upcast(dtype), PAGE_SIZE=page_size,
-        TILE_PAGES=tile_pages(page_size, block_n), SINGLE_SPLIT=single,
-        BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-    )
-    if maxnreg is not None:
-        split_meta["maxnreg"] = maxnreg
+    meta["SINGLE_SPLIT"] = single
     cols, combine_meta = 1, None
     if not single:
+        block_d = meta["BLOCK_D"]
         chunk, cols, combine_warps = combine_config(num_splits, block_d, split_rows, device)
-        combine_meta = dict(HEAD_DIM=D, BLOCK_D=block_d // cols, CHUNK_S=chunk,
+        combine_meta = dict(HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=block_d // cols, CHUNK_S=chunk,
                             num_warps=combine_warps)
-    return DecodePlan(num_splits, keys_per_split, single, split_rows, split_meta, cols,
-                      combine_meta)
+    return DecodePlan(num_splits, per_split, single, split_rows, meta, cols, combine_meta)
 
 
 # A decoding step calls the decode kernel once per layer with the same shapes: the plan is made

@@ -25,21 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ...intmath import cdiv, next_power_of_2
+from ...intmath import cdiv
 from ...planning.decode import DECODE_MAX_ROWS, MAX_SPLITS, sm_count
-from .common import (
-    LOG2E,
-    _dot,
-    _tanh,
-    alloc_output,
-    alloc_partials,
-    broadcast_strides,
-    dot_upcast,
-    head_block,
-    interpret_mode,
-    last_dim_contiguous,
+from .common import LOG2E, _dot, _tanh, broadcast_strides, interpret_mode, last_dim_contiguous
+from .decode import (
+    DecodePlan,
+    empty_outputs,
+    launch_split_decode,
+    row_invariant,
+    split_meta,
+    split_plan,
 )
-from .decode import INTERPRET_BLOCK_N, _decode_combine_kernel, combine_config, decode_config
 
 # At least this many slots per split: a selection of a few hundred keys per (batch, kv head)
 # runs as one split, with no combine launch (a decode step is bound by launches, not bytes, at
@@ -196,34 +192,20 @@ def selected_num_splits(batch: int, num_kv_heads: int, num_slots: int,
 @functools.lru_cache(maxsize=256)
 def _launch_plan(device: torch.device, dtype: torch.dtype, head_dim: int, rows: int,
                  batch: int, num_heads: int, num_kv_heads: int, seqlen_q: int, num_slots: int,
-                 num_splits: Optional[int], interp: bool):
+                 num_splits: Optional[int], interp: bool) -> DecodePlan:
     """Everything a launch needs that depends only on the shapes (shared by every layer of a
-    decoding step and by every step of the same length): block shapes, warps, the split
-    count and the combine's configuration."""
-    block_d = head_block(head_dim)
-    block_m = max(16, next_power_of_2(rows))
-    if interp:
-        block_n, warps, stages, maxnreg = INTERPRET_BLOCK_N, 4, 1, None
-    else:
-        # The decode kernel's tile and warps, without its register cap: capped at 128, this
-        # kernel spilled (88 bytes with a per-key additive-mask bias, 344 with a per-query-head
-        # bias on sm_90; tools/compile_check.py --workload decode-selected), and a selection
-        # of a few hundred keys runs one split per (batch, kv head), far from four per SM.
-        block_n, warps, stages, _ = decode_config(block_d, block_m)
-        maxnreg = None
+    decoding step and by every step of the same length): the split kernel's tiles and warps
+    (its bias / causality / cache flags are the call's), the split count and the combine's
+    configuration."""
+    # The decode kernel's tile and warps, without its register cap: capped at 128, this kernel
+    # spilled (88 bytes with a per-key additive-mask bias, 344 with a per-query-head bias on
+    # sm_90; tools/compile_check.py --workload decode-selected), and a selection of a few
+    # hundred keys runs one split per (batch, kv head), far from four per SM.
+    meta = split_meta(dtype, head_dim, rows, interp, cap_registers=False)
     if num_splits is None:
         num_splits = selected_num_splits(batch, num_kv_heads, num_slots, device)
-    per_split = cdiv(cdiv(num_slots, max(1, num_splits)), block_n) * block_n
-    num_splits = cdiv(num_slots, per_split)
-    split_rows = batch * num_heads * seqlen_q
-    combine = None
-    if num_splits > 1:
-        combine = combine_config(num_splits, block_d, split_rows, device)
-    launch = dict(num_warps=warps, num_stages=stages)
-    if maxnreg is not None:
-        launch["maxnreg"] = maxnreg
-    return (block_d, block_m, block_n, launch, num_splits, per_split, split_rows, combine,
-            dot_upcast(dtype))
+    return split_plan(meta, device, num_slots, num_splits, meta["BLOCK_N"],
+                      batch * num_heads * seqlen_q)
 
 
 def selected_decode_forward(
@@ -269,50 +251,22 @@ def selected_decode_forward(
     rows = G * Lq
     if rows > DECODE_MAX_ROWS:
         raise ValueError(f"selected decode takes Lq * H / Hkv <= {DECODE_MAX_ROWS} rows, got {rows}")
-    device = q.device
-    out = alloc_output((B, Lq, H, D), q.dtype, device)
-    lse = alloc_output((B, H, Lq), torch.float32, device)
     if B * H * Lq == 0 or W == 0 or Lk == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
-    interp = interpret_mode()
-    (block_d, block_m, block_n, launch, num_splits, per_split, split_rows, combine,
-     upcast) = _launch_plan(device, q.dtype, D, rows, B, H, Hkv, Lq, W, num_splits, interp)
-    single = num_splits == 1
-    if single:
-        o_part, l_part = out, lse
-    else:
-        o_part, l_part = alloc_partials(num_splits, split_rows, D, device)
+        return empty_outputs(q)
+    plan = _launch_plan(q.device, q.dtype, D, rows, B, H, Hkv, Lq, W, num_splits,
+                        interpret_mode())
     has_softcap = softcap > 0.0
-    bs = broadcast_strides(bias, H)
-    # One bias value per key for every row of a (batch, kv head) tile: one query row (or
-    # Lq == 1) and a head dim that is not per query head (or a group of one head).
-    rowb = bias is not None and (bias.size(2) == 1 or Lq == 1) and (bias.size(1) != H or G == 1)
-    qs, ks, vs, os_, ixs = q.stride(), k.stride(), v.stride(), out.stride(), index.stride()
-    _selected_split_kernel[(num_splits, B, Hkv)](
-        q, k, v, bias if bias is not None else q, index,
-        cache_seqlens if cache_seqlens is not None else q, o_part, l_part,
-        qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-        *bs,
-        ixs[0] if index.shape[0] > 1 else 0, ixs[1] if index.shape[1] > 1 else 0,
-        B, H, G, Lq, Lk, W, per_split,
-        softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
-        float(bias_floor) if bias_floor is not None else 0.0,
-        os_[0], os_[1], os_[2],
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_BIAS=bias is not None, BIAS_ROWB=rowb,
-        BIAS_VIS=bias is not None and bias_floor is not None,
-        IS_CAUSAL=bool(is_causal) and Lq > 1, HAS_SOFTCAP=has_softcap,
-        HAS_CACHE=cache_seqlens is not None, DOT_UPCAST=upcast, SINGLE_SPLIT=single,
-        **launch,
+    ixs = index.stride()
+    return launch_split_decode(
+        _selected_split_kernel, plan, q, k, v,
+        (bias if bias is not None else q, index, cache_seqlens if cache_seqlens is not None else q),
+        (*broadcast_strides(bias, H),
+         ixs[0] if index.shape[0] > 1 else 0, ixs[1] if index.shape[1] > 1 else 0,
+         B, H, G, Lq, Lk, W, plan.keys_per_split,
+         softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
+         float(bias_floor) if bias_floor is not None else 0.0),
+        dict(plan.split_meta, HAS_BIAS=bias is not None, BIAS_ROWB=row_invariant(bias, Lq, H, G),
+             BIAS_VIS=bias is not None and bias_floor is not None,
+             IS_CAUSAL=bool(is_causal) and Lq > 1, HAS_SOFTCAP=has_softcap,
+             HAS_CACHE=cache_seqlens is not None),
     )
-    if single:
-        return out, lse
-    chunk, cols, combine_warps = combine
-    _decode_combine_kernel[(split_rows, cols)](
-        o_part, l_part, out, lse,
-        num_splits, split_rows, H, Lq, os_[0], os_[1], os_[2],
-        HEAD_DIM=D, BLOCK_D=block_d // cols, CHUNK_S=chunk, num_warps=combine_warps,
-    )
-    return out, lse
