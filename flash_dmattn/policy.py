@@ -9,7 +9,7 @@ the call; backends the rule leaves out are *passed over*: they run only when eve
 one declines, in :data:`PRIORITY` order, and ``python -m flash_dmattn info --explain`` prints
 the rule's reason for each.
 
-Only Hopper (compute capability 9.0: H100, H200) has been measured. On other GPU generations
+Only Hopper (compute capability 9.0) has been measured. On other GPU generations
 the cuda backend is passed over (its kernels were built and timed on sm_90 only) and flex,
 then triton, run as before any measurement; ``FLASH_DMATTN_CUDA_AUTO=1`` puts cuda first on
 every GPU.
@@ -187,7 +187,7 @@ class Rule:
 
 NOT_PREFERRED = "ranked after the rule's preferred backends"
 
-_CUDA_UNMEASURED = ("the cuda kernels were built, tested and timed on sm_90 (H100, H200) only; "
+_CUDA_UNMEASURED = ("the cuda kernels were built, tested and timed on sm_90 (Hopper) only; "
                     "on this GPU generation auto-dispatch leaves them to explicit use "
                     f"(backend='cuda', or {CUDA_AUTO_ENV}=1 to prefer them)")
 _REFERENCE_ON_GPU = "plain PyTorch: the fallback when no kernel backend runs the call"
