@@ -26,6 +26,7 @@ from flash_dmattn.backends.cuda import kernels
 from flash_dmattn.backends.cuda.backend import CudaBackend
 from flash_dmattn.backends.cuda.extension import kernel_bias, reduce_key_partials
 
+from interpreter_only import skip_unless_available
 from naive import expand_heads, naive_attention
 from tool_env import ROOT, tool_env
 
@@ -387,8 +388,7 @@ def test_cuda_varlen_float32_bias_and_head_dim_36():
     from flash_dmattn.reference import reference_attention
     from flash_dmattn.utils.padding import cu_seqlens_from_lengths
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+    skip_unless_available("cuda")
     g = torch.Generator().manual_seed(2)
     h, hkv, d = 4, 2, 36
     lens = [5, 130, 64, 301]
@@ -420,8 +420,9 @@ def test_cuda_key_intervals_float32_bias():
     from flash_dmattn.reference import reference_attention
     from flash_dmattn.utils.mask import topk_intervals
 
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the cuda key-interval kernels run on Hopper")
+    skip_unless_available("cuda")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the cuda key-interval kernels are built for sm_90 only")
     g = torch.Generator(device="cuda").manual_seed(5)
     B, L, H, Hkv, D = 1, 1024, 4, 2, 72
     q, k, v = (torch.randn(B, L, n, D, device="cuda", generator=g).to(torch.bfloat16)
@@ -447,8 +448,7 @@ def test_cuda_runs_flash_dmattn_1_2_training_code_unchanged(bias_dtype, bias_hea
     keyword arguments as 1.2.x spelt them; on the cuda backend."""
     from flash_dmattn import flash_dmattn_func_auto
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+    skip_unless_available("cuda")
     func = flash_dmattn_func_auto(backend="cuda")
     g = torch.Generator(device="cuda").manual_seed(11)
     B, L, H, Hkv, D, W = 2, 512, 8, 2, 128, 128
