@@ -33,6 +33,7 @@ from . import envs, registry
 from .inputs import _check_cache_seqlens, _check_qkv, _scale_and_softcap, normalise_mask_or_bias
 from .ops import eager_inference
 from .planning.decode import DECODE_MAX_ROWS
+from .planning.selection import _check_inputs as _check_selection
 
 __all__ = ["topk_key_index", "selected_keys_attention"]
 
@@ -80,55 +81,33 @@ def topk_key_index(
     Cost: one stable sort per (batch, head) row (``O(L log L)``, no host synchronisation); with
     ``window_size >= L`` none.
     """
-    if isinstance(window_size, bool) or not isinstance(window_size, int):
-        raise TypeError(f"window_size must be an int, got {type(window_size).__name__}")
-    if window_size < 1:
-        raise ValueError(f"window_size must be >= 1, got {window_size}")
-    if not isinstance(attention_bias, torch.Tensor) or not attention_bias.is_floating_point():
-        raise TypeError(
-            f"attention_bias must be a floating-point torch.Tensor, got "
-            f"{getattr(attention_bias, 'dtype', type(attention_bias).__name__)}"
-        )
-    if attention_bias.dim() != 4 or attention_bias.shape[2] != 1:
-        raise ValueError(
-            f"attention_bias must be a per-key bias (batch, heads, 1, L), got shape "
-            f"{tuple(attention_bias.shape)}"
-        )
+    # Window, bias, padding and min_dtype as topk_intervals checks them; then the cache lengths.
+    padding_mask, min_dtype = _check_selection(attention_bias, window_size, False, padding_mask,
+                                               min_dtype)
     bias = attention_bias.detach()[:, :, 0]
     batch, heads, length = bias.shape
     device = bias.device
-    for name, t in (("padding_mask", padding_mask), ("cache_seqlens", cache_seqlens)):
-        if t is not None:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-            if t.device != device:
-                raise ValueError(f"{name} is on {t.device} but attention_bias is on {device}")
-            batch = max(batch, t.shape[0]) if t.dim() >= 1 else batch
-    if padding_mask is not None and (
-        padding_mask.dtype != torch.bool or padding_mask.dim() != 2
-        or padding_mask.shape[1] != length or padding_mask.shape[0] not in (1, batch)
-    ):
-        raise ValueError(
-            f"padding_mask must be bool (batch, L) = ({batch}, {length}), got "
-            f"{padding_mask.dtype} {tuple(padding_mask.shape)}"
-        )
-    if cache_seqlens is not None and (
-        cache_seqlens.dtype not in (torch.int32, torch.int64) or cache_seqlens.dim() != 1
-        or cache_seqlens.shape[0] != batch
-    ):
-        raise ValueError(
-            f"cache_seqlens must be int32/int64 (batch,) = ({batch},), got "
-            f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}"
-        )
-    if bias.shape[0] not in (1, batch):
-        raise ValueError(
-            f"attention_bias batch {bias.shape[0]} does not match the batch of the other "
-            f"arguments ({batch})"
-        )
-    if min_dtype is None:
-        min_dtype = torch.finfo(bias.dtype).min
-    elif isinstance(min_dtype, torch.Tensor):
-        min_dtype = float(min_dtype)
+    if padding_mask is not None:
+        batch = max(batch, padding_mask.shape[0])
+    if cache_seqlens is not None:
+        if not isinstance(cache_seqlens, torch.Tensor):
+            raise TypeError(
+                f"cache_seqlens must be a torch.Tensor or None, got {type(cache_seqlens).__name__}")
+        if cache_seqlens.device != device:
+            raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but attention_bias is on "
+                             f"{device}")
+        if cache_seqlens.dtype not in (torch.int32, torch.int64) or cache_seqlens.dim() != 1:
+            raise ValueError(
+                f"cache_seqlens must be int32/int64 (batch,), got {cache_seqlens.dtype} "
+                f"{tuple(cache_seqlens.shape)}")
+        if cache_seqlens.shape[0] != batch and batch != 1:
+            raise ValueError(
+                f"cache_seqlens has batch {cache_seqlens.shape[0]}, the other arguments {batch}")
+        batch = cache_seqlens.shape[0]
+        if padding_mask is not None and padding_mask.shape[0] not in (1, batch):
+            raise ValueError(
+                f"padding_mask batch {padding_mask.shape[0]} does not match the batch of "
+                f"cache_seqlens ({batch})")
     # `>` also rejects -inf and NaN, as create_mask does.
     valid = bias > min_dtype
     if padding_mask is not None:
