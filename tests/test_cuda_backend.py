@@ -70,7 +70,12 @@ def run_and_compare(problem, causal, softcap=0.0, bias_grad=True, tol_scale=1.0,
     ref_bias = None
     if bias is not None:
         ref_bias = bias.detach().double().requires_grad_(bias_grad)
-    ref, _ = reference_attention(*ref_leaves, mask, ref_bias, inputs.softmax_scale, causal,
+    # The reference op takes 4-D masks and biases; a user's (Lq, Lk) or (B, ..) shape is
+    # viewed up to 4-D here (the gradient reaches the leaf in its own shape).
+    ref_mask = None if mask is None else mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    ref_bias4 = None if ref_bias is None else ref_bias.view(
+        (1,) * (4 - ref_bias.dim()) + tuple(ref_bias.shape))
+    ref, _ = reference_attention(*ref_leaves, ref_mask, ref_bias4, inputs.softmax_scale, causal,
                                  softcap)
     assert not out.isnan().any()
     tol = (1.5e-2 if q.dtype == torch.bfloat16 else 3e-3) * tol_scale
