@@ -48,6 +48,14 @@ def interpreter_skip_reason() -> Optional[str]:
     return reason
 
 
+def planner_device() -> torch.device:
+    """Where tests that plan on the host with the planner's Triton kernels put their tensors:
+    the GPU where one is present (the kernels compiled), else the CPU (the interpreter)."""
+    if torch.cuda.is_available() and not interpreting():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
 def require_triton_interpreter() -> None:
     """Skip the calling module unless the Triton kernels run on CPU tensors here.
 

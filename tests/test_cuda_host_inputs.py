@@ -26,7 +26,7 @@ from flash_dmattn.backends.cuda import kernels
 from flash_dmattn.backends.cuda.backend import CudaBackend
 from flash_dmattn.backends.cuda.extension import kernel_bias, reduce_key_partials
 
-from interpreter_only import interpreter_skip_reason, skip_unless_available
+from interpreter_only import planner_device, skip_unless_available
 from naive import expand_heads, naive_attention
 from tool_env import ROOT, tool_env
 
@@ -216,11 +216,6 @@ CPU_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_float32_bias_and_padded_head_dim_against_autograd(monkeypatch, d, bias_shape,
                                                            mask_shape, dtype):
-    # The host side plans masked calls with the planner's Triton kernels, here on CPU tensors:
-    # the interpreter's job. On a GPU machine the compiled path is the GPU tests' below.
-    reason = interpreter_skip_reason()
-    if reason is not None and mask_shape is not None:
-        pytest.skip(reason)
     B, Lq, Lk, H, Hkv = 2, 33, 40, 4, 2
     g = torch.Generator().manual_seed(d)
     q = torch.randn(B, Lq, H, d, generator=g).to(dtype)
@@ -229,6 +224,11 @@ def test_float32_bias_and_padded_head_dim_against_autograd(monkeypatch, d, bias_
     bias = torch.randn(*bias_shape, generator=g) * 2  # float32
     bias4 = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
     mask = None if mask_shape is None else torch.rand(*mask_shape, generator=g) > 0.3
+    # Masked calls are planned by the planner's Triton kernels: compiled on a GPU machine,
+    # interpreted on CPU tensors elsewhere.
+    dev = planner_device()
+    q, k, v, bias4 = (t.to(dev) for t in (q, k, v, bias4))
+    mask = None if mask is None else mask.to(dev)
     module = StandIn()
     monkeypatch.setattr(kernels, "kernel_module", lambda *a, **kw: module)
     scale, causal, softcap = d ** -0.5, True, 5.0
@@ -247,7 +247,7 @@ def test_float32_bias_and_padded_head_dim_against_autograd(monkeypatch, d, bias_
     assert rel_err(out, ref) < tol
     torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=1e-5, rtol=1e-5)
 
-    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64).to(dev)
     want = torch.autograd.grad(ref, leaves, dout)
     module.seen.clear()
     got = kernels.cuda_backward(dout.to(dtype), q, k, v, mask, bias4, out, lse, scale, causal,

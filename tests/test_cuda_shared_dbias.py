@@ -11,7 +11,7 @@ GPU (marker ``gpu``): the compiled kernels on every bias broadcast shape.
 import pytest
 import torch
 
-from interpreter_only import skip_unless_available
+from interpreter_only import planner_device, skip_unless_available
 
 from flash_dmattn.backends.cuda import kernels
 from flash_dmattn.inputs import AttentionInputs
@@ -56,7 +56,10 @@ def _problem(B, Lq, Lk, H, Hkv, D, bias_shape, mask_shape=None, seed=0):
     v = torch.randn(B, Lk, Hkv, D, generator=g)
     bias = torch.randn(*bias_shape, generator=g)
     mask = None if mask_shape is None else torch.rand(*mask_shape, generator=g) > 0.3
-    return q, k, v, mask, bias
+    # Masked calls are planned by the planner's Triton kernels: compiled on a GPU machine,
+    # interpreted on CPU tensors elsewhere.
+    dev = planner_device()
+    return tuple(None if t is None else t.to(dev) for t in (q, k, v, mask, bias))
 
 
 @pytest.mark.parametrize("bias_shape,mask_shape", [
@@ -79,7 +82,8 @@ def test_shared_bias_backward_matches_autograd(monkeypatch, bias_shape, mask_sha
     scale, causal, softcap = D ** -0.5, True, 5.0
     leaves = [t.double().requires_grad_() for t in (q, k, v, bias)]
     ref, lse = naive_attention(*leaves[:3], mask, leaves[3], scale, causal, softcap)
-    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1),
+                       dtype=torch.float64).to(q.device)
     want = torch.autograd.grad(ref, leaves, dout)
     assert kernels.dbias_mode(bias, B, H, Lq, Lk) == kernels.DBIAS_SHARED
     got = kernels.cuda_backward(dout.float(), q, k, v, mask, bias, ref.detach().float(),
@@ -118,7 +122,7 @@ def test_per_query_bias_broadcast_over_keys_has_zero_gradient(monkeypatch):
     monkeypatch.setattr(kernels, "kernel_module", lambda *a, **kw: NoDbias())
     leaves = [t.double().requires_grad_() for t in (q, k, v, bias)]
     ref, lse = naive_attention(*leaves[:3], None, leaves[3], D ** -0.5, False, 0.0)
-    dout = torch.randn(ref.shape, dtype=torch.float64)
+    dout = torch.randn(ref.shape, dtype=torch.float64).to(q.device)
     want = torch.autograd.grad(ref, leaves, dout)
     got = kernels.cuda_backward(dout.float(), q, k, v, None, bias, ref.detach().float(),
                                 lse.detach().float(), D ** -0.5, False, 0.0, False,
