@@ -29,15 +29,15 @@ def naive_attention(q, k, v, mask=None, bias=None, scale=None, causal=False, sof
         while b4.dim() < 4:
             b4 = b4.unsqueeze(0)
         s = s + expand_heads(b4, B, H, Hkv, Lq, Lk)
-    visible = torch.ones(B, H, Lq, Lk, dtype=torch.bool)
+    visible = torch.ones(B, H, Lq, Lk, dtype=torch.bool, device=q.device)
     if mask is not None:
         m4 = mask
         while m4.dim() < 4:
             m4 = m4.unsqueeze(0)
         visible = visible & expand_heads(m4, B, H, Hkv, Lq, Lk)
     if causal:
-        i = torch.arange(Lq).unsqueeze(1)
-        j = torch.arange(Lk).unsqueeze(0)
+        i = torch.arange(Lq, device=q.device).unsqueeze(1)
+        j = torch.arange(Lk, device=q.device).unsqueeze(0)
         visible = visible & (j <= i + Lk - Lq)
     s = s.masked_fill(~visible, float("-inf"))
     empty = torch.isneginf(s).all(dim=-1, keepdim=True)
