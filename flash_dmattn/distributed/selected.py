@@ -254,11 +254,9 @@ class _Plan:
         self.kv_per_row = kv_heads // sel.heads  # kv heads per selection head
         # Bias values per row: a bias of Hb heads seen as max(Hb, Hs) heads, Hs of them a row.
         self.bias_heads = None if bias_heads is None else max(bias_heads, sel.heads)
-        n, M = sel.keys, sel.width
         # The window promise as the call passes it: its columns' positions are the own keys'
         # when nothing is received, anywhere otherwise (see LocalKernel.window_for).
-        self.key_ranges = sel.query_ranges if M == 0 else None
-        self.num_cols = M + n
+        self.key_ranges = sel.query_ranges if sel.width == 0 else None
 
     def rows(self, t: Tensor) -> Tensor:
         """K or V ``(B, keys, Hkv, D)`` as rows ``(B·keys·Hs, Hkv/Hs·D)``."""
