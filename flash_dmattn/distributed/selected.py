@@ -113,16 +113,18 @@ class Selection:
     One host synchronisation (the buffer sizes: rows to send to and receive from each peer,
     the padded width of each peer's columns, the rows any peer needs). Everything that does not
     need those sizes is queued before it (the flags and their stable partitions); after it only
-    the indices are read off the partitions. A group of one rank moves nothing and builds
-    nothing.
+    the indices are read off the partitions, each set when it is first needed: the rows to send
+    at once, the received rows' places while they travel (:meth:`locate_received`), the
+    gradients' places in the backward (:meth:`locate_returned`). A group of one rank moves
+    nothing and builds nothing.
 
     Attributes, in peer order (peers ascending, each peer's rows in its ``(b, h, j)`` order):
     ``send_index`` (own rows sent, all peers), ``send_rows`` / ``recv_rows`` (rows per peer),
     ``recv_index`` (the received rows' rows in the local call), ``recv_block_index`` (the same
-    among the ``B·M·Hs`` rows of the received columns alone), ``union_index`` (own rows any peer
-    needs, rows of the local call), ``union_pos`` (where each sent row lies among those),
-    ``col_bounds`` (the received columns' bounds, global query positions, causal folded in,
-    ``(2, B, Hs, M)``).
+    among the ``B·M·Hs`` rows of the received columns alone), ``col_bounds`` (the received
+    columns' bounds, global query positions, causal folded in, ``(2, B, Hs, M)``),
+    ``union_pos`` (where each sent row lies among the own keys any peer needs), ``union_index``
+    (those keys' rows in the local call).
     """
 
     def __init__(self, grp: Group, segments, bounds: Tensor, batch: int, is_causal: bool) -> None:
@@ -143,6 +145,7 @@ class Selection:
         self.union_pos: Optional[Tensor] = None
         self.width = 0  # M: received columns per (batch, selection head)
         self.col_bounds: Optional[Tensor] = None
+        self._received = self._returned = None  # what locate_* read, until they have run
         if not self.peers:
             return
         L = bounds.shape[-1]
@@ -193,18 +196,24 @@ class Selection:
         send_counts = sizes[:world]
         self.send_rows = {p: send_counts[p] for p in self.peers}
         self.recv_rows = dict(zip(self.peers, sizes[world:world + k]))
-        self.width = M = sum(sizes[world + k:world + 2 * k])
+        self.width = sum(sizes[world + k:world + 2 * k])
         n_union = sizes[-1]
 
-        # Rows sent (peer order; send_need[me] is empty) and where each lies among the rows
-        # any peer needs (the backward adds the peers' gradients there).
+        # Rows sent (peer order; send_need[me] is empty), and where each lies among the own
+        # keys any peer needs.
         flat = send_order[:sum(send_counts)] % (batch * heads * n)  # (b, h, j) flat
         self.send_index = _decode_rows(flat, heads, n)
         self.union_pos = union_rank[flat]
-        own = _decode_rows(union_order[:n_union], heads, n)
-        # ... in the local call: b·M + M columns before own key (b, j)
-        self.union_index = own + (own // (n * heads) + 1) * (M * heads)
+        self._received = (full, recv_order, slots, offsets, table, longest, is_causal)
+        self._returned = union_order[:n_union]
 
+    def locate_received(self) -> None:
+        """Set ``recv_index``, ``recv_block_index`` and ``col_bounds`` (once)."""
+        if self._received is None:
+            return
+        full, recv_order, slots, offsets, table, longest, is_causal = self._received
+        self._received = None
+        batch, heads, n, M = self.batch, self.heads, self.keys, self.width
         # Received rows: their peer t, (b, h), the peer's key j, and their column (slot).
         f = recv_order[:sum(self.recv_rows.values())]
         t, rest = f // (batch * heads * longest), f % (batch * heads * longest)
@@ -219,9 +228,20 @@ class Selection:
         start, end = full[0][b, h, pos].to(torch.int64), full[1][b, h, pos].to(torch.int64)
         if is_causal:
             start = torch.maximum(start, pos)
-        col_bounds = torch.zeros(2, batch * heads * M, dtype=torch.int64, device=device)
+        col_bounds = torch.zeros(2, batch * heads * M, dtype=torch.int64, device=f.device)
         col_bounds[:, (b * heads + h) * M + slot] = torch.stack([start, end])
         self.col_bounds = col_bounds.view(2, batch, heads, M)
+
+    def locate_returned(self) -> None:
+        """Set ``union_index`` (once): the rows of the local call where the peers' gradients of
+        the own keys are added."""
+        if self._returned is None:
+            return
+        union_keys, self._returned = self._returned, None
+        heads, n = self.heads, self.keys
+        own = _decode_rows(union_keys, heads, n)
+        # ... in the local call: b·M + M columns before own key (b, j)
+        self.union_index = own + (own // (n * heads) + 1) * (self.width * heads)
 
     def exchange(self, grp: Group, purpose: str, sends: Sequence[Tensor], recvs: Sequence[Tensor],
                  sent_rows: Dict[int, int], received_rows: Dict[int, int]) -> Transfer:
@@ -332,6 +352,7 @@ class _SelectedAttention(torch.autograd.Function):
         # While the rows travel: the call's own columns and bounds.
         with phase("columns"):
             k_call, v_call = plan.columns(k), plan.columns(v)
+            sel.locate_received()
             bounds = plan.call_bounds(own_bounds)
         if transfer is not None:
             with phase("wait_kv"):
@@ -374,6 +395,7 @@ class _SelectedAttention(torch.autograd.Function):
             # The received columns' gradients go back to their owners; the peers' gradients of
             # the own keys come in, each peer's rows in the order this rank sent them.
             sends, recvs = [], []
+            sel.locate_returned()
             with phase("send_grad"):
                 for g, need in ((dk, need_k), (dv, need_v)):
                     if need:
