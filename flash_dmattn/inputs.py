@@ -74,8 +74,11 @@ def _collapse_broadcast_dims(t: torch.Tensor) -> torch.Tensor:
     A user who passes ``mask.expand(B, H, L, L)`` means a broadcast mask; reading it as one lets
     backends take their per-key / per-head fast paths and keeps block maps small.
     """
-    for dim in range(t.dim()):
-        if t.size(dim) > 1 and t.stride(dim) == 0:
+    strides = t.stride()
+    if 0 not in strides:  # the usual case, on every call: nothing broadcast
+        return t
+    for dim, (size, stride) in enumerate(zip(t.shape, strides)):
+        if size > 1 and stride == 0:
             t = t.narrow(dim, 0, 1)
     return t
 

@@ -148,10 +148,11 @@ def test_softmax_scale_zero_is_uniform():
     torch.testing.assert_close(out, v.mean(dim=1, keepdim=True).expand_as(out))
 
 
-def check_sdpa_path(case: Case, dtype=torch.float32, tol=2e-5, monkeypatch=None):
+def check_sdpa_path(case: Case, dtype=torch.float32, tol=2e-5, monkeypatch=None, bias_grad=True):
     """A call that auto-dispatch runs on CPU through PyTorch's fused attention over query chunks
     (flash_dmattn.reference.sdpa_cpu): output and every gradient against the naive float64
-    formula, and the path really taken (or not: soft cap)."""
+    formula, and the path really taken (or not: soft cap). ``bias_grad=False``: the bias is a
+    constant, so SDPA's fused kernel runs (a mask that needs a gradient takes its math kernel)."""
     from flash_dmattn.backends import reference as backend_mod
 
     calls = []
@@ -159,9 +160,11 @@ def check_sdpa_path(case: Case, dtype=torch.float32, tol=2e-5, monkeypatch=None)
     monkeypatch.setattr(backend_mod, "sdpa_cpu_attention",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, mask, bias = case.tensors(dtype=dtype, requires_grad=True)
+    q64, k64, v64, mask, b64 = case.tensors(dtype=torch.float64, requires_grad=True)
+    if not bias_grad and bias is not None:
+        bias, b64 = bias.detach(), b64.detach()
     out = flash_dmattn_func(q, k, v, mask, bias, case.scale, case.causal, case.softcap)
     assert bool(calls) == (case.softcap == 0.0)
-    q64, k64, v64, mask, b64 = case.tensors(dtype=torch.float64, requires_grad=True)
     ref_out, _ = naive_attention(q64, k64, v64, mask, b64, case.scale, case.causal, case.softcap)
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
@@ -178,19 +181,50 @@ def test_cpu_sdpa_path_fixed_cases(case, monkeypatch):
     from flash_dmattn.reference import sdpa_cpu
 
     check_sdpa_path(case, monkeypatch=monkeypatch)
+    check_sdpa_path(case, monkeypatch=monkeypatch, bias_grad=False)
     # Several query chunks: chunk boundaries and per-query mask / bias rows.
     monkeypatch.setattr(sdpa_cpu, "CHUNK_ELEMENTS", 4 * 65 * 4)
     check_sdpa_path(case, monkeypatch=monkeypatch)
     # One SDPA call per query-head group member wherever the mask has one head per kv head.
     monkeypatch.setattr(sdpa_cpu, "PER_MEMBER_ELEMENTS", 0)
     check_sdpa_path(case, monkeypatch=monkeypatch)
+    # A torch whose SDPA does not zero rows that see no key: the chunks zero them themselves.
+    monkeypatch.setattr(sdpa_cpu, "_ZEROES_EMPTY_ROWS", {torch.float32: False})
+    check_sdpa_path(case, monkeypatch=monkeypatch)
+    monkeypatch.setattr(sdpa_cpu, "CHUNK_ELEMENTS", 1 << 23)
+    monkeypatch.setattr(sdpa_cpu, "PER_MEMBER_ELEMENTS", 1 << 19)
+    check_sdpa_path(case, monkeypatch=monkeypatch)
+    check_sdpa_path(case, monkeypatch=monkeypatch, bias_grad=False)
+
+
+def test_sdpa_zeroes_empty_rows_is_probed_once_without_touching_the_global_rng(monkeypatch):
+    """The probe behind the unguarded chunks runs once per dtype, on its own generator (a
+    seeded user's random stream is unchanged), and holds on the torch CI installs: rows that
+    see no key cost no extra ops there."""
+    from flash_dmattn.reference import sdpa_cpu
+
+    monkeypatch.setattr(sdpa_cpu, "_ZEROES_EMPTY_ROWS", {})
+    torch.manual_seed(3)
+    want = torch.randn(4)
+    torch.manual_seed(3)
+    with torch.inference_mode():  # the probe still takes gradients
+        assert sdpa_cpu.sdpa_zeroes_empty_rows(torch.float32) is True
+    assert torch.equal(torch.randn(4), want)
+    probes = []
+    monkeypatch.setattr(sdpa_cpu, "_probe_empty_rows", lambda dtype: probes.append(dtype))
+    assert sdpa_cpu.sdpa_zeroes_empty_rows(torch.float32) is True and probes == []
 
 
 @settings(max_examples=40, deadline=None)
 @given(cases())
 def test_cpu_sdpa_path_random_cases(case):
+    from flash_dmattn.reference import sdpa_cpu
+
     with pytest.MonkeyPatch.context() as mp:
-        check_sdpa_path(case, monkeypatch=mp)
+        if case.seed % 2:
+            # As on a torch whose SDPA does not zero rows that see no key.
+            mp.setattr(sdpa_cpu, "_ZEROES_EMPTY_ROWS", {torch.float32: False})
+        check_sdpa_path(case, monkeypatch=mp, bias_grad=case.seed % 3 != 0)
 
 
 def test_cpu_sdpa_path_neg_inf_bias_rows_and_key_intervals(monkeypatch):
@@ -214,6 +248,78 @@ def test_cpu_sdpa_path_neg_inf_bias_rows_and_key_intervals(monkeypatch):
     ref = reference_dmattn_func(*(t.detach().double() for t in (q, k, v)), attn_mask=ki,
                                 attn_bias=b.detach().double(), is_causal=True)
     torch.testing.assert_close(got.double(), ref, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("mask_heads,bias_shape,causal,lq", [
+    (2, (2, 2, 1, 40), True, 40),    # per-key top-W with its per-key bias: the DMA call
+    (1, (1, 4, 1, 40), True, 23),    # one mask for all heads, a bias per query head, Lq < Lk
+    (2, (2, 4, 31, 40), False, 31),  # a full bias per query head
+    (2, None, True, 47),             # no bias, Lq > Lk: the first rows see nothing
+])
+def test_cpu_sdpa_path_gathers_the_kept_keys_of_a_sparse_per_key_mask(
+        mask_heads, bias_shape, causal, lq, monkeypatch):
+    """A mask with one row that keeps few keys runs over those keys alone (K/V, bias and key
+    positions gathered): output and every gradient equal the float64 formula, padding rows
+    included (batch 1 keeps no key at all on one kv head)."""
+    from flash_dmattn.reference import sdpa_cpu
+
+    gathered = []
+    real = sdpa_cpu._gather_kept
+    monkeypatch.setattr(sdpa_cpu, "_gather_kept", lambda *a: gathered.append(1) or real(*a))
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, lq, 4, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 40, 2, 16, generator=g, requires_grad=True) for _ in range(2))
+    score = torch.randn(2, mask_heads, 1, 40, generator=g)
+    mask = score >= score.topk(9, dim=-1).values[..., -1:]  # 9 of 40 keys per (batch, head)
+    mask[1, -1] = False
+    bias = None if bias_shape is None else torch.randn(*bias_shape, generator=g, requires_grad=True)
+    # As is; in several chunks with one SDPA call per group member; on a torch whose SDPA
+    # does not zero rows that see no key.
+    for step in range(3):
+        if step == 1:
+            monkeypatch.setattr(sdpa_cpu, "CHUNK_ELEMENTS", 4 * 9 * 8)
+            monkeypatch.setattr(sdpa_cpu, "PER_MEMBER_ELEMENTS", 0)
+        if step == 2:
+            monkeypatch.setattr(sdpa_cpu, "_ZEROES_EMPTY_ROWS", {torch.float32: False})
+        out = flash_dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=causal)
+        leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        b64 = None if bias is None else bias.detach().double().requires_grad_()
+        ref, _ = naive_attention(*leaves64, mask, b64, None, causal)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+        grad_out = torch.randn_like(ref)
+        got = _grads(out, (q, k, v, bias), grad_out.float())
+        want = _grads(ref, (*leaves64, b64), grad_out)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.double(), b, atol=2e-4, rtol=2e-4)
+    assert len(gathered) == 3
+
+
+def test_cpu_sdpa_path_ignores_nan_and_inf_bias_on_hidden_keys(monkeypatch):
+    """A bias's NaN and +inf entries on keys that the causal diagonal or the mask hides reach
+    nothing (the contract masks after adding the bias), forward and backward."""
+    from flash_dmattn.reference import sdpa_cpu
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 12, h, 16, generator=g) for h in (4, 2, 2))
+    bias = torch.randn(1, 2, 12, 12, generator=g)
+    hidden = torch.ones(12, 12, dtype=torch.bool).triu(1)
+    bias[..., hidden] = torch.tensor([float("nan"), float("inf")]).repeat(33)
+    mask = torch.ones(1, 1, 1, 12, dtype=torch.bool)
+    mask[..., 3] = False
+    bias[..., 3] = float("nan")
+    for guard in (None, {torch.float32: False}):
+        if guard is not None:
+            monkeypatch.setattr(sdpa_cpu, "_ZEROES_EMPTY_ROWS", guard)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out = flash_dmattn_func(*leaves[:3], attn_mask=mask, attn_bias=leaves[3], is_causal=True)
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v, bias)]
+        ref, _ = naive_attention(*ref_leaves[:3], mask, ref_leaves[3], None, True)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+        grad_out = torch.randn_like(ref)
+        got = torch.autograd.grad(out, leaves, grad_out.float())
+        want = torch.autograd.grad(ref, ref_leaves, grad_out)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.double(), b, atol=2e-4, rtol=2e-4)
 
 
 def test_float64_and_softcap_stay_on_the_oracle():
