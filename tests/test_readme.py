@@ -48,4 +48,10 @@ def test_readme_gives_the_gpu_and_other_installers_lines():
     text = (ROOT / "README.md").read_text()
     install = text[text.index("## Install"):text.index("## The two commands")]
     assert 'pip install "torch>=2.5"' in install  # PyPI's Linux build: the CUDA one
-    assert "--torch-backend=auto" in install and "conda install" in install
+    commands = readme_commands()
+    # uv installs into a virtual environment of its own, which has no pip: its package line
+    # is uv's too.
+    assert "uv venv && source .venv/bin/activate" in commands
+    assert 'uv pip install "torch>=2.5" --torch-backend=auto' in commands
+    assert 'uv pip install -e ".[test]"' in commands
+    assert any(c.startswith("conda create") and '"pytorch>=2.5"' in c for c in commands)
