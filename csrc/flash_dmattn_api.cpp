@@ -21,6 +21,11 @@
 //       module has them: a mask, dense batches, sm_90, head dim <= 128)
 //   decode(q, k, v, mask, bias, cache_seqlens, block_table, softmax_scale, is_causal, softcap,
 //          num_splits, poison) -> [out, lse]      (split-KV, forward only; k / v may be pools)
+// fwd, fwd_gathered, bwd, fwd_intervals and bwd_intervals end with the attention dropout
+// (see Dropout in params.h): drop_rng (the call's int64 (seed, offset[, batch]) tensor, or
+// None: no dropout), drop_threshold, drop_scale, drop_b0, drop_h0, drop_heads (0: H). Only
+// sm_90 kernels have it (dropout_built() says whether this module's do); the gathered dQ
+// kernel has none.
 // Packed sequences (cu_seqlens_q / cu_seqlens_k given): q / k / v are the packed
 // (total, heads, D) tensors viewed as batch 1, a mask / bias is per key (1, Hm, 1, width)
 // with sequence b's keys from cu_aux[b] (or cu_seqlens_k[b] without cu_aux), lse is
@@ -177,6 +182,29 @@ bool finished_without_keys(const FwdParams& p, at::Tensor& out, at::Tensor& lse)
   return true;
 }
 
+bool dropout_built() { return FLASH_DMATTN_SM90 && FLASH_DMATTN_SM90_BWD; }
+
+// The call's dropout (see Dropout in params.h and the list above).
+void fill_dropout(FwdParams& p, const at::Tensor& q, const OptT& rng, int64_t threshold, double scale, int64_t b0,
+                  int64_t h0, int64_t heads) {
+  if (!rng.has_value()) return;
+  TORCH_CHECK(dropout_built(), "this kernel module has no dropout (it needs sm_90 and head dim "
+              "<= 128)");
+  const at::Tensor& r = *rng;
+  TORCH_CHECK(r.is_cuda() && r.device() == q.device() && r.scalar_type() == at::kLong &&
+                  r.dim() == 1 && (r.numel() == 2 || r.numel() == 3) && r.is_contiguous(),
+              "drop_rng must be a contiguous int64 (seed, offset[, batch]) tensor on q's device");
+  TORCH_CHECK(threshold >= 0 && threshold <= 256 && scale >= 1.0,
+              "drop_threshold must be in [0, 256] and drop_scale >= 1");
+  p.drop.rng = r.data_ptr<int64_t>();
+  p.drop.rng_batch = r.numel() == 3;
+  p.drop.threshold = static_cast<uint32_t>(threshold);
+  p.drop.scale = static_cast<float>(scale);
+  p.drop.b0 = b0;
+  p.drop.h0 = static_cast<int>(h0);
+  p.drop.heads = static_cast<int>(heads > 0 ? heads : p.H);
+}
+
 void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const OptT& mask, const OptT& bias, double scale, bool causal, double softcap,
                  bool paged = false, bool aux = true) {
@@ -213,10 +241,13 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
                             double softmax_scale, bool is_causal, double softcap,
                             const OptT& list_idx, const OptT& list_cnt, int64_t list_hdiv,
                             const OptT& cu_q, const OptT& cu_k, const OptT& cu_aux,
-                            int64_t max_q, int64_t max_k) {
+                            int64_t max_q, int64_t max_k,
+    const OptT& drop_rng, int64_t drop_threshold, double drop_scale, int64_t drop_b0,
+    int64_t drop_h0, int64_t drop_heads) {
   c10::cuda::CUDAGuard guard(q.device());
   FwdParams p;
   fill_common(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap);
+  fill_dropout(p, q, drop_rng, drop_threshold, drop_scale, drop_b0, drop_h0, drop_heads);
   const bool packed = cu_q.has_value();
   // Packed rows past cu_seqlens_q[-1] belong to no sequence: zero output, lse -inf.
   at::Tensor out = out_.has_value() ? *out_
@@ -329,7 +360,9 @@ std::vector<at::Tensor> fwd_gathered(const at::Tensor& q, const at::Tensor& k,
                                      const at::Tensor& v, const OptT& out_, double softmax_scale,
                                      bool is_causal, double softcap, const at::Tensor& idx,
                                      const at::Tensor& cnt, int64_t hdiv, const at::Tensor& bits,
-                                     int64_t bits_hdiv, const OptT& gbias, int64_t gbias_hdiv) {
+                                     int64_t bits_hdiv, const OptT& gbias, int64_t gbias_hdiv,
+    const OptT& drop_rng, int64_t drop_threshold, double drop_scale, int64_t drop_b0,
+    int64_t drop_h0, int64_t drop_heads) {
   c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK(flash_dmattn::fwd_gathers(), "this kernel module has no gathered forward (it needs "
               "a mask, dense batches and sm_90)");
@@ -338,6 +371,7 @@ std::vector<at::Tensor> fwd_gathered(const at::Tensor& q, const at::Tensor& k,
               /*paged=*/false, /*aux=*/false);
   auto [out, lse] = dense_out_lse(p, q, out_);
   fill_gather(p, idx, cnt, hdiv, bits, bits_hdiv, gbias, gbias_hdiv);
+  fill_dropout(p, q, drop_rng, drop_threshold, drop_scale, drop_b0, drop_h0, drop_heads);
   if (finished_without_keys(p, out, lse)) return {out, lse};
   cudaError_t err = flash_dmattn::run_fwd(p, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda fwd_gathered: ", cudaGetErrorString(err));
@@ -400,13 +434,16 @@ std::vector<at::Tensor> fwd_intervals(const at::Tensor& q, const at::Tensor& k,
                                       const at::Tensor& bounds, const at::Tensor& tile_start,
                                       const at::Tensor& tile_len, const at::Tensor& tile_full,
                                       const at::Tensor& keys, double softmax_scale,
-                                      bool is_causal, double softcap) {
+                                      bool is_causal, double softcap,
+    const OptT& drop_rng, int64_t drop_threshold, double drop_scale, int64_t drop_b0,
+    int64_t drop_h0, int64_t drop_heads) {
   c10::cuda::CUDAGuard guard(q.device());
   FwdParams p;
   fill_common(p, q, k, v, std::nullopt, std::nullopt, softmax_scale, is_causal, softcap,
               /*paged=*/false, /*aux=*/false);
   fill_packed(p, std::nullopt, std::nullopt, std::nullopt, 0, 0);
   fill_intervals(p, bias, bounds);
+  fill_dropout(p, q, drop_rng, drop_threshold, drop_scale, drop_b0, drop_h0, drop_heads);
   const int64_t n_tiles = (p.Lq + flash_dmattn::fwd_block_m() - 1) / flash_dmattn::fwd_block_m();
   check_list(tile_start, "tile_start");
   check_list(tile_len, "tile_len");
@@ -435,7 +472,9 @@ std::vector<at::Tensor> bwd_intervals(const at::Tensor& dout, const at::Tensor& 
                                       const at::Tensor& blk_qlo, const at::Tensor& blk_qhi,
                                       int64_t blocks_per_row, int64_t segment_rows,
                                       double softmax_scale, bool is_causal, double softcap,
-                                      bool need_dq, bool need_dkv, bool need_dbias) {
+                                      bool need_dq, bool need_dkv, bool need_dbias,
+    const OptT& drop_rng, int64_t drop_threshold, double drop_scale, int64_t drop_b0,
+    int64_t drop_h0, int64_t drop_heads) {
   c10::cuda::CUDAGuard guard(q.device());
   BwdParams p;
   fill_common(p, q, k, v, std::nullopt, std::nullopt, softmax_scale, is_causal, softcap,
@@ -443,6 +482,7 @@ std::vector<at::Tensor> bwd_intervals(const at::Tensor& dout, const at::Tensor& 
   fill_packed(p, std::nullopt, std::nullopt, std::nullopt, 0, 0);
   fill_intervals(p, bias, bounds);
   TORCH_CHECK(p.iv.row_heads == p.Hkv, "key-interval bounds of the backward must be per kv head");
+  fill_dropout(p, q, drop_rng, drop_threshold, drop_scale, drop_b0, drop_h0, drop_heads);
   check_qkv(dout, "dout");
   check_qkv(out, "out");
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "dout/out shape");
@@ -513,10 +553,13 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
                             const OptT& gather_idx, const OptT& gather_cnt, int64_t gather_hdiv,
                             const OptT& gather_bits, int64_t gather_bits_hdiv,
                             const OptT& gather_bias, int64_t gather_bias_hdiv,
-                            const OptT& key_bits, int64_t key_bits_hdiv) {
+                            const OptT& key_bits, int64_t key_bits_hdiv,
+    const OptT& drop_rng, int64_t drop_threshold, double drop_scale, int64_t drop_b0,
+    int64_t drop_h0, int64_t drop_heads) {
   c10::cuda::CUDAGuard guard(q.device());
   BwdParams p;
   fill_common(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap);
+  fill_dropout(p, q, drop_rng, drop_threshold, drop_scale, drop_b0, drop_h0, drop_heads);
   check_qkv(dout, "dout");
   check_qkv(out, "out");
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "dout/out shape");
@@ -571,6 +614,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     TORCH_CHECK(gather_cnt.has_value(), "gathered dQ needs the lists' idx and cnt");
     TORCH_CHECK(dbias_mode != 1 && !packed,
                 "gathered dQ takes per-key biases of dense batches only");
+    TORCH_CHECK(p.drop.rng == nullptr, "the gathered dQ kernel has no dropout");
     fill_gather(p, *gather_idx, *gather_cnt, gather_hdiv, gather_bits, gather_bits_hdiv,
                 gather_bias, gather_bias_hdiv);
   }
@@ -718,6 +762,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bwd", &bwd, "attention backward -> [dq, dk, dv, dbias]");
   m.def("intervals", &intervals_built,
         "whether fwd_intervals / bwd_intervals (key-interval masks) are built in");
+  m.def("dropout", &dropout_built,
+        "whether this module's kernels take dropout (the drop_* arguments)");
   m.def("fwd_intervals", &fwd_intervals, "attention forward over key-interval lists -> [out, lse]");
   m.def("bwd_intervals", &bwd_intervals,
         "attention backward over key-interval key blocks -> [dq, dk fp32, dv fp32, dbias fp32]");

@@ -107,6 +107,21 @@ struct Bcast {
   bool vec = false;
 };
 
+// Attention dropout (flash_dmattn/dropout.py; device side in dropout.cuh): probabilities are
+// kept iff their random byte reaches `threshold` and kept ones scaled by `scale`. The random
+// stream is keyed by the call's int64 rng tensor, read on the device: (seed, offset) and, with
+// rng_batch, the batch index of the call's first row. A kernel's batch b and head h draw
+// counter word (b + b0 [+ rng[2]]) * heads + h + h0: a call on a slice of the batch and heads
+// (the per-chunk backward of a shared bias) names where its slice starts. rng nullptr: none.
+struct Dropout {
+  const int64_t* rng = nullptr;
+  bool rng_batch = false;
+  uint32_t threshold = 0;  // round(256 p), in [0, 256]
+  float scale = 1.f;       // 1 / (1 - p)
+  int64_t b0 = 0;
+  int h0 = 0, heads = 0;
+};
+
 struct FwdParams {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -148,6 +163,7 @@ struct FwdParams {
   // are unused.
   bool intervals = false;
   KeyIntervalLists iv;
+  Dropout drop;
 };
 
 struct BwdParams : FwdParams {
