@@ -19,7 +19,7 @@ from flash_dmattn.backends.cuda import kernels
 from flash_dmattn.backends.cuda.backend import CudaBackend
 from flash_dmattn.dropout import keep_mask
 
-from interpreter_only import skip_unless_available
+from interpreter_only import planner_device, skip_unless_available
 from naive import assert_close
 from test_dropout import check_against_dense, dense_dropout_attention
 
@@ -92,6 +92,7 @@ class DropoutStandIn:
 
     def _keep(self, drop, B, H, Lq, Lk):
         rng, threshold, scale, b0, h0, heads = drop
+        rng = rng.cpu()
         self.drops.append((threshold, scale, b0, h0, heads))
         assert scale == pytest.approx(1.0 / (1.0 - threshold / 256), rel=0.02)
         heads = heads or H
@@ -107,9 +108,10 @@ class DropoutStandIn:
         assert drop[0] is not None
         B, Lq, H, _ = q.shape
         keep, p = self._keep(drop, B, H, Lq, k.shape[1])
-        out = dense_dropout_attention(q, k, v, keep, p, mask=mask, bias=bias, scale=scale,
+        out = dense_dropout_attention(q.cpu(), k.cpu(), v.cpu(), keep, p, mask=mask, scale=scale,
+                                      bias=None if bias is None else bias.cpu(),
                                       causal=causal, softcap=softcap)
-        return out.to(q.dtype).contiguous(), torch.zeros(B, H, Lq)
+        return out.to(q.device, q.dtype).contiguous(), q.new_zeros(B, H, Lq, dtype=torch.float32)
 
     def bwd(self, dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, need_dq,
             need_dkv, mode, *rest):
@@ -117,14 +119,14 @@ class DropoutStandIn:
         B, Lq, H, _ = q.shape
         Lk = k.shape[1]
         keep, p = self._keep(drop, B, H, Lq, Lk)
-        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        full = bias.detach().double().expand(B, H, Lq, Lk).clone().requires_grad_()
+        leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+        full = bias.detach().cpu().double().expand(B, H, Lq, Lk).clone().requires_grad_()
         with torch.enable_grad():
             ref = dense_dropout_attention(*leaves, keep, p, mask=mask, bias=full, scale=scale,
                                           causal=causal, softcap=softcap)
-            grads = torch.autograd.grad(ref, leaves + [full], dout.double())
+            grads = torch.autograd.grad(ref, leaves + [full], dout.cpu().double())
         assert mode == kernels.DBIAS_FULL
-        return (*(g.to(q.dtype) for g in grads[:3]), grads[3].to(q.dtype))
+        return tuple(g.to(q.device, q.dtype) for g in grads)
 
 
 def test_chunked_backward_draws_the_whole_calls_mask(monkeypatch):
@@ -137,28 +139,31 @@ def test_chunked_backward_draws_the_whole_calls_mask(monkeypatch):
     # One (batch, kv head) pair a chunk: four chunks.
     monkeypatch.setattr(kernels, "SHARED_DBIAS_CHUNK_BYTES", (H // Hkv) * Lq * Lk * 6)
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(B, Lq, H, D, generator=g).to(torch.float16)
-    k = torch.randn(B, Lk, Hkv, D, generator=g).to(torch.float16)
-    v = torch.randn(B, Lk, Hkv, D, generator=g).to(torch.float16)
-    bias = torch.randn(1, 1, Lq, Lk, generator=g).to(torch.float16)
-    rng = testing.dropout_rng("cpu")
+    # Causal calls are planned by the planner's kernels: compiled on a GPU machine,
+    # interpreted on CPU tensors elsewhere.
+    dev = planner_device()
+    q = torch.randn(B, Lq, H, D, generator=g).to(dev, torch.float16)
+    k = torch.randn(B, Lk, Hkv, D, generator=g).to(dev, torch.float16)
+    v = torch.randn(B, Lk, Hkv, D, generator=g).to(dev, torch.float16)
+    bias = torch.randn(1, 1, Lq, Lk, generator=g).to(dev, torch.float16)
+    rng = testing.dropout_rng(dev)
     out, lse = kernels.cuda_forward(q, k, v, None, bias, D ** -0.5, True, 0.0, dropout_p=p,
                                     dropout_rng=rng)
-    dout = torch.randn(B, Lq, H, D, generator=g).to(torch.float16)
+    dout = torch.randn(B, Lq, H, D, generator=g).to(dev, torch.float16)
     grads = kernels.cuda_backward(dout, q, k, v, None, bias, out, lse, D ** -0.5, True, 0.0,
                                   False, (True, True, True, True), dropout_p=p, dropout_rng=rng)
     # Forward: the whole call; backward: chunks at batches 0, 1 and query heads 0, 2 of 4.
     assert module.drops[0][2:] == (0, 0, 0)
     assert sorted(d[2:] for d in module.drops[1:]) == [(0, 0, 4), (0, 2, 4), (1, 0, 4),
                                                        (1, 2, 4)]
-    keep = testing.dropout_mask(rng, B, H, Lq, Lk, p)
-    ref_in = [t.double().requires_grad_() for t in (q, k, v, bias)]
+    keep = testing.dropout_mask(rng, B, H, Lq, Lk, p).cpu()
+    ref_in = [t.cpu().double().requires_grad_() for t in (q, k, v, bias)]
     ref = dense_dropout_attention(*ref_in[:3], keep, p, bias=ref_in[3], scale=D ** -0.5,
                                   causal=True)
-    assert_close("out", out, ref.detach(), 4e-3)
-    want = torch.autograd.grad(ref, ref_in, dout.double())
+    assert_close("out", out.cpu(), ref.detach(), 4e-3)
+    want = torch.autograd.grad(ref, ref_in, dout.cpu().double())
     for name, a, b in zip(("dq", "dk", "dv", "dbias"), grads, want):
-        assert_close(name, a, b, 4e-3)
+        assert_close(name, a.cpu(), b, 4e-3)
 
 
 def test_decode_shaped_call_with_dropout_runs_the_dense_kernel(monkeypatch):
