@@ -821,8 +821,10 @@ static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
     cudaError_t err = run_dq_gathered_sm90(p, stream);
     if (err != cudaSuccess) return err;
   } else if ((p.need_dq && !fused_dq) || p.dbias_full != nullptr) {
-    auto kernel = p.drop.rng != nullptr ? &dq_kernel_sm90<kSoftcap, true>
-                                        : &dq_kernel_sm90<kSoftcap, false>;
+    auto kernel = &dq_kernel_sm90<kSoftcap, false>;
+    if constexpr (FLASH_DMATTN_DROPOUT) {
+      if (p.drop.rng != nullptr) kernel = &dq_kernel_sm90<kSoftcap, true>;
+    }
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kQSmem);
     if (err != cudaSuccess) return err;
@@ -831,8 +833,10 @@ static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   }
   if (p.intervals) {
     // Key blocks x query segments; dQ is always fused (the host allocates the accumulator).
-    auto kernel = p.drop.rng != nullptr ? &dkdv_kernel_sm90<kSoftcap, true, true>
-                                        : &dkdv_kernel_sm90<kSoftcap, true, false>;
+    auto kernel = &dkdv_kernel_sm90<kSoftcap, true, false>;
+    if constexpr (FLASH_DMATTN_DROPOUT) {
+      if (p.drop.rng != nullptr) kernel = &dkdv_kernel_sm90<kSoftcap, true, true>;
+    }
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kKvSmem);
     if (err != cudaSuccess) return err;
@@ -841,8 +845,10 @@ static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
       kernel<<<dim3(p.iv.n_blocks, segments), Cfg::kKvThreads, Cfg::kKvSmem, stream>>>(p);
     }
   } else if (p.need_dkv || p.dbias_keys != nullptr || fused_dq) {
-    auto kernel = p.drop.rng != nullptr ? &dkdv_kernel_sm90<kSoftcap, false, true>
-                                        : &dkdv_kernel_sm90<kSoftcap, false, false>;
+    auto kernel = &dkdv_kernel_sm90<kSoftcap, false, false>;
+    if constexpr (FLASH_DMATTN_DROPOUT) {
+      if (p.drop.rng != nullptr) kernel = &dkdv_kernel_sm90<kSoftcap, false, true>;
+    }
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kKvSmem);
     if (err != cudaSuccess) return err;

@@ -24,8 +24,8 @@
 // fwd, fwd_gathered, bwd, fwd_intervals and bwd_intervals end with the attention dropout
 // (see Dropout in params.h): drop_rng (the call's int64 (seed, offset[, batch]) tensor, or
 // None: no dropout), drop_threshold, drop_scale, drop_b0, drop_h0, drop_heads (0: H). Only
-// sm_90 kernels have it (dropout_built() says whether this module's do); the gathered dQ
-// kernel has none.
+// the sm_90 kernels of dense-batch modules with head dim <= 128 have it (dropout() says
+// whether this module's do); the gathered dQ kernel has none.
 // Packed sequences (cu_seqlens_q / cu_seqlens_k given): q / k / v are the packed
 // (total, heads, D) tensors viewed as batch 1, a mask / bias is per key (1, Hm, 1, width)
 // with sequence b's keys from cu_aux[b] (or cu_seqlens_k[b] without cu_aux), lse is
@@ -182,14 +182,14 @@ bool finished_without_keys(const FwdParams& p, at::Tensor& out, at::Tensor& lse)
   return true;
 }
 
-bool dropout_built() { return FLASH_DMATTN_SM90 && FLASH_DMATTN_SM90_BWD; }
+bool dropout_built() { return FLASH_DMATTN_DROPOUT; }
 
 // The call's dropout (see Dropout in params.h and the list above).
 void fill_dropout(FwdParams& p, const at::Tensor& q, const OptT& rng, int64_t threshold, double scale, int64_t b0,
                   int64_t h0, int64_t heads) {
   if (!rng.has_value()) return;
-  TORCH_CHECK(dropout_built(), "this kernel module has no dropout (it needs sm_90 and head dim "
-              "<= 128)");
+  TORCH_CHECK(dropout_built(), "this kernel module has no dropout (it needs sm_90, dense batches "
+              "and head dim <= 128)");
   const at::Tensor& r = *rng;
   TORCH_CHECK(r.is_cuda() && r.device() == q.device() && r.scalar_type() == at::kLong &&
                   r.dim() == 1 && (r.numel() == 2 || r.numel() == 3) && r.is_contiguous(),

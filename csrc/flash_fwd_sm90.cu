@@ -813,8 +813,10 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
 template <bool kSoftcap, bool kGather, bool kIntervals = false>
 static cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   using Cfg = Sm90FwdConfig<kHeadDimBucket>;
-  auto kernel = p.drop.rng != nullptr ? &fwd_kernel_sm90<kSoftcap, kGather, kIntervals, true>
-                                      : &fwd_kernel_sm90<kSoftcap, kGather, kIntervals, false>;
+  auto kernel = &fwd_kernel_sm90<kSoftcap, kGather, kIntervals, false>;
+  if constexpr (FLASH_DMATTN_DROPOUT) {
+    if (p.drop.rng != nullptr) kernel = &fwd_kernel_sm90<kSoftcap, kGather, kIntervals, true>;
+  }
   const int smem = Cfg::aux_layout(p).smem;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

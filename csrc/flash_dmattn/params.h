@@ -35,6 +35,9 @@
 // share a thread's registers); larger head dims run the sm80 backward on Hopper too.
 #define FLASH_DMATTN_SM90_BWD \
   (FLASH_DMATTN_SM90 && FLASH_DMATTN_HEADDIM <= 128)
+// Attention dropout (Dropout below): built into the sm_90 forward and backward of dense-batch
+// modules whose backward is sm_90 too; other modules compile no dropout kernels.
+#define FLASH_DMATTN_DROPOUT (FLASH_DMATTN_SM90_BWD && !FLASH_DMATTN_PACKED)
 
 namespace flash_dmattn {
 
