@@ -535,6 +535,7 @@ int bwd_block_m() { return BwdConfig<kHeadDimBucket>::kBlockM; }
 int bwd_block_n() { return BwdConfig<kHeadDimBucket>::kBlockN; }
 bool bwd_fused_dq() { return false; }  // the sm80 backward always runs its own dQ kernel
 bool bwd_gathers() { return false; }
+int bwd_gather_block_m() { return 0; }  // no gathered dQ kernel: bwd_gathers() is false
 bool bwd_key_bits() { return false; }  // the sm80 dK/dV kernel reads the mask tile itself
 
 #else  // FLASH_DMATTN_SM90_BWD
@@ -545,12 +546,17 @@ int bwd_sm90_block_m();
 int bwd_sm90_block_n();
 bool bwd_sm90_fused_dq();
 bool bwd_sm90_gathers();
+int dq_gathered_block_m();  // flash_dq_gathered_sm90.cu
 cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream) { return run_bwd_sm90(p, stream); }
 int bwd_block_m() { return bwd_sm90_block_m(); }
 int bwd_block_n() { return bwd_sm90_block_n(); }
 bool bwd_fused_dq() { return bwd_sm90_fused_dq(); }
 bool bwd_gathers() { return bwd_sm90_gathers(); }
+// The gathered dQ kernel's query tile: the gathered forward's, whose lists it walks.
+int bwd_gather_block_m() { return dq_gathered_block_m(); }
 bool bwd_key_bits() { return kHasMask && !kPacked; }
 #endif  // FLASH_DMATTN_SM90_BWD
+// Attention dropout: the sm_90 kernels of dense-batch modules (the gathered dQ kernel has none).
+bool bwd_dropout() { return FLASH_DMATTN_DROPOUT; }
 
 }  // namespace flash_dmattn

@@ -217,13 +217,19 @@ int fwd_block_m() { return fwd_sm90_block_m(); }
 int fwd_block_n() { return fwd_sm90_block_n(); }
 // Gathered key lists: the sm_90 forward of a dense module with a mask.
 bool fwd_gathers() { return kHasMask && !kPacked; }
+// Key-interval masks: the gathered forward where the spec's backward has them too (the wgmma
+// backward, head dims up to 128), so that every call the forward takes can be trained.
+bool fwd_intervals() { return fwd_gathers() && FLASH_DMATTN_SM90_BWD; }
 #else
 bool fwd_gathers() { return false; }
+bool fwd_intervals() { return false; }
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream) {
   return p.softcap > 0.f ? launch_fwd<true>(p, stream) : launch_fwd<false>(p, stream);
 }
 int fwd_block_m() { return FwdConfig<kHeadDimBucket>::kBlockM; }
 int fwd_block_n() { return FwdConfig<kHeadDimBucket>::kBlockN; }
 #endif
+// Attention dropout: the sm_90 kernels of dense-batch modules whose backward is sm_90 too.
+bool fwd_dropout() { return FLASH_DMATTN_DROPOUT; }
 
 }  // namespace flash_dmattn

@@ -41,6 +41,7 @@ def info() -> int:
     print(f"{'backend':<{widths[0]}}  {'available':<{widths[1]}}  {'version':<{widths[2]}}  reason")
     for name, ok, version, reason in rows:
         print(f"{name:<{widths[0]}}  {ok:<{widths[1]}}  {version:<{widths[2]}}  {reason}")
+    _cache_lines()
     if not torch.cuda.is_available():
         print(
             "note: without a GPU, calls run on torch-reference (chunked plain PyTorch; flex on "
@@ -49,6 +50,23 @@ def info() -> int:
             "auto-dispatch passes over it."
         )
     return 0
+
+
+def _cache_lines() -> None:
+    """The cuda kernel modules this version has built (one per operation of a spec), by arch
+    and spec; nothing when none are (their sources may since have changed: a call then builds
+    its module again)."""
+    from .backends.cuda import jit
+
+    entries = jit.cached_entries()
+    if not entries:
+        return
+    print(f"cuda kernel cache {jit.cache_root()}: {len(entries)} modules built")
+    by_spec = {}
+    for entry in entries:
+        by_spec.setdefault((entry["arch"], entry["spec"]), []).append(entry["op"])
+    for (arch, spec), ops in by_spec.items():
+        print(f"  {arch} {spec}: {' '.join(ops)}")
 
 
 _DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
@@ -376,32 +394,64 @@ def demo(seqlen: int = 0, repeats: int = 0) -> int:
     return 0
 
 
-def build(specs, build_all: bool = False, list_only: bool = False) -> int:
-    """Prebuild CUDA kernel specialisations into the on-disk cache (``--all`` or named specs).
-
-    ``--list`` prints the specs (those named, else every one ``--all`` means) and builds
-    nothing. Exit status: 0 done, 1 a build failed, 2 bad arguments or the cuda backend is
-    unavailable here (the reason is printed, no traceback).
-    """
-    from . import registry
+def build_targets(specs, build_all: bool = False, ops=None):
+    """``[(KernelSpec, op), ...]`` that ``build`` means: each spec named (``SPEC`` or
+    ``SPEC:OP[,OP]``), else every spec with ``build_all``, each with the operations its name
+    gives, else ``ops``, else every operation (fwd, bwd, decode). ``ValueError`` says what is
+    wrong."""
     from .backends.cuda import jit
     from .backends.cuda.spec import KernelSpec, all_specs
+
+    default_ops = tuple(jit.check_op(op) for op in ops) if ops else jit.OPS
+    named = []
+    for text in specs:
+        name, sep, op_list = text.partition(":")
+        spec_ops = tuple(jit.check_op(op.strip()) for op in op_list.split(",")) if sep else None
+        named.append((KernelSpec.parse(name), spec_ops or default_ops))
+    if not specs and build_all:
+        named = [(spec, default_ops) for spec in all_specs()]
+    targets = []
+    for spec, spec_ops in named:
+        for op in jit.OPS:  # in the operations' order, each once
+            if op in spec_ops and (spec, op) not in targets:
+                targets.append((spec, op))
+    return targets
+
+
+def build(specs, build_all: bool = False, list_only: bool = False, ops=None,
+          jobs: int = 0) -> int:
+    """Prebuild CUDA kernel modules into the on-disk cache (``--all`` or named specs), one per
+    operation of a spec: every operation, or those ``SPEC:OP[,OP]`` or ``--op`` select.
+
+    ``--list`` prints the specs (those named, else every one ``--all`` means), each with the
+    operations selected when not all are, and builds nothing. ``jobs`` modules build side by
+    side (default: one per operation), each with ``$MAX_JOBS`` compiles. Exit status: 0 done,
+    1 a build failed, 2 bad arguments or the cuda backend is unavailable here (the reason is
+    printed, no traceback).
+    """
+    import concurrent.futures
+
+    from . import registry
+    from .backends.cuda import jit
 
     if build_all and specs:
         print("flash_dmattn build: give --all or spec names, not both", file=sys.stderr)
         return 2
     try:
-        targets = [KernelSpec.parse(s) for s in specs] if specs else all_specs()
+        targets = build_targets(specs, True, ops)
     except ValueError as exc:
         print(f"flash_dmattn build: {exc}", file=sys.stderr)
         return 2
     if list_only:
-        for spec in targets:
-            print(spec.name)
+        by_spec = {}
+        for spec, op in targets:
+            by_spec.setdefault(spec, []).append(op)
+        for spec, spec_ops in by_spec.items():
+            print(spec.name if tuple(spec_ops) == jit.OPS else f"{spec.name}:{','.join(spec_ops)}")
         return 0
     if not (build_all or specs):
-        print("flash_dmattn build: name specs (e.g. d128-bf16-mask-bias), --all or --list",
-              file=sys.stderr)
+        print("flash_dmattn build: name specs (e.g. d128-bf16-mask-bias or "
+              "d128-bf16-mask-bias:fwd), --all or --list", file=sys.stderr)
         return 2
     reason = registry._BACKENDS["cuda"].unavailable_reason()
     if reason is not None:
@@ -415,24 +465,33 @@ def build(specs, build_all: bool = False, list_only: bool = False) -> int:
     from .backends.cuda import toolchain
 
     tc = toolchain.detect()
-    failures = 0
-    for spec in targets:
-        cached = jit.is_built(spec, tc)
+
+    def build_one(target):
+        spec, op = target
+        cached = jit.is_built(spec, op, tc)
         start = time.perf_counter()
-        try:
-            jit.load_kernel(spec, tc)
-        except Exception as exc:  # report every spec's failure, then exit 1
-            failures += 1
-            print(f"{spec.name}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
-            continue
-        took = "already built" if cached else f"built in {time.perf_counter() - start:.1f} s"
-        print(f"{spec.name}: {took}")
-    print(f"{len(targets) - failures}/{len(targets)} specialisations ready for {tc.arch} "
+        jit.load_kernel(spec, op, tc)
+        return "already built" if cached else f"built in {time.perf_counter() - start:.1f} s"
+
+    failures = 0
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs or len(jit.OPS))) as pool:
+        futures = [(target, pool.submit(build_one, target)) for target in targets]
+        for (spec, op), future in futures:
+            try:
+                took = future.result()
+            except Exception as exc:  # report every module's failure, then exit 1
+                failures += 1
+                print(f"{spec.name} {op}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+                continue
+            print(f"{spec.name} {op}: {took}", flush=True)
+    print(f"{len(targets) - failures}/{len(targets)} kernel modules ready for {tc.arch} "
           f"in {jit.cache_root()}")
     return 1 if failures else 0
 
 
 def main(argv=None) -> int:
+    from .backends.cuda.jit import OPS
+
     parser = argparse.ArgumentParser(prog="python -m flash_dmattn")
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="list backends, availability and the device; "
@@ -465,15 +524,24 @@ def main(argv=None) -> int:
     p_demo = sub.add_parser("demo", help="run every available backend on a small problem")
     p_demo.add_argument("--seqlen", type=int, default=0)
     p_demo.add_argument("--repeats", type=int, default=0)
-    p_build = sub.add_parser("build", help="prebuild cuda kernel specialisations")
-    p_build.add_argument("specs", nargs="*", metavar="SPEC", help="e.g. d128-bf16-mask-bias")
+    p_build = sub.add_parser("build", help="prebuild cuda kernel modules (one per operation "
+                                           "of a specialisation)")
+    p_build.add_argument("specs", nargs="*", metavar="SPEC[:OP,...]",
+                         help="e.g. d128-bf16-mask-bias (every operation) or "
+                              "d128-bf16-mask-bias:fwd")
     p_build.add_argument("--all", action="store_true", help="every specialisation")
+    p_build.add_argument("--op", action="append", choices=OPS,
+                         help="only this operation of specs named without one (repeatable; "
+                              "default: fwd, bwd and decode)")
+    p_build.add_argument("--jobs", type=int, default=0,
+                         help="modules built side by side (default 3; each runs $MAX_JOBS "
+                              "compiles)")
     p_build.add_argument("--list", action="store_true", help="print the specs, build nothing")
     args = parser.parse_args(argv)
     if args.command == "info":
         return explain(args) if (args.explain or args.rules) else info()
     if args.command == "build":
-        return build(args.specs, args.all, args.list)
+        return build(args.specs, args.all, args.list, args.op, args.jobs)
     return demo(args.seqlen, args.repeats)
 
 

@@ -108,6 +108,13 @@ def cuda_extra_flags() -> List[str]:
     return (_env(CUDA_FLAGS) or "").split()
 
 
+def dispatch_environment() -> tuple:
+    """The raw values (None where unset) of the variables auto-dispatch's decision reads
+    besides ``FLASH_DMATTN_BACKEND``: ``FLASH_DMATTN_DISABLE``, ``FLASH_DMATTN_CUDA_AUTO`` and
+    ``TRITON_INTERPRET`` (part of the key its memo keeps decisions by)."""
+    return _env(DISABLE), _env(CUDA_AUTO), _env("TRITON_INTERPRET")
+
+
 def interpret_mode() -> bool:
     """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
     raw = _env("TRITON_INTERPRET")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
@@ -48,14 +49,32 @@ def simulated_capability(capability: Tuple[int, int]) -> Iterator[None]:
         _simulated.reset(token)
 
 
+def simulated() -> Optional[Tuple[int, int]]:
+    """The capability :func:`simulated_capability` makes every CUDA device answer now (None:
+    the real one)."""
+    return _simulated.get()
+
+
 def device_capability(device: torch.device) -> Optional[Tuple[int, int]]:
-    """``(major, minor)`` of a CUDA ``device`` (or the simulated one), None for other devices."""
+    """``(major, minor)`` of a CUDA ``device`` (or the simulated one), None for other devices.
+    A device with an index is asked once (:func:`_capability_of`); one without (the current
+    device, which may change) every time."""
     if device.type != "cuda":
         return None
     simulated = _simulated.get()
     if simulated is not None:
         return simulated
-    return tuple(torch.cuda.get_device_capability(device))
+    if device.index is None:
+        return tuple(torch.cuda.get_device_capability(device))
+    return _capability_of(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(index: int) -> Tuple[int, int]:
+    """The compute capability of CUDA device ``index``, asked once: it is fixed for the
+    process, and the query (the device's properties) costs microseconds where dispatch and
+    the backends' checks ask it."""
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 def cuda_auto_everywhere() -> bool:

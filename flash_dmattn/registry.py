@@ -12,6 +12,9 @@ still run when no preferred one can. When none can, one ``RuntimeError`` lists e
 backend's reasons. An explicitly requested backend never falls back: it raises
 ``ValueError`` with its own reasons. :func:`explain` says, for one call, what auto takes and
 why each other backend was not taken (``python -m flash_dmattn info --explain``).
+
+Auto-dispatch makes that decision once per call signature and keeps it in :data:`DISPATCH_MEMO`
+(:class:`DispatchMemo`): a decoding loop asks the same question for every layer of every token.
 """
 from __future__ import annotations
 
@@ -107,17 +110,20 @@ def call_key(inputs: Inputs) -> tuple:
 def remember_decline(name: str, inputs: Inputs, reason: str) -> None:
     """Backend ``name`` failed to run a call like ``inputs`` (``reason``): decline such calls."""
     _runtime_declines[(name, call_key(inputs))] = reason
+    DISPATCH_MEMO.clear()  # decisions made before the decline may name this backend
 
 
 def forget_declines() -> None:
     """Forget every remembered run-time decline (tests; after upgrading a compiler)."""
     _runtime_declines.clear()
+    DISPATCH_MEMO.clear()
 
 
 def register_backend(backend: Backend) -> Backend:
     if backend.name not in PRIORITY:
         raise ValueError(f"unknown backend name {backend.name!r}; expected one of {PRIORITY}")
     _BACKENDS[backend.name] = backend
+    DISPATCH_MEMO.clear()
     return backend
 
 
@@ -196,10 +202,20 @@ def check_explicit(backend: Backend, inputs: Inputs) -> Backend:
 
 
 def select_backend(inputs: Inputs) -> Backend:
-    """The backend auto-dispatch runs for ``inputs`` (docs/contract.md §6, :mod:`flash_dmattn.policy`)."""
+    """The backend auto-dispatch runs for ``inputs`` (docs/contract.md §6, :mod:`flash_dmattn.policy`).
+
+    The first call of a signature (:func:`dispatch_signature`) ranks the backends, asks each
+    in turn why it cannot run the call, logs the choice and warns about a slow fallback; the
+    choice is kept in :data:`DISPATCH_MEMO`, which answers later calls of the signature."""
     forced = forced_name()
     if forced is not None:
         return check_explicit(get_backend(forced), inputs)
+    compiling = torch.compiler.is_compiling()  # traced once per graph: no memo to guard on
+    key = None if compiling else dispatch_signature(inputs)
+    if key is not None:
+        backend = DISPATCH_MEMO.get(key)
+        if backend is not None:
+            return backend
     ranking = policy.rank(inputs)
     declined: List[Tuple[str, List[str]]] = []
     for name in ranking.order:
@@ -207,11 +223,96 @@ def select_backend(inputs: Inputs) -> Backend:
         if reasons:
             declined.append((name, reasons))
             continue
-        return _chosen(_BACKENDS[name], inputs, ranking)
+        backend = _BACKENDS[name]
+        if not compiling:
+            _note_choice(backend, inputs, ranking)
+            if key is not None:
+                DISPATCH_MEMO.put(key, backend)
+        return backend
     raise RuntimeError(
         f"no flash_dmattn backend can run these inputs ({inputs.describe()}):\n"
         + _format_declines(declined)
     )
+
+
+def dispatch_signature(inputs: Inputs) -> Optional[tuple]:
+    """What auto-dispatch's decision for ``inputs`` depends on, as a hashable key (None: a
+    call whose decision is not memoised, i.e. packed sequences, whose reasons read more of
+    the call).
+
+    The decision reads the call's :class:`~flash_dmattn.policy.CallFeatures`, each backend's
+    availability and ``not_supported_reasons``, and the configuration. The key holds every
+    property of the call those read: device, dtype, the shapes of query and key (value's
+    equals key's), of the mask (and its dtype) and bias (dtype, whether it requires grad), of
+    key intervals and their window, of the page table, whether there is a KV cache, the
+    flags (causal, softcap, deterministic, attention probs, dropout), whether autograd will
+    ask for a gradient, and a simulated compute capability; and the configuration:
+    ``FLASH_DMATTN_DISABLE``, ``FLASH_DMATTN_CUDA_AUTO`` and ``TRITON_INTERPRET`` as set now.
+    Strides and values are not in it: no backend's answer reads them."""
+    if type(inputs) is not AttentionInputs:
+        return None
+    q, k = inputs.query, inputs.key
+    mask, bias = inputs.attn_mask, inputs.attn_bias
+    intervals, table = inputs.key_intervals, inputs.block_table
+    grad_mode = torch.is_grad_enabled()
+    return (
+        inputs.device, q.dtype, q.shape, k.shape,
+        None if mask is None else (mask.shape, mask.dtype),
+        None if bias is None else (bias.shape, bias.dtype, bias.requires_grad),
+        None if intervals is None else (intervals.shape, inputs.key_window),
+        None if table is None else (table.shape, table.dtype),
+        inputs.cache_seqlens is not None, inputs.is_causal, inputs.softcap,
+        inputs.deterministic, inputs.return_attn_probs, inputs.dropout_p, grad_mode,
+        grad_mode and (q.requires_grad or k.requires_grad or inputs.value.requires_grad),
+        policy.simulated(), envs.dispatch_environment(),
+    )
+
+
+class DispatchMemo:
+    """Auto-dispatch's decisions, by :func:`dispatch_signature`.
+
+    A decision is a function of the signature as long as each backend's availability and
+    ``not_supported_reasons`` are functions of it (they read shapes, dtypes and flags, never
+    tensor values or strides). What the key cannot see empties the memo: a backend
+    registered (:func:`register_backend`), a run-time decline remembered or forgotten
+    (:func:`remember_decline`, :func:`forget_declines`), the dispatch notes reset
+    (:func:`reset_dispatch_notes`: the memo's answers are not logged again). Code that
+    changes a backend's answers in place (tests with fake backends) calls :meth:`clear`.
+
+    Lifetime: the process, at most :attr:`MAX_ENTRIES` signatures; a decoding loop adds one
+    per generated token (its key length grows), so the oldest are dropped first.
+    """
+
+    MAX_ENTRIES = 512
+
+    def __init__(self) -> None:
+        self._chosen: Dict[tuple, Backend] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple) -> Optional[Backend]:
+        backend = self._chosen.get(key)
+        if backend is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return backend
+
+    def put(self, key: tuple, backend: Backend) -> None:
+        chosen = self._chosen
+        if len(chosen) >= self.MAX_ENTRIES:
+            del chosen[next(iter(chosen))]  # the oldest (dicts keep insertion order)
+        chosen[key] = backend
+
+    def clear(self) -> None:
+        self._chosen.clear()
+
+    def __len__(self) -> int:
+        return len(self._chosen)
+
+
+#: The memo :func:`select_backend` keeps its decisions in.
+DISPATCH_MEMO = DispatchMemo()
 
 
 def run_auto(inputs: Inputs):
@@ -314,12 +415,6 @@ def explain(inputs: Inputs, assume_available: bool = False) -> Explanation:
     return Explanation(ranking, taken, rows)
 
 
-def _chosen(backend: Backend, inputs: Inputs, ranking) -> Backend:
-    if not torch.compiler.is_compiling():
-        _note_choice(backend, inputs, ranking)
-    return backend
-
-
 def _format_declines(declined: Iterable[Tuple[str, List[str]]]) -> str:
     return "\n".join(f"  {name}: {'; '.join(reasons)}" for name, reasons in declined)
 
@@ -354,6 +449,8 @@ def _note_choice(backend: Backend, inputs: Inputs, ranking) -> None:
 
 
 def reset_dispatch_notes() -> None:
-    """Forget which choices were logged / warned (tests use this)."""
+    """Forget which choices were logged / warned, and the memoised decisions (their answers
+    are not logged again); tests use this."""
     _logged_choices.clear()
     _warned_fallbacks.clear()
+    DISPATCH_MEMO.clear()

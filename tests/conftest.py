@@ -18,9 +18,10 @@ import tiers  # noqa: E402
 def pytest_addoption(parser):
     parser.addoption(
         "--record-cuda-specs", metavar="FILE", default=None,
-        help="do not build or run cuda kernels: append the name of every kernel specialisation "
-             "a test asks for to FILE and skip the test there (a device run builds the list "
-             "side by side, then runs the tests; tools/gpu_cuda_suite.sh)")
+        help="do not build or run cuda kernels: append every kernel module a test asks for "
+             "to FILE as SPEC:OP (what python -m flash_dmattn build takes) and skip the test "
+             "there (a device run builds the list side by side, then runs the tests; "
+             "tools/gpu_cuda_suite.sh)")
 
 
 @pytest.fixture(autouse=True)
@@ -29,10 +30,10 @@ def _record_cuda_specs(request, monkeypatch):
     if path:
         from flash_dmattn.backends.cuda import jit
 
-        def record(spec, *args, **kwargs):
+        def record(spec, op, *args, **kwargs):
             with open(path, "a") as f:
-                f.write(spec.name + "\n")
-            pytest.skip(f"recorded {spec.name}")
+                f.write(f"{spec.name}:{op}\n")
+            pytest.skip(f"recorded {spec.name}:{op}")
 
         monkeypatch.setattr(jit, "load_kernel", record)
     yield

@@ -33,6 +33,7 @@ KERNELS = {
     "intervals": ("ifwd", "idq", "idkv"),
     "selection": ("sscore", "sprep", "spart", "squery"),
     "decode-selected": ("ssplit", "dcomb"),
+    "planner": ("lranges", "lscan", "lcoarse", "lfill", "litems", "lblocks"),
 }
 
 

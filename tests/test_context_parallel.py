@@ -103,7 +103,8 @@ def _run_case(spec, group, rank: int, world: int):
         mask = shard(p["mask"], _shard_dim(spec["mask"], "mask"))
     if p["bias"] is not None:
         dim = _shard_dim(spec["bias"], "bias")
-        bias = (p["bias"].clone() if dim is None else shard(p["bias"], dim)).requires_grad_()
+        bias = (p["bias"].clone() if dim is None else shard(p["bias"], dim))
+        bias.requires_grad_("bias" not in frozen)
     kwargs = dict(layout=layout, is_causal=spec["causal"], softcap=spec.get("softcap"),
                   backend=spec.get("backend", "torch-reference"))
     kwargs.update(spec.get("group_kwargs", {}) or {"group": group})
@@ -156,6 +157,8 @@ def _worker(rank, tasks, results, store):
                 result = {"no_error": True}
             elif spec["kind"] == "syncs":
                 result = _run_sync_count(spec, groups[spec["world"]], rank, spec["world"])
+            elif spec["kind"] == "local_calls":
+                result = _run_local_calls(spec, groups[spec["world"]], rank, spec["world"])
             elif spec.get("mesh"):
                 spec = dict(spec, group_kwargs={"group": mesh, "mesh_dim": "cp"})
                 result = _run_case(spec, None, rank % 2, 2)
@@ -198,6 +201,42 @@ def _run_sync_count(spec, group, rank: int, world: int):
             out.backward(shard(p["dout"]))
         found[L] = ([site for site, _ in fwd.events], [site for site, _ in bwd.events])
     return {"syncs": found}
+
+
+def _run_local_calls(spec, group, rank: int, world: int):
+    """The local kernel calls of one forward and one backward of a DMA call on this rank: the
+    number of keys of each (LocalKernel.forward / backward wrapped for the call)."""
+    from flash_dmattn.distributed import context_parallel_dma_attention, record_communication
+    from flash_dmattn.distributed.local import LocalKernel
+
+    p = make_problem(spec)
+
+    def shard(t, dim=1):
+        return shard_sequence(t, rank, world, spec["layout"], dim)
+
+    q, k, v = (shard(p[n]).requires_grad_() for n in ("q", "k", "v"))
+    bias = shard(p["bias"], -1).requires_grad_()
+    keys = {"forward": [], "backward": []}
+    forward, backward = LocalKernel.forward, LocalKernel.backward
+
+    def counted_forward(self, q, k, *args, **kwargs):
+        keys["forward"].append(k.shape[1])
+        return forward(self, q, k, *args, **kwargs)
+
+    def counted_backward(self, dout, q, k, *args, **kwargs):
+        keys["backward"].append(k.shape[1])
+        return backward(self, dout, q, k, *args, **kwargs)
+
+    LocalKernel.forward, LocalKernel.backward = counted_forward, counted_backward
+    try:
+        with record_communication() as log:
+            out = context_parallel_dma_attention(q, k, v, bias, spec["window"], is_causal=True,
+                                                 group=group, layout=spec["layout"],
+                                                 backend="torch-reference")
+            out.backward(shard(p["dout"]))
+    finally:
+        LocalKernel.forward, LocalKernel.backward = forward, backward
+    return {"keys": keys, "shard": q.shape[1], "received": dict(log.received)}
 
 
 class Pool:
@@ -400,6 +439,17 @@ DMA_CASES = [
     _case("dma", 4, "zigzag", True, bias="per_key", window=5, L=30, pass_seq_len=True),
     _case("selected", 4, "contiguous", False, intervals="random", bias="per_key", L=27,
           pass_seq_len=True),
+    # The one local call over [received keys ; own keys] per pass: odd shards (17 and 16; 8, 8,
+    # 8, 7 with zigzag pieces of 4 and 3), one interval head (Hkv 1), intervals and a bias per
+    # kv head, a bias per query head, gradients of some inputs only (the bias alone; all but
+    # the bias).
+    _case("dma", 2, "zigzag", True, bias="per_key", window=6, L=33, softcap=3.0),
+    _case("dma", 4, "zigzag", True, bias="per_key", window=4, L=31, Hkv=1),
+    _case("dma", 4, "contiguous", True, bias="per_key_b1h1", window=7, L=29),
+    _case("selected", 4, "zigzag", True, intervals="random", bias="per_key", L=29),
+    _case("selected", 2, "zigzag", False, intervals="window", bias="per_key_qheads", L=27),
+    _case("dma", 2, "contiguous", True, bias="per_key", window=5, L=31, frozen=("q", "k", "v")),
+    _case("dma", 4, "zigzag", True, bias="per_key", window=5, L=30, frozen=("bias",)),
 ]
 
 
@@ -483,6 +533,25 @@ def test_host_syncs_per_call_do_not_grow_with_length(pool, call, world, backend)
         for L, (fwd, bwd) in res["syncs"].items():
             assert len(fwd) == expected and bwd == [], (L, fwd, bwd)
             assert all("flash_dmattn/distributed/selected.py" in site for site in fwd), fwd
+
+
+@pytest.mark.parametrize("world,layout,L", [(2, "zigzag", 33), (4, "zigzag", 30),
+                                            (4, "contiguous", 31)])
+def test_dma_makes_one_local_call_a_pass(pool, world, layout, L):
+    # Every rank attends to [received keys ; own keys] in one local call per pass: no partial
+    # outputs to merge, no partial gradients to sum. A rank that receives M keys calls with
+    # M + n keys; one whose queries need no other rank's key (contiguous rank 0) with its n.
+    spec = dict(BASE, kind="local_calls", world=world, layout=layout, L=L, bias="per_key",
+                window=5)
+    results = pool().run(spec)
+    for rank, res in enumerate(results):
+        assert "error" not in res, res.get("trace", res.get("error"))
+        n, keys = res["shard"], res["keys"]
+        assert len(keys["forward"]) == 1 and keys["backward"] == keys["forward"], (rank, keys)
+        receives = bool(res["received"].get("kv"))
+        assert (keys["forward"][0] > n) == receives, (rank, n, keys, res["received"])
+    if layout == "contiguous":
+        assert results[0]["keys"]["forward"] == [results[0]["shard"]]
 
 
 def test_host_syncs_counter_sees_the_waits():
@@ -738,6 +807,46 @@ def test_cp_profile_script_under_torchrun():
     assert "host synchronisations of one fwd+bwd (HostSyncs), by rank: [1, 1]" in out, out
     assert "selected.py" in out and "-- top ops by CPU time" in out, out
     assert "== one rank at L=32" in out and "host synchronisations (HostSyncs): CP 0" in out, out
+    # the context-parallel call's phases (cp.<name> ranges), in step order
+    phases = [line.split()[0] for line in out.split("-- phases")[1].splitlines()[1:]
+              if line.startswith("  ")]
+    assert phases[:4] == ["forward", "cp.gather_bias", "cp.topk", "cp.selection"], out
+    assert "cp.local_forward" in phases and "cp.wait_grad" in phases, out
+
+
+def test_cp_profile_device_timeline():
+    # tools/cp_profile.py's device timeline on a made-up trace (GPU traces exist only on GPUs):
+    # the compute stream's idle stretches and how much of each NCCL kernel it overlapped.
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "cp_profile.py"
+    spec = importlib.util.spec_from_file_location("cp_profile", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    def ev(name, start, end, device=True, stream=7):
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA if device else DeviceType.CPU,
+                               device_resource_id=stream,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = [
+        ev("forward", 0, 900, device=False), ev("cp.send_kv", 10, 20, device=False),
+        ev("cp.local_forward", 30, 40, device=False),
+        ev("cp.local_forward", 1300, 2000), ev("cp.send_kv", 1000, 1500),
+        ev("index_select", 1000, 1100), ev("fwd_kernel", 1300, 2000),  # 200 us idle between
+        ev("ncclDevKernel_SendRecv", 1050, 1450, stream=9),  # busy 200 of its 400 us
+    ]
+    text, stats = tool.timeline(SimpleNamespace(events=lambda: events), top=5)
+    assert stats["span"] == 1000 and stats["busy"] == 800 and stats["n_gaps"] == 1
+    assert stats["nccl"] == 400 and stats["exposed"] == 200
+    assert "idle     0.10 +   0.20 ms  in cp.local_forward" in text, text
+    assert "compute busy   0.20 / idle   0.20 ms  in cp.send_kv" in text, text
+    assert "cp.local_forward   host     0.03 +   0.01 ms   device     0.30 +   0.70 ms" in text, text
+    assert "rank 3:    1.00 ms" in tool.rank_line(3, stats)
 
 
 def test_cp_benchmark_quick(tmp_path):

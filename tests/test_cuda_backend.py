@@ -35,15 +35,15 @@ def test_cuda_second_process_loads_from_the_disk_cache():
 
     _cuda()
     spec = KernelSpec(64, "bf16", True, True)
-    jit.load_kernel(spec, toolchain.detect())
+    jit.load_kernel(spec, "fwd", toolchain.detect())
     code = (
         "import torch\n"
         "from flash_dmattn.backends.cuda import jit, toolchain\n"
         "from flash_dmattn.backends.cuda.spec import KernelSpec\n"
         "def boom(req):\n"
         "    raise SystemExit('recompiled ' + str(req.build_dir))\n"
-        "mod = jit.load_kernel(KernelSpec.parse('d64-bf16-mask-bias'), toolchain.detect(),\n"
-        "                      builder=boom)\n"
+        "mod = jit.load_kernel(KernelSpec.parse('d64-bf16-mask-bias'), 'fwd',\n"
+        "                      toolchain.detect(), builder=boom)\n"
         "from flash_dmattn import flash_dmattn_func_auto\n"
         "q = torch.randn(1, 70, 2, 64, device='cuda', dtype=torch.bfloat16)\n"
         "mask = torch.rand(1, 2, 70, 70, device='cuda') > 0.3\n"
@@ -146,11 +146,11 @@ def test_cuda_poisoned_output_is_fully_written():
     q, k, v, mask, bias = make_problem(1, 333, 200, 4, 2, 80, torch.bfloat16, "topk", "per_key")
     mask = mask.clone()
     mask[0, 0, 7] = False  # a fully masked row
-    mod = kernel_module(q, True, True)
+    mod = kernel_module(q, True, True, op="fwd")
     poison = torch.full_like(q, float("nan"))
     from flash_dmattn.planning.tiles import build_tile_lists
 
-    bm, bn, _, _ = mod.block_sizes()
+    bm, bn = mod.block_sizes()
     lists = build_tile_lists(mask, 333, 200, 4, False, bm, bn, q.device)
     out, lse = mod.fwd(q, k, v, mask, bias, poison, q.shape[-1] ** -0.5, False, 0.0,
                        lists.fwd_idx, lists.fwd_cnt, lists.head_div, None, None, None, 0, 0)
@@ -251,8 +251,8 @@ def test_cuda_gathered_forward_writes_every_output():
     q, k, v, _, bias = make_problem(1, 333, 400, 4, 2, 128, torch.bfloat16, None, "per_key")
     mask = _shared_keys_mask(1, 333, 400, 2, keep=70, seed=2)
     mask[0, 1, 100:140] = False  # fully masked rows inside a tile
-    mod = kernel_module(q, True, True)
-    bm, bn, _, _ = mod.block_sizes()
+    mod = kernel_module(q, True, True, op="fwd")
+    bm, bn = mod.block_sizes()
     plan = plan_key_gather(mask, bias, 333, 400, 4, True, bm, bn, policy="always")
     poison = torch.full_like(q, float("nan"))
     out, lse = mod.fwd_gathered(q, k, v, poison, q.shape[-1] ** -0.5, True, 0.0, plan.idx,
@@ -277,7 +277,7 @@ def test_cuda_gathered_dq_matches_reference_and_writes_every_row(lq, lk, h, hkv,
     # The backward's dQ kernel over the forward's gathered lists (64 listed keys a step, a
     # partial last step, tiles whose list is empty, fully masked rows), called through the
     # extension; dq's memory is recycled NaN so rows the kernel does not write show.
-    from flash_dmattn.backends.cuda.kernels import _gather_args, kernel_module
+    from flash_dmattn.backends.cuda.kernels import _gather_args, kernel_modules
     from flash_dmattn.planning.gather import plan_key_gather
 
     _cuda()
@@ -287,18 +287,19 @@ def test_cuda_gathered_dq_matches_reference_and_writes_every_row(lq, lk, h, hkv,
     g = h // hkv
     mask[0, -1, 128:256] = False  # a whole query tile of the last kv head without keys
     mask[0, 0, 100:110] = False  # fully masked rows inside a tile
-    mod = kernel_module(q, True, bias is not None)
-    assert mod.bwd_gathers()
-    bm, bn, _, _ = mod.block_sizes()
+    mods = kernel_modules(q, True, bias is not None, ops=("fwd", "bwd"))
+    assert mods["bwd"].bwd_gathers()
+    bm, bn = mods["fwd"].block_sizes()
     plan = plan_key_gather(mask, bias, lq, lk, h, causal, bm, bn, policy="always")
     assert plan is not None and int(plan.cnt.min()) == 0
     scale = 128 ** -0.5
-    out, lse = mod.fwd_gathered(q, k, v, None, scale, causal, softcap, *_gather_args(plan, h))
+    out, lse = mods["fwd"].fwd_gathered(q, k, v, None, scale, causal, softcap,
+                                        *_gather_args(plan, h))
     dout = torch.randn_like(out)
     torch.full_like(q, float("nan"))  # freed at once: its block is dq's next
-    dq = mod.bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, True, False, 0,
-                 None, None, None, None, 1, False, None, None, None, 0, 0,
-                 *_gather_args(plan, h), None, 1)[0]
+    dq = mods["bwd"].bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, True,
+                         False, 0, None, None, None, None, 1, False, None, None, None, 0, 0,
+                         *_gather_args(plan, h), None, 1)[0]
     assert not dq.isnan().any()
     leaves = [t.detach().double().requires_grad_(i == 0) for i, t in enumerate((q, k, v))]
     ref, _ = reference_attention(*leaves, mask, bias.double() if bias is not None else None,

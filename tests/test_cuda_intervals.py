@@ -78,7 +78,7 @@ def test_cuda_intervals_write_every_output(hopper):
     end = start + torch.randint(0, 100, (B, Hkv, L), device="cuda", generator=gen)
     bounds = KeyIntervals(start, end).bounds
     (ivp, fb) = plan_for(q, k, None, bounds, True, backward=False)
-    mod = kernel_module(q, True, False)
+    mod = kernel_module(q, True, False, op="fwd")
     poison = torch.full_like(q, float("nan"))
     out, lse = mod.fwd_intervals(q, k, v, poison, None, fb, ivp.tile_start, ivp.tile_len,
                                  ivp.tile_full, ivp.keys, D ** -0.5, True, 0.0)

@@ -1,7 +1,9 @@
 """The cuda backend's build plumbing (issue: build on first use), tested without nvcc or a GPU.
 
-Kernel specs, cache keys and layout, the cross-process lock (with a fake builder injected into
-jit.load_kernel), the probe's reasons, the CLI's ``info`` / ``build`` and import hygiene.
+Kernel specs, cache keys and layout (one module per operation of a spec, keyed by what that
+operation compiles), the cross-process lock (with a fake builder injected into
+jit.load_kernel), which operations a call loads, the probe's reasons, the CLI's ``info`` /
+``build`` and import hygiene.
 """
 import json
 import logging
@@ -32,13 +34,27 @@ TC = Toolchain(nvcc="/opt/cuda/bin/nvcc", nvcc_version="12.4.131", cutlass_inclu
 SPEC = KernelSpec(64, "bf16", has_mask=True, has_bias=True)
 
 
+def _source(name: str) -> str:
+    """A stand-in source: every one includes the shared header, the backward's also its own
+    (as csrc/ does: kernel_common.cuh for all, bwd_sm90_config.cuh for the backward)."""
+    text = f'// {name}\n#include "kernels/common.h"\n'
+    if name in jit.OP_SOURCES["bwd"]:
+        text += '#if FLASH_DMATTN_SM90_BWD\n#include "kernels/bwd_only.h"\n#endif\n'
+    return text
+
+
 @pytest.fixture
 def csrc(tmp_path):
     d = tmp_path / "csrc"
     (d / "kernels").mkdir(parents=True)
     for name in jit.KERNEL_SOURCES:
-        (d / name).write_text(f"// {name}\n")
+        (d / name).write_text(_source(name))
+    # Headers found beside the including file, in csrc, or (not followed) elsewhere.
+    (d / "kernels" / "common.h").write_text('#include "tile.h"\n#include <cute/tensor.hpp>\n'
+                                            '#include "cutlass/cutlass.h"\n')
     (d / "kernels" / "tile.h").write_text("// header\n")
+    (d / "kernels" / "bwd_only.h").write_text('#include "kernels/tile.h"\n')
+    (d / "kernels" / "unused.h").write_text("// included by nothing\n")
     return d
 
 
@@ -101,37 +117,105 @@ def test_spec_from_inputs():
 
 # Cache key and layout -----------------------------------------------------------------------
 def test_cache_key_tracks_what_the_binary_depends_on(csrc):
-    key = jit.cache_key(SPEC, TC, csrc)
-    assert key == jit.cache_key(SPEC, TC, csrc)  # stable
+    key = jit.cache_key(SPEC, "fwd", TC, csrc)
+    assert key == jit.cache_key(SPEC, "fwd", TC, csrc)  # stable
     assert re.fullmatch(r"[0-9a-f]{64}", key)
     (csrc / "README.md").write_text("not a source")  # not compiled, not hashed
-    assert jit.cache_key(SPEC, TC, csrc) == key
+    assert jit.cache_key(SPEC, "fwd", TC, csrc) == key
 
     changed = {
-        "spec": jit.cache_key(KernelSpec(64, "bf16", True), TC, csrc),
-        "dtype": jit.cache_key(KernelSpec(64, "fp16", True, True), TC, csrc),
-        "packed": jit.cache_key(KernelSpec(64, "bf16", True, True, True), TC, csrc),
-        "nvcc": jit.cache_key(SPEC, Toolchain(TC.nvcc, "12.6.20", TC.cutlass_include,
-                                              TC.capability, TC.torch_version), csrc),
-        "torch": jit.cache_key(SPEC, Toolchain(TC.nvcc, TC.nvcc_version, TC.cutlass_include,
-                                               TC.capability, "2.7.0"), csrc),
-        "arch": jit.cache_key(SPEC, Toolchain(TC.nvcc, TC.nvcc_version, TC.cutlass_include,
-                                              (8, 0), TC.torch_version), csrc),
+        "op": jit.cache_key(SPEC, "bwd", TC, csrc),
+        "spec": jit.cache_key(KernelSpec(64, "bf16", True), "fwd", TC, csrc),
+        "dtype": jit.cache_key(KernelSpec(64, "fp16", True, True), "fwd", TC, csrc),
+        "packed": jit.cache_key(KernelSpec(64, "bf16", True, True, True), "fwd", TC, csrc),
+        "nvcc": jit.cache_key(SPEC, "fwd", Toolchain(TC.nvcc, "12.6.20", TC.cutlass_include,
+                                                     TC.capability, TC.torch_version), csrc),
+        "torch": jit.cache_key(SPEC, "fwd", Toolchain(TC.nvcc, TC.nvcc_version,
+                                                      TC.cutlass_include, TC.capability,
+                                                      "2.7.0"), csrc),
+        "arch": jit.cache_key(SPEC, "fwd", Toolchain(TC.nvcc, TC.nvcc_version,
+                                                     TC.cutlass_include, (8, 0),
+                                                     TC.torch_version), csrc),
     }
-    (csrc / jit.KERNEL_SOURCES[1]).write_text("// edited kernel\n")
-    changed["source"] = jit.cache_key(SPEC, TC, csrc)
-    (csrc / jit.KERNEL_SOURCES[1]).write_text(f"// {jit.KERNEL_SOURCES[1]}\n")
-    assert jit.cache_key(SPEC, TC, csrc) == key  # content, not mtime
+    fwd_source = jit.OP_SOURCES["fwd"][1]
+    (csrc / fwd_source).write_text("// edited kernel\n")
+    changed["source"] = jit.cache_key(SPEC, "fwd", TC, csrc)
+    (csrc / fwd_source).write_text(_source(fwd_source))
+    assert jit.cache_key(SPEC, "fwd", TC, csrc) == key  # content, not mtime
     (csrc / "kernels" / "tile.h").write_text("// edited header\n")
-    changed["header"] = jit.cache_key(SPEC, TC, csrc)
+    changed["header"] = jit.cache_key(SPEC, "fwd", TC, csrc)
     for what, other in changed.items():
         assert other != key, what
     assert len(set(changed.values())) == len(changed)
 
 
+def test_each_operation_is_keyed_by_its_own_sources_and_headers(csrc):
+    def keys():
+        return {op: jit.cache_key(SPEC, op, TC, csrc) for op in jit.OPS}
+
+    rel = {op: sorted(p.relative_to(csrc.resolve()).as_posix()
+                      for p in jit.hashed_files(csrc, op)) for op in jit.OPS}
+    headers = ["kernels/common.h", "kernels/tile.h"]
+    assert rel["fwd"] == sorted(list(jit.OP_SOURCES["fwd"]) + headers)
+    assert rel["decode"] == sorted(list(jit.OP_SOURCES["decode"]) + headers)
+    # An include inside #if counts; CUTLASS's headers (not under csrc) are not followed.
+    assert rel["bwd"] == sorted(list(jit.OP_SOURCES["bwd"]) + headers + ["kernels/bwd_only.h"])
+    before = keys()
+    assert len(set(before.values())) == len(jit.OPS)
+
+    def edit(path, text):
+        (csrc / path).write_text(text)
+        after = keys()
+        return sorted(op for op in jit.OPS if after[op] != before[op])
+
+    assert edit("kernels/unused.h", "// still included by nothing\n") == []
+    # Backward code: only the backward's key (forward and decode builds stay valid).
+    assert edit(jit.OP_SOURCES["bwd"][-1], _source(jit.OP_SOURCES["bwd"][-1]) + "// dQ\n") == [
+        "bwd"]
+    before = keys()
+    assert edit("kernels/bwd_only.h", '#include "kernels/tile.h"\n// edited\n') == ["bwd"]
+    before = keys()
+    assert edit("flash_decode.cu", _source("flash_decode.cu") + "// edited\n") == ["decode"]
+    before = keys()
+    assert edit("flash_fwd_api.cpp", _source("flash_fwd_api.cpp") + "// edited\n") == ["fwd"]
+    before = keys()
+    # A header every operation includes, through another header: every key.
+    assert edit("kernels/tile.h", "// edited shared header\n") == sorted(jit.OPS)
+
+
+def test_the_real_sources_split_by_operation():
+    # csrc/ as shipped: each operation compiles its own binding and kernels, and headers only
+    # the backward includes do not key the forward.
+    csrc = jit.find_csrc_dir()
+    assert csrc is not None
+    files = {op: {p.name for p in jit.hashed_files(csrc, op)} for op in jit.OPS}
+    assert set(jit.KERNEL_SOURCES) == {s for op in jit.OPS for s in jit.OP_SOURCES[op]}
+    assert len(jit.KERNEL_SOURCES) == len(set(jit.KERNEL_SOURCES))  # one operation each
+    for op in jit.OPS:
+        assert f"flash_{op}_api.cpp" in files[op] and "binding.h" in files[op]
+        others = set(jit.KERNEL_SOURCES) - set(jit.OP_SOURCES[op])
+        assert not files[op] & others, op
+    # The bindings are compiled without the arch's macros (nvcc flags only): they must ask
+    # the kernel sources what depends on it.
+    assert not any("SM90" in flag for flag in jit.cxx_flags(SPEC))
+    for path in [csrc / f"flash_{op}_api.cpp" for op in jit.OPS] + [
+            csrc / "flash_dmattn" / "binding.h"]:
+        code = [line.split("//")[0] for line in path.read_text().splitlines()]
+        assert not any("FLASH_DMATTN_SM90" in line for line in code), path.name
+    assert "bwd_sm90_config.cuh" in files["bwd"]
+    assert "bwd_sm90_config.cuh" not in files["fwd"] | files["decode"]
+    assert "wgmma.cuh" not in files["decode"]
+
+
+def test_unknown_operation_rejected(csrc):
+    with pytest.raises(ValueError, match="unknown kernel operation 'both'; operations are "
+                                         "fwd, bwd, decode"):
+        jit.cache_key(SPEC, "both", TC, csrc)
+
+
 def test_cache_key_needs_the_sources(tmp_path):
     with pytest.raises(FileNotFoundError, match="kernel sources missing"):
-        jit.cache_key(SPEC, TC, tmp_path)
+        jit.cache_key(SPEC, "fwd", TC, tmp_path)
 
 
 def test_cache_dir_layout_and_override(monkeypatch, tmp_path, csrc):
@@ -141,10 +225,12 @@ def test_cache_dir_layout_and_override(monkeypatch, tmp_path, csrc):
     assert jit.cache_root() == tmp_path / "home" / ".cache" / "flash_dmattn"
     monkeypatch.setenv("FLASH_DMATTN_CACHE_DIR", str(tmp_path / "mine"))
     assert jit.cache_root() == tmp_path / "mine"
-    key = jit.cache_key(SPEC, TC, csrc)
-    entry = jit.entry_dir(SPEC, TC, key)
-    assert entry == tmp_path / "mine" / __version__ / "sm_90" / f"d64-bf16-mask-bias-{key[:16]}"
-    assert jit.module_name(SPEC, key).isidentifier()
+    key = jit.cache_key(SPEC, "bwd", TC, csrc)
+    entry = jit.entry_dir(SPEC, "bwd", TC, key)
+    assert entry == (tmp_path / "mine" / __version__ / "sm_90"
+                     / f"d64-bf16-mask-bias-bwd-{key[:16]}")
+    assert jit.module_name(SPEC, "bwd", key).isidentifier()
+    assert jit.module_name(SPEC, "bwd", key) != jit.module_name(SPEC, "fwd", key)
 
 
 def test_build_flags():
@@ -182,28 +268,57 @@ def test_first_use_builds_once_then_loads(tmp_path, csrc, caplog):
     builder = partial(fake_builder, calls=calls)
     kw = dict(csrc_dir=csrc, cache_dir=tmp_path / "cache", builder=builder, loader=fake_loader)
     with caplog.at_level(logging.INFO, logger="flash_dmattn"):
-        mod = jit.load_kernel(SPEC, TC, **kw)
+        mod = jit.load_kernel(SPEC, "fwd", TC, **kw)
     assert mod["fresh"] and len(calls) == 1
     req = calls[0]
-    key = jit.cache_key(SPEC, TC, csrc)
-    entry = jit.entry_dir(SPEC, TC, key, tmp_path / "cache")
+    key = jit.cache_key(SPEC, "fwd", TC, csrc)
+    entry = jit.entry_dir(SPEC, "fwd", TC, key, tmp_path / "cache")
     assert req.build_dir == entry and req.artifact.parent == entry
-    assert req.sources == [str(csrc / s) for s in jit.KERNEL_SOURCES]
+    # The forward's binding and kernels only.
+    assert req.sources == [str(csrc / s) for s in jit.OP_SOURCES["fwd"]]
+    assert req.sources == [str(csrc / s) for s in ("flash_fwd_api.cpp", "flash_fwd.cu",
+                                                    "flash_fwd_sm90.cu")]
     assert TC.cutlass_include in req.extra_include_paths
     lines = [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()]
-    assert lines == [f"flash_dmattn: compiling cuda kernel d64-bf16-mask-bias for sm_90 "
+    assert lines == [f"flash_dmattn: compiling cuda kernel d64-bf16-mask-bias fwd for sm_90 "
                      f"(first use, cached in {entry})"]
     manifest = json.loads((entry / jit.MANIFEST).read_text())
-    assert manifest["key"] == key and manifest["spec"] == SPEC.name
+    assert manifest["key"] == key and manifest["spec"] == SPEC.name and manifest["op"] == "fwd"
     assert manifest["arch"] == "sm_90" and manifest["nvcc_version"] == "12.4.131"
+    assert jit.is_built(SPEC, "fwd", TC, csrc, tmp_path / "cache")
+    assert not jit.is_built(SPEC, "bwd", TC, csrc, tmp_path / "cache")
 
-    assert jit.load_kernel(SPEC, TC, **kw) is mod  # in-process cache
+    assert jit.load_kernel(SPEC, "fwd", TC, **kw) is mod  # in-process cache
     jit.clear_loaded()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="flash_dmattn"):
-        again = jit.load_kernel(SPEC, TC, **kw)  # from disk, as a new process would
+        again = jit.load_kernel(SPEC, "fwd", TC, **kw)  # from disk, as a new process would
     assert again["fresh"] is False and len(calls) == 1
     assert not [r for r in caplog.records if "compiling" in r.getMessage()]
+    # The backward is a module of its own: its own build, sources and entry.
+    jit.load_kernel(SPEC, "bwd", TC, **kw)
+    assert len(calls) == 2
+    assert calls[1].sources == [str(csrc / s) for s in jit.OP_SOURCES["bwd"]]
+    assert calls[1].build_dir != entry and calls[1].name != req.name
+    listed = jit.cached_entries(tmp_path / "cache")
+    assert [(m["spec"], m["op"], m["arch"]) for m in listed] == [
+        (SPEC.name, "fwd", "sm_90"), (SPEC.name, "bwd", "sm_90")]
+    assert listed[0]["path"] == str(entry)
+
+
+def test_operations_build_side_by_side(tmp_path, csrc):
+    # load_kernels (a training step's forward asks for its backward too) builds the missing
+    # operations at once, each in its own entry; loaded ones come from the process cache.
+    record = tmp_path / "record"
+    kw = dict(csrc_dir=csrc, cache_dir=tmp_path / "cache", loader=fake_loader,
+              builder=partial(fake_builder, sleep=0.5, record=record))
+    mods = jit.load_kernels(SPEC, ("fwd", "bwd"), TC, **kw)
+    assert sorted(mods) == ["bwd", "fwd"] and all(m["fresh"] for m in mods.values())
+    spans = [tuple(map(float, line.split()[2:])) for line in record.read_text().splitlines()]
+    assert len(spans) == 2 and max(s for s, _ in spans) < min(e for _, e in spans)  # overlap
+    again = jit.load_kernels(SPEC, ("fwd", "bwd", "decode"), TC, **kw)
+    assert again["fwd"] is mods["fwd"] and again["bwd"] is mods["bwd"]
+    assert len(record.read_text().splitlines()) == 3  # only decode was built
 
 
 def test_failed_or_stale_builds_are_redone(tmp_path, csrc):
@@ -213,31 +328,31 @@ def test_failed_or_stale_builds_are_redone(tmp_path, csrc):
         raise RuntimeError("nvcc error")
 
     with pytest.raises(RuntimeError, match="nvcc error"):
-        jit.load_kernel(SPEC, TC, builder=broken, **kw)
+        jit.load_kernel(SPEC, "fwd", TC, builder=broken, **kw)
     with pytest.raises(RuntimeError, match="produced no"):
-        jit.load_kernel(SPEC, TC, builder=lambda req: object(), **kw)
-    assert not jit.is_built(SPEC, TC, csrc, tmp_path / "cache")
+        jit.load_kernel(SPEC, "fwd", TC, builder=lambda req: object(), **kw)
+    assert not jit.is_built(SPEC, "fwd", TC, csrc, tmp_path / "cache")
     calls = []
-    jit.load_kernel(SPEC, TC, builder=partial(fake_builder, calls=calls), **kw)
-    assert len(calls) == 1 and jit.is_built(SPEC, TC, csrc, tmp_path / "cache")
+    jit.load_kernel(SPEC, "fwd", TC, builder=partial(fake_builder, calls=calls), **kw)
+    assert len(calls) == 1 and jit.is_built(SPEC, "fwd", TC, csrc, tmp_path / "cache")
     # A manifest for another key (or with its artifact gone) does not count as built.
     entry = calls[0].build_dir
     calls[0].artifact.unlink()
-    assert not jit.is_built(SPEC, TC, csrc, tmp_path / "cache")
+    assert not jit.is_built(SPEC, "fwd", TC, csrc, tmp_path / "cache")
     jit.clear_loaded()
-    jit.load_kernel(SPEC, TC, builder=partial(fake_builder, calls=calls), **kw)
+    jit.load_kernel(SPEC, "fwd", TC, builder=partial(fake_builder, calls=calls), **kw)
     assert len(calls) == 2
     manifest = json.loads((entry / jit.MANIFEST).read_text())
     (entry / jit.MANIFEST).write_text(json.dumps(dict(manifest, key="0" * 64)))
     jit.clear_loaded()
-    jit.load_kernel(SPEC, TC, builder=partial(fake_builder, calls=calls), **kw)
+    jit.load_kernel(SPEC, "fwd", TC, builder=partial(fake_builder, calls=calls), **kw)
     assert len(calls) == 3
 
 
 def _build_worker(root, csrc_dir, record, barrier, results):
     barrier.wait()
     mod = jit.load_kernel(
-        SPEC, TC, csrc_dir=csrc_dir, cache_dir=root,
+        SPEC, "fwd", TC, csrc_dir=csrc_dir, cache_dir=root,
         builder=partial(fake_builder, sleep=1.0, record=record),
         loader=partial(fake_loader, record=record),
     )
@@ -421,6 +536,132 @@ def test_cli_build_list_and_bad_specs(capsys):
     assert "not a kernel bucket" in capsys.readouterr().err
     assert cli_main(["build", "--all", "d64-fp16"]) == 2
     assert cli_main(["build"]) == 2
+
+
+def test_cli_build_selects_operations(capsys):
+    assert cli_main(["build", "--list", "d128-bf16-mask-bias:fwd", "d64-fp16:bwd,decode",
+                     "d32-bf16"]) == 0
+    assert capsys.readouterr().out.split() == ["d128-bf16-mask-bias:fwd", "d64-fp16:bwd,decode",
+                                               "d32-bf16"]
+    assert cli_main(["build", "--list", "--op", "fwd", "d32-bf16", "d64-fp16:decode"]) == 0
+    assert capsys.readouterr().out.split() == ["d32-bf16:fwd", "d64-fp16:decode"]
+    assert cli_main(["build", "--list", "--all", "--op", "fwd"]) == 0
+    assert capsys.readouterr().out.split() == [f"{s.name}:fwd" for s in all_specs()]
+    assert cli_main(["build", "--list", "d64-fp16:both"]) == 2
+    assert "unknown kernel operation 'both'" in capsys.readouterr().err
+    from flash_dmattn.__main__ import build_targets
+
+    spec = KernelSpec.parse("d64-fp16")
+    # Operations in their order, each once, however they are named.
+    assert build_targets(["d64-fp16:decode,fwd", "d64-fp16:fwd"]) == [(spec, "fwd"),
+                                                                       (spec, "decode")]
+
+
+def test_cli_build_builds_each_selected_module(monkeypatch, capsys, full_toolchain):
+    # With the backend available (pretended), build loads one module per (spec, operation)
+    # selected, side by side, and says which were built and which were there already.
+    monkeypatch.setattr(registry._BACKENDS["cuda"], "unavailable_reason", lambda: None)
+    asked = []
+    monkeypatch.setattr(jit, "is_built", lambda spec, op, tc: op == "bwd")
+    monkeypatch.setattr(jit, "load_kernel", lambda spec, op, tc: asked.append((spec.name, op)))
+    assert cli_main(["build", "d128-bf16-mask-bias"]) == 0
+    out = capsys.readouterr().out
+    assert sorted(asked) == sorted(("d128-bf16-mask-bias", op) for op in jit.OPS)
+    assert "d128-bf16-mask-bias fwd: built in" in out
+    assert "d128-bf16-mask-bias bwd: already built" in out
+    assert "3/3 kernel modules ready for sm_90" in out
+    asked.clear()
+    assert cli_main(["build", "d128-bf16-mask-bias:fwd", "d64-fp16", "--op", "decode"]) == 0
+    assert sorted(asked) == [("d128-bf16-mask-bias", "fwd"), ("d64-fp16", "decode")]
+    capsys.readouterr()
+
+    def broken(spec, op, tc):
+        if op == "bwd":
+            raise RuntimeError("nvcc error")
+
+    monkeypatch.setattr(jit, "load_kernel", broken)
+    assert cli_main(["build", "d64-fp16"]) == 1
+    captured = capsys.readouterr()
+    assert "d64-fp16 bwd: FAILED: RuntimeError: nvcc error" in captured.err
+    assert "2/3 kernel modules ready" in captured.out
+
+
+class _OpModule:
+    """A stand-in for one operation's compiled module: zero outputs of the right shapes."""
+
+    def __init__(self, op):
+        self.op = op
+
+    def block_sizes(self):
+        return 64, 64
+
+    def fwd_gathers(self):
+        return False
+
+    def bwd_gathers(self):
+        return False
+
+    def bwd_key_bits(self):
+        return False
+
+    def decode_sizes(self):
+        return 64, 64
+
+    def fwd(self, q, *rest):
+        return torch.zeros_like(q), q.new_zeros(q.shape[0], q.shape[2], q.shape[1],
+                                                dtype=torch.float32)
+
+    decode = fwd
+
+    def bwd(self, dout, q, k, v, *rest):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+
+
+@pytest.fixture
+def asked_ops(monkeypatch):
+    """The (spec, op) modules the cuda host code asks the JIT for (none is built)."""
+    asked = []
+
+    def load(spec, op, tc=None, **kwargs):
+        asked.append((spec.name, op))
+        return _OpModule(op)
+
+    monkeypatch.setattr(toolchain, "detect", lambda device=None: TC)
+    monkeypatch.setattr(jit, "load_kernel", load)
+    return asked
+
+
+def test_a_forward_only_call_loads_only_the_forward(asked_ops):
+    from flash_dmattn.backends.cuda import kernels
+
+    q = torch.randn(1, 256, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 256, 2, 64, dtype=torch.bfloat16)
+    out, _ = kernels.cuda_forward(q, k, k, None, None, 0.125, True, 0.0)
+    assert out.shape == q.shape and asked_ops == [("d64-bf16", "fwd")]
+    asked_ops.clear()
+    # Decode shapes (one query row per kv head, a long cache): the decode module only.
+    kernels.cuda_forward(q[:, :1], k, k, None, None, 0.125, False, 0.0)
+    assert asked_ops == [("d64-bf16", "decode")]
+    asked_ops.clear()
+    # Packed sequences: the forward of the -varlen spec.
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+    kernels.cuda_varlen_forward(q[0], k[0], k[0], cu, cu, 156, 156, None, None, 0.125, True, 0.0)
+    assert asked_ops == [("d64-bf16-varlen", "fwd")]
+
+
+def test_a_training_step_loads_forward_and_backward(asked_ops):
+    # The forward of a training step asks for its backward's module too (its tiles serve the
+    # mask summary; both build side by side); the backward then asks for its own.
+    from flash_dmattn.backends.cuda import kernels
+
+    q = torch.randn(1, 256, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 256, 2, 64, dtype=torch.bfloat16)
+    out, lse, plan = kernels.cuda_planned_forward(q, k, k, None, None, 0.125, True, 0.0)
+    assert sorted(asked_ops) == [("d64-bf16", "bwd"), ("d64-bf16", "fwd")]
+    asked_ops.clear()
+    kernels.cuda_backward(torch.ones_like(out), q, k, k, None, None, out, lse, 0.125, True, 0.0,
+                          False, (True, True, True, False), plan=plan)
+    assert asked_ops == [("d64-bf16", "bwd")]
 
 
 def test_import_touches_neither_cuda_nor_nvcc():

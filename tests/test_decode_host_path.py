@@ -11,7 +11,8 @@ on an H100 (``tools/decode_host_overhead.py``'s harness), and hold:
 * the launches each route makes;
 * the launch plans cached per call shape: a warm cache launches exactly what a cold one does
   for calls that differ in any one property (dtype, key length, mask, bias, causality,
-  softcap, KV cache, batch, heads, head dim, strides).
+  softcap, KV cache, batch, heads, head dim, strides);
+* the dispatch decision made once per call signature (the memo answers the other layers).
 """
 import argparse
 import importlib.util
@@ -60,6 +61,43 @@ def test_decode_call_makes_no_host_sync(harness, monkeypatch, kind, kernels):
             assert counts["syncs"] == 0, counts.get("sync_sites")
             assert [name for name, *_ in counts["log"]] == kernels
     assert out.shape == (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+
+
+@needs_triton
+def test_decode_steps_decide_dispatch_once_per_signature(harness, monkeypatch):
+    """Every layer of a decoding step repeats its signature: the policy and the backends'
+    checks answer the first layer, the dispatch memo the others; a new key length (the next
+    step) is a new signature."""
+    from flash_dmattn import policy, registry
+    from flash_dmattn.backends.triton.backend import TritonBackend
+    from flash_dmattn.integrations import hf_transformers
+
+    asked = {"features": 0, "reasons": 0}
+    real_reasons = TritonBackend.not_supported_reasons
+
+    def reasons(self, inputs):
+        asked["reasons"] += 1
+        return real_reasons(self, inputs)
+
+    monkeypatch.setattr(TritonBackend, "not_supported_reasons", reasons)
+    counts = {"launches": 0, "syncs": 0}
+    # The inner patch is undone before the harness restores its own.
+    with torch.no_grad(), harness.stubbed_device(counts), monkeypatch.context() as patch:
+        features = policy.features_of  # the harness's (an sm_90 GPU for CPU tensors)
+
+        def counted(inputs):
+            asked["features"] += 1
+            return features(inputs)
+
+        patch.setattr(policy, "features_of", counted)
+        hits = registry.DISPATCH_MEMO.hits
+        for keys in (300, 301):
+            module, q, k, v, _ = harness.make_call("llama", _shape(keys=keys))
+            for _ in range(4):  # the layers of one step
+                hf_transformers.dmattn_attention_forward(module, q, k.clone(), v, None,
+                                                         scaling=0.125, dropout=0.0)
+        assert asked == {"features": 2, "reasons": 2}
+        assert registry.DISPATCH_MEMO.hits - hits == 6
 
 
 def _dense_call(dtype=torch.bfloat16, B=2, Lq=1, H=8, Hkv=2, D=64, Lk=300, mask=None,

@@ -289,6 +289,21 @@ def test_kernels_match_plain_path(length):
 
 
 @_needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernels_16_bit_biases_sort_as_packed_keys(dtype):
+    # 16-bit biases take the flat sort of packed (row, bias) int32 keys: random, tied and
+    # all-equal rows with masked, -inf, NaN and -0.0 entries, padding, several rows.
+    g = torch.Generator().manual_seed(11)
+    for length in (70,):
+        for kind, bias in enumerate(_biases(g, (3, 2, 1, length))):
+            bias = bias.to(dtype)
+            bias[..., ::7] = bias[..., ::7].abs().neg()  # -0.0 where the entry was 0
+            padding = torch.rand(3, length, generator=g) > 0.25
+            for window in (1, length - 1):
+                _same_as_plain(bias, window, True, padding if (window + kind) % 2 else None)
+
+
+@_needs_kernels
 @pytest.mark.parametrize("radix_bits", [1, 2, 3, 4, 5, 6])
 def test_kernels_every_radix_and_small_blocks(radix_bits, monkeypatch):
     # Small blocks and checkpoints: several sub-blocks per program, several programs per row

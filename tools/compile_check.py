@@ -6,7 +6,7 @@ compiler made of them -- registers and spills (``ptxas -v``), whether the key lo
 were software-pipelined (async copies inside the loop) and how many layout conversions the
 loop body pays. Usage::
 
-    python tools/compile_check.py [--arch 90] [--workload t2|dense|per-key|varlen|decode|decode-selected|intervals|selection]
+    python tools/compile_check.py [--arch 90] [--workload t2|dense|per-key|varlen|decode|decode-selected|intervals|selection|planner]
                                     [--dump DIR]
                                     [--first-config] [--dropout P]
 
@@ -109,7 +109,10 @@ class _PlanCapture:
                      "_ki_dq_kernel": "idq", "_ki_dkv_kernel": "idkv",
                      "_score_kernel": "sscore",
                      "_prep_kernel": "sprep", "_partition_kernel": "spart",
-                     "_query_kernel": "squery"}.get(self.name, self.name[:5])
+                     "_query_kernel": "squery", "_ranges_kernel": "lranges",
+                     "_scan_kernel": "lscan", "_coarse_kernel": "lcoarse",
+                     "_fill_kernel": "lfill", "_items_kernel": "litems",
+                     "_blocks_kernel": "lblocks"}.get(self.name, self.name[:5])
             self.launches.append((label, _Fixed(self.kernel, num_warps, num_stages, maxnreg),
                                   args, meta))
         return launch
@@ -121,7 +124,7 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512, dropout_p: f
     launches = []
     drop = {}
     if dropout_p:
-        if workload in ("decode", "decode-selected", "selection"):
+        if workload in ("decode", "decode-selected", "selection", "planner"):
             raise ValueError(f"the {workload} kernels have no attention dropout")
         drop = dict(dropout_p=dropout_p, dropout_rng=torch.zeros(2, dtype=torch.int64))
 
@@ -174,6 +177,28 @@ def capture(workload: str, dtype=torch.bfloat16, seqlen: int = 512, dropout_p: f
             sel_mod.causal_bounds(bias, padding, -1e30, 4, 2, 3)
             sel_mod.all_kept_bounds(bias, padding, 0.5, 2, 3, True)
             sel_mod.all_kept_bounds(bias, padding, 0.5, 2, 3, False)
+        return launches
+    if workload == "planner":
+        # The key-interval planner's list kernels (flash_dmattn.planning.list_kernels) at the
+        # cuda backend's tiles: under a window promise with segment items, and without a
+        # promise with key blocks (its captured host wait reads an unwritten "hides nothing",
+        # so the exactly sized lists' fill, which differs only in reading tile starts, is not
+        # compiled).
+        from flash_dmattn.planning import list_kernels as lk_mod
+        from flash_dmattn.planning.key_lists import end_bucket_for, segment_capacity
+        from flash_dmattn.utils.mask import topk_intervals
+
+        for kname in ("_ranges_kernel", "_scan_kernel", "_coarse_kernel", "_fill_kernel",
+                      "_blocks_kernel", "_items_kernel"):
+            setattr(lk_mod, kname, _PlanCapture(kname, getattr(lk_mod, kname), launches))
+        length = max(L, 4096)
+        bias = torch.randn(1, Hkv, 1, length, generator=g)
+        bounds = topk_intervals(bias, length // 8, is_causal=True).bounds
+        w = length // 8
+        args = (bounds, length, length, True, 128, 128)
+        lk_mod.plan_fast(*args, True, end_bucket_for(length), capacity=w + 127,
+                         segment_rows=1024, segment_capacity=segment_capacity(length, 1024, 128, w))
+        lk_mod.plan_fast(*args, True, end_bucket_for(length))
         return launches
     if workload == "intervals":
         # A causal top-W key-interval call with a per-key bias: the gathering forward, dQ and
@@ -336,7 +361,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--workload", default="t2", choices=["t2", "dense", "per-key", "full-bias", "varlen", "decode",
-                             "decode-selected", "intervals", "selection"])
+                             "decode-selected", "intervals", "selection", "planner"])
     ap.add_argument("--dump", type=Path, default=None, help="write each kernel's TTGIR here")
     ap.add_argument("--seqlen", type=int, default=512,
                     help="sequence length of the captured call (divisibility by 16 changes codegen)")

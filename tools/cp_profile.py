@@ -16,12 +16,18 @@ Every rank runs ``context_parallel_dma_attention`` (causal top-W of a per-key bi
 2. a ``torch.profiler`` trace of one call: the top ops by device (CUDA) time and by CPU time,
    and the host waits the trace shows (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
    ``cudaEventSynchronize``, device-to-host copies, ``aten::item`` / ``nonzero``), and how many
-   kernels were launched;
+   kernels were launched; then the step's phases (the ``cp.<name>`` ranges the call enters while
+   a profiler records: bias gather, top-k, selection with its host wait, K/V exchange, local
+   forward, ...: host time and, on GPUs, the device span of what each launched) and, on GPUs,
+   the device timeline: the compute stream's idle stretches (where the host waits or the
+   stream waits for a transfer) and every NCCL kernel with how much of it the compute stream
+   was busy (overlapped) or idle (exposed); and one line of those totals per rank;
 3. unless ``--no-single``: the same call on a group of one rank (rank 0 alone) at the per-GPU
    length, against one ``flash_dmattn_func`` call with ``topk_intervals`` at that length
    (the scaling baseline of the cp suite): both times, their ratio, both traces' top ops, and
    the ops whose time the context-parallel call adds (its time minus the plain call's, by op
-   name). On one rank the CP call moves nothing, so what it adds is its own machinery.
+   name), and the one-rank call's phases. On one rank the CP call moves nothing, so what it
+   adds is its own machinery.
 
 ``--trace DIR`` also writes the Chrome traces (``rank0-cp.json`` etc.). The defaults follow the
 cp suite: B1 H16/Hkv4 D128 bf16, W 2048, 256K tokens per GPU, the triton local kernels (auto
@@ -38,9 +44,11 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.autograd import DeviceType
 
 from flash_dmattn import flash_dmattn_func_auto  # noqa: E402
 from flash_dmattn.distributed import (  # noqa: E402
@@ -58,6 +66,11 @@ WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 HOST_READS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",
               "aten::unique", "aten::_unique2", "aten::tolist")
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+# Named ranges of a step: step_fn's, and the context-parallel call's own (cp.<phase>, entered
+# while a profiler records: flash_dmattn.distributed.comm.phase).
+STEP_RANGES = ("forward", "backward")
+# Idle stretches of the compute stream shorter than this are launch gaps, not listed.
+GAP_US = 50.0
 
 
 def parse_args(argv=None):
@@ -221,6 +234,111 @@ def host_syncs(step):
     return syncs
 
 
+def _is_range(name: str) -> bool:
+    return name in STEP_RANGES or name.startswith("cp.")
+
+
+def _merged(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    out: List[Tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(a: float, b: float, busy: List[Tuple[float, float]]) -> float:
+    """How long ``[a, b)`` meets the (merged) ``busy`` intervals."""
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy)
+
+
+def _innermost(ranges, t: float) -> str:
+    """The named range that began last among those whose span holds time ``t`` (the one whose
+    work runs then: device spans overlap, e.g. a transfer's with the kernels queued after it);
+    "-": none."""
+    inside = [(-a, b - a, name) for name, a, b in ranges if a <= t < b]
+    return min(inside)[2] if inside else "-"
+
+
+def timeline(prof, top: int) -> Tuple[str, Optional[dict]]:
+    """When things ran in one profiled step: the named ranges (host time; on a GPU also the
+    span of the device work each launched), and on a GPU the compute stream's idle stretches
+    (the host waiting, or the stream waiting for a transfer) and each NCCL kernel with the
+    time the compute stream was busy during it (overlapped) or idle (exposed). Returns the
+    text and, on a GPU, this rank's totals (see :func:`rank_line`)."""
+    events = list(prof.events())
+    host = [e for e in events if e.device_type == DeviceType.CPU and _is_range(e.name)]
+    dev = [e for e in events if e.device_type == DeviceType.CUDA]
+    work = [e for e in dev if not _is_range(e.name)]
+    dev_ranges = [(e.name, e.time_range.start, e.time_range.end) for e in dev if _is_range(e.name)]
+    h0 = min((e.time_range.start for e in host), default=0.0)
+    t0 = min((e.time_range.start for e in work), default=0.0)
+    lines = ["-- phases: host time (from the step's start)" +
+             ("; device span of what each launched (from its first kernel)" if work else "")]
+    spans = {}
+    for name, a, b in dev_ranges:
+        spans.setdefault(name, []).append((a, b))
+    for e in sorted(host, key=lambda e: e.time_range.start):
+        a, b = e.time_range.start - h0, e.time_range.end - h0
+        line = f"  {e.name:<18} host {a / 1e3:8.2f} +{(b - a) / 1e3:7.2f} ms"
+        if spans.get(e.name):
+            da, db = spans[e.name].pop(0)
+            line += f"   device {(da - t0) / 1e3:8.2f} +{(db - da) / 1e3:7.2f} ms"
+        lines.append(line)
+    if not work:
+        return "\n".join(lines), None
+    streams = {}
+    for e in work:
+        streams.setdefault(e.device_resource_id, []).append(e)
+
+    def is_nccl(e) -> bool:
+        return e.name.startswith("nccl")
+
+    compute = max(streams, key=lambda s: sum(e.time_range.end - e.time_range.start
+                                             for e in streams[s] if not is_nccl(e)))
+    kernels = sorted(streams[compute], key=lambda e: e.time_range.start)
+    busy = _merged([(e.time_range.start, e.time_range.end) for e in kernels])
+    t1 = max(e.time_range.end for e in work)
+    busy_us = sum(b - a for a, b in busy)
+    gaps = []
+    for (a, b), (c, _) in zip(busy, busy[1:]):
+        if c - b >= GAP_US:
+            before = max((e for e in kernels if e.time_range.end <= b + 1e-3),
+                         key=lambda e: e.time_range.end)
+            after = min((e for e in kernels if e.time_range.start >= c - 1e-3),
+                        key=lambda e: e.time_range.start)
+            gaps.append((c - b, b, before.name, after.name, _innermost(dev_ranges, c)))
+    nccl = sorted((e for e in work if is_nccl(e)), key=lambda e: e.time_range.start)
+    stats = dict(span=t1 - t0, busy=busy_us, gaps=sum(g[0] for g in gaps), n_gaps=len(gaps),
+                 nccl=sum(e.time_range.end - e.time_range.start for e in nccl), exposed=0.0)
+    lines.append(f"-- device timeline: {(t1 - t0) / 1e3:.2f} ms from the first kernel to the last; "
+                 f"compute stream busy {busy_us / 1e3:.2f} ms, idle {(t1 - t0 - busy_us) / 1e3:.2f}"
+                 f" ms ({len(gaps)} stretches >= {GAP_US:.0f} us: {stats['gaps'] / 1e3:.2f} ms)")
+    for e in nccl:
+        a, b = e.time_range.start, e.time_range.end
+        over = _overlap(a, b, busy)
+        stats["exposed"] += (b - a) - over
+        lines.append(f"  NCCL {(a - t0) / 1e3:8.2f} +{(b - a) / 1e3:7.2f} ms, compute busy "
+                     f"{over / 1e3:6.2f} / idle {(b - a - over) / 1e3:6.2f} ms  in "
+                     f"{_innermost(dev_ranges, a):<16} {e.name[:40]}")
+    if gaps:
+        lines.append(f"  compute stream idle >= {GAP_US:.0f} us, longest {min(top, len(gaps))} "
+                     f"(in: the range of the kernel after it):")
+    for length, at, before, after, where in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  idle {(at - t0) / 1e3:8.2f} +{length / 1e3:7.2f} ms  in {where:<16} "
+                     f"after {before[:34]:<34} before {after[:34]}")
+    return "\n".join(lines), stats
+
+
+def rank_line(rank: int, stats: dict) -> str:
+    """One rank's device totals of a profiled step (:func:`timeline`)."""
+    return (f"  rank {rank}: {stats['span'] / 1e3:7.2f} ms, compute busy {stats['busy'] / 1e3:7.2f}"
+            f" ms, idle stretches {stats['gaps'] / 1e3:6.2f} ms ({stats['n_gaps']}), NCCL "
+            f"{stats['nccl'] / 1e3:6.2f} ms of which {stats['exposed'] / 1e3:6.2f} ms with the "
+            f"compute stream idle")
+
+
 def added_ops(cp: dict, plain: dict, device, top: int) -> str:
     """The ops whose self time the CP call adds over the plain one (by name), largest first."""
     col = 2 if device.type == "cuda" else 1
@@ -275,7 +393,16 @@ def main(argv=None) -> int:
     say(f"host synchronisations of one fwd+bwd (HostSyncs), by rank: {counts}; rank 0's:")
     say(syncs.report())
     say(f"trace (rank 0): {waits_line(s)}")
-    say(table(prof, device, args.top), flush=True)
+    say(table(prof, device, args.top))
+    text, stats = timeline(prof, args.top)
+    say(text)
+    if stats is not None and world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, stats)
+        say("-- every rank's device timeline of the step")
+        for r, st in enumerate(everyone):
+            say(rank_line(r, st))
+    sys.stdout.flush()
 
     if not args.no_single:
         solo = dist.new_group([0])
@@ -309,6 +436,7 @@ def main(argv=None) -> int:
             say(f"trace plain: {waits_line(ps)}")
             say(added_ops(cs, ps, device, args.top))
             say("-- CP on one rank\n" + table(cp_prof, device, args.top))
+            say(timeline(cp_prof, args.top)[0])
             say("-- plain call\n" + table(plain_prof, device, args.top), flush=True)
         dist.barrier()
     dist.destroy_process_group()

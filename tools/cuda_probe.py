@@ -2,13 +2,13 @@
 
     python3 -m tools.cuda_probe [--t2-only]   (FLASH_DMATTN_CUDA_FLAGS selects a build variant)
 
-Prints the module's block sizes, the kernel names a profiled forward launches with their GPU
+Prints the forward and backward modules' block sizes, the kernel names a profiled forward launches with their GPU
 times, the median forward time next to cuDNN SDPA on the same inputs, and the per-kernel GPU
 times of one forward + backward.
 
 Run from the repository root as ``python3 -m tools.cuda_probe`` (``--t2-only`` reaches the
 benchmark workloads in ``benchmarks/``, which are not part of the package). Internal module:
-``backends.cuda.kernels.kernel_module``, for the built module's block sizes and kernel names.
+``backends.cuda.kernels.kernel_module``, for the built modules' block sizes.
 """
 import os
 import sys
@@ -46,8 +46,8 @@ def main():
     q = torch.randn(B, L, H, D, device=dev, dtype=torch.bfloat16)
     k = torch.randn(B, L, H, D, device=dev, dtype=torch.bfloat16)
     v = torch.randn(B, L, H, D, device=dev, dtype=torch.bfloat16)
-    mod = kernel_module(q, False, False)
-    print("block_sizes", mod.block_sizes())
+    for op in ("fwd", "bwd"):
+        print(f"{op} block_sizes", kernel_module(q, False, False, op=op).block_sizes())
     attn = flash_dmattn_func_auto("cuda")
     run = lambda: attn(q, k, v, is_causal=True)
     print_kernel_times(run, "kernel")

@@ -99,7 +99,8 @@ if [ "${PROFILE_S:-0}" -gt 0 ]; then
     tools/cp_profile.py --per-gpu "${PROFILE_LEN:-262144}" --backend "$BACKEND" ${PROFILE_ARGS:-} \
     >"$OUT/profile.log" 2>&1
   echo "profile rc=$?" >>"$OUT/profile.log"
-  grep -E "^== |host synchronisations|^trace|selected.py|rc=|Error" "$OUT/profile.log" | head -24
+  grep -E "^== |host synchronisations|^trace|selected.py|^-- device timeline|^  rank [0-9]|rc=|Error" \
+    "$OUT/profile.log" | head -32
   stamp "profile"
 fi
 

@@ -173,9 +173,10 @@ class CudaBackend(Backend):
             return self.attention(packed_interval_inputs(inputs))[0]
         return cuda_varlen_op().attention(inputs)
 
-    def kernel_module(self, spec: KernelSpec, device=None):
-        """The compiled extension for ``spec`` on ``device`` (built and cached on first use)."""
-        return jit.load_kernel(spec, toolchain.detect(device))
+    def kernel_module(self, spec: KernelSpec, op: str, device=None):
+        """The compiled extension of operation ``op`` (see :data:`.jit.OPS`) of ``spec`` on
+        ``device`` (built and cached on first use)."""
+        return jit.load_kernel(spec, op, toolchain.detect(device))
 
     def attention(self, inputs):
         out, _ = cuda_op()(

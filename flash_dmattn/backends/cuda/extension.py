@@ -12,10 +12,21 @@ from . import jit, toolchain
 from .spec import KernelSpec
 
 
-def kernel_module(q: torch.Tensor, has_mask: bool, has_bias: bool, packed: bool = False):
-    """The compiled extension for this call's specialisation (built on first use)."""
+def kernel_module(q: torch.Tensor, has_mask: bool, has_bias: bool, packed: bool = False, *,
+                  op: str):
+    """The compiled extension of operation ``op`` (``fwd``, ``bwd`` or ``decode``, see
+    :data:`.jit.OPS`) for this call's specialisation, built on first use: a call loads only
+    the operation it runs."""
     spec = KernelSpec.for_call(q.shape[-1], q.dtype, has_mask, has_bias, packed)
-    return jit.load_kernel(spec, toolchain.detect(q.device))
+    return jit.load_kernel(spec, op, toolchain.detect(q.device))
+
+
+def kernel_modules(q: torch.Tensor, has_mask: bool, has_bias: bool, packed: bool = False, *,
+                   ops):
+    """``{op: module}`` for several operations of this call's specialisation; those not built
+    yet build side by side (a training step's forward asks for its backward's too)."""
+    spec = KernelSpec.for_call(q.shape[-1], q.dtype, has_mask, has_bias, packed)
+    return jit.load_kernels(spec, tuple(ops), toolchain.detect(q.device))
 
 
 def vector_ready(t: torch.Tensor) -> torch.Tensor:

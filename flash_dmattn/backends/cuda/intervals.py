@@ -64,19 +64,21 @@ def interval_reasons(inputs) -> List[str]:
     return reasons
 
 
-def _module(q: torch.Tensor, bias):
-    return kernel_module(q, True, bias is not None)
+def _module(q: torch.Tensor, bias, op: str):
+    return kernel_module(q, True, bias is not None, op=op)
 
 
 def plan_for(q, k, bias, bounds, is_causal, backward: bool, window=None):
-    """``(plan, full bounds)`` of a call, at its kernel module's forward tile and backward key
-    block; ``window``: the mask's window promise (see :class:`~flash_dmattn.masks.KeyIntervals`)."""
-    mod = _module(q, bias)
+    """``(plan, full bounds)`` of a call, at its forward module's query tile and, with
+    ``backward``, its backward module's key block (a forward-only plan has no key blocks and
+    loads no backward module); ``window``: the mask's window promise (see
+    :class:`~flash_dmattn.masks.KeyIntervals`)."""
     B, Lq, H, _ = q.shape
     Lk, Hkv = k.shape[1], k.shape[2]
     fb, _ = full_bounds(bounds, B, H, Hkv)
-    fwd_m, _, _, bwd_n = mod.block_sizes()
-    return plan_intervals(fb, Lq, Lk, is_causal, fwd_m, bwd_n, backward, window=window,
+    fwd_m, fwd_n = _module(q, bias, "fwd").block_sizes()
+    key_block = _module(q, bias, "bwd").block_sizes()[1] if backward else fwd_n
+    return plan_intervals(fb, Lq, Lk, is_causal, fwd_m, key_block, backward, window=window,
                           segment_rows=ITEM_SEGMENT_ROWS), fb
 
 
@@ -85,7 +87,7 @@ def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None
     """``(out, lse, plan)``; ``plan`` is ``(IntervalPlan, full bounds)``; ``drop``: the
     extension's dropout arguments (:func:`~.extension.dropout_args`)."""
     q, k, v = (vector_ready(t) for t in (q, k, v))
-    mod = _module(q, bias)
+    mod = _module(q, bias, "fwd")
     if plan is None:
         plan = plan_for(q, k, bias, bounds, is_causal, backward=False)
     ivp, fb = plan
@@ -102,7 +104,7 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
     need_dq, need_dk, need_dv, need_dbias = needs
     need_dbias = need_dbias and bias is not None
     dout, q, k, v, out = (vector_ready(t) for t in (dout, q, k, v, out))
-    mod = _module(q, bias)
+    mod = _module(q, bias, "bwd")
     if plan is None or plan[0].blk_keys is None:
         plan = plan_for(q, k, bias, bounds, is_causal, backward=True)
     ivp, fb = plan
@@ -118,7 +120,7 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
     segment_rows = SEGMENT_ROWS
     if ivp.segment_rows is not None:
         # Segment items lie within one segment each: one CTA per item.
-        bwd_m = mod.block_sizes()[2]
+        bwd_m = mod.block_sizes()[0]
         segment_rows = max(SEGMENT_ROWS, -(-Lq // bwd_m) * bwd_m)
     dq, dk32, dv32, db32 = mod.bwd_intervals(
         dout, q, k, v, bias, out, lse.contiguous(), fb, ivp.blk_keys, ivp.blk_qlo, ivp.blk_qhi,

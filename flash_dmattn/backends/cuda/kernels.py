@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .extension import (NO_DROPOUT, dropout_args, kernel_bias, kernel_module,
+from .extension import (NO_DROPOUT, dropout_args, kernel_bias, kernel_module, kernel_modules,
                         reduce_key_partials, vector_ready)
 from .spec import DTYPES, HEAD_DIM_BUCKETS
 
@@ -98,25 +98,32 @@ def _unpad(t, head_dim: int):
     return t[..., :head_dim].contiguous()
 
 
+def _wants_summary(mask, seqlen_q, seqlen_k) -> bool:
+    """Whether :func:`_summary` classifies ``mask`` (a per-query mask) rather than give None."""
+    from ...planning.mask_summary import wants_summary
+
+    return wants_summary(mask, seqlen_q, seqlen_k)
+
+
 def _summary(mask, seqlen_q, seqlen_k, is_causal, block_m, block_n, key_bits=False):
     """The one-pass classification of a per-query mask (as in the Triton backend), or None;
     ``key_bits``: with the mask's key bits (what the sm_90 dK/dV kernel reads)."""
-    from ...planning.mask_summary import KEY_BITS_ROWS, summarize_mask, wants_summary
+    from ...planning.mask_summary import KEY_BITS_ROWS, summarize_mask
 
-    if not wants_summary(mask, seqlen_q, seqlen_k):
+    if not _wants_summary(mask, seqlen_q, seqlen_k):
         return None
     key_bits = key_bits and block_m % KEY_BITS_ROWS == 0
     return summarize_mask(mask, block_m, block_n, is_causal, key_bits=key_bits)
 
 
-def _backward_summary_blocks(mod) -> Tuple[int, int]:
+def _backward_summary_blocks(fwd_mod, bwd_mod) -> Tuple[int, int]:
     """``(row_block, key_block)`` of a summary that serves the forward's and the backward's
-    tiles (and key bits, 64 rows a word)."""
+    tiles (and key bits, 64 rows a word); ``fwd_mod`` / ``bwd_mod``: the spec's forward and
+    backward modules."""
     from ...planning.mask_summary import KEY_BITS_ROWS, summary_blocks
 
-    fwd_m, fwd_n, bwd_m, bwd_n = mod.block_sizes()
-    rows, keys = summary_blocks((fwd_m, fwd_n), (bwd_m, bwd_n))
-    if mod.bwd_key_bits():
+    rows, keys = summary_blocks(tuple(fwd_mod.block_sizes()), tuple(bwd_mod.block_sizes()))
+    if bwd_mod.bwd_key_bits():
         rows = math.gcd(rows, KEY_BITS_ROWS)
     return rows, keys
 
@@ -128,15 +135,15 @@ _KEY_BITS = True
 
 
 def _wants_key_bits(mod) -> bool:
-    """Whether a training step's summary should carry key bits: the module's dK/dV reads them
-    (instead of transposing each step's mask tile)."""
+    """Whether a training step's summary should carry key bits: the backward module's dK/dV
+    reads them (instead of transposing each step's mask tile)."""
     return mod.bwd_key_bits() and _KEY_BITS
 
 
 def _summary_serves(summary, mod) -> bool:
     """Whether a forward's summary answers the backward's tile questions (and carries the
-    key bits the module reads)."""
-    _, _, bwd_m, bwd_n = mod.block_sizes()
+    key bits the backward module ``mod`` reads)."""
+    bwd_m, bwd_n = mod.block_sizes()
     if summary is None or bwd_m % summary.row_block or bwd_n % summary.key_block:
         return False
     return summary.key_bits is not None or not _wants_key_bits(mod)
@@ -158,8 +165,8 @@ def _lists(mask, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n, device,
 def _gather_plan(mod, mask, bias, seqlen_q, seqlen_k, heads, is_causal, block_m, block_n,
                  summary):
     """Gathered key lists for the forward (the union of each query tile's live keys, see
-    planning/gather.py), or None (key tiles instead): the module must have the gathered
-    forward, a bias must be per key (gathered with the keys), and the planner's policy must
+    planning/gather.py), or None (key tiles instead): the forward module ``mod`` must have the
+    gathered forward, a bias must be per key (gathered with the keys), and the planner's policy must
     find that gathering saves work (:func:`~flash_dmattn.planning.gather.gather_policy`)."""
     if mask is None or not mod.fwd_gathers():
         return None
@@ -286,14 +293,21 @@ def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap, for_backward=
     q, k, v = vector_ready(q), vector_ready(k), vector_ready(v)
     B, Lq, H, _ = q.shape
     Lk = k.shape[1]
-    mod = kernel_module(q, mask is not None, bias is not None)
-    block_m, block_n, _, _ = mod.block_sizes()
+    if for_backward:
+        # A training step: its backward's module too (built beside the forward's), whose tiles
+        # and key bits the mask summary serves.
+        mods = kernel_modules(q, mask is not None, bias is not None, ops=("fwd", "bwd"))
+        mod, bwd_mod = mods["fwd"], mods["bwd"]
+    else:
+        mod = kernel_module(q, mask is not None, bias is not None, op="fwd")
+    block_m, block_n = mod.block_sizes()
     mask, bias = _read_ready(mask, bias, Lq, Lk)
     if for_backward:
         # The key bits the dK/dV kernel reads; the gathered forward's bits are then made from
         # them too, faster than from the mask rows.
-        rows, keys = _backward_summary_blocks(mod)
-        summary = _summary(mask, Lq, Lk, is_causal, rows, keys, key_bits=_wants_key_bits(mod))
+        rows, keys = _backward_summary_blocks(mod, bwd_mod)
+        summary = _summary(mask, Lq, Lk, is_causal, rows, keys,
+                           key_bits=_wants_key_bits(bwd_mod))
     else:
         # Key bits only serve the gathered forward's bits here (so only modules that gather
         # write them), and pay: the summary pass writing them costs less than what making the
@@ -433,7 +447,7 @@ def cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_se
     q, k, v = vector_ready(q), vector_ready(k), vector_ready(v)
     B, Lq, H, D = q.shape
     Hkv = k.shape[2]
-    mod = kernel_module(q, mask is not None, bias is not None)
+    mod = kernel_module(q, mask is not None, bias is not None, op="decode")
     if block_table is not None:
         block_table = block_table.to(torch.int32).contiguous()
         Lk = block_table.shape[1] * k.shape[1]
@@ -515,8 +529,8 @@ def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, de
     dout, q, k, v, out = (vector_ready(t) for t in (dout, q, k, v, out))
     B, Lq, H, _ = q.shape
     Lk = k.shape[1]
-    mod = kernel_module(q, mask is not None, bias is not None)
-    _, _, block_m, block_n = mod.block_sizes()
+    mod = kernel_module(q, mask is not None, bias is not None, op="bwd")
+    block_m, block_n = mod.block_sizes()
     orig_bias = bias
     mode = dbias_mode(bias, B, H, Lq, Lk) if need_dbias else 0
     if mode == DBIAS_SHARED:
@@ -529,20 +543,28 @@ def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, de
         return dq, dk, dv, torch.zeros(bias.shape, dtype=dbias_dtype, device=bias.device)
     mask, bias = _read_ready(mask, bias, Lq, Lk)
     summary = plan.summary if plan is not None else None
-    if not _summary_serves(summary, mod):
-        rows, keys = _backward_summary_blocks(mod)
+
+    def forward_module():
+        # The forward's tiles, which a summary and gathered lists serve too: its module (the
+        # forward of this backward has loaded it).
+        return kernel_module(q, mask is not None, bias is not None, op="fwd")
+
+    if not _summary_serves(summary, mod) and _wants_summary(mask, Lq, Lk):
+        rows, keys = _backward_summary_blocks(forward_module(), mod)
         summary = _summary(mask, Lq, Lk, is_causal, rows, keys, key_bits=_wants_key_bits(mod))
     gather = None
     if need_dq and mode != 1 and mod.bwd_gathers() and drop[0] is None:
+        fwd_mod = forward_module()
+        fwd_m, fwd_n = fwd_mod.block_sizes()
         if plan is not None:
             gather = plan.gather
         else:
-            fwd_m, fwd_n, _, _ = mod.block_sizes()
-            gather = _gather_plan(mod, mask, bias, Lq, Lk, H, is_causal, fwd_m, fwd_n, summary)
+            gather = _gather_plan(fwd_mod, mask, bias, Lq, Lk, H, is_causal, fwd_m, fwd_n,
+                                  summary)
         if gather is None:
             # A per-key mask (block-sparse, padding, top-k per key): dQ over its live keys
             # instead of a fused dQ whose fp32 accumulator outgrows L2 on long sequences.
-            gather = key_list_gather(mask, bias, Lq, Lk, H, is_causal, mod.block_sizes()[0])
+            gather = key_list_gather(mask, bias, Lq, Lk, H, is_causal, fwd_m)
     lists = _lists(mask, Lq, Lk, H, is_causal, block_m, block_n, q.device, need_bwd=True,
                    summary=summary)
     args = (None, None, None, None, 1)
@@ -741,8 +763,8 @@ def cuda_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is
     q, k, v = (vector_ready(t) for t in pad_head_dim(q, k, v))
     bias = kernel_bias(bias, q.dtype)
     H = q.shape[1]
-    mod = kernel_module(q, mask is not None, bias is not None, packed=True)
-    _, block_n, _, _ = mod.block_sizes()
+    mod = kernel_module(q, mask is not None, bias is not None, packed=True, op="fwd")
+    _, block_n = mod.block_sizes()
     cu_q, cu_k = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
     idx, cnt, hdiv = _packed_lists(mask, cu_k, max_k, H, block_n)
     mask_a, bias_a, cu_aux = _aligned_aux(mask, bias, cu_k)
@@ -762,8 +784,8 @@ def cuda_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, ou
     dbias_dtype = bias.dtype if bias is not None else None
     bias = kernel_bias(bias, q.dtype)
     H = q.shape[1]
-    mod = kernel_module(q, mask is not None, bias is not None, packed=True)
-    _, _, _, block_n = mod.block_sizes()
+    mod = kernel_module(q, mask is not None, bias is not None, packed=True, op="bwd")
+    _, block_n = mod.block_sizes()
     cu_q, cu_k = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
     idx, cnt, hdiv = _packed_lists(mask, cu_k, max_k, H, block_n)
     mode = 2 if (need_dbias and bias is not None) else 0

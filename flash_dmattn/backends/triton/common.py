@@ -33,15 +33,20 @@ def alloc_output(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def alloc_partials(num_splits: int, rows: int, head_dim: int,
-                   device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 partial outputs (``num_splits * rows`` rows of ``head_dim``) and their
-    log-sum-exps (``num_splits * rows``) of a split-KV decode launch, in one allocation: the
-    kernels address both as flat rows from their base pointers, so the log-sum-exps are the
-    buffer's tail (one allocator call per decode step's layer instead of two)."""
+def alloc_partials(num_splits: int, rows: int, head_dim: int, device, lse_shape: tuple
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fp32 workspace of a split-KV decode launch that merges its splits, in one
+    allocation: the partial outputs (``num_splits * rows`` rows of ``head_dim``), their
+    log-sum-exps (``num_splits * rows``) and the merged log-sum-exps (``rows = B * H * Lq`` of
+    them, viewed as ``lse_shape = (B, H, Lq)``). The kernels address the partials and their
+    log-sum-exps as flat rows from base pointers, so all three are views of one buffer: one
+    allocator call per decode layer. Returns ``(partials, partial_lse, lse)``."""
     n = num_splits * rows * head_dim
-    buf = alloc_output((n + num_splits * rows,), torch.float32, device)
-    return buf, buf[n:]
+    m = num_splits * rows
+    buf = alloc_output((n + m + rows,), torch.float32, device)
+    _, heads, seqlen_q = lse_shape
+    lse = buf.as_strided(lse_shape, (heads * seqlen_q, seqlen_q, 1), n + m)
+    return buf, buf[n:], lse
 
 
 def dot_upcast(dtype: torch.dtype) -> bool:

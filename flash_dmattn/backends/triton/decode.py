@@ -56,6 +56,7 @@ from .common import (
     interpret_mode,
     last_dim_contiguous,
 )
+from .launch import launch
 
 # Split boundaries are multiples of this, so every BLOCK_N (decode_config) tiles a split exactly.
 SPLIT_ALIGN = 128
@@ -553,30 +554,30 @@ def launch_split_decode(split_kernel, plan: "DecodePlan", q: torch.Tensor, k: to
     A split kernel takes ``Q, K, V, *inputs, OPart, LPart``, the (batch, key, head) strides of
     q, k, v, ``*scalars``, the (batch, query, head) strides of ``out``, then ``split_meta``:
     with one split (``plan.single``) OPart / LPart are ``out`` / ``lse`` themselves, else one
-    fp32 buffer of partials (:func:`.common.alloc_partials`) that the combine merges."""
+    fp32 workspace (:func:`.common.alloc_partials`) holds the partials that the combine
+    merges and ``lse``. Both launches go through :func:`.launch.launch` (Triton's argument
+    specialisation once per launch signature, not per call)."""
     B, Lq, H, D = q.shape
     device = q.device
     out = alloc_output((B, Lq, H, D), q.dtype, device)
-    lse = alloc_output((B, H, Lq), torch.float32, device)
     num_splits = plan.num_splits
     if plan.single:  # the split kernel writes out / lse itself, no combine launch
+        lse = alloc_output((B, H, Lq), torch.float32, device)
         o_part, l_part = out, lse
     else:
-        o_part, l_part = alloc_partials(num_splits, plan.split_rows, D, device)
+        o_part, l_part, lse = alloc_partials(num_splits, plan.split_rows, D, device, (B, H, Lq))
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
-    split_kernel[(num_splits, B, k.shape[2])](
-        q, k, v, *inputs, o_part, l_part,
-        qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-        *scalars, os_[0], os_[1], os_[2],
-        **split_meta,
-    )
+    launch(split_kernel, (num_splits, B, k.shape[2]),
+           (q, k, v, *inputs, o_part, l_part,
+            qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            *scalars, os_[0], os_[1], os_[2]),
+           split_meta)
     if plan.single:
         return out, lse
-    _decode_combine_kernel[(plan.split_rows, plan.combine_cols)](
-        o_part, l_part, out, lse,
-        num_splits, plan.split_rows, H, Lq, os_[0], os_[1], os_[2],
-        **plan.combine_meta,
-    )
+    launch(_decode_combine_kernel, (plan.split_rows, plan.combine_cols),
+           (o_part, l_part, out, lse,
+            num_splits, plan.split_rows, H, Lq, os_[0], os_[1], os_[2]),
+           plan.combine_meta)
     return out, lse
 
 
