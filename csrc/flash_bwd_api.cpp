@@ -13,6 +13,9 @@
 //       (key-interval masks, see KeyIntervalLists in params.h; intervals() says whether this
 //       module has them: a mask, dense batches, sm_90, head dim <= 128)
 //   fused_dq() -> whether bwd(..., allow_fused_dq=True) computes dQ in the dK/dV kernel
+// bwd and bwd_intervals end with the attention dropout (binding.h: fill_dropout): drop_rng,
+// drop_threshold, drop_scale, drop_b0, drop_h0, drop_heads; dropout() says whether this module's
+// kernels have it (sm_90, dense batches, head dim <= 128; the gathered dQ kernel has none).
 //   block_sizes() -> (block_m, block_n) of the backward's tiles
 // Packed sequences (cu_seqlens_q / cu_seqlens_k given): as in the forward; lse is
 // (H, total_q) and per-key dbias partials (H, total_k).
@@ -34,6 +37,7 @@ int bwd_block_n();
 bool bwd_fused_dq();
 bool bwd_gathers();
 bool bwd_key_bits();
+bool bwd_dropout();
 int bwd_gather_block_m();
 }  // namespace flash_dmattn
 
@@ -64,7 +68,9 @@ std::vector<at::Tensor> bwd_intervals(const at::Tensor& dout, const at::Tensor& 
                                       const at::Tensor& blk_qlo, const at::Tensor& blk_qhi,
                                       int64_t blocks_per_row, int64_t segment_rows,
                                       double softmax_scale, bool is_causal, double softcap,
-                                      bool need_dq, bool need_dkv, bool need_dbias) {
+                                      bool need_dq, bool need_dkv, bool need_dbias,
+    const OptT& drop_rng, int64_t drop_threshold, double drop_scale, int64_t drop_b0,
+    int64_t drop_h0, int64_t drop_heads) {
   c10::cuda::CUDAGuard guard(q.device());
   BwdParams p;
   fill_common(p, q, k, v, std::nullopt, std::nullopt, softmax_scale, is_causal, softcap,
@@ -72,6 +78,8 @@ std::vector<at::Tensor> bwd_intervals(const at::Tensor& dout, const at::Tensor& 
   fill_packed(p, std::nullopt, std::nullopt, std::nullopt, 0, 0);
   fill_intervals(p, intervals_built(), bias, bounds);
   TORCH_CHECK(p.iv.row_heads == p.Hkv, "key-interval bounds of the backward must be per kv head");
+  fill_dropout(p, flash_dmattn::bwd_dropout(), q, drop_rng, drop_threshold, drop_scale, drop_b0,
+               drop_h0, drop_heads);
   check_qkv(dout, "dout");
   check_qkv(out, "out");
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "dout/out shape");
@@ -142,10 +150,14 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
                             const OptT& gather_idx, const OptT& gather_cnt, int64_t gather_hdiv,
                             const OptT& gather_bits, int64_t gather_bits_hdiv,
                             const OptT& gather_bias, int64_t gather_bias_hdiv,
-                            const OptT& key_bits, int64_t key_bits_hdiv) {
+                            const OptT& key_bits, int64_t key_bits_hdiv,
+    const OptT& drop_rng, int64_t drop_threshold, double drop_scale, int64_t drop_b0,
+    int64_t drop_h0, int64_t drop_heads) {
   c10::cuda::CUDAGuard guard(q.device());
   BwdParams p;
   fill_common(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap);
+  fill_dropout(p, flash_dmattn::bwd_dropout(), q, drop_rng, drop_threshold, drop_scale, drop_b0,
+               drop_h0, drop_heads);
   check_qkv(dout, "dout");
   check_qkv(out, "out");
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "dout/out shape");
@@ -200,6 +212,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     TORCH_CHECK(gather_cnt.has_value(), "gathered dQ needs the lists' idx and cnt");
     TORCH_CHECK(dbias_mode != 1 && !packed,
                 "gathered dQ takes per-key biases of dense batches only");
+    TORCH_CHECK(p.drop.rng == nullptr, "the gathered dQ kernel has no dropout");
     fill_gather(p, flash_dmattn::bwd_gather_block_m(), *gather_idx, *gather_cnt, gather_hdiv,
                 gather_bits, gather_bits_hdiv, gather_bias, gather_bias_hdiv);
   }
@@ -274,4 +287,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_dq", &flash_dmattn::bwd_fused_dq,
         "whether bwd(..., allow_fused_dq=True) computes dQ inside the dK/dV kernel (atomics)");
   m.def("block_sizes", &block_sizes, "(block_m, block_n) of the backward's tiles");
+  m.def("dropout", &flash_dmattn::bwd_dropout,
+        "whether this module's kernels take dropout (the drop_* arguments)");
 }

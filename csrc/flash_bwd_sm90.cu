@@ -39,6 +39,7 @@
 
 #if FLASH_DMATTN_SM90_BWD
 
+#include "flash_dmattn/dropout.cuh"
 #include "flash_dmattn/pipeline.cuh"
 #include "flash_dmattn/wgmma.cuh"
 #include "flash_dmattn/bwd_sm90_config.cuh"
@@ -59,7 +60,10 @@ cudaError_t run_dq_gathered_sm90(const BwdParams& p, cudaStream_t stream);  // f
 // run while the other's products are on the tensor cores. With fused dQ at kHD = 128 they still
 // exchange their dS^T halves once a step (kBarDsExchange), and a warpgroup overwrites its dS^T
 // buffer only after the other finished reading it (kBarDsFree).
-template <bool kSoftcap, bool kIntervals>
+// kDropout (p.drop, dropout.cuh): with Z the keep-mask scaled by 1 / (1 - p), dV += (P Z)^T dO
+// and dS = P (dP Z - delta), delta = rowsum(dO O) of the dropped output; the scale of dV is
+// applied once, when it is stored.
+template <bool kSoftcap, bool kIntervals, bool kDropout>
 __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
     dkdv_kernel_sm90(const BwdParams p) {
   using Cfg = Sm90BwdConfig<kHeadDimBucket>;
@@ -291,10 +295,36 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       }
     }
   }
+  // Dropout: this thread's two keys (rows of S^T) as a 16-key group shared by the warp and
+  // their positions in it. Key tiles start on multiples of 16 and a warp holds 16 consecutive
+  // keys; a key block of an interval walk may not, and then every entry is drawn on its own.
+  uint32_t drop_grp = 0;
+  int drop_pos[2] = {0, 0};
+  bool drop_shared = true;
+  if constexpr (kDropout) {
+    int key_r[2];
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      key_r[r] = kIntervals ? iv_key[r] : k0 + kw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
+      drop_pos[r] = key_r[r] & 15;
+    }
+    // The warp's group: that of its largest listed key (-1 pads list none).
+    const int top = __reduce_max_sync(0xffffffffu, max(key_r[0], key_r[1]) >> 4);
+    drop_grp = uint32_t(max(top, 0));
+    drop_shared = __all_sync(0xffffffffu, (key_r[0] < 0 || (key_r[0] >> 4) == top) &
+                                              (key_r[1] < 0 || (key_r[1] >> 4) == top));
+    if (!drop_shared) {
+      // Every entry drawn on its own: the key position itself (-1 pads: any key, unseen).
+      drop_pos[0] = max(key_r[0], 0);
+      drop_pos[1] = max(key_r[1], 0);
+    }
+  }
   int step = 0;
   for (int hh = 0; hh < group; ++hh) {
     const int h = hkv * group + hh;
     const int steps = walk_of(hh).steps;
+    DropoutKey dkey;
+    if constexpr (kDropout) dkey = dropout_key(p.drop, b, h);
     float key_dbias[2] = {0.f, 0.f};
     float iv_bias[2] = {0.f, 0.f};
     if constexpr (kIntervals && kHasBias) {
@@ -395,6 +425,38 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       } else {
         plain = kPlainPath && !kSoftcap && !check && !use_mask && !(kHasBias && bias_rows);
       }
+      // Dropout: bit 2 g + c2 of drop_bits[r] says whether query q0 + 8 g + 2 (lane % 4) + c2
+      // keeps key r.
+      uint32_t drop_bits[2] = {0u, 0u};
+      if constexpr (kDropout) {
+        if (drop_shared) {
+          dropout_key_rows_bits(dkey, drop_grp, q0, drop_pos[0], drop_pos[1], lane, drop_bits);
+        } else {
+#pragma unroll 1
+          for (int g = 0; g < kGroups; ++g) {
+            const int qc0 = 8 * g + 2 * (lane % 4);  // the accumulator's column of (0, r, g)
+            CUTE_UNROLL
+            for (int c2 = 0; c2 < 2; ++c2) {
+              CUTE_UNROLL
+              for (int r = 0; r < 2; ++r) {
+                drop_bits[r] |= keep_bit(dkey, q0 + qc0 + c2, drop_pos[r]) << (2 * g + c2);
+              }
+            }
+          }
+        }
+      }
+      // P of the value and its dS from P and dP (dropout: P Z and P (dP Z - delta)).
+      const float dscale = kDropout ? p.drop.scale : 1.f;
+      auto grads = [&](float pr, float dp, float dl, int r, int bit, float& p_out, float& ds_out) {
+        if constexpr (kDropout) {
+          const bool keep = ((drop_bits[r] >> bit) & 1u) != 0u;
+          ds_out = pr * (keep ? fmaf(dp, dscale, -dl) : -dl);
+          p_out = keep ? pr : 0.f;
+        } else {
+          ds_out = pr * (dp - dl);
+          p_out = pr;
+        }
+      };
       const float scale2 = p.scale * kLog2e;
       if (plain) {
         float key_bias2[2];
@@ -412,9 +474,10 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
             for (int r = 0; r < 2; ++r) {
               const auto e = make_coord(make_coord(c2, r, g), 0, 0);
               const float pr = exp2f(fmaf(acc_s(e), scale2, kHasBias ? key_bias2[r] - l2 : -l2));
-              const float ds = pr * (acc_dp(e) - dl);
+              float pk, ds;
+              grads(pr, acc_dp(e), dl, r, 2 * g + c2, pk, ds);
               if constexpr (kHasBias) key_dbias[r] += ds;
-              acc_s(e) = pr;
+              acc_s(e) = pk;
               acc_dp(e) = ds;
             }
           }
@@ -452,9 +515,10 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
             } else {
               pr = visible ? exp2f(fmaf(acc_s(e), scale2, fmaf(bias, kLog2e, -l * kLog2e))) : 0.f;
             }
-            const float ds = pr * (acc_dp(e) - dl);
+            float pk, ds;
+            grads(pr, acc_dp(e), dl, r, 2 * g + c2, pk, ds);
             key_dbias[r] += ds;  // unconditional: a branch here costs spills
-            acc_s(e) = pr;
+            acc_s(e) = pk;
             acc_dp(e) = ds * dt;
           }
         }
@@ -517,6 +581,8 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
   if (fused_dq && tid % 128 == 0) bulk_wait_all<0>();
   if (!p.need_dkv) return;
   Tensor cKV = thr_g.partition_C(make_identity_tensor(Shape<_64, Int<kD>>{}));
+  // Dropout's 1 / (1 - p) of the kept probabilities dV summed.
+  const float dv_scale = kDropout ? p.drop.scale : 1.f;
   if constexpr (kIntervals) {
     // fp32 (B, Lk, Hkv, D) buffers, rows by key index; a CTA without steps adds nothing.
     if (total_steps == 0) return;
@@ -537,8 +603,8 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
                     make_float2(acc_dk(make_coord(0, r, g), 0, 0) * p.scale,
                                 acc_dk(make_coord(1, r, g), 0, 0) * p.scale));
           atomicAdd(reinterpret_cast<float2*>(dvr + col),
-                    make_float2(acc_dv(make_coord(0, r, g), 0, 0),
-                                acc_dv(make_coord(1, r, g), 0, 0)));
+                    make_float2(acc_dv(make_coord(0, r, g), 0, 0) * dv_scale,
+                                acc_dv(make_coord(1, r, g), 0, 0) * dv_scale));
         }
       }
     }
@@ -549,13 +615,14 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
   Elem* dv = reinterpret_cast<Elem*>(p.dv) + int64_t(b) * p.dv_sb + sr.k_row0 * p.dv_sl +
              int64_t(hkv) * p.dv_sh;
   store_wg_rows(dk, p.dk_sl, k0 + kw, Lk(), p.D, p.scale, acc_dk, cKV);
-  store_wg_rows(dv, p.dv_sl, k0 + kw, Lk(), p.D, 1.f, acc_dv, cKV);
+  store_wg_rows(dv, p.dv_sl, k0 + kw, Lk(), p.D, dv_scale, acc_dv, cKV);
 }
 
 // ---------------------------------------------------------------------------------------------
 // dQ (+ full dbias)
 // ---------------------------------------------------------------------------------------------
-template <bool kSoftcap>
+// kDropout: dS = P (dP Z - delta), Z the keep-mask scaled by 1 / (1 - p) (p.drop).
+template <bool kSoftcap, bool kDropout>
 __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
   using Cfg = Sm90BwdConfig<kHeadDimBucket>;
   constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kD = kHeadDimBucket, kT = Cfg::kT;
@@ -625,6 +692,8 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
     Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(at(0), typename Cfg::Tile{}));
     Tensor tSrdO = thr_s.partition_fragment_A(make_tensor(at(kT), typename Cfg::Tile{}));
     const bool mask_rows = p.mask.sq != 0, bias_rows = p.bias.sq != 0;
+    DropoutKey dkey;
+    if constexpr (kDropout) dkey = dropout_key(p.drop, b, h);
 
     for (int i = 0; i < n_steps; ++i) {
       const int st = i & 1, k0 = walk.tile(i) * kBN;
@@ -651,6 +720,15 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
       const char* btile = bias_smem + st * BiasT::kBytes;
       const bool check = partial || (k0 + kw + 64 > Lk());
       const bool use_mask = kHasMask && partial;
+      // Dropout: this warpgroup's 64 keys of the thread's two rows.
+      DropoutRowBits<64> drop[2];
+      if constexpr (kDropout) {
+        CUTE_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          drop[r].compute(dkey, q0 + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0))), k0 + kw,
+                          tid % 32);
+        }
+      }
       // A thread's values come in pairs of adjacent keys (c, c + 1), c even: their mask / bias
       // are read as one 2- / 4-byte word; the causal / ragged bound is one key limit per row.
       CUTE_UNROLL
@@ -677,7 +755,13 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
             const float s = score<kSoftcap>(acc_s(e), p, dt) + (c2 == 0 ? b2.x : b2.y);
             const bool visible = (kc + c2 < limit) & (((m2 >> (8 * c2)) & 0xffu) != 0u);
             const float pr = visible ? __expf(s - row_lse[r]) : 0.f;
-            const float ds = pr * (acc_dp(e) - row_delta[r]);
+            float ds;
+            if constexpr (kDropout) {
+              const bool keep = ((drop[r].pair(g) >> c2) & 1u) != 0u;
+              ds = pr * (keep ? fmaf(acc_dp(e), p.drop.scale, -row_delta[r]) : -row_delta[r]);
+            } else {
+              ds = pr * (acc_dp(e) - row_delta[r]);
+            }
             if constexpr (kHasBias) {
               if (p.dbias_full != nullptr) {
                 const int qi = q0 + qr, kj = k0 + kc + c2;
@@ -737,7 +821,10 @@ static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
     cudaError_t err = run_dq_gathered_sm90(p, stream);
     if (err != cudaSuccess) return err;
   } else if ((p.need_dq && !fused_dq) || p.dbias_full != nullptr) {
-    auto kernel = &dq_kernel_sm90<kSoftcap>;
+    auto kernel = &dq_kernel_sm90<kSoftcap, false>;
+    if constexpr (FLASH_DMATTN_DROPOUT) {
+      if (p.drop.rng != nullptr) kernel = &dq_kernel_sm90<kSoftcap, true>;
+    }
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kQSmem);
     if (err != cudaSuccess) return err;
@@ -746,7 +833,10 @@ static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   }
   if (p.intervals) {
     // Key blocks x query segments; dQ is always fused (the host allocates the accumulator).
-    auto kernel = &dkdv_kernel_sm90<kSoftcap, true>;
+    auto kernel = &dkdv_kernel_sm90<kSoftcap, true, false>;
+    if constexpr (FLASH_DMATTN_DROPOUT) {
+      if (p.drop.rng != nullptr) kernel = &dkdv_kernel_sm90<kSoftcap, true, true>;
+    }
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kKvSmem);
     if (err != cudaSuccess) return err;
@@ -755,7 +845,10 @@ static cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
       kernel<<<dim3(p.iv.n_blocks, segments), Cfg::kKvThreads, Cfg::kKvSmem, stream>>>(p);
     }
   } else if (p.need_dkv || p.dbias_keys != nullptr || fused_dq) {
-    auto kernel = &dkdv_kernel_sm90<kSoftcap, false>;
+    auto kernel = &dkdv_kernel_sm90<kSoftcap, false, false>;
+    if constexpr (FLASH_DMATTN_DROPOUT) {
+      if (p.drop.rng != nullptr) kernel = &dkdv_kernel_sm90<kSoftcap, false, true>;
+    }
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kKvSmem);
     if (err != cudaSuccess) return err;

@@ -15,6 +15,9 @@
 //       (key-interval masks, see KeyIntervalLists in params.h; intervals() says whether this
 //       module has them: a mask, dense batches, sm_90, head dim <= 128)
 //   block_sizes() -> (block_m, block_n) of the forward's tiles
+// fwd, fwd_gathered and fwd_intervals end with the attention dropout (binding.h: fill_dropout):
+// drop_rng, drop_threshold, drop_scale, drop_b0, drop_h0, drop_heads; dropout() says whether
+// this module's kernels have it (sm_90, dense batches, head dim <= 128).
 // Packed sequences (cu_seqlens_q / cu_seqlens_k given): q / k / v are the packed
 // (total, heads, D) tensors viewed as batch 1, a mask / bias is per key (1, Hm, 1, width)
 // with sequence b's keys from cu_aux[b] (or cu_seqlens_k[b] without cu_aux), lse is
@@ -34,6 +37,7 @@ namespace flash_dmattn {
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream);
 bool fwd_gathers();
 bool fwd_intervals();
+bool fwd_dropout();
 int fwd_block_m();
 int fwd_block_n();
 }  // namespace flash_dmattn
@@ -48,10 +52,14 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
                             double softmax_scale, bool is_causal, double softcap,
                             const OptT& list_idx, const OptT& list_cnt, int64_t list_hdiv,
                             const OptT& cu_q, const OptT& cu_k, const OptT& cu_aux,
-                            int64_t max_q, int64_t max_k) {
+                            int64_t max_q, int64_t max_k,
+    const OptT& drop_rng, int64_t drop_threshold, double drop_scale, int64_t drop_b0,
+    int64_t drop_h0, int64_t drop_heads) {
   c10::cuda::CUDAGuard guard(q.device());
   FwdParams p;
   fill_common(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap);
+  fill_dropout(p, flash_dmattn::fwd_dropout(), q, drop_rng, drop_threshold, drop_scale, drop_b0,
+               drop_h0, drop_heads);
   const bool packed = cu_q.has_value();
   // Packed rows past cu_seqlens_q[-1] belong to no sequence: zero output, lse -inf.
   at::Tensor out = out_.has_value() ? *out_
@@ -97,7 +105,9 @@ std::vector<at::Tensor> fwd_gathered(const at::Tensor& q, const at::Tensor& k,
                                      const at::Tensor& v, const OptT& out_, double softmax_scale,
                                      bool is_causal, double softcap, const at::Tensor& idx,
                                      const at::Tensor& cnt, int64_t hdiv, const at::Tensor& bits,
-                                     int64_t bits_hdiv, const OptT& gbias, int64_t gbias_hdiv) {
+                                     int64_t bits_hdiv, const OptT& gbias, int64_t gbias_hdiv,
+    const OptT& drop_rng, int64_t drop_threshold, double drop_scale, int64_t drop_b0,
+    int64_t drop_h0, int64_t drop_heads) {
   c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK(flash_dmattn::fwd_gathers(), "this kernel module has no gathered forward (it needs "
               "a mask, dense batches and sm_90)");
@@ -107,6 +117,8 @@ std::vector<at::Tensor> fwd_gathered(const at::Tensor& q, const at::Tensor& k,
   auto [out, lse] = dense_out_lse(p, q, out_);
   fill_gather(p, flash_dmattn::fwd_block_m(), idx, cnt, hdiv, bits, bits_hdiv, gbias,
               gbias_hdiv);
+  fill_dropout(p, flash_dmattn::fwd_dropout(), q, drop_rng, drop_threshold, drop_scale, drop_b0,
+               drop_h0, drop_heads);
   if (finished_without_keys(p, out, lse)) return {out, lse};
   cudaError_t err = flash_dmattn::run_fwd(p, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda fwd_gathered: ", cudaGetErrorString(err));
@@ -121,13 +133,17 @@ std::vector<at::Tensor> fwd_intervals(const at::Tensor& q, const at::Tensor& k,
                                       const at::Tensor& bounds, const at::Tensor& tile_start,
                                       const at::Tensor& tile_len, const at::Tensor& tile_full,
                                       const at::Tensor& keys, double softmax_scale,
-                                      bool is_causal, double softcap) {
+                                      bool is_causal, double softcap,
+    const OptT& drop_rng, int64_t drop_threshold, double drop_scale, int64_t drop_b0,
+    int64_t drop_h0, int64_t drop_heads) {
   c10::cuda::CUDAGuard guard(q.device());
   FwdParams p;
   fill_common(p, q, k, v, std::nullopt, std::nullopt, softmax_scale, is_causal, softcap,
               /*paged=*/false, /*aux=*/false);
   fill_packed(p, std::nullopt, std::nullopt, std::nullopt, 0, 0);
   fill_intervals(p, intervals_built(), bias, bounds);
+  fill_dropout(p, flash_dmattn::fwd_dropout(), q, drop_rng, drop_threshold, drop_scale, drop_b0,
+               drop_h0, drop_heads);
   const int64_t n_tiles = (p.Lq + flash_dmattn::fwd_block_m() - 1) / flash_dmattn::fwd_block_m();
   check_list(tile_start, "tile_start");
   check_list(tile_len, "tile_len");
@@ -163,4 +179,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("intervals", &intervals_built, "whether fwd_intervals (key-interval masks) is built in");
   m.def("fwd_intervals", &fwd_intervals, "attention forward over key-interval lists -> [out, lse]");
   m.def("block_sizes", &block_sizes, "(block_m, block_n) of the forward's tiles");
+  m.def("dropout", &flash_dmattn::fwd_dropout,
+        "whether this module's kernels take dropout (the drop_* arguments)");
 }

@@ -28,6 +28,7 @@
 
 #if FLASH_DMATTN_SM90
 
+#include "flash_dmattn/dropout.cuh"
 #include "flash_dmattn/pipeline.cuh"
 #include "flash_dmattn/wgmma.cuh"
 
@@ -232,7 +233,11 @@ __device__ __forceinline__ IntervalKey fetch_interval_key(const FwdParams& p, in
 // a bias as the list's gathered row.
 // kIntervals (with kGather): the list is the key-interval planner's (p.iv), and the aux stage
 // holds each listed key's query range and bias (IntervalKey) instead of bits.
-template <bool kSoftcap, bool kGather, bool kIntervals>
+// kDropout: attention dropout (p.drop, dropout.cuh). The row sums take every probability (the
+// normaliser of the true softmax); then dropped probabilities are zeroed before P becomes the
+// P V operand, and the epilogue scales kept ones by 1 / (1 - p) with the normaliser. Keys are
+// drawn at their positions in the sequence: a list's entries, not its columns.
+template <bool kSoftcap, bool kGather, bool kIntervals, bool kDropout>
 __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     fwd_kernel_sm90(const FwdParams p) {
   static_assert(kGather || !kIntervals, "key intervals walk gathered lists");
@@ -447,6 +452,8 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     clear(acc_o);
     Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    DropoutKey dkey;
+    if constexpr (kDropout) dkey = dropout_key(p.drop, b, h);
 
     if (n_steps > 0) {
       Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)), typename Cfg::SmemQ{});
@@ -664,6 +671,39 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
           row_sum[r] = row_sum[r] * alpha[r] + sum;  // quad-reduced once, at the end
         }
       };
+      // Dropout of tile i's probabilities (after softmax_step has summed them): dropped ones
+      // zeroed. Its Philox evaluations run while the previous tile's P V product is on the
+      // tensor cores.
+      auto drop_probs = [&](auto& acc_s, int i) {
+        constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
+        const int lane = tid % 32;
+        const int row0 = q0 + get<0>(cS(make_coord(0, 0, 0), 0, 0));
+        const int row1 = q0 + get<0>(cS(make_coord(0, 1, 0), 0, 0));
+        auto apply = [&](int r, auto keep_pair) {
+          CUTE_UNROLL
+          for (int g = 0; g < kGroupsS; ++g) {
+            const uint32_t keep = keep_pair(g);
+            float& s0 = acc_s(make_coord(0, r, g), 0, 0);
+            float& s1 = acc_s(make_coord(1, r, g), 0, 0);
+            s0 = (keep & 1u) != 0u ? s0 : 0.f;
+            s1 = (keep & 2u) != 0u ? s1 : 0.f;
+          }
+        };
+        if constexpr (kGather) {
+          uint32_t bits[2];
+          dropout_listed_bits<kGroupsS>(dkey, list + i * kBlockN, n_keys - i * kBlockN, row0,
+                                        row1, lane, bits);
+          CUTE_UNROLL
+          for (int r = 0; r < 2; ++r) apply(r, [&](int g) { return (bits[r] >> (2 * g)) & 3u; });
+        } else {
+          CUTE_UNROLL
+          for (int r = 0; r < 2; ++r) {
+            DropoutRowBits<kBlockN> bits;
+            bits.compute(dkey, r == 0 ? row0 : row1, tile_of(i) * kBlockN, lane);
+            apply(r, [&](int g) { return bits.pair(g); });
+          }
+        }
+      };
       auto rescale_o = [&](const float (&alpha)[2]) {
         constexpr int kGroupsO = decltype(size<0, 2>(acc_o))::value;
         CUTE_UNROLL
@@ -711,6 +751,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
           to_logits(acc_s, i, 0);
         }
         softmax_step(acc_s, alpha);
+        if constexpr (kDropout) drop_probs(acc_s, i);
       };
       auto pv_done = [&](int i) {
         wgmma_wait<0>(acc_o);
@@ -743,7 +784,8 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       const float sum = quad_sum(row_sum[r]);
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      // With dropout, kept probabilities are scaled by 1 / (1 - p) here.
+      const float inv = sum > 0.f ? (kDropout ? p.drop.scale : 1.f) / sum : 0.f;
       const int row = q0 + get<0>(cO(make_coord(0, r, 0), 0, 0));
       if (row < Lq()) {
         // The running max is in log2 units; lse is in natural-log units.
@@ -771,7 +813,10 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
 template <bool kSoftcap, bool kGather, bool kIntervals = false>
 static cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   using Cfg = Sm90FwdConfig<kHeadDimBucket>;
-  auto kernel = &fwd_kernel_sm90<kSoftcap, kGather, kIntervals>;
+  auto kernel = &fwd_kernel_sm90<kSoftcap, kGather, kIntervals, false>;
+  if constexpr (FLASH_DMATTN_DROPOUT) {
+    if (p.drop.rng != nullptr) kernel = &fwd_kernel_sm90<kSoftcap, kGather, kIntervals, true>;
+  }
   const int smem = Cfg::aux_layout(p).smem;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

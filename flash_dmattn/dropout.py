@@ -1,6 +1,7 @@
 """Attention dropout's random stream: where it comes from and which entries it keeps.
 
-Every implementation (the torch oracle, the Triton kernels) decides whether probability
+Every implementation (the torch oracle, the Triton kernels, the cuda backend's sm_90
+kernels: ``csrc/flash_dmattn/dropout.cuh``) decides whether probability
 ``P[b, h, i, j]`` is kept from the same counter-based generator, so forward and backward
 regenerate the mask instead of storing it and any implementation can reproduce any other's:
 

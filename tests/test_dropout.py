@@ -221,12 +221,13 @@ def test_backends_decline_dropout_with_a_reason():
     flex = registry._BACKENDS["flex"]
     assert any("dropout" in r for r in flex.not_supported_reasons(inputs))
     if "cuda" in registry._BACKENDS:
+        # The cuda kernels' dropout covers dense calls on Hopper (tests/test_cuda_dropout.py),
+        # not packed sequences.
         cuda = registry._BACKENDS["cuda"]
-        assert "dropout is not implemented in the cuda kernels yet" in cuda.not_supported_reasons(inputs)
         packed = VarlenInputs.from_args(q[0], q[0], q[0], torch.tensor([0, 8]), torch.tensor([0, 8]),
                                         8, 8, dropout_p=0.1)
-        assert "dropout is not implemented in the cuda kernels yet" in \
-            cuda.varlen_not_supported_reasons(packed)
+        assert any("dropout with packed sequences" in r
+                   for r in cuda.varlen_not_supported_reasons(packed))
     with pytest.raises(ValueError, match="dropout"):
         flash_dmattn_func_auto("flex")(q, q, q, dropout_p=0.1)
     # The reference runs it (its CPU fast path, SDPA, has another random stream: not taken).

@@ -138,6 +138,30 @@ inline bool finished_without_keys(const FwdParams& p, at::Tensor& out, at::Tenso
   return true;
 }
 
+// The call's attention dropout (Dropout in params.h): drop_rng is the call's int64 (seed,
+// offset[, batch]) tensor on q's device, or None (no dropout); drop_heads 0 means H. `built`:
+// whether this module's kernels take dropout (the kernel sources answer, see above).
+inline void fill_dropout(FwdParams& p, bool built, const at::Tensor& q, const OptT& rng,
+                         int64_t threshold, double scale, int64_t b0, int64_t h0,
+                         int64_t heads) {
+  if (!rng.has_value()) return;
+  TORCH_CHECK(built, "this kernel module has no dropout (it needs sm_90, dense batches and "
+              "head dim <= 128)");
+  const at::Tensor& r = *rng;
+  TORCH_CHECK(r.is_cuda() && r.device() == q.device() && r.scalar_type() == at::kLong &&
+                  r.dim() == 1 && (r.numel() == 2 || r.numel() == 3) && r.is_contiguous(),
+              "drop_rng must be a contiguous int64 (seed, offset[, batch]) tensor on q's device");
+  TORCH_CHECK(threshold >= 0 && threshold <= 256 && scale >= 1.0,
+              "drop_threshold must be in [0, 256] and drop_scale >= 1");
+  p.drop.rng = r.data_ptr<int64_t>();
+  p.drop.rng_batch = r.numel() == 3;
+  p.drop.threshold = static_cast<uint32_t>(threshold);
+  p.drop.scale = static_cast<float>(scale);
+  p.drop.b0 = b0;
+  p.drop.h0 = static_cast<int>(h0);
+  p.drop.heads = static_cast<int>(heads > 0 ? heads : p.H);
+}
+
 inline void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const OptT& mask, const OptT& bias, double scale,
                         bool causal, double softcap, bool paged = false, bool aux = true) {

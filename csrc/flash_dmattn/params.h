@@ -35,6 +35,9 @@
 // share a thread's registers); larger head dims run the sm80 backward on Hopper too.
 #define FLASH_DMATTN_SM90_BWD \
   (FLASH_DMATTN_SM90 && FLASH_DMATTN_HEADDIM <= 128)
+// Attention dropout (Dropout below): built into the sm_90 forward and backward of dense-batch
+// modules whose backward is sm_90 too; other modules compile no dropout kernels.
+#define FLASH_DMATTN_DROPOUT (FLASH_DMATTN_SM90_BWD && !FLASH_DMATTN_PACKED)
 
 namespace flash_dmattn {
 
@@ -107,6 +110,21 @@ struct Bcast {
   bool vec = false;
 };
 
+// Attention dropout (flash_dmattn/dropout.py; device side in dropout.cuh): probabilities are
+// kept iff their random byte reaches `threshold` and kept ones scaled by `scale`. The random
+// stream is keyed by the call's int64 rng tensor, read on the device: (seed, offset) and, with
+// rng_batch, the batch index of the call's first row. A kernel's batch b and head h draw
+// counter word (b + b0 [+ rng[2]]) * heads + h + h0: a call on a slice of the batch and heads
+// (the per-chunk backward of a shared bias) names where its slice starts. rng nullptr: none.
+struct Dropout {
+  const int64_t* rng = nullptr;
+  bool rng_batch = false;
+  uint32_t threshold = 0;  // round(256 p), in [0, 256]
+  float scale = 1.f;       // 1 / (1 - p)
+  int64_t b0 = 0;
+  int h0 = 0, heads = 0;
+};
+
 struct FwdParams {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -148,6 +166,7 @@ struct FwdParams {
   // are unused.
   bool intervals = false;
   KeyIntervalLists iv;
+  Dropout drop;
 };
 
 struct BwdParams : FwdParams {

@@ -78,12 +78,36 @@ class CudaBackend(Backend):
             reasons.append(str(exc))
         if inputs.return_attn_probs:
             reasons.append("return_attn_probs is not supported (use torch-reference)")
-        if getattr(inputs, "dropout_p", 0.0) > 0.0:
-            reasons.append("dropout is not implemented in the cuda kernels yet")
+        return reasons
+
+    @staticmethod
+    def _dropout_reasons(inputs, packed: bool) -> List[str]:
+        """Why the kernels cannot run a call's attention dropout: only the sm_90 forward and
+        backward draw its keep-mask (flash_dmattn.dropout), so not the decode kernel (KV
+        caches), the sm80 kernels (other GPUs; head dims over 128, whose backward is sm80 on
+        Hopper too) or packed sequences (their sm_90 kernels are built without it)."""
+        if not getattr(inputs, "dropout_p", 0.0) > 0.0:
+            return []
+        from ...policy import HOPPER, device_capability
+
+        reasons = []
+        if packed:
+            reasons.append("dropout with packed sequences (varlen) has no cuda kernel (triton "
+                           "runs it)")
+        if (getattr(inputs, "cache_seqlens", None) is not None
+                or getattr(inputs, "block_table", None) is not None):
+            reasons.append("dropout with a KV cache (cache_seqlens / block_table): the cuda "
+                           "decode kernel has no dropout")
+        if inputs.head_dim > 128:
+            reasons.append(f"dropout with head_dim {inputs.head_dim} > 128: the backward of "
+                           f"those head dims (sm80 kernels) has no dropout")
+        if inputs.device.type == "cuda" and device_capability(inputs.device) != HOPPER:
+            reasons.append("dropout is implemented in the sm_90 (Hopper) cuda kernels only")
         return reasons
 
     def not_supported_reasons(self, inputs) -> List[str]:
         reasons = self._call_reasons(inputs)
+        reasons.extend(self._dropout_reasons(inputs, packed=False))
         if getattr(inputs, "key_intervals", None) is not None:
             from .intervals import interval_reasons
             from .kernels import input_reasons
@@ -132,6 +156,7 @@ class CudaBackend(Backend):
             reasons.extend(r for r in self.not_supported_reasons(packed) if r not in reasons)
             return reasons
         reasons = self._call_reasons(inputs)
+        reasons.extend(self._dropout_reasons(inputs, packed=True))
         from .kernels import varlen_input_reasons
 
         reasons.extend(r for r in varlen_input_reasons(
@@ -160,6 +185,8 @@ class CudaBackend(Backend):
             cache_seqlens=inputs.cache_seqlens, block_table=inputs.block_table,
             key_intervals=getattr(inputs, "key_intervals", None),
             key_window=getattr(inputs, "key_window", None),
+            dropout_p=getattr(inputs, "dropout_p", 0.0),
+            dropout_rng=getattr(inputs, "dropout_rng", None),
         )
         return out
 

@@ -64,6 +64,25 @@ def kernel_bias(bias, dtype: torch.dtype):
     return out.expand(bias.shape)
 
 
+NO_DROPOUT = (None, 0, 1.0, 0, 0, 0)
+
+
+def dropout_args(dropout_p: float, dropout_rng: Optional[torch.Tensor], batch0: int = 0,
+                 head0: int = 0, heads: int = 0) -> tuple:
+    """The extension's trailing dropout arguments ``(drop_rng, drop_threshold, drop_scale,
+    drop_b0, drop_h0, drop_heads)`` of a call (:mod:`flash_dmattn.dropout`; threshold and
+    scale computed here, as for every implementation). A call on batches ``batch0 ..`` and
+    query heads ``head0 ..`` of a larger one with ``heads`` query heads (0: the call's own)
+    draws that call's keep-mask."""
+    if not dropout_p:
+        return NO_DROPOUT
+    from ...dropout import keep_scale, keep_threshold
+
+    rng = dropout_rng.to(dtype=torch.int64).contiguous()
+    return (rng, keep_threshold(dropout_p), keep_scale(dropout_p), int(batch0), int(head0),
+            int(heads))
+
+
 def reduce_key_partials(partial: torch.Tensor, bias: torch.Tensor,
                         dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """(B, H, Lk) fp32 per-(batch, head) key sums -> the bias's own shape, in ``dtype``

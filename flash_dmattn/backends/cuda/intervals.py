@@ -25,7 +25,7 @@ import torch
 
 from ...planning.key_lists import DenseEquivalent, full_bounds, plan_intervals
 from ...policy import HOPPER, device_capability
-from .extension import kernel_module, reduce_key_partials, vector_ready
+from .extension import NO_DROPOUT, kernel_module, reduce_key_partials, vector_ready
 
 # Query rows one dK/dV CTA walks at most over a key block (a multiple of the backward's 64-row
 # tiles): a key that stays selected for most of the sequence is spread over several CTAs.
@@ -82,8 +82,10 @@ def plan_for(q, k, bias, bounds, is_causal, backward: bool, window=None):
                           segment_rows=ITEM_SEGMENT_ROWS), fb
 
 
-def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None):
-    """``(out, lse, plan)``; ``plan`` is ``(IntervalPlan, full bounds)``."""
+def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None,
+                     drop=NO_DROPOUT):
+    """``(out, lse, plan)``; ``plan`` is ``(IntervalPlan, full bounds)``; ``drop``: the
+    extension's dropout arguments (:func:`~.extension.dropout_args`)."""
     q, k, v = (vector_ready(t) for t in (q, k, v))
     mod = _module(q, bias, "fwd")
     if plan is None:
@@ -91,14 +93,14 @@ def interval_forward(q, k, v, bias, bounds, scale, is_causal, softcap, plan=None
     ivp, fb = plan
     out, lse = mod.fwd_intervals(q, k, v, None, bias, fb, ivp.tile_start, ivp.tile_len,
                                  ivp.tile_full, ivp.keys, float(scale), bool(is_causal),
-                                 float(softcap))
+                                 float(softcap), *drop)
     return out, lse, plan
 
 
 def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, softcap, needs,
-                      plan=None, dbias_dtype=None):
+                      plan=None, dbias_dtype=None, drop=NO_DROPOUT):
     """``(dq, dk, dv, dbias)`` with None where ``needs`` did not ask; dbias (summed in fp32)
-    in ``dbias_dtype`` (default: the bias's dtype)."""
+    in ``dbias_dtype`` (default: the bias's dtype); ``drop`` as in :func:`interval_forward`."""
     need_dq, need_dk, need_dv, need_dbias = needs
     need_dbias = need_dbias and bias is not None
     dout, q, k, v, out = (vector_ready(t) for t in (dout, q, k, v, out))
@@ -123,7 +125,7 @@ def interval_backward(dout, q, k, v, bias, bounds, out, lse, scale, is_causal, s
     dq, dk32, dv32, db32 = mod.bwd_intervals(
         dout, q, k, v, bias, out, lse.contiguous(), fb, ivp.blk_keys, ivp.blk_qlo, ivp.blk_qhi,
         ivp.blocks_per_row, segment_rows, float(scale), bool(is_causal), float(softcap),
-        bool(need_dq), bool(need_dk or need_dv), bool(need_dbias))
+        bool(need_dq), bool(need_dk or need_dv), bool(need_dbias), *drop)
     return (dq if need_dq else None,
             dk32.to(k.dtype) if need_dk else None,
             dv32.to(v.dtype) if need_dv else None,

@@ -15,8 +15,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .extension import (kernel_bias, kernel_module, kernel_modules, reduce_key_partials,
-                        vector_ready)
+from .extension import (NO_DROPOUT, dropout_args, kernel_bias, kernel_module, kernel_modules,
+                        reduce_key_partials, vector_ready)
 from .spec import DTYPES, HEAD_DIM_BUCKETS
 
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
@@ -206,42 +206,46 @@ class CudaPlan:
 
 
 def cuda_planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
-                         key_intervals=None, key_window=None):
+                         key_intervals=None, key_window=None, dropout_p=0.0, dropout_rng=None):
     """:func:`cuda_forward` plus its :class:`CudaPlan` (``(out, lse, plan)``); a key-interval
     call's plan is its interval lists (or :class:`~.intervals.DenseEquivalent`)."""
     d = q.shape[-1]
     q, k, v = pad_head_dim(q, k, v)
     out, lse, plan = _planned_forward(q, k, v, mask, kernel_bias(bias, q.dtype), scale,
                                       is_causal, softcap, cache_seqlens, key_intervals,
-                                      key_window)
+                                      key_window, dropout_args(dropout_p, dropout_rng))
     return _unpad(out, d), lse, plan
 
 
 def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
-                     key_intervals=None, key_window=None):
+                     key_intervals=None, key_window=None, drop=NO_DROPOUT):
     """:func:`cuda_planned_forward` on what the kernels read (head dim a multiple of 8, the
-    bias in q's dtype)."""
+    bias in q's dtype); ``drop``: the extension's dropout arguments (:func:`dropout_args`)."""
     if key_intervals is not None:
         from .intervals import DenseEquivalent, interval_forward, plan_for
 
         plan = plan_for(q, k, bias, key_intervals, is_causal, backward=True, window=key_window)
         if not plan[0].hides_nothing:
-            return interval_forward(q, k, v, bias, key_intervals, scale, is_causal, softcap, plan)
-        out, lse, dense_plan = _planned_forward(q, k, v, None, bias, scale, is_causal, softcap)
+            return interval_forward(q, k, v, bias, key_intervals, scale, is_causal, softcap, plan,
+                                    drop=drop)
+        out, lse, dense_plan = _planned_forward(q, k, v, None, bias, scale, is_causal, softcap,
+                                                drop=drop)
         return out, lse, DenseEquivalent(dense_plan)
-    if use_cuda_decode(q.shape[1], q.shape[2], k.shape[2], k.shape[1], cache_seqlens is not None):
+    # The decode kernel has no dropout: calls with dropout and no KV cache run the dense one.
+    if drop[0] is None and use_cuda_decode(q.shape[1], q.shape[2], k.shape[2], k.shape[1],
+                                           cache_seqlens is not None):
         # Decode shapes gather nothing; a KV cache's backward folds its lengths into the mask.
         out, lse = cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap,
                                        cache_seqlens, None)
         return out, lse, CudaPlan()
     out, lse, gather, summary = _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap,
-                                               for_backward=True)
+                                               for_backward=True, drop=drop)
     return out, lse, CudaPlan(gather, summary)
 
 
 def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
-                 block_table=None, key_intervals=None,
-                 key_window=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 block_table=None, key_intervals=None, key_window=None, dropout_p=0.0,
+                 dropout_rng=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out (B, Lq, H, D), lse (B, H, Lq) fp32)`` through the compiled kernels.
 
     Few query rows per kv head (decoding), a KV cache's ``cache_seqlens`` or paged K/V
@@ -249,35 +253,39 @@ def cuda_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=N
     key-interval mask (``key_intervals``) the kernels of :mod:`.intervals`, unless it hides
     nothing beyond ``is_causal`` (then the dense kernels run without it). A float32 bias is
     read in q's dtype and a head dim that is not a multiple of 8 zero-padded
-    (:func:`input_reasons`)."""
+    (:func:`input_reasons`). ``dropout_p`` / ``dropout_rng``: attention dropout
+    (:mod:`flash_dmattn.dropout`; the sm_90 kernels draw its keep-mask)."""
     d = q.shape[-1]
     q, k, v = pad_head_dim(q, k, v)
     bias = kernel_bias(bias, q.dtype)
     out, lse = _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
-                        block_table, key_intervals, key_window)
+                        block_table, key_intervals, key_window,
+                        dropout_args(dropout_p, dropout_rng))
     return _unpad(out, d), lse
 
 
 def _forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens, block_table,
-             key_intervals, key_window):
+             key_intervals, key_window, drop=NO_DROPOUT):
     if key_intervals is not None:
         from .intervals import interval_forward, plan_for
 
         plan = plan_for(q, k, bias, key_intervals, is_causal, backward=False, window=key_window)
         if not plan[0].hides_nothing:
             out, lse, _ = interval_forward(q, k, v, bias, key_intervals, scale, is_causal,
-                                           softcap, plan)
+                                           softcap, plan, drop=drop)
             return out, lse
         mask = None
-    if block_table is not None or use_cuda_decode(q.shape[1], q.shape[2], k.shape[2], k.shape[1],
-                                                  cache_seqlens is not None):
+    # The decode kernel has no dropout: calls with dropout and no KV cache run the dense one.
+    if block_table is not None or (drop[0] is None and use_cuda_decode(
+            q.shape[1], q.shape[2], k.shape[2], k.shape[1], cache_seqlens is not None)):
         return cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens,
                                    block_table)
-    out, lse, _, _ = _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap)
+    out, lse, _, _ = _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap, drop=drop)
     return out, lse
 
 
-def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap, for_backward=False):
+def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap, for_backward=False,
+                   drop=NO_DROPOUT):
     """``(out, lse, gather, summary)``: the forward over gathered key lists (``gather``, the
     planner's KeyGather) or over live key tiles (``gather`` None). ``for_backward``: the mask
     summary (None without a per-query mask) is made at tiles the backward can use too, with
@@ -310,7 +318,7 @@ def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap, for_backward=
     gather = _gather_plan(mod, mask, bias, Lq, Lk, H, is_causal, block_m, block_n, summary)
     if gather is not None:
         out, lse = mod.fwd_gathered(q, k, v, None, float(scale), bool(is_causal), float(softcap),
-                                    *_gather_args(gather, H))
+                                    *_gather_args(gather, H), *drop)
         return out, lse, gather, summary
     lists = _lists(mask, Lq, Lk, H, is_causal, block_m, block_n, q.device, need_bwd=False,
                    summary=summary)
@@ -319,7 +327,7 @@ def _dense_forward(q, k, v, mask, bias, scale, is_causal, softcap, for_backward=
     if lists is not None:
         idx, cnt, hdiv = lists.fwd_idx, lists.fwd_cnt, lists.head_div
     out, lse = mod.fwd(q, k, v, mask, bias, None, float(scale), bool(is_causal), float(softcap),
-                       idx, cnt, hdiv, None, None, None, 0, 0)
+                       idx, cnt, hdiv, None, None, None, 0, 0, *drop)
     return out, lse, None, summary
 
 
@@ -457,7 +465,7 @@ def cuda_decode_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_se
 
 def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
                   needs, cache_seqlens=None, plan: Optional[CudaPlan] = None,
-                  key_intervals=None, key_window=None):
+                  key_intervals=None, key_window=None, dropout_p=0.0, dropout_rng=None):
     """``(dq, dk, dv, dbias)`` with None where ``needs`` did not ask.
 
     Where the forward walked gathered key lists (``plan``, or planned again here when the call
@@ -472,21 +480,26 @@ def cuda_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap
     bitwise-identical gradients across runs.
 
     A float32 bias is read in q's dtype and its gradient summed in fp32 and returned in
-    float32; a head dim that is not a multiple of 8 is zero-padded (as in the forward)."""
+    float32; a head dim that is not a multiple of 8 is zero-padded (as in the forward).
+
+    ``dropout_p`` / ``dropout_rng``: the forward's dropout, whose keep-mask the kernels draw
+    again (dQ then never walks gathered lists: the gathered dQ kernel has no dropout)."""
     d = q.shape[-1]
     dbias_dtype = bias.dtype if bias is not None else None
     dout, q, k, v, out = pad_head_dim(dout, q, k, v, out)
     dq, dk, dv, dbias = _backward(dout, q, k, v, mask, kernel_bias(bias, q.dtype), out, lse,
                                   scale, is_causal, softcap, deterministic, needs,
-                                  cache_seqlens, plan, key_intervals, key_window, dbias_dtype)
+                                  cache_seqlens, plan, key_intervals, key_window, dbias_dtype,
+                                  dropout_args(dropout_p, dropout_rng))
     return _unpad(dq, d), _unpad(dk, d), _unpad(dv, d), dbias
 
 
 def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, deterministic,
               needs, cache_seqlens=None, plan: Optional[CudaPlan] = None, key_intervals=None,
-              key_window=None, dbias_dtype=None):
+              key_window=None, dbias_dtype=None, drop=NO_DROPOUT):
     """:func:`cuda_backward` on what the kernels read (head dim a multiple of 8, the bias in
-    q's dtype); dbias in ``dbias_dtype`` (default: the bias's)."""
+    q's dtype); dbias in ``dbias_dtype`` (default: the bias's); ``drop``: the extension's
+    dropout arguments (:func:`dropout_args`)."""
     if bias is not None and dbias_dtype is None:
         dbias_dtype = bias.dtype
     if key_intervals is not None:
@@ -499,9 +512,10 @@ def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, de
                 plan = DenseEquivalent(None)
         if isinstance(plan, DenseEquivalent):
             return _backward(dout, q, k, v, None, bias, out, lse, scale, is_causal, softcap,
-                             deterministic, needs, plan=plan.plan, dbias_dtype=dbias_dtype)
+                             deterministic, needs, plan=plan.plan, dbias_dtype=dbias_dtype,
+                             drop=drop)
         return interval_backward(dout, q, k, v, bias, key_intervals, out, lse, scale, is_causal,
-                                 softcap, needs, plan=plan, dbias_dtype=dbias_dtype)
+                                 softcap, needs, plan=plan, dbias_dtype=dbias_dtype, drop=drop)
     need_dq, need_dk, need_dv, need_dbias = needs
     if cache_seqlens is not None:
         # The backward kernels take one key length for all batches: the per-batch used length
@@ -521,11 +535,11 @@ def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, de
     mode = dbias_mode(bias, B, H, Lq, Lk) if need_dbias else 0
     if mode == DBIAS_SHARED:
         return _shared_bias_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal,
-                                     softcap, deterministic, needs, dbias_dtype)
+                                     softcap, deterministic, needs, dbias_dtype, drop)
     if mode == DBIAS_ZERO:
         dq, dk, dv, _ = _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal,
                                   softcap, deterministic, (need_dq, need_dk, need_dv, False),
-                                  plan=plan)
+                                  plan=plan, drop=drop)
         return dq, dk, dv, torch.zeros(bias.shape, dtype=dbias_dtype, device=bias.device)
     mask, bias = _read_ready(mask, bias, Lq, Lk)
     summary = plan.summary if plan is not None else None
@@ -539,7 +553,7 @@ def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, de
         rows, keys = _backward_summary_blocks(forward_module(), mod)
         summary = _summary(mask, Lq, Lk, is_causal, rows, keys, key_bits=_wants_key_bits(mod))
     gather = None
-    if need_dq and mode != 1 and mod.bwd_gathers():
+    if need_dq and mode != 1 and mod.bwd_gathers() and drop[0] is None:
         fwd_mod = forward_module()
         fwd_m, fwd_n = fwd_mod.block_sizes()
         if plan is not None:
@@ -565,7 +579,7 @@ def _backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap, de
                              bool(is_causal), float(softcap), bool(need_dq),
                              bool(need_dk or need_dv), int(mode), *args,
                              bool(not deterministic), None, None, None, 0, 0,
-                             *gargs, *kargs)
+                             *gargs, *kargs, *drop)
     dbias = None
     if mode == 1:
         dbias = db.to(dbias_dtype)
@@ -595,8 +609,17 @@ def _aux_chunk(t, b0, b1, g0, g1, group, heads):
     return t
 
 
+def _chunk_dropout(drop: tuple, batch0: int, head0: int, heads: int) -> tuple:
+    """The dropout arguments of a call on batches ``batch0 ..`` and query heads ``head0 ..``
+    of the call with ``drop`` and ``heads`` query heads (see :func:`dropout_args`)."""
+    rng, threshold, scale, b0, h0, h = drop
+    if rng is None:
+        return drop
+    return rng, threshold, scale, b0 + batch0, h0 + head0, h or heads
+
+
 def _shared_bias_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal, softcap,
-                          deterministic, needs, dbias_dtype=None):
+                          deterministic, needs, dbias_dtype=None, drop=NO_DROPOUT):
     """``(dq, dk, dv, dbias)`` for a per-query bias ``(Bx, Hx, Lq, Lk)`` whose rows several
     heads or batches share (``Bx < B`` or ``Hx < H``), e.g. a ``(1, 1, Lq, Lk)`` position bias.
 
@@ -606,7 +629,8 @@ def _shared_bias_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal,
     bias through a broadcast view of the chunk's full shape; each chunk's dbias is summed in
     fp32 into the bias's own shape. Extra memory: one fp32 copy of the bias plus one chunk of
     at most :data:`SHARED_DBIAS_CHUNK_BYTES`. dbias comes back in ``dbias_dtype`` (default: the
-    bias's). Equivalent plain PyTorch::
+    bias's). With dropout (``drop``), each chunk draws the whole call's keep-mask at its own
+    batches and heads. Equivalent plain PyTorch::
 
         dbias_full = dS                                # (B, H, Lq, Lk), as for a full bias
         dbias = dbias_full.sum(dims where bias has size 1, keepdim=True)   # per chunk
@@ -642,7 +666,7 @@ def _shared_bias_backward(dout, q, k, v, mask, bias, out, lse, scale, is_causal,
                 dout[b0:b1, :, hs], q[b0:b1, :, hs], k[b0:b1, :, g0:g1], v[b0:b1, :, g0:g1],
                 _aux_chunk(mask, b0, b1, g0, g1, group, H), chunk_bias, out[b0:b1, :, hs],
                 lse[b0:b1, hs].contiguous(), scale, is_causal, softcap, deterministic,
-                (need_dq, need_dk, need_dv, True))
+                (need_dq, need_dk, need_dv, True), drop=_chunk_dropout(drop, b0, g0 * group, H))
             if need_dq:
                 dq[b0:b1, :, hs] = cq
             if need_dk:
@@ -746,7 +770,7 @@ def cuda_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is
     mask_a, bias_a, cu_aux = _aligned_aux(mask, bias, cu_k)
     out, lse = mod.fwd(q[None], k[None], v[None], mask_a, bias_a, None, float(scale),
                        bool(is_causal), float(softcap), idx, cnt, hdiv, cu_q, cu_k, cu_aux,
-                       int(max_q), int(max_k))
+                       int(max_q), int(max_k), *NO_DROPOUT)
     return _unpad(out[0], d), lse
 
 
@@ -770,7 +794,7 @@ def cuda_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, ou
                              lse.contiguous(), float(scale), bool(is_causal), float(softcap),
                              bool(need_dq), bool(need_dk or need_dv), mode, idx, cnt, None, None,
                              hdiv, False, cu_q, cu_k, cu_aux, int(max_q), int(max_k),
-                             None, None, 1, None, 1, None, 1, None, 1)
+                             None, None, 1, None, 1, None, 1, None, 1, *NO_DROPOUT)
     dbias = None
     if mode == 2:
         hx, total_k = bias.shape
