@@ -213,7 +213,10 @@ def select_backend(inputs: Inputs) -> Backend:
     compiling = torch.compiler.is_compiling()  # traced once per graph: no memo to guard on
     key = None if compiling else dispatch_signature(inputs)
     if key is not None:
-        backend = DISPATCH_MEMO.get(key)
+        try:
+            backend = DISPATCH_MEMO.get(key)
+        except TypeError:  # symbolic sizes (tracing outside torch.compile) have no hash
+            key = backend = None
         if backend is not None:
             return backend
     ranking = policy.rank(inputs)

@@ -170,3 +170,11 @@ def test_device_capability_is_asked_once_per_device_index(monkeypatch):
         assert policy.device_capability(torch.device("cpu")) is None
     finally:
         policy._capability_of.cache_clear()
+
+
+def test_an_unhashable_signature_is_decided_without_the_memo(monkeypatch):
+    # Symbolic sizes (tracing outside torch.compile) have no hash: no memo, same decision.
+    inputs = _inputs()
+    monkeypatch.setattr(registry, "dispatch_signature", lambda inputs: ([],))
+    assert registry.select_backend(inputs).name == "torch-reference"
+    assert len(MEMO) == 0
