@@ -19,6 +19,7 @@ from flash_dmattn.backends.cuda import kernels
 from flash_dmattn.backends.cuda.backend import CudaBackend
 from flash_dmattn.dropout import keep_mask
 
+from cuda_stand_in import DenseKernelModule
 from interpreter_only import planner_device, skip_unless_available
 from naive import assert_close
 from test_dropout import check_against_dense, dense_dropout_attention
@@ -70,25 +71,13 @@ def test_declines_dropout_where_no_kernel_has_it():
 # The host side with a float64 stand-in for the compiled module (CPU)
 # ---------------------------------------------------------------------------------------------
 
-class DropoutStandIn:
+class DropoutStandIn(DenseKernelModule):
     """The compiled module's dense ``fwd`` / ``bwd`` in float64 PyTorch, with the dropout the
     kernels draw from their trailing arguments ``(drop_rng, drop_threshold, drop_scale,
     drop_b0, drop_h0, drop_heads)``; records those arguments."""
 
     def __init__(self):
         self.drops = []
-
-    def block_sizes(self):
-        return 64, 64  # the forward's and the backward's tiles alike
-
-    def fwd_gathers(self):
-        return False
-
-    def bwd_gathers(self):
-        return False
-
-    def bwd_key_bits(self):
-        return False
 
     def _keep(self, drop, B, H, Lq, Lk):
         rng, threshold, scale, b0, h0, heads = drop

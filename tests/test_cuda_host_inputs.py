@@ -26,6 +26,7 @@ from flash_dmattn.backends.cuda import kernels
 from flash_dmattn.backends.cuda.backend import CudaBackend
 from flash_dmattn.backends.cuda.extension import kernel_bias, reduce_key_partials
 
+from cuda_stand_in import DenseKernelModule
 from interpreter_only import planner_device, skip_unless_available
 from naive import expand_heads, naive_attention
 from tool_env import ROOT, tool_env
@@ -152,24 +153,12 @@ def test_issue33_distribution_is_covered():
 # cuda_forward / cuda_backward with a float64 stand-in for the compiled module
 # ---------------------------------------------------------------------------------------------
 
-class StandIn:
+class StandIn(DenseKernelModule):
     """The compiled module's dense ``fwd`` and ``bwd`` written in float64 PyTorch; records the
     head dims and bias dtypes it was given (what the kernels would read)."""
 
     def __init__(self):
         self.seen = []
-
-    def block_sizes(self):
-        return 64, 64  # the forward's and the backward's tiles alike
-
-    def fwd_gathers(self):
-        return False
-
-    def bwd_gathers(self):
-        return False
-
-    def bwd_key_bits(self):
-        return False
 
     def _note(self, q, bias):
         self.seen.append((q.shape[-1], None if bias is None else bias.dtype))

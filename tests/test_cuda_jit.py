@@ -27,6 +27,7 @@ from flash_dmattn.backends.cuda import jit, toolchain
 from flash_dmattn.backends.cuda.spec import HEAD_DIM_BUCKETS, KernelSpec, all_specs
 from flash_dmattn.backends.cuda.toolchain import Toolchain
 from flash_dmattn.inputs import AttentionInputs
+from cuda_stand_in import DenseKernelModule
 from interpreter_only import needs_triton
 
 TC = Toolchain(nvcc="/opt/cuda/bin/nvcc", nvcc_version="12.4.131", cutlass_include="/opt/inc",
@@ -586,23 +587,11 @@ def test_cli_build_builds_each_selected_module(monkeypatch, capsys, full_toolcha
     assert "2/3 kernel modules ready" in captured.out
 
 
-class _OpModule:
+class _OpModule(DenseKernelModule):
     """A stand-in for one operation's compiled module: zero outputs of the right shapes."""
 
     def __init__(self, op):
         self.op = op
-
-    def block_sizes(self):
-        return 64, 64
-
-    def fwd_gathers(self):
-        return False
-
-    def bwd_gathers(self):
-        return False
-
-    def bwd_key_bits(self):
-        return False
 
     def decode_sizes(self):
         return 64, 64

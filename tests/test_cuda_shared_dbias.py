@@ -11,6 +11,7 @@ GPU (marker ``gpu``): the compiled kernels on every bias broadcast shape.
 import pytest
 import torch
 
+from cuda_stand_in import DenseKernelModule
 from interpreter_only import planner_device, skip_unless_available
 
 from flash_dmattn.backends.cuda import kernels
@@ -19,24 +20,12 @@ from flash_dmattn.inputs import AttentionInputs
 from naive import naive_attention
 
 
-class ReferenceModule:
+class ReferenceModule(DenseKernelModule):
     """The compiled module's backward for a full ``(B, H, Lq, Lk)`` bias (dbias mode 1),
     written in float64 PyTorch; records the bias shapes and modes it was called with."""
 
     def __init__(self):
         self.calls = []
-
-    def block_sizes(self):
-        return 64, 64  # the forward's and the backward's tiles alike
-
-    def bwd_key_bits(self):
-        return False
-
-    def bwd_gathers(self):
-        return False
-
-    def fwd_gathers(self):
-        return False
 
     def bwd(self, dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, need_dq,
             need_dkv, mode, *rest):
