@@ -20,7 +20,6 @@ arguments ``key_lists.plan_intervals`` gives it) so that the coarse segment can 
 ``key_lists.key_ranges`` for the work count.
 """
 import argparse
-import time
 
 import torch
 
@@ -29,17 +28,7 @@ from flash_dmattn.planning import list_kernels
 from flash_dmattn.planning.key_lists import end_bucket_for, key_ranges, segment_capacity
 from flash_dmattn.utils.mask import topk_intervals
 
-
-def host_ms(fn, calls=50):
-    """Host time of one call, enqueuing ``calls`` calls back to back."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) * 1e3 / calls
+from dma_probe import host_ms  # the sibling tool's host timing (tools/ is this script's path)
 
 
 def kernels_per_call(fn, calls=10):
