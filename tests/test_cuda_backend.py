@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flash_dmattn import registry
+from flash_dmattn.backends.cuda.extension import NO_DROPOUT
 from flash_dmattn.inputs import AttentionInputs
 from flash_dmattn.reference import reference_attention
 
@@ -153,7 +154,8 @@ def test_cuda_poisoned_output_is_fully_written():
     bm, bn = mod.block_sizes()
     lists = build_tile_lists(mask, 333, 200, 4, False, bm, bn, q.device)
     out, lse = mod.fwd(q, k, v, mask, bias, poison, q.shape[-1] ** -0.5, False, 0.0,
-                       lists.fwd_idx, lists.fwd_cnt, lists.head_div, None, None, None, 0, 0)
+                       lists.fwd_idx, lists.fwd_cnt, lists.head_div, None, None, None, 0, 0,
+                       *NO_DROPOUT)
     assert out.data_ptr() == poison.data_ptr()
     assert not out.isnan().any()
     assert lse[0, 0, 7] == float("-inf") and torch.count_nonzero(out[0, 7, 0].float()) == 0
@@ -257,7 +259,7 @@ def test_cuda_gathered_forward_writes_every_output():
     poison = torch.full_like(q, float("nan"))
     out, lse = mod.fwd_gathered(q, k, v, poison, q.shape[-1] ** -0.5, True, 0.0, plan.idx,
                                 plan.cnt, plan.head_div, plan.gbits, plan.head_div, plan.gbias,
-                                4 // plan.gbias.size(1))
+                                4 // plan.gbias.size(1), *NO_DROPOUT)
     assert out.data_ptr() == poison.data_ptr()
     assert not out.isnan().any() and not lse.isnan().any()
     ref, _ = reference_attention(q.double(), k.double(), v.double(), mask, bias.double(),
@@ -294,12 +296,12 @@ def test_cuda_gathered_dq_matches_reference_and_writes_every_row(lq, lk, h, hkv,
     assert plan is not None and int(plan.cnt.min()) == 0
     scale = 128 ** -0.5
     out, lse = mods["fwd"].fwd_gathered(q, k, v, None, scale, causal, softcap,
-                                        *_gather_args(plan, h))
+                                        *_gather_args(plan, h), *NO_DROPOUT)
     dout = torch.randn_like(out)
     torch.full_like(q, float("nan"))  # freed at once: its block is dq's next
     dq = mods["bwd"].bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, True,
                          False, 0, None, None, None, None, 1, False, None, None, None, 0, 0,
-                         *_gather_args(plan, h), None, 1)[0]
+                         *_gather_args(plan, h), None, 1, *NO_DROPOUT)[0]
     assert not dq.isnan().any()
     leaves = [t.detach().double().requires_grad_(i == 0) for i, t in enumerate((q, k, v))]
     ref, _ = reference_attention(*leaves, mask, bias.double() if bias is not None else None,

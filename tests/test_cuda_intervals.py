@@ -8,6 +8,7 @@ import torch
 
 import flash_dmattn as fd
 from flash_dmattn import KeyIntervals
+from flash_dmattn.backends.cuda.extension import NO_DROPOUT
 
 from test_triton_intervals import check_case
 
@@ -81,7 +82,7 @@ def test_cuda_intervals_write_every_output(hopper):
     mod = kernel_module(q, True, False, op="fwd")
     poison = torch.full_like(q, float("nan"))
     out, lse = mod.fwd_intervals(q, k, v, poison, None, fb, ivp.tile_start, ivp.tile_len,
-                                 ivp.tile_full, ivp.keys, D ** -0.5, True, 0.0)
+                                 ivp.tile_full, ivp.keys, D ** -0.5, True, 0.0, *NO_DROPOUT)
     assert out.data_ptr() == poison.data_ptr()
     assert not out.isnan().any()
     assert (lse[:, :, :200] == float("-inf")).all()
