@@ -133,6 +133,10 @@ __device__ __forceinline__ IntervalKey fetch_interval_key(const FwdParams& p, in
 template <bool kSoftcap, bool kGather, bool kIntervals, bool kDropout>
 __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
     fwd_kernel_sm90(const FwdParams p) {
+// The body is compiled in the device pass only: the host pass needs just the signature for
+// the launch stub, and would otherwise instantiate the whole body a second time in every
+// kernel source.
+#if defined(__CUDA_ARCH__)
   static_assert(kGather || !kIntervals, "key intervals walk gathered lists");
   using Cfg = Sm90FwdConfig<kHeadDimBucket>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kD = kHeadDimBucket;
@@ -701,6 +705,7 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       ++rounds;
     }
   }
+#endif  // __CUDA_ARCH__
 }
 
 template <bool kSoftcap, bool kGather, bool kIntervals, bool kDropout>
