@@ -1,5 +1,5 @@
 // Hopper dQ over gathered key lists (sm_90a, head dims up to 128): the backward's half of the
-// gathered forward (flash_fwd_sm90.cu). A per-query mask whose query tiles share few keys (the
+// gathered forward (fwd_sm90_kernel.cuh). A per-query mask whose query tiles share few keys (the
 // Dynamic Mask Attention top-k) leaves every key tile partly live, so walking key tiles does
 // all of the causal work; walking the union of the query tile's live keys (the planner's
 // KeyGather, the same lists and bits the forward used) does a fraction of it.

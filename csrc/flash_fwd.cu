@@ -216,7 +216,7 @@ cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream) { return run_fwd_sm
 int fwd_block_m() { return fwd_sm90_block_m(); }
 int fwd_block_n() { return fwd_sm90_block_n(); }
 // Gathered key lists: the sm_90 forward of a dense module with a mask.
-bool fwd_gathers() { return kHasMask && !kPacked; }
+bool fwd_gathers() { return FLASH_DMATTN_FWD_GATHER; }  // kHasMask && !kPacked
 // Key-interval masks: the gathered forward where the spec's backward has them too (the wgmma
 // backward, head dims up to 128), so that every call the forward takes can be trained.
 bool fwd_intervals() { return fwd_gathers() && FLASH_DMATTN_SM90_BWD; }

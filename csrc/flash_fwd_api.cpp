@@ -1,6 +1,6 @@
 // Torch binding of the forward of one kernel specialisation (head-dim bucket, dtype, mask /
 // bias presence and packing are fixed at compile time, see flash_dmattn/backends/cuda/spec.py):
-// an extension module of its own with flash_fwd.cu and flash_fwd_sm90.cu (the backward and the
+// an extension module of its own with flash_fwd.cu and flash_fwd_sm90*.cu (the backward and the
 // decode kernels are modules of their own, flash_bwd_api.cpp and flash_decode_api.cpp). The
 // Python backend (flash_dmattn/backends/cuda/kernels.py) validates inputs and builds the
 // live-tile lists; these functions only check what would make a kernel read out of bounds.

@@ -205,7 +205,37 @@ def test_the_real_sources_split_by_operation():
         assert not any("FLASH_DMATTN_SM90" in line for line in code), path.name
     assert "bwd_sm90_config.cuh" in files["bwd"]
     assert "bwd_sm90_config.cuh" not in files["fwd"] | files["decode"]
+    assert {"fwd_sm90_config.cuh", "fwd_sm90_kernel.cuh"} <= files["fwd"]
+    assert not {"fwd_sm90_config.cuh", "fwd_sm90_kernel.cuh"} & (files["bwd"] | files["decode"])
     assert "wgmma.cuh" not in files["decode"]
+
+
+def test_each_sm90_forward_kernel_is_compiled_once():
+    # The Hopper forward's dispatcher (flash_fwd_sm90.cu) sees only the launcher's declaration;
+    # every launcher it may call -- soft cap x walk (dense, gathered, key intervals) x dropout --
+    # is instantiated by exactly one of the forward's sources, under its guard, and by none of
+    # the other sources.
+    csrc = jit.find_csrc_dir()
+    inst = re.compile(r"^template cudaError_t launch_fwd_sm90<(\w+), (\w+), (\w+), (\w+)>\(",
+                      re.MULTILINE)
+    found = {}
+    for name in jit.KERNEL_SOURCES:
+        for args in inst.findall((csrc / name).read_text()):
+            assert name in jit.OP_SOURCES["fwd"], name
+            found.setdefault(tuple(a == "true" for a in args), []).append(name)
+    walks = [(False, False), (True, False), (True, True)]
+    assert sorted(found) == sorted((s, g, i, d) for s in (False, True) for g, i in walks
+                                   for d in (False, True))
+    for (softcap, gather, intervals, dropout), names in found.items():
+        walk = "intervals" if intervals else "gather" if gather else "dense"
+        assert names == [f"flash_fwd_sm90_{walk}{'_dropout' if dropout else ''}.cu"]
+        text = (csrc / names[0]).read_text()
+        guard = re.search(r"^#if (.+)$", text, re.MULTILINE).group(1)
+        assert ("FLASH_DMATTN_FWD_GATHER" in guard) == gather, names
+        assert ("FLASH_DMATTN_DROPOUT" in guard) == dropout, names
+    included = jit._INCLUDE.findall((csrc / "flash_fwd_sm90.cu").read_text())
+    assert "flash_dmattn/fwd_sm90_config.cuh" in included
+    assert "flash_dmattn/fwd_sm90_kernel.cuh" not in included
 
 
 def test_unknown_operation_rejected(csrc):
@@ -277,8 +307,11 @@ def test_first_use_builds_once_then_loads(tmp_path, csrc, caplog):
     assert req.build_dir == entry and req.artifact.parent == entry
     # The forward's binding and kernels only.
     assert req.sources == [str(csrc / s) for s in jit.OP_SOURCES["fwd"]]
-    assert req.sources == [str(csrc / s) for s in ("flash_fwd_api.cpp", "flash_fwd.cu",
-                                                    "flash_fwd_sm90.cu")]
+    assert req.sources == [str(csrc / s) for s in (
+        "flash_fwd_api.cpp", "flash_fwd.cu", "flash_fwd_sm90.cu",
+        "flash_fwd_sm90_dense.cu", "flash_fwd_sm90_dense_dropout.cu",
+        "flash_fwd_sm90_gather.cu", "flash_fwd_sm90_gather_dropout.cu",
+        "flash_fwd_sm90_intervals.cu", "flash_fwd_sm90_intervals_dropout.cu")]
     assert TC.cutlass_include in req.extra_include_paths
     lines = [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()]
     assert lines == [f"flash_dmattn: compiling cuda kernel d64-bf16-mask-bias fwd for sm_90 "

@@ -15,7 +15,7 @@
 // tiles of the other side. Q/K/V tiles are staged in swizzled shared memory with cp.async, the
 // products use mma.sync m16n8k16 through a CuTe TiledMMA with warps stacked along the rows, and
 // the mask / bias tile of a live, partial tile is copied asynchronously next to the K or V tile
-// so its latency hides behind the first matrix product. The Hopper forward (flash_fwd_sm90.cu)
+// so its latency hides behind the first matrix product. The Hopper forward (fwd_sm90_kernel.cuh)
 // keeps this structure and these loaders but runs its products on warpgroup MMAs.
 #pragma once
 

@@ -27,7 +27,7 @@
 #ifndef FLASH_DMATTN_PACKED
 #define FLASH_DMATTN_PACKED 0
 #endif
-// Built for sm_90a (wgmma forward in flash_fwd_sm90.cu).
+// Built for sm_90a (the wgmma forward: flash_fwd_sm90.cu and the kernels it launches).
 #ifndef FLASH_DMATTN_SM90
 #define FLASH_DMATTN_SM90 0
 #endif
@@ -38,6 +38,10 @@
 // Attention dropout (Dropout below): built into the sm_90 forward and backward of dense-batch
 // modules whose backward is sm_90 too; other modules compile no dropout kernels.
 #define FLASH_DMATTN_DROPOUT (FLASH_DMATTN_SM90_BWD && !FLASH_DMATTN_PACKED)
+// Gathered key lists and key intervals, the list walks of the sm_90 forward: built into the
+// modules of dense batches with a mask; other modules compile none of their kernels.
+#define FLASH_DMATTN_FWD_GATHER \
+  (FLASH_DMATTN_SM90 && FLASH_DMATTN_HAS_MASK && !FLASH_DMATTN_PACKED)
 
 namespace flash_dmattn {
 

@@ -113,7 +113,7 @@ def gencode_flags(capability: Tuple[int, int]) -> List[str]:
     """nvcc flags that compile for exactly this arch (SASS only: the cache is per arch).
 
     Hopper (9.0) builds for ``sm_90a``, the arch-specific target whose wgmma instructions the
-    Hopper forward kernel (csrc/flash_fwd_sm90.cu) needs, and tells the sources so with
+    Hopper forward kernels (csrc/flash_fwd_sm90*.cu) need, and tells the sources so with
     ``FLASH_DMATTN_SM90=1``.
     """
     cc = f"{capability[0]}{capability[1]}"
