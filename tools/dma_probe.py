@@ -1,12 +1,14 @@
 """Quick timings of key-interval attention on a GPU (fast iteration beside benchmarks' dma_long).
 
     python3 tools/dma_probe.py [L ...] [--window W] [--kinds shared,causal]
-                                 [--backends triton,cuda] [--profile]
+                                 [--backends triton,cuda] [--profile [--trace DIR]]
 
 Per L and selection kind: topk_intervals build, the planner alone, each backend's forward and
 forward+backward (planning included, as a user's call), the same with the selection built in
 the timed call, dense causal cuDNN SDPA, and cuDNN over the W gathered keys ("selected keys
-only"); medians of do_bench, bf16, B1 H16/Hkv4 D128.
+only"); medians of do_bench, bf16, B1 H16/Hkv4 D128. ``--profile`` prints torch.profiler tables of
+the plan, the selection, the forward, the selection and forward together, and fwd+bwd (three
+calls each); ``--trace DIR`` also writes their chrome traces (kernel gaps show host-bound stretches).
 """
 import argparse
 
@@ -44,6 +46,7 @@ def main():
     ap.add_argument("--kinds", default="shared,causal")
     ap.add_argument("--backends", default="triton")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--trace", default="", help="with --profile: write chrome traces here")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     B, H, Hkv, D, W = 1, 16, 4, 128, a.window
@@ -122,6 +125,7 @@ def main():
                                  ("select", lambda: topk_intervals(bias.detach(), W,
                                                                    is_causal=causal_sel)),
                                  ("fwd", f),
+                                 ("select+fwd", sf),
                                  ("fwd+bwd", lambda: torch.autograd.grad(f(), (q, k, v, bias), g))):
                     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                         for _ in range(3):
@@ -130,6 +134,11 @@ def main():
                     print(f"--- {kind} {what} (3 calls)")
                     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
                                                     max_name_column_width=60))
+                    if a.trace:
+                        import os
+                        os.makedirs(a.trace, exist_ok=True)
+                        prof.export_chrome_trace(
+                            os.path.join(a.trace, f"{kind}-{L}-{what.replace('+', '_')}.json"))
 
 
 if __name__ == "__main__":
