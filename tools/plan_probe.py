@@ -3,7 +3,7 @@ per call, each of its kernels per call, and what building the lists reads.
 
     python3 tools/plan_probe.py [L ...] [--window W] [--kinds causal,shared] [--rows R]
                                 [--block-m 128] [--block-n 128] [--segment-rows 1024]
-                                [--coarse S,...] [--work] [--cpu]
+                                [--coarse S,...] [--chunks C,...] [--work] [--cpu]
 
 Per L and selection kind (``topk_intervals`` of a random per-key bias, B1 and R kv-head rows):
 the planner call the cuda backend makes for a forward + backward (tiles of ``block_m`` queries,
@@ -11,7 +11,8 @@ segment items of ``segment_rows`` under the selection's window promise), timed w
 (median device time) and back to back on the host (host time per call); then one
 torch.profiler pass of 10 calls, printed per call: every kernel (and memset) with its launches
 and device time. ``--coarse`` adds calls at other coarse segments (the default is the
-planner's own choice). ``--work`` counts the entries the list building reads, against a fill
+planner's own choice); ``--chunks`` repeats the calls with other key chunks per program of the
+per-key kernels (``list_kernels.CHUNK``: fewer keys a program, more programs). ``--work`` counts the entries the list building reads, against a fill
 that scans every live key of its row for every tile (twice: covering keys, then the others);
 with ``--cpu`` only that count runs (no GPU needed).
 
@@ -118,6 +119,7 @@ def main():
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--segment-rows", type=int, default=1024)
     ap.add_argument("--coarse", default="", help="other coarse segments to time, e.g. 2048,4096")
+    ap.add_argument("--chunks", default="", help="other key chunks to time, e.g. 256,512")
     ap.add_argument("--work", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="only the work count, on CPU")
     a = ap.parse_args()
@@ -142,7 +144,12 @@ def main():
                       f"{w['old'] / max(1, w['fill'] + w['seg']):.1f}x", flush=True)
             if a.cpu:
                 continue
-            for coarse in [None] + [int(c) for c in a.coarse.split(",") if c]:
+            default_chunk = list_kernels.CHUNK
+            variants = ([(c, default_chunk) for c in [None] + [int(c) for c in a.coarse.split(",") if c]]
+                        + [(None, int(c)) for c in a.chunks.split(",") if c])
+            for coarse, chunk in variants:
+                list_kernels.CHUNK = chunk
+
                 def plan():
                     return list_kernels.plan_fast(
                         ki.bounds, L, L, True, bm, bn, True, end_bucket_for(L),
@@ -150,10 +157,11 @@ def main():
                         segment_capacity=segment_capacity(L, seg, bn, W), coarse_rows=coarse)
                 t = do_bench(plan, warmup=25, rep=200, return_mode="median")
                 h = host_ms(plan)
-                print(f"L{L} {kind:6s} coarse {coarse or default}: plan {t * 1e3:.1f} us "
-                      f"(host {h * 1e3:.1f} us)", flush=True)
+                print(f"L{L} {kind:6s} coarse {coarse or default} chunk {chunk}: plan "
+                      f"{t * 1e3:.1f} us (host {h * 1e3:.1f} us)", flush=True)
                 for name, n, us in kernels_per_call(plan):
                     print(f"    {us:8.1f} us  x{n:g}  {name[:90]}")
+            list_kernels.CHUNK = default_chunk
 
 
 if __name__ == "__main__":
