@@ -268,25 +268,19 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   return {dq, dk, dv, dbias};
 }
 
-std::vector<int64_t> block_sizes() {
-  return {flash_dmattn::bwd_block_m(), flash_dmattn::bwd_block_n()};
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "flash_dmattn CUDA backward (one head-dim / dtype / mask / bias specialisation)";
+  def_module_doc(m, "backward");
   m.def("bwd", &bwd, "attention backward -> [dq, dk, dv, dbias]");
   m.def("bwd_gathers", &flash_dmattn::bwd_gathers,
         "whether bwd takes gathered key lists (a gathered dQ kernel is built in)");
   m.def("bwd_key_bits", &flash_dmattn::bwd_key_bits,
         "whether bwd reads a per-query mask's key bits (the mask summary's, bwd(..., key_bits))");
-  m.def("intervals", &intervals_built, "whether bwd_intervals (key-interval masks) is built in");
   m.def("bwd_intervals", &bwd_intervals,
         "attention backward over key-interval key blocks -> [dq, dk fp32, dv fp32, dbias fp32]");
   m.def("fused_dq", &flash_dmattn::bwd_fused_dq,
         "whether bwd(..., allow_fused_dq=True) computes dQ inside the dK/dV kernel (atomics)");
-  m.def("block_sizes", &block_sizes, "(block_m, block_n) of the backward's tiles");
-  m.def("dropout", &flash_dmattn::bwd_dropout,
-        "whether this module's kernels take dropout (the drop_* arguments)");
+  def_build_queries(m, "bwd", "backward's", &flash_dmattn::bwd_block_m, &flash_dmattn::bwd_block_n,
+                    &intervals_built, &flash_dmattn::bwd_dropout);
 }

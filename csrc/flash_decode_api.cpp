@@ -104,7 +104,7 @@ std::vector<int64_t> decode_sizes() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "flash_dmattn CUDA decode (one head-dim / dtype / mask / bias specialisation)";
+  def_module_doc(m, "decode");
   m.def("decode", &decode, "split-KV decode forward (KV cache, paged or not) -> [out, lse]");
   m.def("decode_sizes", &decode_sizes, "(decode_max_rows, decode_block_n)");
 }

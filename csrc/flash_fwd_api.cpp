@@ -165,20 +165,14 @@ std::vector<at::Tensor> fwd_intervals(const at::Tensor& q, const at::Tensor& k,
   return {out, lse};
 }
 
-std::vector<int64_t> block_sizes() {
-  return {flash_dmattn::fwd_block_m(), flash_dmattn::fwd_block_n()};
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "flash_dmattn CUDA forward (one head-dim / dtype / mask / bias specialisation)";
+  def_module_doc(m, "forward");
   m.def("fwd", &fwd, "attention forward -> [out, lse]");
   m.def("fwd_gathered", &fwd_gathered, "attention forward over gathered key lists -> [out, lse]");
   m.def("fwd_gathers", &flash_dmattn::fwd_gathers, "whether fwd_gathered is built in");
-  m.def("intervals", &intervals_built, "whether fwd_intervals (key-interval masks) is built in");
   m.def("fwd_intervals", &fwd_intervals, "attention forward over key-interval lists -> [out, lse]");
-  m.def("block_sizes", &block_sizes, "(block_m, block_n) of the forward's tiles");
-  m.def("dropout", &flash_dmattn::fwd_dropout,
-        "whether this module's kernels take dropout (the drop_* arguments)");
+  def_build_queries(m, "fwd", "forward's", &flash_dmattn::fwd_block_m, &flash_dmattn::fwd_block_n,
+                    &intervals_built, &flash_dmattn::fwd_dropout);
 }

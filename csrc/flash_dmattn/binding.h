@@ -14,7 +14,9 @@
 
 #include <cmath>
 #include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "params.h"
 
@@ -297,6 +299,32 @@ inline void fill_intervals(FwdParams& p, bool built, const OptT& bias, const at:
 inline void check_list(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.is_contiguous(), name,
               " must be a contiguous int32 CUDA tensor");
+}
+
+// Module definitions the bindings share. Module is pybind11::module_, a template parameter so
+// that this header needs no pybind11 (the bindings include torch's).
+
+// The docstring of an operation's module (op: forward, backward, decode).
+template <class Module>
+void def_module_doc(Module& m, const char* op) {
+  m.doc() = std::string("flash_dmattn CUDA ") + op +
+            " (one head-dim / dtype / mask / bias specialisation)";
+}
+
+// What the forward and the backward module say of their build: block_sizes() -> (block_m,
+// block_n) of the operation's tiles, intervals() and dropout() -> whether its kernels have
+// key-interval masks (the `op`_intervals function) and attention dropout (the drop_*
+// arguments). op: fwd or bwd; tiles: how the docstring names the tiles.
+template <class Module>
+void def_build_queries(Module& m, const char* op, const char* tiles, int (*block_m)(),
+                       int (*block_n)(), bool (*intervals)(), bool (*dropout)()) {
+  m.def(
+      "block_sizes",
+      [block_m, block_n]() { return std::vector<int64_t>{block_m(), block_n()}; },
+      (std::string("(block_m, block_n) of the ") + tiles + " tiles").c_str());
+  m.def("intervals", intervals,
+        (std::string("whether ") + op + "_intervals (key-interval masks) is built in").c_str());
+  m.def("dropout", dropout, "whether this module's kernels take dropout (the drop_* arguments)");
 }
 
 }  // namespace flash_dmattn::binding
