@@ -73,10 +73,7 @@ std::vector<at::Tensor> bwd_intervals(const at::Tensor& dout, const at::Tensor& 
     int64_t drop_h0, int64_t drop_heads) {
   c10::cuda::CUDAGuard guard(q.device());
   BwdParams p;
-  fill_common(p, q, k, v, std::nullopt, std::nullopt, softmax_scale, is_causal, softcap,
-              /*paged=*/false, /*aux=*/false);
-  fill_packed(p, std::nullopt, std::nullopt, std::nullopt, 0, 0);
-  fill_intervals(p, intervals_built(), bias, bounds);
+  fill_intervals(p, intervals_built(), q, k, v, bias, bounds, softmax_scale, is_causal, softcap);
   TORCH_CHECK(p.iv.row_heads == p.Hkv, "key-interval bounds of the backward must be per kv head");
   fill_dropout(p, flash_dmattn::bwd_dropout(), q, drop_rng, drop_threshold, drop_scale, drop_b0,
                drop_h0, drop_heads);

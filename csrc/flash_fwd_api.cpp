@@ -138,10 +138,7 @@ std::vector<at::Tensor> fwd_intervals(const at::Tensor& q, const at::Tensor& k,
     int64_t drop_h0, int64_t drop_heads) {
   c10::cuda::CUDAGuard guard(q.device());
   FwdParams p;
-  fill_common(p, q, k, v, std::nullopt, std::nullopt, softmax_scale, is_causal, softcap,
-              /*paged=*/false, /*aux=*/false);
-  fill_packed(p, std::nullopt, std::nullopt, std::nullopt, 0, 0);
-  fill_intervals(p, intervals_built(), bias, bounds);
+  fill_intervals(p, intervals_built(), q, k, v, bias, bounds, softmax_scale, is_causal, softcap);
   fill_dropout(p, flash_dmattn::fwd_dropout(), q, drop_rng, drop_threshold, drop_scale, drop_b0,
                drop_h0, drop_heads);
   const int64_t n_tiles = (p.Lq + flash_dmattn::fwd_block_m() - 1) / flash_dmattn::fwd_block_m();

@@ -262,11 +262,18 @@ inline void fill_gather(FwdParams& p, int block_m, const at::Tensor& idx, const 
   }
 }
 
-// Key-interval masks (see KeyIntervalLists in params.h). bounds: contiguous int32
-// (2, B, R, Lk) with R = Hkv (or H when H == Hkv); a bias is per key (Bx, Hb, 1, Lk) in q's
-// dtype; tile lists are the planner's (B * R, ceil(Lq / fwd_block_m)) int32. ``built``: whether
-// the module has the key-interval kernels (its intervals()).
-inline void fill_intervals(FwdParams& p, bool built, const OptT& bias, const at::Tensor& bounds) {
+// A call over key-interval masks (see KeyIntervalLists in params.h), forward or backward:
+// q / k / v of a dense batch with no mask or bias of the other kinds, the interval bounds and
+// the bias. bounds: contiguous int32 (2, B, R, Lk) with R = Hkv (or H when H == Hkv); a bias is
+// per key (Bx, Hb, 1, Lk) in q's dtype; tile lists are the planner's (B * R, ceil(Lq /
+// fwd_block_m)) int32. ``built``: whether the module has the key-interval kernels (its
+// intervals()).
+inline void fill_intervals(FwdParams& p, bool built, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, const OptT& bias, const at::Tensor& bounds,
+                           double scale, bool causal, double softcap) {
+  fill_common(p, q, k, v, std::nullopt, std::nullopt, scale, causal, softcap, /*paged=*/false,
+              /*aux=*/false);
+  fill_packed(p, std::nullopt, std::nullopt, std::nullopt, 0, 0);
   TORCH_CHECK(built, "this kernel module has no key-interval kernels (they need a mask, dense "
               "batches, sm_90 and head dim <= 128)");
   TORCH_CHECK(bias.has_value() == bool(FLASH_DMATTN_HAS_BIAS), "this kernel module was built ",
