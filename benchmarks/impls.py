@@ -380,7 +380,41 @@ def _flex_fn(compiled: bool):
     return _compiled_flex
 
 
-class FlexDirect(Impl):
+class FlexCalls:
+    """What the impls calling ``flex_attention`` directly share (this file's :class:`FlexDirect`,
+    varlen.py's ``FlexDocument``); a mixin, listed before their :class:`Impl` base.
+
+    Compiled on CUDA, which takes power-of-two head dims >= 16; on CPU eager and forward only
+    (FlexAttention has no CPU backward).
+    """
+
+    compiled: bool
+    block_mask = None
+
+    def _flex_setup(self, head_dim: int, ctx: RunContext) -> None:
+        """Declines the head dims compiled Flex does not take; picks the compiled or eager call."""
+        if ctx.cuda and (head_dim < 16 or head_dim & (head_dim - 1)):
+            raise Declined(f"head_dim {head_dim} is not a power of two >= 16")
+        self.fn = _flex_fn(self.compiled)
+
+    def _eager_note(self) -> None:
+        if not self.compiled:
+            self.notes.append("eager (not compiled) on CPU")
+
+    def backward_skip_reason(self, ctx: RunContext) -> Optional[str]:
+        return None if ctx.cuda else "FlexAttention has no backward on CPU"
+
+    def _flex(self, q, k, v, score_mod):
+        w = self.workload
+        with warnings.catch_warnings():
+            # The eager CPU path is chosen deliberately; Flex's advice to compile is noise.
+            warnings.filterwarnings("ignore", message="flex_attention called without")
+            return self.fn(
+                q, k, v, score_mod=score_mod, block_mask=self.block_mask, enable_gqa=w.heads != w.kv_heads
+            )
+
+
+class FlexDirect(FlexCalls, Impl):
     """``flex_attention`` called directly: a BlockMask from ``create_block_mask`` and a bias ``score_mod``.
 
     The BlockMask is built once in :meth:`setup`, outside the timed region (flash_dmattn's
@@ -400,9 +434,7 @@ class FlexDirect(Impl):
         from torch.nn.attention.flex_attention import create_block_mask
 
         w = case.workload
-        if ctx.cuda and (w.head_dim < 16 or w.head_dim & (w.head_dim - 1)):
-            raise Declined(f"head_dim {w.head_dim} is not a power of two >= 16")
-        self.fn = _flex_fn(self.compiled)
+        self._flex_setup(w.head_dim, ctx)
         self.block_mask = None
         if case.mask is not None or w.causal:
             read_mask = _reader(case.mask, w.heads, w.kv_heads) if case.mask is not None else None
@@ -425,22 +457,13 @@ class FlexDirect(Impl):
                 _compile=ctx.cuda,
             )
             self.notes.append("BlockMask built outside the timed region")
-        if not self.compiled:
-            self.notes.append("eager (not compiled) on CPU")
-
-    def backward_skip_reason(self, ctx: RunContext) -> Optional[str]:
-        return None if ctx.cuda else "FlexAttention has no backward on CPU"
+        self._eager_note()
 
     def __call__(self, q, k, v, mask, bias):
         w = self.workload
         # Built per call so it captures this call's bias tensor (the one that needs grad).
         score_mod = _bias_score_mod(bias, w.heads, w.kv_heads) if bias is not None else None
-        with warnings.catch_warnings():
-            # The eager CPU path is chosen deliberately; Flex's advice to compile is noise.
-            warnings.filterwarnings("ignore", message="flex_attention called without")
-            return self.fn(
-                q, k, v, score_mod=score_mod, block_mask=self.block_mask, enable_gqa=w.heads != w.kv_heads
-            )
+        return self._flex(q, k, v, score_mod)
 
 
 def implementations(w: Workload, ctx: RunContext, backends: List[str]) -> List[Impl]:

@@ -18,7 +18,6 @@ varlen path in float32 on the packed inputs.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -29,7 +28,8 @@ from flash_dmattn.inputs import VarlenInputs
 from flash_dmattn.utils.padding import cu_seqlens_from_lengths, pad_input
 
 from . import report
-from .impls import REFERENCE_MAX_WORK_GPU, Declined, Impl, RunContext, Skipped, _flex_fn, _sdpa, _short_decline
+from .impls import (REFERENCE_MAX_WORK_GPU, Declined, FlexCalls, Impl, RunContext, Skipped, _sdpa,
+                    _short_decline)
 from .measure import GRAD_NAMES, derive_rates, run_suite_workload, time_impl
 from .report import Row
 from .workloads import Workload
@@ -423,7 +423,7 @@ class SdpaPadded(VarlenImpl):
         return {name: self.case.unpad(g.transpose(1, 2)) for name, g in zip(("dq", "dk", "dv"), grads)}
 
 
-class FlexDocument(VarlenImpl):
+class FlexDocument(FlexCalls, VarlenImpl):
     """``flex_attention`` on the packed tokens as one ``(1, H, total, D)`` sequence.
 
     A document-id ``BlockMask`` (same sequence & causal & per-key mask) is built outside the
@@ -440,9 +440,7 @@ class FlexDocument(VarlenImpl):
         from torch.nn.attention.flex_attention import create_block_mask
 
         w = case.workload
-        if ctx.cuda and (w.head_dim < 16 or w.head_dim & (w.head_dim - 1)):
-            raise Declined(f"head_dim {w.head_dim} is not a power of two >= 16")
-        self.fn = _flex_fn(self.compiled)
+        self._flex_setup(w.head_dim, ctx)
         doc = torch.repeat_interleave(
             torch.arange(len(case.lengths), device=case.device, dtype=torch.int32),
             torch.tensor(case.lengths, device=case.device),
@@ -462,11 +460,7 @@ class FlexDocument(VarlenImpl):
             device=case.device, _compile=ctx.cuda,
         )
         self.notes.append("document BlockMask built outside the timed region")
-        if not self.compiled:
-            self.notes.append("eager (not compiled) on CPU")
-
-    def backward_skip_reason(self, ctx: RunContext) -> Optional[str]:
-        return None if ctx.cuda else "FlexAttention has no backward on CPU"
+        self._eager_note()
 
     def make_inputs(self, case, grad):
         q, k, v, go = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (case.q, case.k, case.v, case.grad_out))
@@ -485,11 +479,7 @@ class FlexDocument(VarlenImpl):
         return (q, k, v, score_mod), leaves, [go]
 
     def __call__(self, q, k, v, score_mod):
-        w = self.workload
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="flex_attention called without")
-            return self.fn(q, k, v, score_mod=score_mod, block_mask=self.block_mask,
-                           enable_gqa=w.heads != w.kv_heads)
+        return self._flex(q, k, v, score_mod)
 
     def packed_out(self, out):
         return out[0].transpose(0, 1)
