@@ -754,6 +754,20 @@ def _aligned_aux(mask, bias, cu_k):
     return copy(mask), copy(bias), cu_aux.to(torch.int32)
 
 
+def _packed_call(q, mask, bias, cu_q, cu_k, max_k, op):
+    """The kernel module of a packed call (``op``: fwd or bwd) and what the forward and the
+    backward alike pass it beside the tensors: ``(mod, (cu_q, cu_k, cu_aux), (idx, cnt, hdiv),
+    (mask, bias))``, the cu_seqlens as int32, a per-key mask's key-tile lists at the module's
+    block_n (:func:`_packed_lists`) and the mask and bias on aligned rows (:func:`_aligned_aux`).
+    q is the kernels' (total_q, H, D), bias already in q's dtype."""
+    mod = kernel_module(q, mask is not None, bias is not None, packed=True, op=op)
+    _, block_n = mod.block_sizes()
+    cu_q, cu_k = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
+    idx, cnt, hdiv = _packed_lists(mask, cu_k, max_k, q.shape[1], block_n)
+    mask_a, bias_a, cu_aux = _aligned_aux(mask, bias, cu_k)
+    return mod, (cu_q, cu_k, cu_aux), (idx, cnt, hdiv), (mask_a, bias_a)
+
+
 def cuda_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
                         softcap) -> Tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences: ``(out (total_q, H, D), lse (H, total_q) fp32)``; rows no sequence
@@ -762,12 +776,8 @@ def cuda_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is
     d = q.shape[-1]
     q, k, v = (vector_ready(t) for t in pad_head_dim(q, k, v))
     bias = kernel_bias(bias, q.dtype)
-    H = q.shape[1]
-    mod = kernel_module(q, mask is not None, bias is not None, packed=True, op="fwd")
-    _, block_n = mod.block_sizes()
-    cu_q, cu_k = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
-    idx, cnt, hdiv = _packed_lists(mask, cu_k, max_k, H, block_n)
-    mask_a, bias_a, cu_aux = _aligned_aux(mask, bias, cu_k)
+    mod, (cu_q, cu_k, cu_aux), (idx, cnt, hdiv), (mask_a, bias_a) = _packed_call(
+        q, mask, bias, cu_q, cu_k, max_k, "fwd")
     out, lse = mod.fwd(q[None], k[None], v[None], mask_a, bias_a, None, float(scale),
                        bool(is_causal), float(softcap), idx, cnt, hdiv, cu_q, cu_k, cu_aux,
                        int(max_q), int(max_k), *NO_DROPOUT)
@@ -784,12 +794,9 @@ def cuda_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, ou
     dbias_dtype = bias.dtype if bias is not None else None
     bias = kernel_bias(bias, q.dtype)
     H = q.shape[1]
-    mod = kernel_module(q, mask is not None, bias is not None, packed=True, op="bwd")
-    _, block_n = mod.block_sizes()
-    cu_q, cu_k = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
-    idx, cnt, hdiv = _packed_lists(mask, cu_k, max_k, H, block_n)
+    mod, (cu_q, cu_k, cu_aux), (idx, cnt, hdiv), (mask_a, bias_a) = _packed_call(
+        q, mask, bias, cu_q, cu_k, max_k, "bwd")
     mode = 2 if (need_dbias and bias is not None) else 0
-    mask_a, bias_a, cu_aux = _aligned_aux(mask, bias, cu_k)
     dq, dk, dv, db = mod.bwd(dout[None], q[None], k[None], v[None], mask_a, bias_a, out[None],
                              lse.contiguous(), float(scale), bool(is_causal), float(softcap),
                              bool(need_dq), bool(need_dk or need_dv), mode, idx, cnt, None, None,
