@@ -230,7 +230,7 @@ def _cases(draw):
     return bias, window, is_causal, padding, min_dtype
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_cases())
 def test_intervals_match_dense_helpers(case):
     _check(*case)
@@ -318,6 +318,25 @@ def test_kernels_every_radix_and_small_blocks(radix_bits, monkeypatch):
         for window, bias in zip((1, 3, 17), _biases(g, (1, 2, 1, length))):
             padding = torch.rand(1, length, generator=g) > 0.2
             _same_as_plain(bias, window, True, padding)
+
+
+@_needs_kernels
+@pytest.mark.parametrize("prune", [False, True])
+def test_kernels_with_and_without_pruned_walks(prune, monkeypatch):
+    # Query blocks of 16 ranks, most past the window: with pruning a block's later keys are
+    # skipped by its first rank's bound, which must never drop a key some query sees.
+    monkeypatch.setattr(selection_kernels, "PRUNE_QUERIES", prune)
+    monkeypatch.setattr(selection_kernels, "QUERY_BLOCK", 16)
+    g = torch.Generator().manual_seed(5)
+    for length in (48, 131):
+        for window, bias in zip((1, 4, 33), _biases(g, (2, 2, 1, length))):
+            padding = torch.rand(2, length, generator=g) > 0.2
+            _same_as_plain(bias, window, True, padding if window != 4 else None)
+        # A bias rising with the position: every later key outranks the earlier ones, so the
+        # bound of a block's first rank is as loose as it gets.
+        rising = torch.arange(length, dtype=torch.float32).view(1, 1, 1, length)
+        _same_as_plain(rising.expand(1, 2, 1, length).clone(), 7, True)
+        _same_as_plain(-rising.expand(1, 2, 1, length).clone(), 7, True)
 
 
 @_needs_kernels

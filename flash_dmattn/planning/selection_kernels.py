@@ -54,6 +54,9 @@ MAX_BLOCKS = 128
 CHECK = 32
 # Keys per query program.
 QUERY_BLOCK = 64
+# Whether a query program skips the walks of keys its first rank's bound shows unseen (see
+# _query_kernel); both settings give the same bounds.
+PRUNE_QUERIES = True
 # Elementwise block of the score kernel.
 SCORE_BLOCK = 1024
 # Bounds of a key every query sees (as selection._ALWAYS).
@@ -223,11 +226,12 @@ if triton is not None:
                 tl.atomic_add(tot_out + (dest // span) * R + nd, 1, mask=ok, sem="relaxed")
 
     @triton.jit
-    def _query_kernel(Ws, Sorted, Bounds, L, W, n_ck, rows, n_levels, top, ck_off,
-                      R: tl.constexpr, RB: tl.constexpr, CHK: tl.constexpr, WIDTH: tl.constexpr,
-                      BLOCK: tl.constexpr, F64: tl.constexpr, PACKED: tl.constexpr):
-        """Keys of ranks ``i`` in the block: ``t`` = the W-th smallest of ``order[:max(i, W)]``
-        (a walk down the tree, as kth_smallest_of_prefixes), then the key's bounds.
+    def _walk(Ws, row, L, rows, n_levels, top, ck_off, n_ck, m, active, W,
+              R: tl.constexpr, RB: tl.constexpr, CHK: tl.constexpr, WIDTH: tl.constexpr,
+              BLOCK: tl.constexpr):
+        """Per lane: the ``W``-th smallest of the level-0 sequence's first ``m`` entries (a
+        walk down the tree, as kth_smallest_of_prefixes); lanes not ``active`` read no memory
+        and get an unspecified value.
 
         At a node (start ``a``, its first ``m`` entries in the prefix, the ``kk``-th smallest
         wanted) ``le(d)``, the number of those entries with digit ``<= d``, is non-decreasing
@@ -238,29 +242,11 @@ if triton is not None:
         (``R`` counts) and the ``CHK`` entries after it are loaded together, so the search
         itself reads no memory and a level waits for one round trip.
         """
-        qb = tl.program_id(0)
-        row = tl.program_id(1).to(tl.int64)
-        i = qb * BLOCK + tl.arange(0, BLOCK)
-        ok = i < L
-        key = tl.load(Ws + row * L + i, mask=ok, other=0)  # level 0 is the rank order
-        # Candidates have a finite or +inf key, the others -inf (packed int32 keys: a low half
-        # of 0xFFFF). Compared in fp32 (exact for fp16/bf16/fp32 keys) or, for fp64 keys, in
-        # fp64 (fp32 would overflow to -inf).
-        if PACKED:
-            s = tl.load(Sorted + row * L + i, mask=ok, other=0xFFFF)
-            valid = (s & 0xFFFF) != 0xFFFF
-        elif F64:
-            s = tl.load(Sorted + row * L + i, mask=ok, other=float("-inf"))
-            valid = s.to(tl.float64) > float("-inf")
-        else:
-            s = tl.load(Sorted + row * L + i, mask=ok, other=float("-inf"))
-            valid = s.to(tl.float32) > float("-inf")
         # One width for the scanned entries (CHK) and the checkpoint row (R), so that both
-        # tiles, and every per-key vector, share a layout (no conversions between them).
+        # tiles, and every per-lane vector, share a layout (no conversions between them).
         g = tl.arange(0, WIDTH)
         digits = tl.arange(0, R)
         a = tl.zeros([BLOCK], dtype=tl.int32)  # node start
-        m = tl.maximum(i, W)  # entries of the node inside the prefix
         kk = tl.zeros([BLOCK], dtype=tl.int32) + W  # rank of the wanted value in the node
         for lev in range(n_levels - 1):
             shift = top - RB * (lev + 1)
@@ -268,10 +254,10 @@ if triton is not None:
             x = a + m  # the prefix ends at seq[x - 1]
             c = x // CHK
             pos = (c * CHK)[:, None] + g[None, :]
-            tm = (pos < x[:, None]) & (g < CHK)[None, :] & ok[:, None]
+            tm = (pos < x[:, None]) & (g < CHK)[None, :] & active[:, None]
             tv = tl.load(seq + pos, mask=tm, other=0)
             ckrow = Ws + ck_off + ((lev * rows + row) * n_ck + c) * R
-            cks = tl.load(ckrow[:, None] + g[None, :], mask=(g < R)[None, :] & ok[:, None],
+            cks = tl.load(ckrow[:, None] + g[None, :], mask=(g < R)[None, :] & active[:, None],
                           other=0)
             td = tl.where(tm, (tv >> shift) & (R - 1), R)  # R: past every digit
             # Entries per digit in the (full) nodes before this one: a / R each.
@@ -294,7 +280,7 @@ if triton is not None:
             a += lo << shift
         # Last level: a node of at most R values a .. a+R-1, its first m entries in the prefix.
         last = Ws + ((n_levels - 1) * rows + row) * L
-        tm = (digits[None, :] < m[:, None]) & ok[:, None]
+        tm = (digits[None, :] < m[:, None]) & active[:, None]
         w = tl.load(last + a[:, None] + digits[None, :], mask=tm, other=0) - a[:, None]
         w = tl.where(tm, w, R)
         lo = tl.zeros([BLOCK], dtype=tl.int32)
@@ -304,9 +290,52 @@ if triton is not None:
             up = tl.sum((w <= mid[:, None]).to(tl.int32), 1) >= kk
             hi = tl.where(up, mid, hi)
             lo = tl.where(up, lo, mid + 1)
-        t = a + lo
-        t = tl.where(i < W, L, t)  # fewer than W keys outrank it: kept to the end
-        keep = valid & (t > key)
+        return a + lo
+
+    @triton.jit
+    def _query_kernel(Ws, Sorted, Bounds, L, W, n_ck, rows, n_levels, top, ck_off,
+                      R: tl.constexpr, RB: tl.constexpr, CHK: tl.constexpr, WIDTH: tl.constexpr,
+                      BLOCK: tl.constexpr, F64: tl.constexpr, PACKED: tl.constexpr,
+                      PRUNE: tl.constexpr):
+        """Keys of ranks ``i`` in the block: ``t`` = the W-th smallest position among the keys
+        of ranks below ``max(i, W)`` (:func:`_walk`), then the key's bounds ``[key, t)``
+        (empty when ``t <= key``).
+
+        ``t`` does not grow with the rank (a longer prefix has a smaller W-th smallest), so a
+        key of the block whose position is at least ``t`` of the block's first rank is seen by
+        no query. With ``PRUNE`` the block walks its first rank first and then only the keys
+        below that bound: most keys of a causal selection are never seen, and their walks were
+        most of the kernel's memory traffic.
+        """
+        qb = tl.program_id(0)
+        row = tl.program_id(1).to(tl.int64)
+        i = qb * BLOCK + tl.arange(0, BLOCK)
+        ok = i < L
+        key = tl.load(Ws + row * L + i, mask=ok, other=0)  # level 0 is the rank order
+        # Candidates have a finite or +inf key, the others -inf (packed int32 keys: a low half
+        # of 0xFFFF). Compared in fp32 (exact for fp16/bf16/fp32 keys) or, for fp64 keys, in
+        # fp64 (fp32 would overflow to -inf).
+        if PACKED:
+            s = tl.load(Sorted + row * L + i, mask=ok, other=0xFFFF)
+            valid = (s & 0xFFFF) != 0xFFFF
+        elif F64:
+            s = tl.load(Sorted + row * L + i, mask=ok, other=float("-inf"))
+            valid = s.to(tl.float64) > float("-inf")
+        else:
+            s = tl.load(Sorted + row * L + i, mask=ok, other=float("-inf"))
+            valid = s.to(tl.float32) > float("-inf")
+        # Fewer than W keys outrank the first W ranks: they are kept to the end, no walk.
+        walk = ok & valid & (i >= W)
+        if PRUNE:
+            if qb * BLOCK >= W:
+                first = tl.arange(0, BLOCK) == 0
+                t0 = _walk(Ws, row, L, rows, n_levels, top, ck_off, n_ck, i, first, W,
+                           R=R, RB=RB, CHK=CHK, WIDTH=WIDTH, BLOCK=BLOCK)
+                walk = walk & (key < tl.max(tl.where(first, t0, 0), 0))
+        t = _walk(Ws, row, L, rows, n_levels, top, ck_off, n_ck, tl.maximum(i, W), walk, W,
+                  R=R, RB=RB, CHK=CHK, WIDTH=WIDTH, BLOCK=BLOCK)
+        t = tl.where(i < W, L, t)
+        keep = valid & ((i < W) | (walk & (t > key)))
         tl.store(Bounds + row * L + key, tl.where(keep, key, 0), mask=ok)
         tl.store(Bounds + (rows + row) * L + key, tl.where(keep, t, 0), mask=ok)
 
@@ -444,7 +473,7 @@ def causal_bounds(bias, padding, min_dtype, window, batch, heads) -> torch.Tenso
     _query_kernel[lay.query_grid](
         ws, ranked, bounds, length, window, lay.n_ck, rows, levels, top, lay.ck_off,
         R=radix, RB=rb, CHK=CHECK, WIDTH=max(radix, CHECK), BLOCK=QUERY_BLOCK,
-        F64=bias.dtype == torch.float64, PACKED=packed,
+        F64=bias.dtype == torch.float64, PACKED=packed, PRUNE=PRUNE_QUERIES,
         num_warps=8,
     )
     return bounds
