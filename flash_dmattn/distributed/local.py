@@ -200,32 +200,23 @@ class _Piece:
         self.a, self.b, self.total, self.seen, self.pending = a, b, total, 0, None
 
 
-class Accumulator:
-    """The sum of partial results over ranges of one dim, every range known in advance.
+class _Pieces:
+    """What :class:`Accumulator` and :class:`Merger` share: the pieces of the summed dim between
+    the announced ranges' ends, each with the number of terms that cover it, and the result and
+    the accumulation buffer, allocated when first written. ``_name`` and ``_term``: how errors
+    name the class and one contribution."""
 
-    ``ranges``: the ``[start, end)`` of every contribution :meth:`add` will bring (any order),
-    so each element's number of terms is known before the first arrives, and each sum is
-    formed with one pass per term and no zero-fill: a piece's first term is kept as it is (a
-    piece with one term *is* the result, as the tensor given when it spans the whole dim, or
-    copied in once); the second is added to it (into the result when it is the last, else into
-    an accumulation buffer); the last is added into the result. Sums are computed in the
-    accumulation dtype (float32 for half types: PyTorch's elementwise arithmetic on bfloat16 /
-    float16 computes in float32 and rounds once at the store), so every element is rounded to
-    ``dtype`` once, whatever the number of terms. Elements no range covers are 0.
-    """
+    _name = ""
+    _term = ""
 
     def __init__(self, shape: Sequence[int], dim: int, ranges: Sequence[Tuple[int, int]],
                  dtype: torch.dtype, device) -> None:
         self.shape = tuple(shape)
         self.dim = dim % len(self.shape)
         self.dtype, self.acc = dtype, accumulation_dtype(dtype)
-        if dtype == torch.float32:
-            self.acc = torch.float32
         self.device = device
-        size = self.shape[self.dim]
-        self._pieces = [_Piece(a, b, t) for a, b, t in _cuts(size, ranges)]
+        self._pieces = [_Piece(a, b, t) for a, b, t in _cuts(self.shape[self.dim], ranges)]
         self._out: Optional[Tensor] = None
-        self._whole: Optional[Tensor] = None
         self._buf: Optional[Tensor] = None
 
     def _slice(self, t: Tensor, a: int, b: int) -> Tensor:
@@ -243,14 +234,48 @@ class Accumulator:
             self._buf = torch.empty(self.shape, dtype=self.acc, device=self.device)
         return self._slice(self._buf, p.a, p.b)
 
-    def add(self, rng: Tuple[int, int], t: Tensor) -> None:
-        """Add ``t`` (this range's part: the dim has ``rng[1] - rng[0]`` entries)."""
-        r0, r1 = rng
+    def _reached(self, r0: int, r1: int):
+        """The pieces a contribution on ``[r0, r1)`` reaches, each checked to expect one more."""
         for p in self._pieces:
             if p.b <= r0 or p.a >= r1:
                 continue
             if p.seen >= p.total:
-                raise RuntimeError(f"Accumulator: a term for [{p.a}, {p.b}) beyond the {p.total} announced")
+                raise RuntimeError(f"{self._name}: a {self._term} on [{p.a}, {p.b}) beyond the "
+                                   f"{p.total} announced")
+            yield p
+
+    def _check_complete(self) -> None:
+        for p in self._pieces:
+            if p.seen != p.total:
+                raise RuntimeError(f"{self._name}: [{p.a}, {p.b}) got {p.seen} of {p.total} "
+                                   f"{self._term}s")
+
+
+class Accumulator(_Pieces):
+    """The sum of partial results over ranges of one dim, every range known in advance.
+
+    ``ranges``: the ``[start, end)`` of every contribution :meth:`add` will bring (any order),
+    so each element's number of terms is known before the first arrives, and each sum is
+    formed with one pass per term and no zero-fill: a piece's first term is kept as it is (a
+    piece with one term *is* the result, as the tensor given when it spans the whole dim, or
+    copied in once); the second is added to it (into the result when it is the last, else into
+    an accumulation buffer); the last is added into the result. Sums are computed in the
+    accumulation dtype (float32 for half types: PyTorch's elementwise arithmetic on bfloat16 /
+    float16 computes in float32 and rounds once at the store), so every element is rounded to
+    ``dtype`` once, whatever the number of terms. Elements no range covers are 0.
+    """
+
+    _name, _term = "Accumulator", "term"
+
+    def __init__(self, shape: Sequence[int], dim: int, ranges: Sequence[Tuple[int, int]],
+                 dtype: torch.dtype, device) -> None:
+        super().__init__(shape, dim, ranges, dtype, device)
+        self._whole: Optional[Tensor] = None
+
+    def add(self, rng: Tuple[int, int], t: Tensor) -> None:
+        """Add ``t`` (this range's part: the dim has ``rng[1] - rng[0]`` entries)."""
+        r0 = rng[0]
+        for p in self._reached(*rng):
             part = self._slice(t, p.a - r0, p.b - r0)
             last = p.seen == p.total - 1
             if p.total == 1:
@@ -287,9 +312,7 @@ class Accumulator:
 
     def result(self) -> Tensor:
         """The sums in ``dtype`` (every announced term must have come)."""
-        for p in self._pieces:
-            if p.seen != p.total:
-                raise RuntimeError(f"Accumulator: [{p.a}, {p.b}) got {p.seen} of {p.total} terms")
+        self._check_complete()
         if self._whole is not None:
             return self._whole
         for p in self._pieces:
@@ -300,7 +323,7 @@ class Accumulator:
         return self._out
 
 
-class Merger:
+class Merger(_Pieces):
     """Outputs and log-sum-exps of calls on row ranges of a shard, merged by log-sum-exp in the
     accumulation dtype: ``lse = logaddexp(lse_1, lse_2, ...)``, ``out = sum_c out_c·exp(lse_c -
     lse)``. Rows no call reaches are 0 with lse = -inf, like rows with no visible key.
@@ -312,28 +335,13 @@ class Merger:
     output dtype (two passes, no float32 copy of the output kept); rows of more calls
     accumulate in a float32 buffer, the last term stored in the output dtype."""
 
+    _name, _term = "Merger", "call"
+
     def __init__(self, batch: int, rows: int, heads: int, dim: int, dtype: torch.dtype,
                  device, ranges: Sequence[Tuple[int, int]]) -> None:
-        self.shape = (batch, rows, heads, dim)
-        self.dtype, self.acc = dtype, accumulation_dtype(dtype)
-        self.device = device
+        super().__init__((batch, rows, heads, dim), 1, ranges, dtype, device)
         self.lse = torch.empty((batch, heads, rows), dtype=self.acc, device=device)
-        self._pieces = [_Piece(a, b, t) for a, b, t in _cuts(rows, ranges)]
-        self._out: Optional[Tensor] = None
-        self._buf: Optional[Tensor] = None
         self._whole: Optional[Tuple[Tensor, Tensor]] = None
-
-    def _out_view(self, a: int, b: int) -> Tensor:
-        if self._out is None:
-            self._out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        return self._out[:, a:b]
-
-    def _buf_view(self, a: int, b: int) -> Tensor:
-        if self.acc == self.dtype:
-            return self._out_view(a, b)
-        if self._buf is None:
-            self._buf = torch.empty(self.shape, dtype=self.acc, device=self.device)
-        return self._buf[:, a:b]
 
     @staticmethod
     def _weights(old: Tensor, new: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -346,12 +354,8 @@ class Merger:
         return both, w_old, w_new
 
     def add(self, rows: Tuple[int, int], out: Tensor, lse: Tensor) -> None:
-        r0, r1 = rows
-        for p in self._pieces:
-            if p.b <= r0 or p.a >= r1:
-                continue
-            if p.seen >= p.total:
-                raise RuntimeError(f"Merger: a call on rows [{p.a}, {p.b}) beyond the {p.total} announced")
+        r0 = rows[0]
+        for p in self._reached(*rows):
             o = out[:, p.a - r0:p.b - r0]
             lc = lse[:, :, p.a - r0:p.b - r0]
             last = p.seen == p.total - 1
@@ -360,7 +364,7 @@ class Merger:
                         tuple(out.shape) == self.shape and self._out is None:
                     self._whole = (out, lse)
                 else:
-                    self._out_view(p.a, p.b).copy_(o)
+                    self._result_view(p).copy_(o)
                     self.lse[:, :, p.a:p.b].copy_(lc)
             elif p.seen == 0:
                 p.pending = (o, lc)
@@ -368,17 +372,17 @@ class Merger:
                 if p.seen == 1:
                     (o_old, l_old), p.pending = p.pending, None
                 else:
-                    o_old, l_old = self._buf_view(p.a, p.b), self.lse[:, :, p.a:p.b]
+                    o_old, l_old = self._acc_view(p), self.lse[:, :, p.a:p.b]
                 both, w_old, w_new = self._weights(l_old, lc)
                 if p.seen == 1:
                     # o_old·w_old in float32: a fresh buffer when this is the last term,
                     # else the accumulation buffer
                     acc = torch.mul(o_old, w_old) if last else torch.mul(
-                        o_old, w_old, out=self._buf_view(p.a, p.b))
+                        o_old, w_old, out=self._acc_view(p))
                 else:
                     acc = o_old.mul_(w_old)
                 if last:
-                    torch.addcmul(acc, o, w_new, out=self._out_view(p.a, p.b))
+                    torch.addcmul(acc, o, w_new, out=self._result_view(p))
                 else:
                     acc.addcmul_(o, w_new)
                 self.lse[:, :, p.a:p.b] = both
@@ -387,15 +391,13 @@ class Merger:
     def result(self, dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
         """``(out in the output dtype, lse)``: the merged rows, 0 / -inf where no call
         reached (every announced call must have come)."""
-        for p in self._pieces:
-            if p.seen != p.total:
-                raise RuntimeError(f"Merger: rows [{p.a}, {p.b}) got {p.seen} of {p.total} calls")
+        self._check_complete()
         if self._whole is not None:
             out, lse = self._whole
             return out, lse.to(self.acc)
         for p in self._pieces:
             if p.total == 0:
-                self._out_view(p.a, p.b).zero_()
+                self._result_view(p).zero_()
                 self.lse[:, :, p.a:p.b].fill_(float("-inf"))
         if self._out is None:  # a shard of no rows
             self._out = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
