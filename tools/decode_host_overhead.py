@@ -234,6 +234,25 @@ def time_calls(fn, calls: int, blocks: int = 5) -> float:
     return statistics.median(per)
 
 
+def print_cprofile(fn, a, after=None, title: str = "") -> None:
+    """cProfile of ``a.calls`` calls of ``fn``: its ``a.cprofile`` top lines by ``a.sort``.
+    ``after`` runs once the profile stops (the device's queue drained outside it); ``title``
+    is printed above the table."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(a.calls):
+        fn()
+    prof.disable()
+    if after is not None:
+        after()
+    if title:
+        print(title)
+    pstats.Stats(prof).sort_stats(a.sort).print_stats(a.cprofile)
+
+
 def measure(kind: str, a) -> dict:
     module, q, k, v, mask = make_call(kind, a)
     scale = a.head_dim ** -0.5
@@ -255,15 +274,7 @@ def measure(kind: str, a) -> dict:
             one = dict(counts)
             us = time_calls(call, a.calls)
             if a.cprofile:
-                import cProfile
-                import pstats
-
-                prof = cProfile.Profile()
-                prof.enable()
-                for _ in range(a.calls):
-                    call()
-                prof.disable()
-                pstats.Stats(prof).sort_stats(a.sort).print_stats(a.cprofile)
+                print_cprofile(call, a)
     finally:
         for n, val in old.items():
             if val is None:
@@ -412,17 +423,8 @@ def gpu_report(a) -> None:
                       f"{a.keys - a.steps}..{a.keys - 1}): dmattn {dm_steps:7.1f} us/call host, "
                       f"sdpa {sd_steps:7.1f}, ratio {dm_steps / sd_steps:4.2f}x")
             if a.cprofile:
-                import cProfile
-                import pstats
-
-                prof = cProfile.Profile()
-                prof.enable()
-                for _ in range(a.calls):
-                    dm()
-                prof.disable()
-                torch.cuda.synchronize()
-                print(f"--- {kind}: cProfile of {a.calls} dmattn calls, by {a.sort} ---")
-                pstats.Stats(prof).sort_stats(a.sort).print_stats(a.cprofile)
+                print_cprofile(dm, a, torch.cuda.synchronize,
+                               f"--- {kind}: cProfile of {a.calls} dmattn calls, by {a.sort} ---")
 
 
 def main(argv=None) -> int:
