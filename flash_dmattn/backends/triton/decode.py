@@ -171,6 +171,53 @@ def _key_offsets(offs_n, n0, n_ld, end, bt_base, num_pages, stride_kn, stride_vn
 
 
 @triton.jit
+def _group_rows(Q, b64, hk, group, seqlen_q, stride_qb, stride_qm, stride_qh,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows of a split program's tile and their queries: row r is query head
+    ``hk * group + r // seqlen_q``, query ``r % seqlen_q``. Returns ``(row_ok, qi, h, offs_d,
+    d_ok, q)``: the real rows (``r < group * seqlen_q``), each row's query and head, the head
+    dims, and q (zero on padding rows)."""
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < group * seqlen_q
+    g = rows // seqlen_q
+    qi = rows % seqlen_q
+    h = hk * group + g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_ptrs = (Q + b64 * stride_qb + qi[:, None].to(tl.int64) * stride_qm
+              + h[:, None].to(tl.int64) * stride_qh + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    return row_ok, qi, h, offs_d, d_ok, q
+
+
+@triton.jit
+def _store_split(acc, m_i, l_i, OPart, LPart, pid_s, b, batch, num_heads, seqlen_q, row_ok,
+                 qi, h, offs_d, d_ok, stride_ob, stride_om, stride_oh,
+                 HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr):
+    """A split program's result, from its online-softmax state (log2 domain).
+
+    SINGLE_SPLIT: one split holds every key, so OPart / LPart are the output (B, Lq, H, D) and
+    its lse (B, H, Lq, natural log), and no combine runs after the split kernel. Otherwise
+    fp32 partials for :func:`_decode_combine_kernel`: row ((split * B + b) * H + h) * Lq + i,
+    rows of (B, H, Lq) per split, the lse in the log2 domain."""
+    has_any = l_i > 0.0
+    l_use = tl.where(has_any, l_i, 1.0)
+    out = acc / l_use[:, None]
+    lse2 = tl.where(has_any, m_i + tl.log2(l_use), float("-inf"))  # log2 domain
+    if SINGLE_SPLIT:
+        o_ptrs = (OPart + b.to(tl.int64) * stride_ob + qi[:, None].to(tl.int64) * stride_om
+                  + h[:, None].to(tl.int64) * stride_oh + offs_d[None, :])
+        tl.store(o_ptrs, out.to(OPart.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LPart + (b * num_heads + h).to(tl.int64) * seqlen_q + qi,
+                 lse2 * 0.6931471805599453, mask=row_ok)
+    else:
+        prow = ((pid_s * batch + b) * num_heads + h).to(tl.int64) * seqlen_q + qi
+        tl.store(OPart + prow[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LPart + prow, lse2, mask=row_ok)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, Mask, Bias, CacheSeqlens, BlockTable, OPart, LPart,
     stride_qb, stride_qm, stride_qh,
@@ -198,20 +245,11 @@ def _decode_split_kernel(
     hk = tl.program_id(2)
     b64 = b.to(tl.int64)
 
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < group * seqlen_q
-    g = rows // seqlen_q
-    qi = rows % seqlen_q
-    h = hk * group + g
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    offs_n0 = tl.arange(0, BLOCK_N)
-
     # q first: it does not depend on the cache length, whose load heads the chain (length ->
     # split bounds -> mask -> K/V) of a short step.
-    q_ptrs = (Q + b64 * stride_qb + qi[:, None].to(tl.int64) * stride_qm
-              + h[:, None].to(tl.int64) * stride_qh + offs_d[None, :])
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    row_ok, qi, h, offs_d, d_ok, q = _group_rows(Q, b64, hk, group, seqlen_q, stride_qb,
+                                                 stride_qm, stride_qh, HEAD_DIM, BLOCK_D, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
     if HAS_CACHE:
         # Clamped: values are not checked on the GPU (that would sync), memory stays safe.
         kv_len = tl.minimum(tl.maximum(tl.load(CacheSeqlens + b), 0), seqlen_k)
@@ -301,24 +339,8 @@ def _decode_split_kernel(
                 n_ld, row_ok, offs_d, d_ok, stride_bn, qk_scale, cap_scale, softcap,
                 HAS_BIAS, BIAS_ROWB, HAS_SOFTCAP, DOT_UPCAST)
 
-    has_any = l_i > 0.0
-    l_use = tl.where(has_any, l_i, 1.0)
-    out = acc / l_use[:, None]
-    lse2 = tl.where(has_any, m_i + tl.log2(l_use), float("-inf"))  # log2 domain
-    if SINGLE_SPLIT:
-        # One split holds every key: OPart / LPart are the output (B, Lq, H, D) and its lse
-        # (B, H, Lq, natural log), and no combine runs after this kernel.
-        o_ptrs = (OPart + b64 * stride_ob + qi[:, None].to(tl.int64) * stride_om
-                  + h[:, None].to(tl.int64) * stride_oh + offs_d[None, :])
-        tl.store(o_ptrs, out.to(OPart.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(LPart + (b * num_heads + h).to(tl.int64) * seqlen_q + qi,
-                 lse2 * 0.6931471805599453, mask=row_ok)
-    else:
-        # Partial row index: ((split * B + b) * H + h) * Lq + i, rows of (B, H, Lq) per split.
-        prow = ((pid_s * batch + b) * num_heads + h).to(tl.int64) * seqlen_q + qi
-        tl.store(OPart + prow[:, None] * HEAD_DIM + offs_d[None, :], out,
-                 mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(LPart + prow, lse2, mask=row_ok)
+    _store_split(acc, m_i, l_i, OPart, LPart, pid_s, b, batch, num_heads, seqlen_q, row_ok, qi,
+                 h, offs_d, d_ok, stride_ob, stride_om, stride_oh, HEAD_DIM, SINGLE_SPLIT)
 
 
 @triton.jit

@@ -30,6 +30,8 @@ from ...planning.decode import DECODE_MAX_ROWS, MAX_SPLITS, sm_count
 from .common import LOG2E, _dot, _tanh, broadcast_strides, interpret_mode, last_dim_contiguous
 from .decode import (
     DecodePlan,
+    _group_rows,
+    _store_split,
     empty_outputs,
     launch_split_decode,
     row_invariant,
@@ -69,18 +71,9 @@ def _selected_split_kernel(
     b64 = b.to(tl.int64)
     hk64 = hk.to(tl.int64)
 
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < group * seqlen_q
-    g = rows // seqlen_q
-    qi = rows % seqlen_q
-    h = hk * group + g
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    row_ok, qi, h, offs_d, d_ok, q = _group_rows(Q, b64, hk, group, seqlen_q, stride_qb,
+                                                 stride_qm, stride_qh, HEAD_DIM, BLOCK_D, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
-
-    q_ptrs = (Q + b64 * stride_qb + qi[:, None].to(tl.int64) * stride_qm
-              + h[:, None].to(tl.int64) * stride_qh + offs_d[None, :])
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if HAS_CACHE:
         # Clamped: values are not checked on the GPU (that would sync), memory stays safe.
         kv_len = tl.minimum(tl.maximum(tl.load(CacheSeqlens + b), 0), seqlen_k)
@@ -157,22 +150,9 @@ def _selected_split_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, DOT_UPCAST)
         m_i = m_new
 
-    has_any = l_i > 0.0
-    l_use = tl.where(has_any, l_i, 1.0)
-    out = acc / l_use[:, None]
-    lse2 = tl.where(has_any, m_i + tl.log2(l_use), float("-inf"))  # log2 domain
-    if SINGLE_SPLIT:
-        o_ptrs = (OPart + b64 * stride_ob + qi[:, None].to(tl.int64) * stride_om
-                  + h[:, None].to(tl.int64) * stride_oh + offs_d[None, :])
-        tl.store(o_ptrs, out.to(OPart.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(LPart + (b * num_heads + h).to(tl.int64) * seqlen_q + qi,
-                 lse2 * 0.6931471805599453, mask=row_ok)
-    else:
-        # The dense decode kernel's partial layout: row ((split * B + b) * H + h) * Lq + i.
-        prow = ((pid_s * batch + b) * num_heads + h).to(tl.int64) * seqlen_q + qi
-        tl.store(OPart + prow[:, None] * HEAD_DIM + offs_d[None, :], out,
-                 mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(LPart + prow, lse2, mask=row_ok)
+    # The dense decode kernel's outputs: its partial layout, or the output with one split.
+    _store_split(acc, m_i, l_i, OPart, LPart, pid_s, b, batch, num_heads, seqlen_q, row_ok, qi,
+                 h, offs_d, d_ok, stride_ob, stride_om, stride_oh, HEAD_DIM, SINGLE_SPLIT)
 
 
 def selected_num_splits(batch: int, num_kv_heads: int, num_slots: int,
