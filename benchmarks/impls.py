@@ -231,7 +231,34 @@ def _sdpa(q, k, v, causal: bool, attn_mask=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)
 
 
-class Sdpa(Impl):
+class SdpaKernelChoice:
+    """What the SDPA impls share (this file's :class:`Sdpa`, varlen.py's ``SdpaPadded``): a
+    ``kernel``, an ``SDPBackend`` to pin or None for PyTorch's own choice, given up for the
+    default choice (with a note) when it cannot run the shape. A mixin, listed before the
+    :class:`Impl` base."""
+
+    kernel = None
+
+    def can_fall_back(self) -> bool:
+        return self.kernel is not None
+
+    def fall_back(self, reason: str) -> str:
+        label = str(self.kernel).split(".")[-1]
+        self.kernel = None
+        return f"{label} unsupported here ({reason}); ran PyTorch's default SDPA kernel"
+
+    def _run_sdpa(self, q, k, v, causal: bool, attn_mask=None):
+        if self.kernel is None:
+            return _sdpa(q, k, v, causal, attn_mask=attn_mask)
+        from torch.nn.attention import sdpa_kernel
+
+        # The kernel is fixed at forward time; autograd replays the matching backward
+        # outside the context, so only the forward needs to be inside it.
+        with sdpa_kernel([self.kernel]):
+            return _sdpa(q, k, v, causal, attn_mask=attn_mask)
+
+
+class Sdpa(SdpaKernelChoice, Impl):
     """Dense ``F.scaled_dot_product_attention`` (no mask, no bias), optionally pinned to one kernel.
 
     ``kernel`` is an ``SDPBackend`` (CUDA) or None for PyTorch's own choice. When the pinned
@@ -257,23 +284,8 @@ class Sdpa(Impl):
         if case.workload.heads != case.workload.kv_heads and not _HAS_ENABLE_GQA:
             self.notes.append("K/V repeated to H heads (torch < 2.5 has no enable_gqa)")
 
-    def can_fall_back(self) -> bool:
-        return self.kernel is not None
-
-    def fall_back(self, reason: str) -> str:
-        label = str(self.kernel).split(".")[-1]
-        self.kernel = None
-        return f"{label} unsupported here ({reason}); ran PyTorch's default SDPA kernel"
-
     def __call__(self, q, k, v, mask, bias):
-        if self.kernel is None:
-            return _sdpa(q, k, v, self.workload.causal)
-        from torch.nn.attention import sdpa_kernel
-
-        # The kernel is fixed at forward time; autograd replays the matching backward
-        # outside the context, so only the forward needs to be inside it.
-        with sdpa_kernel([self.kernel]):
-            return _sdpa(q, k, v, self.workload.causal)
+        return self._run_sdpa(q, k, v, self.workload.causal)
 
 
 def _size(nbytes: float) -> str:

@@ -28,8 +28,8 @@ from flash_dmattn.inputs import VarlenInputs
 from flash_dmattn.utils.padding import cu_seqlens_from_lengths, pad_input
 
 from . import report
-from .impls import (REFERENCE_MAX_WORK_GPU, Declined, FlexCalls, Impl, RunContext, Skipped, _sdpa,
-                    _short_decline)
+from .impls import (REFERENCE_MAX_WORK_GPU, Declined, FlexCalls, Impl, RunContext,
+                    SdpaKernelChoice, Skipped, _short_decline)
 from .measure import GRAD_NAMES, derive_rates, run_suite_workload, time_impl
 from .report import Row
 from .workloads import Workload
@@ -352,7 +352,7 @@ class Padded(_Backend):
         return got
 
 
-class SdpaPadded(VarlenImpl):
+class SdpaPadded(SdpaKernelChoice, VarlenImpl):
     """SDPA on the right-padded batch (heads-first copies made outside timing).
 
     ``bool_mask=False``: ``is_causal`` only; for a right-padded causal batch that is exact on
@@ -396,25 +396,12 @@ class SdpaPadded(VarlenImpl):
         q, k, v = (_leaf(self.tensors[n], grad) for n in ("q", "k", "v"))
         return (q, k, v), ([q, k, v] if grad else []), [self.tensors["grad_out"]]
 
-    def can_fall_back(self) -> bool:
-        return self.kernel is not None
-
-    def fall_back(self, reason: str) -> str:
-        label = str(self.kernel).split(".")[-1]
-        self.kernel = None
-        return f"{label} unsupported here ({reason}); ran PyTorch's default SDPA kernel"
-
     def __call__(self, q, k, v):
         causal = self.workload.causal and self.attn_mask is None
         g = self.workload.group
         if self.attn_mask is not None and g > 1:
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        if self.kernel is None:
-            return _sdpa(q, k, v, causal, attn_mask=self.attn_mask)
-        from torch.nn.attention import sdpa_kernel
-
-        with sdpa_kernel([self.kernel]):
-            return _sdpa(q, k, v, causal, attn_mask=self.attn_mask)
+        return self._run_sdpa(q, k, v, causal, attn_mask=self.attn_mask)
 
     def packed_out(self, out):
         return self.case.unpad(out.transpose(1, 2))
