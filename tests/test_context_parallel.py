@@ -764,45 +764,41 @@ def test_plan_of_any_segments(consecutive):
     assert [(c.rows, c.cols, c.causal) for c in calls] == [((2, 6), (0, 4), True)]
 
 
-def test_example_under_torchrun():
-    # examples/context_parallel.py as documented, on CPU (gloo), checked against one process.
+def _torchrun(nproc: int, *args: str, cpu: bool = True, timeout: int = 300):
+    """``python -m torch.distributed.run --standalone`` of ``args`` (a script of the repository
+    and its arguments) on ``nproc`` processes, the checkout first on PYTHONPATH; asserts that it
+    succeeded. ``cpu``: on CPU (gloo), without the test session's backend choices."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TRITON_INTERPRET", "FLASH_DMATTN_BACKEND", "FLASH_DMATTN_DISABLE")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "examples/context_parallel.py", "--seq-len", "256", "--heads", "4", "--kv-heads", "2",
-           "--head-dim", "16", "--window", "32", "--dtype", "fp64"]
-    res = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    from tool_env import ROOT, tool_env
+
+    drop = ("TRITON_INTERPRET", "FLASH_DMATTN_BACKEND", "FLASH_DMATTN_DISABLE") if cpu else \
+        ("TRITON_INTERPRET",)
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), *args]
+    res = subprocess.run(cmd, cwd=ROOT, env=tool_env(env), capture_output=True, text=True,
+                         timeout=timeout)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
+    return res
+
+
+def test_example_under_torchrun():
+    # examples/context_parallel.py as documented, on CPU (gloo), checked against one process.
+    res = _torchrun(2, "examples/context_parallel.py", "--seq-len", "256", "--heads", "4",
+                    "--kv-heads", "2", "--head-dim", "16", "--window", "32", "--dtype", "fp64")
     assert res.stdout.count("vs one process") == 4  # ring and DMA, on both ranks
     assert "rank 1/2: 256 tokens, zigzag layout" in res.stdout
 
 
 def test_cp_profile_script_under_torchrun():
-    from tool_env import tool_env
-
     # tools/cp_profile.py as gpu_cp.sh runs it (PROFILE_S), on CPU with gloo and tiny sizes:
     # the DMA call on 2 ranks, its host waits, and the one-rank comparison with the plain call.
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TRITON_INTERPRET", "FLASH_DMATTN_BACKEND", "FLASH_DMATTN_DISABLE")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "tools/cp_profile.py", "--per-gpu", "32", "--window", "4", "--repeats", "1",
-           "--top", "3"]
-    res = subprocess.run(cmd, cwd=repo, env=tool_env(env), capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
-    out = res.stdout
+    out = _torchrun(2, "tools/cp_profile.py", "--per-gpu", "32", "--window", "4", "--repeats",
+                    "1", "--top", "3").stdout
     assert "== context_parallel_dma_attention on 2 rank(s), L=64" in out, out
     assert "host synchronisations of one fwd+bwd (HostSyncs), by rank: [1, 1]" in out, out
     assert "selected.py" in out and "-- top ops by CPU time" in out, out
@@ -886,19 +882,11 @@ def test_cp_benchmark_quick(tmp_path):
 def test_example_on_gpus(gpus, layout, seq_len):
     # NCCL, bf16, the backend auto-dispatch picks; the example exits 1 when a shard of the output
     # or of a gradient is off (see its check_against_one_process).
-    import subprocess
-    import sys
-    from pathlib import Path
-
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs, found {torch.cuda.device_count()}")
-    repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(gpus), "examples/context_parallel.py", "--seq-len", str(seq_len), "--layout", layout,
-           "--window", "512", "--heads", "16", "--kv-heads", "4", "--head-dim", "128", "--check"]
-    res = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
+    res = _torchrun(gpus, "examples/context_parallel.py", "--seq-len", str(seq_len), "--layout",
+                    layout, "--window", "512", "--heads", "16", "--kv-heads", "4", "--head-dim",
+                    "128", "--check", cpu=False, timeout=900)
     print(res.stdout)  # every rank's errors against one process (pytest -rP shows them)
     assert res.stdout.count("vs one process") == 2 * gpus
     assert f"rank {gpus - 1}/{gpus}: {seq_len} tokens, {layout} layout" in res.stdout
