@@ -25,17 +25,19 @@ def med(fn, rep=200):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
-def host_ms(fn, calls=50):
+def host_ms(fn, calls=50, sync=None):
     """Host time of one call: the wall time of enqueuing ``calls`` calls back to back, while the
-    device runs behind (a call whose device work is shorter than its host work is host bound)."""
+    device runs behind (a call whose device work is shorter than its host work is host bound).
+    ``sync`` waits for the device (default ``torch.cuda.synchronize``)."""
     import time
+    sync = sync or torch.cuda.synchronize
     fn()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
     t1 = time.perf_counter()
-    torch.cuda.synchronize()
+    sync()
     return (t1 - t0) * 1e3 / calls
 
 

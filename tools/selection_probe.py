@@ -53,19 +53,6 @@ def _count_launches(selection_kernels):
     return launches
 
 
-def host_ms(fn, sync, calls=50):
-    """Host time of one call: the wall time of enqueuing ``calls`` calls back to back, while the
-    device runs behind (a call whose device work is shorter than its host work is host bound)."""
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    sync()
-    return (t1 - t0) * 1e3 / calls
-
-
 def wall_ms(fn, calls=5):
     """Median wall time (CPU runs: the interpreter's time, not the kernels')."""
     times = []
@@ -80,6 +67,10 @@ def wall_ms(fn, calls=5):
 def probe(a):
     from flash_dmattn.planning import selection, selection_kernels
     from flash_dmattn.utils.mask import topk_intervals
+
+    # The sibling tool's host timing (tools/ is this script's path), imported here and not at
+    # the top: it imports flash_dmattn, which --host-stub must import after setting up Triton.
+    from dma_probe import host_ms
 
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
@@ -116,7 +107,7 @@ def probe(a):
                 call()
                 n_launch = list(launches)
                 t_dev = device_ms(call)
-                t_host = host_ms(call, sync, calls=50 if cuda else 3)
+                t_host = host_ms(call, calls=50 if cuda else 3, sync=sync)
                 check = ""
                 if a.check:
                     want = selection._topk_intervals_torch(bias, a.window, is_causal=is_causal)
