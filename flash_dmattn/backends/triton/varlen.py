@@ -87,33 +87,6 @@ def _varlen_list_len(row, n, start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _key_tile_walk(ListCnt, ListIdx, b, h, pid_m, stride_lb, stride_lh, stride_lm, stride_cb,
-                   stride_ch, stride_cm, list_hdiv, n_k_tiles, seqlen_q, seqlen_k,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                   USE_LIST: tl.constexpr, VARLEN: tl.constexpr):
-    """The key tiles query tile ``pid_m`` of (batch or sequence ``b``, head ``h``) walks, as
-    the forward and the dQ kernel take them: ``(list_off, n_iter)``, the offset of its row in
-    the tile lists (0 without lists) and how many entries (or key tiles) it visits. Without
-    lists every key tile; a varlen row stops at the tile's causal limit."""
-    if USE_LIST:
-        lh = h // list_hdiv
-        list_off = b * stride_lb + lh * stride_lh + pid_m * stride_lm
-        n_iter = tl.load(ListCnt + b * stride_cb + lh * stride_ch + pid_m * stride_cm)
-    else:
-        list_off = 0
-        n_iter = n_k_tiles
-    if VARLEN:
-        if USE_LIST:
-            # The (sequence, mask head) row of live key tiles, cut at this tile's causal limit.
-            n_iter = _varlen_list_len(ListIdx + list_off, n_iter, pid_m * BLOCK_M, seqlen_q,
-                                      seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-        else:
-            n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
-                                       IS_CAUSAL)
-    return list_off, n_iter
-
-
-@triton.jit
 def _varlen_tile_state(row, n, tile):
     """``(live, partial)`` of key tile ``tile`` in a varlen key-tile list (``n`` live)."""
     pos = _list_lower_bound(row, n, tile)
