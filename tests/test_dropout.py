@@ -127,16 +127,16 @@ def test_mask_is_a_function_of_coordinates():
     assert torch.equal(testing.dropout_mask(rng, 2, 4, 17, 23, 0.3), big[:2, :, :17, :23])
     rows = dense_keep_mask(rng, 0.3, 3, 4, 40, 50, rows=slice(16, 32))
     assert torch.equal(rows, big[:, :, 16:32])
-    # Entry (b, h, i, j) reads byte j % 4 of word (j // 4) % 4 of Philox at counter
-    # (j // 16, i, b * H + h, offset), kept iff it reaches round(p * 256).
+    # Entry (b, h, i, j) reads byte i % 4 of word (i % 16) // 4 of Philox at counter
+    # (j, i // 16, b * H + h, offset), kept iff it reaches round(p * 256).
     assert keep_threshold(0.5) == 128 and keep_threshold(0.0) == 0
     assert keep_threshold(0.1) == 26 and keep_threshold(0.3) == 77
     assert keep_threshold(1 / 512 - 1e-9) == 0 and keep_threshold(1 - 1 / 512 + 1e-9) == 256
     t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
     for b, h, i, j in ((0, 0, 0, 0), (2, 3, 39, 49), (1, 2, 17, 13), (0, 1, 5, 8),
                        (1, 1, 20, 31), (2, 0, 7, 36)):
-        words = philox4x32(t(123456789), t(0), t(j // 16), t(i), t(b * 4 + h), t(987654))
-        byte = (int(words[(j // 4) % 4]) >> (8 * (j % 4))) & 0xFF
+        words = philox4x32(t(123456789), t(0), t(j), t(i // 16), t(b * 4 + h), t(987654))
+        byte = (int(words[(i % 16) // 4]) >> (8 * (i % 4))) & 0xFF
         assert bool(big[b, h, i, j]) == (byte >= keep_threshold(0.3))
 
 
@@ -154,9 +154,9 @@ def test_keep_rate_within_binomial_bound(p):
         assert abs(rate - (1 - pq)) <= 6 * math.sqrt(pq * (1 - pq) / k.numel()), rate
 
     check(keep)
-    # Each of the 16 keys one Philox evaluation serves (its 16 bytes) keeps at that rate.
+    # Each of the 16 query rows one Philox evaluation serves (its 16 bytes) keeps at that rate.
     for slot in range(16):
-        check(keep[..., slot::16])
+        check(keep[:, :, slot::16])
 
 
 def _agreement_is_chance(a, b, p):
@@ -186,11 +186,14 @@ def test_independence_across_heads_batches_calls_and_tiles(p):
     _agreement_is_chance(a[..., :64], a[..., 64:], p)          # key tiles
     _agreement_is_chance(a[:, :, 1:, 1:], a[:, :, :-1, :-1], p)  # diagonal neighbours
     _agreement_is_chance(a[:, :, :, 16:], a[:, :, :, :-16], p)  # a tile width apart
-    # Keys that share a Philox evaluation (16 consecutive keys): neighbouring bytes of one
-    # word, the same byte of neighbouring words, the first and last byte of the group.
+    _agreement_is_chance(a[:, :, 16:], a[:, :, :-16], p)        # a row group apart
+    # Rows that share a Philox evaluation (16 consecutive query rows of one key): neighbouring
+    # bytes of one word, the same byte of neighbouring words, the first and last byte of the
+    # group; and neighbouring keys (neighbouring counters).
+    _agreement_is_chance(a[:, :, 1:], a[:, :, :-1], p)
+    _agreement_is_chance(a[:, :, 4:], a[:, :, :-4], p)
+    _agreement_is_chance(a[:, :, 15::16], a[:, :, 0::16], p)
     _agreement_is_chance(a[..., 1:], a[..., :-1], p)
-    _agreement_is_chance(a[..., 4:], a[..., :-4], p)
-    _agreement_is_chance(a[..., 15::16], a[..., 0::16], p)
 
 
 # --- Validation, declines and dispatch -------------------------------------------------------
