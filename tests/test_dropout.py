@@ -443,25 +443,31 @@ def test_triton_gathered_keys_and_other_tiles_use_the_same_mask(poisoned, monkey
 
 
 @needs_kernels
-@pytest.mark.parametrize("block_n", [16, 64])
-def test_triton_keep_tiles_of_several_key_groups(block_n):
-    # The kernels' tiles hold several 16-key groups (the interpreter's 16x16 tiles hold one):
-    # the packed bits expand to the mask's own keys, in both orientations, at any tile start.
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 64), (64, 16)])
+def test_triton_keep_tiles_of_several_row_groups(block_m, block_n):
+    # The kernels' tiles hold several 16-row groups (the interpreter's 16x16 tiles hold one)
+    # and any keys (key tiles, gathered lists, key-interval picks): the packed bits expand to
+    # the mask's own entries, in both orientations, at any tile start.
     from triton_keep_tiles import keep_tiles_kernel as kernel
 
-    p, B, H = 0.3, 2, 3
+    p, B, H, Lq, Lk = 0.3, 2, 3, 160, 4 * block_n
     rng = torch.tensor([0x1234_5678_9ABC, 4242], dtype=torch.int64)
-    full = dense_keep_mask(rng, p, B, H, 48, 4 * block_n)
-    for b, h, start_m, start_n in ((0, 0, 0, 0), (1, 2, 16, block_n), (1, 1, 32, 3 * block_n)):
-        out = torch.zeros(16, block_n, dtype=torch.int8, device=KDEV)
-        out_t = torch.zeros(block_n, 16, dtype=torch.int8, device=KDEV)
-        out_e = torch.zeros(16, block_n, dtype=torch.int8, device=KDEV)
-        kernel[(1,)](rng.to(KDEV), out, out_t, out_e, start_m, start_n, b * H + h,
-                     keep_threshold(p), BM=16, BN=block_n)
-        want = full[b, h, start_m:start_m + 16, start_n:start_n + block_n]
+    full = dense_keep_mask(rng, p, B, H, Lq, Lk)
+    gen = torch.Generator().manual_seed(5)
+    scattered = torch.randperm(Lk, generator=gen)[:block_n].sort().values
+    for b, h, start_m, cols in ((0, 0, 0, torch.arange(block_n)),
+                                (1, 2, 16, torch.arange(block_n, 2 * block_n)),
+                                (1, 1, 32, torch.arange(3 * block_n, 4 * block_n)),
+                                (0, 2, 96, scattered), (1, 0, 48, scattered.flip(0))):
+        out = torch.zeros(block_m, block_n, dtype=torch.int8, device=KDEV)
+        out_t = torch.zeros(block_n, block_m, dtype=torch.int8, device=KDEV)
+        out_e = torch.zeros(block_m, block_n, dtype=torch.int8, device=KDEV)
+        kernel[(1,)](rng.to(KDEV), cols.int().to(KDEV), out, out_t, out_e, start_m, b * H + h,
+                     keep_threshold(p), BM=block_m, BN=block_n)
+        want = full[b, h, start_m:start_m + block_m][:, cols]
+        assert torch.equal(out_e.cpu().bool(), want)
         assert torch.equal(out.cpu().bool(), want)
         assert torch.equal(out_t.cpu().bool(), want.T)
-        assert torch.equal(out_e.cpu().bool(), want)
 
 
 @needs_kernels
