@@ -385,7 +385,9 @@ def _ki_dkv_kernel(
             do_base = DO + b * stride_dob + h * stride_doh
             for m0 in range(m_first, q_hi, BLOCK_M):
                 offs_m = m0 + tl.arange(0, BLOCK_M)
-                qvalid = (offs_m >= q_lo) & (offs_m < q_hi)
+                qvalid = offs_m < q_hi
+                if DROPOUT:
+                    qvalid = qvalid & (offs_m >= q_lo)  # the first step's rows below q_lo
                 q_t = tl.load(q_base + offs_m[None, :] * stride_qm + offs_d[:, None],
                               mask=qvalid[None, :] & dvalid[:, None], other=0.0)
                 do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :],
@@ -395,8 +397,9 @@ def _ki_dkv_kernel(
                 delta = tl.load(Delta + bh * Lq + offs_m, mask=qvalid, other=0.0)
                 pos = offs_m + pos_off
                 # Rows outside [q_lo, q_hi) read as zeros; the mask keeps them out of the sums.
-                full = all_keys & (m0 + BLOCK_M <= q_hi) & (m0 >= q_lo)
-                full = full & (first_all <= m0 + pos_off)
+                full = all_keys & (m0 + BLOCK_M <= q_hi) & (first_all <= m0 + pos_off)
+                if DROPOUT:
+                    full = full & (m0 >= q_lo)
                 full = full & (m0 + BLOCK_M - 1 + pos_off <= last_all)
                 s_t, t_t = _scores_t(k, q_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale,
                                      softcap, full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
