@@ -295,28 +295,14 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       }
     }
   }
-  // Dropout: this thread's two keys (rows of S^T) as a 16-key group shared by the warp and
-  // their positions in it. Key tiles start on multiples of 16 and a warp holds 16 consecutive
-  // keys; a key block of an interval walk may not, and then every entry is drawn on its own.
-  uint32_t drop_grp = 0;
-  int drop_pos[2] = {0, 0};
-  bool drop_shared = true;
+  // Dropout: this thread's two keys (rows of S^T; -1 pads of a key-interval block draw key 0,
+  // unseen).
+  int drop_key[2] = {0, 0};
   if constexpr (kDropout) {
-    int key_r[2];
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
-      key_r[r] = kIntervals ? iv_key[r] : k0 + kw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
-      drop_pos[r] = key_r[r] & 15;
-    }
-    // The warp's group: that of its largest listed key (-1 pads list none).
-    const int top = __reduce_max_sync(0xffffffffu, max(key_r[0], key_r[1]) >> 4);
-    drop_grp = uint32_t(max(top, 0));
-    drop_shared = __all_sync(0xffffffffu, (key_r[0] < 0 || (key_r[0] >> 4) == top) &
-                                              (key_r[1] < 0 || (key_r[1] >> 4) == top));
-    if (!drop_shared) {
-      // Every entry drawn on its own: the key position itself (-1 pads: any key, unseen).
-      drop_pos[0] = max(key_r[0], 0);
-      drop_pos[1] = max(key_r[1], 0);
+      drop_key[r] = kIntervals ? max(iv_key[r], 0)
+                               : k0 + kw + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0)));
     }
   }
   int step = 0;
@@ -425,28 +411,16 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       } else {
         plain = kPlainPath && !kSoftcap && !check && !use_mask && !(kHasBias && bias_rows);
       }
-      // Dropout: bit 2 g + c2 of drop_bits[r] says whether query q0 + 8 g + 2 (lane % 4) + c2
-      // keeps key r.
+      // Dropout: bit key_rows_bit(g, c2) of drop_bits[r] says whether query
+      // q0 + 8 g + 2 (lane % 4) + c2 keeps key r (two evaluations a thread).
+      static_assert(kGroups == 8, "dropout_key_rows_bits: 64 queries a step");
       uint32_t drop_bits[2] = {0u, 0u};
       if constexpr (kDropout) {
-        if (drop_shared) {
-          dropout_key_rows_bits(dkey, drop_grp, q0, drop_pos[0], drop_pos[1], lane, drop_bits);
-        } else {
-#pragma unroll 1
-          for (int g = 0; g < kGroups; ++g) {
-            const int qc0 = 8 * g + 2 * (lane % 4);  // the accumulator's column of (0, r, g)
-            CUTE_UNROLL
-            for (int c2 = 0; c2 < 2; ++c2) {
-              CUTE_UNROLL
-              for (int r = 0; r < 2; ++r) {
-                drop_bits[r] |= keep_bit(dkey, q0 + qc0 + c2, drop_pos[r]) << (2 * g + c2);
-              }
-            }
-          }
-        }
+        dropout_key_rows_bits(dkey, drop_key[0], drop_key[1], q0, lane, drop_bits);
       }
       // P of the value and its dS from P and dP (dropout: P Z and P (dP Z - delta)).
       const float dscale = kDropout ? p.drop.scale : 1.f;
+      // bit: key_rows_bit of the value's column.
       auto grads = [&](float pr, float dp, float dl, int r, int bit, float& p_out, float& ds_out) {
         if constexpr (kDropout) {
           const bool keep = ((drop_bits[r] >> bit) & 1u) != 0u;
@@ -475,7 +449,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
               const auto e = make_coord(make_coord(c2, r, g), 0, 0);
               const float pr = exp2f(fmaf(acc_s(e), scale2, kHasBias ? key_bias2[r] - l2 : -l2));
               float pk, ds;
-              grads(pr, acc_dp(e), dl, r, 2 * g + c2, pk, ds);
+              grads(pr, acc_dp(e), dl, r, key_rows_bit(g, c2), pk, ds);
               if constexpr (kHasBias) key_dbias[r] += ds;
               acc_s(e) = pk;
               acc_dp(e) = ds;
@@ -516,7 +490,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
               pr = visible ? exp2f(fmaf(acc_s(e), scale2, fmaf(bias, kLog2e, -l * kLog2e))) : 0.f;
             }
             float pk, ds;
-            grads(pr, acc_dp(e), dl, r, 2 * g + c2, pk, ds);
+            grads(pr, acc_dp(e), dl, r, key_rows_bit(g, c2), pk, ds);
             key_dbias[r] += ds;  // unconditional: a branch here costs spills
             acc_s(e) = pk;
             acc_dp(e) = ds * dt;
@@ -720,14 +694,15 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
       const char* btile = bias_smem + st * BiasT::kBytes;
       const bool check = partial || (k0 + kw + 64 > Lk());
       const bool use_mask = kHasMask && partial;
-      // Dropout: this warpgroup's 64 keys of the thread's two rows.
-      DropoutRowBits<64> drop[2];
+      // Dropout: this warpgroup's 64 keys of the thread's two rows (a warp's 16 rows are one
+      // 16-row group: q0 is a multiple of 64); bit 2 g + c2 of drop_bits[r] for key
+      // k0 + kw + 8 g + 2 (lane % 4) + c2.
+      uint32_t drop_bits[2] = {0u, 0u};
       if constexpr (kDropout) {
-        CUTE_UNROLL
-        for (int r = 0; r < 2; ++r) {
-          drop[r].compute(dkey, q0 + get<0>(cS(make_coord(make_coord(0, r, 0), 0, 0))), k0 + kw,
-                          tid % 32);
-        }
+        const int row0 = q0 + get<0>(cS(make_coord(make_coord(0, 0, 0), 0, 0)));
+        const int kk = k0 + kw;
+        dropout_query_rows_bits<64>(dkey, uint32_t(row0) >> 4, tid % 32,
+                                    [&](int c) { return kk + c; }, drop_bits);
       }
       // A thread's values come in pairs of adjacent keys (c, c + 1), c even: their mask / bias
       // are read as one 2- / 4-byte word; the causal / ragged bound is one key limit per row.
@@ -757,7 +732,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
             const float pr = visible ? __expf(s - row_lse[r]) : 0.f;
             float ds;
             if constexpr (kDropout) {
-              const bool keep = ((drop[r].pair(g) >> c2) & 1u) != 0u;
+              const bool keep = ((drop_bits[r] >> (2 * g + c2)) & 1u) != 0u;
               ds = pr * (keep ? fmaf(acc_dp(e), p.drop.scale, -row_delta[r]) : -row_delta[r]);
             } else {
               ds = pr * (acc_dp(e) - row_delta[r]);

@@ -9,13 +9,17 @@ regenerate the mask instead of storing it and any implementation can reproduce a
   torch's default generator of that device (:func:`draw_rng`): ``torch.manual_seed`` makes
   calls reproducible, every call advances the generator, and the draw is an ordinary random
   op, so CUDA-graph capture and ``torch.compile`` handle it like any other;
-* one Philox4x32-10 evaluation serves 16 consecutive keys: entry ``(b, h, i, j)`` (batch --
-  for packed sequences the sequence index --, query head, query row and key position, rows
-  and keys counted from the start of the sequence) reads byte ``j % 4`` (low byte first) of
-  output word ``(j // 4) % 4`` of Philox4x32-10 keyed by ``seed`` (its low and high 32 bits)
-  at counter ``(j // 16, i, b * H + h, offset mod 2**32)``: Triton's ``tl.philox`` with those
-  words, reimplemented exactly below. Sixteen keys a call keep the kernels' cost of random
-  numbers per score small, and a key tile's 16 keep bits pack into one word;
+* one Philox4x32-10 evaluation serves 16 consecutive query rows of one key (the stream is
+  **key-major**): entry ``(b, h, i, j)`` (batch -- for packed sequences the sequence index --,
+  query head, query row and key position, rows and keys counted from the start of the
+  sequence) reads byte ``i % 4`` (low byte first) of output word ``(i % 16) // 4`` of
+  Philox4x32-10 keyed by ``seed`` (its low and high 32 bits) at counter ``(j, i // 16, b * H +
+  h, offset mod 2**32)``: Triton's ``tl.philox`` with those words, reimplemented exactly
+  below. Byte ``k`` of the 16 output bytes (word ``k // 4``, byte ``k % 4``) is row ``16 * (i
+  // 16) + k``. A kernel's query tile is a whole number of 16-row groups, so whatever keys it
+  visits -- a key tile, a gathered list, scattered key-interval picks -- it needs one
+  evaluation per (16-row group, key): the same count for every walk, where a stream of 16
+  consecutive keys would need one per (row, key) wherever the listed keys are scattered;
 * the entry is kept iff that byte is at least :func:`keep_threshold` ``(p) = round(p *
   256)``, compared as integers so every implementation agrees bit for bit: ``p`` is rounded
   to a multiple of ``1/256`` (as PyTorch's fused attention kernels round it to 8 bits), so
@@ -116,12 +120,12 @@ def keep_mask(rng: Tensor, dropout_p: float, batch: Tensor, num_heads: int, head
     seed, offset = rng[0], rng[1] & _MASK32
     if rng.numel() > 2:
         batch = batch + rng[2]
-    words = philox4x32(seed & _MASK32, (seed >> 32) & _MASK32, cols >> 4, rows,
+    words = philox4x32(seed & _MASK32, (seed >> 32) & _MASK32, cols, rows >> 4,
                        batch * num_heads + head, offset)
-    pick = (cols >> 2) & 3
+    pick = (rows >> 2) & 3
     word = torch.where(pick == 0, words[0], torch.where(pick == 1, words[1], torch.where(
         pick == 2, words[2], words[3])))
-    return ((word >> ((cols & 3) * 8)) & 0xFF) >= keep_threshold(dropout_p)
+    return ((word >> ((rows & 3) * 8)) & 0xFF) >= keep_threshold(dropout_p)
 
 
 def dense_keep_mask(rng: Tensor, dropout_p: float, batch: int, num_heads: int, seqlen_q: int,

@@ -127,16 +127,16 @@ def test_mask_is_a_function_of_coordinates():
     assert torch.equal(testing.dropout_mask(rng, 2, 4, 17, 23, 0.3), big[:2, :, :17, :23])
     rows = dense_keep_mask(rng, 0.3, 3, 4, 40, 50, rows=slice(16, 32))
     assert torch.equal(rows, big[:, :, 16:32])
-    # Entry (b, h, i, j) reads byte j % 4 of word (j // 4) % 4 of Philox at counter
-    # (j // 16, i, b * H + h, offset), kept iff it reaches round(p * 256).
+    # Entry (b, h, i, j) reads byte i % 4 of word (i % 16) // 4 of Philox at counter
+    # (j, i // 16, b * H + h, offset), kept iff it reaches round(p * 256).
     assert keep_threshold(0.5) == 128 and keep_threshold(0.0) == 0
     assert keep_threshold(0.1) == 26 and keep_threshold(0.3) == 77
     assert keep_threshold(1 / 512 - 1e-9) == 0 and keep_threshold(1 - 1 / 512 + 1e-9) == 256
     t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
     for b, h, i, j in ((0, 0, 0, 0), (2, 3, 39, 49), (1, 2, 17, 13), (0, 1, 5, 8),
                        (1, 1, 20, 31), (2, 0, 7, 36)):
-        words = philox4x32(t(123456789), t(0), t(j // 16), t(i), t(b * 4 + h), t(987654))
-        byte = (int(words[(j // 4) % 4]) >> (8 * (j % 4))) & 0xFF
+        words = philox4x32(t(123456789), t(0), t(j), t(i // 16), t(b * 4 + h), t(987654))
+        byte = (int(words[(i % 16) // 4]) >> (8 * (i % 4))) & 0xFF
         assert bool(big[b, h, i, j]) == (byte >= keep_threshold(0.3))
 
 
@@ -154,9 +154,9 @@ def test_keep_rate_within_binomial_bound(p):
         assert abs(rate - (1 - pq)) <= 6 * math.sqrt(pq * (1 - pq) / k.numel()), rate
 
     check(keep)
-    # Each of the 16 keys one Philox evaluation serves (its 16 bytes) keeps at that rate.
+    # Each of the 16 query rows one Philox evaluation serves (its 16 bytes) keeps at that rate.
     for slot in range(16):
-        check(keep[..., slot::16])
+        check(keep[:, :, slot::16])
 
 
 def _agreement_is_chance(a, b, p):
@@ -186,11 +186,14 @@ def test_independence_across_heads_batches_calls_and_tiles(p):
     _agreement_is_chance(a[..., :64], a[..., 64:], p)          # key tiles
     _agreement_is_chance(a[:, :, 1:, 1:], a[:, :, :-1, :-1], p)  # diagonal neighbours
     _agreement_is_chance(a[:, :, :, 16:], a[:, :, :, :-16], p)  # a tile width apart
-    # Keys that share a Philox evaluation (16 consecutive keys): neighbouring bytes of one
-    # word, the same byte of neighbouring words, the first and last byte of the group.
+    _agreement_is_chance(a[:, :, 16:], a[:, :, :-16], p)        # a row group apart
+    # Rows that share a Philox evaluation (16 consecutive query rows of one key): neighbouring
+    # bytes of one word, the same byte of neighbouring words, the first and last byte of the
+    # group; and neighbouring keys (neighbouring counters).
+    _agreement_is_chance(a[:, :, 1:], a[:, :, :-1], p)
+    _agreement_is_chance(a[:, :, 4:], a[:, :, :-4], p)
+    _agreement_is_chance(a[:, :, 15::16], a[:, :, 0::16], p)
     _agreement_is_chance(a[..., 1:], a[..., :-1], p)
-    _agreement_is_chance(a[..., 4:], a[..., :-4], p)
-    _agreement_is_chance(a[..., 15::16], a[..., 0::16], p)
 
 
 # --- Validation, declines and dispatch -------------------------------------------------------
@@ -440,25 +443,31 @@ def test_triton_gathered_keys_and_other_tiles_use_the_same_mask(poisoned, monkey
 
 
 @needs_kernels
-@pytest.mark.parametrize("block_n", [16, 64])
-def test_triton_keep_tiles_of_several_key_groups(block_n):
-    # The kernels' tiles hold several 16-key groups (the interpreter's 16x16 tiles hold one):
-    # the packed bits expand to the mask's own keys, in both orientations, at any tile start.
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 64), (64, 16)])
+def test_triton_keep_tiles_of_several_row_groups(block_m, block_n):
+    # The kernels' tiles hold several 16-row groups (the interpreter's 16x16 tiles hold one)
+    # and any keys (key tiles, gathered lists, key-interval picks): the packed bits expand to
+    # the mask's own entries, in both orientations, at any tile start.
     from triton_keep_tiles import keep_tiles_kernel as kernel
 
-    p, B, H = 0.3, 2, 3
+    p, B, H, Lq, Lk = 0.3, 2, 3, 160, 4 * block_n
     rng = torch.tensor([0x1234_5678_9ABC, 4242], dtype=torch.int64)
-    full = dense_keep_mask(rng, p, B, H, 48, 4 * block_n)
-    for b, h, start_m, start_n in ((0, 0, 0, 0), (1, 2, 16, block_n), (1, 1, 32, 3 * block_n)):
-        out = torch.zeros(16, block_n, dtype=torch.int8, device=KDEV)
-        out_t = torch.zeros(block_n, 16, dtype=torch.int8, device=KDEV)
-        out_e = torch.zeros(16, block_n, dtype=torch.int8, device=KDEV)
-        kernel[(1,)](rng.to(KDEV), out, out_t, out_e, start_m, start_n, b * H + h,
-                     keep_threshold(p), BM=16, BN=block_n)
-        want = full[b, h, start_m:start_m + 16, start_n:start_n + block_n]
+    full = dense_keep_mask(rng, p, B, H, Lq, Lk)
+    gen = torch.Generator().manual_seed(5)
+    scattered = torch.randperm(Lk, generator=gen)[:block_n].sort().values
+    for b, h, start_m, cols in ((0, 0, 0, torch.arange(block_n)),
+                                (1, 2, 16, torch.arange(block_n, 2 * block_n)),
+                                (1, 1, 32, torch.arange(3 * block_n, 4 * block_n)),
+                                (0, 2, 96, scattered), (1, 0, 48, scattered.flip(0))):
+        out = torch.zeros(block_m, block_n, dtype=torch.int8, device=KDEV)
+        out_t = torch.zeros(block_n, block_m, dtype=torch.int8, device=KDEV)
+        out_e = torch.zeros(block_m, block_n, dtype=torch.int8, device=KDEV)
+        kernel[(1,)](rng.to(KDEV), cols.int().to(KDEV), out, out_t, out_e, start_m, b * H + h,
+                     keep_threshold(p), BM=block_m, BN=block_n)
+        want = full[b, h, start_m:start_m + block_m][:, cols]
+        assert torch.equal(out_e.cpu().bool(), want)
         assert torch.equal(out.cpu().bool(), want)
         assert torch.equal(out_t.cpu().bool(), want.T)
-        assert torch.equal(out_e.cpu().bool(), want)
 
 
 @needs_kernels

@@ -46,6 +46,9 @@ SLOW: Dict[str, Dict[str, str]] = {
         "test_cp_benchmark_quick": "all",
         "test_example_under_torchrun": "all",
     },
+    "test_cuda_dropout_lanes.py": {
+        "test_kernels_accumulator_layout_is_the_helpers": "all",
+    },
     "test_cuda_jit.py": {
         "test_cli_info_and_build_all_without_cuda": "all",
     },

@@ -12,18 +12,20 @@ from flash_dmattn.backends.triton.dropout_mask import (
 
 
 @triton.jit
-def keep_tiles_kernel(Rng, Out, OutT, OutE, start_m, start_n, bh, thresh,
+def keep_tiles_kernel(Rng, Cols, Out, OutT, OutE, start_m, bh, thresh,
                       BM: tl.constexpr, BN: tl.constexpr):
-    """``Out`` (BM, BN): the key-tile keep tile; ``OutT`` (BN, BM): its transposed twin (both
-    from packed per-16-key bits); ``OutE`` (BM, BN): the per-key helper's. int8 0 / 1."""
+    """Rows ``start_m + [0, BM)`` and the BN keys ``Cols`` (any: a key tile or a gathered
+    list). ``Out`` (BM, BN): the kernels' keep tile; ``OutT`` (BN, BM): its transposed twin
+    (both from packed per-16-row bits); ``OutE`` (BM, BN): the per-entry definition's. int8
+    0 / 1."""
     seed, offset = _dropout_seed(Rng, True)
     am = tl.arange(0, BM)
     an = tl.arange(0, BN)
     offs_m = start_m + am
-    offs_n = start_n + an
-    keep = _dropout_keep_tile(seed, offset, bh, offs_m, offs_n, thresh)
+    cols = tl.load(Cols + an)
+    keep = _dropout_keep_tile(seed, offset, bh, offs_m, cols, thresh)
     tl.store(Out + am[:, None] * BN + an[None, :], keep.to(tl.int8))
-    keep_t = _dropout_keep_tile_t(seed, offset, bh, offs_m, offs_n, thresh)
+    keep_t = _dropout_keep_tile_t(seed, offset, bh, offs_m, cols, thresh)
     tl.store(OutT + an[:, None] * BM + am[None, :], keep_t.to(tl.int8))
-    keep_e = _dropout_keep(seed, offset, bh, offs_m[:, None], offs_n[None, :], thresh)
+    keep_e = _dropout_keep(seed, offset, bh, offs_m[:, None], cols[None, :], thresh)
     tl.store(OutE + am[:, None] * BN + an[None, :], keep_e.to(tl.int8))

@@ -3,20 +3,26 @@
 // the forward, the backward and every other implementation draw the same mask bit for bit.
 //
 // Entry (b, h, i, j) -- batch (sequence), query head, query row and key position, rows and
-// keys counted from the start of the sequence -- reads byte j % 4 (low first) of word
-// (j / 4) % 4 of Philox4x32-10 keyed by the call's 64-bit seed at counter
-// (j / 16, i, b * H + h, offset), and is kept iff that byte reaches the threshold
-// round(256 p). One evaluation serves the 16 keys of a group (keep_bits16).
+// keys counted from the start of the sequence -- reads byte i % 4 (low first) of word
+// (i % 16) / 4 of Philox4x32-10 keyed by the call's 64-bit seed at counter
+// (j, i / 16, b * H + h, offset), and is kept iff that byte reaches the threshold
+// round(256 p). The stream is key-major: one evaluation serves the 16 query rows of a 16-row
+// group for one key (keep_bits16), whichever keys a walk visits, so a dense key tile, a
+// gathered list and scattered key-interval picks all cost one evaluation per (16-row group,
+// key) of the tile.
 //
 // How a kernel shares the evaluations between the threads of its wgmma accumulator fragments
-// (a thread holds column pairs (c, c + 1), c even, of two rows 8 apart; the four threads of a
-// quad hold the same rows and columns c % 8 = 0, 2, 4, 6):
-// * rows = queries, consecutive keys (forward and dQ tiles): DropoutRowBits -- a row's
-//   evaluations are split over the quad's four threads and exchanged with shuffles;
-// * rows = keys of one 16-key group, columns = queries (dK / dV tiles): dropout_key_rows_bits
-//   -- the warp's 64 queries are split over its 32 lanes, exchanged with shuffles;
-// * keys by list index (gathered and key-interval walks): dropout_listed_bits, one evaluation
-//   per (row, group) a thread meets in the list, reused while the listed keys stay in it.
+// (a warp holds 16 consecutive rows of the tile; lane l holds rows l / 4 and l / 4 + 8 of
+// them and the column pairs (c, c + 1), c = 8 g + 2 (l % 4), of every 8-column block g):
+// * rows = queries, columns = keys (forward and dQ tiles, dense or listed keys):
+//   dropout_query_rows_bits -- the warp's rows are one 16-row group, so each column needs
+//   one evaluation, which gives both of a thread's rows. The 8 lanes of one l % 4 need the
+//   same columns: each evaluates kCols / 32 of them and an 8 x 8 transpose over those lanes
+//   (three shuffles) hands every lane its rows' bits;
+// * rows = keys, columns = 64 consecutive queries (dK / dV tiles): dropout_key_rows_bits --
+//   a thread's key needs the evaluations of the 4 query groups of the columns; the quad's
+//   four lanes (same keys) take one group each and a 4 x 4 transpose over the quad (two
+//   shuffles) hands every lane its columns' bits. Keys may be any (key-interval blocks).
 #pragma once
 
 #include <cstdint>
@@ -72,119 +78,104 @@ __device__ __forceinline__ uint32_t keep_bits4(uint32_t word, uint32_t thresh4) 
   return (ge * 0x01020408u) >> 24;
 }
 
-// Bit t (t < 16) says whether key 16 g + t of query row `row` is kept.
-__device__ __forceinline__ uint32_t keep_bits16(const DropoutKey& key, uint32_t g,
-                                                uint32_t row) {
-  const uint4 w = philox4x32_10(key.k0, key.k1, make_uint4(g, row, key.bh, key.offset));
+// Bit t (t < 16) says whether query row 16 grp + t keeps key j: one evaluation.
+__device__ __forceinline__ uint32_t keep_bits16(const DropoutKey& key, uint32_t j, uint32_t grp) {
+  const uint4 w = philox4x32_10(key.k0, key.k1, make_uint4(j, grp, key.bh, key.offset));
   const uint32_t bits = keep_bits4(w.x, key.thresh4) | (keep_bits4(w.y, key.thresh4) << 4) |
                         (keep_bits4(w.z, key.thresh4) << 8) | (keep_bits4(w.w, key.thresh4) << 12);
   return key.drop_all ? 0u : bits;
 }
 
-// Keep bits of a thread's accumulator values in one of its rows when rows are queries and the
-// kCols columns are consecutive keys from key0 (a multiple of 16): columns 8 g + 2 (lane % 4)
-// + {0, 1} for g < kCols / 8. The quad's kCols / 16 evaluations of the row (one per 16-key
-// group) are split over its four threads, each packing its groups' bits two to a 32-bit word,
-// which the quad then exchanges. A row at a time keeps few words live beside the
-// accumulators.
-template <int kCols>
-struct DropoutRowBits {
-  static_assert(kCols % 64 == 0, "each thread of a quad takes whole groups");
-  static constexpr int kGroups = kCols / 16;        // 16-key groups of the row
-  static constexpr int kPerThread = kGroups / 4;    // groups a thread evaluates
-  static constexpr int kOwn = (kPerThread + 1) / 2;  // words a thread packs them into
-  // Word o * kOwn + j / 2 holds group o * kPerThread + j (half j % 2), shifted right by this
-  // thread's first column within 8.
-  uint32_t words[4 * kOwn];
+// One step of a transpose between lanes and bit positions (see the callers): this lane and
+// its partner (lane ^ lane_xor) swap the bits where this lane's index bit (`upper`) differs
+// from the positions' bit of kMask (the positions whose that bit is set; kSh is its value).
+// One word per lane.
+template <int kSh, uint32_t kMask>
+__device__ __forceinline__ void transpose_step(uint32_t& a, bool upper, int lane_xor) {
+  const uint32_t send = upper ? ((a << kSh) & kMask) : ((a >> kSh) & ~kMask);
+  const uint32_t recv = __shfl_xor_sync(0xffffffffu, send, lane_xor);
+  a = (a & (upper ? kMask : ~kMask)) | recv;
+}
 
-  __device__ __forceinline__ void compute(const DropoutKey& key, int row, int key0, int lane) {
-    const int t = lane % 4;
-    uint32_t own[kOwn];
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-      const uint32_t bits = keep_bits16(key, uint32_t(key0 / 16 + t * kPerThread + j), uint32_t(row));
-      if (j % 2 == 0) {
-        own[j / 2] = bits;
-      } else {
-        own[j / 2] |= bits << 16;
-      }
-    }
-    const int base = lane & ~3;
-    const int shift = 2 * t;
-#pragma unroll
-    for (int o = 0; o < 4; ++o) {
-#pragma unroll
-      for (int w = 0; w < kOwn; ++w) {
-        words[o * kOwn + w] = __shfl_sync(0xffffffffu, own[w], base + o) >> shift;
-      }
-    }
+// transpose_step of two words a and b at once, in one shuffle: the half of a that moves is
+// sent shifted into the other half's positions, with the half of b that moves in place.
+template <int kSh, uint32_t kMask>
+__device__ __forceinline__ void transpose_step2(uint32_t& a, uint32_t& b, bool upper,
+                                                int lane_xor) {
+  const uint32_t send = upper ? (((a << kSh) & kMask) | (b & ~kMask))
+                              : (((a >> kSh) & ~kMask) | (b & kMask));
+  const uint32_t recv = __shfl_xor_sync(0xffffffffu, send, lane_xor);
+  if (upper) {
+    a = (a & kMask) | (recv & ~kMask);
+    b = (b & kMask) | ((recv & kMask) >> kSh);
+  } else {
+    a = (a & ~kMask) | (recv & kMask);
+    b = (b & ~kMask) | ((recv & ~kMask) << kSh);
   }
+}
 
-  // Bits 0 and 1: whether columns 8 g + 2 (lane % 4) and the next one are kept.
-  __device__ __forceinline__ uint32_t pair(int g) const {
-    const int grp = g / 2, o = grp / kPerThread, j = grp % kPerThread;
-    return (words[o * kOwn + j / 2] >> (16 * (j % 2) + 8 * (g % 2))) & 3u;
+// Keep bits of a thread's accumulator values when rows are queries and columns keys: the
+// warp's 16 rows are the 16-row group grp (this thread's rows 16 grp + lane / 4 and that + 8,
+// as in wgmma's accumulators of a 16-row-aligned tile) and column c (kCols of them) is key
+// key_of(c), any key. Bit 2 g + e of out[0] (out[1]) says whether the first (second) row
+// keeps column 8 g + 2 (lane % 4) + e, g < kCols / 8.
+//
+// Lane l = 4 s + q (s < 8) evaluates the columns 32 e + 8 (s / 2) + 2 q + s % 2, e <
+// kCols / 32 -- together the 8 lanes of one q cover the kCols / 4 columns each of them holds
+// -- and puts rows 0-7 of evaluation e in byte e of one word, rows 8-15 in byte e of another:
+// bit 8 e + d is row d (d + 8). Bit position 8 e + d of lane s is then exactly what lane d
+// needs at bit position 8 e + s, which is bit 2 g + e' of its columns' order (g = 4 e + s /
+// 2, e' = s % 2): an 8 x 8 transpose of (lane s, position bits 0-2) over those lanes, three
+// steps that each swap one lane bit with one position bit.
+template <int kCols, class KeyOf>
+__device__ __forceinline__ void dropout_query_rows_bits(const DropoutKey& key, uint32_t grp,
+                                                        int lane, const KeyOf& key_of,
+                                                        uint32_t (&out)[2]) {
+  static_assert(kCols % 32 == 0 && kCols <= 128, "whole evaluations per lane, bytes of a word");
+  const int s = lane >> 2, q = lane & 3;
+  uint32_t lo = 0u, hi = 0u;
+  // Two evaluations at a time: two independent Philox chains in flight, and no more state
+  // live beside the accumulators (four at once spill in the forward).
+#pragma unroll 2
+  for (int e = 0; e < kCols / 32; ++e) {
+    const int c = 32 * e + 8 * (s >> 1) + 2 * q + (s & 1);
+    const uint32_t bits = keep_bits16(key, uint32_t(key_of(c)), grp);
+    lo |= (bits & 0xffu) << (8 * e);
+    hi |= (bits >> 8) << (8 * e);
   }
-};
+  // Lane bit 0 of s (lane ^ 4) with position bit 0, bit 1 (lane ^ 8) with position bit 1,
+  // bit 2 (lane ^ 16) with position bit 2.
+  transpose_step2<1, 0xaaaaaaaau>(lo, hi, (s & 1) != 0, 4);
+  transpose_step2<2, 0xccccccccu>(lo, hi, (s & 2) != 0, 8);
+  transpose_step2<4, 0xf0f0f0f0u>(lo, hi, (s & 4) != 0, 16);
+  out[0] = lo;
+  out[1] = hi;
+}
+
+// Bit of dropout_key_rows_bits' words for the accumulator column 8 g + 2 (lane % 4) + e.
+__host__ __device__ constexpr int key_rows_bit(int g, int e) {
+  return 8 * (g & 1) + 2 * (g >> 1) + e;
+}
 
 // Keep bits of a dK / dV thread's accumulator values when rows are keys and columns queries:
-// the warp's 16 keys share the group `grp` (they are keys of one 16-key group, this thread's
-// two at positions pos0 and pos1 within it) and columns are the 64 consecutive queries from
-// q0. Lane l evaluates queries q0 + l and q0 + l + 32; the thread then gathers its 16
-// queries' words. Bit 2 g + c2 of result r: query q0 + 8 g + 2 (lane % 4) + c2, key pos_r.
-__device__ __forceinline__ void dropout_key_rows_bits(const DropoutKey& key, uint32_t grp,
-                                                      int q0, int pos0, int pos1, int lane,
-                                                      uint32_t (&out)[2]) {
-  const uint32_t mine = keep_bits16(key, grp, uint32_t(q0 + lane)) |
-                        (keep_bits16(key, grp, uint32_t(q0 + lane + 32)) << 16);
-  out[0] = out[1] = 0u;
-#pragma unroll
-  for (int g = 0; g < 4; ++g) {
-#pragma unroll
-    for (int c2 = 0; c2 < 2; ++c2) {
-      // Queries 8 g + 2 (lane % 4) + c2 (low half) and that + 32 (group g + 4, high half).
-      const uint32_t w = __shfl_sync(0xffffffffu, mine, 8 * g + 2 * (lane % 4) + c2);
-      out[0] |= ((w >> pos0) & 1u) << (2 * g + c2);
-      out[1] |= ((w >> pos1) & 1u) << (2 * g + c2);
-      out[0] |= ((w >> (16 + pos0)) & 1u) << (2 * (g + 4) + c2);
-      out[1] |= ((w >> (16 + pos1)) & 1u) << (2 * (g + 4) + c2);
-    }
-  }
-}
-
-// Keep bit of one entry: query row `row`, key position `col`, one evaluation.
-__device__ __forceinline__ uint32_t keep_bit(const DropoutKey& key, int row, int col) {
-  return (keep_bits16(key, uint32_t(col) >> 4, uint32_t(row)) >> (col & 15)) & 1u;
-}
-
-// Keep bits of a thread's accumulator values when rows are queries and columns listed keys
-// (gathered and key-interval walks): column c of the step is key keys[c] for c < n (columns
-// past the list are invisible; their bits are 0). Columns 8 g + 2 (lane % 4) + e, g <
-// kGroups; bit 2 g + e of out[r] for row r (rows row0, row1). Listed keys ascend, so a
-// thread's consecutive columns mostly share a 16-key group: one evaluation per row and group
-// met, reused while the group lasts (a rolled loop: one copy of the Philox code).
-template <int kGroups>
-__device__ __forceinline__ void dropout_listed_bits(const DropoutKey& key, const int32_t* keys,
-                                                    int n, int row0, int row1, int lane,
-                                                    uint32_t (&out)[2]) {
-  static_assert(kGroups <= 16, "a row's bits fit one word");
-  uint32_t cur = 0xffffffffu, bits0 = 0u, bits1 = 0u;
-  out[0] = out[1] = 0u;
-  const int first = 2 * (lane % 4);
-#pragma unroll 1
-  for (int s = 0; s < 2 * kGroups; ++s) {
-    const int c = 8 * (s / 2) + first + (s % 2);
-    if (c >= n) break;  // columns ascend: the rest lie past the list too
-    const int j = keys[c];
-    const uint32_t grp = uint32_t(j) >> 4;
-    if (grp != cur) {
-      cur = grp;
-      bits0 = keep_bits16(key, grp, uint32_t(row0));
-      bits1 = keep_bits16(key, grp, uint32_t(row1));
-    }
-    out[0] |= ((bits0 >> (j & 15)) & 1u) << s;
-    out[1] |= ((bits1 >> (j & 15)) & 1u) << s;
-  }
+// this thread's two keys j0 and j1 (any keys: a key tile's or a key-interval block's) and the
+// 64 consecutive queries from q0 (a multiple of 16). Bit key_rows_bit(g, e) of out[r] says
+// whether key j_r is kept by query q0 + 8 g + 2 (lane % 4) + e, g < 8.
+//
+// The four lanes of a quad hold the same keys; lane q' evaluates query group q0 / 16 + q' of
+// both (key r's 16 bits at bit 16 r of one word). Bit 16 r + 8 h + 2 q + e of lane q' is query
+// q0 + 16 q' + 8 h + 2 q + e, which lane q needs at bit 16 r + 8 h + 2 q' + e: a 4 x 4
+// transpose of (lane q', position bits 1-2) over the quad, two steps.
+__device__ __forceinline__ void dropout_key_rows_bits(const DropoutKey& key, int j0, int j1,
+                                                      int q0, int lane, uint32_t (&out)[2]) {
+  const int q = lane & 3;
+  const uint32_t grp = uint32_t(q0 >> 4) + uint32_t(q);
+  uint32_t w = keep_bits16(key, uint32_t(j0), grp) | (keep_bits16(key, uint32_t(j1), grp) << 16);
+  // Lane bit 0 (lane ^ 1) with position bit 1, lane bit 1 (lane ^ 2) with position bit 2.
+  transpose_step<2, 0xccccccccu>(w, (q & 1) != 0, 1);
+  transpose_step<4, 0xf0f0f0f0u>(w, (q & 2) != 0, 2);
+  out[0] = w & 0xffffu;
+  out[1] = w >> 16;
 }
 
 }  // namespace flash_dmattn

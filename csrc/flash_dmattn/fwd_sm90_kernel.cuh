@@ -570,34 +570,33 @@ __global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
       };
       // Dropout of tile i's probabilities (after softmax_step has summed them): dropped ones
       // zeroed. Its Philox evaluations run while the previous tile's P V product is on the
-      // tensor cores.
+      // tensor cores. A warp's 16 rows are one 16-row group (q0 is a multiple of kBlockM):
+      // kBlockN / 32 evaluations a thread, for listed keys as for a key tile.
       auto drop_probs = [&](auto& acc_s, int i) {
         constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
+        static_assert(kGroupsS * 8 == kBlockN, "a thread's columns span the tile");
         const int lane = tid % 32;
         const int row0 = q0 + get<0>(cS(make_coord(0, 0, 0), 0, 0));
-        const int row1 = q0 + get<0>(cS(make_coord(0, 1, 0), 0, 0));
-        auto apply = [&](int r, auto keep_pair) {
+        uint32_t bits[2];
+        if constexpr (kGather) {
+          // Columns past the list are invisible (probability 0): any key will do.
+          const int32_t* keys = list + i * kBlockN;
+          const int n = n_keys - i * kBlockN;
+          dropout_query_rows_bits<kBlockN>(dkey, uint32_t(row0) >> 4, lane,
+                                           [&](int c) { return c < n ? keys[c] : 0; }, bits);
+        } else {
+          const int k0 = tile_of(i) * kBlockN;
+          dropout_query_rows_bits<kBlockN>(dkey, uint32_t(row0) >> 4, lane,
+                                           [&](int c) { return k0 + c; }, bits);
+        }
+        CUTE_UNROLL
+        for (int r = 0; r < 2; ++r) {
           CUTE_UNROLL
           for (int g = 0; g < kGroupsS; ++g) {
-            const uint32_t keep = keep_pair(g);
             float& s0 = acc_s(make_coord(0, r, g), 0, 0);
             float& s1 = acc_s(make_coord(1, r, g), 0, 0);
-            s0 = (keep & 1u) != 0u ? s0 : 0.f;
-            s1 = (keep & 2u) != 0u ? s1 : 0.f;
-          }
-        };
-        if constexpr (kGather) {
-          uint32_t bits[2];
-          dropout_listed_bits<kGroupsS>(dkey, list + i * kBlockN, n_keys - i * kBlockN, row0,
-                                        row1, lane, bits);
-          CUTE_UNROLL
-          for (int r = 0; r < 2; ++r) apply(r, [&](int g) { return (bits[r] >> (2 * g)) & 3u; });
-        } else {
-          CUTE_UNROLL
-          for (int r = 0; r < 2; ++r) {
-            DropoutRowBits<kBlockN> bits;
-            bits.compute(dkey, r == 0 ? row0 : row1, tile_of(i) * kBlockN, lane);
-            apply(r, [&](int g) { return bits.pair(g); });
+            s0 = ((bits[r] >> (2 * g)) & 1u) != 0u ? s0 : 0.f;
+            s1 = ((bits[r] >> (2 * g + 1)) & 1u) != 0u ? s1 : 0.f;
           }
         }
       };

@@ -58,7 +58,6 @@ from .common import (
     seqlen_bucket,
 )
 from .dropout_mask import (
-    _dropout_keep,
     _dropout_keep_tile,
     _dropout_keep_tile_t,
     _dropout_seed,
@@ -475,10 +474,8 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base,
     p = tl.exp2(s - lse2[:, None])
     dp = _dot(do, vt, DOT_UPCAST)
     if DROPOUT:
-        if ELEM == 1:  # gathered keys
-            keep = _dropout_keep(seed, offset, bh, offs_m[:, None], offs_n[None, :], drop_thresh)
-        else:  # a key tile
-            keep = _dropout_keep_tile(seed, offset, bh, offs_m, offs_n, drop_thresh)
+        # Gathered keys or a key tile alike: one Philox evaluation per 16 rows of a key.
+        keep = _dropout_keep_tile(seed, offset, bh, offs_m, offs_n, drop_thresh)
         dp = tl.where(keep, dp * drop_scale, 0.0)
     ds = p * (dp - delta[:, None])
     if HAS_SOFTCAP:

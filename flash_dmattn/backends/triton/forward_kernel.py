@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .common import _dot, launch_tuned
-from .dropout_mask import _dropout_keep, _dropout_keep_tile, _dropout_seed
+from .dropout_mask import _dropout_keep_tile, _dropout_seed
 from .scores import _gathered_row_bits, _key_bounds, _key_tile, _scores
 from .varlen import _varlen_key_tiles, _varlen_list_len, _varlen_list_need_elem, _varlen_seq
 
@@ -59,10 +59,8 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, bias_base, mask_base,
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
-        if ELEM == 1:  # gathered keys
-            keep = _dropout_keep(seed, offset, bh, offs_m[:, None], offs_n[None, :], drop_thresh)
-        else:  # a key tile
-            keep = _dropout_keep_tile(seed, offset, bh, offs_m, offs_n, drop_thresh)
+        # Gathered keys or a key tile alike: one Philox evaluation per 16 rows of a key.
+        keep = _dropout_keep_tile(seed, offset, bh, offs_m, offs_n, drop_thresh)
         p = tl.where(keep, p, 0.0)
     v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
                 mask=n_ok[:, None] & d_ok[None, :], other=0.0)

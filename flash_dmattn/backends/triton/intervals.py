@@ -35,7 +35,7 @@ from ...intmath import cdiv
 from ...planning.key_lists import full_bounds, plan_intervals
 from .backward import _bwd_preprocess
 from .common import _dot, _tanh, alloc_output, dot_upcast, head_block, interpret_mode
-from .dropout_mask import _dropout_keep, _dropout_seed, dropout_args
+from .dropout_mask import _dropout_keep_tile, _dropout_keep_tile_t, _dropout_seed, dropout_args
 
 # Kernels read module constants only as constexprs.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -212,7 +212,7 @@ def _ki_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            keep = _dropout_keep(seed, offset, bh, offs_m[:, None], kidx[None, :], drop_thresh)
+            keep = _dropout_keep_tile(seed, offset, bh, offs_m, kidx, drop_thresh)
             p = tl.where(keep, p, 0.0)
         v = tl.load(v_base + kidx[:, None] * stride_vn + offs_d[None, :],
                     mask=kvalid[:, None] & dvalid[None, :], other=0.0)
@@ -291,7 +291,7 @@ def _ki_dq_kernel(
         dp = _dot(do, tl.trans(v), UPCAST)
         if DROPOUT:
             # The gradient reaches P at the kept entries only, scaled (delta is unchanged).
-            keep = _dropout_keep(seed, offset, bh, offs_m[:, None], kidx[None, :], drop_thresh)
+            keep = _dropout_keep_tile(seed, offset, bh, offs_m, kidx, drop_thresh)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
@@ -367,6 +367,11 @@ def _ki_dkv_kernel(
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         seed, offset = _dropout_seed(Rng, DROPOUT)
+        # The query steps start at q_lo; with dropout at q_lo rounded down to a multiple of 16,
+        # so that every step is whole 16-row groups (one Philox evaluation per group and key).
+        m_first = q_lo
+        if DROPOUT:
+            m_first = q_lo - q_lo % 16
         for hh in range(0, n_heads):
             h = h0 + hh
             bh = b * H + h
@@ -378,9 +383,11 @@ def _ki_dkv_kernel(
             dbias = tl.zeros([BLOCK_N], dtype=tl.float32)
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
-            for m0 in range(q_lo, q_hi, BLOCK_M):
+            for m0 in range(m_first, q_hi, BLOCK_M):
                 offs_m = m0 + tl.arange(0, BLOCK_M)
                 qvalid = offs_m < q_hi
+                if DROPOUT:
+                    qvalid = qvalid & (offs_m >= q_lo)  # the first step's rows below q_lo
                 q_t = tl.load(q_base + offs_m[None, :] * stride_qm + offs_d[:, None],
                               mask=qvalid[None, :] & dvalid[:, None], other=0.0)
                 do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :],
@@ -389,15 +396,16 @@ def _ki_dkv_kernel(
                 lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
                 delta = tl.load(Delta + bh * Lq + offs_m, mask=qvalid, other=0.0)
                 pos = offs_m + pos_off
-                # Rows past q_hi read as zeros; the mask keeps them out of the sums.
+                # Rows outside [q_lo, q_hi) read as zeros; the mask keeps them out of the sums.
                 full = all_keys & (m0 + BLOCK_M <= q_hi) & (first_all <= m0 + pos_off)
+                if DROPOUT:
+                    full = full & (m0 >= q_lo)
                 full = full & (m0 + BLOCK_M - 1 + pos_off <= last_all)
                 s_t, t_t = _scores_t(k, q_t, bias, sb, eb, kidx, kvalid, pos, qvalid, qk_scale,
                                      softcap, full, HAS_BIAS, CAUSAL, SOFTCAP, UPCAST)
                 p_t = tl.exp2(s_t - lse2[None, :])
                 if DROPOUT:
-                    keep = _dropout_keep(seed, offset, bh, offs_m[None, :], kidx[:, None],
-                                         drop_thresh)
+                    keep = _dropout_keep_tile_t(seed, offset, bh, offs_m, kidx, drop_thresh)
                     p_drop = tl.where(keep, p_t * drop_scale, 0.0)
                 else:
                     p_drop = p_t
