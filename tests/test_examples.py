@@ -109,8 +109,17 @@ def test_config_and_window_errors():
         parse_windows("0")
 
 
+@pytest.fixture
+def plain_selection(monkeypatch):
+    """The top-W selection of a CPU machine: the plain-PyTorch path, not the selection kernels
+    on Triton's interpreter that conftest turns on for the kernel tests (a training run calls
+    them every step: 30 interpreted steps took 20 s). tests/test_topk_intervals.py holds the
+    kernels to the plain path bit for bit."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 @pytest.mark.parametrize("window", [8, "dense"])
-def test_loss_decreases_on_a_tiny_problem(window):
+def test_loss_decreases_on_a_tiny_problem(window, plain_selection):
     # Easy on purpose: 2 pairs, 4 keys and 4 values. Even before any recall is learned the
     # loss falls from ln(vocab) to about ln(value_vocab) as the model learns that the answer
     # is a value token, so the check is reliable in 30 steps.
@@ -149,7 +158,7 @@ def test_window_schedule_values():
         window_schedule(10, 10, 8, 64, 0.2)  # step out of range
 
 
-def test_window_warmup_training_and_coverage():
+def test_window_warmup_training_and_coverage(plain_selection):
     task = MQARConfig(seq_len=32, num_pairs=4, key_vocab=8, value_vocab=8, filler_vocab=4)
     model_cfg = ModelConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, d_model=32, num_heads=2,
                             window=8, backend="torch-reference")

@@ -24,7 +24,7 @@ def test_fixed_cases(case):
     check_flex_forward(case)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(cases())
 def test_random_cases(case):
     check_flex_forward(case)

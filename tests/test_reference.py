@@ -40,7 +40,7 @@ def test_fixed_cases_float64(case):
     check_against_naive(case)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(cases())
 def test_random_cases_float64(case):
     check_against_naive(case)

@@ -438,7 +438,7 @@ def test_window_promise_is_validated():
 
 
 @needs_kernels
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_random_interval_problems(data):
     """Random shapes, GQA, broadcasts of the bounds and the per-key bias, causal with any
