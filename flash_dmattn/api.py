@@ -100,6 +100,14 @@ def flash_dmattn_func(
 
         k = key[block_table.long()].reshape(B, P * S, Hkv, D)   # same for v
     """
+    if (attn_mask is None and attn_bias is None and softcap is None and cache_seqlens is None
+            and block_table is None and (return_attn_probs is None or return_attn_probs is False)
+            and (dropout_p is None or (dropout_p.__class__ is float and dropout_p == 0.0))):
+        # A plain call whose signature auto-dispatch has seen: no AttentionInputs (see
+        # registry.run_plain); None where the full path below must run it.
+        out = registry.run_plain(query, key, value, softmax_scale, is_causal, deterministic)
+        if out is not None:
+            return out
     inputs = AttentionInputs.from_args(
         query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
         deterministic, return_attn_probs, cache_seqlens, block_table, dropout_p,

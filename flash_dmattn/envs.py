@@ -109,10 +109,28 @@ def cuda_extra_flags() -> List[str]:
 
 
 def dispatch_environment() -> tuple:
-    """The raw values (None where unset) of the variables auto-dispatch's decision reads
-    besides ``FLASH_DMATTN_BACKEND``: ``FLASH_DMATTN_DISABLE``, ``FLASH_DMATTN_CUDA_AUTO`` and
-    ``TRITON_INTERPRET`` (part of the key its memo keeps decisions by)."""
-    return _env(DISABLE), _env(CUDA_AUTO), _env("TRITON_INTERPRET")
+    """The raw values (None where unset) of the variables auto-dispatch's decision reads:
+    ``FLASH_DMATTN_DISABLE``, ``FLASH_DMATTN_CUDA_AUTO``, ``TRITON_INTERPRET`` and
+    ``FLASH_DMATTN_BACKEND`` (part of the key its memo keeps decisions by; a forced backend is
+    also read before the memo is asked, see :func:`flash_dmattn.registry.select_backend`).
+    Read on every dispatched call, so straight from ``os.environ``'s store (see :func:`_env`)
+    and as stored there: only their equality matters."""
+    data = getattr(os.environ, "_data", None)
+    if data is None:
+        return _env(DISABLE), _env(CUDA_AUTO), _env("TRITON_INTERPRET"), _env(BACKEND)
+    keys = _DISPATCH_KEYS or _dispatch_keys()
+    return data.get(keys[0]), data.get(keys[1]), data.get(keys[2]), data.get(keys[3])
+
+
+# The os.environ._data keys of the names dispatch_environment reads (encoded once; the
+# values are read on every call).
+_DISPATCH_KEYS: list = []
+
+
+def _dispatch_keys() -> list:
+    _DISPATCH_KEYS[:] = [os.environ.encodekey(n)
+                         for n in (DISABLE, CUDA_AUTO, "TRITON_INTERPRET", BACKEND)]
+    return _DISPATCH_KEYS
 
 
 def interpret_mode() -> bool:

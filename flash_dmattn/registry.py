@@ -15,10 +15,13 @@ why each other backend was not taken (``python -m flash_dmattn info --explain``)
 
 Auto-dispatch makes that decision once per call signature and keeps it in :data:`DISPATCH_MEMO`
 (:class:`DispatchMemo`): a decoding loop asks the same question for every layer of every token.
+A plain CPU call (no mask, bias, soft cap, KV cache, dropout or probabilities) whose signature
+the memo already holds skips the rest as well: :func:`run_plain`.
 """
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -250,14 +253,29 @@ def dispatch_signature(inputs: Inputs) -> Optional[tuple]:
     key intervals and their window, of the page table, whether there is a KV cache, the
     flags (causal, softcap, deterministic, attention probs, dropout), whether autograd will
     ask for a gradient, and a simulated compute capability; and the configuration:
-    ``FLASH_DMATTN_DISABLE``, ``FLASH_DMATTN_CUDA_AUTO`` and ``TRITON_INTERPRET`` as set now.
-    Strides and values are not in it: no backend's answer reads them."""
+    ``FLASH_DMATTN_DISABLE``, ``FLASH_DMATTN_CUDA_AUTO``, ``TRITON_INTERPRET`` and
+    ``FLASH_DMATTN_BACKEND`` as set now (:func:`flash_dmattn.envs.dispatch_environment`).
+    Strides and values are not in it: no backend's answer reads them.
+
+    A plain CPU call (:func:`run_plain`) has a shorter key, :data:`PLAIN_CPU` first, that
+    :func:`run_plain` builds from the call's arguments alike: the shapes of query and key,
+    the dtype, the causal and deterministic flags, the two gradient flags above and the
+    configuration. The rest is fixed for such calls, and a simulated capability is one of
+    CUDA devices only (:func:`flash_dmattn.policy.device_capability`)."""
     if type(inputs) is not AttentionInputs:
         return None
     q, k = inputs.query, inputs.key
     mask, bias = inputs.attn_mask, inputs.attn_bias
     intervals, table = inputs.key_intervals, inputs.block_table
     grad_mode = torch.is_grad_enabled()
+    if (mask is None and bias is None and intervals is None and table is None
+            and inputs.cache_seqlens is None and not inputs.softcap
+            and not inputs.return_attn_probs and not inputs.dropout_p
+            and inputs.device.type == "cpu"):
+        return (PLAIN_CPU, q.shape, k.shape, q.dtype, inputs.is_causal, inputs.deterministic,
+                grad_mode, grad_mode and (q.requires_grad or k.requires_grad
+                                          or inputs.value.requires_grad),
+                envs.dispatch_environment())
     return (
         inputs.device, q.dtype, q.shape, k.shape,
         None if mask is None else (mask.shape, mask.dtype),
@@ -301,6 +319,11 @@ class DispatchMemo:
             self.hits += 1
         return backend
 
+    def peek(self, key: tuple) -> Optional[Backend]:
+        """The decision for ``key`` (None: none yet), counted by the caller: :func:`run_plain`
+        counts a hit when it serves the call, and leaves the rest to the full dispatch."""
+        return self._chosen.get(key)
+
     def put(self, key: tuple, backend: Backend) -> None:
         chosen = self._chosen
         if len(chosen) >= self.MAX_ENTRIES:
@@ -316,6 +339,74 @@ class DispatchMemo:
 
 #: The memo :func:`select_backend` keeps its decisions in.
 DISPATCH_MEMO = DispatchMemo()
+
+#: First item of a plain CPU call's memo key (:func:`dispatch_signature`, :func:`run_plain`).
+PLAIN_CPU = "plain cpu call"
+
+_grad_enabled = torch.is_grad_enabled  # read by run_plain on every call
+
+
+def run_plain(query, key, value, softmax_scale, is_causal, deterministic):
+    """A plain call of :func:`flash_dmattn.flash_dmattn_func` (no mask, bias, soft cap, KV
+    cache, dropout or attention probabilities; the caller checks those) on CPU tensors, run
+    without building :class:`AttentionInputs`: its output, or None when the full path must
+    run it.
+
+    It runs only where :data:`DISPATCH_MEMO` holds the call's signature (:func:`dispatch_signature`):
+    an earlier call with that signature passed :meth:`AttentionInputs.from_args`, whose checks
+    of ranks, batch, heads and head dims read nothing else, and auto-dispatch chose a backend
+    for it. What the signature leaves out is checked here on every call: the types, key and
+    value alike (dtype, device, shape), last dims contiguous (else the full path copies them),
+    the flags and a finite ``softmax_scale``. Anything else takes the full path, which raises
+    the usual errors; so does a forced backend (``FLASH_DMATTN_BACKEND``), a compiled graph,
+    and a backend with no plain entry (:meth:`Backend.plain_attention`)."""
+    tensor = torch.Tensor
+    if not (isinstance(query, tensor) and query.is_cpu and isinstance(key, tensor)
+            and isinstance(value, tensor) and key.is_cpu and value.is_cpu):
+        return None  # GPU calls leave here first
+    if torch.compiler.is_compiling():
+        return None
+    if is_causal is None:
+        is_causal = False
+    elif is_causal.__class__ is not bool:
+        return None
+    if deterministic is None:
+        deterministic = False
+    elif deterministic.__class__ is not bool:
+        return None
+    if softmax_scale is not None and (softmax_scale.__class__ is not float
+                                      or not math.isfinite(softmax_scale)):
+        return None
+    dtype = query.dtype
+    if key.dtype is not dtype or value.dtype is not dtype:
+        return None
+    q_shape, k_shape = query.shape, key.shape
+    if value.shape != k_shape:
+        return None
+    # A last dim with another stride the full path copies (_last_dim_contiguous): SDPA would
+    # take its math kernel on it instead of the fused one.
+    if not (query.is_contiguous() or query.stride(-1) == 1) or not (
+            key.is_contiguous() or key.stride(-1) == 1) or not (
+            value.is_contiguous() or value.stride(-1) == 1):
+        return None
+    env = envs.dispatch_environment()
+    if env[3] is not None:  # FLASH_DMATTN_BACKEND: select_backend reads it
+        return None
+    grad = _grad_enabled()
+    signature = (PLAIN_CPU, q_shape, k_shape, dtype, is_causal, deterministic, grad,
+                 grad and (query.requires_grad or key.requires_grad or value.requires_grad),
+                 env)
+    try:
+        backend = DISPATCH_MEMO._chosen.get(signature)  # DispatchMemo.peek, one call less
+    except TypeError:  # symbolic sizes (tracing outside torch.compile) have no hash
+        return None
+    if backend is None:
+        return None
+    out = backend.plain_attention(query, key, value, softmax_scale, is_causal,
+                                  q_shape[1], k_shape[1])
+    if out is not None:
+        DISPATCH_MEMO.hits += 1
+    return out
 
 
 def run_auto(inputs: Inputs):

@@ -30,6 +30,17 @@ def calls(monkeypatch):
             return _orig(self, inputs)
 
         monkeypatch.setattr(cls, "attention", spy)
+    # A plain CPU call whose signature was decided before skips attention()
+    # (registry.run_plain): the reference backend's plain entry runs it.
+    plain = ReferenceBackend.plain_attention
+
+    def plain_spy(*args):
+        out = plain(*args)
+        if out is not None:
+            seen.append(ReferenceBackend.name)
+        return out
+
+    monkeypatch.setattr(ReferenceBackend, "plain_attention", staticmethod(plain_spy))
     return seen
 
 
@@ -50,7 +61,8 @@ def test_available_backends_in_priority_order():
 
 def test_auto_on_cpu_prefers_reference_over_eager_flex(calls):
     flash_dmattn_func(*small())
-    assert calls == ["torch-reference"]
+    flash_dmattn_func(*small())  # the remembered decision
+    assert calls == ["torch-reference", "torch-reference"]
 
 
 def test_forced_backend_env(monkeypatch, calls):

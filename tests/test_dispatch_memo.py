@@ -10,6 +10,7 @@ import torch
 
 import flash_dmattn
 from flash_dmattn import policy, registry
+from flash_dmattn.backends.flex import FlexBackend
 from flash_dmattn.inputs import AttentionInputs
 
 MEMO = registry.DISPATCH_MEMO
@@ -87,10 +88,17 @@ def test_environment_changes_are_seen(monkeypatch):
 
 
 def test_simulated_capability_is_part_of_the_signature():
-    inputs = _inputs()
+    inputs = _inputs(mask=True)
     key = registry.dispatch_signature(inputs)
     with policy.simulated_capability((9, 0)):
         assert registry.dispatch_signature(inputs) != key
+    # A plain CPU call's key leaves it out: a simulated capability is one of CUDA devices.
+    plain = _inputs()
+    key = registry.dispatch_signature(plain)
+    assert key[0] == registry.PLAIN_CPU
+    with policy.simulated_capability((9, 0)):
+        assert registry.dispatch_signature(plain) == key
+        assert policy.device_capability(plain.device) is None
 
 
 def test_what_the_key_cannot_see_empties_the_memo():
@@ -178,3 +186,144 @@ def test_an_unhashable_signature_is_decided_without_the_memo(monkeypatch):
     monkeypatch.setattr(registry, "dispatch_signature", lambda inputs: ([],))
     assert registry.select_backend(inputs).name == "torch-reference"
     assert len(MEMO) == 0
+
+
+# A plain CPU call whose signature the memo holds runs without AttentionInputs
+# (registry.run_plain): the same output and gradients, every error still raised.
+
+def _plain(B=2, L=9, H=4, Hkv=2, D=16, dtype=torch.float32, grad=True, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, L, h, D, generator=g).to(dtype).requires_grad_(grad)
+            for h in (H, Hkv, Hkv)]
+
+
+@pytest.fixture
+def _served(monkeypatch):
+    """``_served(fn)``: ``fn()``'s result and whether registry.run_plain served it (no
+    AttentionInputs built, one memo hit)."""
+    built = []
+    real = AttentionInputs.from_args
+    monkeypatch.setattr(AttentionInputs, "from_args",
+                        staticmethod(lambda *a, **kw: built.append(1) or real(*a, **kw)))
+
+    def served(fn):
+        del built[:]
+        before = _counts()
+        out = fn()
+        return out, not built and _delta(before) == (1, 0)
+
+    return served
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(is_causal=True), dict(is_causal=False, softmax_scale=0.3),
+    dict(is_causal=True, softmax_scale=0.3), dict(softmax_scale=0.0), dict(deterministic=True),
+])
+@pytest.mark.parametrize("dims", [dict(), dict(H=4, Hkv=4), dict(D=24), dict(B=1, L=1)])
+def test_plain_calls_equal_the_full_path(kw, dims, _served):
+    q, k, v = _plain(**dims)
+    first = flash_dmattn.flash_dmattn_func(q, k, v, **kw)  # the full path: decided, remembered
+    want = torch.autograd.grad(first.sum(), (q, k, v))
+    out, served = _served(lambda: flash_dmattn.flash_dmattn_func(q, k, v, **kw))
+    assert served
+    torch.testing.assert_close(out, first, rtol=0, atol=0)
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.no_grad():  # another signature (no gradient): decided once, then served
+        flash_dmattn.flash_dmattn_func(q, k, v, **kw)
+        out, served = _served(lambda: flash_dmattn.flash_dmattn_func(q, k, v, **kw))
+    assert served and not out.requires_grad
+    torch.testing.assert_close(out, first.detach(), rtol=0, atol=0)
+
+
+def test_plain_key_is_the_dispatch_signature():
+    q, k, v = _plain()
+    inputs = AttentionInputs.from_args(q, k, v, None, None, None, True)
+    flash_dmattn.flash_dmattn_func(q, k, v, is_causal=True)
+    assert list(MEMO._chosen) == [registry.dispatch_signature(inputs)]
+    # Arguments that normalise alike share the entry: softcap 0.0, return_attn_probs False,
+    # is_causal 1 take the full path and find it there.
+    before = _counts()
+    flash_dmattn.flash_dmattn_func(q, k, v, softcap=0.0, is_causal=1, return_attn_probs=False)
+    assert _delta(before) == (1, 0) and len(MEMO) == 1
+
+
+def test_plain_calls_the_full_path_runs(_served):
+    """What the plain path leaves to the full path: outputs equal, and the full path's own
+    handling (a copied last dim, the oracle for float64, a causal call with Lq != Lk)."""
+    q, k, v = _plain()
+    flash_dmattn.flash_dmattn_func(q, k, v)
+    # Last dims with a stride: copied by the full path, so that SDPA takes its fused kernel.
+    qs = torch.randn(2, 9, 4, 32)[..., ::2]
+    want = flash_dmattn.flash_dmattn_func(qs.contiguous(), k, v)
+    out, served = _served(lambda: flash_dmattn.flash_dmattn_func(qs, k, v))
+    assert not served
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    # Heads-first tensors transposed to (B, L, H, D): served as they are.
+    qt = q.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    want = flash_dmattn.flash_dmattn_func(q.detach(), k.detach(), v.detach())
+    flash_dmattn.flash_dmattn_func(qt, k.detach(), v.detach())
+    out, served = _served(lambda: flash_dmattn.flash_dmattn_func(qt, k.detach(), v.detach()))
+    assert served
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    # float64 stays on the oracle; causal with Lq != Lk goes through a mask.
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    for args in ((q64, k64, v64), (q[:, :4], k, v)):
+        first = flash_dmattn.flash_dmattn_func(*args, is_causal=True)
+        out, served = _served(lambda: flash_dmattn.flash_dmattn_func(*args, is_causal=True))
+        assert not served  # a memo hit in the full path instead
+        torch.testing.assert_close(out, first, rtol=0, atol=0)
+
+
+def test_plain_calls_still_raise_every_error():
+    q, k, v = _plain(grad=False)
+    flash_dmattn.flash_dmattn_func(q, k, v, is_causal=True)  # the signature is remembered
+    with pytest.raises(ValueError, match="share one dtype"):
+        flash_dmattn.flash_dmattn_func(q, k, v.double(), is_causal=True)
+    with pytest.raises(ValueError, match="must be on one device"):
+        flash_dmattn.flash_dmattn_func(q, k, v.to("meta"), is_causal=True)
+    with pytest.raises(ValueError, match="same shape"):
+        flash_dmattn.flash_dmattn_func(q, k, v[:, :5], is_causal=True)
+    with pytest.raises(TypeError, match="value must be a torch.Tensor"):
+        flash_dmattn.flash_dmattn_func(q, k, v.numpy(), is_causal=True)
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        flash_dmattn.flash_dmattn_func(q, k, v, is_causal=2)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flash_dmattn.flash_dmattn_func(q, k, v, is_causal=True, deterministic="yes")
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        flash_dmattn.flash_dmattn_func(q, k, v, is_causal=True, softmax_scale=float("nan"))
+    with pytest.raises(TypeError, match="softmax_scale must be a number"):
+        flash_dmattn.flash_dmattn_func(q, k, v, is_causal=True, softmax_scale="0.1")
+    with pytest.raises(TypeError, match="dropout_p must be a float"):
+        flash_dmattn.flash_dmattn_func(q, k, v, is_causal=True, dropout_p="0")
+    with pytest.raises(ValueError, match="must be 4-D"):
+        flash_dmattn.flash_dmattn_func(q[0], k[0], v[0], is_causal=True)
+
+
+def test_plain_calls_see_the_environment(monkeypatch):
+    q, k, v = _plain(grad=False)
+    flash_dmattn.flash_dmattn_func(q, k, v)
+    monkeypatch.setenv("FLASH_DMATTN_BACKEND", "flex")  # forced: read on every call
+    seen = []
+    real = FlexBackend.attention
+    monkeypatch.setattr(FlexBackend, "attention",
+                        lambda self, inputs: seen.append(self.name) or real(self, inputs))
+    flash_dmattn.flash_dmattn_func(q, k, v)
+    assert seen == ["flex"]
+    monkeypatch.delenv("FLASH_DMATTN_BACKEND")
+    monkeypatch.setenv("FLASH_DMATTN_DISABLE", "torch-reference")  # another signature
+    before = _counts()
+    flash_dmattn.flash_dmattn_func(q, k, v)
+    assert _delta(before) == (0, 1) and registry.DISPATCH_MEMO.peek(
+        registry.dispatch_signature(AttentionInputs.from_args(q, k, v))).name != "torch-reference"
+    # The backend decided for it has no plain entry: every call takes the full path.
+    flash_dmattn.flash_dmattn_func(q, k, v)
+    assert _delta(before) == (1, 1)
+
+
+def test_plain_calls_inside_a_compiled_graph_skip_the_memo(monkeypatch):
+    q, k, v = _plain(grad=False)
+    flash_dmattn.flash_dmattn_func(q, k, v)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert registry.run_plain(q, k, v, None, None, None) is None

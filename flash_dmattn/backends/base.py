@@ -71,3 +71,13 @@ class Backend(abc.ABC):
 
     def varlen_attention(self, inputs: VarlenInputs):
         raise RuntimeError(f"backend {self.name!r} has no varlen path")
+
+    @staticmethod
+    def plain_attention(query, key, value, softmax_scale, is_causal, seqlen_q, seqlen_k):
+        """A plain call without :class:`AttentionInputs` (:func:`flash_dmattn.registry.run_plain`:
+        no mask, bias, soft cap, KV cache, dropout or probabilities; the tensors as the user
+        gave them, in a signature that passed validation; ``softmax_scale`` None or a finite
+        float, ``is_causal`` a bool). Returns what :meth:`attention` would, or None to have
+        the call validated and run through :meth:`attention`: the default. A subclass may
+        define it as a method or, as here, a static function."""
+        return None

@@ -33,7 +33,8 @@ chunk of query rows at a time:
 A short call is one SDPA call with its mask built in a few ops (fewer than a user of SDPA
 spends building the same mask out). With no mask, bias or intervals (and causal only where
 ``Lq == Lk``, SDPA's own alignment) one SDPA call on the tensors as given covers the whole
-problem and nothing of size ``(Lq, Lk)`` is built.
+problem and nothing of size ``(Lq, Lk)`` is built (:func:`sdpa_plain`; auto-dispatch calls it
+directly for such calls of a signature it has decided, :func:`flash_dmattn.registry.run_plain`).
 """
 from __future__ import annotations
 
@@ -364,6 +365,26 @@ def _gather_kept(order, k, v, mask, bias, is_causal, heads):
     return k, v, mask, bias, bounds
 
 
+def sdpa_plain(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], is_causal: bool,
+               lq: int, lk: int) -> Optional[Tensor]:
+    """``(B, Lq, H, Dv)`` attention of ``(B, L, H, D)`` tensors with no mask, bias, soft cap,
+    KV cache, dropout or probabilities, as one SDPA call on their transposed views (as a user
+    of SDPA writes it), differentiated by SDPA's own backward; ``lq``, ``lk`` their lengths.
+    ``scale`` None is SDPA's default, ``1/sqrt(D)``, the library's.
+
+    None where that call is not this library's attention: a dtype :func:`sdpa_cpu_reasons`
+    leaves to the oracle, no queries or no keys, and a causal call with ``Lq != Lk`` (SDPA
+    aligns its diagonal top-left) or scale 0 (SDPA's causal masking scales scores it has
+    already set to ``-inf``, and ``0 * -inf`` is NaN): :func:`sdpa_cpu_attention` then puts
+    causality in a mask."""
+    if q.dtype not in _DTYPES or lq == 0 or lk == 0 or (
+            is_causal and (lq != lk or scale == 0.0)):
+        return None
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=is_causal, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
 def sdpa_cpu_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                        bias: Optional[Tensor], scale: float, is_causal: bool,
                        key_intervals: Optional[Tensor] = None) -> Tensor:
@@ -372,14 +393,10 @@ def sdpa_cpu_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     heads, ``key_intervals`` the ``(2, Bx, Hx, Lk)`` bounds of a KeyIntervals mask."""
     batch, lq, heads = q.shape[0], q.shape[1], q.shape[2]
     lk, kv_heads = k.shape[1], k.shape[2]
-    # SDPA's own causal masking scales scores it has already set to -inf (0 * -inf is NaN for
-    # softmax_scale 0): with scale 0 causality goes through the mask below.
-    if (mask is None and bias is None and key_intervals is None
-            and (not is_causal or (lq == lk and scale != 0.0))):
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=is_causal,
-                                             scale=scale, enable_gqa=True)
-        return out.transpose(1, 2)
+    if mask is None and bias is None and key_intervals is None:
+        out = sdpa_plain(q, k, v, scale, is_causal, lq, lk)
+        if out is not None:
+            return out
     shift = lk - lq
     order = _kept_keys(mask, kv_heads, lk) if key_intervals is None else None
     if order is not None:
