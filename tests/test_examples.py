@@ -114,8 +114,11 @@ def plain_selection(monkeypatch):
     """The top-W selection of a CPU machine: the plain-PyTorch path, not the selection kernels
     on Triton's interpreter that conftest turns on for the kernel tests (a training run calls
     them every step: 30 interpreted steps took 20 s). tests/test_topk_intervals.py holds the
-    kernels to the plain path bit for bit."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    kernels to the plain path bit for bit. (Not TRITON_INTERPRET=0: a kernel module first
+    imported under it would keep compiled kernels that later tests cannot run on CPU.)"""
+    from flash_dmattn.planning import selection_kernels
+
+    monkeypatch.setattr(selection_kernels, "available", lambda device, rows=1: False)
 
 
 @pytest.mark.parametrize("window", [8, "dense"])
