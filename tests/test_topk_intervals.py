@@ -321,11 +321,9 @@ def test_kernels_every_radix_and_small_blocks(radix_bits, monkeypatch):
 
 
 @_needs_kernels
-@pytest.mark.parametrize("prune", [False, True])
-def test_kernels_with_and_without_pruned_walks(prune, monkeypatch):
-    # Query blocks of 16 ranks, most past the window: with pruning a block's later keys are
-    # skipped by its first rank's bound, which must never drop a key some query sees.
-    monkeypatch.setattr(selection_kernels, "PRUNE_QUERIES", prune)
+def test_kernels_query_blocks_past_the_window(monkeypatch):
+    # Query blocks of 16 ranks, most past the window: the walks of keys no query sees, and of
+    # keys seen to the end, beside those of a first block inside the window.
     monkeypatch.setattr(selection_kernels, "QUERY_BLOCK", 16)
     g = torch.Generator().manual_seed(5)
     for length in (48, 131):

@@ -2,7 +2,7 @@
 
     python3 tools/selection_probe.py [L ...] [--window W] [--heads H] [--batch B]
                                        [--dtype bf16|fp16|fp32] [--radix 4,5,6] [--shared]
-                                       [--no-check] [--no-profile] [--prune on|off|both]
+                                       [--no-check] [--no-profile]
     python3 tools/selection_probe.py --host-stub [L ...]   # no GPU: host time, launches stubbed
 
 On a GPU, per L (default 16K 32K 64K 128K; bf16 bias (B1, Hkv4, 1, L), W 2048): the median of
@@ -93,10 +93,8 @@ def probe(a):
     for length in a.lengths:
         g = torch.Generator(device=dev).manual_seed(length)
         bias = torch.randn(a.batch, a.heads, 1, length, device=dev, generator=g).to(dtype)
-        prunes = {"on": [True], "off": [False], "both": [False, True]}[a.prune]
-        for rb, prune in [(rb, p) for rb in radices for p in prunes]:
+        for rb in radices:
             selection_kernels.radix_bits = default_rule if rb is None else (lambda n, rb=rb: rb)
-            selection_kernels.PRUNE_QUERIES = prune
             try:
                 def call():
                     return topk_intervals(bias, a.window, is_causal=is_causal)
@@ -116,7 +114,7 @@ def probe(a):
                 used = default_rule(length) if rb is None else rb
                 print(f"L{length} W{a.window} B{a.batch} H{a.heads} {a.dtype} "
                       f"{'causal' if is_causal else 'shared'} radix bits {used}"
-                      f"{'' if rb is None else ' (forced)'}{'' if prune else ', no pruning'}: "
+                      f"{'' if rb is None else ' (forced)'}: "
                       f"select {t_dev:.3f} ms "
                       f"(host {t_host:.3f} ms) | {len(n_launch)} Triton launches "
                       f"{','.join(n[1:-7] for n in n_launch)}{check}", flush=True)
@@ -132,7 +130,6 @@ def probe(a):
                         max_name_column_width=70), flush=True)
             finally:
                 selection_kernels.radix_bits = default_rule
-                selection_kernels.PRUNE_QUERIES = True
 
 
 def host_stub(a):
@@ -214,7 +211,6 @@ def main(argv=None):
     ap.add_argument("--shared", action="store_true", help="is_causal=False (a shared top-W)")
     ap.add_argument("--no-check", dest="check", action="store_false")
     ap.add_argument("--no-profile", dest="profile", action="store_false")
-    ap.add_argument("--prune", choices=("on", "off", "both"), default="on")
     ap.add_argument("--host-stub", action="store_true")
     a = ap.parse_args(argv)
     if not a.lengths:

@@ -54,9 +54,6 @@ MAX_BLOCKS = 128
 CHECK = 32
 # Keys per query program.
 QUERY_BLOCK = 64
-# Whether a query program skips the walks of keys its first rank's bound shows unseen (see
-# _query_kernel); both settings give the same bounds.
-PRUNE_QUERIES = True
 # Elementwise block of the score kernel.
 SCORE_BLOCK = 1024
 # Bounds of a key every query sees (as selection._ALWAYS).
@@ -295,17 +292,14 @@ if triton is not None:
     @triton.jit
     def _query_kernel(Ws, Sorted, Bounds, L, W, n_ck, rows, n_levels, top, ck_off,
                       R: tl.constexpr, RB: tl.constexpr, CHK: tl.constexpr, WIDTH: tl.constexpr,
-                      BLOCK: tl.constexpr, F64: tl.constexpr, PACKED: tl.constexpr,
-                      PRUNE: tl.constexpr):
+                      BLOCK: tl.constexpr, F64: tl.constexpr, PACKED: tl.constexpr):
         """Keys of ranks ``i`` in the block: ``t`` = the W-th smallest position among the keys
         of ranks below ``max(i, W)`` (:func:`_walk`), then the key's bounds ``[key, t)``
         (empty when ``t <= key``).
 
-        ``t`` does not grow with the rank (a longer prefix has a smaller W-th smallest), so a
-        key of the block whose position is at least ``t`` of the block's first rank is seen by
-        no query. With ``PRUNE`` the block walks its first rank first and then only the keys
-        below that bound: most keys of a causal selection are never seen, and their walks were
-        most of the kernel's memory traffic.
+        Every key past the first W ranks walks, also those no query will see: skipping them
+        after a walk of the block's first rank (``t`` does not grow with the rank) costs that
+        extra walk and measured no faster at 32K-128K keys (``tools/selection_probe.py``).
         """
         qb = tl.program_id(0)
         row = tl.program_id(1).to(tl.int64)
@@ -326,12 +320,6 @@ if triton is not None:
             valid = s.to(tl.float32) > float("-inf")
         # Fewer than W keys outrank the first W ranks: they are kept to the end, no walk.
         walk = ok & valid & (i >= W)
-        if PRUNE:
-            if qb * BLOCK >= W:
-                first = tl.arange(0, BLOCK) == 0
-                t0 = _walk(Ws, row, L, rows, n_levels, top, ck_off, n_ck, i, first, W,
-                           R=R, RB=RB, CHK=CHK, WIDTH=WIDTH, BLOCK=BLOCK)
-                walk = walk & (key < tl.max(tl.where(first, t0, 0), 0))
         t = _walk(Ws, row, L, rows, n_levels, top, ck_off, n_ck, tl.maximum(i, W), walk, W,
                   R=R, RB=RB, CHK=CHK, WIDTH=WIDTH, BLOCK=BLOCK)
         t = tl.where(i < W, L, t)
@@ -473,7 +461,7 @@ def causal_bounds(bias, padding, min_dtype, window, batch, heads) -> torch.Tenso
     _query_kernel[lay.query_grid](
         ws, ranked, bounds, length, window, lay.n_ck, rows, levels, top, lay.ck_off,
         R=radix, RB=rb, CHK=CHECK, WIDTH=max(radix, CHECK), BLOCK=QUERY_BLOCK,
-        F64=bias.dtype == torch.float64, PACKED=packed, PRUNE=PRUNE_QUERIES,
+        F64=bias.dtype == torch.float64, PACKED=packed,
         num_warps=8,
     )
     return bounds
