@@ -41,7 +41,9 @@ except ImportError:  # the planner then uses its plain-PyTorch twins
 SCAN_BLOCK = 1024
 # Keys per program of the per-key kernels, and the granularity at which the keys meeting a
 # coarse segment are counted (each chunk's keys get one slot range in each segment's list).
-CHUNK = 1024
+# The per-key kernels are latency bound at the lengths DMA is for: smaller chunks give them
+# more programs (32K keys x 4 rows: 512), at the price of a longer prefix sum over chunks.
+CHUNK = 256
 # Query rows of a coarse segment, before rounding up to whole tiles. Larger segments make the
 # per-segment passes cheaper (one visit of a chunk per segment) and every tile's read longer
 # (a tile reads its segment's list: about window + coarse_rows entries).
