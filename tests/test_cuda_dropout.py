@@ -295,3 +295,46 @@ def test_cuda_gathered_forward_draws_the_calls_mask(monkeypatch):
     out, keep = _run(q, k, v, 0.4, 13, attn_mask=mask, is_causal=True)
     check_against_dense(out, keep, 0.4, (q, k, v, None), TOL[torch.float16], mask=mask.cpu(),
                         causal=True)
+
+
+@pytest.mark.gpu
+def test_cuda_dropout_in_a_cuda_graph(monkeypatch):
+    """The public call captured in a CUDA graph: every replay draws new numbers from the
+    device's generator (the draw is a captured kernel), and its output is the formula on the
+    mask of what that replay drew."""
+    _hopper()
+    import flash_dmattn.inputs as inputs_module
+
+    drawn = []
+    real_draw = inputs_module.draw_rng
+
+    def recording_draw(device):
+        rng = real_draw(device)
+        drawn.append(rng)
+        return rng
+
+    monkeypatch.setattr(inputs_module, "draw_rng", recording_draw)
+    B, L, H, Hkv, D, p = 1, 256, 4, 2, 64, 0.2
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(B, L, H, D, device="cuda", generator=g).half()
+    k = torch.randn(B, L, Hkv, D, device="cuda", generator=g).half()
+    v = torch.randn(B, L, Hkv, D, device="cuda", generator=g).half()
+    fn = _cuda_fn()
+    for _ in range(3):  # build, plan and warm up outside the capture
+        fn(q, k, v, dropout_p=p, is_causal=True)
+    torch.cuda.synchronize()
+    drawn.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(q, k, v, dropout_p=p, is_causal=True)
+    assert len(drawn) == 1
+    rng = drawn[0]
+    seen = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        keep = testing.dropout_mask(rng, B, H, L, L, p).cpu()
+        ref = dense_dropout_attention(q.cpu(), k.cpu(), v.cpu(), keep, p, causal=True)
+        assert_close("out", out.cpu(), ref, 4e-3)
+        seen.append(rng.clone())
+    assert not torch.equal(seen[0], seen[1])
