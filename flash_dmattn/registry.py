@@ -15,8 +15,8 @@ why each other backend was not taken (``python -m flash_dmattn info --explain``)
 
 Auto-dispatch makes that decision once per call signature and keeps it in :data:`DISPATCH_MEMO`
 (:class:`DispatchMemo`): a decoding loop asks the same question for every layer of every token.
-A plain CPU call (no mask, bias, soft cap, KV cache, dropout or probabilities) whose signature
-the memo already holds skips the rest as well: :func:`run_plain`.
+A plain call (no mask, bias, soft cap, KV cache, dropout or probabilities) on CPU or CUDA
+tensors whose signature the memo already holds skips the rest as well: :func:`run_plain`.
 """
 from __future__ import annotations
 
@@ -257,11 +257,13 @@ def dispatch_signature(inputs: Inputs) -> Optional[tuple]:
     ``FLASH_DMATTN_BACKEND`` as set now (:func:`flash_dmattn.envs.dispatch_environment`).
     Strides and values are not in it: no backend's answer reads them.
 
-    A plain CPU call (:func:`run_plain`) has a shorter key, :data:`PLAIN_CPU` first, that
-    :func:`run_plain` builds from the call's arguments alike: the shapes of query and key,
-    the dtype, the causal and deterministic flags, the two gradient flags above and the
-    configuration. The rest is fixed for such calls, and a simulated capability is one of
-    CUDA devices only (:func:`flash_dmattn.policy.device_capability`)."""
+    A plain call (:func:`run_plain`) has a shorter key that :func:`run_plain` builds from
+    the call's arguments alike: on CPU, :data:`PLAIN_CPU` first, then the shapes of query and
+    key, the dtype, the causal and deterministic flags, the two gradient flags above and the
+    configuration (the rest is fixed for such calls, and a simulated capability is one of
+    CUDA devices only, :func:`flash_dmattn.policy.device_capability`); on CUDA,
+    :data:`PLAIN_CUDA` first, then the device, the same items and the simulated capability
+    before the configuration."""
     if type(inputs) is not AttentionInputs:
         return None
     q, k = inputs.query, inputs.key
@@ -270,12 +272,16 @@ def dispatch_signature(inputs: Inputs) -> Optional[tuple]:
     grad_mode = torch.is_grad_enabled()
     if (mask is None and bias is None and intervals is None and table is None
             and inputs.cache_seqlens is None and not inputs.softcap
-            and not inputs.return_attn_probs and not inputs.dropout_p
-            and inputs.device.type == "cpu"):
-        return (PLAIN_CPU, q.shape, k.shape, q.dtype, inputs.is_causal, inputs.deterministic,
-                grad_mode, grad_mode and (q.requires_grad or k.requires_grad
-                                          or inputs.value.requires_grad),
-                envs.dispatch_environment())
+            and not inputs.return_attn_probs and not inputs.dropout_p):
+        device = inputs.device
+        grad = grad_mode and (q.requires_grad or k.requires_grad or inputs.value.requires_grad)
+        if device.type == "cpu":
+            return (PLAIN_CPU, q.shape, k.shape, q.dtype, inputs.is_causal,
+                    inputs.deterministic, grad_mode, grad, envs.dispatch_environment())
+        if device.type == "cuda":
+            return (PLAIN_CUDA, device, q.shape, k.shape, q.dtype, inputs.is_causal,
+                    inputs.deterministic, grad_mode, grad, policy.simulated(),
+                    envs.dispatch_environment())
     return (
         inputs.device, q.dtype, q.shape, k.shape,
         None if mask is None else (mask.shape, mask.dtype),
@@ -342,15 +348,17 @@ DISPATCH_MEMO = DispatchMemo()
 
 #: First item of a plain CPU call's memo key (:func:`dispatch_signature`, :func:`run_plain`).
 PLAIN_CPU = "plain cpu call"
+#: First item of a plain CUDA call's memo key (:func:`dispatch_signature`, :func:`run_plain`).
+PLAIN_CUDA = "plain cuda call"
 
 _grad_enabled = torch.is_grad_enabled  # read by run_plain on every call
 
 
 def run_plain(query, key, value, softmax_scale, is_causal, deterministic):
     """A plain call of :func:`flash_dmattn.flash_dmattn_func` (no mask, bias, soft cap, KV
-    cache, dropout or attention probabilities; the caller checks those) on CPU tensors, run
-    without building :class:`AttentionInputs`: its output, or None when the full path must
-    run it.
+    cache, dropout or attention probabilities; the caller checks those) on CPU or CUDA
+    tensors, run without building :class:`AttentionInputs`: its output, or None when the full
+    path must run it.
 
     It runs only where :data:`DISPATCH_MEMO` holds the call's signature (:func:`dispatch_signature`):
     an earlier call with that signature passed :meth:`AttentionInputs.from_args`, whose checks
@@ -359,11 +367,23 @@ def run_plain(query, key, value, softmax_scale, is_causal, deterministic):
     value alike (dtype, device, shape), last dims contiguous (else the full path copies them),
     the flags and a finite ``softmax_scale``. Anything else takes the full path, which raises
     the usual errors; so does a forced backend (``FLASH_DMATTN_BACKEND``), a compiled graph,
-    and a backend with no plain entry (:meth:`Backend.plain_attention`)."""
+    and a backend with no plain entry for the device (:meth:`Backend.plain_attention` for CPU
+    tensors, :meth:`Backend.plain_cuda_attention` for CUDA tensors: a decoding step of a
+    model with no mask, on the triton backend's split-KV decode kernel)."""
     tensor = torch.Tensor
-    if not (isinstance(query, tensor) and query.is_cpu and isinstance(key, tensor)
-            and isinstance(value, tensor) and key.is_cpu and value.is_cpu):
-        return None  # GPU calls leave here first
+    if not (isinstance(query, tensor) and isinstance(key, tensor)
+            and isinstance(value, tensor)):
+        return None
+    if query.is_cpu:
+        if not (key.is_cpu and value.is_cpu):
+            return None
+        device = None
+    elif query.is_cuda:
+        device = query.device
+        if key.device != device or value.device != device:
+            return None
+    else:
+        return None
     if torch.compiler.is_compiling():
         return None
     if is_causal is None:
@@ -393,17 +413,21 @@ def run_plain(query, key, value, softmax_scale, is_causal, deterministic):
     if env[3] is not None:  # FLASH_DMATTN_BACKEND: select_backend reads it
         return None
     grad = _grad_enabled()
-    signature = (PLAIN_CPU, q_shape, k_shape, dtype, is_causal, deterministic, grad,
-                 grad and (query.requires_grad or key.requires_grad or value.requires_grad),
-                 env)
+    needs = grad and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if device is None:
+        signature = (PLAIN_CPU, q_shape, k_shape, dtype, is_causal, deterministic, grad, needs,
+                     env)
+    else:
+        signature = (PLAIN_CUDA, device, q_shape, k_shape, dtype, is_causal, deterministic,
+                     grad, needs, policy.simulated(), env)
     try:
         backend = DISPATCH_MEMO._chosen.get(signature)  # DispatchMemo.peek, one call less
     except TypeError:  # symbolic sizes (tracing outside torch.compile) have no hash
         return None
     if backend is None:
         return None
-    out = backend.plain_attention(query, key, value, softmax_scale, is_causal,
-                                  q_shape[1], k_shape[1])
+    entry = backend.plain_attention if device is None else backend.plain_cuda_attention
+    out = entry(query, key, value, softmax_scale, is_causal, q_shape[1], k_shape[1])
     if out is not None:
         DISPATCH_MEMO.hits += 1
     return out

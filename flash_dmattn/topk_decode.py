@@ -257,7 +257,10 @@ def _triton_runs(query, key, value, key_index, bias, heads: int, kv_heads: int) 
     """Whether the triton selected-keys kernel runs this call (see
     :func:`selected_keys_attention`): an eager forward the kernel takes, with triton usable
     and no other backend forced."""
-    forced = envs.forced_backend()
+    # One read of the variables this depends on (FLASH_DMATTN_BACKEND, FLASH_DMATTN_DISABLE,
+    # TRITON_INTERPRET), raw: the key of _triton_usable's answer.
+    env = envs.dispatch_environment()
+    forced = envs.forced_backend() if env[3] is not None else None
     if forced is not None and forced != "triton":
         return False
     if query.device.type != "cuda" and forced is None:
@@ -269,16 +272,17 @@ def _triton_runs(query, key, value, key_index, bias, heads: int, kv_heads: int) 
     # call, whose dense kernels are custom ops with autograd and fake kernels.
     if not eager_inference(query, key, value, key_index, bias):
         return False
-    return _triton_usable(query.device, query.dtype, query.shape[3], envs.interpret_mode(),
-                          frozenset(envs.disabled_backends()))
+    return _triton_usable(query.device, query.dtype, query.shape[3], env)
 
 
 @functools.lru_cache(maxsize=64)
-def _triton_usable(device: torch.device, dtype: torch.dtype, head_dim: int, interp: bool,
-                   disabled: frozenset) -> bool:
+def _triton_usable(device: torch.device, dtype: torch.dtype, head_dim: int, env: tuple) -> bool:
     """Whether the triton backend is there and its kernels take this device, dtype and head
-    dim (the triton backend's own rules; cached per device and environment)."""
-    if "triton" in disabled:
+    dim (the triton backend's own rules; cached per device and environment: ``env`` is
+    :func:`flash_dmattn.envs.dispatch_environment`, which holds the raw values of
+    ``FLASH_DMATTN_DISABLE`` and ``TRITON_INTERPRET`` read here)."""
+    interp = envs.interpret_mode()
+    if "triton" in envs.disabled_backends():
         return False
     backend = registry._BACKENDS.get("triton")
     if backend is None or backend.unavailable_reason() is not None:

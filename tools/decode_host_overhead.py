@@ -8,8 +8,9 @@ host bound: its CUDA time is a fraction of its wall time, so what the library's 
 function costs on the host, per call, sets tokens/s. Two paths are timed:
 
 * ``llama``: ``dmattn_attention_forward`` with no mask, one query against ``--keys`` cached
-  keys (the dense path: validation, auto-dispatch to triton's ``hopper-decode`` rule,
-  the split-KV decode launcher);
+  keys (the dense path: the first call validates and auto-dispatches to triton's
+  ``hopper-decode`` rule; the calls timed are served by ``registry.run_plain`` and the
+  triton backend's plain entry, which launches the split-KV decode kernels directly);
 * ``doge``: the same with Doge's additive top-W mask ``(B, H, 1, Lk)`` (the top-W path:
   ``torch.topk`` over the mask row, the selected-keys launcher).
 

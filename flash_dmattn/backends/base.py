@@ -79,5 +79,12 @@ class Backend(abc.ABC):
         gave them, in a signature that passed validation; ``softmax_scale`` None or a finite
         float, ``is_causal`` a bool). Returns what :meth:`attention` would, or None to have
         the call validated and run through :meth:`attention`: the default. A subclass may
-        define it as a method or, as here, a static function."""
+        define it as a method or, as here, a static function. Asked for CPU tensors only."""
+        return None
+
+    @staticmethod
+    def plain_cuda_attention(query, key, value, softmax_scale, is_causal, seqlen_q, seqlen_k):
+        """:meth:`plain_attention` for CUDA tensors (all three on one device): what
+        :meth:`attention` would return, or None (the default) to have the call validated and
+        run through :meth:`attention`."""
         return None

@@ -30,6 +30,15 @@ masks, user 4-D masks, masks edited in place) and calls with ``attention_bias`` 
 ``position_bias`` always keep the dense path. Padded query rows of causal packed calls are
 zeros; rows of real tokens are identical to the dense path's.
 
+Calls with no mask take the plain route
+---------------------------------------
+A call with no mask, no soft cap, no dropout and no ``sliding_window`` / ``attention_bias`` /
+``position_bias`` (a decoding step of Llama and most models, an unpadded prefill) goes straight
+to :func:`flash_dmattn.flash_dmattn_func` with positional arguments, where a signature that
+auto-dispatch has decided is served by :func:`flash_dmattn.registry.run_plain` (on a GPU: the
+triton split-KV decode kernel, launched with no validation object, dispatch or custom op).
+The output is the general route's; invalid calls raise as they do there.
+
 Decoding steps of top-W dynamic-mask models read only the kept keys
 -------------------------------------------------------------------
 A Doge decoding step (one query; its layer has already kept the ``keep_window_size`` best
@@ -75,6 +84,9 @@ def _get_kernel() -> Callable:
     """The library call used for every attention (a seam: tests spy on it):
     :func:`~flash_dmattn.flash_dmattn_func`, i.e. ``flash_dmattn_func_auto()``."""
     return flash_dmattn_func
+
+
+_DEFAULT_GET_KERNEL = _get_kernel  # replaced by tests that spy on the library call
 
 
 def _get_selected_kernel() -> Callable:
@@ -312,17 +324,25 @@ def dmattn_attention_forward(
     cache, whose later slots are empty).
     """
     dropout_p = _validate_call(module, query, key, value, scaling, dropout, kwargs)
-    # A Doge decoding step: attend to the W keys its additive mask keeps, by index.
-    out = _topk_decode(module, query, key, value, attention_mask, scaling, softcap, kwargs,
-                       dropout_p)
-    if out is not None:
-        return out, None
-    # A "causal + key padding" mask may be cheaper as packed sequences (see module docstring).
-    out = hf_varlen.maybe_varlen_attention(
-        module, query, key, value, attention_mask, scaling, softcap, kwargs, dropout_p,
-    )
-    if out is not None:
-        return out, None
+    if attention_mask is None:
+        # No mask (a decoding step of most models, an unpadded prefill): neither the top-W nor
+        # the packed route applies; the routing keyword / environment is still checked.
+        hf_varlen.get_varlen_mode(kwargs)
+        out = _unmasked_call(module, query, key, value, scaling, softcap, kwargs, dropout_p)
+        if out is not None:
+            return out, None
+    else:
+        # A Doge decoding step: attend to the W keys its additive mask keeps, by index.
+        out = _topk_decode(module, query, key, value, attention_mask, scaling, softcap, kwargs,
+                           dropout_p)
+        if out is not None:
+            return out, None
+        # A "causal + key padding" mask may be cheaper as packed sequences (module docstring).
+        out = hf_varlen.maybe_varlen_attention(
+            module, query, key, value, attention_mask, scaling, softcap, kwargs, dropout_p,
+        )
+        if out is not None:
+            return out, None
     call = _attention_call(
         module, query, key, value, attention_mask, scaling, softcap, kwargs, dropout_p
     )
@@ -434,6 +454,40 @@ def _attention_call(
         softcap=softcap if softcap else None,
         dropout_p=dropout_p,
     )
+
+
+def _unmasked_call(
+    module: Optional[torch.nn.Module],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: Optional[float],
+    softcap: Optional[float],
+    kwargs: dict,
+    dropout_p: float,
+) -> Optional[torch.Tensor]:
+    """:func:`_attention_call` and the library call for a call with no mask, no soft cap, no
+    dropout and none of the keywords that add to the scores (``sliding_window``,
+    ``attention_bias``, ``position_bias``), made without building the call's keyword
+    arguments: ``flash_dmattn_func(q, k, v, softmax_scale=scaling, is_causal=causal)``, where
+    :func:`flash_dmattn.registry.run_plain` serves a signature it has decided (a decoding step
+    on the triton decode kernel). None for any other call (the general route runs it)."""
+    if (softcap or dropout_p or _get_kernel is not _DEFAULT_GET_KERNEL
+            or kwargs.get("sliding_window") is not None
+            or kwargs.get("attention_bias") is not None
+            or kwargs.get("position_bias") is not None):
+        return None
+    query_len = query.shape[2]
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal = bool(is_causal) and query_len > 1
+    if causal and key.shape[2] > query_len:
+        # As _attention_call: the trailing keys are empty static-cache slots.
+        key, value = key[:, :, :query_len], value[:, :, :query_len]
+    q, k, v = _library_layout(query, key, value)
+    return flash_dmattn_func(q, k, v, None, None, scaling, causal, None, None, None, None, None,
+                             dropout_p)
 
 
 def _library_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):

@@ -6,12 +6,15 @@ The kernels are wrapped as custom ops (:class:`flash_dmattn.ops.AttentionOp`) so
 """
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import torch
 
 from ...envs import interpret_mode
+from ...ops import eager_inference
 from ...policy import device_capability
+from ...registry import BackendDeclined, is_compile_failure
 from ..base import Backend
 from . import triton_unavailable_reason
 
@@ -64,6 +67,31 @@ def _decode_module():
 
         _DECODE = decode
     return _DECODE
+
+
+def plain_decode(query, key, value, softmax_scale, is_causal, seqlen_q, seqlen_k):
+    """A plain decoding call (:func:`flash_dmattn.registry.run_plain`: no mask, bias, soft cap,
+    KV cache, dropout or probabilities, in a signature auto-dispatch gave this backend): the
+    split-KV decode kernel on the tensors as given, the launch :meth:`TritonBackend.attention`
+    makes for such a call (its custom op, :func:`_forward`), without them. None where that
+    call would not be this launch: a shape the main forward runs, a gradient to record, a
+    traced or compiled call, tensor subclasses or active modes, and a call whose kernels fail
+    to compile or decline (the full path then runs it again, and declines it as usual)."""
+    decode = _DECODE or _decode_module()
+    if not decode.use_decode_kernel(seqlen_q, query.shape[2], key.shape[2], seqlen_k, False):
+        return None
+    if not eager_inference(query, key, value):
+        return None
+    if softmax_scale is None:  # AttentionInputs' default
+        head_dim = query.shape[3]
+        softmax_scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    try:
+        # run_plain checked the last dims (contiguous, as decode_forward makes them).
+        return decode.plain_decode_forward(query, key, value, float(softmax_scale), is_causal)
+    except Exception as exc:
+        if isinstance(exc, BackendDeclined) or is_compile_failure(exc):
+            return None
+        raise
 
 
 def _planned_forward(q, k, v, mask, bias, scale, is_causal, softcap, cache_seqlens=None,
@@ -236,6 +264,11 @@ class TritonBackend(Backend):
             reasons.append("dropout with a KV cache (cache_seqlens / block_table): the triton "
                            "decode kernel has no dropout")
         return reasons
+
+    # Plain calls of a decided signature (registry.run_plain) that the decode kernel runs: the
+    # function itself, not a method calling it (one Python frame less on every decoding step).
+    plain_attention = staticmethod(plain_decode)
+    plain_cuda_attention = staticmethod(plain_decode)
 
     def varlen_not_supported_reasons(self, inputs) -> List[str]:
         """Why the packed-sequence kernels cannot run ``inputs`` (a VarlenInputs). With key

@@ -546,6 +546,33 @@ def decode_forward(
         plan.split_meta)
 
 
+# The mask and bias arguments of a launch with neither (broadcast_strides(None, H), twice).
+_NO_AUX_STRIDES = (0, 0, 0, 0, 1, 0, 0, 0, 0, 1)
+
+
+def plain_decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         softmax_scale: float, is_causal: bool) -> torch.Tensor:
+    """``decode_forward(q, k, v, None, None, softmax_scale, is_causal, 0.0)[0]``: the output of
+    a decode call with no mask, bias, soft cap, KV cache or pages, whose tensors have their
+    last dims contiguous (stride 1, or contiguous tensors) and whose ``Lq * H / Hkv`` is at
+    most :data:`DECODE_MAX_ROWS` (the caller checks both). The same plan and launches, with
+    none of the per-call work those arguments would need (a plain decoding step of a model
+    with no mask: :func:`flash_dmattn.backends.triton.backend.plain_decode`)."""
+    B, Lq, H, D = q.shape
+    Lk, Hkv = k.shape[1], k.shape[2]
+    if B * H * Lq == 0 or Lk == 0:
+        return empty_outputs(q)[0]
+    interp = interpret_mode()
+    plan = (_decode_plan if interp else _cached_decode_plan)(
+        q.device, q.dtype, B, Lq, H, Hkv, D, Lk, False, False, False, False, bool(is_causal),
+        False, False, 0, False, None, interp)
+    return launch_split_decode(
+        _decode_split_kernel, plan, q, k, v, (q, q, q, q),
+        (*_NO_AUX_STRIDES, B, H, H // Hkv, Lq, Lk, plan.keys_per_split,
+         softmax_scale * LOG2E, 0.0, 0.0, 0, 1),
+        plan.split_meta)[0]
+
+
 # ------------------------------------------------------------------------------------------
 # Host side shared by the split-KV launchers (this module's and .decode_selected's)
 # ------------------------------------------------------------------------------------------

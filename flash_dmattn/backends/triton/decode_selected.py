@@ -172,16 +172,20 @@ def selected_num_splits(batch: int, num_kv_heads: int, num_slots: int,
 @functools.lru_cache(maxsize=256)
 def _launch_plan(device: torch.device, dtype: torch.dtype, head_dim: int, rows: int,
                  batch: int, num_heads: int, num_kv_heads: int, seqlen_q: int, num_slots: int,
-                 num_splits: Optional[int], interp: bool) -> DecodePlan:
-    """Everything a launch needs that depends only on the shapes (shared by every layer of a
-    decoding step and by every step of the same length): the split kernel's tiles and warps
-    (its bias / causality / cache flags are the call's), the split count and the combine's
-    configuration."""
+                 num_splits: Optional[int], interp: bool, has_bias: bool, bias_rowb: bool,
+                 bias_vis: bool, is_causal: bool, has_softcap: bool, has_cache: bool
+                 ) -> DecodePlan:
+    """Everything a launch needs that depends only on the shapes and flags (shared by every
+    layer of a decoding step and by every step of the same length): the split kernel's
+    tiles, warps and flags (bias, its row invariance and visibility test, causality, soft
+    cap, KV cache), the split count and the combine's configuration."""
     # The decode kernel's tile and warps, without its register cap: capped at 128, this kernel
     # spilled (88 bytes with a per-key additive-mask bias, 344 with a per-query-head bias on
     # sm_90; tools/compile_check.py --workload decode-selected), and a selection of a few
     # hundred keys runs one split per (batch, kv head), far from four per SM.
     meta = split_meta(dtype, head_dim, rows, interp, cap_registers=False)
+    meta.update(HAS_BIAS=has_bias, BIAS_ROWB=bias_rowb, BIAS_VIS=bias_vis, IS_CAUSAL=is_causal,
+                HAS_SOFTCAP=has_softcap, HAS_CACHE=has_cache)
     if num_splits is None:
         num_splits = selected_num_splits(batch, num_kv_heads, num_slots, device)
     return split_plan(meta, device, num_slots, num_splits, meta["BLOCK_N"],
@@ -233,20 +237,20 @@ def selected_decode_forward(
         raise ValueError(f"selected decode takes Lq * H / Hkv <= {DECODE_MAX_ROWS} rows, got {rows}")
     if B * H * Lq == 0 or W == 0 or Lk == 0:
         return empty_outputs(q)
-    plan = _launch_plan(q.device, q.dtype, D, rows, B, H, Hkv, Lq, W, num_splits,
-                        interpret_mode())
     has_softcap = softcap > 0.0
+    has_bias = bias is not None
+    plan = _launch_plan(q.device, q.dtype, D, rows, B, H, Hkv, Lq, W, num_splits,
+                        interpret_mode(), has_bias, row_invariant(bias, Lq, H, G),
+                        has_bias and bias_floor is not None, bool(is_causal) and Lq > 1,
+                        has_softcap, cache_seqlens is not None)
     ixs = index.stride()
     return launch_split_decode(
         _selected_split_kernel, plan, q, k, v,
-        (bias if bias is not None else q, index, cache_seqlens if cache_seqlens is not None else q),
+        (bias if has_bias else q, index, cache_seqlens if cache_seqlens is not None else q),
         (*broadcast_strides(bias, H),
          ixs[0] if index.shape[0] > 1 else 0, ixs[1] if index.shape[1] > 1 else 0,
          B, H, G, Lq, Lk, W, plan.keys_per_split,
          softmax_scale * LOG2E, (softmax_scale / softcap) if has_softcap else 0.0, softcap,
          float(bias_floor) if bias_floor is not None else 0.0),
-        dict(plan.split_meta, HAS_BIAS=bias is not None, BIAS_ROWB=row_invariant(bias, Lq, H, G),
-             BIAS_VIS=bias is not None and bias_floor is not None,
-             IS_CAUSAL=bool(is_causal) and Lq > 1, HAS_SOFTCAP=has_softcap,
-             HAS_CACHE=cache_seqlens is not None),
+        plan.split_meta,
     )
