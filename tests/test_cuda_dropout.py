@@ -22,7 +22,7 @@ from flash_dmattn.dropout import keep_mask
 from cuda_stand_in import DenseKernelModule
 from interpreter_only import planner_device, skip_unless_available
 from naive import assert_close
-from test_dropout import check_against_dense, dense_dropout_attention
+from test_dropout import check_against_dense, check_graph_replays, dense_dropout_attention
 
 # ---------------------------------------------------------------------------------------------
 # Which calls take dropout (CPU, meta tensors)
@@ -328,13 +328,4 @@ def test_cuda_dropout_in_a_cuda_graph(monkeypatch):
     with torch.cuda.graph(graph):
         out = fn(q, k, v, dropout_p=p, is_causal=True)
     assert len(drawn) == 1
-    rng = drawn[0]
-    seen = []
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        keep = testing.dropout_mask(rng, B, H, L, L, p).cpu()
-        ref = dense_dropout_attention(q.cpu(), k.cpu(), v.cpu(), keep, p, causal=True)
-        assert_close("out", out.cpu(), ref, 4e-3)
-        seen.append(rng.clone())
-    assert not torch.equal(seen[0], seen[1])
+    check_graph_replays(graph, drawn[0], out, q, k, v, p)

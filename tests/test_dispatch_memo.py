@@ -276,29 +276,37 @@ def test_plain_calls_the_full_path_runs(_served):
         torch.testing.assert_close(out, first, rtol=0, atol=0)
 
 
+def raise_every_plain_call_error(q, k, v):
+    """Every validation error of a call with q, k, v (the signature of ``(q, k, v,
+    is_causal=True)`` already remembered): the full path's checks still run."""
+    call = flash_dmattn.flash_dmattn_func
+    with pytest.raises(ValueError, match="share one dtype"):
+        call(q, k, v.double(), is_causal=True)
+    with pytest.raises(ValueError, match="must be on one device"):
+        call(q, k, v.to("meta"), is_causal=True)
+    with pytest.raises(ValueError, match="same shape"):
+        call(q, k, v[:, :5], is_causal=True)
+    with pytest.raises(TypeError, match="value must be a torch.Tensor"):
+        call(q, k, v.numpy(), is_causal=True)
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        call(q, k, v, is_causal=2)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        call(q, k, v, is_causal=True, deterministic="yes")
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="softmax_scale must be finite"):
+            call(q, k, v, is_causal=True, softmax_scale=bad)
+    with pytest.raises(TypeError, match="softmax_scale must be a number"):
+        call(q, k, v, is_causal=True, softmax_scale="0.1")
+    with pytest.raises(TypeError, match="dropout_p must be a float"):
+        call(q, k, v, is_causal=True, dropout_p="0")
+    with pytest.raises(ValueError, match="must be 4-D"):
+        call(q[0], k[0], v[0], is_causal=True)
+
+
 def test_plain_calls_still_raise_every_error():
     q, k, v = _plain(grad=False)
     flash_dmattn.flash_dmattn_func(q, k, v, is_causal=True)  # the signature is remembered
-    with pytest.raises(ValueError, match="share one dtype"):
-        flash_dmattn.flash_dmattn_func(q, k, v.double(), is_causal=True)
-    with pytest.raises(ValueError, match="must be on one device"):
-        flash_dmattn.flash_dmattn_func(q, k, v.to("meta"), is_causal=True)
-    with pytest.raises(ValueError, match="same shape"):
-        flash_dmattn.flash_dmattn_func(q, k, v[:, :5], is_causal=True)
-    with pytest.raises(TypeError, match="value must be a torch.Tensor"):
-        flash_dmattn.flash_dmattn_func(q, k, v.numpy(), is_causal=True)
-    with pytest.raises(TypeError, match="is_causal must be a bool"):
-        flash_dmattn.flash_dmattn_func(q, k, v, is_causal=2)
-    with pytest.raises(TypeError, match="deterministic must be a bool"):
-        flash_dmattn.flash_dmattn_func(q, k, v, is_causal=True, deterministic="yes")
-    with pytest.raises(ValueError, match="softmax_scale must be finite"):
-        flash_dmattn.flash_dmattn_func(q, k, v, is_causal=True, softmax_scale=float("nan"))
-    with pytest.raises(TypeError, match="softmax_scale must be a number"):
-        flash_dmattn.flash_dmattn_func(q, k, v, is_causal=True, softmax_scale="0.1")
-    with pytest.raises(TypeError, match="dropout_p must be a float"):
-        flash_dmattn.flash_dmattn_func(q, k, v, is_causal=True, dropout_p="0")
-    with pytest.raises(ValueError, match="must be 4-D"):
-        flash_dmattn.flash_dmattn_func(q[0], k[0], v[0], is_causal=True)
+    raise_every_plain_call_error(q, k, v)
 
 
 def test_plain_calls_see_the_environment(monkeypatch):

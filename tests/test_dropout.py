@@ -601,11 +601,18 @@ def test_triton_dropout_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         rng, out = step()
+    check_graph_replays(graph, rng, out, q, k, v, p)
+
+
+def check_graph_replays(graph, rng, out, q, k, v, p):
+    """Two replays of a captured causal call with dropout: each draws a new ``rng`` and its
+    ``out`` is the float64 formula on the mask of that draw."""
+    B, L, H = q.shape[0], q.shape[1], q.shape[2]
     seen = []
     for _ in range(2):
         graph.replay()
         torch.cuda.synchronize()
-        keep = testing.dropout_mask(rng, B, H, L, L, p).cpu()
+        keep = testing.dropout_mask(rng, B, H, L, k.shape[1], p).cpu()
         ref = dense_dropout_attention(q.cpu(), k.cpu(), v.cpu(), keep, p, causal=True)
         assert_close("out", out.cpu(), ref, 4e-3)
         seen.append(rng.clone())

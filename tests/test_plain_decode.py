@@ -15,8 +15,6 @@ with no validation object, no dispatch and no custom op. These tests hold that
   to compile) takes the full path and computes the same.
 """
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +23,8 @@ import flash_dmattn
 from flash_dmattn import registry
 from flash_dmattn.inputs import AttentionInputs
 from interpreter_only import interpreter_skip_reason, needs_triton
+from test_decode_host_path import harness  # noqa: F401  (fixture)
+from test_dispatch_memo import raise_every_plain_call_error
 
 MEMO = registry.DISPATCH_MEMO
 _NO_INTERPRETER = interpreter_skip_reason()
@@ -134,22 +134,7 @@ def test_invalid_decode_calls_still_raise_on_a_remembered_signature(triton_only)
         flash_dmattn.flash_dmattn_func(q, k, v, is_causal=True)
         _, served = triton_only(lambda: flash_dmattn.flash_dmattn_func(q, k, v, is_causal=True))
         assert served
-        with pytest.raises(ValueError, match="share one dtype"):
-            flash_dmattn.flash_dmattn_func(q, k, v.double(), is_causal=True)
-        with pytest.raises(ValueError, match="must be on one device"):
-            flash_dmattn.flash_dmattn_func(q, k, v.to("meta"), is_causal=True)
-        with pytest.raises(ValueError, match="same shape"):
-            flash_dmattn.flash_dmattn_func(q, k, v[:, :5], is_causal=True)
-        with pytest.raises(TypeError, match="value must be a torch.Tensor"):
-            flash_dmattn.flash_dmattn_func(q, k, v.numpy(), is_causal=True)
-        with pytest.raises(TypeError, match="is_causal must be a bool"):
-            flash_dmattn.flash_dmattn_func(q, k, v, is_causal=2)
-        with pytest.raises(ValueError, match="softmax_scale must be finite"):
-            flash_dmattn.flash_dmattn_func(q, k, v, is_causal=True, softmax_scale=float("inf"))
-        with pytest.raises(TypeError, match="softmax_scale must be a number"):
-            flash_dmattn.flash_dmattn_func(q, k, v, is_causal=True, softmax_scale="0.1")
-        with pytest.raises(ValueError, match="must be 4-D"):
-            flash_dmattn.flash_dmattn_func(q[0], k[0], v[0], is_causal=True)
+        raise_every_plain_call_error(q, k, v)
         # The head counts (checked by from_args, read by the signature): another signature.
         with pytest.raises(ValueError, match="multiple of"):
             flash_dmattn.flash_dmattn_func(q[:, :, :3], k, v, is_causal=True)
@@ -209,17 +194,6 @@ def test_hf_decode_step_is_served_and_equals_the_full_path(triton_only, monkeypa
         with pytest.raises(ValueError, match="dropout_p must be in"):
             hf_transformers.dmattn_attention_forward(layer, q, k, v, None, scaling=0.25,
                                                      dropout=1.5)
-
-
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "decode_host_overhead.py"
-
-
-@pytest.fixture(scope="module")
-def harness():
-    spec = importlib.util.spec_from_file_location("decode_host_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _layout(args):
