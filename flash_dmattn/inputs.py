@@ -353,8 +353,56 @@ def _check_block_table(block_table, query: torch.Tensor, key: torch.Tensor, batc
     return block_table.to(torch.int32).contiguous()
 
 
+class _InputsBase:
+    """What :class:`AttentionInputs` and :class:`VarlenInputs` read alike off their fields
+    (``query``, ``key``, ``value``, ``attn_mask``, ``attn_bias``, ``key_intervals``,
+    ``is_causal``): dtype, device, the gradient questions and the start of ``describe``."""
+
+    __slots__ = ()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.query.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    @property
+    def needs_grad(self) -> bool:
+        """True when autograd will ask for a gradient of any input."""
+        return _needs_grad(self.query, self.key, self.value, self.attn_bias)
+
+    @property
+    def bias_needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and self.attn_bias is not None and self.attn_bias.requires_grad
+
+    def _describe_aux(self, parts: list) -> list:
+        """``parts`` (the call's tensors, described) with the mask, key intervals, bias and
+        causal flag appended, as ``describe`` lists them."""
+        if self.attn_mask is not None:
+            parts.append(f"mask {tuple(self.attn_mask.shape)}")
+        if self.key_intervals is not None:
+            parts.append(f"key intervals {tuple(self.key_intervals.shape[1:])}")
+        if self.attn_bias is not None:
+            parts.append(f"bias {tuple(self.attn_bias.shape)}")
+        if self.is_causal:
+            parts.append("causal")
+        return parts
+
+
+def _heads_error(query: torch.Tensor, key: torch.Tensor, hint: str = "") -> ValueError:
+    """The error for query heads that are not a multiple of the key/value heads (heads in
+    dim -2 of both), ``hint`` appended after a semicolon."""
+    h, hkv = query.shape[-2], key.shape[-2]
+    return ValueError(
+        f"num_heads={h} (query {tuple(query.shape)}) must be a multiple of "
+        f"num_kv_heads={hkv} (key {tuple(key.shape)})" + (f"; {hint}" if hint else "")
+    )
+
+
 @dataclass(frozen=True)
-class AttentionInputs:
+class AttentionInputs(_InputsBase):
     """A validated dense attention call.
 
     Invariants: ``query (B, Lq, H, D)``, ``key``/``value (B, Lk, Hkv, D)`` with ``H % Hkv == 0``,
@@ -436,11 +484,7 @@ class AttentionInputs:
             # Heads-first tensors read as (B, L, H, D) have few "positions" (the heads) and
             # many "heads" (the positions), and their real head counts divide.
             heads_first = not paged and 0 < lk < hkv and lq < h and lq % lk == 0
-            raise ValueError(
-                f"num_heads={h} (query {tuple(query.shape)}) must be a multiple of "
-                f"num_kv_heads={hkv} (key {tuple(key.shape)})"
-                + (f"; {_HEADS_FIRST_HINT}" if heads_first else "")
-            )
+            raise _heads_error(query, key, _HEADS_FIRST_HINT if heads_first else "")
         scale, cap = _scale_and_softcap(softmax_scale, softcap, d)
         intervals = window = None
         if isinstance(attn_mask, KeyIntervals):
@@ -517,33 +561,8 @@ class AttentionInputs:
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.query.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.query.device
-
-    @property
-    def needs_grad(self) -> bool:
-        """True when autograd will ask for a gradient of any input."""
-        return _needs_grad(self.query, self.key, self.value, self.attn_bias)
-
-    @property
-    def bias_needs_grad(self) -> bool:
-        return torch.is_grad_enabled() and self.attn_bias is not None and self.attn_bias.requires_grad
-
     def describe(self) -> str:
-        parts = [f"query {_fmt(self.query)}", f"key {tuple(self.key.shape)}"]
-        if self.attn_mask is not None:
-            parts.append(f"mask {tuple(self.attn_mask.shape)}")
-        if self.key_intervals is not None:
-            parts.append(f"key intervals {tuple(self.key_intervals.shape[1:])}")
-        if self.attn_bias is not None:
-            parts.append(f"bias {tuple(self.attn_bias.shape)}")
-        if self.is_causal:
-            parts.append("causal")
+        parts = self._describe_aux([f"query {_fmt(self.query)}", f"key {tuple(self.key.shape)}"])
         if self.softcap:
             parts.append(f"softcap={self.softcap}")
         if self.dropout_p:
@@ -559,7 +578,7 @@ class AttentionInputs:
 
 
 @dataclass(frozen=True)
-class VarlenInputs:
+class VarlenInputs(_InputsBase):
     """A validated packed-sequence call (docs/contract.md §4).
 
     ``query (total_q, H, D)``, ``key``/``value (total_k, Hkv, D)``; ``cu_seqlens_q/k`` int32
@@ -621,10 +640,7 @@ class VarlenInputs:
         if dk != d:
             raise ValueError(f"head_dim differs: query {tuple(query.shape)} vs key {tuple(key.shape)}")
         if hkv == 0 or h % hkv != 0:
-            raise ValueError(
-                f"num_heads={h} (query {tuple(query.shape)}) must be a multiple of "
-                f"num_kv_heads={hkv} (key {tuple(key.shape)})"
-            )
+            raise _heads_error(query, key)
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if not isinstance(cu, torch.Tensor):
                 raise TypeError(
@@ -688,36 +704,12 @@ class VarlenInputs:
     def head_dim(self) -> int:
         return self.query.shape[2]
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.query.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.query.device
-
-    @property
-    def needs_grad(self) -> bool:
-        return _needs_grad(self.query, self.key, self.value, self.attn_bias)
-
-    @property
-    def bias_needs_grad(self) -> bool:
-        return torch.is_grad_enabled() and self.attn_bias is not None and self.attn_bias.requires_grad
-
     def describe(self) -> str:
-        parts = [
+        parts = self._describe_aux([
             f"varlen query {_fmt(self.query)}",
             f"key {tuple(self.key.shape)}",
             f"{self.num_seqs} sequences",
-        ]
-        if self.attn_mask is not None:
-            parts.append(f"mask {tuple(self.attn_mask.shape)}")
-        if self.key_intervals is not None:
-            parts.append(f"key intervals {tuple(self.key_intervals.shape[1:])}")
-        if self.attn_bias is not None:
-            parts.append(f"bias {tuple(self.attn_bias.shape)}")
-        if self.is_causal:
-            parts.append("causal")
+        ])
         if self.dropout_p:
             parts.append(f"dropout_p={self.dropout_p}")
         return ", ".join(parts)

@@ -77,6 +77,14 @@ def _fake_grads(inputs, needs) -> Tuple[Tensor, ...]:
     )
 
 
+def _grads_needed(ctx, bias_at: int) -> List[bool]:
+    """Which of ``(dq, dk, dv, dbias)`` a custom op's autograd formula asks its backward op
+    for: q, k and v are the forward op's first three inputs, the bias its input ``bias_at``
+    (asked for only when the call had a bias)."""
+    asked = ctx.needs_input_grad
+    return [asked[0], asked[1], asked[2], ctx.has_bias and asked[bias_at]]
+
+
 def eager_inference(*tensors: Optional[Tensor]) -> bool:
     """Whether a call may run its implementation directly instead of through the custom op.
 
@@ -244,12 +252,7 @@ class AttentionOp:
                 )
             (q, k, v, mask, bias, out, lse, cache_seqlens, key_intervals,
              dropout_rng) = ctx.saved_tensors
-            needs = [
-                ctx.needs_input_grad[0],
-                ctx.needs_input_grad[1],
-                ctx.needs_input_grad[2],
-                ctx.has_bias and ctx.needs_input_grad[4],
-            ]
+            needs = _grads_needed(ctx, 4)
             grads = bwd_op(
                 dout.contiguous(), q, k, v, mask, bias, out, lse, *ctx.config, needs, cache_seqlens,
                 key_intervals, ctx.key_window, ctx.dropout_p, dropout_rng,
@@ -452,12 +455,7 @@ class VarlenAttentionOp:
 
         def backward_formula(ctx, dout, _dlse):
             q, k, v, cu_q, cu_k, mask, bias, out, lse, dropout_rng = ctx.saved_tensors
-            needs = [
-                ctx.needs_input_grad[0],
-                ctx.needs_input_grad[1],
-                ctx.needs_input_grad[2],
-                ctx.has_bias and ctx.needs_input_grad[8],
-            ]
+            needs = _grads_needed(ctx, 8)
             grads = bwd_op(dout.contiguous(), q, k, v, cu_q, cu_k, *ctx.max_lens, mask, bias,
                            out, lse, *ctx.config, needs, ctx.dropout_p, dropout_rng)
             dq, dk, dv, dbias = (g if n else None for g, n in zip(grads, needs))

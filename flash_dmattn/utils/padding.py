@@ -74,13 +74,9 @@ def unpad_input(
         ``max_seqlen`` a Python int; ``seqused`` ``(B,)`` int32 tokens per row.
         Differentiable w.r.t. ``hidden_states``.
 
-    Equivalent plain PyTorch::
+    Equivalent plain PyTorch (the first four as :func:`unpad_indices` computes them)::
 
-        m = attention_mask.bool()
-        seqused = m.sum(-1, dtype=torch.int32)
-        indices = m.flatten().nonzero().flatten()
-        cu_seqlens = torch.nn.functional.pad(seqused.cumsum(0, dtype=torch.int32), (1, 0))
-        max_seqlen = int(seqused.max())
+        indices, cu_seqlens, max_seqlen, seqused = unpad_indices(attention_mask)
         hidden_unpadded = hidden_states.flatten(0, 1)[indices]
     """
     if not isinstance(hidden_states, torch.Tensor):
