@@ -59,6 +59,7 @@ SLOW: Dict[str, Dict[str, str]] = {
         "test_tiny_probe_runs_and_reports": "all",
     },
     "test_examples.py": {
+        "test_loss_decreases_on_a_tiny_problem": "rest",
         "test_smoke_cli_writes_reports": "all",
     },
     "test_flex.py": {
