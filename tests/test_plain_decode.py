@@ -24,7 +24,7 @@ from flash_dmattn import registry
 from flash_dmattn.inputs import AttentionInputs
 from interpreter_only import interpreter_skip_reason, needs_triton
 from test_decode_host_path import harness  # noqa: F401  (fixture)
-from test_dispatch_memo import raise_every_plain_call_error
+from test_dispatch_memo import _served, raise_every_plain_call_error  # noqa: F401  (fixture)
 
 MEMO = registry.DISPATCH_MEMO
 _NO_INTERPRETER = interpreter_skip_reason()
@@ -32,23 +32,12 @@ needs_interpreter = pytest.mark.skipif(_NO_INTERPRETER is not None, reason=str(_
 
 
 @pytest.fixture
-def triton_only(monkeypatch):
+def triton_only(monkeypatch, _served):
     """Auto-dispatch has only triton left for CPU tensors (not forced: a forced backend keeps
-    the full path), and ``served(fn)`` tells whether run_plain served ``fn()`` (no
-    AttentionInputs built, one memo hit)."""
+    the full path); ``served(fn)`` as test_dispatch_memo's (no AttentionInputs built, one
+    memo hit)."""
     monkeypatch.setenv("FLASH_DMATTN_DISABLE", "torch-reference,flex,cuda")
-    built = []
-    real = AttentionInputs.from_args
-    monkeypatch.setattr(AttentionInputs, "from_args",
-                        staticmethod(lambda *a, **kw: built.append(1) or real(*a, **kw)))
-
-    def served(fn):
-        del built[:]
-        hits = MEMO.hits
-        out = fn()
-        return out, not built and MEMO.hits - hits == 1
-
-    return served
+    return _served
 
 
 def _decode(B=2, Lq=1, H=4, Hkv=2, Lk=150, D=16, dtype=torch.float32, heads_first=True, seed=0):
@@ -234,10 +223,14 @@ def test_served_decode_launches_what_the_full_path_launches_on_an_h100(harness, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_triton
 @pytest.mark.parametrize("dims", [dict(), dict(H=32, Hkv=8), dict(B=1, Lk=4097)])
-def test_cuda_decode_step_is_served_and_equals_the_full_path(dims):
+def test_cuda_decode_step_is_served_and_equals_the_full_path(dims, monkeypatch):
     """On a GPU: the plain CUDA key that run_plain builds is the dispatch signature, and a
-    served step (the compiled decode kernels) gives the full path's output bit for bit."""
+    served step (the compiled decode kernels) gives the full path's output bit for bit.
+    Auto-dispatch keeps only triton (disabled, not forced: a forced backend takes the full
+    path), whose plain decode entry is the one under test."""
+    monkeypatch.setenv("FLASH_DMATTN_DISABLE", "cuda,flex,torch-reference")
     shape = dict(B=4, H=8, Hkv=8, Lk=1088, D=128, dtype=torch.bfloat16)
     shape.update(dims)
     q, k, v = (t.cuda() for t in _decode(**shape))
@@ -246,9 +239,7 @@ def test_cuda_decode_step_is_served_and_equals_the_full_path(dims):
         key = registry.dispatch_signature(AttentionInputs.from_args(q, k, v, None, None, 0.1))
         assert key[0] == registry.PLAIN_CUDA
         chosen = MEMO.peek(key)
-        assert chosen is not None
-        if chosen.name != "triton":
-            pytest.skip(f"auto-dispatch runs {chosen.name} for this call on this GPU")
+        assert chosen is not None and chosen.name == "triton"
         hits = MEMO.hits
         out = flash_dmattn.flash_dmattn_func(q, k, v, softmax_scale=0.1)
         torch.cuda.synchronize()
