@@ -10,7 +10,7 @@
 // (tile sizes, which kernels exist) is asked of functions the kernel sources define.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
 
 #include <cmath>
 #include <optional>
