@@ -19,10 +19,16 @@
 //   block_sizes() -> (block_m, block_n) of the backward's tiles
 // Packed sequences (cu_seqlens_q / cu_seqlens_k given): as in the forward; lse is
 // (H, total_q) and per-key dbias partials (H, total_k).
-// ATen and torch's pybind11 casters, not torch/extension.h: that header adds the whole C++
-// frontend and doubles this file's compile time, which is on the path of a first-use build.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+// The Tensor class, the per-operator headers of the factories used here, c10's CUDA stream and
+// guard and torch's pybind11 casters -- not torch/extension.h (the whole C++ frontend),
+// ATen/ATen.h (every operator) or ATen/cuda/CUDAContext.h (cuBLAS, cuSPARSE and cuSOLVER
+// headers): this file's compile time is on the path of a first-use build.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -129,7 +135,7 @@ std::vector<at::Tensor> bwd_intervals(const at::Tensor& dout, const at::Tensor& 
     dq.zero_();
     return {dq, dk, dv, dbias};
   }
-  cudaError_t err = flash_dmattn::run_bwd(p, at::cuda::getCurrentCUDAStream());
+  cudaError_t err = flash_dmattn::run_bwd(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda bwd_intervals: ", cudaGetErrorString(err));
   return {dq, dk, dv, dbias};
 }
@@ -260,7 +266,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     if (dbias.defined()) dbias.zero_();
     return {dq, dk, dv, dbias};
   }
-  cudaError_t err = flash_dmattn::run_bwd(p, at::cuda::getCurrentCUDAStream());
+  cudaError_t err = flash_dmattn::run_bwd(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda bwd: ", cudaGetErrorString(err));
   return {dq, dk, dv, dbias};
 }

@@ -5,10 +5,14 @@
 //   decode(q, k, v, mask, bias, cache_seqlens, block_table, softmax_scale, is_causal, softcap,
 //          num_splits, poison) -> [out, lse]      (split-KV, forward only; k / v may be pools)
 //   decode_sizes() -> (decode_max_rows, decode_block_n)
-// ATen and torch's pybind11 casters, not torch/extension.h: that header adds the whole C++
-// frontend and doubles this file's compile time, which is on the path of a first-use build.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+// The Tensor class, the per-operator headers of the factories used here, c10's CUDA stream and
+// guard and torch's pybind11 casters -- not torch/extension.h (the whole C++ frontend),
+// ATen/ATen.h (every operator) or ATen/cuda/CUDAContext.h (cuBLAS, cuSPARSE and cuSOLVER
+// headers): this file's compile time is on the path of a first-use build.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -92,7 +96,7 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const a
     p.o_part = o_part.data_ptr<float>();
     p.lse_part = lse_part.data_ptr<float>();
   }
-  cudaError_t err = flash_dmattn::run_decode(p, at::cuda::getCurrentCUDAStream());
+  cudaError_t err = flash_dmattn::run_decode(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda decode: ", cudaGetErrorString(err));
   return {out, lse};
 }

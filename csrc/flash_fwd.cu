@@ -4,10 +4,20 @@
 // causal limit):  wait K(n) -> issue V(n) (+ mask/bias tile) -> S = Q K^T -> scale, softcap,
 // + bias, mask, causal and ragged bounds -> online softmax -> wait V(n) -> issue K(next) ->
 // O += P V. Full tiles (every element visible) skip the mask tile and the element checks.
+//
+// Modules built for sm_90a run the Hopper forward (flash_fwd_sm90.cu) instead: there this file
+// only answers the module's questions and compiles neither this kernel nor its headers.
+#include "flash_dmattn/params.h"
+
+#if FLASH_DMATTN_SM90
+#include "flash_dmattn/spec.h"
+#else
 #include "flash_dmattn/kernel_common.cuh"
+#endif
 
 namespace flash_dmattn {
 
+#if !FLASH_DMATTN_SM90
 template <int kHeadDim>
 struct FwdConfig {
   // 64 rows (4 warps): two CTAs per SM instead of one, faster than 128 rows (8 warps) on
@@ -206,6 +216,7 @@ static cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   kernel<<<grid, Cfg::Tr::kThreads, Cfg::kSmem, stream>>>(p);
   return cudaGetLastError();
 }
+#endif  // !FLASH_DMATTN_SM90
 
 #if FLASH_DMATTN_SM90
 // flash_fwd_sm90.cu: the wgmma forward, used whenever the module is built for sm_90a.

@@ -22,10 +22,16 @@
 // (total, heads, D) tensors viewed as batch 1, a mask / bias is per key (1, Hm, 1, width)
 // with sequence b's keys from cu_aux[b] (or cu_seqlens_k[b] without cu_aux), lse is
 // (H, total_q).
-// ATen and torch's pybind11 casters, not torch/extension.h: that header adds the whole C++
-// frontend and doubles this file's compile time, which is on the path of a first-use build.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+// The Tensor class, the per-operator headers of the factories used here, c10's CUDA stream and
+// guard and torch's pybind11 casters -- not torch/extension.h (the whole C++ frontend),
+// ATen/ATen.h (every operator) or ATen/cuda/CUDAContext.h (cuBLAS, cuSPARSE and cuSOLVER
+// headers): this file's compile time is on the path of a first-use build.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -77,7 +83,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   p.use_list = list_idx.has_value();
   p.list = make_list(list_idx, list_cnt, list_hdiv);
   if (finished_without_keys(p, out, lse)) return {out, lse};
-  cudaError_t err = flash_dmattn::run_fwd(p, at::cuda::getCurrentCUDAStream());
+  cudaError_t err = flash_dmattn::run_fwd(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda fwd: ", cudaGetErrorString(err));
   return {out, lse};
 }
@@ -120,7 +126,7 @@ std::vector<at::Tensor> fwd_gathered(const at::Tensor& q, const at::Tensor& k,
   fill_dropout(p, flash_dmattn::fwd_dropout(), q, drop_rng, drop_threshold, drop_scale, drop_b0,
                drop_h0, drop_heads);
   if (finished_without_keys(p, out, lse)) return {out, lse};
-  cudaError_t err = flash_dmattn::run_fwd(p, at::cuda::getCurrentCUDAStream());
+  cudaError_t err = flash_dmattn::run_fwd(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda fwd_gathered: ", cudaGetErrorString(err));
   return {out, lse};
 }
@@ -157,7 +163,7 @@ std::vector<at::Tensor> fwd_intervals(const at::Tensor& q, const at::Tensor& k,
   p.iv.n_tiles = static_cast<int>(n_tiles);
   auto [out, lse] = dense_out_lse(p, q, out_);
   if (finished_without_keys(p, out, lse)) return {out, lse};
-  cudaError_t err = flash_dmattn::run_fwd(p, at::cuda::getCurrentCUDAStream());
+  cudaError_t err = flash_dmattn::run_fwd(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_dmattn cuda fwd_intervals: ", cudaGetErrorString(err));
   return {out, lse};
 }

@@ -2,17 +2,17 @@
 // lists or key intervals), soft cap and dropout -- and launches it.
 //
 // The kernel and its design are flash_dmattn/fwd_sm90_kernel.cuh, its configuration
-// flash_dmattn/fwd_sm90_config.cuh. Its instances are compiled by
-// flash_fwd_sm90_{dense,gather,intervals}[_dropout].cu, one walk and dropout setting each, so
-// that a build compiles them in parallel rather than all in one translation unit; this file
-// sees only the launcher's declaration.
+// flash_dmattn/fwd_sm90_config.cuh over flash_dmattn/fwd_sm90_launch.h. Its instances are
+// compiled by flash_fwd_sm90_{dense,gather,intervals}[_dropout][_softcap].cu, one kernel each,
+// so that a build compiles them in parallel rather than all in one translation unit; this file
+// sees only the launcher's declaration and the kernel's shape (fwd_sm90_launch.h: no CuTe).
 //
 // Built only when the module targets sm_90a (the JIT passes -DFLASH_DMATTN_SM90=1 there).
-#include "flash_dmattn/kernel_common.cuh"
+#include "flash_dmattn/params.h"
 
 #if FLASH_DMATTN_SM90
 
-#include "flash_dmattn/fwd_sm90_config.cuh"
+#include "flash_dmattn/fwd_sm90_launch.h"
 
 namespace flash_dmattn {
 
@@ -40,8 +40,8 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   return launch_walk_sm90<false, false>(p, stream);
 }
 
-int fwd_sm90_block_m() { return Sm90FwdConfig<kHeadDimBucket>::kBlockM; }
-int fwd_sm90_block_n() { return Sm90FwdConfig<kHeadDimBucket>::kBlockN; }
+int fwd_sm90_block_m() { return Sm90FwdShape<kHeadDimBucket>::kBlockM; }
+int fwd_sm90_block_n() { return Sm90FwdShape<kHeadDimBucket>::kBlockN; }
 
 }  // namespace flash_dmattn
 

@@ -1,9 +1,9 @@
-// Hopper forward kernels: the dense walk (key tiles) with dropout, with and without a
-// soft cap. Instances of launch_fwd_sm90 (flash_dmattn/fwd_sm90_kernel.cuh) that run_fwd_sm90
-// (flash_fwd_sm90.cu) calls; each walk and dropout setting has a source of its own, so that a
-// build compiles the forward's kernels in parallel.
+// Hopper forward kernel: the dense walk (key tiles) with dropout, without a soft cap. The instance
+// of launch_fwd_sm90 (flash_dmattn/fwd_sm90_kernel.cuh) that run_fwd_sm90 (flash_fwd_sm90.cu) calls
+// for it; each kernel has a source of its own, so that a build compiles the forward's kernels in
+// parallel.
 //
-// Compiled only into the modules that have these kernels (the guard's macros: params.h), read
+// Compiled only into the modules that have this kernel (the guard's macros: params.h), read
 // before anything else is included so that other modules compile this file to nothing.
 #include "flash_dmattn/params.h"
 
@@ -14,7 +14,6 @@
 namespace flash_dmattn {
 
 template cudaError_t launch_fwd_sm90<false, false, false, true>(const FwdParams&, cudaStream_t);
-template cudaError_t launch_fwd_sm90<true, false, false, true>(const FwdParams&, cudaStream_t);
 
 }  // namespace flash_dmattn
 

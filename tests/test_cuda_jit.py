@@ -205,8 +205,9 @@ def test_the_real_sources_split_by_operation():
         assert not any("FLASH_DMATTN_SM90" in line for line in code), path.name
     assert "bwd_sm90_config.cuh" in files["bwd"]
     assert "bwd_sm90_config.cuh" not in files["fwd"] | files["decode"]
-    assert {"fwd_sm90_config.cuh", "fwd_sm90_kernel.cuh"} <= files["fwd"]
-    assert not {"fwd_sm90_config.cuh", "fwd_sm90_kernel.cuh"} & (files["bwd"] | files["decode"])
+    assert {"fwd_sm90_config.cuh", "fwd_sm90_kernel.cuh", "fwd_sm90_launch.h"} <= files["fwd"]
+    assert not {"fwd_sm90_config.cuh", "fwd_sm90_kernel.cuh", "fwd_sm90_launch.h"} & (
+        files["bwd"] | files["decode"])
     assert "wgmma.cuh" not in files["decode"]
 
 
@@ -228,14 +229,37 @@ def test_each_sm90_forward_kernel_is_compiled_once():
                                    for d in (False, True))
     for (softcap, gather, intervals, dropout), names in found.items():
         walk = "intervals" if intervals else "gather" if gather else "dense"
-        assert names == [f"flash_fwd_sm90_{walk}{'_dropout' if dropout else ''}.cu"]
+        assert names == [f"flash_fwd_sm90_{walk}{'_dropout' if dropout else ''}"
+                         f"{'_softcap' if softcap else ''}.cu"]
         text = (csrc / names[0]).read_text()
         guard = re.search(r"^#if (.+)$", text, re.MULTILINE).group(1)
         assert ("FLASH_DMATTN_FWD_GATHER" in guard) == gather, names
         assert ("FLASH_DMATTN_DROPOUT" in guard) == dropout, names
+        # One kernel a unit: the slowest unit sets the forward's build time.
+        assert len(inst.findall(text)) == 1, names
+    # Every unit of the forward with sm90 kernels is one of these.
+    assert sorted(n for names in found.values() for n in names) == sorted(
+        s for s in jit.OP_SOURCES["fwd"] if s.startswith("flash_fwd_sm90_"))
+    # The dispatcher and flash_fwd.cu (on sm_90a) see the kernel's CuTe-free shape and
+    # launcher declaration only.
     included = jit._INCLUDE.findall((csrc / "flash_fwd_sm90.cu").read_text())
-    assert "flash_dmattn/fwd_sm90_config.cuh" in included
-    assert "flash_dmattn/fwd_sm90_kernel.cuh" not in included
+    assert "flash_dmattn/fwd_sm90_launch.h" in included
+    assert not {"flash_dmattn/fwd_sm90_config.cuh", "flash_dmattn/fwd_sm90_kernel.cuh",
+                "flash_dmattn/kernel_common.cuh"} & set(included)
+    launch_h = jit._INCLUDE.findall((csrc / "flash_dmattn" / "fwd_sm90_launch.h").read_text())
+    assert set(launch_h) == {"params.h", "spec.h"}
+    spec_h = jit._INCLUDE.findall((csrc / "flash_dmattn" / "spec.h").read_text())
+    assert spec_h == ["params.h"] and "<cute" not in (csrc / "flash_dmattn" / "spec.h").read_text()
+    # The kernel units' host pass: the launcher and the launch stub, without the kernel's
+    # configuration (CuTe) unless FLASH_DMATTN_FWD_HOST_CUTE asks for it.
+    kernel_h = (csrc / "flash_dmattn" / "fwd_sm90_kernel.cuh").read_text()
+    device_only = kernel_h[kernel_h.index(
+        "#if defined(__CUDA_ARCH__) || FLASH_DMATTN_FWD_HOST_CUTE\n"):kernel_h.index("#else")]
+    assert "fwd_sm90_config.cuh" in device_only and "wgmma.cuh" in device_only
+    assert jit._INCLUDE.findall(kernel_h)[0] == "fwd_sm90_launch.h"
+    fwd_cu = (csrc / "flash_fwd.cu").read_text()
+    sm90_part = fwd_cu[fwd_cu.index("#if FLASH_DMATTN_SM90"):fwd_cu.index("#else")]
+    assert jit._INCLUDE.findall(sm90_part) == ["flash_dmattn/spec.h"]
 
 
 def test_unknown_operation_rejected(csrc):
@@ -309,9 +333,12 @@ def test_first_use_builds_once_then_loads(tmp_path, csrc, caplog):
     assert req.sources == [str(csrc / s) for s in jit.OP_SOURCES["fwd"]]
     assert req.sources == [str(csrc / s) for s in (
         "flash_fwd_api.cpp", "flash_fwd.cu", "flash_fwd_sm90.cu",
-        "flash_fwd_sm90_dense.cu", "flash_fwd_sm90_dense_dropout.cu",
-        "flash_fwd_sm90_gather.cu", "flash_fwd_sm90_gather_dropout.cu",
-        "flash_fwd_sm90_intervals.cu", "flash_fwd_sm90_intervals_dropout.cu")]
+        "flash_fwd_sm90_dense.cu", "flash_fwd_sm90_dense_softcap.cu",
+        "flash_fwd_sm90_dense_dropout.cu", "flash_fwd_sm90_dense_dropout_softcap.cu",
+        "flash_fwd_sm90_gather.cu", "flash_fwd_sm90_gather_softcap.cu",
+        "flash_fwd_sm90_gather_dropout.cu", "flash_fwd_sm90_gather_dropout_softcap.cu",
+        "flash_fwd_sm90_intervals.cu", "flash_fwd_sm90_intervals_softcap.cu",
+        "flash_fwd_sm90_intervals_dropout.cu", "flash_fwd_sm90_intervals_dropout_softcap.cu")]
     assert TC.cutlass_include in req.extra_include_paths
     lines = [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()]
     assert lines == [f"flash_dmattn: compiling cuda kernel d64-bf16-mask-bias fwd for sm_90 "

@@ -10,7 +10,7 @@
 // (tile sizes, which kernels exist) is asked of functions the kernel sources define.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 #include <optional>

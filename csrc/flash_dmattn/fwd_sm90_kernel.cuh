@@ -24,17 +24,42 @@
 // range and its bias are staged beside it and tested arithmetically (no mask memory).
 //
 // This header holds the kernel, its device helpers and its launcher (launch_fwd_sm90); the
-// configuration is fwd_sm90_config.cuh. It is included by the flash_fwd_sm90_<walk>[_dropout].cu
-// sources only, in their guarded blocks (sm_90a): each instantiates the launchers of one walk
-// (dense, gathered, key intervals) with or without dropout, so that a build compiles the
-// kernels side by side; run_fwd_sm90 (flash_fwd_sm90.cu) picks one per call.
+// configuration is fwd_sm90_config.cuh (device) over fwd_sm90_launch.h (host). It is included
+// by the flash_fwd_sm90_<walk>[_dropout][_softcap].cu sources only, in their guarded blocks
+// (sm_90a): each instantiates the launcher of one kernel -- walk (dense, gathered, key
+// intervals), dropout, soft cap -- so that a build compiles the kernels side by side;
+// run_fwd_sm90 (flash_fwd_sm90.cu) picks one per call.
+//
+// The host pass of those sources compiles the launcher and the kernel's launch stub, which need
+// only fwd_sm90_launch.h: the kernel's configuration, CuTe's layouts and MMAs, CUTLASS and the
+// device helpers are included and defined in the device pass only (__CUDA_ARCH__), so the host
+// pass (nvcc's host front end and the host compiler) does not parse them. The kernel's
+// declaration is the same in both passes. The host pass still includes the two CuTe headers
+// below: the registration code nvcc generates from the device pass names the namespace-scope
+// __device__ constants of the headers the device pass read (cute::_, cute::product and the
+// libcu++ objects those two headers bring: cuda::std's begin / end, in_place, ignore, ...), and
+// the host pass must declare them too. A CuTe or CUDA version whose device-only headers
+// define more such constants makes the host compile fail with "'::cute::...' (or
+// '::cuda::std::...') has not been declared"; -DFLASH_DMATTN_FWD_HOST_CUTE=1 (e.g. in
+// $FLASH_DMATTN_CUDA_FLAGS) gives the host pass every header of the device pass.
 #pragma once
+#include "fwd_sm90_launch.h"
+#ifndef FLASH_DMATTN_FWD_HOST_CUTE
+#define FLASH_DMATTN_FWD_HOST_CUTE 0
+#endif
+#if defined(__CUDA_ARCH__) || FLASH_DMATTN_FWD_HOST_CUTE
 #include "fwd_sm90_config.cuh"
 #include "dropout.cuh"
 #include "pipeline.cuh"
 #include "wgmma.cuh"
+#else
+#include <cute/int_tuple.hpp>
+#include <cute/underscore.hpp>
+#endif
 
 namespace flash_dmattn {
+
+#if defined(__CUDA_ARCH__)
 
 // The mbarriers of one CTA's pipeline. Full barriers count the producer's 128 threads (each
 // arrives once its cp.async copies of the stage have landed), empty barriers the consumers'
@@ -121,6 +146,8 @@ __device__ __forceinline__ IntervalKey fetch_interval_key(const FwdParams& p, in
   return k;
 }
 
+#endif  // __CUDA_ARCH__
+
 // kGather: walk the query tile's gathered key list (p.g) instead of key tiles: K / V rows are
 // copied by index, the mask comes as the list's bits (which also hold range and causality) and
 // a bias as the list's gathered row.
@@ -131,11 +158,10 @@ __device__ __forceinline__ IntervalKey fetch_interval_key(const FwdParams& p, in
 // P V operand, and the epilogue scales kept ones by 1 / (1 - p) with the normaliser. Keys are
 // drawn at their positions in the sequence: a list's entries, not its columns.
 template <bool kSoftcap, bool kGather, bool kIntervals, bool kDropout>
-__global__ void __launch_bounds__(Sm90FwdConfig<kHeadDimBucket>::kThreads, 1)
+__global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
     fwd_kernel_sm90(const FwdParams p) {
 // The body is compiled in the device pass only: the host pass needs just the signature for
-// the launch stub, and would otherwise instantiate the whole body a second time in every
-// kernel source.
+// the launch stub (and has none of the headers the body uses).
 #if defined(__CUDA_ARCH__)
   static_assert(kGather || !kIntervals, "key intervals walk gathered lists");
   using Cfg = Sm90FwdConfig<kHeadDimBucket>;
@@ -712,7 +738,7 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // A module compiles only the kernels its specialisation can call (params.h).
   static_assert(!kGather || FLASH_DMATTN_FWD_GATHER, "list walks: dense-batch modules with a mask");
   static_assert(!kDropout || FLASH_DMATTN_DROPOUT, "dropout: the modules that build it");
-  using Cfg = Sm90FwdConfig<kHeadDimBucket>;
+  using Cfg = Sm90FwdShape<kHeadDimBucket>;
   auto kernel = &fwd_kernel_sm90<kSoftcap, kGather, kIntervals, kDropout>;
   const int smem = Cfg::aux_layout(p).smem;
   cudaError_t err =

@@ -136,14 +136,6 @@ __device__ __forceinline__ QTileCoord q_tile_coord_at(int t, int m_blocks, int H
   return {m_blocks - 1 - (t - bh * m_blocks), bh / H, bh % H};
 }
 
-// Streaming multiprocessors of the current device (grids of one CTA per SM).
-inline int sm_count() {
-  int dev = 0, n = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-  return n > 0 ? n : 1;
-}
-
 // Store a warpgroup's m64 fp32 accumulator (its value (c, r, g) is row 8 r + lane / 4 (+ 16 per
 // warp), column 8 g + 2 (lane % 4) + c, as `coord` gives them) times `mul` into rows row0 + row of
 // `base` (row stride in elements), rows < `rows` and columns < D only. A thread's columns come in

@@ -49,16 +49,22 @@ logger = logging.getLogger("flash_dmattn")
 # (``flash_<op>_api.cpp``, the module ``TORCH_EXTENSION_NAME`` with the op's Python entry
 # points, e.g. ``fwd(q, k, v, mask, bias, out, softmax_scale, is_causal, softcap, ...) ->
 # [out, lse]``) and its kernels, one translation unit each so that ninja compiles them in
-# parallel. The Hopper forward is a dispatcher (``flash_fwd_sm90.cu``) and one unit per walk
-# and dropout setting of its kernel (``flash_fwd_sm90_<walk>[_dropout].cu``), since the unit
-# with the most kernels sets the operation's build time. The spec is selected with the macros
+# parallel. The Hopper forward is a dispatcher (``flash_fwd_sm90.cu``, no CuTe) and one unit per
+# kernel -- walk, dropout and soft-cap setting: ``flash_fwd_sm90_<walk>[_dropout][_softcap].cu``
+# -- since the slowest unit sets the operation's build time; those units parse CuTe in nvcc's
+# device pass only (csrc/flash_dmattn/fwd_sm90_kernel.cuh). The spec is selected with the macros
 # of :meth:`KernelSpec.defines`; the sm_90a sources compile to nothing for other archs, and a
-# kernel unit to nothing in the modules without its kernels (no mask, packed, no dropout).
+# kernel unit to nothing in the modules without its kernel (no mask, packed, no dropout). On
+# sm_90a, ``flash_fwd.cu`` only answers the module's questions (its kernel is for other archs).
 OP_SOURCES: Dict[str, Tuple[str, ...]] = {
     "fwd": ("flash_fwd_api.cpp", "flash_fwd.cu", "flash_fwd_sm90.cu",
-            "flash_fwd_sm90_dense.cu", "flash_fwd_sm90_dense_dropout.cu",
-            "flash_fwd_sm90_gather.cu", "flash_fwd_sm90_gather_dropout.cu",
-            "flash_fwd_sm90_intervals.cu", "flash_fwd_sm90_intervals_dropout.cu"),
+            "flash_fwd_sm90_dense.cu", "flash_fwd_sm90_dense_softcap.cu",
+            "flash_fwd_sm90_dense_dropout.cu", "flash_fwd_sm90_dense_dropout_softcap.cu",
+            "flash_fwd_sm90_gather.cu", "flash_fwd_sm90_gather_softcap.cu",
+            "flash_fwd_sm90_gather_dropout.cu", "flash_fwd_sm90_gather_dropout_softcap.cu",
+            "flash_fwd_sm90_intervals.cu", "flash_fwd_sm90_intervals_softcap.cu",
+            "flash_fwd_sm90_intervals_dropout.cu",
+            "flash_fwd_sm90_intervals_dropout_softcap.cu"),
     "bwd": ("flash_bwd_api.cpp", "flash_bwd.cu", "flash_bwd_sm90.cu",
             "flash_dq_gathered_sm90.cu"),
     "decode": ("flash_decode_api.cpp", "flash_decode.cu"),
