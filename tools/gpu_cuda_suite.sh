@@ -9,8 +9,9 @@
 #    module the tests ask for (one per operation of a spec, SPEC:OP) is listed, nothing is built;
 # 3. the listed modules build side by side (BUILD_P processes, MAX_JOBS compiles each; the
 #    defaults fill the machine's cores);
-# 4. the test files run one by one against the built cache until DEADLINE_S seconds after the
-#    start (a file cut by the deadline is reported as such, the rest as "no time");
+# 4. the test files run against the built cache, one lane of files per GPU, until DEADLINE_S
+#    seconds after the start (a file cut by the deadline is reported as such, the rest as
+#    "no time");
 # 5. (DENSE_BENCH_S set) the dense benchmark suite.
 # Knobs: TESTS (files), MARK (pytest -m, default gpu), K (pytest -k, default: all).
 source "$(dirname "$0")/device_common.sh"
@@ -61,16 +62,28 @@ xargs -P "$BUILD_P" -I{} sh -c \
 for f in "$W"/build-*.log; do tail -2 "$f"; done >"$OUT/build.log"
 stamp "built $(wc -l <"$OUT/specs.txt") modules, $(wc -l <"$OUT/build-failures.log") failed"
 
-for f in $TESTS; do
-  left=$(( DEADLINE - $(date +%s) ))
-  n=$(basename "$f" .py)
-  if [ "$left" -lt 20 ]; then echo "$f no time" | tee -a "$OUT/tests-summary.log"; continue; fi
-  timeout "$left" python3 -m pytest -q -p no:cacheprovider -rs "$f" ${K:+-k "$K"} -m "$MARK" \
-    >"$OUT/t-$n.log" 2>&1
-  rc=$?
-  [ $rc -eq 124 ] && what="cut by the deadline" || what="rc=$rc"
-  echo "$f $what: $(tail -n 1 "$OUT/t-$n.log")" | tee -a "$OUT/tests-summary.log"
-done
+# One lane of test files per GPU (GPUS: the visible GPUs' count, default nvidia-smi's), the
+# files dealt round-robin; each lane runs its files one by one until the deadline.
+GPUS=${GPUS:-$(nvidia-smi -L | wc -l)}
+[ "$GPUS" -ge 1 ] || GPUS=1
+lane() {
+  local g=$1 i=0 f n left rc what
+  for f in $TESTS; do
+    i=$(( i + 1 ))
+    [ $(( (i - 1) % GPUS )) -eq "$g" ] || continue
+    left=$(( DEADLINE - $(date +%s) ))
+    n=$(basename "$f" .py)
+    if [ "$left" -lt 20 ]; then echo "$f no time" >>"$OUT/tests-summary.log"; continue; fi
+    CUDA_VISIBLE_DEVICES=$g timeout "$left" python3 -m pytest -q -p no:cacheprovider -rs "$f" \
+      ${K:+-k "$K"} -m "$MARK" >"$OUT/t-$n.log" 2>&1
+    rc=$?
+    [ $rc -eq 124 ] && what="cut by the deadline" || what="rc=$rc"
+    echo "$f (GPU $g) $what: $(tail -n 1 "$OUT/t-$n.log")" >>"$OUT/tests-summary.log"
+  done
+}
+for g in $(seq 0 $(( GPUS - 1 ))); do lane "$g" & done
+wait
+cat "$OUT/tests-summary.log"
 stamp "tests done"
 
 # DENSE_BENCH_S=N: then the dense suite's forward + backward rows (every backend) for N seconds,
