@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import flash_dmattn.integrations as integ  # noqa: E402  (registers "dmattn")
-from flash_dmattn.integrations import hf_transformers  # noqa: E402
+from flash_dmattn.integrations import hf_transformers, hf_varlen  # noqa: E402
 from flash_dmattn.integrations.flash_dynamic_mask_attention import (  # noqa: E402
     flash_dynamic_mask_attention_forward,
 )
@@ -77,10 +77,13 @@ def kernel_spy(monkeypatch):
 
         return spy_get_kernel
 
-    # Dense calls, and decoding steps over a top-W selection (their calls carry key_index).
+    # Dense calls, decoding steps over a top-W selection (their calls carry key_index), and
+    # padded calls run as packed sequences (on a GPU, where the varlen kernel pays: their
+    # calls carry cu_seqlens_q).
     monkeypatch.setattr(hf_transformers, "_get_kernel", spy(hf_transformers._get_kernel))
     monkeypatch.setattr(hf_transformers, "_get_selected_kernel",
                         spy(hf_transformers._get_selected_kernel))
+    monkeypatch.setattr(hf_varlen, "_get_varlen_kernel", spy(hf_varlen._get_varlen_kernel))
     return calls
 
 

@@ -86,9 +86,6 @@ def _get_kernel() -> Callable:
     return flash_dmattn_func
 
 
-_DEFAULT_GET_KERNEL = _get_kernel  # replaced by tests that spy on the library call
-
-
 def _get_selected_kernel() -> Callable:
     """The library call of a top-W decoding step (:func:`_topk_decode`; a seam: tests spy on
     it). Takes keywords ``query, key, value, key_index, attn_bias, softmax_scale, is_causal,
@@ -415,15 +412,9 @@ def _attention_call(
         attention_mask, key_len, has_bias=_model_type(module) in _DYNAMIC_MASK_MODEL_TYPES
     )
 
-    is_causal = kwargs.get("is_causal")
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    # A 3-/4-D mask already says what each query sees; causality is added only for no mask or
-    # a 2-D padding mask, and never for a single query (it sees every cached key).
-    causal = bool(is_causal) and not structural and query_len > 1
-
-    if attention_mask is None and causal and key_len > query_len:
-        key_limit = query_len
+    causal = _call_is_causal(module, kwargs, query_len, structural)
+    if attention_mask is None:
+        key_limit = min(key_limit, _unmasked_key_limit(causal, query_len, key_len))
     if key_limit < key_len:
         # Views only: the trailing keys are static-cache slots nothing may attend to.
         key, value = key[:, :, :key_limit], value[:, :, :key_limit]
@@ -466,28 +457,44 @@ def _unmasked_call(
     kwargs: dict,
     dropout_p: float,
 ) -> Optional[torch.Tensor]:
-    """:func:`_attention_call` and the library call for a call with no mask, no soft cap, no
+    """The library call of :func:`_attention_call` for a call with no mask, no soft cap, no
     dropout and none of the keywords that add to the scores (``sliding_window``,
-    ``attention_bias``, ``position_bias``), made without building the call's keyword
-    arguments: ``flash_dmattn_func(q, k, v, softmax_scale=scaling, is_causal=causal)``, where
-    :func:`flash_dmattn.registry.run_plain` serves a signature it has decided (a decoding step
-    on the triton decode kernel). None for any other call (the general route runs it)."""
-    if (softcap or dropout_p or _get_kernel is not _DEFAULT_GET_KERNEL
+    ``attention_bias``, ``position_bias``), made without its mask normalisation: ``q, k, v``,
+    the scale and the causal flag, which :func:`flash_dmattn.registry.run_plain` serves
+    without validating again once auto-dispatch has decided the signature (a decoding step on
+    the triton decode kernel). None for any other call (the general route runs it)."""
+    if (softcap or dropout_p
             or kwargs.get("sliding_window") is not None
             or kwargs.get("attention_bias") is not None
             or kwargs.get("position_bias") is not None):
         return None
     query_len = query.shape[2]
+    causal = _call_is_causal(module, kwargs, query_len, False)
+    key_limit = _unmasked_key_limit(causal, query_len, key.shape[2])
+    if key_limit < key.shape[2]:
+        key, value = key[:, :, :key_limit], value[:, :, :key_limit]
+    q, k, v = _library_layout(query, key, value)
+    return _get_kernel()(query=q, key=k, value=v, attn_mask=None, attn_bias=None,
+                         softmax_scale=scaling, is_causal=causal, softcap=None,
+                         dropout_p=dropout_p)
+
+
+def _call_is_causal(module: Optional[torch.nn.Module], kwargs: dict, query_len: int,
+                    structural: bool) -> bool:
+    """Whether the library call is causal: the ``is_causal`` keyword, else the layer's flag,
+    else True; but a 3-/4-D mask (``structural``) already says what each query sees, and a
+    single query sees every cached key."""
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    causal = bool(is_causal) and query_len > 1
-    if causal and key.shape[2] > query_len:
-        # As _attention_call: the trailing keys are empty static-cache slots.
-        key, value = key[:, :, :query_len], value[:, :, :query_len]
-    q, k, v = _library_layout(query, key, value)
-    return flash_dmattn_func(q, k, v, None, None, scaling, causal, None, None, None, None, None,
-                             dropout_p)
+    return bool(is_causal) and not structural and query_len > 1
+
+
+def _unmasked_key_limit(causal: bool, query_len: int, key_len: int) -> int:
+    """Keys a call without a mask reads: a causal call with more keys than queries is the
+    prefill of an empty static cache, whose trailing slots are empty (as transformers' sdpa
+    integration cuts them)."""
+    return query_len if causal and key_len > query_len else key_len
 
 
 def _library_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
