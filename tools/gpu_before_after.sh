@@ -10,7 +10,9 @@
 # Knobs (environment):
 #   SUITES    benchmarks.run --suite (default "dense,dynamic,block_sparse,decode": T1 is the
 #             dense L16384 D128 causal row, T2 the dynamic suite, T3 the block-sparse one)
-#   MATCH     benchmarks.run --match (default: every row of those suites)
+#   MATCH     benchmarks.run --match (default: T1 = "dense B1 H16 L16384 D128 causal", the
+#             dynamic (T2) and block-sparse (T3) rows and the decode rows at 32K keys, which
+#             fit two rounds of both trees in one call; "" runs every row of the suites)
 #   BACKENDS  benchmarks.run --backends (default "cuda,triton")
 #   SKIP      benchmarks.run --skip (default "flex-direct,materialised": baselines that are
 #             slow to compile or run and that a before/after comparison does not need)
@@ -25,6 +27,7 @@ left() { echo $(( TOTAL_S - ($(date +%s) - T0) )); }
 device_install cutlass
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 SUITES=${SUITES:-dense,dynamic,block_sparse,decode}
+MATCH=${MATCH-"dense B1 H16 L16384 D128 causal,dynamic,block_sparse,Lk32768 D128"}
 BACKENDS=${BACKENDS:-cuda,triton}
 SPECS=${SPECS:-"d128-bf16 d128-bf16-mask d128-bf16-mask-bias d64-bf16"}
 ROUNDS=${ROUNDS:-2}
