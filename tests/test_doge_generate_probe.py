@@ -1,4 +1,4 @@
-"""tools/doge_generate_probe.py runs (--tiny: CPU, a tiny Doge and Llama, a profiled step)."""
+"""tools/doge_generate_probe.py runs (--tiny: CPU, a tiny Doge and Llama, a profiled prefill and step)."""
 import importlib.util
 from pathlib import Path
 
@@ -21,3 +21,4 @@ def test_tiny_probe_runs_and_reports(capsys):
     assert "top-W decode (key_index) 10, dense 2" in out
     assert "top-W decode (key_index) 0, dense 12" in out
     assert "one decoding step, dmattn" in out and "attention function" in out
+    assert "the prefill (24 tokens), dmattn" in out

@@ -16,8 +16,8 @@ Printed per model and implementation: tokens/s (``batch * new / seconds`` of the
 (``(generate(new) - generate(1)) / (new - 1)``), medians of ``--runs`` repetitions in which the
 implementations alternate; whether the greedy tokens agree with sdpa's; for dmattn, how many
 attention calls of one generate took the top-W decode path (``key_index``) and how many the
-dense one. ``--profile`` adds a torch.profiler summary of one decoding step per
-implementation (host time, ops, kernel launches). The GPU's name and the versions come first.
+dense one. ``--profile`` adds torch.profiler summaries of the prefill and of one decoding
+step per implementation (host time, ops, kernel launches). The GPU's name and the versions come first.
 """
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def parse_args(argv=None):
                     help="draw Doge's A from N(0, 1) (transformers initialises it to 0, which "
                          "makes every key's dynamic bias 1: all ties)")
     ap.add_argument("--profile", action="store_true",
-                    help="torch.profiler summary of one decoding step per implementation")
+                    help="torch.profiler summaries of the prefill and of one decoding step per "
+                         "implementation")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     if a.tiny:
@@ -216,6 +217,51 @@ def labelled_attention(impl):
         mapping[impl] = real
 
 
+def _print_profile(prof, title, a):
+    """A profile's launch count, the attention function's host time and its tables (host time,
+    then device time on a GPU)."""
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in (
+        "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"))
+    attn = [e for e in events if e.key == ATTN_LABEL]
+    attn_text = ""
+    if attn:
+        e = attn[0]
+        attn_text = (f"; attention function: {e.count} calls, {e.cpu_time_total / 1e3:.2f} ms "
+                     f"host in all ({e.cpu_time_total / max(e.count, 1):.0f} us a call)")
+    print(f"\n--- {title}, {launches} kernel launches{attn_text}")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25))
+    if a.device.startswith("cuda"):
+        for key in ("self_device_time_total", "self_cuda_time_total"):  # torch renamed it
+            try:
+                print(events.table(sort_by=key, row_limit=12))
+                break
+            except (AttributeError, KeyError, ValueError):
+                continue
+
+
+def profile_prefill(model, ids, a, impl):
+    """Profile of the prompt's forward (the prefill of ``generate``, with its cache)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        def prefill():
+            return model(ids, attention_mask=torch.ones_like(ids), use_cache=True)
+
+        for _ in range(2):  # warm: kernels compiled, plans and allocator primed
+            prefill()
+        sync(a.device)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda")
+                                         else [])
+        with labelled_attention(impl), profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            prefill()
+            sync(a.device)
+            wall = time.perf_counter() - t0
+    _print_profile(prof, f"the prefill ({ids.shape[1]} tokens), {impl}: {wall * 1e3:.2f} ms wall",
+                   a)
+
+
 def profile_step(model, ids, a, impl):
     from torch.profiler import ProfilerActivity, profile
 
@@ -243,25 +289,8 @@ def profile_step(model, ids, a, impl):
             step()
             sync(a.device)
             wall = time.perf_counter() - t0
-    events = prof.key_averages()
-    launches = sum(e.count for e in events if e.key in (
-        "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"))
-    attn = [e for e in events if e.key == ATTN_LABEL]
-    attn_text = ""
-    if attn:
-        e = attn[0]
-        attn_text = (f"; attention function: {e.count} calls, {e.cpu_time_total / 1e3:.2f} ms "
-                     f"host in all ({e.cpu_time_total / max(e.count, 1):.0f} us a call)")
-    print(f"\n--- one decoding step, {impl}: {wall * 1e3:.2f} ms wall, {launches} kernel launches "
-          f"(cache {length - 1} keys){attn_text}")
-    print(events.table(sort_by="self_cpu_time_total", row_limit=25))
-    if a.device.startswith("cuda"):
-        for key in ("self_device_time_total", "self_cuda_time_total"):  # torch renamed it
-            try:
-                print(events.table(sort_by=key, row_limit=12))
-                break
-            except (AttributeError, KeyError, ValueError):
-                continue
+    _print_profile(prof, f"one decoding step, {impl}: {wall * 1e3:.2f} ms wall (cache "
+                         f"{length - 1} keys)", a)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,6 +334,7 @@ def run_model(kind, a):
     if a.profile:
         for impl in a.impls:
             set_impl(model, impl)
+            profile_prefill(model, ids, a, impl)
             profile_step(model, ids, a, impl)
     del model
     if a.device.startswith("cuda"):
