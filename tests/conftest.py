@@ -31,8 +31,11 @@ def _record_cuda_specs(request, monkeypatch):
         from flash_dmattn.backends.cuda import jit
 
         def record(spec, op, *args, **kwargs):
+            # The test stops at its first module; a forward's backward is listed with it (a
+            # test that takes gradients asks for it next, and would otherwise build it itself).
+            ops = [op, "bwd"] if op == "fwd" else [op]
             with open(path, "a") as f:
-                f.write(f"{spec.name}:{op}\n")
+                f.writelines(f"{spec.name}:{o}\n" for o in ops)
             pytest.skip(f"recorded {spec.name}:{op}")
 
         monkeypatch.setattr(jit, "load_kernel", record)
@@ -62,10 +65,14 @@ def pytest_terminal_summary(terminalreporter):
 
 
 @pytest.fixture(autouse=True)
-def _clean_dispatch_state(monkeypatch):
+def _clean_dispatch_state(request, monkeypatch):
     # Dispatch reads the environment per call and logs/warns once; isolate every test.
     monkeypatch.delenv("FLASH_DMATTN_BACKEND", raising=False)
     monkeypatch.delenv("FLASH_DMATTN_DISABLE", raising=False)
+    if request.config.getoption("--record-cuda-specs"):
+        # Recording cuda modules: triton's and flex's tests skip instead of running (and
+        # compiling) in full, and auto-dispatch asks cuda for what it runs.
+        monkeypatch.setenv("FLASH_DMATTN_DISABLE", "triton,flex")
     registry.reset_dispatch_notes()
     # The planner's lagged gather decisions start from nothing in every test.
     from flash_dmattn.planning.gather_verdicts import _LAGGED_TOTALS

@@ -5,8 +5,9 @@
 #   bash tools/gpu_cuda_suite.sh      (run with carry: [".wheels"])
 # 1. (FIRST_BUILD=1) the first-use build of the forward of d128-bf16-mask-bias alone,
 #    MAX_JOBS=16 (issue 34's target: <= 25 s on 16 cores), then its backward and decode;
-# 2. every test file runs once with --record-cuda-specs, RECORD_P files at a time: every kernel
-#    module the tests ask for (one per operation of a spec, SPEC:OP) is listed, nothing is built;
+# 2. every test file runs once with --record-cuda-specs, RECORD_P files at a time, triton and
+#    flex disabled: every kernel module the tests ask for (one per operation of a spec,
+#    SPEC:OP; a forward's backward with it) is listed, nothing is built;
 # 3. the listed modules build side by side (BUILD_P processes, MAX_JOBS compiles each; the
 #    defaults fill the machine's cores);
 # 4. the test files run against the built cache, one lane of files per GPU, until DEADLINE_S
@@ -49,6 +50,7 @@ if [ "${FIRST_BUILD:-0}" = 1 ]; then
 fi
 
 # One recording per file, side by side: a slow file no longer cuts the others' lists short.
+# (tests/conftest.py disables triton and flex while recording.)
 printf '%s\n' $TESTS | xargs -P "$RECORD_P" -I{} sh -c \
   'timeout 240 python3 -m pytest -q -p no:cacheprovider "$1" ${2:+-k "$2"} -m "$3" \
      --record-cuda-specs "$0/specs-$(basename "$1" .py).txt" >"$0/record-$(basename "$1" .py).log" 2>&1;
