@@ -12,7 +12,7 @@
 # (default 560: jobs not started by then are reported "no time"; running ones are not cut,
 # give each its own timeout).
 set -uo pipefail
-OUT=${OUT:-gpu_out}
+export OUT=${OUT:-gpu_out}  # jobs see it: give each its own folder, e.g. OUT=$OUT/bench ...
 mkdir -p "$OUT"
 [ -f "${1:-}" ] || { echo "usage: bash tools/gpu_lanes.sh JOBS_FILE"; exit 2; }
 GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
