@@ -16,6 +16,13 @@ W=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 
 device_install() {
+  # Already installed from this checkout (an earlier job of the call): nothing to do, and no
+  # reinstall under other jobs that are importing the package.
+  if python3 -c "import os, sys, flash_dmattn; sys.exit(os.path.dirname(os.path.dirname(
+      os.path.abspath(flash_dmattn.__file__))) != os.getcwd())" 2>/dev/null &&
+     { [ "${1:-}" != cutlass ] || python3 -c "import cutlass_library" 2>/dev/null; }; then
+    return 0
+  fi
   { python3 -m pip install --no-deps --no-build-isolation -e . &&
     if [ "${1:-}" = cutlass ]; then
       python3 -m pip install --no-deps .wheels/nvidia_cutlass-*.whl
