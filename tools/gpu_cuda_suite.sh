@@ -10,9 +10,9 @@
 #    SPEC:OP; a forward's backward with it) is listed, nothing is built;
 # 3. the listed modules build side by side (BUILD_P processes, MAX_JOBS compiles each; the
 #    defaults fill the machine's cores);
-# 4. the test files run against the built cache, one lane of files per GPU, until DEADLINE_S
-#    seconds after the start (a file cut by the deadline is reported as such, the rest as
-#    "no time");
+# 4. the test files run against the built cache, each on the next free GPU (tools/gpu_lanes.sh,
+#    in TESTS order: slowest first), until DEADLINE_S seconds after the start (a file cut by
+#    the deadline is reported as such, the rest as "no time");
 # 5. (DENSE_BENCH_S set) the dense benchmark suite.
 # Knobs: TESTS (files), MARK (pytest -m, default gpu), K (pytest -k, default: all).
 source "$(dirname "$0")/device_common.sh"
@@ -29,11 +29,12 @@ finish() {
   (cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v '^logs.tgz$'))
   exit 0
 }
-TESTS=${TESTS:-"tests/test_cuda_backend.py tests/test_cuda_intervals.py tests/test_cuda_dropout.py
-  tests/test_cuda_host_inputs.py tests/test_cuda_shared_dbias.py tests/test_cuda_jit.py
-  tests/test_gpu.py tests/test_dropout.py tests/test_decode.py tests/test_topk_decode.py
-  tests/test_paged.py tests/test_varlen_intervals.py tests/test_key_intervals.py
-  tests/test_mask_summary.py tests/test_list_kernels.py"}
+TESTS=${TESTS:-"tests/test_cuda_backend.py tests/test_gpu.py tests/test_fuzz_backends.py
+  tests/test_cuda_intervals.py tests/test_cuda_dropout.py tests/test_cuda_host_inputs.py
+  tests/test_cuda_shared_dbias.py tests/test_dropout.py tests/test_plain_decode.py
+  tests/test_decode.py tests/test_topk_decode.py tests/test_paged.py tests/test_varlen_intervals.py
+  tests/test_key_intervals.py tests/test_cuda_jit.py tests/test_triton_intervals.py
+  tests/test_hf_integration.py tests/test_triton_fast_launch.py"}
 MARK=${MARK:-gpu}
 K=${K:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -64,27 +65,15 @@ xargs -P "$BUILD_P" -I{} sh -c \
 for f in "$W"/build-*.log; do tail -2 "$f"; done >"$OUT/build.log"
 stamp "built $(wc -l <"$OUT/specs.txt") modules, $(wc -l <"$OUT/build-failures.log") failed"
 
-# One lane of test files per GPU (GPUS: the visible GPUs' count, default nvidia-smi's), the
-# files dealt round-robin; each lane runs its files one by one until the deadline.
-GPUS=${GPUS:-$(nvidia-smi -L | wc -l)}
-[ "$GPUS" -ge 1 ] || GPUS=1
-lane() {
-  local g=$1 i=0 f n left rc what
-  for f in $TESTS; do
-    i=$(( i + 1 ))
-    [ $(( (i - 1) % GPUS )) -eq "$g" ] || continue
-    left=$(( DEADLINE - $(date +%s) ))
-    n=$(basename "$f" .py)
-    if [ "$left" -lt 20 ]; then echo "$f no time" >>"$OUT/tests-summary.log"; continue; fi
-    CUDA_VISIBLE_DEVICES=$g timeout "$left" python3 -m pytest -q -p no:cacheprovider -rs "$f" \
-      ${K:+-k "$K"} -m "$MARK" >"$OUT/t-$n.log" 2>&1
-    rc=$?
-    [ $rc -eq 124 ] && what="cut by the deadline" || what="rc=$rc"
-    echo "$f (GPU $g) $what: $(tail -n 1 "$OUT/t-$n.log")" >>"$OUT/tests-summary.log"
-  done
-}
-for g in $(seq 0 $(( GPUS - 1 ))); do lane "$g" & done
-wait
+# The test files as device jobs (tools/gpu_lanes.sh): each starts on the next free GPU and runs
+# until the deadline; the slowest files go first.
+export DEADLINE MARK K
+JOBS=$W/test-jobs.txt
+for f in $TESTS; do
+  n=$(basename "$f" .py)
+  echo "left=\$(( DEADLINE - \$(date +%s) )); [ \$left -ge 20 ] || { echo '$f no time' >>\"$OUT/tests-summary.log\"; exit 0; }; timeout \$left python3 -m pytest -q -p no:cacheprovider -rs $f \${K:+-k \"\$K\"} -m \"\$MARK\" >\"$OUT/t-$n.log\" 2>&1; rc=\$?; [ \$rc -eq 124 ] && what='cut by the deadline' || what=\"rc=\$rc\"; echo \"$f (GPU \$CUDA_VISIBLE_DEVICES) \$what: \$(tail -n 1 \"$OUT/t-$n.log\")\" >>\"$OUT/tests-summary.log\""
+done >"$JOBS"
+OUT=$OUT/lanes DEADLINE_S=$(( DEADLINE - $(date +%s) )) bash "$(dirname "$0")/gpu_lanes.sh" "$JOBS" >/dev/null
 cat "$OUT/tests-summary.log"
 stamp "tests done"
 
