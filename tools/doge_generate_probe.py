@@ -240,31 +240,35 @@ def _print_profile(prof, title, a):
                 continue
 
 
-def profile_prefill(model, ids, a, impl):
-    """Profile of the prompt's forward (the prefill of ``generate``, with its cache)."""
+def _profile_once(fn, warm, a, impl):
+    """``(profile, wall seconds)`` of one call of ``fn`` after ``warm`` unprofiled ones (kernels
+    compiled, plans and allocator primed), the attention function labelled."""
     from torch.profiler import ProfilerActivity, profile
 
-    with torch.no_grad():
-        def prefill():
-            return model(ids, attention_mask=torch.ones_like(ids), use_cache=True)
-
-        for _ in range(2):  # warm: kernels compiled, plans and allocator primed
-            prefill()
+    for _ in range(warm):
+        fn()
+    sync(a.device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda")
+                                     else [])
+    with labelled_attention(impl), profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        fn()
         sync(a.device)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda")
-                                         else [])
-        with labelled_attention(impl), profile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            prefill()
-            sync(a.device)
-            wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+    return prof, wall
+
+
+def profile_prefill(model, ids, a, impl):
+    """Profile of the prompt's forward (the prefill of ``generate``, with its cache)."""
+    with torch.no_grad():
+        prof, wall = _profile_once(
+            lambda: model(ids, attention_mask=torch.ones_like(ids), use_cache=True), 2, a, impl)
     _print_profile(prof, f"the prefill ({ids.shape[1]} tokens), {impl}: {wall * 1e3:.2f} ms wall",
                    a)
 
 
 def profile_step(model, ids, a, impl):
-    from torch.profiler import ProfilerActivity, profile
-
+    """Profile of one decoding step after the prefill (and three unprofiled steps)."""
     kw = _cache_kwarg(model)
     with torch.no_grad():
         out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True)
@@ -279,16 +283,7 @@ def profile_step(model, ids, a, impl):
             o = model(nxt, attention_mask=mask, use_cache=True, **{kw: cache})
             nxt = o.logits[:, -1:].argmax(-1)
 
-        for _ in range(3):  # warm: kernels compiled, allocator primed
-            step()
-        sync(a.device)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda")
-                                         else [])
-        with labelled_attention(impl), profile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            step()
-            sync(a.device)
-            wall = time.perf_counter() - t0
+        prof, wall = _profile_once(step, 3, a, impl)
     _print_profile(prof, f"one decoding step, {impl}: {wall * 1e3:.2f} ms wall (cache "
                          f"{length - 1} keys)", a)
 
