@@ -121,9 +121,14 @@ def _describe_value(value) -> str:
     return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
+def default_softmax_scale(head_dim: int) -> float:
+    """The scale of a call that gives none: ``1 / sqrt(head_dim)`` (1 for an empty head dim)."""
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
 def _scale_and_softcap(softmax_scale, softcap, head_dim: int) -> Tuple[float, float]:
     if softmax_scale is None:
-        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+        scale = default_softmax_scale(head_dim)
     else:
         scale = _number("softmax_scale", softmax_scale)
         if not math.isfinite(scale):

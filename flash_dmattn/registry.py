@@ -274,14 +274,12 @@ def dispatch_signature(inputs: Inputs) -> Optional[tuple]:
             and inputs.cache_seqlens is None and not inputs.softcap
             and not inputs.return_attn_probs and not inputs.dropout_p):
         device = inputs.device
-        grad = grad_mode and (q.requires_grad or k.requires_grad or inputs.value.requires_grad)
-        if device.type == "cpu":
-            return (PLAIN_CPU, q.shape, k.shape, q.dtype, inputs.is_causal,
-                    inputs.deterministic, grad_mode, grad, envs.dispatch_environment())
-        if device.type == "cuda":
-            return (PLAIN_CUDA, device, q.shape, k.shape, q.dtype, inputs.is_causal,
-                    inputs.deterministic, grad_mode, grad, policy.simulated(),
-                    envs.dispatch_environment())
+        if device.type in ("cpu", "cuda"):
+            grad = grad_mode and (q.requires_grad or k.requires_grad
+                                  or inputs.value.requires_grad)
+            return _plain_signature(None if device.type == "cpu" else device, q.shape, k.shape,
+                                    q.dtype, inputs.is_causal, inputs.deterministic, grad_mode,
+                                    grad, envs.dispatch_environment())
     return (
         inputs.device, q.dtype, q.shape, k.shape,
         None if mask is None else (mask.shape, mask.dtype),
@@ -354,6 +352,18 @@ PLAIN_CUDA = "plain cuda call"
 _grad_enabled = torch.is_grad_enabled  # read by run_plain on every call
 
 
+def _plain_signature(device, q_shape, k_shape, dtype, is_causal: bool, deterministic: bool,
+                     grad_mode: bool, needs_grad: bool, env: tuple) -> tuple:
+    """The memo key of a plain call (:func:`dispatch_signature` and :func:`run_plain` build it
+    alike): ``device`` None for CPU tensors, else the CUDA device, whose key also holds the
+    simulated capability."""
+    if device is None:
+        return (PLAIN_CPU, q_shape, k_shape, dtype, is_causal, deterministic, grad_mode,
+                needs_grad, env)
+    return (PLAIN_CUDA, device, q_shape, k_shape, dtype, is_causal, deterministic, grad_mode,
+            needs_grad, policy.simulated(), env)
+
+
 def run_plain(query, key, value, softmax_scale, is_causal, deterministic):
     """A plain call of :func:`flash_dmattn.flash_dmattn_func` (no mask, bias, soft cap, KV
     cache, dropout or attention probabilities; the caller checks those) on CPU or CUDA
@@ -414,12 +424,8 @@ def run_plain(query, key, value, softmax_scale, is_causal, deterministic):
         return None
     grad = _grad_enabled()
     needs = grad and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if device is None:
-        signature = (PLAIN_CPU, q_shape, k_shape, dtype, is_causal, deterministic, grad, needs,
-                     env)
-    else:
-        signature = (PLAIN_CUDA, device, q_shape, k_shape, dtype, is_causal, deterministic,
-                     grad, needs, policy.simulated(), env)
+    signature = _plain_signature(device, q_shape, k_shape, dtype, is_causal, deterministic, grad,
+                                 needs, env)
     try:
         backend = DISPATCH_MEMO._chosen.get(signature)  # DispatchMemo.peek, one call less
     except TypeError:  # symbolic sizes (tracing outside torch.compile) have no hash

@@ -34,7 +34,7 @@ Calls with no mask take the plain route
 ---------------------------------------
 A call with no mask, no soft cap, no dropout and no ``sliding_window`` / ``attention_bias`` /
 ``position_bias`` (a decoding step of Llama and most models, an unpadded prefill) goes straight
-to :func:`flash_dmattn.flash_dmattn_func` with positional arguments, where a signature that
+to :func:`flash_dmattn.flash_dmattn_func` without the mask normalisation, where a signature that
 auto-dispatch has decided is served by :func:`flash_dmattn.registry.run_plain` (on a GPU: the
 triton split-KV decode kernel, launched with no validation object, dispatch or custom op).
 The output is the general route's; invalid calls raise as they do there.

@@ -6,12 +6,12 @@ The kernels are wrapped as custom ops (:class:`flash_dmattn.ops.AttentionOp`) so
 """
 from __future__ import annotations
 
-import math
 from typing import List, Optional
 
 import torch
 
 from ...envs import interpret_mode
+from ...inputs import default_softmax_scale
 from ...ops import eager_inference
 from ...policy import device_capability
 from ...registry import BackendDeclined, is_compile_failure
@@ -82,9 +82,8 @@ def plain_decode(query, key, value, softmax_scale, is_causal, seqlen_q, seqlen_k
         return None
     if not eager_inference(query, key, value):
         return None
-    if softmax_scale is None:  # AttentionInputs' default
-        head_dim = query.shape[3]
-        softmax_scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    if softmax_scale is None:
+        softmax_scale = default_softmax_scale(query.shape[3])
     try:
         # run_plain checked the last dims (contiguous, as decode_forward makes them).
         return decode.plain_decode_forward(query, key, value, float(softmax_scale), is_causal)
