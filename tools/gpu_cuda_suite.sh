@@ -68,11 +68,20 @@ stamp "built $(wc -l <"$OUT/specs.txt") modules, $(wc -l <"$OUT/build-failures.l
 # The test files as device jobs (tools/gpu_lanes.sh): each starts on the next free GPU and runs
 # until the deadline; the slowest files go first.
 export DEADLINE MARK K
+export SUITE_OUT=$OUT  # the jobs' OUT is the lanes' folder
+# One test file until the deadline, its last line into tests-summary.log.
+cat >"$W/run-test.sh" <<'RUN'
+f=$1; n=$(basename "$f" .py)
+left=$(( DEADLINE - $(date +%s) ))
+if [ "$left" -lt 20 ]; then echo "$f no time" >>"$SUITE_OUT/tests-summary.log"; exit 0; fi
+timeout "$left" python3 -m pytest -q -p no:cacheprovider -rs "$f" ${K:+-k "$K"} -m "$MARK" \
+  >"$SUITE_OUT/t-$n.log" 2>&1
+rc=$?
+[ $rc -eq 124 ] && what="cut by the deadline" || what="rc=$rc"
+echo "$f (GPU $CUDA_VISIBLE_DEVICES) $what: $(tail -n 1 "$SUITE_OUT/t-$n.log")" >>"$SUITE_OUT/tests-summary.log"
+RUN
 JOBS=$W/test-jobs.txt
-for f in $TESTS; do
-  n=$(basename "$f" .py)
-  echo "left=\$(( DEADLINE - \$(date +%s) )); [ \$left -ge 20 ] || { echo '$f no time' >>\"$OUT/tests-summary.log\"; exit 0; }; timeout \$left python3 -m pytest -q -p no:cacheprovider -rs $f \${K:+-k \"\$K\"} -m \"\$MARK\" >\"$OUT/t-$n.log\" 2>&1; rc=\$?; [ \$rc -eq 124 ] && what='cut by the deadline' || what=\"rc=\$rc\"; echo \"$f (GPU \$CUDA_VISIBLE_DEVICES) \$what: \$(tail -n 1 \"$OUT/t-$n.log\")\" >>\"$OUT/tests-summary.log\""
-done >"$JOBS"
+for f in $TESTS; do echo "bash $W/run-test.sh $f"; done >"$JOBS"
 OUT=$OUT/lanes DEADLINE_S=$(( DEADLINE - $(date +%s) )) bash "$(dirname "$0")/gpu_lanes.sh" "$JOBS" >/dev/null
 cat "$OUT/tests-summary.log"
 stamp "tests done"
