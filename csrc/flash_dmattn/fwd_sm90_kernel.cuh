@@ -197,7 +197,10 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
   // items grid-strided, so the next item's Q and first keys load while the consumers finish
   // the last one. Each role walks the items in its own loop (setmaxnreg budgets hold per
   // role); `step0` counts the CTA's key steps so far (stage and phase of the K / V / aux
-  // rings), `rounds` its items with keys (the phase of the Q barriers).
+  // rings), `rounds` its items with keys (the phase of the Q barriers). With one item per CTA
+  // the loops stop after it at compile time, so the ring counters stay constants (the
+  // persistent form's extra live state made the other walks spill).
+  constexpr bool kPersistent = kIntervals;
   const int m_blocks = (p.Lq + kBlockM - 1) / kBlockM;
   const int n_items = m_blocks * p.B * p.H;
   struct Item {
@@ -341,6 +344,7 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
         step0 += n_steps;
         ++rounds;
       }
+      if constexpr (!kPersistent) break;
     }
     // Copies still in flight must not outlive their thread.
     cp_async_wait<0>();
@@ -663,7 +667,7 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
         const int g = step0 + i;
         stage_released(bar.k_empty + g % kStages);
         // The last S product was the last reader of Q: the producer may load the next item's.
-        if (i == n_steps - 1) stage_released(bar.q_empty);
+        if (kPersistent && i == n_steps - 1) stage_released(bar.q_empty);
         if constexpr (Cfg::kHasAux || kGather) {
           const int a = g % kAuxStages;
           ClusterBarrier::wait(bar.aux_full + a, (g / kAuxStages) & 1);
@@ -729,6 +733,7 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
       step0 += n_steps;
       ++rounds;
     }
+    if constexpr (!kPersistent) break;
   }
 #endif  // __CUDA_ARCH__
 }
