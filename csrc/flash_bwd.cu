@@ -556,7 +556,7 @@ bool bwd_gathers() { return bwd_sm90_gathers(); }
 int bwd_gather_block_m() { return dq_gathered_block_m(); }
 bool bwd_key_bits() { return kHasMask && !kPacked; }
 #endif  // FLASH_DMATTN_SM90_BWD
-// Attention dropout: the sm_90 kernels of dense-batch modules (the gathered dQ kernel has none).
+// Attention dropout: the sm_90 kernels (the gathered dQ kernel has none).
 bool bwd_dropout() { return FLASH_DMATTN_DROPOUT; }
 
 }  // namespace flash_dmattn

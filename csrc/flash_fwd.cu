@@ -240,7 +240,7 @@ cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream) {
 int fwd_block_m() { return FwdConfig<kHeadDimBucket>::kBlockM; }
 int fwd_block_n() { return FwdConfig<kHeadDimBucket>::kBlockN; }
 #endif
-// Attention dropout: the sm_90 kernels of dense-batch modules whose backward is sm_90 too.
+// Attention dropout: the sm_90 kernels of modules whose backward is sm_90 too.
 bool fwd_dropout() { return FLASH_DMATTN_DROPOUT; }
 
 }  // namespace flash_dmattn

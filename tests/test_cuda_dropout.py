@@ -22,7 +22,8 @@ from flash_dmattn.dropout import keep_mask
 from cuda_stand_in import DenseKernelModule
 from interpreter_only import planner_device, skip_unless_available
 from naive import assert_close
-from test_dropout import check_against_dense, check_graph_replays, dense_dropout_attention
+from test_dropout import (check_against_dense, check_graph_replays, check_varlen_per_sequence_masks,
+                          dense_dropout_attention)
 
 # ---------------------------------------------------------------------------------------------
 # Which calls take dropout (CPU, meta tensors)
@@ -48,7 +49,8 @@ def _reasons(p=0.1, capability=(9, 0), **call):
          train=True, bias_grad=True),
     dict(shape="B=1,H=4,Hkv=2,Lq=200,Lk=200,D=128", mask="intervals", bias="B,Hkv,1,Lk",
          causal=True, train=True, bias_grad=True),
-], ids=["dense", "decode-shape", "shared-bias", "intervals"])
+    dict(shape="B=1,H=4,Hkv=2,Lq=100,Lk=100,D=64", varlen=True, causal=True, train=True),
+], ids=["dense", "decode-shape", "shared-bias", "intervals", "varlen"])
 def test_hopper_takes_dropout(call):
     assert _reasons(**call) == []
 
@@ -59,8 +61,6 @@ def test_declines_dropout_where_no_kernel_has_it():
                for r in _reasons(shape=f"{base},D=256", train=True))
     assert any("dropout with a KV cache" in r
                for r in _reasons(shape="B=1,H=4,Hkv=2,Lq=1,Lk=4096,D=64", cache_seqlens=True))
-    assert any("dropout with packed sequences" in r
-               for r in _reasons(shape=f"{base},D=64", varlen=True, train=True))
     assert any("sm_90 (Hopper)" in r
                for r in _reasons(shape=f"{base},D=64", capability=(8, 0), train=True))
     # Without dropout those calls have no dropout reason.
@@ -295,6 +295,17 @@ def test_cuda_gathered_forward_draws_the_calls_mask(monkeypatch):
     out, keep = _run(q, k, v, 0.4, 13, attn_mask=mask, is_causal=True)
     check_against_dense(out, keep, 0.4, (q, k, v, None), TOL[torch.float16], mask=mask.cpu(),
                         causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_varlen_draws_each_sequences_mask(head_dim):
+    """Packed sequences: sequence s draws batch entry s's keep-mask (rows and keys from the
+    sequence's start), forward and backward, several query and key tiles per sequence."""
+    _hopper()
+    check_varlen_per_sequence_masks("cuda", "cuda", torch.float16, TOL[torch.float16],
+                                    lens_q=(5, 0, 190, 1, 300), lens_k=(7, 3, 210, 1, 333),
+                                    head_dim=head_dim)
 
 
 @pytest.mark.gpu

@@ -224,13 +224,13 @@ def test_backends_decline_dropout_with_a_reason():
     flex = registry._BACKENDS["flex"]
     assert any("dropout" in r for r in flex.not_supported_reasons(inputs))
     if "cuda" in registry._BACKENDS:
-        # The cuda kernels' dropout covers dense calls on Hopper (tests/test_cuda_dropout.py),
-        # not packed sequences.
+        # The cuda kernels' dropout covers dense calls and packed sequences on Hopper
+        # (tests/test_cuda_dropout.py): no dropout reason for a packed call of a head dim the
+        # sm_90 backward takes.
         cuda = registry._BACKENDS["cuda"]
         packed = VarlenInputs.from_args(q[0], q[0], q[0], torch.tensor([0, 8]), torch.tensor([0, 8]),
                                         8, 8, dropout_p=0.1)
-        assert any("dropout with packed sequences" in r
-                   for r in cuda.varlen_not_supported_reasons(packed))
+        assert not any("dropout" in r for r in cuda.varlen_not_supported_reasons(packed))
     with pytest.raises(ValueError, match="dropout"):
         flash_dmattn_func_auto("flex")(q, q, q, dropout_p=0.1)
     # The reference runs it (its CPU fast path, SDPA, has another random stream: not taken).
@@ -470,25 +470,28 @@ def test_triton_keep_tiles_of_several_row_groups(block_m, block_n):
         assert torch.equal(out_t.cpu().bool(), want.T)
 
 
-@needs_kernels
-def test_triton_varlen_matches_the_per_sequence_masks(poisoned):
-    lens_q, lens_k = [5, 0, 19, 1], [7, 3, 21, 1]
-    H, Hkv, D, p = 4, 2, 16, 0.3
-    gen = torch.Generator().manual_seed(9)
+def check_varlen_per_sequence_masks(backend, device, dtype, tol, lens_q=(5, 0, 19, 1),
+                                    lens_k=(7, 3, 21, 1), head_dim=16, seed=9):
+    """Packed sequences with dropout (causal, a per-key bias with its gradient) on ``backend``
+    against the reference run sequence by sequence on the call's keep-mask: sequence ``s``
+    draws batch entry ``s``'s mask, rows and keys counted from the sequence's start."""
+    lens_q, lens_k = list(lens_q), list(lens_k)
+    H, Hkv, D, p = 4, 2, head_dim, 0.3
+    gen = torch.Generator().manual_seed(seed)
     q, k, v = leaves((sum(lens_q), H, D), (sum(lens_k), Hkv, D), (sum(lens_k), Hkv, D),
-                     dtype=KDTYPE, device=KDEV, gen=gen)
-    bias = torch.randn(Hkv, sum(lens_k), generator=gen).to(KDEV, KDTYPE).requires_grad_()
-    cu_q = torch.tensor([0] + lens_q).cumsum(0).int().to(KDEV)
-    cu_k = torch.tensor([0] + lens_k).cumsum(0).int().to(KDEV)
+                     dtype=dtype, device=device, gen=gen)
+    bias = torch.randn(Hkv, sum(lens_k), generator=gen).to(device, dtype).requires_grad_()
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).int().to(device)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).int().to(device)
     inputs_args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
     torch.manual_seed(13)
-    rng = testing.dropout_rng(KDEV)
+    rng = testing.dropout_rng(device)
     torch.manual_seed(13)
     inputs = VarlenInputs.from_args(*inputs_args, attn_bias=bias, is_causal=True, dropout_p=p)
-    out = registry.check_explicit(registry.get_backend("triton"), inputs).varlen_attention(inputs)
+    out = registry.check_explicit(registry.get_backend(backend), inputs).varlen_attention(inputs)
     keep = testing.dropout_mask(rng, len(lens_q), H, max(lens_q), max(lens_k), p).cpu()
     dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    got = torch.autograd.grad(out, (q, k, v, bias), dout.to(out.dtype).to(KDEV))
+    got = torch.autograd.grad(out, (q, k, v, bias), dout.to(out.dtype).to(device))
     ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v, bias)]
     refs = []
     for i in range(len(lens_q)):
@@ -498,10 +501,15 @@ def test_triton_varlen_matches_the_per_sequence_masks(poisoned):
             keep[i:i + 1, :, :lens_q[i], :lens_k[i]], p, bias=ref_in[3][None, :, None, ks],
             causal=True)[0])
     ref = torch.cat(refs)
-    assert_close("out", out.detach().cpu(), ref.detach(), KTOL)
+    assert_close("out", out.detach().cpu(), ref.detach(), tol)
     want = torch.autograd.grad(ref, ref_in, dout)
     for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, want):
-        assert_close(name, a.detach().cpu(), b, KTOL)
+        assert_close(name, a.detach().cpu(), b, tol)
+
+
+@needs_kernels
+def test_triton_varlen_matches_the_per_sequence_masks(poisoned):
+    check_varlen_per_sequence_masks("triton", KDEV, KDTYPE, KTOL)
 
 
 @needs_kernels

@@ -147,7 +147,7 @@ inline void fill_dropout(FwdParams& p, bool built, const at::Tensor& q, const Op
                          int64_t threshold, double scale, int64_t b0, int64_t h0,
                          int64_t heads) {
   if (!rng.has_value()) return;
-  TORCH_CHECK(built, "this kernel module has no dropout (it needs sm_90, dense batches and "
+  TORCH_CHECK(built, "this kernel module has no dropout (it needs sm_90 and "
               "head dim <= 128)");
   const at::Tensor& r = *rng;
   TORCH_CHECK(r.is_cuda() && r.device() == q.device() && r.scalar_type() == at::kLong &&

@@ -35,9 +35,11 @@
 // share a thread's registers); larger head dims run the sm80 backward on Hopper too.
 #define FLASH_DMATTN_SM90_BWD \
   (FLASH_DMATTN_SM90 && FLASH_DMATTN_HEADDIM <= 128)
-// Attention dropout (Dropout below): built into the sm_90 forward and backward of dense-batch
-// modules whose backward is sm_90 too; other modules compile no dropout kernels.
-#define FLASH_DMATTN_DROPOUT (FLASH_DMATTN_SM90_BWD && !FLASH_DMATTN_PACKED)
+// Attention dropout (Dropout below): built into the sm_90 forward and backward of modules whose
+// backward is sm_90 too, dense batches and packed sequences alike (a packed call's batch index
+// is the sequence, its rows and keys counted from the sequence's start: the coordinates of the
+// keep-mask); other modules compile no dropout kernels.
+#define FLASH_DMATTN_DROPOUT FLASH_DMATTN_SM90_BWD
 // Gathered key lists and key intervals, the list walks of the sm_90 forward: built into the
 // modules of dense batches with a mask; other modules compile none of their kernels.
 #define FLASH_DMATTN_FWD_GATHER \

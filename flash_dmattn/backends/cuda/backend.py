@@ -81,19 +81,16 @@ class CudaBackend(Backend):
         return reasons
 
     @staticmethod
-    def _dropout_reasons(inputs, packed: bool) -> List[str]:
+    def _dropout_reasons(inputs) -> List[str]:
         """Why the kernels cannot run a call's attention dropout: only the sm_90 forward and
-        backward draw its keep-mask (flash_dmattn.dropout), so not the decode kernel (KV
-        caches), the sm80 kernels (other GPUs; head dims over 128, whose backward is sm80 on
-        Hopper too) or packed sequences (their sm_90 kernels are built without it)."""
+        backward draw its keep-mask (flash_dmattn.dropout), dense batches and packed sequences
+        alike, so not the decode kernel (KV caches) or the sm80 kernels (other GPUs; head dims
+        over 128, whose backward is sm80 on Hopper too)."""
         if not getattr(inputs, "dropout_p", 0.0) > 0.0:
             return []
         from ...policy import HOPPER, device_capability
 
         reasons = []
-        if packed:
-            reasons.append("dropout with packed sequences (varlen) has no cuda kernel (triton "
-                           "runs it)")
         if (getattr(inputs, "cache_seqlens", None) is not None
                 or getattr(inputs, "block_table", None) is not None):
             reasons.append("dropout with a KV cache (cache_seqlens / block_table): the cuda "
@@ -107,7 +104,7 @@ class CudaBackend(Backend):
 
     def not_supported_reasons(self, inputs) -> List[str]:
         reasons = self._call_reasons(inputs)
-        reasons.extend(self._dropout_reasons(inputs, packed=False))
+        reasons.extend(self._dropout_reasons(inputs))
         if getattr(inputs, "key_intervals", None) is not None:
             from .intervals import interval_reasons
             from .kernels import input_reasons
@@ -156,7 +153,7 @@ class CudaBackend(Backend):
             reasons.extend(r for r in self.not_supported_reasons(packed) if r not in reasons)
             return reasons
         reasons = self._call_reasons(inputs)
-        reasons.extend(self._dropout_reasons(inputs, packed=True))
+        reasons.extend(self._dropout_reasons(inputs))
         from .kernels import varlen_input_reasons
 
         reasons.extend(r for r in varlen_input_reasons(

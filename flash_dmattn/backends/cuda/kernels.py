@@ -769,10 +769,13 @@ def _packed_call(q, mask, bias, cu_q, cu_k, max_k, op):
 
 
 def cuda_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
-                        softcap) -> Tuple[torch.Tensor, torch.Tensor]:
+                        softcap, dropout_p=0.0,
+                        dropout_rng=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences: ``(out (total_q, H, D), lse (H, total_q) fp32)``; rows no sequence
     owns (past ``cu_q[-1]``) give 0 / -inf. A float32 bias is read in q's dtype, a head dim
-    that is not a multiple of 8 zero-padded (as in :func:`cuda_forward`)."""
+    that is not a multiple of 8 zero-padded (as in :func:`cuda_forward`). ``dropout_p`` /
+    ``dropout_rng``: attention dropout, sequence ``s`` drawing the keep-mask of batch entry
+    ``s`` (:mod:`flash_dmattn.dropout`)."""
     d = q.shape[-1]
     q, k, v = (vector_ready(t) for t in pad_head_dim(q, k, v))
     bias = kernel_bias(bias, q.dtype)
@@ -780,14 +783,17 @@ def cuda_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, is
         q, mask, bias, cu_q, cu_k, max_k, "fwd")
     out, lse = mod.fwd(q[None], k[None], v[None], mask_a, bias_a, None, float(scale),
                        bool(is_causal), float(softcap), idx, cnt, hdiv, cu_q, cu_k, cu_aux,
-                       int(max_q), int(max_k), *NO_DROPOUT)
+                       int(max_q), int(max_k), *dropout_args(dropout_p, dropout_rng))
     return _unpad(out[0], d), lse
 
 
 def cuda_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, out, lse, scale,
-                         is_causal, softcap, deterministic, needs):
+                         is_causal, softcap, deterministic, needs, dropout_p=0.0,
+                         dropout_rng=None):
     """``(dq, dk, dv, dbias)`` of packed sequences, None where ``needs`` did not ask; dbias in
-    the per-key bias's ``(Hx, total_k)`` shape. Never uses atomics (``deterministic`` is free)."""
+    the per-key bias's ``(Hx, total_k)`` shape. Never uses atomics (``deterministic`` is free).
+    ``dropout_p`` / ``dropout_rng``: the forward's dropout, whose keep-mask the kernels draw
+    again."""
     need_dq, need_dk, need_dv, need_dbias = needs
     d = q.shape[-1]
     dout, q, k, v, out = (vector_ready(t) for t in pad_head_dim(dout, q, k, v, out))
@@ -801,7 +807,8 @@ def cuda_varlen_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, ou
                              lse.contiguous(), float(scale), bool(is_causal), float(softcap),
                              bool(need_dq), bool(need_dk or need_dv), mode, idx, cnt, None, None,
                              hdiv, False, cu_q, cu_k, cu_aux, int(max_q), int(max_k),
-                             None, None, 1, None, 1, None, 1, None, 1, *NO_DROPOUT)
+                             None, None, 1, None, 1, None, 1, None, 1,
+                             *dropout_args(dropout_p, dropout_rng))
     dbias = None
     if mode == 2:
         hx, total_k = bias.shape
