@@ -14,7 +14,9 @@
 #    in TESTS order: slowest first), until DEADLINE_S seconds after the start (a file cut by
 #    the deadline is reported as such, the rest as "no time");
 # 5. (DENSE_BENCH_S set) the dense benchmark suite.
-# Knobs: TESTS (files), MARK (pytest -m, default gpu), K (pytest -k, default: all).
+# Knobs: TESTS (files; FILE@EXPR runs the tests of FILE that pytest -k EXPR selects, as a job
+# of its own: a slow file's parametrisations then run side by side), MARK (pytest -m, default
+# gpu), K (pytest -k for every file, default: all).
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}
 CORES=$(nproc)
@@ -29,7 +31,10 @@ finish() {
   (cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v '^logs.tgz$'))
   exit 0
 }
-TESTS=${TESTS:-"tests/test_cuda_backend.py tests/test_gpu.py tests/test_fuzz_backends.py
+TESTS=${TESTS:-"tests/test_cuda_backend.py tests/test_gpu.py
+  tests/test_fuzz_backends.py@triton-bf16 tests/test_fuzz_backends.py@triton-fp16
+  tests/test_fuzz_backends.py@flex tests/test_fuzz_backends.py@auto
+  tests/test_fuzz_backends.py@cuda
   tests/test_cuda_intervals.py tests/test_cuda_dropout.py tests/test_cuda_host_inputs.py
   tests/test_cuda_shared_dbias.py tests/test_dropout.py tests/test_plain_decode.py
   tests/test_decode.py tests/test_topk_decode.py tests/test_paged.py tests/test_varlen_intervals.py
@@ -52,7 +57,7 @@ fi
 
 # One recording per file, side by side: a slow file no longer cuts the others' lists short.
 # (tests/conftest.py disables triton and flex while recording.)
-printf '%s\n' $TESTS | xargs -P "$RECORD_P" -I{} sh -c \
+printf '%s\n' $TESTS | sed 's/@.*//' | sort -u | xargs -P "$RECORD_P" -I{} sh -c \
   'timeout 240 python3 -m pytest -q -p no:cacheprovider "$1" ${2:+-k "$2"} -m "$3" \
      --record-cuda-specs "$0/specs-$(basename "$1" .py).txt" >"$0/record-$(basename "$1" .py).log" 2>&1;
    echo "$1 record rc=$?"' "$W" {} "$K" "$MARK" >"$OUT/record.log"
@@ -71,14 +76,18 @@ export DEADLINE MARK K
 export SUITE_OUT=$OUT  # the jobs' OUT is the lanes' folder
 # One test file until the deadline, its last line into tests-summary.log.
 cat >"$W/run-test.sh" <<'RUN'
-f=$1; n=$(basename "$f" .py)
+# $1: FILE or FILE@EXPR (the tests of FILE that -k EXPR selects, and K's if set).
+f=${1%%@*}; n=$(basename "$f" .py); sel=""
+case "$1" in *@*) sel=${1#*@}; n="$n-$(echo "$sel" | tr -c 'A-Za-z0-9_.\n-' '_')" ;; esac
+KSEL=$K
+if [ -n "$sel" ]; then KSEL="($sel)"; [ -n "$K" ] && KSEL="($K) and $KSEL"; fi
 left=$(( DEADLINE - $(date +%s) ))
-if [ "$left" -lt 20 ]; then echo "$f no time" >>"$SUITE_OUT/tests-summary.log"; exit 0; fi
-timeout "$left" python3 -m pytest -q -p no:cacheprovider -rs "$f" ${K:+-k "$K"} -m "$MARK" \
+if [ "$left" -lt 20 ]; then echo "$1 no time" >>"$SUITE_OUT/tests-summary.log"; exit 0; fi
+timeout "$left" python3 -m pytest -q -p no:cacheprovider -rs "$f" ${KSEL:+-k "$KSEL"} -m "$MARK" \
   >"$SUITE_OUT/t-$n.log" 2>&1
 rc=$?
 [ $rc -eq 124 ] && what="cut by the deadline" || what="rc=$rc"
-echo "$f (GPU $CUDA_VISIBLE_DEVICES) $what: $(tail -n 1 "$SUITE_OUT/t-$n.log")" >>"$SUITE_OUT/tests-summary.log"
+echo "$1 (GPU $CUDA_VISIBLE_DEVICES) $what: $(tail -n 1 "$SUITE_OUT/t-$n.log")" >>"$SUITE_OUT/tests-summary.log"
 RUN
 JOBS=$W/test-jobs.txt
 for f in $TESTS; do echo "bash $W/run-test.sh $f"; done >"$JOBS"
