@@ -94,7 +94,9 @@ class CallFeatures(NamedTuple):
     :class:`~flash_dmattn.masks.KeyIntervals`). ``bias``: ``none``, ``per-key`` or ``per-query``
     alike. ``decode``: few query rows per kv head against a long key range or a KV cache's
     used lengths (the shape the split-KV decode kernels take). ``kv_cache``: ``cache_seqlens``
-    or paged K/V. ``training``: some input needs a gradient.
+    or paged K/V. ``training``: some input needs a gradient. ``plain``: a dense batch with no
+    mask, bias, soft cap, KV cache, dropout or attention probabilities (what one SDPA call
+    computes). ``kv_bytes``: the bytes of K and V the call reads.
     """
 
     device: str = "cuda"
@@ -106,6 +108,8 @@ class CallFeatures(NamedTuple):
     bias: str = "none"
     training: bool = False
     bias_grad: bool = False
+    plain: bool = False
+    kv_bytes: int = 0
 
     @property
     def gpu(self) -> bool:
@@ -129,6 +133,8 @@ class CallFeatures(NamedTuple):
         parts.append("forward + backward" if self.training else "forward only")
         if self.bias_grad:
             parts.append("bias gradient")
+        if self.plain:
+            parts.append(f"plain ({self.kv_bytes / 2**20:.1f} MiB of K/V)")
         return ", ".join(parts)
 
 
@@ -157,6 +163,10 @@ def features_of(inputs) -> CallFeatures:
     bias = inputs.attn_bias
     device = inputs.device
     grad = torch.is_grad_enabled()
+    plain = not (packed or intervals or cache or paged or bias is not None
+                 or inputs.attn_mask is not None or inputs.softcap or inputs.dropout_p
+                 or inputs.return_attn_probs)
+    key = inputs.key
     # Positionally, in CallFeatures' field order (asked on every dispatched call).
     return _make_features((
         device.type,                                                  # device
@@ -168,6 +178,8 @@ def features_of(inputs) -> CallFeatures:
         _aux_kind(bias),                                              # bias
         grad and inputs.needs_grad,                                   # training
         grad and bias is not None and bias.requires_grad,             # bias_grad
+        plain,                                                        # plain
+        2 * key.numel() * key.element_size() if plain else 0,         # kv_bytes
     ))
 
 
@@ -183,7 +195,9 @@ class Rule:
     """One row of the table: on ``arch`` (``any``, ``cpu``, ``sm_90`` or ``other GPUs``), calls
     that ``when`` describes (``test`` decides) try ``prefer`` in order; ``reason`` says why,
     ``evidence`` where it was measured, ``passed_over`` why a backend left out of ``prefer``
-    runs only as a fallback (a backend with no entry gets :data:`NOT_PREFERRED`)."""
+    runs only as a fallback (a backend with no entry gets :data:`NOT_PREFERRED`).
+    ``reference_fast``: torch-reference runs this rule's calls at full speed (one SDPA call),
+    so running them there is the rule's choice, not a slow fallback worth a warning."""
 
     key: str
     arch: str
@@ -193,6 +207,7 @@ class Rule:
     reason: str
     evidence: str
     passed_over: Mapping[str, str] = field(default_factory=dict)
+    reference_fast: bool = False
 
     def applies(self, f: CallFeatures) -> bool:
         if self.arch == "cpu" and f.gpu:
@@ -222,6 +237,16 @@ def _per_query_bias_training(f: CallFeatures) -> bool:
     return f.training and f.bias == "per-query"
 
 
+# A plain decoding step over at most this much K/V runs as one SDPA call (rule "gpu-plain-decode").
+PLAIN_DECODE_SDPA_MAX_BYTES = 32 * 2**20
+
+
+def _small_plain_decode(f: CallFeatures) -> bool:
+    return (f.gpu and f.decode and f.plain and not (f.training or f.kv_cache or f.packed)
+            and f.mask == "none" and f.bias == "none"
+            and f.kv_bytes <= PLAIN_DECODE_SDPA_MAX_BYTES)
+
+
 RULES: Tuple[Rule, ...] = (
     Rule(
         "cpu", "cpu", "any call on CPU tensors", _always,
@@ -235,6 +260,24 @@ RULES: Tuple[Rule, ...] = (
                     "no backward; the chunked torch-reference is preferred",
             "cuda": "needs a CUDA device",
         },
+    ),
+    Rule(
+        "gpu-plain-decode", "any",
+        f"a decoding step (forward only) with no mask, bias, soft cap, dropout or KV cache "
+        f"over at most {PLAIN_DECODE_SDPA_MAX_BYTES // 2**20} MiB of K/V, on a GPU",
+        _small_plain_decode,
+        prefer=("torch-reference", "triton"),
+        reason="host bound: torch-reference runs such a call as one PyTorch SDPA call, whose "
+               "host time per call measured under half of the split-KV decode kernels' two "
+               "Triton launches; over this little K/V the device time of either is a few "
+               "microseconds (about 10 at 3 TB/s), less than the host time one launch costs",
+        evidence=_EVIDENCE + " (gpu-plain-decode)",
+        passed_over={
+            "cuda": "its decode kernels measured slower than triton's (hopper-decode), and "
+                    "launch from Python as triton's do",
+            "flex": "compiled per shape; a decoding step's key length changes every step",
+        },
+        reference_fast=True,
     ),
     Rule(
         "hopper-packed-forward", "sm_90", "packed sequences, forward only",

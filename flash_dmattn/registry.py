@@ -549,9 +549,11 @@ def _note_choice(backend: Backend, inputs: Inputs, ranking) -> None:
         _logged_choices.add(key)
         logger.info("flash_dmattn: using backend %r for %s inputs (dispatch rule %r)",
                     backend.name, inputs.device.type, ranking.rule.key)
-    if backend.name == "torch-reference" and inputs.device.type in ACCELERATED_DEVICE_TYPES:
-        # Why every other backend did not run: its own reasons where it cannot run the call,
-        # else the policy's reason for passing it over.
+    if (backend.name == "torch-reference" and inputs.device.type in ACCELERATED_DEVICE_TYPES
+            and not ranking.rule.reference_fast):
+        # A slow fallback (not a rule's fast SDPA route, e.g. small plain decoding steps): why
+        # every other backend did not run, its own reasons where it cannot run the call, else
+        # the policy's reason for passing it over.
         declined = []
         for name in PRIORITY:
             if name == backend.name:

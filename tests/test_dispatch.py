@@ -127,6 +127,29 @@ def test_fallback_warning_once_on_accelerated_device(monkeypatch):
         flash_dmattn_func(q, k, v)  # same reasons: no second warning
 
 
+def test_no_warning_where_a_rule_prefers_the_reference_as_its_fast_route(monkeypatch):
+    """A small plain decoding step on a GPU runs as one SDPA call on torch-reference (rule
+    gpu-plain-decode): the rule's choice, not a slow fallback, so no warning (the CPU plays
+    the accelerator, the policy sees an sm_90 GPU)."""
+    from flash_dmattn import policy
+
+    monkeypatch.setattr(registry, "ACCELERATED_DEVICE_TYPES", {"cpu"})
+    real = policy.features_of
+    monkeypatch.setattr(policy, "features_of",
+                        lambda inputs: real(inputs)._replace(device="cuda",
+                                                             capability=policy.HOPPER))
+    q = torch.randn(2, 1, 8, 16)
+    k, v = torch.randn(2, 300, 2, 16), torch.randn(2, 300, 2, 16)
+    inputs = AttentionInputs.from_args(q, k, v)
+    assert policy.rank_features(policy.features_of(inputs)).rule.key == "gpu-plain-decode"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = flash_dmattn_func(q, k, v)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(out, want)
+
+
 def test_no_warning_on_cpu():
     q, k, v = small(requires_grad=True)
     with warnings.catch_warnings():

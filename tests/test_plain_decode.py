@@ -245,3 +245,26 @@ def test_cuda_decode_step_is_served_and_equals_the_full_path(dims, monkeypatch):
         torch.cuda.synchronize()
     assert MEMO.hits - hits == 1
     assert torch.equal(out, first)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_small_decode_step_is_one_sdpa_call():
+    """On a GPU, auto-dispatch sends a plain decoding step over little K/V to torch-reference
+    (policy rule gpu-plain-decode), whose plain entry is one SDPA call: no fallback warning,
+    served from the memo after the first call, SDPA's output bit for bit."""
+    import warnings
+
+    q, k, v = (t.cuda() for t in _decode(B=4, H=8, Hkv=2, Lk=1088, D=128, dtype=torch.bfloat16))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.1,
+        enable_gqa=True).transpose(1, 2)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        first = flash_dmattn.flash_dmattn_func(q, k, v, softmax_scale=0.1)
+        key = registry.dispatch_signature(AttentionInputs.from_args(q, k, v, None, None, 0.1))
+        assert MEMO.peek(key).name == "torch-reference"
+        hits = MEMO.hits
+        out = flash_dmattn.flash_dmattn_func(q, k, v, softmax_scale=0.1)
+    assert MEMO.hits - hits == 1
+    assert torch.equal(first, want) and torch.equal(out, want)

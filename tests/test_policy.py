@@ -114,9 +114,47 @@ def test_features_of_real_inputs():
         "cpu", None, "per-key", "per-query", True, True)
     with torch.no_grad():
         assert not policy.features_of(inputs).training
+    assert not policy.features_of(inputs).plain and policy.features_of(inputs).kv_bytes == 0
     decode = AttentionInputs.from_args(torch.randn(1, 1, 8, 16), torch.randn(1, 4096, 2, 16),
                                        torch.randn(1, 4096, 2, 16))
-    assert policy.features_of(decode).decode
+    f = policy.features_of(decode)
+    assert f.decode and f.plain and f.kv_bytes == 2 * 4096 * 2 * 16 * 4
+    # Anything SDPA alone would not compute makes a call not plain.
+    for kw in (dict(softcap=5.0), dict(dropout_p=0.1), dict(return_attn_probs=True),
+               dict(attn_bias=torch.zeros(1, 2, 1, 4096))):
+        extra = AttentionInputs.from_args(torch.randn(1, 1, 8, 16), torch.randn(1, 4096, 2, 16),
+                                          torch.randn(1, 4096, 2, 16), **kw)
+        assert not policy.features_of(extra).plain, kw
+
+
+@pytest.mark.parametrize("cc", GPU_GENERATIONS)
+def test_small_plain_decoding_steps_run_as_one_sdpa_call(cc):
+    """A plain decoding step over little K/V goes to torch-reference's SDPA call on every GPU
+    (host bound: one SDPA call against the decode kernels' Triton launches); more K/V, a
+    mask, a KV cache, training or a prefill keep the kernels' order."""
+    gpu = dict(device="cuda", capability=cc, decode=True, plain=True)
+    small = policy.PLAIN_DECODE_SDPA_MAX_BYTES
+    ranking = rank_features(CallFeatures(**gpu, kv_bytes=small))
+    assert ranking.rule.key == "gpu-plain-decode"
+    assert ranking.prefer == ("torch-reference", "triton")
+    assert "cuda" not in ranking.prefer and ranking.passed_over["cuda"]
+    for f in (CallFeatures(**gpu, kv_bytes=small + 1),
+              CallFeatures(**gpu, kv_bytes=1, training=True),
+              CallFeatures(**dict(gpu, plain=False), kv_bytes=0, mask="per-key"),
+              CallFeatures(**dict(gpu, decode=False), kv_bytes=1),
+              CallFeatures(**gpu, kv_bytes=1, kv_cache=True)):
+        assert rank_features(f).rule.key != "gpu-plain-decode", f
+        assert rank_features(f).prefer[0] != "torch-reference", f
+    assert rank_features(CallFeatures("cpu", None, decode=True, plain=True,
+                                      kv_bytes=1)).rule.key == "cpu"
+
+
+def test_the_reference_backend_serves_plain_cuda_calls_with_sdpa():
+    from flash_dmattn.backends.reference import ReferenceBackend
+    from flash_dmattn.reference.sdpa_cpu import sdpa_plain
+
+    assert ReferenceBackend.plain_cuda_attention is sdpa_plain
+    assert ReferenceBackend.plain_attention is sdpa_plain
 
 
 class _Fake(Backend):

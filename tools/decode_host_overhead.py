@@ -8,9 +8,9 @@ host bound: its CUDA time is a fraction of its wall time, so what the library's 
 function costs on the host, per call, sets tokens/s. Two paths are timed:
 
 * ``llama``: ``dmattn_attention_forward`` with no mask, one query against ``--keys`` cached
-  keys (the dense path: the first call validates and auto-dispatches to triton's
-  ``hopper-decode`` rule; the calls timed are served by ``registry.run_plain`` and the
-  triton backend's plain entry, which launches the split-KV decode kernels directly);
+  keys (the dense path: the first call validates and auto-dispatches; the calls timed are
+  served by ``registry.run_plain`` and the chosen backend's plain entry: on the stubbed CPU
+  machine triton's, which launches the split-KV decode kernels directly);
 * ``doge``: the same with Doge's additive top-W mask ``(B, H, 1, Lk)`` (the top-W path:
   ``torch.topk`` over the mask row, the selected-keys launcher).
 
@@ -28,7 +28,9 @@ beside them two yardsticks: transformers' ``sdpa_attention_forward`` on the same
 (host overhead plus the CPU's attention arithmetic) and on a one-key call (mostly overhead).
 
 GPU (``--gpu``): nothing is stubbed. Per path, beside transformers' ``sdpa_attention_forward``
-on the same CUDA tensors (Doge's additive mask as its ``attn_mask``):
+on the same CUDA tensors (Doge's additive mask as its ``attn_mask``). The llama path is what
+auto-dispatch picks: for these small steps one SDPA call (policy rule ``gpu-plain-decode``);
+``FLASH_DMATTN_DISABLE=torch-reference`` times the split-KV decode kernels' route instead:
 
 * host microseconds per call: the time the Python loop of ``--calls`` calls takes before the
   device is synchronised (median of 7 blocks; the device work of a call is shorter, so the
@@ -136,7 +138,10 @@ def stubbed_device(counts: dict):
 
     def features_on_h100(inputs):
         f = real_features(inputs)
-        return f._replace(device="cuda", capability=policy.HOPPER)
+        f = f._replace(device="cuda", capability=policy.HOPPER)
+        # The kernels' launch path is what a stubbed machine can time: a small plain step
+        # would go to one SDPA call (rule gpu-plain-decode), whose host time only --gpu shows.
+        return f._replace(plain=False) if "plain" in f._fields else f
 
     patch(policy, "features_of", features_on_h100)
     # Launch plans and dispatch decisions made under these patches must not outlive them (nor

@@ -2,7 +2,10 @@
 
 Float64 calls (the tests' ground truth) and everything SDPA cannot express run the oracle of
 :mod:`flash_dmattn.reference.attention`; other CPU calls run PyTorch's fused attention over
-query chunks (:mod:`flash_dmattn.reference.sdpa_cpu`), the same attention at SDPA's speed."""
+query chunks (:mod:`flash_dmattn.reference.sdpa_cpu`), the same attention at SDPA's speed.
+On a GPU a plain call (no mask, bias, soft cap, KV cache, dropout or probabilities) is one
+SDPA call too: auto-dispatch sends small decoding steps here (policy rule
+``gpu-plain-decode``), where that call's host time is what counts."""
 from __future__ import annotations
 
 import torch
@@ -39,6 +42,12 @@ class ReferenceBackend(Backend):
             return sdpa_cpu_attention(inputs.query, key, value, inputs.attn_mask,
                                       inputs.attn_bias, inputs.softmax_scale, inputs.is_causal,
                                       inputs.key_intervals)
+        if _plain(inputs):
+            # GPU: a plain call is one SDPA call (None where SDPA's semantics differ).
+            out = sdpa_plain(inputs.query, key, value, inputs.softmax_scale, inputs.is_causal,
+                             inputs.seqlen_q, inputs.seqlen_k)
+            if out is not None:
+                return out
         args = (inputs.query, key, value, inputs.attn_mask, inputs.attn_bias)
         cfg = (inputs.softmax_scale, inputs.is_causal, inputs.softcap)
         extra = dict(cache_seqlens=inputs.cache_seqlens, key_intervals=inputs.key_intervals)
@@ -53,7 +62,20 @@ class ReferenceBackend(Backend):
     # that call on the tensors as given (no last-dim copy: run_plain checked them). The
     # function itself, not a method calling it: one Python frame less on every such call.
     plain_attention = staticmethod(sdpa_plain)
+    # The same for CUDA tensors (registry.run_plain asks once the policy chose this backend
+    # for the call's signature: small decoding steps, rule gpu-plain-decode).
+    plain_cuda_attention = staticmethod(sdpa_plain)
 
     def varlen_attention(self, inputs):
         out, lse, probs = reference_varlen_attention(inputs)
         return (out, lse, probs) if inputs.return_attn_probs else out
+
+
+def _plain(inputs) -> bool:
+    """No mask, bias, soft cap, KV cache, dropout, key intervals or probabilities, and no
+    deterministic backward asked for (SDPA's fused backward accumulates with atomics)."""
+    return (inputs.attn_mask is None and inputs.attn_bias is None and not inputs.softcap
+            and inputs.cache_seqlens is None and inputs.block_table is None
+            and not inputs.dropout_p and inputs.key_intervals is None
+            and not inputs.return_attn_probs
+            and not (inputs.deterministic and inputs.needs_grad))
