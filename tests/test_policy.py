@@ -119,12 +119,23 @@ def test_features_of_real_inputs():
                                        torch.randn(1, 4096, 2, 16))
     f = policy.features_of(decode)
     assert f.decode and f.plain and f.kv_bytes == 2 * 4096 * 2 * 16 * 4
-    # Anything SDPA alone would not compute makes a call not plain.
-    for kw in (dict(softcap=5.0), dict(dropout_p=0.1), dict(return_attn_probs=True),
-               dict(attn_bias=torch.zeros(1, 2, 1, 4096))):
-        extra = AttentionInputs.from_args(torch.randn(1, 1, 8, 16), torch.randn(1, 4096, 2, 16),
-                                          torch.randn(1, 4096, 2, 16), **kw)
-        assert not policy.features_of(extra).plain, kw
+    # Anything one SDPA call would not compute makes a call not plain: extras, a float64
+    # call, and causality where SDPA's top-left diagonal is not the library's bottom-right
+    # one (several queries against more keys: speculative decoding).
+    for q_len, dtype, kw in ((1, torch.float32, dict(softcap=5.0)),
+                             (1, torch.float32, dict(dropout_p=0.1)),
+                             (1, torch.float32, dict(return_attn_probs=True)),
+                             (1, torch.float32, dict(attn_bias=torch.zeros(1, 2, 1, 4096))),
+                             (1, torch.float64, dict()),
+                             (4, torch.float32, dict(is_causal=True)),
+                             (1, torch.float32, dict(is_causal=True))):
+        extra = AttentionInputs.from_args(torch.randn(1, q_len, 8, 16, dtype=dtype),
+                                          torch.randn(1, 4096, 2, 16, dtype=dtype),
+                                          torch.randn(1, 4096, 2, 16, dtype=dtype), **kw)
+        assert not policy.features_of(extra).plain, (q_len, dtype, kw)
+    square = AttentionInputs.from_args(torch.randn(1, 64, 8, 16), torch.randn(1, 64, 2, 16),
+                                       torch.randn(1, 64, 2, 16), is_causal=True)
+    assert policy.features_of(square).plain
 
 
 @pytest.mark.parametrize("cc", GPU_GENERATIONS)
