@@ -836,8 +836,11 @@ def test_cuda_auto_dispatch_takes_measured_calls_on_hopper(monkeypatch):
         torch.randn(1, 512, 2, 16), None, torch.zeros(1, 2, 512, 512, requires_grad=True),
         None, False)
     assert policy.rank(per_query_bias).order == ("flex", "triton", "cuda", "torch-reference")
-    assert first(inputs_for(1, 4096)) == "triton"  # the decode kernel
-    assert policy.rank(inputs_for(1, 4096)).order[1] == "cuda"
+    decode = inputs_for(1, 4096, bias=True)
+    assert first(decode) == "triton"  # the decode kernel
+    assert policy.rank(decode).order[1] == "cuda"
+    # A plain step over little K/V: one SDPA call (rule gpu-plain-decode).
+    assert first(inputs_for(1, 4096)) == "torch-reference"
     capability["cc"] = (8, 0)
     assert "cuda" not in policy.rank(prefill).prefer
     assert "sm_90" in backend.auto_skip_reasons(prefill)[0]

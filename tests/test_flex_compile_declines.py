@@ -166,13 +166,15 @@ def test_any_backends_compile_failure_is_remembered_and_auto_moves_on(monkeypatc
     monkeypatch.setattr(TritonBackend, "attention", failing)
     monkeypatch.setenv("FLASH_DMATTN_DISABLE", "flex")  # next: torch-reference, on CPU tensors
     q = torch.randn(1, 1, 8, 16, dtype=torch.bfloat16)
-    k = torch.randn(1, 512, 2, 16, dtype=torch.bfloat16)  # a decode shape: triton first
-    inputs = AttentionInputs.from_args(q, k, k)
+    k = torch.randn(1, 512, 2, 16, dtype=torch.bfloat16)
+    # A decode shape with a bias (a plain step would be one SDPA call): triton first.
+    bias = torch.randn(1, 2, 1, 512, dtype=torch.bfloat16)
+    inputs = AttentionInputs.from_args(q, k, k, None, bias)
     assert registry.select_backend(inputs).name == "triton"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        out = flash_dmattn_func(q, k, k)
-        flash_dmattn_func(q, k, k)
+        out = flash_dmattn_func(q, k, k, None, bias)
+        flash_dmattn_func(q, k, k, None, bias)
         want = registry.get_backend("torch-reference").attention(inputs)
     assert torch.equal(out, want)
     assert tried == ["triton"]
