@@ -545,6 +545,15 @@ class AttentionInputs(_InputsBase):
         return self.key.shape[1]
 
     @property
+    def plain(self) -> bool:
+        """No mask, bias, key intervals, KV cache (paged or not), soft cap, attention
+        probabilities or dropout: attention of q, k and v alone (registry.run_plain's calls,
+        the policy's ``plain`` feature, torch-reference's SDPA route on a GPU)."""
+        return (self.attn_mask is None and self.attn_bias is None and self.key_intervals is None
+                and self.block_table is None and self.cache_seqlens is None and not self.softcap
+                and not self.return_attn_probs and not self.dropout_p)
+
+    @property
     def page_size(self) -> Optional[int]:
         """Keys per page of a paged KV cache (None when K/V are contiguous)."""
         return self.key.shape[1] if self.block_table is not None else None

@@ -26,6 +26,7 @@ import torch
 
 from . import envs
 from .planning.decode import DECODE_MAX_ROWS, DECODE_MIN_SEQLEN_K
+from .reference.sdpa_cpu import sdpa_computes
 
 # Every backend name, in the order passed-over backends are tried when nothing preferred runs.
 PRIORITY = ("cuda", "triton", "flex", "torch-reference")
@@ -96,7 +97,7 @@ class CallFeatures(NamedTuple):
     used lengths (the shape the split-KV decode kernels take). ``kv_cache``: ``cache_seqlens``
     or paged K/V. ``training``: some input needs a gradient. ``plain``: a dense batch with no
     mask, bias, soft cap, KV cache, dropout or attention probabilities that one SDPA call
-    computes exactly (:func:`_sdpa_computes`). ``kv_bytes``: the bytes of K and V it reads.
+    computes exactly (:func:`~flash_dmattn.reference.sdpa_cpu.sdpa_computes`). ``kv_bytes``: the bytes of K and V it reads.
     """
 
     device: str = "cuda"
@@ -154,19 +155,6 @@ def _decode_shape(inputs) -> bool:
     return inputs.cache_seqlens is not None or inputs.seqlen_k >= DECODE_MIN_SEQLEN_K
 
 
-_SDPA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _sdpa_computes(inputs) -> bool:
-    """Whether one SDPA call computes this call's attention: a dtype SDPA's fused kernels
-    take, queries and keys, and causal only where SDPA's top-left diagonal is the library's
-    bottom-right one (``Lq == Lk``, and a nonzero scale: SDPA scales the scores it has set to
-    ``-inf``)."""
-    lq, lk = inputs.seqlen_q, inputs.seqlen_k
-    return (inputs.dtype in _SDPA_DTYPES and lq > 0 and lk > 0
-            and not (inputs.is_causal and (lq != lk or inputs.softmax_scale == 0.0)))
-
-
 def features_of(inputs) -> CallFeatures:
     """The :class:`CallFeatures` of validated ``inputs`` (AttentionInputs or VarlenInputs)."""
     packed = hasattr(inputs, "cu_seqlens_q")
@@ -176,9 +164,8 @@ def features_of(inputs) -> CallFeatures:
     bias = inputs.attn_bias
     device = inputs.device
     grad = torch.is_grad_enabled()
-    plain = not (packed or intervals or cache or paged or bias is not None
-                 or inputs.attn_mask is not None or inputs.softcap or inputs.dropout_p
-                 or inputs.return_attn_probs) and _sdpa_computes(inputs)
+    plain = not packed and inputs.plain and sdpa_computes(
+        inputs.dtype, inputs.seqlen_q, inputs.seqlen_k, inputs.is_causal, inputs.softmax_scale)
     key = inputs.key
     # Positionally, in CallFeatures' field order (asked on every dispatched call).
     return _make_features((

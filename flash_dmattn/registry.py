@@ -270,9 +270,7 @@ def dispatch_signature(inputs: Inputs) -> Optional[tuple]:
     mask, bias = inputs.attn_mask, inputs.attn_bias
     intervals, table = inputs.key_intervals, inputs.block_table
     grad_mode = torch.is_grad_enabled()
-    if (mask is None and bias is None and intervals is None and table is None
-            and inputs.cache_seqlens is None and not inputs.softcap
-            and not inputs.return_attn_probs and not inputs.dropout_p):
+    if inputs.plain:
         device = inputs.device
         if device.type in ("cpu", "cuda"):
             grad = grad_mode and (q.requires_grad or k.requires_grad

@@ -42,8 +42,10 @@ class ReferenceBackend(Backend):
             return sdpa_cpu_attention(inputs.query, key, value, inputs.attn_mask,
                                       inputs.attn_bias, inputs.softmax_scale, inputs.is_causal,
                                       inputs.key_intervals)
-        if _plain(inputs):
-            # GPU: a plain call is one SDPA call (None where SDPA's semantics differ).
+        if inputs.plain and not (inputs.deterministic and inputs.needs_grad):
+            # GPU: a plain call is one SDPA call (None where SDPA's semantics differ), unless a
+            # deterministic backward is asked for (SDPA's fused backward accumulates with
+            # atomics).
             out = sdpa_plain(inputs.query, key, value, inputs.softmax_scale, inputs.is_causal,
                              inputs.seqlen_q, inputs.seqlen_k)
             if out is not None:
@@ -70,12 +72,3 @@ class ReferenceBackend(Backend):
         out, lse, probs = reference_varlen_attention(inputs)
         return (out, lse, probs) if inputs.return_attn_probs else out
 
-
-def _plain(inputs) -> bool:
-    """No mask, bias, soft cap, KV cache, dropout, key intervals or probabilities, and no
-    deterministic backward asked for (SDPA's fused backward accumulates with atomics)."""
-    return (inputs.attn_mask is None and inputs.attn_bias is None and not inputs.softcap
-            and inputs.cache_seqlens is None and inputs.block_table is None
-            and not inputs.dropout_p and inputs.key_intervals is None
-            and not inputs.return_attn_probs
-            and not (inputs.deterministic and inputs.needs_grad))

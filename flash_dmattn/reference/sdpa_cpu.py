@@ -365,6 +365,16 @@ def _gather_kept(order, k, v, mask, bias, is_causal, heads):
     return k, v, mask, bias, bounds
 
 
+def sdpa_computes(dtype: torch.dtype, lq: int, lk: int, is_causal: bool,
+                  scale: Optional[float]) -> bool:
+    """Whether one SDPA call computes a plain call (:func:`sdpa_plain`): a dtype its fused
+    kernels take, queries and keys, and causal only where SDPA's top-left diagonal is the
+    library's bottom-right one (``Lq == Lk``) and the scale is not 0 (SDPA's causal masking
+    scales scores it has already set to ``-inf``, and ``0 * -inf`` is NaN)."""
+    return (dtype in _DTYPES and lq > 0 and lk > 0
+            and not (is_causal and (lq != lk or scale == 0.0)))
+
+
 def sdpa_plain(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], is_causal: bool,
                lq: int, lk: int) -> Optional[Tensor]:
     """``(B, Lq, H, Dv)`` attention of ``(B, L, H, D)`` tensors with no mask, bias, soft cap,
@@ -377,8 +387,7 @@ def sdpa_plain(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], is_causa
     aligns its diagonal top-left) or scale 0 (SDPA's causal masking scales scores it has
     already set to ``-inf``, and ``0 * -inf`` is NaN): :func:`sdpa_cpu_attention` then puts
     causality in a mask."""
-    if q.dtype not in _DTYPES or lq == 0 or lk == 0 or (
-            is_causal and (lq != lk or scale == 0.0)):
+    if not sdpa_computes(q.dtype, lq, lk, is_causal, scale):
         return None
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          is_causal=is_causal, scale=scale, enable_gqa=True)
