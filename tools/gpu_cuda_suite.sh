@@ -15,8 +15,8 @@
 #    the deadline is reported as such, the rest as "no time");
 # 5. (DENSE_BENCH_S set) the dense benchmark suite.
 # Knobs: TESTS (files; FILE@EXPR runs the tests of FILE that pytest -k EXPR selects, as a job
-# of its own: a slow file's parametrisations then run side by side), MARK (pytest -m, default
-# gpu), K (pytest -k for every file, default: all).
+# of its own: a slow file's parametrisations then run side by side; a "~" in EXPR stands for a
+# space), MARK (pytest -m, default gpu), K (pytest -k for every file, default: all).
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}
 CORES=$(nproc)
@@ -31,7 +31,9 @@ finish() {
   (cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v '^logs.tgz$'))
   exit 0
 }
-TESTS=${TESTS:-"tests/test_cuda_backend.py tests/test_gpu.py
+TESTS=${TESTS:-"tests/test_cuda_backend.py
+  tests/test_gpu.py@matches_reference~and~triton] tests/test_gpu.py@matches_reference~and~cuda]
+  tests/test_gpu.py@matches_reference~and~flex] tests/test_gpu.py@not~matches_reference
   tests/test_fuzz_backends.py@triton-bf16 tests/test_fuzz_backends.py@triton-fp16
   tests/test_fuzz_backends.py@flex tests/test_fuzz_backends.py@auto
   tests/test_fuzz_backends.py@cuda
@@ -78,7 +80,8 @@ export SUITE_OUT=$OUT  # the jobs' OUT is the lanes' folder
 cat >"$W/run-test.sh" <<'RUN'
 # $1: FILE or FILE@EXPR (the tests of FILE that -k EXPR selects, and K's if set).
 f=${1%%@*}; n=$(basename "$f" .py); sel=""
-case "$1" in *@*) sel=${1#*@}; n="$n-$(echo "$sel" | tr -c 'A-Za-z0-9_.\n-' '_')" ;; esac
+case "$1" in *@*) sel=$(printf '%s' "${1#*@}" | tr '~' ' ')
+  n="$n-$(echo "$sel" | tr -c 'A-Za-z0-9_.\n-' '_')" ;; esac
 KSEL=$K
 if [ -n "$sel" ]; then KSEL="($sel)"; [ -n "$K" ] && KSEL="($K) and $KSEL"; fi
 left=$(( DEADLINE - $(date +%s) ))
