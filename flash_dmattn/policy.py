@@ -97,7 +97,8 @@ class CallFeatures(NamedTuple):
     used lengths (the shape the split-KV decode kernels take). ``kv_cache``: ``cache_seqlens``
     or paged K/V. ``training``: some input needs a gradient. ``plain``: a dense batch with no
     mask, bias, soft cap, KV cache, dropout or attention probabilities that one SDPA call
-    computes exactly (:func:`~flash_dmattn.reference.sdpa_cpu.sdpa_computes`). ``kv_bytes``: the bytes of K and V it reads.
+    computes exactly (:func:`~flash_dmattn.reference.sdpa_cpu.sdpa_computes`).
+    ``kv_bytes``: the bytes of K and V it reads.
     """
 
     device: str = "cuda"

@@ -71,4 +71,3 @@ class ReferenceBackend(Backend):
     def varlen_attention(self, inputs):
         out, lse, probs = reference_varlen_attention(inputs)
         return (out, lse, probs) if inputs.return_attn_probs else out
-
