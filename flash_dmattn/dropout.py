@@ -9,11 +9,11 @@ regenerate the mask instead of storing it and any implementation can reproduce a
   torch's default generator of that device (:func:`draw_rng`): ``torch.manual_seed`` makes
   calls reproducible, every call advances the generator, and the draw is an ordinary random
   op, so CUDA-graph capture and ``torch.compile`` handle it like any other;
-* one Philox4x32-10 evaluation serves 16 consecutive query rows of one key (the stream is
+* one Philox4x32-7 evaluation (:data:`ROUNDS`) serves 16 consecutive query rows of one key (the stream is
   **key-major**): entry ``(b, h, i, j)`` (batch -- for packed sequences the sequence index --,
   query head, query row and key position, rows and keys counted from the start of the
   sequence) reads byte ``i % 4`` (low byte first) of output word ``(i % 16) // 4`` of
-  Philox4x32-10 keyed by ``seed`` (its low and high 32 bits) at counter ``(j, i // 16, b * H +
+  Philox4x32-7 keyed by ``seed`` (its low and high 32 bits) at counter ``(j, i // 16, b * H +
   h, offset mod 2**32)``: Triton's ``tl.philox`` with those words, reimplemented exactly
   below. Byte ``k`` of the 16 output bytes (word ``k // 4``, byte ``k % 4``) is row ``16 * (i
   // 16) + k``. A kernel's query tile is a whole number of 16-row groups, so whatever keys it
@@ -46,7 +46,11 @@ _ROUND_A = 0xD2511F53
 _ROUND_B = 0xCD9E8D57
 _KEY_A = 0x9E3779B9
 _KEY_B = 0xBB67AE85
-_ROUNDS = 10
+# Rounds of the dropout stream's Philox: 7, the count of FlashAttention's and Apex's fused
+# dropout. Salmon et al. ("Parallel random numbers: as easy as 1, 2, 3") find Philox4x32
+# passes BigCrush from 7 rounds; 10 is their margin. The generator's cost is proportional to
+# its rounds, and the kernels pay it in their inner loop, once per (16 query rows, key).
+ROUNDS = 7
 _MASK32 = 0xFFFFFFFF
 # Both numbers of a call are drawn below 2**62; the offset's low 32 bits are a counter word.
 _DRAW_HIGH = 1 << 62
@@ -94,10 +98,12 @@ def _mulhilo(a: Tensor, m: int):
     return hi, lo
 
 
-def philox4x32(k0: Tensor, k1: Tensor, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor):
-    """The four output words of Philox4x32-10 with key ``(k0, k1)`` and counter ``(c0, c1,
-    c2, c3)``: broadcasting int64 tensors holding 32-bit values, results likewise."""
-    for _ in range(_ROUNDS):
+def philox4x32(k0: Tensor, k1: Tensor, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor,
+               rounds: int = ROUNDS):
+    """The four output words of Philox4x32 (``rounds`` rounds) with key ``(k0, k1)`` and
+    counter ``(c0, c1, c2, c3)``: broadcasting int64 tensors holding 32-bit values, results
+    likewise."""
+    for _ in range(rounds):
         hi_a, lo_a = _mulhilo(c0, _ROUND_A)
         hi_b, lo_b = _mulhilo(c2, _ROUND_B)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
@@ -107,8 +113,9 @@ def philox4x32(k0: Tensor, k1: Tensor, c0: Tensor, c1: Tensor, c2: Tensor, c3: T
 
 
 def philox(seed: Tensor, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor) -> Tensor:
-    """First output word (int64 in ``[0, 2**32)``) of Philox4x32-10 at counter ``(c0, c1,
-    c2, c3)`` keyed by the 64-bit ``seed`` (its low word first): Triton's ``tl.philox``."""
+    """First output word (int64 in ``[0, 2**32)``) of the stream's Philox4x32 at counter
+    ``(c0, c1, c2, c3)`` keyed by the 64-bit ``seed`` (its low word first): Triton's
+    ``tl.philox`` with ``n_rounds=ROUNDS``."""
     return philox4x32(seed & _MASK32, (seed >> 32) & _MASK32, c0, c1, c2, c3)[0]
 
 

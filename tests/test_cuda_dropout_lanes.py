@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flash_dmattn.dropout import keep_mask, keep_threshold, philox4x32
+from flash_dmattn.dropout import ROUNDS, keep_mask, keep_threshold, philox4x32
 
 HEADER = Path(__file__).resolve().parents[1] / "csrc" / "flash_dmattn" / "dropout.cuh"
 LANES = torch.arange(32, dtype=torch.int64)
@@ -49,6 +49,8 @@ def _steps(name, call):
 
 def _keep_bits16(bh, key, grp):
     """``keep_bits16``: bit t says whether row 16 grp + t keeps key ``key`` (per lane)."""
+    rounds = re.search(r"constexpr int kPhiloxRounds = (\d+);", _source())
+    assert rounds and int(rounds.group(1)) == ROUNDS, "the kernels' Philox rounds are the stream's"
     seed = RNG[0]
     k0, k1 = seed & M32, (seed >> 32) & M32
     words = philox4x32(k0, k1, key, grp, torch.full_like(key, bh), torch.full_like(key, int(RNG[1]) & M32))

@@ -92,20 +92,27 @@ def check_against_dense(out, keep, p, tensors, tol, **kw):
 
 # --- The random stream -----------------------------------------------------------------------
 
-def test_philox_known_answers():
-    # Random123's known-answer vectors of Philox4x32-10: (key), (counter) -> four words.
-    cases = [
-        ((0, 0), (0, 0, 0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-        ((0xFFFFFFFF,) * 2, (0xFFFFFFFF,) * 4, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-        ((0xA4093822, 0x299F31D0), (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
-         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
-    ]
+@pytest.mark.parametrize("rounds", [7, 10])
+def test_philox_known_answers(rounds):
+    # Random123's known-answer vectors of Philox4x32-7 (the stream's) and -10:
+    # (key), (counter) -> four words.
+    ones, pi_key, pi_ctr = (0xFFFFFFFF,) * 2, (0xA4093822, 0x299F31D0), (
+        0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)
+    want = {
+        7: [(0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48),
+            (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662),
+            (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)],
+        10: [(0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8),
+             (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD),
+             (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)],
+    }[rounds]
+    cases = zip([(0, 0), ones, pi_key], [(0, 0, 0, 0), (0xFFFFFFFF,) * 4, pi_ctr], want)
     t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    for key, ctr, want in cases:
-        got = philox4x32(t(key[0]), t(key[1]), *map(t, ctr))
-        assert [int(w) for w in got] == list(want)
-    # The 64-bit seed is the key, low word first.
-    assert int(philox(t(0x299F31D0A4093822), *map(t, cases[2][1]))) == 0xD16CFE09
+    for key, ctr, words in cases:
+        got = philox4x32(t(key[0]), t(key[1]), *map(t, ctr), rounds=rounds)
+        assert [int(w) for w in got] == list(words)
+    # The stream's generator is Philox4x32-7 keyed by the 64-bit seed, low word first.
+    assert int(philox(t(0x299F31D0A4093822), *map(t, pi_ctr))) == 0x4DFCCABA
 
 
 def test_rng_comes_from_torch_generator_and_advances():
@@ -468,6 +475,29 @@ def test_triton_keep_tiles_of_several_row_groups(block_m, block_n):
         assert torch.equal(out_e.cpu().bool(), want)
         assert torch.equal(out.cpu().bool(), want)
         assert torch.equal(out_t.cpu().bool(), want.T)
+
+
+@needs_kernels
+def test_triton_word_bits_every_byte_and_threshold():
+    # The kernels compare a Philox word's four bytes with the threshold inside the word (no
+    # byte extraction): every byte value in every position, at every threshold 0..256, gives
+    # the bytes' own comparisons.
+    from triton_keep_tiles import word_bits_kernel as kernel
+
+    n = 1024
+    gen = torch.Generator().manual_seed(11)
+    words = torch.randint(0, 2 ** 32, (n,), generator=gen, dtype=torch.int64)
+    every = torch.arange(256)
+    words[:256] = every * 0x01010101
+    words[256:512] = every | (every.flip(0) << 8) | ((every * 7 % 256) << 16) | (
+        (every * 131 % 256) << 24)
+    as_int32 = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    byte = [(words >> (8 * b)) & 0xFF for b in range(4)]
+    for thresh in range(257):
+        out = torch.full((n,), -1, dtype=torch.int32, device=KDEV)
+        kernel[(1,)](as_int32.to(KDEV), out, thresh, N=n)
+        want = sum((byte[b] >= thresh).long() << b for b in range(4))
+        assert torch.equal(out.cpu().long(), want), thresh
 
 
 def check_varlen_per_sequence_masks(backend, device, dtype, tol, lens_q=(5, 0, 19, 1),

@@ -8,6 +8,7 @@ from flash_dmattn.backends.triton.dropout_mask import (
     _dropout_keep_tile,
     _dropout_keep_tile_t,
     _dropout_seed,
+    _dropout_word_bits,
 )
 
 
@@ -29,3 +30,12 @@ def keep_tiles_kernel(Rng, Cols, Out, OutT, OutE, start_m, bh, thresh,
     tl.store(OutT + an[:, None] * BM + am[None, :], keep_t.to(tl.int8))
     keep_e = _dropout_keep(seed, offset, bh, offs_m[:, None], cols[None, :], thresh)
     tl.store(OutE + am[:, None] * BN + an[None, :], keep_e.to(tl.int8))
+
+
+@triton.jit
+def word_bits_kernel(Words, Out, thresh, N: tl.constexpr):
+    """``Out[i]``: the kernels' 4 keep bits of the uint32 ``Words[i]`` (stored as int32) at
+    threshold ``thresh``."""
+    i = tl.arange(0, N)
+    word = tl.load(Words + i).to(tl.uint32, bitcast=True)
+    tl.store(Out + i, _dropout_word_bits(word, thresh))

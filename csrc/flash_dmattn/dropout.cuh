@@ -4,7 +4,7 @@
 //
 // Entry (b, h, i, j) -- batch (sequence), query head, query row and key position, rows and
 // keys counted from the start of the sequence -- reads byte i % 4 (low first) of word
-// (i % 16) / 4 of Philox4x32-10 keyed by the call's 64-bit seed at counter
+// (i % 16) / 4 of Philox4x32-7 (kPhiloxRounds) keyed by the call's 64-bit seed at counter
 // (j, i / 16, b * H + h, offset), and is kept iff that byte reaches the threshold
 // round(256 p). The stream is key-major: one evaluation serves the 16 query rows of a 16-row
 // group for one key (keep_bits16), whichever keys a walk visits, so a dense key tile, a
@@ -32,11 +32,15 @@
 
 namespace flash_dmattn {
 
-// Philox4x32-10 with key (k0, k1) at counter c: round multipliers and the key's Weyl sequence
-// of Salmon et al. (as Triton's tl.philox and torch's reimplementation in dropout.py).
-__device__ __forceinline__ uint4 philox4x32_10(uint32_t k0, uint32_t k1, uint4 c) {
+// The stream's Philox rounds: flash_dmattn.dropout.ROUNDS, which says why 7.
+constexpr int kPhiloxRounds = 7;
+
+// Philox4x32 (kPhiloxRounds rounds) with key (k0, k1) at counter c: round multipliers and the
+// key's Weyl sequence of Salmon et al. (as Triton's tl.philox and torch's reimplementation in
+// dropout.py).
+__device__ __forceinline__ uint4 philox4x32(uint32_t k0, uint32_t k1, uint4 c) {
 #pragma unroll
-  for (int round = 0; round < 10; ++round) {
+  for (int round = 0; round < kPhiloxRounds; ++round) {
     const uint32_t lo_a = c.x * 0xD2511F53u, hi_a = __umulhi(c.x, 0xD2511F53u);
     const uint32_t lo_b = c.z * 0xCD9E8D57u, hi_b = __umulhi(c.z, 0xCD9E8D57u);
     c = make_uint4(hi_b ^ c.y ^ k0, lo_b, hi_a ^ c.w ^ k1, lo_a);
@@ -80,7 +84,7 @@ __device__ __forceinline__ uint32_t keep_bits4(uint32_t word, uint32_t thresh4) 
 
 // Bit t (t < 16) says whether query row 16 grp + t keeps key j: one evaluation.
 __device__ __forceinline__ uint32_t keep_bits16(const DropoutKey& key, uint32_t j, uint32_t grp) {
-  const uint4 w = philox4x32_10(key.k0, key.k1, make_uint4(j, grp, key.bh, key.offset));
+  const uint4 w = philox4x32(key.k0, key.k1, make_uint4(j, grp, key.bh, key.offset));
   const uint32_t bits = keep_bits4(w.x, key.thresh4) | (keep_bits4(w.y, key.thresh4) << 4) |
                         (keep_bits4(w.z, key.thresh4) << 8) | (keep_bits4(w.w, key.thresh4) << 12);
   return key.drop_all ? 0u : bits;

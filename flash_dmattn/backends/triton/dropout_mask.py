@@ -11,7 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ...dropout import keep_scale, keep_threshold
+from ...dropout import ROUNDS, keep_scale, keep_threshold
+
+# The stream's Philox rounds (:data:`flash_dmattn.dropout.ROUNDS`), a compile-time constant.
+PHILOX_ROUNDS = tl.constexpr(ROUNDS)
 
 
 def dropout_args(dropout_p: float, dropout_rng: Optional[torch.Tensor], dummy: torch.Tensor):
@@ -53,7 +56,8 @@ def _dropout_keep(seed, offset, bh, rows, cols, drop_thresh):
     keys = cols + zero
     rows = rows + zero
     r0, r1, r2, r3 = tl.philox(seed, keys.to(tl.int32), (rows >> 4).to(tl.int32),
-                               (zero + bh).to(tl.int32), zero.to(tl.uint32) + offset)
+                               (zero + bh).to(tl.int32), zero.to(tl.uint32) + offset,
+                               n_rounds=PHILOX_ROUNDS)
     pick = (rows >> 2) & 3
     word = tl.where(pick == 0, r0, tl.where(pick == 1, r1, tl.where(pick == 2, r2, r3)))
     byte = (word >> ((rows & 3) * 8).to(tl.uint32)) & 0xFF
@@ -62,13 +66,21 @@ def _dropout_keep(seed, offset, bh, rows, cols, drop_thresh):
 
 @triton.jit
 def _dropout_word_bits(word, drop_thresh):
-    """Int32 whose bits 0-3 say whether bytes 0-3 (low first) of ``word`` reach
-    ``drop_thresh``."""
-    b0 = ((word & 0xFF).to(tl.int32) >= drop_thresh).to(tl.int32)
-    b1 = (((word >> 8) & 0xFF).to(tl.int32) >= drop_thresh).to(tl.int32)
-    b2 = (((word >> 16) & 0xFF).to(tl.int32) >= drop_thresh).to(tl.int32)
-    b3 = ((word >> 24).to(tl.int32) >= drop_thresh).to(tl.int32)
-    return b0 | (b1 << 1) | (b2 << 2) | (b3 << 3)
+    """Int32 whose bits 0-3 say whether bytes 0-3 (low first) of the uint32 ``word`` reach
+    ``drop_thresh`` (in ``[0, 256]``).
+
+    All four bytes are compared at once inside the word: with ``H`` the bytes' high bits and
+    ``t`` the threshold in every byte, ``(word | H) - (t & ~H)`` borrows nothing across bytes
+    and its byte high bit says whether the low 7 bits of the byte reach those of ``t``; a byte
+    reaches ``t`` iff its high bit is above ``t``'s or equal with that comparison true. The
+    four high bits are then gathered into bits 0-3 by one multiply (the partial products land
+    on distinct bit positions, so nothing carries into bits 24-27)."""
+    t = tl.cast(drop_thresh & 0xFF, tl.uint32) * 0x01010101
+    low_ge = (word | 0x80808080) - (t & 0x7F7F7F7F)
+    ge = ((word & ~t) | (~(word ^ t) & low_ge)) & 0x80808080
+    bits = (((ge >> 7) * 0x01020408) >> 24).to(tl.int32)
+    # A threshold of 256 (dropout_p >= 1 - 1/512) keeps nothing; its low byte is 0.
+    return tl.where(drop_thresh > 255, 0, bits)
 
 
 @triton.jit
@@ -93,7 +105,8 @@ def _dropout_group_bits(seed, offset, bh, offs_m, cols, drop_thresh):
     # a whole tile kept live across it.
     zero = (groups >> 31) + (keys >> 31)
     r0, r1, r2, r3 = tl.philox(seed, (keys + zero).to(tl.int32), (groups + zero).to(tl.int32),
-                               (zero + bh).to(tl.int32), zero.to(tl.uint32) + offset)
+                               (zero + bh).to(tl.int32), zero.to(tl.uint32) + offset,
+                               n_rounds=PHILOX_ROUNDS)
     bits = (_dropout_word_bits(r0, drop_thresh) | (_dropout_word_bits(r1, drop_thresh) << 4)
             | (_dropout_word_bits(r2, drop_thresh) << 8)
             | (_dropout_word_bits(r3, drop_thresh) << 12))
