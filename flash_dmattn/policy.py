@@ -26,7 +26,7 @@ import torch
 
 from . import envs
 from .planning.decode import DECODE_MAX_ROWS, DECODE_MIN_SEQLEN_K
-from .reference.sdpa_cpu import sdpa_computes
+from .reference.sdpa_cpu import SDPA_SETS_PRIORITY, sdpa_computes
 
 # Every backend name, in the order passed-over backends are tried when nothing preferred runs.
 PRIORITY = ("cuda", "triton", "flex", "torch-reference")
@@ -98,7 +98,9 @@ class CallFeatures(NamedTuple):
     or paged K/V. ``training``: some input needs a gradient. ``plain``: a dense batch with no
     mask, bias, soft cap, KV cache, dropout or attention probabilities that one SDPA call
     computes exactly (:func:`~flash_dmattn.reference.sdpa_cpu.sdpa_computes`).
-    ``kv_bytes``: the bytes of K and V it reads.
+    ``kv_bytes``: the bytes of K and V it reads. ``deterministic``: the call asked for a
+    deterministic backward. ``cudnn_shape``: a shape and dtype cuDNN's SDPA attention takes
+    (:func:`cudnn_attention_shape`).
     """
 
     device: str = "cuda"
@@ -112,6 +114,8 @@ class CallFeatures(NamedTuple):
     bias_grad: bool = False
     plain: bool = False
     kv_bytes: int = 0
+    deterministic: bool = False
+    cudnn_shape: bool = False
 
     @property
     def gpu(self) -> bool:
@@ -137,6 +141,10 @@ class CallFeatures(NamedTuple):
             parts.append("bias gradient")
         if self.plain:
             parts.append(f"plain ({self.kv_bytes / 2**20:.1f} MiB of K/V)")
+            if self.cudnn_shape:
+                parts.append("a cuDNN attention shape")
+        if self.deterministic:
+            parts.append("deterministic")
         return ", ".join(parts)
 
 
@@ -156,6 +164,21 @@ def _decode_shape(inputs) -> bool:
     return inputs.cache_seqlens is not None or inputs.seqlen_k >= DECODE_MIN_SEQLEN_K
 
 
+# The largest head dim torch's cuDNN attention takes whatever the cuDNN version (up to 256 on
+# Hopper needs cuDNN 9.10 or newer), and the dtypes it takes.
+CUDNN_MAX_HEAD_DIM = 128
+_CUDNN_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def cudnn_attention_shape(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether SDPA runs a plain call with these properties on cuDNN's attention when asked to
+    try it first: float16 / bfloat16, one kv head per query head, a head dim of at most
+    :data:`CUDNN_MAX_HEAD_DIM` and a multiple of 8. Outside it SDPA takes its flash kernel
+    (or, for grouped heads, possibly its math one) instead."""
+    return (dtype in _CUDNN_DTYPES and heads == kv_heads
+            and head_dim <= CUDNN_MAX_HEAD_DIM and head_dim % 8 == 0)
+
+
 def features_of(inputs) -> CallFeatures:
     """The :class:`CallFeatures` of validated ``inputs`` (AttentionInputs or VarlenInputs)."""
     packed = hasattr(inputs, "cu_seqlens_q")
@@ -167,7 +190,10 @@ def features_of(inputs) -> CallFeatures:
     grad = torch.is_grad_enabled()
     plain = not packed and inputs.plain and sdpa_computes(
         inputs.dtype, inputs.seqlen_q, inputs.seqlen_k, inputs.is_causal, inputs.softmax_scale)
-    key = inputs.key
+    query, key = inputs.query, inputs.key
+    # Heads and head dim are the last two dims of dense (B, L, H, D) and packed (T, H, D) alike.
+    cudnn_shape = cudnn_attention_shape(inputs.dtype, query.shape[-2], key.shape[-2],
+                                        max(query.shape[-1], inputs.value.shape[-1]))
     # Positionally, in CallFeatures' field order (asked on every dispatched call).
     return _make_features((
         device.type,                                                  # device
@@ -181,6 +207,8 @@ def features_of(inputs) -> CallFeatures:
         grad and bias is not None and bias.requires_grad,             # bias_grad
         plain,                                                        # plain
         2 * key.numel() * key.element_size() if plain else 0,         # kv_bytes
+        bool(inputs.deterministic),                                   # deterministic
+        cudnn_shape,                                                  # cudnn_shape
     ))
 
 
@@ -246,6 +274,15 @@ def _small_plain_decode(f: CallFeatures) -> bool:
     return (f.gpu and f.decode and f.plain and not (f.training or f.kv_cache or f.packed)
             and f.mask == "none" and f.bias == "none"
             and f.kv_bytes <= PLAIN_DECODE_SDPA_MAX_BYTES)
+
+
+def _plain_training_on_cudnn(f: CallFeatures) -> bool:
+    """Rule ``hopper-plain-training``: a plain training call that asked for no deterministic
+    backward (SDPA's accumulates with atomics), of a shape cuDNN's attention takes, with a torch
+    whose ``sdpa_kernel`` can put cuDNN's attention first (the torch-reference backend asks for
+    it: :func:`~flash_dmattn.reference.sdpa_cpu.sdpa_plain_cuda`)."""
+    return (f.training and f.plain and f.cudnn_shape and not f.deterministic
+            and SDPA_SETS_PRIORITY)
 
 
 RULES: Tuple[Rule, ...] = (
@@ -321,6 +358,23 @@ RULES: Tuple[Rule, ...] = (
                "or triton yet, so the order before any measurement stays",
         evidence="(none yet)",
         passed_over={},
+    ),
+    Rule(
+        "hopper-plain-training", "sm_90",
+        "forward + backward with no mask, bias, soft cap, dropout or KV cache (causal or not), "
+        "not deterministic, in float16 / bfloat16 with one kv head per query head and a head "
+        f"dim of at most {CUDNN_MAX_HEAD_DIM}, a multiple of 8 (decoding shapes excepted: "
+        "hopper-decode)",
+        _plain_training_on_cudnn,
+        prefer=("torch-reference", "cuda", "flex", "triton"),
+        reason="torch-reference runs such a call as one PyTorch SDPA call with cuDNN's "
+               "attention first: its forward + backward measured faster than cuda's, its "
+               "forward level with cuda's. SDPA's own order takes its flash kernel, measured "
+               "far slower than both, so the other shapes (grouped heads, larger head dims, "
+               "float32) keep hopper-dense's order, as does a deterministic call (SDPA's "
+               "backward accumulates with atomics)",
+        evidence=_EVIDENCE + " (hopper-plain-training)",
+        reference_fast=True,
     ),
     Rule(
         "hopper-dense", "sm_90",

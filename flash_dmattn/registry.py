@@ -377,7 +377,15 @@ def run_plain(query, key, value, softmax_scale, is_causal, deterministic):
     the usual errors; so does a forced backend (``FLASH_DMATTN_BACKEND``), a compiled graph,
     and a backend with no plain entry for the device (:meth:`Backend.plain_attention` for CPU
     tensors, :meth:`Backend.plain_cuda_attention` for CUDA tensors: a decoding step of a
-    model with no mask, on the triton backend's split-KV decode kernel)."""
+    model with no mask, on the triton backend's split-KV decode kernel).
+
+    A CUDA call with ``deterministic=True`` that needs a gradient is never served here, whatever
+    the memo holds for its signature: the plain CUDA entries take no ``deterministic`` flag,
+    and torch-reference's (one SDPA call, which auto-dispatch may have chosen for the signature
+    as a fallback) would differentiate it with SDPA's backward, which accumulates with atomics.
+    The full path runs it instead, on the backend auto-dispatch chose, which reads the flag
+    (torch-reference then computes it without SDPA). Forward-only deterministic calls and CPU
+    calls are served as any other."""
     tensor = torch.Tensor
     if not (isinstance(query, tensor) and isinstance(key, tensor)
             and isinstance(value, tensor)):
@@ -422,6 +430,8 @@ def run_plain(query, key, value, softmax_scale, is_causal, deterministic):
         return None
     grad = _grad_enabled()
     needs = grad and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if needs and deterministic and device is not None:
+        return None  # a deterministic backward on CUDA: never SDPA's (see above)
     signature = _plain_signature(device, q_shape, k_shape, dtype, is_causal, deterministic, grad,
                                  needs, env)
     try:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flash_dmattn
-from flash_dmattn import policy, registry
+from flash_dmattn import envs, policy, registry
 from flash_dmattn.backends.flex import FlexBackend
 from flash_dmattn.inputs import AttentionInputs
 
@@ -335,3 +335,54 @@ def test_plain_calls_inside_a_compiled_graph_skip_the_memo(monkeypatch):
     flash_dmattn.flash_dmattn_func(q, k, v)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert registry.run_plain(q, k, v, None, None, None) is None
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that reports CUDA device 0 to registry.run_plain (the attributes it reads),
+    so that the CUDA branch of run_plain can be tested without a GPU."""
+
+    is_cpu = False
+    is_cuda = True
+    device = property(lambda self: torch.device("cuda", 0))
+
+
+def test_deterministic_cuda_training_is_never_served_by_the_plain_entry():
+    """run_plain leaves a CUDA call with deterministic=True that needs a gradient to the full
+    path even when the memo holds a backend for its signature: torch-reference's plain CUDA
+    entry is one SDPA call, whose backward accumulates with atomics. Without a gradient, or
+    without deterministic=True, the entry serves the call."""
+    served = []
+
+    class Entry:
+        name = "torch-reference"
+
+        @staticmethod
+        def plain_cuda_attention(q, k, v, scale, causal, lq, lk):
+            served.append((q.requires_grad, causal))
+            return "served"
+
+    q, k, v = (t.as_subclass(_OnCuda) for t in _plain(grad=False, dtype=torch.bfloat16))
+    assert q.is_cuda and not q.is_cpu and q.device == torch.device("cuda", 0)
+    qg = q.detach().requires_grad_()
+
+    def remember(query, deterministic, grad=True):
+        needs = grad and query.requires_grad
+        key = registry._plain_signature(torch.device("cuda", 0), query.shape, k.shape,
+                                        query.dtype, True, deterministic, grad, needs,
+                                        envs.dispatch_environment())
+        MEMO.put(key, Entry)
+
+    for deterministic in (False, True):
+        remember(qg, deterministic)
+        remember(q, deterministic)
+    with torch.no_grad():
+        remember(qg, True, grad=False)
+    # Deterministic training: the full path runs it, whatever the memo holds.
+    assert registry.run_plain(qg, k, v, None, True, True) is None
+    assert served == []
+    # Not deterministic, or no gradient: served.
+    assert registry.run_plain(qg, k, v, None, True, False) == "served"
+    assert registry.run_plain(q, k, v, None, True, True) == "served"
+    with torch.no_grad():
+        assert registry.run_plain(qg, k, v, None, True, True) == "served"
+    assert served == [(True, True), (False, True), (True, True)]

@@ -368,3 +368,99 @@ def test_varlen_kernels_match_reference(backend_name, d, mask_heads, bias_heads,
         assert a.shape == t.shape and a.dtype == t.dtype, name
         assert not a.isnan().any(), name
         assert rel_err(a, b) < 2 * tol, (name, rel_err(a, b))
+
+
+def _sdpa_nodes(out):
+    """Names of the SDPA autograd nodes in ``out``'s graph (which SDPA kernel ran)."""
+    names, todo, seen = [], [out.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "ScaledDotProduct" in node.name():
+            names.append(node.name())
+        todo.extend(n for n, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_hopper_plain_training_is_one_sdpa_call_cudnn_first(causal, monkeypatch):
+    """On sm_90 a plain bf16 training call with one kv head per query head (policy rule
+    hopper-plain-training) runs on torch-reference as one SDPA call, on the library's
+    (B, L, H, D) tensors as transposed views, with cuDNN's attention first: SDPA's autograd
+    node is cuDNN's; output and gradients match the float32 reference within this file's
+    tolerances, and the cuda kernels' (the choice before the rule) alike. The second call is
+    served from the memo (registry.run_plain), the same way. A deterministic call runs no
+    SDPA, also where torch-reference is all that is left."""
+    from torch.nn.attention import SDPBackend
+
+    from flash_dmattn import policy
+    from flash_dmattn.reference import sdpa_cpu
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the rule is Hopper's (sm_90)")
+    if not sdpa_cpu.SDPA_SETS_PRIORITY:
+        pytest.skip("this torch's sdpa_kernel takes no set_priority: the rule does not apply")
+    q, k, v, _, _ = make_problem(2, 1024, 1024, 8, 8, 128, torch.bfloat16, None, None, seed=5)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    inputs = AttentionInputs.from_args(*leaves, None, None, None, causal)
+    assert policy.rank(inputs).rule.key == "hopper-plain-training"
+    assert registry.auto_backend_name(inputs) == "torch-reference"
+
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    priority = getattr(torch._C, "_get_sdp_priority_order", None)
+
+    def spy(*args, **kwargs):
+        calls.append(dict(cudnn=torch.backends.cuda.cudnn_sdp_enabled(),
+                          first=priority()[0] if priority else None,
+                          strides=[t.stride() for t in args[:3]]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    gout = torch.randn(q.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    ref, _ = reference_attention(*ref_leaves, None, None, inputs.softmax_scale, causal, 0.0)
+    want = torch.autograd.grad(ref, ref_leaves, gout)
+    cuda = None
+    if "cuda" in get_available_backends():
+        out_c = registry.get_backend("cuda").attention(inputs)
+        cuda = (out_c, torch.autograd.grad(out_c, leaves, gout.to(out_c.dtype)))
+    tol = 1.5e-2  # bf16, as check()
+    for served in (False, True):
+        del calls[:]
+        hits = registry.DISPATCH_MEMO.hits
+        out = flash_dmattn_func(*leaves, is_causal=causal)
+        if served:  # registry.run_plain: a memo hit, no AttentionInputs
+            assert registry.DISPATCH_MEMO.hits - hits == 1
+        assert len(calls) == 1, calls
+        call = calls[0]
+        assert call["cudnn"]
+        if priority is not None:
+            assert call["first"] == int(SDPBackend.CUDNN_ATTENTION)
+        # The (B, L, H, D) tensors' transposed views, not copies.
+        assert call["strides"] == [t.transpose(1, 2).stride() for t in leaves]
+        nodes = _sdpa_nodes(out)
+        assert len(nodes) == 1 and "Cudnn" in nodes[0], nodes
+        grads = torch.autograd.grad(out, leaves, gout.to(out.dtype))
+        assert len(calls) == 1  # the backward is SDPA's own, no second call
+        assert not out.isnan().any() and rel_err(out, ref) < tol
+        for name, a, b in zip(("dq", "dk", "dv"), grads, want):
+            assert not a.isnan().any(), name
+            assert rel_err(a, b) < 2 * tol, (name, rel_err(a, b))
+        if cuda is not None:
+            assert rel_err(out, cuda[0]) < tol
+            for name, a, b in zip(("dq", "dk", "dv"), grads, cuda[1]):
+                assert rel_err(a, b) < 2 * tol, (name, rel_err(a, b))
+    # deterministic=True: not this rule; with torch-reference the only backend left (its
+    # choice remembered for the signature) it runs without SDPA on both paths.
+    det = AttentionInputs.from_args(*leaves, None, None, None, causal, None, True)
+    assert policy.rank(det).rule.key == "hopper-dense"
+    monkeypatch.setenv("FLASH_DMATTN_DISABLE", "cuda,triton,flex")
+    del calls[:]
+    with pytest.warns(RuntimeWarning, match="torch-reference"):  # the slow fallback, as it is
+        for _ in range(2):
+            out = flash_dmattn_func(*leaves, is_causal=causal, deterministic=True)
+            torch.autograd.grad(out, leaves, gout.to(out.dtype))
+    assert calls == [] and _sdpa_nodes(out) == []

@@ -162,10 +162,190 @@ def test_small_plain_decoding_steps_run_as_one_sdpa_call(cc):
 
 def test_the_reference_backend_serves_plain_cuda_calls_with_sdpa():
     from flash_dmattn.backends.reference import ReferenceBackend
-    from flash_dmattn.reference.sdpa_cpu import sdpa_plain
+    from flash_dmattn.reference.sdpa_cpu import sdpa_plain, sdpa_plain_cuda
 
-    assert ReferenceBackend.plain_cuda_attention is sdpa_plain
+    assert ReferenceBackend.plain_cuda_attention is sdpa_plain_cuda
     assert ReferenceBackend.plain_attention is sdpa_plain
+
+
+# ---------------------------------------------------------------------------------------------
+# hopper-plain-training: plain training calls of cuDNN's shapes run as one SDPA call
+# ---------------------------------------------------------------------------------------------
+
+def _plain_training_rule(capability=(9, 0), shape="B=2,H=8,Lq=512,D=128", dtype="bf16",
+                         **call):
+    """The rule auto-dispatch applies to a described call on a simulated GPU generation."""
+    call.setdefault("train", True)
+    with policy.simulated_capability(capability):
+        inputs = described_call(shape=shape, dtype=dtype, capability=capability, **call)
+        return policy.rank(inputs)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_plain_training_prefers_one_sdpa_call(dtype, d, causal):
+    ranking = _plain_training_rule(shape=f"B=2,H=8,Hkv=8,Lq=512,D={d}", dtype=dtype,
+                                   causal=causal)
+    assert ranking.rule.key == "hopper-plain-training"
+    assert ranking.order == ("torch-reference", "cuda", "flex", "triton")
+    assert ranking.fallback == () and ranking.rule.reference_fast
+    # Lq != Lk without causality is still one SDPA call.
+    ranking = _plain_training_rule(shape=f"B=1,H=4,Lq=300,Lk=700,D={d}", dtype=dtype)
+    assert ranking.rule.key == "hopper-plain-training"
+
+
+DENSE = "hopper-dense"
+
+
+@pytest.mark.parametrize("case,rule", [
+    (dict(deterministic=True), DENSE),                    # SDPA's backward uses atomics
+    (dict(shape="B=2,H=8,Hkv=2,Lq=512,D=128"), DENSE),    # grouped heads
+    (dict(shape="B=2,H=8,Hkv=1,Lq=512,D=64"), DENSE),
+    (dict(shape="B=2,H=8,Lq=512,D=256"), DENSE),          # head dim over 128
+    (dict(shape="B=2,H=8,Lq=512,D=60"), DENSE),           # head dim not a multiple of 8
+    (dict(dtype="fp32"), DENSE),
+    (dict(dtype="fp64"), DENSE),
+    (dict(train=False), DENSE),                           # inference
+    (dict(mask="B,1,1,Lk"), DENSE),
+    (dict(mask="B,H,Lq,Lk"), DENSE),
+    (dict(bias="B,H,1,Lk", bias_grad=True), DENSE),
+    (dict(bias="B,H,Lq,Lk", bias_grad=True), "hopper-per-query-bias-training"),
+    (dict(softcap=30.0), DENSE),
+    (dict(shape="B=2,H=8,Lq=300,Lk=700,D=128", causal=True), DENSE),  # not one SDPA call
+    (dict(mask="intervals"), "hopper-key-intervals"),
+    (dict(cache_seqlens=True), "hopper-decode"),
+    (dict(shape="B=1,H=8,Lq=1,Lk=4096,D=128"), "hopper-decode"),  # a decoding shape
+    (dict(varlen=True), "hopper-packed-training"),
+    (dict(capability=(8, 0)), "gpu-dense"),
+    (dict(capability=(8, 9)), "gpu-dense"),
+    (dict(capability=(10, 0)), "gpu-dense"),
+    (dict(capability=(12, 0)), "gpu-dense"),
+], ids=str)
+def test_hopper_plain_training_is_not_chosen_outside_it(case, rule):
+    """Such calls keep the rule they had: on Hopper cuda first (hopper-dense, as before)."""
+    ranking = _plain_training_rule(**case)
+    assert ranking.rule.key == rule
+    assert ranking.prefer[0] != "torch-reference"
+    if rule == DENSE:
+        assert ranking.order == ("cuda", "flex", "triton", "torch-reference")
+
+
+def test_hopper_plain_training_needs_sdpa_kernel_priorities(monkeypatch):
+    """A torch whose sdpa_kernel cannot put cuDNN's attention first keeps hopper-dense's order:
+    SDPA's own order would take its flash kernel."""
+    monkeypatch.setattr(policy, "SDPA_SETS_PRIORITY", False)
+    monkeypatch.setattr(policy, "_RANKINGS", {})
+    ranking = _plain_training_rule()
+    assert ranking.rule.key == "hopper-dense" and ranking.prefer[0] == "cuda"
+
+
+def test_hopper_plain_training_with_cuda_first_everywhere(monkeypatch):
+    # FLASH_DMATTN_CUDA_AUTO=1 puts cuda first in every rule, this one too.
+    monkeypatch.setenv(policy.CUDA_AUTO_ENV, "1")
+    ranking = _plain_training_rule()
+    assert ranking.rule.key == "hopper-plain-training"
+    assert ranking.order == ("cuda", "torch-reference", "flex", "triton")
+
+
+def test_features_of_fills_deterministic_and_cudnn_shape():
+    from flash_dmattn.inputs import AttentionInputs
+
+    def features(H=4, Hkv=4, D=64, dtype=torch.bfloat16, **kw):
+        q = torch.randn(1, 16, H, D).to(dtype).requires_grad_()
+        k, v = (torch.randn(1, 16, Hkv, D).to(dtype) for _ in range(2))
+        return policy.features_of(AttentionInputs.from_args(q, k, v, **kw))
+
+    f = features()
+    assert f.cudnn_shape and f.plain and f.training and not f.deterministic
+    assert features(deterministic=True).deterministic
+    assert features(dtype=torch.float16, D=128).cudnn_shape
+    for kw in (dict(Hkv=2), dict(Hkv=1), dict(D=256), dict(D=136), dict(D=60), dict(D=4),
+               dict(dtype=torch.float32), dict(dtype=torch.float64)):
+        assert not features(**kw).cudnn_shape, kw
+    # cudnn_shape reads the shape and dtype alone: a masked call of such a shape has it too
+    # (and is not plain).
+    f = features(attn_mask=torch.ones(1, 4, 16, 16, dtype=torch.bool))
+    assert f.cudnn_shape and not f.plain
+    assert "deterministic" in features(deterministic=True).describe()
+    assert policy.cudnn_attention_shape(torch.bfloat16, 8, 8, 128)
+    assert not policy.cudnn_attention_shape(torch.bfloat16, 8, 8, 129)
+
+
+def test_hopper_plain_training_runs_the_reference_without_a_fallback_warning(fake_backends):
+    import warnings
+
+    with policy.simulated_capability((9, 0)):
+        inputs = _gpu_call((9, 0), shape="B=1,H=4,Lq=256,D=64", train=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert registry.select_backend(inputs).name == "torch-reference"
+        # Where torch-reference cannot run, cuda comes next, as on hopper-dense.
+        registry.DISPATCH_MEMO.clear()
+        fake_backends["torch-reference"].supports = False
+        assert registry.select_backend(inputs).name == "cuda"
+        deterministic = _gpu_call((9, 0), shape="B=1,H=4,Lq=256,D=64", train=True,
+                                  deterministic=True)
+        fake_backends["torch-reference"].supports = True
+        assert registry.select_backend(deterministic).name == "cuda"
+
+
+def test_info_explain_names_the_rule(capsys):
+    t1 = ["info", "--explain", "--shape", "B=1,H=16,Lq=16384,D=128", "--causal", "--train",
+          "--capability", "9.0"]
+    assert main(t1) == 0
+    out = capsys.readouterr().out
+    assert "dispatch rule: hopper-plain-training" in out and "auto takes: torch-reference" in out
+    assert "a cuDNN attention shape" in out
+    assert main(t1 + ["--deterministic"]) == 0
+    out = capsys.readouterr().out
+    assert "dispatch rule: hopper-dense" in out and "auto takes: cuda" in out
+    assert main(["info", "--explain", "--rules"]) == 0
+    assert "hopper-plain-training [sm_90]" in capsys.readouterr().out
+
+
+def test_sdpa_plain_cuda_asks_for_cudnn_first_when_training(monkeypatch):
+    """The torch-reference backend's plain CUDA entry (the CPU plays the GPU here): a call that
+    needs a gradient runs SDPA inside sdpa_kernel with cuDNN's attention first and
+    set_priority (every kernel enabled now, in the rule's order); a forward-only call, as
+    before, without it. Outputs and gradients are sdpa_plain's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flash_dmattn.reference import sdpa_cpu
+
+    if not sdpa_cpu.SDPA_SETS_PRIORITY:
+        pytest.skip("this torch's sdpa_kernel takes no set_priority")
+    asked = []
+    real = sdpa_cpu.sdpa_kernel
+
+    def spy(backends, set_priority=False):
+        asked.append((list(backends), set_priority))
+        return real(backends, set_priority=set_priority)
+
+    monkeypatch.setattr(sdpa_cpu, "sdpa_kernel", spy)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 64, 4, 32, generator=g).bfloat16().requires_grad_()
+               for _ in range(3))
+    out = sdpa_cpu.sdpa_plain_cuda(q, k, v, None, True, 64, 64)
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    assert asked == [(order, True)]
+    want = sdpa_cpu.sdpa_plain(q, k, v, None, True, 64, 64)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    for a, b in zip(grads, torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # A kernel the caller switched off stays off.
+    del asked[:]
+    with sdpa_kernel([SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]):
+        sdpa_cpu.sdpa_plain_cuda(q, k, v, None, False, 64, 64)
+    assert asked[-1] == ([SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH], True)
+    # Forward only (decoding steps: host time) and what SDPA does not compute: no context.
+    del asked[:]
+    with torch.no_grad():
+        sdpa_cpu.sdpa_plain_cuda(q, k, v, None, True, 64, 64)
+    assert sdpa_cpu.sdpa_plain_cuda(q, k[:, :32], v[:, :32], None, True, 64, 32) is None
+    assert asked == []
 
 
 class _Fake(Backend):

@@ -4,14 +4,16 @@ Float64 calls (the tests' ground truth) and everything SDPA cannot express run t
 :mod:`flash_dmattn.reference.attention`; other CPU calls run PyTorch's fused attention over
 query chunks (:mod:`flash_dmattn.reference.sdpa_cpu`), the same attention at SDPA's speed.
 On a GPU a plain call (no mask, bias, soft cap, KV cache, dropout or probabilities) is one
-SDPA call too: auto-dispatch sends small decoding steps here (policy rule
-``gpu-plain-decode``), where that call's host time is what counts."""
+SDPA call too (:func:`~flash_dmattn.reference.sdpa_cpu.sdpa_plain_cuda`): auto-dispatch sends
+small decoding steps here (policy rule ``gpu-plain-decode``), where that call's host time is
+what counts, and on Hopper plain training calls of the shapes cuDNN's attention takes (rule
+``hopper-plain-training``), which that call runs with cuDNN's attention first."""
 from __future__ import annotations
 
 import torch
 
 from ..reference import gather_kv_pages, reference_attention, reference_probs, reference_varlen_attention
-from ..reference.sdpa_cpu import sdpa_cpu_attention, sdpa_cpu_reasons, sdpa_plain
+from ..reference.sdpa_cpu import sdpa_cpu_attention, sdpa_cpu_reasons, sdpa_plain, sdpa_plain_cuda
 from .base import Backend
 
 
@@ -45,9 +47,10 @@ class ReferenceBackend(Backend):
         if inputs.plain and not (inputs.deterministic and inputs.needs_grad):
             # GPU: a plain call is one SDPA call (None where SDPA's semantics differ), unless a
             # deterministic backward is asked for (SDPA's fused backward accumulates with
-            # atomics).
-            out = sdpa_plain(inputs.query, key, value, inputs.softmax_scale, inputs.is_causal,
-                             inputs.seqlen_q, inputs.seqlen_k)
+            # atomics). On CUDA a training call asks for cuDNN's attention first.
+            plain = sdpa_plain_cuda if inputs.device.type == "cuda" else sdpa_plain
+            out = plain(inputs.query, key, value, inputs.softmax_scale, inputs.is_causal,
+                        inputs.seqlen_q, inputs.seqlen_k)
             if out is not None:
                 return out
         args = (inputs.query, key, value, inputs.attn_mask, inputs.attn_bias)
@@ -65,8 +68,10 @@ class ReferenceBackend(Backend):
     # function itself, not a method calling it: one Python frame less on every such call.
     plain_attention = staticmethod(sdpa_plain)
     # The same for CUDA tensors (registry.run_plain asks once the policy chose this backend
-    # for the call's signature: small decoding steps, rule gpu-plain-decode).
-    plain_cuda_attention = staticmethod(sdpa_plain)
+    # for the call's signature: small decoding steps, rule gpu-plain-decode; plain training
+    # calls on Hopper, rule hopper-plain-training, cuDNN's attention first). run_plain never
+    # asks for a deterministic training call: SDPA's backward is not deterministic.
+    plain_cuda_attention = staticmethod(sdpa_plain_cuda)
 
     def varlen_attention(self, inputs):
         out, lse, probs = reference_varlen_attention(inputs)

@@ -37,7 +37,8 @@ A call with no mask, no soft cap, no dropout and no ``sliding_window`` / ``atten
 to :func:`flash_dmattn.flash_dmattn_func` without the mask normalisation, where a signature that
 auto-dispatch has decided is served by :func:`flash_dmattn.registry.run_plain` (on a GPU, with
 no validation object, dispatch or custom op: one SDPA call for a step over little K/V, policy
-rule ``gpu-plain-decode``, else the triton split-KV decode kernel).
+rule ``gpu-plain-decode``, or for a training call on Hopper of the shapes cuDNN's attention
+takes, rule ``hopper-plain-training``; else the triton split-KV decode kernel).
 The output is the general route's; invalid calls raise as they do there.
 
 Decoding steps of top-W dynamic-mask models read only the kept keys

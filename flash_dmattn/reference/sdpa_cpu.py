@@ -35,15 +35,20 @@ spends building the same mask out). With no mask, bias or intervals (and causal 
 ``Lq == Lk``, SDPA's own alignment) one SDPA call on the tensors as given covers the whole
 problem and nothing of size ``(Lq, Lk)`` is built (:func:`sdpa_plain`; auto-dispatch calls it
 directly for such calls of a signature it has decided, :func:`flash_dmattn.registry.run_plain`).
+On CUDA tensors the same call is :func:`sdpa_plain_cuda`, which asks SDPA for cuDNN's
+attention first when a gradient is wanted (policy rule ``hopper-plain-training``).
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 import warnings
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 # Elements of one chunk's scores (B * H * rows * Lk): about 32 MiB in float32.
@@ -391,6 +396,58 @@ def sdpa_plain(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], is_causa
         return None
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          is_causal=is_causal, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+# Whether this torch's sdpa_kernel takes ``set_priority`` (added after torch 2.5): only then can
+# a call put cuDNN's attention ahead of SDPA's own kernel order. Without it the
+# ``hopper-plain-training`` rule does not apply (flash_dmattn.policy) and sdpa_plain_cuda runs
+# SDPA with its own order.
+SDPA_SETS_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
+
+# SDPA's kernels in the order a training call of sdpa_plain_cuda asks for them, each with the
+# switch (torch.backends.cuda) that says whether it is enabled in this process: cuDNN's
+# attention first (its backward measured fastest on Hopper), then SDPA's others.
+_CUDNN_FIRST = (
+    (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled),
+    (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
+    (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
+    (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled),
+)
+
+
+def cudnn_first():
+    """A context in which SDPA tries cuDNN's attention first, then flash, memory-efficient and
+    math, each only if it is enabled now (a kernel the caller switched off, globally or with
+    ``sdpa_kernel``, stays off). A do-nothing context where this torch's ``sdpa_kernel`` takes
+    no ``set_priority`` (SDPA's own order then) or inside a compiled graph (the compiler picks
+    the kernel)."""
+    if not SDPA_SETS_PRIORITY or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return sdpa_kernel([kernel for kernel, enabled in _CUDNN_FIRST if enabled()],
+                       set_priority=True)
+
+
+def sdpa_plain_cuda(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], is_causal: bool,
+                    lq: int, lk: int) -> Optional[Tensor]:
+    """:func:`sdpa_plain` for CUDA tensors (the torch-reference backend's plain entry on a GPU).
+    A call that needs a gradient runs with cuDNN's attention first (:func:`cudnn_first`):
+    SDPA's own order takes its flash kernel, whose forward + backward measured well behind
+    cuDNN's on Hopper (policy rule ``hopper-plain-training``). Forward-only calls (small
+    decoding steps, rule ``gpu-plain-decode``) keep SDPA's own order and no context manager:
+    their cost is host time. The query, key and value are passed as transposed views of the
+    library's ``(B, L, H, D)`` tensors, as :func:`sdpa_plain` does; grouped heads go through
+    ``enable_gqa`` (K/V are never repeated)."""
+    if not sdpa_computes(q.dtype, lq, lk, is_causal, scale):
+        return None
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        with cudnn_first():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                                 enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                             enable_gqa=True)
     return out.transpose(1, 2)
 
 
