@@ -1,4 +1,4 @@
-"""The direct launch of cached compiled kernels (flash_dmattn.backends.triton.launch).
+"""The direct launch of cached compiled kernels (flash_dmattn.triton_launch).
 
 On a GPU a launch signature's first launch takes Triton's normal path and later ones call the
 compiled kernel's launcher directly. Here (CPU) that is checked with Triton's own
@@ -36,7 +36,7 @@ def _values():
 
 
 def test_signature_separates_what_triton_specialises_apart():
-    from flash_dmattn.backends.triton.launch import _arg_spec
+    from flash_dmattn.triton_launch import _arg_spec
 
     native = _native_spec()
     values = _values()
@@ -67,7 +67,7 @@ def recorded(monkeypatch):
     import triton.language as tl
     from triton.runtime.jit import JITFunction
 
-    from flash_dmattn.backends.triton import launch as launch_mod
+    from flash_dmattn import triton_launch as launch_mod
 
     def kernel(X, Y, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr):
         pass
@@ -205,7 +205,7 @@ def test_interpreter_launches_take_triton_path_and_compute_the_same():
         pytest.skip(reason or "the interpreter runs on CPU-only machines here; on a GPU "
                     "test_direct_launches_on_the_gpu_equal_triton_path runs instead")
     from flash_dmattn.backends.triton import decode
-    from flash_dmattn.backends.triton.launch import LAUNCHES
+    from flash_dmattn.triton_launch import LAUNCHES
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 1, 4, 32, generator=g)
@@ -228,7 +228,7 @@ def test_direct_launches_on_the_gpu_equal_triton_path():
     # Triton's launch (and fills the cache), the next one launches the compiled kernels
     # directly; the decode kernels are deterministic, so both give the same bits.
     from flash_dmattn.backends.triton import decode
-    from flash_dmattn.backends.triton.launch import LAUNCHES
+    from flash_dmattn.triton_launch import LAUNCHES
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(4, 1, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16)
