@@ -39,7 +39,7 @@ auto-dispatch picks: for these small steps one SDPA call (policy rule ``gpu-plai
   key length growing by one a step, every cache keyed by the length emptied first: the
   amortised cost a decoding loop pays, first-call-of-a-step work included);
 * checks: dmattn's output against sdpa's, and the direct launches of cached compiled kernels
-  (:mod:`flash_dmattn.backends.triton.launch`) bit-identical to Triton's normal launch path;
+  (:mod:`flash_dmattn.triton_launch`) bit-identical to Triton's normal launch path;
 * with ``--cprofile N``: the N costliest functions of ``--calls`` calls (cProfile, sorted by
   ``--sort``; the profiler inflates Python-heavy entries several-fold);
 * with ``--splits N`` (an experiment): the dense decode runs N key splits per (batch, kv
@@ -365,9 +365,12 @@ def _launch_check(call) -> str:
     path's output bit for bit (the first call after emptying the launch cache takes the
     normal path, the next ones the direct one)."""
     try:
-        from flash_dmattn.backends.triton import launch
-    except ImportError:  # (older trees: no launch cache)
-        return "n/a"
+        from flash_dmattn import triton_launch as launch
+    except ImportError:
+        try:  # trees where the launch cache lived in the triton backend
+            from flash_dmattn.backends.triton import launch
+        except ImportError:  # (older trees: no launch cache)
+            return "n/a"
     launch.LAUNCHES.clear()
     normal = call().clone()
     direct = [call() for _ in range(3)]

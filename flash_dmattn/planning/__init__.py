@@ -2,7 +2,10 @@
 
 The cuda, triton and flex backends import the planner; it imports no backend. Where a plan is
 built on the device, its Triton kernels live beside the planner that launches them, each with a
-plain-PyTorch twin that the CPU path and the tests use.
+plain-PyTorch twin that the CPU path and the tests use. Every such launch goes through
+:func:`flash_dmattn.triton_launch.launch` with all of its kernel's parameters, so that a call of
+shapes seen before skips Triton's per-launch argument specialisation (a plan is a dozen small
+launches, host bound at the lengths the kernels are for).
 
 * :mod:`.mask_summary` — one pass over a per-query mask: per tile, whether it is dead, full or
   partial (and, for the cuda dK/dV kernel, the mask's key bits).

@@ -13,6 +13,7 @@ import torch
 
 from ..block_map import block_reduce
 from ..intmath import cdiv
+from ..triton_launch import launch
 from .gather_kernels import (
     _compact_keys_kernel,
     _gather_bias_kernel,
@@ -69,15 +70,13 @@ def gather_bias(bias: torch.Tensor, idx: torch.Tensor, cnt: torch.Tensor, seqlen
         return 0 if t.size(d) == 1 else t.stride(d)
 
     num, den = GATHER_MAX_RATIO
-    _gather_bias_kernel[(n_q, bg * hg)](
-        bias, idx, cnt, out, totals if totals is not None else cnt,
-        bstride(bias, 0), bstride(bias, 1), bias.stride(3),
-        bstride(idx, 0), bstride(idx, 1), idx.stride(2), bstride(cnt, 0), bstride(cnt, 1),
-        hg, hg // hm, hg // hb, width, n_q,
-        BLOCK_C=32 if bias.device.type == "cpu" else 256, ALIGN=GATHER_ROW_ALIGN,
-        CHECK_TOTALS=totals is not None, RATIO_NUM=num, RATIO_DEN=den,
-        num_warps=4,
-    )
+    launch(_gather_bias_kernel, (n_q, bg * hg),
+           (bias, idx, cnt, out, totals if totals is not None else cnt,
+            bstride(bias, 0), bstride(bias, 1), bias.stride(3),
+            bstride(idx, 0), bstride(idx, 1), idx.stride(2), bstride(cnt, 0), bstride(cnt, 1),
+            hg, hg // hm, hg // hb, width, n_q),
+           dict(BLOCK_C=32 if bias.device.type == "cpu" else 256, ALIGN=GATHER_ROW_ALIGN,
+                CHECK_TOTALS=totals is not None, RATIO_NUM=num, RATIO_DEN=den, num_warps=4))
     return out
 
 
@@ -96,25 +95,22 @@ def compact_keys(union_u8: torch.Tensor, rows_per_tile: int, seqlen_q: int, seql
     cnt = torch.empty((bx, hx, n_q), dtype=torch.int32, device=device)
     totals = torch.zeros(2, dtype=torch.int32, device=device) if count_tiles else None
     chunk = 32 if device.type == "cpu" else 1024  # short chunks on the interpreter: tests cover several
-    _compact_keys_kernel[(n_q, bx * hx)](
-        union_u8, idx, cnt, totals if count_tiles else cnt,
-        seqlen_q, seqlen_k, n_rows, n_q,
-        IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, ROWS_PER_TILE=rows_per_tile,
-        BLOCK_N=block_n, BLOCK_K=max(chunk, block_n), COUNT_TILES=count_tiles,
-        num_warps=4,
-    )
+    launch(_compact_keys_kernel, (n_q, bx * hx),
+           (union_u8, idx, cnt, totals if count_tiles else cnt,
+            seqlen_q, seqlen_k, n_rows, n_q),
+           dict(IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, ROWS_PER_TILE=rows_per_tile,
+                BLOCK_N=block_n, BLOCK_K=max(chunk, block_n), COUNT_TILES=count_tiles,
+                num_warps=4))
     return idx, cnt, totals
 
 
 def gather_mask_bits(mask_u8: torch.Tensor, union_u8: torch.Tensor, rows_per_tile: int,
                      seqlen_q: int, block_m: int, is_causal: bool,
-                     totals: Optional[torch.Tensor] = None,
-                     launch: Optional[Tuple[int, int, int]] = None) -> torch.Tensor:
+                     totals: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``gbits`` (see :mod:`.gather`) from the unions (see :func:`tile_union`), the lists'
     definition: ``ceil(Lk / 64)`` words a row, written up to the tile's count (the kernels
     read no further; rows past ``Lq`` are 0). ``totals``: skip the work when
-    :func:`.gather_verdicts.prefers_tiles`. ``launch``: ``(rows per program, warps, stages)``
-    instead of the default (for timing). Equivalent plain PyTorch:
+    :func:`.gather_verdicts.prefers_tiles`. Equivalent plain PyTorch:
     :func:`.gather_reference.gather_mask_bits_reference`."""
     bx, hx, n_rows, seqlen_k = union_u8.shape
     n_q = cdiv(seqlen_q, block_m)
@@ -125,17 +121,15 @@ def gather_mask_bits(mask_u8: torch.Tensor, union_u8: torch.Tensor, rows_per_til
     # compressing each row's bits at the union's keys into a running word: walking the output
     # instead, reading the mask byte by byte at the listed keys, is issue-bound on scattered
     # byte loads. 64 rows per program measured a little faster than 32.
-    block_r, warps, stages = launch or (min(block_m, 8 if on_cpu else 64), 4, 3)
+    block_r = min(block_m, 8 if on_cpu else 64)
     num, den = GATHER_MAX_RATIO
-    _gather_mask_bits_kernel[(n_q * (block_m // block_r), bx * hx)](
-        mask_u8, union_u8, gbits, totals if totals is not None else gbits,
-        mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2), mask_u8.stride(3),
-        hx, seqlen_q, seqlen_k, n_rows, n_q, words,
-        IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, BLOCK_R=block_r,
-        ROWS_PER_TILE=rows_per_tile, CHECK_TOTALS=totals is not None,
-        RATIO_NUM=num, RATIO_DEN=den,
-        num_warps=warps, num_stages=stages,
-    )
+    launch(_gather_mask_bits_kernel, (n_q * (block_m // block_r), bx * hx),
+           (mask_u8, union_u8, gbits, totals if totals is not None else gbits,
+            mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2), mask_u8.stride(3),
+            hx, seqlen_q, seqlen_k, n_rows, n_q, words),
+           dict(IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, BLOCK_R=block_r,
+                ROWS_PER_TILE=rows_per_tile, CHECK_TOTALS=totals is not None,
+                RATIO_NUM=num, RATIO_DEN=den, num_warps=4, num_stages=3))
     return gbits
 
 
@@ -156,12 +150,11 @@ def gather_key_bits(key_bits: torch.Tensor, idx: torch.Tensor, cnt: torch.Tensor
     # program in flight at once (no loop whose steps wait on each other's loads).
     chunks = 4
     num, den = GATHER_MAX_RATIO
-    _gather_key_bits_kernel[(n_q * (block_m // 64), cdiv(words, chunks), bx * hx)](
-        key_bits, idx, cnt, gbits, totals if totals is not None else cnt,
-        key_bits.stride(0) if key_bits.size(0) > 1 else 0,
-        key_bits.stride(1) if key_bits.size(1) > 1 else 0, key_bits.stride(2),
-        hx, n_bit_rows, n_q, words, width,
-        BLOCK_M=block_m, CHUNKS=chunks, CHECK_TOTALS=totals is not None,
-        RATIO_NUM=num, RATIO_DEN=den, num_warps=4,
-    )
+    launch(_gather_key_bits_kernel, (n_q * (block_m // 64), cdiv(words, chunks), bx * hx),
+           (key_bits, idx, cnt, gbits, totals if totals is not None else cnt,
+            key_bits.stride(0) if key_bits.size(0) > 1 else 0,
+            key_bits.stride(1) if key_bits.size(1) > 1 else 0, key_bits.stride(2),
+            hx, n_bit_rows, n_q, words, width),
+           dict(BLOCK_M=block_m, CHUNKS=chunks, CHECK_TOTALS=totals is not None,
+                RATIO_NUM=num, RATIO_DEN=den, num_warps=4))
     return gbits

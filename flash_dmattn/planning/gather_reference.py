@@ -62,10 +62,10 @@ def compact_keys_reference(union_u8: torch.Tensor, rows_per_tile: int, seqlen_q:
 
 def gather_mask_bits_reference(mask_u8: torch.Tensor, union_u8: torch.Tensor,
                                rows_per_tile: int, seqlen_q: int, block_m: int,
-                               is_causal: bool, totals: Optional[torch.Tensor] = None,
-                               launch=None) -> torch.Tensor:
+                               is_causal: bool,
+                               totals: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Plain PyTorch :func:`.gather_build.gather_mask_bits` (0 past the counts; ``totals``
-    and ``launch`` are ignored: the bits are always built)."""
+    is ignored: the bits are always built)."""
     bx, hx, _, seqlen_k = union_u8.shape
     union = tile_union_reference(union_u8, rows_per_tile, seqlen_q, seqlen_k, is_causal,
                                  block_m)

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ..intmath import cdiv
+from ..triton_launch import launch
 
 # Bits of one tile must fit the int64 the kernels load.
 MAX_BLOCK_N = 64
@@ -103,13 +104,13 @@ def per_key_lists(
         # mask) over 16 warps keep a 32K-key row to four per pass without spills (ptxas,
         # sm_90a); smaller chunks over fewer warps take more round trips and are slower.
         chunk = max(16, min(128, 8192 // block_n))
-    _per_key_lists_kernel[(bx * hx * rows,)](
-        m, idx, cnt, bits, cut, cut_flag if cut_flag is not None else cnt, hx, rows, n_tiles, seqlen_q, seqlen_k, stride_b, stride_h, stride_k,
-        BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk,
-        IS_CAUSAL=bool(is_causal), WITH_BITS=with_bits, WORDS=words,
-        WITH_FLAG=with_bits and cut_flag is not None,
-        num_warps=4 if on_cpu else 16,
-    )
+    launch(_per_key_lists_kernel, (bx * hx * rows,),
+           (m, idx, cnt, bits, cut, cut_flag if cut_flag is not None else cnt,
+            hx, rows, n_tiles, seqlen_q, seqlen_k, stride_b, stride_h, stride_k),
+           dict(BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk,
+                IS_CAUSAL=bool(is_causal), WITH_BITS=with_bits, WORDS=words,
+                WITH_FLAG=with_bits and cut_flag is not None,
+                num_warps=4 if on_cpu else 16))
     return idx, cnt, bits, cut
 
 

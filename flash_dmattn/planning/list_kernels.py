@@ -30,6 +30,7 @@ import torch
 
 from ..envs import interpret_mode
 from ..intmath import cdiv, next_power_of_2
+from ..triton_launch import launch
 
 try:
     import triton
@@ -439,15 +440,15 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
                  else lo)
     b = bounds.contiguous()
     if lk:
-        _ranges_kernel[(n_chunks, rows)](
-            b, lo, hi, order_key, tile_diff, full_diff, seg_count, *chunks, hides, lq, lk,
-            lq - lk, rows * lk, n_tiles, n_chunks, n_seg, span, n_buckets, end_bucket,
-            BLOCK_M=block_m, CHUNK=CHUNK, SEG=seg, NB=next_power_of_2(n_seg + 1),
-            CAUSAL=bool(is_causal), ORDER=key_blocks, num_warps=4)
-    _scan_kernel[(rows, 1 + n_seg)](tile_diff, full_diff, tile_len, tile_start, tile_full,
-                                    row_total, seg_count, seg_len, n_tiles, n_chunks, n_seg,
-                                    capacity if capacity is not None else 0, TB=1024, CB=256,
-                                    num_warps=4)
+        launch(_ranges_kernel, (n_chunks, rows),
+               (b, lo, hi, order_key, tile_diff, full_diff, seg_count, *chunks, hides, lq, lk,
+                lq - lk, rows * lk, n_tiles, n_chunks, n_seg, span, n_buckets, end_bucket),
+               dict(BLOCK_M=block_m, CHUNK=CHUNK, SEG=seg, NB=next_power_of_2(n_seg + 1),
+                    CAUSAL=bool(is_causal), ORDER=key_blocks, num_warps=4))
+    launch(_scan_kernel, (rows, 1 + n_seg),
+           (tile_diff, full_diff, tile_len, tile_start, tile_full, row_total, seg_count,
+            seg_len, n_tiles, n_chunks, n_seg, capacity if capacity is not None else 0),
+           dict(TB=1024, CB=256, num_warps=4))
     coarse = _Coarse(seg, n_seg, seg_cap, seg_idx, seg_rng, seg_len, seg_len)
     if capacity is None:
         row_base = torch.cumsum(row_total, 0, dtype=torch.int32) - row_total
@@ -469,9 +470,10 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
                                                 rows * n_blk])
         blk_keys = blk_keys.view(rows * n_blk, block_n)
         if lk:
-            _blocks_kernel[(rows * n_blk,)](order, sorted_key, lo, hi, blk_keys, blk_qlo, blk_qhi,
-                                            lq, lk, n_blk, (n_buckets + 1) * span,
-                                            BLOCK_N=block_n, num_warps=4)
+            launch(_blocks_kernel, (rows * n_blk,),
+                   (order, sorted_key, lo, hi, blk_keys, blk_qlo, blk_qhi, lq, lk, n_blk,
+                    (n_buckets + 1) * span),
+                   dict(BLOCK_N=block_n, num_warps=4))
         else:
             blk_keys.fill_(-1)
             blk_qlo.fill_(lq)
@@ -492,11 +494,13 @@ def plan_fast(bounds, seqlen_q, seqlen_k, is_causal, block_m, block_n, backward,
     keys = torch.empty(total, dtype=torch.int32, device=device)
     if total:
         cap = capacity if capacity is not None else total
-        _fill_kernel[(n_tiles, rows)](
-            lo, hi, coarse.seg_idx, coarse.seg_rng, coarse.seg_start, coarse.seg_len, tile_start,
-            tile_full, tile_len, keys, lq, lk, lq - lk, n_tiles, n_seg, seg_cap, cap,
-            BLOCK_M=block_m, SEG=seg, SCAN=SCAN_BLOCK, CAUSAL=bool(is_causal),
-            FIXED=capacity is not None, COUNT_FULL=False, STORE_LEN=False, num_warps=4)
+        launch(_fill_kernel, (n_tiles, rows),
+               (lo, hi, coarse.seg_idx, coarse.seg_rng, coarse.seg_start, coarse.seg_len,
+                tile_start, tile_full, tile_len, keys, lq, lk, lq - lk, n_tiles, n_seg, seg_cap,
+                cap),
+               dict(BLOCK_M=block_m, SEG=seg, SCAN=SCAN_BLOCK, CAUSAL=bool(is_causal),
+                    FIXED=capacity is not None, COUNT_FULL=False, STORE_LEN=False,
+                    num_warps=4))
     return tile_start, tile_len, tile_full, keys, blocks
 
 
@@ -505,10 +509,11 @@ def _write_coarse(chunks, seg_count, coarse, rows, seqlen_q, seqlen_k):
     ranges kernel's ``CIdx, CLo, CHi, ChunkInfo``; ``seg_count`` holds each chunk's slot in
     each list)."""
     n_chunks = max(1, cdiv(seqlen_k, CHUNK))
-    _coarse_kernel[(n_chunks, cdiv(coarse.n_seg, SEG_GROUP), rows)](
-        *chunks, seg_count, coarse.seg_start, coarse.seg_len, coarse.seg_idx, coarse.seg_rng,
-        seqlen_q, seqlen_k, n_chunks, coarse.n_seg, coarse.seg_cap, CHUNK=CHUNK,
-        SEG=coarse.rows_per_seg, GROUP=SEG_GROUP, SUB=min(CHUNK, COARSE_SUB), num_warps=1)
+    launch(_coarse_kernel, (n_chunks, cdiv(coarse.n_seg, SEG_GROUP), rows),
+           (*chunks, seg_count, coarse.seg_start, coarse.seg_len, coarse.seg_idx, coarse.seg_rng,
+            seqlen_q, seqlen_k, n_chunks, coarse.n_seg, coarse.seg_cap),
+           dict(CHUNK=CHUNK, SEG=coarse.rows_per_seg, GROUP=SEG_GROUP,
+                SUB=min(CHUNK, COARSE_SUB), num_warps=1))
 
 
 def _segment_items(lo, hi, coarse, seqlen_q, pos_off, segment_rows, capacity, block_n,
@@ -525,15 +530,17 @@ def _segment_items(lo, hi, coarse, seqlen_q, pos_off, segment_rows, capacity, bl
     seg_keys, seg_full, seg_len, blk_keys, blk_qlo, blk_qhi = buf.split(
         [rows * n_seg * capacity] + [rows * n_seg] * 2 + [n_blk * block_n, n_blk, n_blk])
     if lk:
-        _fill_kernel[(n_seg, rows)](
-            lo, hi, coarse.seg_idx, coarse.seg_rng, coarse.seg_start, coarse.seg_len, seg_len,
-            seg_full, seg_len, seg_keys, seqlen_q, lk, pos_off, n_seg, coarse.n_seg,
-            coarse.seg_cap, capacity, BLOCK_M=segment_rows, SEG=coarse.rows_per_seg,
-            SCAN=SCAN_BLOCK, CAUSAL=bool(is_causal), FIXED=True, COUNT_FULL=True,
-            STORE_LEN=True, num_warps=4)
+        launch(_fill_kernel, (n_seg, rows),
+               (lo, hi, coarse.seg_idx, coarse.seg_rng, coarse.seg_start, coarse.seg_len,
+                seg_len, seg_full, seg_len, seg_keys, seqlen_q, lk, pos_off, n_seg, coarse.n_seg,
+                coarse.seg_cap, capacity),
+               dict(BLOCK_M=segment_rows, SEG=coarse.rows_per_seg, SCAN=SCAN_BLOCK,
+                    CAUSAL=bool(is_causal), FIXED=True, COUNT_FULL=True, STORE_LEN=True,
+                    num_warps=4))
     else:
         seg_len.zero_()
-    _items_kernel[(n_blk,)](seg_keys, seg_len, lo, hi, blk_keys, blk_qlo, blk_qhi, seqlen_q, lk,
-                            n_seg, n_items, capacity, SEG=segment_rows, BLOCK_N=block_n,
-                            num_warps=4)
+    launch(_items_kernel, (n_blk,),
+           (seg_keys, seg_len, lo, hi, blk_keys, blk_qlo, blk_qhi, seqlen_q, lk, n_seg, n_items,
+            capacity),
+           dict(SEG=segment_rows, BLOCK_N=block_n, num_warps=4))
     return blk_keys.view(n_blk, block_n), blk_qlo, blk_qhi

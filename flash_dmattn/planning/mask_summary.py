@@ -39,6 +39,7 @@ import triton.language as tl
 
 from ..block_map import block_reduce
 from ..intmath import cdiv
+from ..triton_launch import launch
 
 
 @dataclass(frozen=True)
@@ -223,25 +224,23 @@ def summarize_mask(mask: torch.Tensor, row_block: int, key_block: int,
         n_c = cdiv(n_k * key_block // 4, chunk_w)
         if bits is not None and n_c * chunk_w * 4 < bits_width:
             bits[..., n_c * chunk_w * 4:].zero_()
-        _mask_summary_rows_kernel[(n_c, n_q, bx * hx)](
-            words, row_any.view(torch.int32), tile_all, bits_arg,
-            words.stride(0), words.stride(1), words.stride(2),
-            hx, seqlen_q, seqlen_k, seqlen_k // 4, n_q, n_k, n_bit_rows, bits_width,
-            BLOCK_Q=row_block, BLOCK_W=key_block // 4, CHUNK_W=chunk_w,
-            IS_CAUSAL=bool(causal), KEY_BITS=bits is not None, num_warps=1,
-        )
+        launch(_mask_summary_rows_kernel, (n_c, n_q, bx * hx),
+               (words, row_any.view(torch.int32), tile_all, bits_arg,
+                words.stride(0), words.stride(1), words.stride(2),
+                hx, seqlen_q, seqlen_k, seqlen_k // 4, n_q, n_k, n_bit_rows, bits_width),
+               dict(BLOCK_Q=row_block, BLOCK_W=key_block // 4, CHUNK_W=chunk_w,
+                    IS_CAUSAL=bool(causal), KEY_BITS=bits is not None, num_warps=1))
     elif row_any.numel():
         if bits is not None and n_k * key_block < bits_width:
             # Keys past the last summary tile (key_block < 128): padding no program writes.
             bits[..., n_k * key_block:].zero_()
         mask_u8 = mask.view(torch.uint8)
-        _mask_summary_kernel[(n_k, n_q, bx * hx)](
-            mask_u8, row_any, tile_all, bits_arg,
-            mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2), mask_u8.stride(3),
-            hx, seqlen_q, seqlen_k, n_q, n_k, n_bit_rows, bits_width,
-            BLOCK_Q=row_block, BLOCK_K=key_block, IS_CAUSAL=bool(causal),
-            KEY_BITS=bits is not None, num_warps=4,
-        )
+        launch(_mask_summary_kernel, (n_k, n_q, bx * hx),
+               (mask_u8, row_any, tile_all, bits_arg,
+                mask_u8.stride(0), mask_u8.stride(1), mask_u8.stride(2), mask_u8.stride(3),
+                hx, seqlen_q, seqlen_k, n_q, n_k, n_bit_rows, bits_width),
+               dict(BLOCK_Q=row_block, BLOCK_K=key_block, IS_CAUSAL=bool(causal),
+                    KEY_BITS=bits is not None, num_warps=4))
     elif bits is not None:
         bits.zero_()
     return MaskSummary(row_block=row_block, key_block=key_block, seqlen_q=seqlen_q,

@@ -25,7 +25,9 @@ separate scan launch) while a row of up to 1M keys still has enough programs.
 Host work per call is kept small (the call is often host bound): the sizes and grids of a
 ``(L, rows)`` problem are computed once (:func:`_layout`, cached), the sequences and count
 tables of all levels share one int32 workspace (one allocation; kernels take the level as an
-integer, no tensor views), and the bias is read through its strides (no copy, no view).
+integer, no tensor views), the bias is read through its strides (no copy, no view), and
+every launch passes all of its kernel's parameters to :func:`flash_dmattn.triton_launch.launch`
+(Triton's argument specialisation once per launch signature, not once per launch).
 
 Everything is exact integer work on the same tree as the torch path, so the results are equal
 bit for bit.
@@ -38,6 +40,7 @@ import struct
 import torch
 
 from ..envs import interpret_mode
+from ..triton_launch import launch
 
 try:
     import triton
@@ -402,12 +405,11 @@ def _launch_score(bias, padding, min_dtype, batch, heads, out, mode):
     else:
         pad, pb, pl = bias, 0, 0
     min_f32, min_hi, min_lo = _threshold_args(float(min_dtype), bias.dtype)
-    _score_kernel[(_cdiv(length, SCORE_BLOCK), rows)](
-        bias, pad, out, min_f32, min_hi, min_lo, heads, length, rows,
-        bb, bh, bl, pb, pl,
-        HAS_PAD=padding is not None, F64=bias.dtype == torch.float64, MODE=mode,
-        ALWAYS=_ALWAYS, BLOCK=SCORE_BLOCK, num_warps=4,
-    )
+    launch(_score_kernel, (_cdiv(length, SCORE_BLOCK), rows),
+           (bias, pad, out, min_f32, min_hi, min_lo, heads, length, rows,
+            bb, bh, bl, pb, pl),
+           dict(HAS_PAD=padding is not None, F64=bias.dtype == torch.float64, MODE=mode,
+                ALWAYS=_ALWAYS, BLOCK=SCORE_BLOCK, num_warps=4))
 
 
 def all_kept_bounds(bias, padding, min_dtype, batch, heads, is_causal) -> torch.Tensor:
@@ -446,22 +448,18 @@ def causal_bounds(bias, padding, min_dtype, window, batch, heads) -> torch.Tenso
     ws = torch.empty(lay.ws_numel, dtype=torch.int32, device=device)
     bounds = torch.empty((2, batch, heads, length), dtype=torch.int32, device=device)
     radix, rb, levels, top = lay.radix, lay.rb, lay.levels, lay.top
-    _prep_kernel[lay.grid](
-        order, ws, length, rows, lay.n_sub, lay.n_blocks, lay.tables, lay.tot_off, top - rb,
-        R=radix, SUB=lay.sub, FLAT=packed, num_warps=4,
-    )
+    launch(_prep_kernel, lay.grid,
+           (order, ws, length, rows, lay.n_sub, lay.n_blocks, lay.tables, lay.tot_off, top - rb),
+           dict(R=radix, SUB=lay.sub, FLAT=packed, num_warps=4))
     for level in range(levels - 1):
         # The last level is only read by the queries: no counts for it.
-        _partition_kernel[lay.grid](
-            ws, length, rows, lay.n_sub, lay.n_blocks, lay.n_ck, lay.tot_off, lay.ck_off,
-            level, top,
-            R=radix, RB=rb, SUB=lay.sub, CHK=CHECK, TB=MAX_BLOCKS,
-            NEXT_COUNTS=level + 2 < levels, num_warps=4,
-        )
-    _query_kernel[lay.query_grid](
-        ws, ranked, bounds, length, window, lay.n_ck, rows, levels, top, lay.ck_off,
-        R=radix, RB=rb, CHK=CHECK, WIDTH=max(radix, CHECK), BLOCK=QUERY_BLOCK,
-        F64=bias.dtype == torch.float64, PACKED=packed,
-        num_warps=8,
-    )
+        launch(_partition_kernel, lay.grid,
+               (ws, length, rows, lay.n_sub, lay.n_blocks, lay.n_ck, lay.tot_off, lay.ck_off,
+                level, top),
+               dict(R=radix, RB=rb, SUB=lay.sub, CHK=CHECK, TB=MAX_BLOCKS,
+                    NEXT_COUNTS=level + 2 < levels, num_warps=4))
+    launch(_query_kernel, lay.query_grid,
+           (ws, ranked, bounds, length, window, lay.n_ck, rows, levels, top, lay.ck_off),
+           dict(R=radix, RB=rb, CHK=CHECK, WIDTH=max(radix, CHECK), BLOCK=QUERY_BLOCK,
+                F64=bias.dtype == torch.float64, PACKED=packed, num_warps=8))
     return bounds

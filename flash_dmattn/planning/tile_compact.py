@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_launch import launch
+
 
 def compact_tiles(live: torch.Tensor, partial: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(idx, cnt)`` of 4-D bool maps ``live`` / ``partial`` (same shape, any strides,
@@ -28,12 +30,11 @@ def compact_tiles(live: torch.Tensor, partial: torch.Tensor) -> Tuple[torch.Tens
         return idx, cnt
     lv, pt = live.view(torch.uint8), partial.view(torch.uint8)
     on_cpu = live.device.type == "cpu"
-    _compact_tiles_kernel[(bx * hx * rows,)](
-        lv, pt, idx, cnt, hx, rows, n,
-        lv.stride(0), lv.stride(1), lv.stride(2), lv.stride(3),
-        pt.stride(0), pt.stride(1), pt.stride(2), pt.stride(3),
-        BLOCK=16 if on_cpu else 1024, num_warps=4,
-    )
+    launch(_compact_tiles_kernel, (bx * hx * rows,),
+           (lv, pt, idx, cnt, hx, rows, n,
+            lv.stride(0), lv.stride(1), lv.stride(2), lv.stride(3),
+            pt.stride(0), pt.stride(1), pt.stride(2), pt.stride(3)),
+           dict(BLOCK=16 if on_cpu else 1024, num_warps=4))
     return idx, cnt
 
 

@@ -56,7 +56,7 @@ from .common import (
     interpret_mode,
     last_dim_contiguous,
 )
-from .launch import launch
+from ...triton_launch import launch
 
 # Split boundaries are multiples of this, so every BLOCK_N (decode_config) tiles a split exactly.
 SPLIT_ALIGN = 128
@@ -604,8 +604,8 @@ def launch_split_decode(split_kernel, plan: "DecodePlan", q: torch.Tensor, k: to
     q, k, v, ``*scalars``, the (batch, query, head) strides of ``out``, then ``split_meta``:
     with one split (``plan.single``) OPart / LPart are ``out`` / ``lse`` themselves, else one
     fp32 workspace (:func:`.common.alloc_partials`) holds the partials that the combine
-    merges and ``lse``. Both launches go through :func:`.launch.launch` (Triton's argument
-    specialisation once per launch signature, not per call)."""
+    merges and ``lse``. Both launches go through :func:`flash_dmattn.triton_launch.launch`
+    (Triton's argument specialisation once per launch signature, not per call)."""
     B, Lq, H, D = q.shape
     device = q.device
     out = alloc_output((B, Lq, H, D), q.dtype, device)

@@ -5,8 +5,13 @@ argument, specialises each one (its type; for an int whether it is 1, divisible 
 fits 32 bits; for a tensor its dtype and whether its address is 16-byte aligned), turns that
 into a cache-key string, looks the compiled kernel up, checks the globals the kernel read
 and only then calls the compiled kernel's launcher. For a decode step's kernels (20-45
-arguments, several launches per layer, every layer of every generated token) that Python
-work costs more host time than the launch itself.
+arguments, several launches per layer, every layer of every generated token) and for the
+planner's (a top-W selection and its interval lists, mask summaries, tile and gather lists:
+about a dozen small launches per attention call) that Python work costs more host time than
+the launch itself.
+
+The module imports no backend: the triton backend and the backend-neutral planner
+(:mod:`flash_dmattn.planning`, which the cuda and flex backends use too) launch through it.
 
 :func:`launch` does Triton's work once per *launch signature* and from then on calls the
 ``CompiledKernel``'s launcher directly, exactly as ``JITFunction.run`` ends. The signature
@@ -121,17 +126,17 @@ class LaunchCache:
 
     Lifetime: the process, like Triton's own cache of compiled kernels (the entries are those
     very ``CompiledKernel`` objects, which Triton keeps alive anyway). At most
-    :attr:`MAX_ENTRIES` signatures are kept per kernel (a decode step adds none once its
-    shapes have been seen: strides and lengths change the key only through the properties
-    Triton specialises on); beyond that the kernel's entries are dropped and refilled from
+    :attr:`MAX_ENTRIES` signatures are kept per kernel (a decode step or a plan adds none
+    once its shapes have been seen: strides and lengths change the key only through the
+    properties Triton specialises on); beyond that the kernel's entries are dropped and refilled from
     Triton's cache. :meth:`clear` empties it (tests; after changing Triton's knobs, which the
     cached kernels do not see).
 
     Per launch, the leading tensor arguments (as many as the kernel's first launch had) are
     read for their dtypes and address alignment; the other arguments and ``meta`` are
     compared with the kernel's previous launch (values and types): every layer of a decoding
-    step repeats the previous layer's lengths and strides, so their specialisation is worked
-    out once a step, not once a launch.
+    step, or of a model's forward, repeats the previous layer's lengths and strides, so their
+    specialisation is worked out once a step, not once a launch.
     """
 
     MAX_ENTRIES = 256
@@ -246,7 +251,11 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     """Launch ``kernel`` (a ``@triton.jit`` function) like ``kernel[grid](*args, **meta)``.
 
     ``args``: the positional arguments (every runtime argument, in parameter order); ``meta``:
-    the constexprs that follow them and the launch options, by keyword. A launch signature's
-    first launch takes Triton's normal path; the next ones call its compiled kernel directly
-    (:data:`LAUNCHES`, the module docstring says when the normal path is kept)."""
+    the constexprs that follow them and the launch options, by keyword. The compiled kernel
+    is only called directly when every parameter is given so: a parameter left to its default
+    keeps Triton's path, and a constexpr passed positionally would be told apart only by the
+    properties of a runtime int (two values sharing them would share a compiled kernel). A
+    launch signature's first launch takes Triton's normal path; the next ones call its
+    compiled kernel directly (:data:`LAUNCHES`, the module docstring says when the normal
+    path is kept)."""
     LAUNCHES.launch(kernel, grid, args, meta)
