@@ -181,3 +181,24 @@ def test_any_backends_compile_failure_is_remembered_and_auto_moves_on(monkeypatc
     assert registry.select_backend(inputs).name != "triton"
     with pytest.raises(ValueError, match="OutOfResources: out of resource"):
         registry.check_explicit(triton, inputs)
+
+
+@pytest.mark.parametrize("shape, declined", [
+    ((1, 1, 1, 1), True), ((2, 4, 1, 1), True), ((1, 2, 1, 1), True),
+    ((1, 4, 7, 1), False), ((1, 1, 1, 7), False), ((2, 4, 7, 7), False)])
+def test_gradient_of_a_bias_constant_over_queries_and_keys_is_declined_on_cuda(
+        shape, declined, monkeypatch):
+    # Inductor's Flex backward fails to compile the scatter of such a gradient (an address
+    # independent of the query and key tiles), and only after the forward has run: decline it
+    # up front. Simulated CUDA inputs (CPU tensors reporting a CUDA device).
+    monkeypatch.setattr(AttentionInputs, "device", property(lambda self: torch.device("cuda")))
+    b, heads = shape[0], 4
+    q = torch.randn(b, 7, heads, 16, requires_grad=True)
+    k = torch.randn(b, 7, 2, 16)
+    bias = torch.randn(shape, requires_grad=True)
+    reasons = flex.FlexBackend().not_supported_reasons(AttentionInputs.from_args(q, k, k, None, bias))
+    assert any("broadcast over both queries and keys" in r for r in reasons) == declined
+    with torch.no_grad():  # no gradient asked for: nothing to decline
+        reasons = flex.FlexBackend().not_supported_reasons(
+            AttentionInputs.from_args(q, k, k, None, bias))
+    assert not any("broadcast over both" in r for r in reasons)

@@ -414,9 +414,9 @@ def _planner_calls(device):
         plan = plan_intervals(bounds, L, L, True, 16, 16, True, window=window,
                               segment_rows=32 if window else None)
         out[f"plan_{name}"] = plan
-    q = torch.randn(B, L, H, D, generator=g, device=device, requires_grad=True)
-    k = torch.randn(B, L, Hkv, D, generator=g, device=device, requires_grad=True)
-    v = torch.randn(B, L, Hkv, D, generator=g, device=device, requires_grad=True)
+    q = torch.randn(B, L, H, D, generator=g).to(device).requires_grad_()
+    k = torch.randn(B, L, Hkv, D, generator=g).to(device).requires_grad_()
+    v = torch.randn(B, L, Hkv, D, generator=g).to(device).requires_grad_()
     o = fd.triton_dmattn_func(q, k, v, attn_mask=sel, attn_bias=bias.to(device),
                               is_causal=True)
     o.sum().backward()

@@ -368,6 +368,13 @@ class FlexBackend(Backend):
                 reasons.append("float64 is not supported on CUDA")
             if inputs.head_dim < 16:
                 reasons.append(f"head_dim {inputs.head_dim} < 16 (Flex's Triton tiles need >= 16)")
+            bias = inputs.attn_bias
+            if inputs.bias_needs_grad and bias.shape[2] == 1 and bias.shape[3] == 1:
+                # Its gradient is scattered to an address that depends on neither the query nor
+                # the key block, which Inductor's Flex backward template fails to compile (a
+                # scalar index broadcast to a 2-D tile); found at run time, after the forward.
+                reasons.append("the gradient of a bias broadcast over both queries and keys: "
+                               "Inductor cannot compile Flex's backward for it")
         if inputs.bias_needs_grad and _TORCH_VERSION < (2, 6):
             reasons.append(f"bias gradients need torch >= 2.6 (found {torch.__version__})")
         if inputs.deterministic and inputs.bias_needs_grad:
