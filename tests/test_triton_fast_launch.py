@@ -414,10 +414,12 @@ def _planner_calls(device):
         plan = plan_intervals(bounds, L, L, True, 16, 16, True, window=window,
                               segment_rows=32 if window else None)
         out[f"plan_{name}"] = plan
-    q = torch.randn(B, L, H, D, generator=g).to(device).requires_grad_()
-    k = torch.randn(B, L, Hkv, D, generator=g).to(device).requires_grad_()
-    v = torch.randn(B, L, Hkv, D, generator=g).to(device).requires_grad_()
-    o = fd.triton_dmattn_func(q, k, v, attn_mask=sel, attn_bias=bias.to(device),
+    # The Triton kernels take 16-bit inputs on a GPU (the interpreter runs float32).
+    dt = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    q = torch.randn(B, L, H, D, generator=g).to(device, dt).requires_grad_()
+    k = torch.randn(B, L, Hkv, D, generator=g).to(device, dt).requires_grad_()
+    v = torch.randn(B, L, Hkv, D, generator=g).to(device, dt).requires_grad_()
+    o = fd.triton_dmattn_func(q, k, v, attn_mask=sel, attn_bias=bias.to(device, dt),
                               is_causal=True)
     o.sum().backward()
     out["ki_out"] = o.detach()
