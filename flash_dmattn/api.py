@@ -73,14 +73,14 @@ def flash_dmattn_func(
     Returns ``(B, Lq, H, D)`` in the query's dtype (or ``(out, lse, probs)``). Rows with no
     visible key give 0 (lse = -inf). Equivalent plain PyTorch::
 
-        g = H // Hkv
-        s = softmax_scale * torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(g, 2)).float()
+        k, v = (einops.repeat(t, "b j hkv d -> b j (hkv g) d", g=H // Hkv) for t in (k, v))
+        s = softmax_scale * torch.einsum("bihd,bjhd->bhij", q, k).float()
         if softcap: s = softcap * torch.tanh(s / softcap)
-        s = s + attn_bias                                   # per-kv-head: repeat_interleave(g, 1)
+        s = s + attn_bias                   # per kv head: repeat(.., "b hkv i j -> b (hkv g) i j")
         i, j = torch.arange(Lq)[:, None], torch.arange(Lk)
         visible = attn_mask & ((j <= i + Lk - Lq) if is_causal else True)
         p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
-        out = torch.einsum("bhij,bjhd->bihd", p, v.repeat_interleave(g, 2).float()).to(q.dtype)
+        out = torch.einsum("bhij,bjhd->bihd", p, v.float()).to(q.dtype)
 
     With ``dropout_p`` (``keep`` the call's keep-mask, see ``flash_dmattn.testing``)::
 

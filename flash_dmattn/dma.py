@@ -114,14 +114,16 @@ def flash_dma_attention(
         visible = (j <= i + Lk - Lq) if causal else torch.ones(Lq, Lk, dtype=torch.bool)
         if Lk > keep_window_size:
             score = bias.detach().masked_fill(~visible, float("-inf"))    # (B, Hkv, Lq, Lk)
-            top = score.sort(-1, descending=True, stable=True).indices[..., :keep_window_size]
+            top = score.sort(dim=-1, descending=True, stable=True).indices[..., :keep_window_size]
             visible = visible & torch.zeros_like(score, dtype=torch.bool).scatter(-1, top, True)
-        s = torch.einsum("bihd,bjhd->bhij", query, key.repeat_interleave(g, 2)) * softmax_scale
-        s = s + bias.repeat_interleave(g, 1)
-        s = s.masked_fill(~visible.expand(B, Hkv, Lq, Lk).repeat_interleave(g, 1), float("-inf"))
+        key, value = (einops.repeat(t, "b j hkv d -> b j (hkv g) d", g=g) for t in (key, value))
+        bias, visible = (einops.repeat(t, "b hkv i j -> b (hkv g) i j", g=g)
+                         for t in (bias, visible.expand(B, Hkv, Lq, Lk)))
+        s = torch.einsum("bihd,bjhd->bhij", query, key) * softmax_scale + bias
+        s = s.masked_fill(~visible, float("-inf"))
         p = torch.softmax(s, -1).nan_to_num(0.0)                          # rows seeing nothing -> 0
         p = p * keep / (1 - dropout_p)        # keep: the call's keep-mask (flash_dmattn.testing)
-        out = torch.einsum("bhij,bjhd->bihd", p, value.repeat_interleave(g, 2))
+        out = torch.einsum("bhij,bjhd->bihd", p, value)
     """
     _check_layout(query, key, value)
     _check_options(keep_window_size, dropout_p, causal, return_attn_probs)

@@ -75,7 +75,7 @@ def topk_key_index(
 
         valid = (bias[:, :, 0] > min_dtype) & padding_mask[:, None] & (j < cache_seqlens[:, None, None])
         score = bias[:, :, 0].masked_fill(~valid, float("-inf"))
-        order = score.sort(-1, descending=True, stable=True)
+        order = score.sort(dim=-1, descending=True, stable=True)
         index = torch.where(order.values > float("-inf"), order.indices, -1)[..., :window_size]
 
     Cost: one stable sort per (batch, head) row (``O(L log L)``, no host synchronisation); with

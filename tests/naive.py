@@ -3,12 +3,13 @@
 Everything is materialised at full (B, H, Lq, Lk) size; it shares no code with the library.
 """
 import torch
+from einops import repeat
 
 
 def expand_heads(t, batch, heads, kv_heads, lq, lk):
     """Broadcast a 4-D mask/bias (head dim 1, Hkv or H) to (B, H, Lq, Lk)."""
     if t.shape[1] == kv_heads and kv_heads != heads:
-        t = t.repeat_interleave(heads // kv_heads, dim=1)
+        t = repeat(t, "b hkv i j -> b (hkv g) i j", g=heads // kv_heads)
     return t.expand(batch, heads, lq, lk)
 
 
@@ -19,8 +20,7 @@ def naive_attention(q, k, v, mask=None, bias=None, scale=None, causal=False, sof
     Lk, Hkv = k.shape[1], k.shape[2]
     g = H // Hkv
     scale = D ** -0.5 if scale is None else scale
-    kk = k.repeat_interleave(g, dim=2)
-    vv = v.repeat_interleave(g, dim=2)
+    kk, vv = (repeat(t, "b j hkv d -> b j (hkv g) d", g=g) for t in (k, v))
     s = torch.einsum("bihd,bjhd->bhij", q, kk) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)

@@ -99,17 +99,18 @@ class DynamicMaskAttention(nn.Module):
             allowed = allowed & attention_mask.bool()[:, None, None, :]   # (B, 1, L, L)
         if L > window_size:
             score = bias.detach().masked_fill(~allowed, float("-inf"))
-            top = score.sort(-1, descending=True, stable=True).indices[..., :window_size]
+            top = score.sort(dim=-1, descending=True, stable=True).indices[..., :window_size]
             allowed = allowed & torch.zeros_like(score, dtype=torch.bool).scatter(-1, top, True)
         g = H // Hkv
-        s = torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(g, 2)) / D ** 0.5
-        s = s + bias.repeat_interleave(g, 1)
-        allowed = allowed.expand(B, Hkv, L, L).repeat_interleave(g, 1)
+        k, v = (einops.repeat(t, "b j hkv d -> b j (hkv g) d", g=g) for t in (k, v))
+        bias, allowed = (einops.repeat(t, "b hkv i j -> b (hkv g) i j", g=g)
+                         for t in (bias, allowed.expand(B, Hkv, L, L)))
+        s = torch.einsum("bihd,bjhd->bhij", q, k) / D ** 0.5 + bias
         s = s.masked_fill(~allowed, float("-inf"))
         p = torch.softmax(s, -1).nan_to_num(0.0)                        # empty rows -> 0
         if self.training:
             p = p * keep / (1 - dropout)     # keep: the call's keep-mask (flash_dmattn.testing)
-        out = torch.einsum("bhij,bjhd->bihd", p, v.repeat_interleave(g, 2))
+        out = torch.einsum("bhij,bjhd->bihd", p, v)
         return self.o_proj(out.reshape(B, L, H * D))
     """
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from ..dropout import keep_mask, keep_scale
@@ -29,7 +30,7 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _group_heads(x: Tensor, num_kv_heads: int) -> Tensor:
     """(B, L, H, D) -> (B, Hkv, g, L, D) view: query head h = kv_head * g + member."""
-    return x.transpose(1, 2).unflatten(1, (num_kv_heads, x.shape[2] // num_kv_heads))
+    return rearrange(x, "b l (hkv g) d -> b hkv g l d", hkv=num_kv_heads)
 
 
 def _group_aux(t: Optional[Tensor], num_heads: int, num_kv_heads: int) -> Optional[Tensor]:
@@ -37,8 +38,8 @@ def _group_aux(t: Optional[Tensor], num_heads: int, num_kv_heads: int) -> Option
     if t is None:
         return None
     if t.shape[1] == num_heads:  # one per query head (also covers H == Hkv)
-        return t.unflatten(1, (num_kv_heads, num_heads // num_kv_heads))
-    return t.unsqueeze(2)  # one per kv head, or one for all heads
+        return rearrange(t, "b (hkv g) q k -> b hkv g q k", hkv=num_kv_heads)
+    return rearrange(t, "b h q k -> b h 1 q k")  # one per kv head, or one for all heads
 
 
 def _chunk_rows(batch: int, heads: int, seqlen_k: int) -> int:
@@ -298,14 +299,15 @@ def reference_attention(
     ``(B, Lq, H, D)``, k/v ``(B, Lk, Hkv, D)``, mask/bias 4-D ``(1|B, 1|Hkv|H, 1|Lq, 1|Lk)``.
     Equivalent plain PyTorch (materialising everything, which this function does not)::
 
-        s = scale * einsum("bihd,bjhd->bhij", q, k.repeat_interleave(H // Hkv, 2))
+        k, v = (einops.repeat(t, "b j hkv d -> b j (hkv g) d", g=H // Hkv) for t in (k, v))
+        s = scale * einsum("bihd,bjhd->bhij", q, k)
         if softcap: s = softcap * tanh(s / softcap)
         s = s + bias                          # broadcast
         visible = mask & (j <= i + Lk - Lq)   # causal part only if is_causal
         s = s.masked_fill(~visible, -inf)
         lse = s.logsumexp(-1)
         p = (s - lse).exp().nan_to_num(0)     # empty rows -> 0
-        out = einsum("bhij,bjhd->bihd", p, v.repeat_interleave(H // Hkv, 2))
+        out = einsum("bhij,bjhd->bihd", p, v)
 
     ``cache_seqlens`` (int32 ``(B,)``, KV-cache decoding) adds, with ``n = cache_seqlens[b]``,
     ``visible &= j < n`` and aligns the causal diagonal with it: ``j <= i + n - Lq``.

@@ -245,14 +245,15 @@ def apply_dynamic_mask_attention(
         if is_causal:
             i = torch.arange(Lq)[:, None]; j = torch.arange(Lk)
             allowed = allowed & (j <= i + Lk - Lq)
+        allowed = allowed.expand(B, Hkv, Lq, Lk)
         if Lk > keep_window_size:
             cand = bias.masked_fill(~allowed, float("-inf"))
-            idx = cand.sort(-1, descending=True, stable=True).indices[..., :keep_window_size]
+            idx = cand.sort(dim=-1, descending=True, stable=True).indices[..., :keep_window_size]
             allowed = allowed & torch.zeros_like(allowed).scatter(-1, idx, True)
-        g = H // Hkv
-        k = key.repeat_interleave(g, 1); v = value.repeat_interleave(g, 1)
-        scores = query @ k.transpose(-1, -2) / D ** 0.5 + bias.repeat_interleave(g, 1)
-        scores = scores.masked_fill(~allowed.repeat_interleave(g, 1), float("-inf"))
+        k, v, bias, allowed = (einops.repeat(t, "b hkv i j -> b (hkv g) i j", g=H // Hkv)
+                               for t in (key, value, bias, allowed))
+        scores = query @ k.transpose(-1, -2) / D ** 0.5 + bias
+        scores = scores.masked_fill(~allowed, float("-inf"))
         p = scores.softmax(-1)
         p = p * keep / (1 - dropout_p)  # keep: the call's keep-mask (flash_dmattn.testing)
         out = p @ v                                                       # (B, H, Lq, D)
