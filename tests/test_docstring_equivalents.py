@@ -1,0 +1,94 @@
+"""The "Equivalent plain PyTorch" blocks of the user-facing docstrings run as written and give
+what the documented function gives (float64, CPU): a reader who copies one gets the library's
+semantics, GQA grouping and selection included."""
+import inspect
+import textwrap
+
+import einops
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flash_dmattn import flash_dma_attention
+from flash_dmattn.modules import DynamicMaskAttention
+from flash_dmattn.utils.dynamic import apply_dynamic_mask_attention, dynamic_mask_bias
+
+
+def plain_block(obj) -> str:
+    """The code block that follows "Equivalent plain PyTorch" in ``obj``'s docstring."""
+    doc = inspect.getdoc(obj)
+    start = doc.index("::", doc.index("Equivalent plain PyTorch")) + 2
+    lines = []
+    for line in doc[start:].splitlines()[1:]:
+        if line.strip() and not line.startswith("    "):
+            break
+        lines.append(line)
+    return textwrap.dedent("\n".join(lines)).strip()
+
+
+def run_block(obj, result, **names):
+    """Runs the block as the body of a function of ``names``; returns ``result``
+    (a name the block assigns) or, for a block that ends in ``return``, what it returns."""
+    body = textwrap.indent(plain_block(obj), "    ")
+    tail = f"\n    return {result}" if result else ""
+    scope = dict(torch=torch, F=F, einops=einops)
+    exec(f"def block({', '.join(names)}):\n{body}{tail}\n", scope)
+    return scope["block"](**names)
+
+
+@pytest.mark.parametrize("window, causal", [(8, True), (8, False), (100, True)])
+def test_flash_dma_attention(window, causal):
+    gen = torch.Generator().manual_seed(window + causal)
+    B, Lq, Lk, H, Hkv, D = 2, 37, 53, 4, 2, 16
+    q = torch.randn(B, Lq, H, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, Lk, Hkv, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, Lk, Hkv, D, generator=gen, dtype=torch.float64)
+    dt_proj = torch.randn(Hkv, Hkv * D, generator=gen, dtype=torch.float64) / 8
+    a_coef = -torch.rand(Hkv, generator=gen, dtype=torch.float64)
+    want = flash_dma_attention(q, k, v, dt_proj, a_coef, keep_window_size=window, causal=causal)
+    got = run_block(flash_dma_attention, "out", query=q, key=k, value=v, dt_proj=dt_proj,
+                    a_coef=a_coef, keep_window_size=window, causal=causal,
+                    softmax_scale=D ** -0.5, keep=1.0, dropout_p=0.0)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("window, causal, padded", [(8, True, False), (8, False, True),
+                                                    (8, True, True), (100, False, False)])
+def test_apply_dynamic_mask_attention(window, causal, padded):
+    gen = torch.Generator().manual_seed(window + 2 * causal + padded)
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 37, 53, 16
+    q = torch.randn(B, H, Lq, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, Hkv, Lk, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, Hkv, Lk, D, generator=gen, dtype=torch.float64)
+    dt_proj = torch.randn(Hkv, Hkv * D, generator=gen, dtype=torch.float64) / 8
+    A = -torch.rand(Hkv, generator=gen, dtype=torch.float64)
+    mask = None
+    if padded:
+        mask = torch.ones(B, 1, 1, Lk, dtype=torch.bool)
+        mask[1, ..., :3] = False
+    want = apply_dynamic_mask_attention(q, k, v, dt_proj, A, mask, window, causal)
+    got = run_block(apply_dynamic_mask_attention, "out", query=q, key=k, value=v,
+                    dt_proj=dt_proj, A=A, causal_mask=mask, keep_window_size=window,
+                    is_causal=causal, dynamic_mask_bias=dynamic_mask_bias, B=B, H=H, Hkv=Hkv,
+                    Lq=Lq, Lk=Lk, D=D, keep=1.0, dropout_p=0.0)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("window, causal, padded", [(8, True, False), (8, False, True),
+                                                    (100, True, True)])
+def test_dynamic_mask_attention_layer(window, causal, padded):
+    torch.manual_seed(window + 2 * causal + padded)
+    B, L, hidden, H, Hkv = 2, 45, 64, 4, 2
+    layer = DynamicMaskAttention(hidden_size=hidden, num_heads=H, num_kv_heads=Hkv,
+                                 window_size=window, is_causal=causal).double().eval()
+    x = torch.randn(B, L, hidden, dtype=torch.float64)
+    padding = None
+    if padded:
+        padding = torch.ones(B, L, dtype=torch.bool)
+        padding[1, :5] = False
+    with torch.no_grad():
+        want = layer(x, attention_mask=padding)
+        got = run_block(DynamicMaskAttention, None, self=layer, x=x, attention_mask=padding,
+                        position_embeddings=None, is_causal=causal, window_size=window, B=B,
+                        L=L, H=H, Hkv=Hkv, D=hidden // H)
+    torch.testing.assert_close(got, want)
