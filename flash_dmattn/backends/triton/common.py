@@ -6,7 +6,7 @@ autotuning.
 The rest of what the kernels share has a module per topic: :mod:`.scores` (score tiles: mask
 and bias loads, hiding, key tiles), :mod:`.varlen` (packed sequences' bounds and key-tile
 lists) and :mod:`.dropout_mask` (the dropout keep-mask). :mod:`.forward_kernel`,
-:mod:`.backward`, :mod:`.decode` and :mod:`.intervals` import from these and not from each
+:mod:`.backward_kernel`, :mod:`.decode` and :mod:`.intervals` import from these and not from each
 other's launchers, so each kernel module can be read (and imported) on its own.
 """
 from __future__ import annotations

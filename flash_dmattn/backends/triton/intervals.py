@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ...intmath import cdiv
 from ...planning.key_lists import full_bounds, plan_intervals
-from .backward import _bwd_preprocess
+from .backward_kernel import _bwd_preprocess
 from .common import _dot, _tanh, alloc_output, dot_upcast, head_block, interpret_mode
 from .dropout_mask import _dropout_keep_tile, _dropout_keep_tile_t, _dropout_seed, dropout_args
 
