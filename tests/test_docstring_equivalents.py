@@ -92,3 +92,23 @@ def test_dynamic_mask_attention_layer(window, causal, padded):
                         position_embeddings=None, is_causal=causal, window_size=window, B=B,
                         L=L, H=H, Hkv=Hkv, D=hidden // H)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("window", [1, 5, 12])
+def test_topk_key_index(window):
+    # With window_size >= L the function keeps slot j for key j (documented apart); below it,
+    # the block gives the same positions in the same order.
+    from flash_dmattn.topk_decode import topk_key_index
+
+    gen = torch.Generator().manual_seed(window)
+    B, H, L = 3, 2, 13
+    bias = torch.randn(B, H, 1, L, generator=gen)
+    bias[0, 0, 0, 4] = bias[0, 0, 0, 7]  # a tie: the lower position first
+    min_dtype = torch.finfo(bias.dtype).min
+    bias[1, 1, 0, 2:5] = min_dtype
+    padding = torch.rand(B, L, generator=gen) > 0.2
+    cache_seqlens = torch.tensor([13, 9, 3])
+    want = topk_key_index(bias, window, cache_seqlens=cache_seqlens, padding_mask=padding)
+    got = run_block(topk_key_index, "index", bias=bias, window_size=window, min_dtype=min_dtype,
+                    padding_mask=padding, cache_seqlens=cache_seqlens, j=torch.arange(L))
+    assert torch.equal(got, want)
