@@ -1,6 +1,7 @@
 """The "Equivalent plain PyTorch" blocks of the user-facing docstrings run as written and give
-what the documented function gives (float64, CPU): a reader who copies one gets the library's
-semantics, GQA grouping and selection included."""
+what the documented function gives (on CPU, in float64, or float32 for a block that computes
+its scores in float32): a reader who copies one gets the library's semantics, GQA grouping
+and selection included."""
 import inspect
 import textwrap
 
@@ -112,3 +113,28 @@ def test_topk_key_index(window):
     got = run_block(topk_key_index, "index", bias=bias, window_size=window, min_dtype=min_dtype,
                     padding_mask=padding, cache_seqlens=cache_seqlens, j=torch.arange(L))
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("causal, softcap, heads_of_aux", [(True, 0.0, 4), (False, 5.0, 1),
+                                                          (True, 5.0, 1)])
+def test_flash_dmattn_func(causal, softcap, heads_of_aux):
+    # The main block: GQA, a mask and a bias per query head or shared by all, causal with
+    # Lq != Lk (bottom-right aligned), soft cap, and rows that see no key (0). Float32: the
+    # block computes scores in float32, as the kernels do for 16-bit inputs.
+    from flash_dmattn import flash_dmattn_func
+
+    gen = torch.Generator().manual_seed(int(causal) + int(softcap) + heads_of_aux)
+    B, Lq, Lk, H, Hkv, D = 2, 29, 41, 4, 2, 16
+    q = torch.randn(B, Lq, H, D, generator=gen, dtype=torch.float32)
+    k = torch.randn(B, Lk, Hkv, D, generator=gen, dtype=torch.float32)
+    v = torch.randn(B, Lk, Hkv, D, generator=gen, dtype=torch.float32)
+    mask = torch.rand(B, heads_of_aux, Lq, Lk, generator=gen) > 0.4
+    mask[:, :, 3] = False
+    bias = torch.randn(B, heads_of_aux, Lq, Lk, generator=gen, dtype=torch.float32)
+    scale = D ** -0.5
+    want = flash_dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, softmax_scale=scale,
+                             is_causal=causal, softcap=softcap)
+    got = run_block(flash_dmattn_func, "out", q=q, k=k, v=v, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk,
+                    softmax_scale=scale, softcap=softcap, attn_bias=bias, attn_mask=mask,
+                    is_causal=causal)
+    torch.testing.assert_close(got, want)
