@@ -438,17 +438,12 @@ def sdpa_plain_cuda(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], is_
     their cost is host time. The query, key and value are passed as transposed views of the
     library's ``(B, L, H, D)`` tensors, as :func:`sdpa_plain` does; grouped heads go through
     ``enable_gqa`` (K/V are never repeated)."""
-    if not sdpa_computes(q.dtype, lq, lk, is_causal, scale):
-        return None
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if not sdpa_computes(q.dtype, lq, lk, is_causal, scale):
+            return None  # no SDPA call, so no context either
         with cudnn_first():
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
-                                                 enable_gqa=True)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
-                                             enable_gqa=True)
-    return out.transpose(1, 2)
+            return sdpa_plain(q, k, v, scale, is_causal, lq, lk)
+    return sdpa_plain(q, k, v, scale, is_causal, lq, lk)
 
 
 def sdpa_cpu_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
