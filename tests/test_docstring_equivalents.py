@@ -37,15 +37,19 @@ def run_block(obj, result, **names):
     return scope["block"](**names)
 
 
+def dma_inputs(seed, q_shape, kv_shape, kv_heads, head_dim):
+    """Float64 query, key, value of the given shapes, ``dt_proj`` and a negative ``A``."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(shape, generator=gen, dtype=torch.float64)
+               for shape in (q_shape, kv_shape, kv_shape))
+    dt_proj = torch.randn(kv_heads, kv_heads * head_dim, generator=gen, dtype=torch.float64) / 8
+    return q, k, v, dt_proj, -torch.rand(kv_heads, generator=gen, dtype=torch.float64)
+
+
 @pytest.mark.parametrize("window, causal", [(8, True), (8, False), (100, True)])
 def test_flash_dma_attention(window, causal):
-    gen = torch.Generator().manual_seed(window + causal)
     B, Lq, Lk, H, Hkv, D = 2, 37, 53, 4, 2, 16
-    q = torch.randn(B, Lq, H, D, generator=gen, dtype=torch.float64)
-    k = torch.randn(B, Lk, Hkv, D, generator=gen, dtype=torch.float64)
-    v = torch.randn(B, Lk, Hkv, D, generator=gen, dtype=torch.float64)
-    dt_proj = torch.randn(Hkv, Hkv * D, generator=gen, dtype=torch.float64) / 8
-    a_coef = -torch.rand(Hkv, generator=gen, dtype=torch.float64)
+    q, k, v, dt_proj, a_coef = dma_inputs(window + causal, (B, Lq, H, D), (B, Lk, Hkv, D), Hkv, D)
     want = flash_dma_attention(q, k, v, dt_proj, a_coef, keep_window_size=window, causal=causal)
     got = run_block(flash_dma_attention, "out", query=q, key=k, value=v, dt_proj=dt_proj,
                     a_coef=a_coef, keep_window_size=window, causal=causal,
@@ -56,13 +60,9 @@ def test_flash_dma_attention(window, causal):
 @pytest.mark.parametrize("window, causal, padded", [(8, True, False), (8, False, True),
                                                     (8, True, True), (100, False, False)])
 def test_apply_dynamic_mask_attention(window, causal, padded):
-    gen = torch.Generator().manual_seed(window + 2 * causal + padded)
     B, H, Hkv, Lq, Lk, D = 2, 4, 2, 37, 53, 16
-    q = torch.randn(B, H, Lq, D, generator=gen, dtype=torch.float64)
-    k = torch.randn(B, Hkv, Lk, D, generator=gen, dtype=torch.float64)
-    v = torch.randn(B, Hkv, Lk, D, generator=gen, dtype=torch.float64)
-    dt_proj = torch.randn(Hkv, Hkv * D, generator=gen, dtype=torch.float64) / 8
-    A = -torch.rand(Hkv, generator=gen, dtype=torch.float64)
+    q, k, v, dt_proj, A = dma_inputs(window + 2 * causal + padded, (B, H, Lq, D),
+                                     (B, Hkv, Lk, D), Hkv, D)
     mask = None
     if padded:
         mask = torch.ones(B, 1, 1, Lk, dtype=torch.bool)
