@@ -29,13 +29,6 @@ struct Sm90FwdConfig : Sm90FwdShape<kHD> {
       SmemK{},
       make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
 
-  // The kExtK extra columns of Q and of a stage's keys that carry a key-interval bias into
-  // S = Q K^T (Sm90FwdShape::bias_in_mma): 32-byte rows, so the 32-byte swizzle.
-  using SmemQExt =
-      decltype(tile_to_shape(GMMA::Layout_K_SW32_Atom<Elem>{}, Shape<Int<kBlockM>, Int<Base::kExtK>>{}));
-  using SmemKExt =
-      decltype(tile_to_shape(GMMA::Layout_K_SW32_Atom<Elem>{}, Shape<Int<kBlockN>, Int<Base::kExtK>>{}));
-
   using MmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
       Layout<Shape<Int<Base::kConsumerWGs>, _1, _1>>{}));

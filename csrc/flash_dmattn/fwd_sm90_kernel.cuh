@@ -126,10 +126,9 @@ __device__ __forceinline__ float log2_logit(const FwdParams& p, float s) {
 // past the list get an empty range.
 struct IntervalKey {
   int lo = 1 << 30, hi = -(1 << 30);
-  float bias = 0.f;  // log2 units; as given where the bias goes into the S product (kRaw)
+  float bias = 0.f;  // log2 units
 };
 
-template <bool kRaw>
 __device__ __forceinline__ IntervalKey fetch_interval_key(const FwdParams& p, int b, int h,
                                                           int key) {
   IntervalKey k;
@@ -140,43 +139,11 @@ __device__ __forceinline__ IntervalKey fetch_interval_key(const FwdParams& p, in
   k.lo = p.causal ? max(s[0], key) - off : s[0] - off;
   k.hi = s[iv.bounds_plane] - off;
   if constexpr (kHasBias) {
-    k.bias = (kRaw ? 1.f : kLog2e) * float(reinterpret_cast<const Elem*>(iv.bias)[int64_t(b) * iv.bias_sb +
+    k.bias = kLog2e * float(reinterpret_cast<const Elem*>(iv.bias)[int64_t(b) * iv.bias_sb +
                                                                  int64_t(h / iv.bias_hdiv) * iv.bias_sh +
                                                                  int64_t(key) * iv.bias_sk]);
   }
   return k;
-}
-
-// The extension of Q for a bias inside S = Q K^T (Sm90FwdShape::bias_in_mma): row `row` of the
-// (kBlockM x kExtK) tile is (hi, lo, 0, ...), hi + lo = 1 / scale to twice the element precision
-// (hi > 0). With the keys' extension (key_ext_row) the tensor cores add
-// hi * bias + lo * bias = bias / scale to q . k exactly but for lo's rounding.
-template <typename SmemLayout>
-__device__ __forceinline__ void write_ext_row(char* tile, int row, Elem x0, Elem x1) {
-  Tensor t = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(tile)), SmemLayout{});
-  const uint32_t pair = uint32_t(x0.raw()) | (uint32_t(x1.raw()) << 16);
-  // A row's 8-element halves are 16-byte chunks (the swizzle permutes whole chunks).
-  *reinterpret_cast<uint4*>(&t(row, 0)) = make_uint4(pair, 0u, 0u, 0u);
-  *reinterpret_cast<uint4*>(&t(row, 8)) = make_uint4(0u, 0u, 0u, 0u);
-}
-
-// The extension of Q for a bias inside S = Q K^T (Sm90FwdShape::bias_in_mma): row `row` of the
-// (kBlockM x kExtK) tile is (hi, lo, 0, ...), hi + lo = 1 / scale to twice the element precision
-// (hi > 0). With the keys' extension (write_key_ext_row) the tensor cores add
-// hi * bias + lo * bias = bias / scale to q . k, exact but for lo's rounding.
-template <typename SmemLayout>
-__device__ __forceinline__ void write_q_ext_row(const FwdParams& p, char* tile, int row) {
-  const float inv = 1.f / p.scale;
-  const Elem hi = Elem(inv);
-  write_ext_row<SmemLayout>(tile, row, hi, Elem(inv - float(hi)));
-}
-
-// Row `row` of a stage's key extension: (bias, bias, 0, ...), the second copy 0 for an infinite
-// bias (so lo * bias cannot be inf - inf: hi * -inf alone makes S -inf).
-template <typename SmemLayout>
-__device__ __forceinline__ void write_key_ext_row(char* tile, int row, float bias) {
-  const Elem b = Elem(bias);
-  write_ext_row<SmemLayout>(tile, row, b, isinf(bias) ? Elem(0.f) : b);
 }
 
 #endif  // __CUDA_ARCH__
@@ -186,10 +153,6 @@ __device__ __forceinline__ void write_key_ext_row(char* tile, int row, float bia
 // a bias as the list's gathered row.
 // kIntervals (with kGather): the list is the key-interval planner's (p.iv), and the aux stage
 // holds each listed key's query range and bias (IntervalKey) instead of bits.
-// With a bias and no soft cap (Sm90FwdShape::bias_in_mma), the keys' bias enters S = Q K^T
-// through kExtK extra columns of Q and K (write_q_ext_row, write_key_ext_row), so the consumers
-// neither load nor add it: the stage's key columns are read by the S product itself, which
-// therefore waits for the aux stage too.
 // kDropout: attention dropout (p.drop, dropout.cuh). The row sums take every probability (the
 // normaliser of the true softmax); then dropped probabilities are zeroed before P becomes the
 // P V operand, and the epilogue scales kept ones by 1 / (1 - p) with the normaliser. Keys are
@@ -201,7 +164,6 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
 // the launch stub (and has none of the headers the body uses).
 #if defined(__CUDA_ARCH__)
   static_assert(kGather || !kIntervals, "key intervals walk gathered lists");
-  constexpr bool kBiasInMma = FLASH_DMATTN_FWD_BIAS_MMA && kIntervals && kHasBias && !kSoftcap;
   using Cfg = Sm90FwdConfig<kHeadDimBucket>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kD = kHeadDimBucket;
   constexpr int kStages = Cfg::kStages;
@@ -209,8 +171,8 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
   const int kAuxStages = aux.stages;
   extern __shared__ __align__(1024) char smem[];
 
-  char* mask_smem0 = smem + aux.base;
-  char* bias_smem0 = smem + aux.base + aux.mask_bytes;
+  char* mask_smem0 = smem + Cfg::kAuxOff;
+  char* bias_smem0 = smem + Cfg::kAuxOff + aux.mask_bytes;
 
   const Sm90FwdBarriers bar = Sm90FwdBarriers::at<Cfg>(smem);
   if (threadIdx.x == 0) {
@@ -299,13 +261,6 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
         if (rounds > 0) ClusterBarrier::wait(bar.q_empty, (rounds - 1) & 1);
         load_tile_swizzled<kD, Cfg::kAtomK, Cfg::kProducerThreads, kBlockM, true>(
             walk.q, p.q_sl, Lq() - q0, p.D, smem, ptid);
-        if constexpr (kBiasInMma) {
-          static_assert(Cfg::kProducerThreads == kBlockM, "one extension row per producer thread");
-          if (rounds == 0) {
-            write_q_ext_row<typename Cfg::SmemQExt>(p, smem + aux.qext, ptid);
-            fence_async_shared();  // read by the tensor cores
-          }
-        }
         stage_filled(bar.q_full);
         using Rows = RowIndices<Cfg::kAtomK, Cfg::kProducerThreads, kBlockN>;
         Rows rows, rows_next;
@@ -317,7 +272,7 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
         if constexpr (kIntervals) {
           const int k1 = ptid < kBlockN && ptid < n_keys ? list[ptid] : -1;
           ikey_next = ptid < kBlockN && kBlockN + ptid < n_keys ? list[kBlockN + ptid] : -1;
-          ikey = fetch_interval_key<kBiasInMma>(p, b, h, k1);
+          ikey = fetch_interval_key(p, b, h, k1);
         }
         for (int i = 0; i < n_steps; ++i) {
           const int g = step0 + i;  // steps of this CTA so far: stage and phase
@@ -344,15 +299,12 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
             ClusterBarrier::wait(bar.aux_empty + a, ((g / kAuxStages) & 1) ^ 1);
             if (ptid < kBlockN) {
               reinterpret_cast<int2*>(mask_smem0 + a * aux.stride)[ptid] = make_int2(ikey.lo, ikey.hi);
-              if constexpr (kBiasInMma) {
-                write_key_ext_row<typename Cfg::SmemKExt>(bias_smem0 + a * aux.stride, ptid, ikey.bias);
-                fence_async_shared();  // read by the tensor cores
-              } else if constexpr (kHasBias) {
+              if constexpr (kHasBias) {
                 reinterpret_cast<float*>(bias_smem0 + a * aux.stride)[ptid] = ikey.bias;
               }
             }
             stage_filled(bar.aux_full + a);
-            ikey = fetch_interval_key<kBiasInMma>(p, b, h, ikey_next);
+            ikey = fetch_interval_key(p, b, h, ikey_next);
             const int c2 = (i + 2) * kBlockN + ptid;
             ikey_next = ptid < kBlockN && c2 < n_keys ? list[c2] : -1;
           } else if constexpr (kGather) {
@@ -489,7 +441,7 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
       const float scale_log2 = p.scale * kLog2e;
       auto interval_logits = [&](auto& acc_s, int i, int a) {
         const char* range_smem = mask_smem0 + a * aux.stride;
-        [[maybe_unused]] const char* bias_smem = bias_smem0 + a * aux.stride;
+        const char* bias_smem = bias_smem0 + a * aux.stride;
         constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
         int qrow[2];
         CUTE_UNROLL
@@ -501,20 +453,14 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
             const int c = get<1>(cS(make_coord(0, 0, g), 0, 0));  // even: ranges c, c + 1 in 16 B
             int4 rg;
             if constexpr (kTest) rg = *reinterpret_cast<const int4*>(range_smem + c * 8);
-            float2 b2 = make_float2(0.f, 0.f);  // the bias is already in S with kBiasInMma
-            if constexpr (kHasBias && !kBiasInMma) {
-              b2 = *reinterpret_cast<const float2*>(bias_smem + c * 4);
-            }
+            float2 b2 = make_float2(0.f, 0.f);
+            if constexpr (kHasBias) b2 = *reinterpret_cast<const float2*>(bias_smem + c * 4);
             CUTE_UNROLL
             for (int r = 0; r < 2; ++r) {
               float& s0 = acc_s(make_coord(0, r, g), 0, 0);
               float& s1 = acc_s(make_coord(1, r, g), 0, 0);
               float x0, x1;
-              if constexpr (kBiasInMma) {
-                // Raw scores (bias included): softmax_step scales them (kRawScores).
-                x0 = s0;
-                x1 = s1;
-              } else if constexpr (kSoftcap) {
+              if constexpr (kSoftcap) {
                 x0 = log2_logit<kSoftcap>(p, s0) + b2.x;
                 x1 = log2_logit<kSoftcap>(p, s1) + b2.y;
               } else {
@@ -623,24 +569,19 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
 
       // Online softmax: logits (log2 units) -> unnormalised probabilities in place, running max
       // (log2 units) and sum updated; alpha[r] is the factor the accumulated output rows must be
-      // rescaled by. kRawScores: the tile holds raw scores q . k (+ bias / scale) instead, whose
-      // logits are score * scale * log2 e with scale > 0, so the max is taken over raw scores and
-      // each probability is exp2 of one FMA (score * scale log2 e - max).
+      // rescaled by.
       // Accumulator value (c, r, g) is column 8 g + c, row 8 r of this thread's quad; the four
       // threads of a quad share rows.
-      constexpr bool kRawScores = kBiasInMma;
-      const float raw_scale = kRawScores ? scale_log2 : 1.f;
       auto softmax_step = [&](auto& acc_s, float (&alpha)[2]) {
         constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
         CUTE_UNROLL
         for (int r = 0; r < 2; ++r) {
-          float mx = kRawScores ? -INFINITY : row_max[r];
+          float mx = row_max[r];
           CUTE_UNROLL
           for (int g = 0; g < kGroupsS; ++g) {
             mx = fmaxf(mx, fmaxf(acc_s(make_coord(0, r, g), 0, 0), acc_s(make_coord(1, r, g), 0, 0)));
           }
           mx = quad_max(mx);
-          if constexpr (kRawScores) mx = fmaxf(row_max[r], mx * raw_scale);
           const float base = mx == -INFINITY ? 0.f : mx;
           alpha[r] = exp2f(row_max[r] - base);
           row_max[r] = mx;
@@ -649,8 +590,7 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
           for (int g = 0; g < kGroupsS; ++g) {
             CUTE_UNROLL
             for (int c = 0; c < 2; ++c) {
-              const float pv = kRawScores ? exp2f(fmaf(acc_s(make_coord(c, r, g), 0, 0), raw_scale, -base))
-                                          : exp2f(acc_s(make_coord(c, r, g), 0, 0) - base);
+              const float pv = exp2f(acc_s(make_coord(c, r, g), 0, 0) - base);
               acc_s(make_coord(c, r, g), 0, 0) = pv;
               sum += pv;
             }
@@ -711,24 +651,10 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
         for (int e = 0; e < size(acc_s); ++e) rP(e) = Elem(acc_s(e));
       };
       auto issue_qk = [&](int i) {
-        const int g = step0 + i;
-        const int s = g % kStages;
-        ClusterBarrier::wait(bar.k_full + s, (g / kStages) & 1);
+        const int s = (step0 + i) % kStages;
+        ClusterBarrier::wait(bar.k_full + s, ((step0 + i) / kStages) & 1);
         Tensor tSrKs = tSrK(_, _, _, s);
-        if constexpr (kBiasInMma) {
-          const int a = g % kAuxStages;
-          ClusterBarrier::wait(bar.aux_full + a, (g / kAuxStages) & 1);
-          Tensor sQe = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + aux.qext)),
-                                   typename Cfg::SmemQExt{});
-          Tensor sKe = make_tensor(
-              make_smem_ptr(reinterpret_cast<Elem*>(bias_smem0 + a * aux.stride)),
-              typename Cfg::SmemKExt{});
-          Tensor tSrQe = thr_qk.partition_fragment_A(sQe);
-          Tensor tSrKe = thr_qk.partition_fragment_B(sKe);
-          wgmma_issue_ext(mma_qk, tSrQ, tSrKs, tSrQe, tSrKe, acc_s);
-        } else {
-          wgmma_issue<false>(mma_qk, tSrQ, tSrKs, acc_s, /*zero=*/true);
-        }
+        wgmma_issue<false>(mma_qk, tSrQ, tSrKs, acc_s, /*zero=*/true);
       };
       auto issue_pv = [&](int i) {
         const int s = (step0 + i) % kStages;
@@ -819,9 +745,6 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   static_assert(!kDropout || FLASH_DMATTN_DROPOUT, "dropout: the modules that build it");
   using Cfg = Sm90FwdShape<kHeadDimBucket>;
   auto kernel = &fwd_kernel_sm90<kSoftcap, kGather, kIntervals, kDropout>;
-  // A bias inside Q K^T needs 1 / scale, and a max over raw scores scale > 0 (the backend
-  // declines other scales for these calls).
-  if (Cfg::bias_in_mma(p) && !(p.scale > 0.f)) return cudaErrorInvalidValue;
   const int smem = Cfg::aux_layout(p).smem;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

@@ -14,10 +14,6 @@
 #include "params.h"
 #include "spec.h"
 
-#ifndef FLASH_DMATTN_FWD_BIAS_MMA
-#define FLASH_DMATTN_FWD_BIAS_MMA 1
-#endif
-
 namespace flash_dmattn {
 
 template <int kHD>
@@ -79,12 +75,10 @@ struct Sm90FwdShape {
   // row of the tile, so its stages are small and more of them fit (a per-key bias: 3 stages
   // of mask + bias instead of 1). Same on host and device.
   struct AuxLayout {
-    int base;        // offset of stage 0
     int mask_bytes;  // offset of the bias tile within a stage
     int stride;      // bytes per stage
     int stages;      // 1 .. kMaxAuxStages
     int smem;        // dynamic shared memory of the launch
-    int qext;        // offset of the extension of Q (biased key intervals without soft cap)
   };
   // Gathered keys: a stage is the tile's mask bits (kBlockN / 64 words a row) and its row of
   // the gathered bias.
@@ -95,27 +89,7 @@ struct Sm90FwdShape {
   // fp32 log2-unit logits (bias * log2 e), so a score takes one FMA to become a logit.
   static constexpr int kRangeBytes = kBlockN * 8;
   static constexpr int kIBiasBytes = kBlockN * 4;
-  // Key intervals with a bias and no soft cap add the bias inside the S = Q K^T product: Q and
-  // K get kExtK more columns, Q's the two halves (hi + lo) of 1 / scale and each key's its bias
-  // twice, so S = q . k + bias / scale straight from the tensor cores (fwd_kernel_sm90). The
-  // key columns are a (kBlockN x kExtK) tile of each aux stage, after the ranges; Q's are one
-  // (kBlockM x kExtK) tile before the stages. Both are GMMA operands: 1024-byte aligned.
-  static constexpr int kExtK = 16;
-  static constexpr int kQExtBytes = kBlockM * kExtK * 2;
-  static constexpr int kKExtBytes = kBlockN * kExtK * 2;
-  __host__ __device__ static bool bias_in_mma(const FwdParams& p) {
-    return FLASH_DMATTN_FWD_BIAS_MMA && kHasBias && p.intervals && !(p.softcap > 0.f);
-  }
   __host__ __device__ static AuxLayout aux_layout(const FwdParams& p) {
-    if (bias_in_mma(p)) {
-      const int qext = align1k(kAuxOff);
-      const int base = qext + align1k(kQExtBytes);
-      const int mask_bytes = align1k(kRangeBytes);
-      const int stride = mask_bytes + align1k(kKExtBytes);
-      int stages = (kSmemLimit - base) / stride;
-      stages = stages < 1 ? 1 : (stages > kMaxAuxStages ? kMaxAuxStages : stages);
-      return {base, mask_bytes, stride, stages, base + stages * stride, qext};
-    }
     const bool g = p.gather, iv = p.intervals;
     const int mask_bytes =
         !kHasMask ? 0
@@ -132,7 +106,7 @@ struct Sm90FwdShape {
       stages = (kSmemLimit - kAuxOff) / stride;
       stages = stages < 1 ? 1 : (stages > kMaxAuxStages ? kMaxAuxStages : stages);
     }
-    return {kAuxOff, mask_bytes, stride, stages, kAuxOff + stages * stride, 0};
+    return {mask_bytes, stride, stages, kAuxOff + stages * stride};
   }
 };
 

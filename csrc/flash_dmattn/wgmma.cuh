@@ -36,23 +36,6 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src
       "r"(s), "r"(bytes)
       : "memory");
 }
-// acc = A * B + A2 * B2 (shared-memory operands, A2 / B2 a few more K columns) as one batch.
-template <typename TiledMma, typename TA, typename TB, typename TA2, typename TB2, typename TC>
-__device__ __forceinline__ void wgmma_issue_ext(TiledMma& mma, TA const& a, TB const& b,
-                                                TA2 const& a2, TB2 const& b2, TC& c) {
-  warpgroup_fence_operand(c);
-  warpgroup_arrive();
-  mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(a); ++k) {
-    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(a2); ++k) cute::gemm(mma, a2(_, _, k), b2(_, _, k), c);
-  warpgroup_commit_batch();
-}
-
 // Wait until at most kPending of this thread's bulk groups still read their shared source...
 template <int kPending>
 __device__ __forceinline__ void bulk_wait_read() {

@@ -54,10 +54,6 @@ def interval_reasons(inputs) -> List[str]:
     if bounds.shape[2] == inputs.num_heads and inputs.num_heads != inputs.num_kv_heads:
         reasons.append("key intervals per query head within a kv-head group have no cuda "
                        "kernel (triton runs them)")
-    if bias is not None and not inputs.softcap and not inputs.softmax_scale > 0:
-        # The forward adds bias / softmax_scale to q . k inside the Q K^T product.
-        reasons.append("the cuda key-interval kernels take a bias with softmax_scale > 0 only, "
-                       f"got softmax_scale {inputs.softmax_scale}")
     if inputs.head_dim > 128:
         reasons.append(f"key-interval kernels take head_dim <= 128, got {inputs.head_dim}")
     if inputs.deterministic:
