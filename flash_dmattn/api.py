@@ -43,7 +43,8 @@ def flash_dmattn_func(
         is_causal: bottom-right aligned causal mask (key j visible to query i iff
             ``j <= i + Lk - Lq``).
         softcap: ``> 0`` applies ``softcap * tanh(s / softcap)`` before the bias.
-        deterministic: bitwise-reproducible backward.
+        deterministic: bitwise-reproducible backward. ``None`` (default) follows
+            :func:`torch.are_deterministic_algorithms_enabled` (``torch.use_deterministic_algorithms``).
         return_attn_probs: also return ``lse (B, H, Lq)`` and the probabilities (testing aid).
         cache_seqlens: KV-cache decoding (like ``flash_attn_with_kvcache``): int32/int64
             ``(B,)`` on the query's device; key/value hold a preallocated cache of capacity

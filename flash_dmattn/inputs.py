@@ -98,6 +98,16 @@ def _number(name: str, value) -> float:
         raise TypeError(f"{name} must be a number or None, got {_describe_value(value)}") from None
 
 
+def resolve_deterministic(value) -> bool:
+    """The ``deterministic`` argument as a bool. ``None`` (the default) follows
+    :func:`torch.are_deterministic_algorithms_enabled`, as PyTorch's own operators do, so that
+    ``torch.use_deterministic_algorithms(True)`` makes every backward bitwise reproducible; an
+    explicit ``True`` / ``False`` wins over the global setting."""
+    if value is None:
+        return torch.are_deterministic_algorithms_enabled()
+    return _flag("deterministic", value)
+
+
 def _flag(name: str, value) -> bool:
     """``value`` as a bool: None, a bool, or an integer 0 / 1; else a ``TypeError`` naming the
     argument (a tensor passed one position too far lands here)."""
@@ -518,7 +528,7 @@ class AttentionInputs(_InputsBase):
             softmax_scale=scale,
             is_causal=_flag("is_causal", is_causal),
             softcap=cap,
-            deterministic=_flag("deterministic", deterministic),
+            deterministic=resolve_deterministic(deterministic),
             return_attn_probs=_flag("return_attn_probs", return_attn_probs),
             cache_seqlens=cache_seqlens,
             block_table=block_table,
@@ -694,7 +704,7 @@ class VarlenInputs(_InputsBase):
             softmax_scale=scale,
             is_causal=_flag("is_causal", is_causal),
             softcap=cap,
-            deterministic=_flag("deterministic", deterministic),
+            deterministic=resolve_deterministic(deterministic),
             return_attn_probs=_flag("return_attn_probs", return_attn_probs),
             key_intervals=intervals,
             key_window=window,

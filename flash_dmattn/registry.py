@@ -407,7 +407,7 @@ def run_plain(query, key, value, softmax_scale, is_causal, deterministic):
     elif is_causal.__class__ is not bool:
         return None
     if deterministic is None:
-        deterministic = False
+        deterministic = torch.are_deterministic_algorithms_enabled()
     elif deterministic.__class__ is not bool:
         return None
     if softmax_scale is not None and (softmax_scale.__class__ is not float

@@ -386,3 +386,34 @@ def test_deterministic_cuda_training_is_never_served_by_the_plain_entry():
     with torch.no_grad():
         assert registry.run_plain(qg, k, v, None, True, True) == "served"
     assert served == [(True, True), (False, True), (True, True)]
+
+
+def test_global_deterministic_setting_reaches_the_plain_entry():
+    """deterministic=None follows torch.use_deterministic_algorithms: under it a CUDA training
+    call is left to the full path, as with deterministic=True; an explicit False is served."""
+    served = []
+
+    class Entry:
+        name = "torch-reference"
+
+        @staticmethod
+        def plain_cuda_attention(q, k, v, scale, causal, lq, lk):
+            served.append(q.requires_grad)
+            return "served"
+
+    q, k, v = (t.as_subclass(_OnCuda) for t in _plain(grad=False, dtype=torch.bfloat16))
+    qg = q.detach().requires_grad_()
+    for deterministic in (False, True):
+        key = registry._plain_signature(torch.device("cuda", 0), qg.shape, k.shape, qg.dtype,
+                                        True, deterministic, True, True,
+                                        envs.dispatch_environment())
+        MEMO.put(key, Entry)
+    assert registry.run_plain(qg, k, v, None, True, None) == "served"
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert registry.run_plain(qg, k, v, None, True, None) is None
+        assert registry.run_plain(qg, k, v, None, True, False) == "served"
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert served == [True, True]

@@ -447,3 +447,28 @@ def test_info_explain_cli(capsys):
     assert "hopper-dense" in capsys.readouterr().out
     assert main(["info", "--explain", "--mask", "diagonal", "--device", "cpu"]) == 2
     assert "--mask takes" in capsys.readouterr().err
+
+
+def test_deterministic_default_follows_torch_use_deterministic_algorithms():
+    from flash_dmattn.inputs import AttentionInputs, resolve_deterministic
+
+    q = torch.randn(1, 16, 4, 64).to(torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(1, 16, 4, 64).to(torch.bfloat16) for _ in range(2))
+    assert not AttentionInputs.from_args(q, k, v).deterministic
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert resolve_deterministic(None) and not resolve_deterministic(False)
+        inputs = AttentionInputs.from_args(q, k, v)
+        assert inputs.deterministic and policy.features_of(inputs).deterministic
+        # An explicit argument wins over the global setting.
+        assert not AttentionInputs.from_args(q, k, v, deterministic=False).deterministic
+        with policy.simulated_capability((9, 0)):
+            # Not hopper-plain-training (SDPA's backward accumulates with atomics).
+            call = _gpu_call((9, 0), shape="B=1,H=4,Lq=256,D=64", train=True,
+                             deterministic=None)
+            assert call.deterministic
+            assert policy.rank(call).rule.key != "hopper-plain-training"
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert not resolve_deterministic(None)

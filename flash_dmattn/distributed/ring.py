@@ -317,7 +317,7 @@ def context_parallel_attention(
     softmax_scale: Optional[float] = None,
     is_causal: bool = False,
     softcap: Optional[float] = None,
-    deterministic: bool = False,
+    deterministic: Optional[bool] = None,
     *,
     group=None,
     mesh_dim=None,

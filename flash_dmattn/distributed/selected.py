@@ -36,7 +36,7 @@ from typing import Dict, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..inputs import AttentionInputs
+from ..inputs import AttentionInputs, resolve_deterministic
 from ..masks import KeyIntervals
 from ..planning.selection import topk_intervals
 from .comm import Group, Transfer, phase
@@ -521,7 +521,7 @@ def context_parallel_selected_attention(
     softmax_scale: Optional[float] = None,
     is_causal: bool = False,
     softcap: Optional[float] = None,
-    deterministic: bool = False,
+    deterministic: Optional[bool] = None,
     *,
     group=None,
     mesh_dim=None,
@@ -549,6 +549,7 @@ def context_parallel_selected_attention(
     ``requires_grad`` of query, key, value and bias must be the same on every rank.
     """
     grp = Group(group, mesh_dim)
+    deterministic = resolve_deterministic(deterministic)
     layout = check_layout(layout)
     checked = {}
 
@@ -574,7 +575,7 @@ def context_parallel_dma_attention(
     is_causal: bool = True,
     softmax_scale: Optional[float] = None,
     softcap: Optional[float] = None,
-    deterministic: bool = False,
+    deterministic: Optional[bool] = None,
     *,
     min_dtype: Optional[float] = None,
     group=None,
@@ -607,6 +608,7 @@ def context_parallel_dma_attention(
     one all-gather of the bias shard (``(1|B)·(1|Hkv)·L`` values), then the selected rows.
     """
     grp = Group(group, mesh_dim)
+    deterministic = resolve_deterministic(deterministic)
     layout = check_layout(layout)
     checked = {}
 
