@@ -65,6 +65,28 @@ def test_cuda_topk_selection(hopper, causal_selection, monkeypatch):
                dtype=torch.bfloat16, intervals=ki.to("cpu"), fn=cuda_func)
 
 
+@pytest.mark.parametrize("W", [100, 130, 700, 2048])
+def test_cuda_topk_selection_list_tails(hopper, W):
+    """Causal top-W lists whose last step holds few keys (the forward's narrow tail products)
+    and lists whose last step is wide, against the reference."""
+    from flash_dmattn.backends.cuda.intervals import plan_for
+    from flash_dmattn.utils.mask import topk_intervals
+
+    B, L, H, Hkv, D = 1, 2600, 4, 2, 128
+    gen = torch.Generator(device="cuda").manual_seed(W)
+    bias = torch.randn(B, Hkv, 1, L, device="cuda", generator=gen)
+    ki = topk_intervals(bias, W, is_causal=True)
+    q = torch.empty(B, L, H, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.empty(B, L, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    plan, _ = plan_for(q, k, bias.bfloat16(), ki.bounds, True, backward=False, window=ki.window)
+    lens = plan.tile_len.flatten().cpu().long()
+    steps = (lens + plan.block_n - 1) // plan.block_n
+    tails = lens - (steps - 1) * plan.block_n
+    assert ((steps > 1) & (tails <= 64)).any(), tails  # the narrow tail runs
+    check_case(B, L, L, H, Hkv, D, None, (B, Hkv, 1, L), True, device="cuda",
+               dtype=torch.bfloat16, intervals=ki.to("cpu"), fn=cuda_func)
+
+
 def test_cuda_intervals_write_every_output(hopper):
     """The forward writes every row (0 and lse -inf where no key is seen) into a NaN-poisoned
     output buffer."""
