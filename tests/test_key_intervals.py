@@ -620,7 +620,8 @@ def test_cuda_interval_reasons_name_what_it_does_not_run():
         (AttentionInputs.from_args(q, k, k, KeyIntervals(j.expand(4, 16), (j + 4).expand(4, 16))),
          "per query head"),
         (AttentionInputs.from_args(q, k, k, ki, torch.randn(16, 16)), "per-key bias"),
-        (AttentionInputs.from_args(q, k, k, ki, deterministic=True), "deterministic"),
+        (AttentionInputs.from_args(q.requires_grad_(), k, k, ki, deterministic=True),
+         "deterministic"),
         (AttentionInputs.from_args(torch.randn(1, 16, 4, 192), torch.randn(1, 16, 2, 192),
                                    torch.randn(1, 16, 2, 192), ki), "head_dim"),
         (AttentionInputs.from_args(q, k, k, ki, cache_seqlens=torch.tensor([9], dtype=torch.int32)),
@@ -628,3 +629,9 @@ def test_cuda_interval_reasons_name_what_it_does_not_run():
     ]
     for inputs, words in cases:
         assert any(words in r for r in interval_reasons(inputs)), (words, interval_reasons(inputs))
+    # The forward is deterministic: a call with no gradient to compute runs.
+    q.requires_grad_(False)
+    assert interval_reasons(AttentionInputs.from_args(q, k, k, ki, deterministic=True)) == []
+    with torch.no_grad():
+        assert interval_reasons(AttentionInputs.from_args(q.requires_grad_(), k, k, ki,
+                                                          deterministic=True)) == []
