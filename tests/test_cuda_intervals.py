@@ -146,7 +146,8 @@ def test_cuda_declines_what_it_does_not_run(hopper):
         (AttentionInputs.from_args(q, k, k, KeyIntervals(j, j + 8),
                                    torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)),
          "per-key bias"),
-        (AttentionInputs.from_args(q, k, k, KeyIntervals(j, j + 8), None, deterministic=True),
-         "deterministic"),
+        (AttentionInputs.from_args(q.detach().requires_grad_(), k, k, KeyIntervals(j, j + 8),
+                                   None, deterministic=True),
+         "deterministic"),  # with a backward to run
     ):
         assert any(words in r for r in backend.not_supported_reasons(inputs)), words

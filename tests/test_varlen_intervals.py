@@ -214,9 +214,10 @@ def test_one_sequence_keeps_lists_within_the_window_capacity():
 # ---------------------------------------------------------------------------------------
 # Dispatch and declines (no kernel runs)
 # ---------------------------------------------------------------------------------------
-def _inputs(**kw):
+def _inputs(grad=False, **kw):
     q, k, v, start, end, bias, cu_q, cu_k = make_problem(LENS_Q, LENS_K, bounds=kw.pop(
         "bounds", "K"))
+    q.requires_grad_(grad)
     return VarlenInputs.from_args(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K),
                                   attn_mask=KeyIntervals(start, end, window=kw.pop("window",
                                                                                     None)),
@@ -251,7 +252,7 @@ def test_cuda_varlen_reasons_come_from_the_packed_call():
     """The cuda backend's reasons for a varlen key-interval call are those of the packed
     key-interval call (checked here without a GPU: no kernel is built or launched)."""
     cuda = next(b for b in registry.registered_backends() if b.name == "cuda")
-    reasons = cuda.varlen_not_supported_reasons(_inputs(bounds="H", dropout_p=0.1,
+    reasons = cuda.varlen_not_supported_reasons(_inputs(grad=True, bounds="H", dropout_p=0.1,
                                                         deterministic=True))
     text = "; ".join(reasons)
     assert "no cuda kernel yet" not in text
