@@ -2,7 +2,10 @@
 # One device call for the cuda key-interval forward: builds the d128 bf16 modules the
 # breakdown uses side by side (and, with AB_FLAGS, all of them again with those nvcc flags), then tools/fwd_breakdown.py at each of LENGTHS (default and AB_FLAGS builds in the
 # same call, so their rows compare), Nsight Compute on NCU_ROWS (0 skips), and
-# tools/dma_probe.py with PROBE_ARGS (PROBE_S=0 skips). Logs go to $OUT.
+# tools/dma_probe.py with PROBE_ARGS (PROBE_S=0 skips). With AB_FLAGS and AB_TESTS (pytest
+# paths; AB_K a -k expression), those GPU tests first run against the AB_FLAGS build
+# (AB_TESTS_S seconds at most), so one call checks a kernel switch and times it: choose tests
+# of the specs built here (d128 bf16), others would build in the call. Logs go to $OUT.
 #   bash tools/gpu_fwd.sh   (run with carry [".wheels"])
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}
@@ -18,6 +21,11 @@ for spec in d128-bf16 d128-bf16-bias d128-bf16-mask d128-bf16-mask-bias; do
 done
 wait
 for f in "$W"/build-*.log; do echo "== $f"; tail -1 "$f"; done >"$OUT/build.log"
+if [ -n "${AB_FLAGS:-}" ] && [ -n "${AB_TESTS:-}" ]; then
+  FLASH_DMATTN_CUDA_FLAGS="$AB_FLAGS" timeout "${AB_TESTS_S:-240}" python3 -m pytest -q \
+    -p no:cacheprovider -m gpu $AB_TESTS ${AB_K:+-k "$AB_K"} >"$OUT/ab-tests.log" 2>&1
+  echo "AB tests rc=$?: $(tail -n 1 "$OUT/ab-tests.log")" | tee -a "$OUT/build.log"
+fi
 for L in ${LENGTHS:-32768 65536}; do
   timeout 60 python3 tools/fwd_breakdown.py "$L" 2>&1 | tee -a "$OUT/breakdown.log"
   if [ -n "${AB_FLAGS:-}" ]; then
