@@ -51,8 +51,7 @@ from .scores import (
     _scores,
 )
 from .varlen import (
-    _varlen_key_tiles,
-    _varlen_list_len,
+    _query_tile_keys,
     _varlen_list_need_elem,
     _varlen_need_elem,
     _varlen_seq,
@@ -527,23 +526,11 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     seed, offset = _dropout_seed(Rng, DROPOUT)
 
-    if USE_LIST:
-        lh = h // list_hdiv
-        list_row = ListIdx + b * stride_lb + lh * stride_lh + pid_m * stride_lm
-        cnt_ptr = ListCnt + b * stride_cb + lh * stride_ch + pid_m * stride_cm
-        n_iter = tl.load(cnt_ptr)
-    else:
-        list_row = ListIdx
-        cnt_ptr = ListCnt
-        n_iter = n_k_tiles
-    if VARLEN:
-        if USE_LIST:
-            # The (sequence, mask head) row of live key tiles, cut at this tile's causal limit.
-            n_iter = _varlen_list_len(list_row, n_iter, pid_m * BLOCK_M, seqlen_q, seqlen_k,
-                                      BLOCK_M, BLOCK_N, IS_CAUSAL)
-        else:
-            n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
-                                       IS_CAUSAL)
+    list_off, n_iter = _query_tile_keys(ListIdx, ListCnt, b, h, pid_m, list_hdiv, stride_lb,
+                                        stride_lh, stride_lm, stride_cb, stride_ch, stride_cm,
+                                        n_k_tiles, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
+                                        IS_CAUSAL, USE_LIST, VARLEN)
+    list_row = ListIdx + list_off
     mask_klim, bias_klim = _key_bounds(stride_mm, stride_bm, seqlen_k, MASK_PAD, BIAS_PAD)
     if USE_LIST and not GATHER:
         # One loop with the partial flag per tile, entries loaded one iteration ahead (see

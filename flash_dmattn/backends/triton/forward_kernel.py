@@ -26,7 +26,7 @@ import triton.language as tl
 from .common import _dot, launch_tuned
 from .dropout_mask import _dropout_keep_tile, _dropout_seed
 from .scores import _gathered_row_bits, _key_bounds, _key_tile, _scores
-from .varlen import _varlen_key_tiles, _varlen_list_len, _varlen_list_need_elem, _varlen_seq
+from .varlen import _query_tile_keys, _varlen_list_need_elem, _varlen_seq
 
 
 @triton.jit
@@ -131,25 +131,12 @@ def _attn_fwd_program(
     # VARLEN), rows and keys count from the sequence's start.
     seed, offset = _dropout_seed(Rng, DROPOUT)
 
-    if USE_LIST:
-        lh = h // list_hdiv
-        list_off = b * stride_lb + lh * stride_lh + pid_m * stride_lm
-        list_row = ListIdx + list_off
-        bits_row = MaskBits + list_off
-        cnt_ptr = ListCnt + b * stride_cb + lh * stride_ch + pid_m * stride_cm
-        n_iter = tl.load(cnt_ptr)
-    else:
-        list_row = ListIdx
-        cnt_ptr = ListCnt
-        n_iter = n_k_tiles
-    if VARLEN:
-        if USE_LIST:
-            # The (sequence, mask head) row of live key tiles, cut at this tile's causal limit.
-            n_iter = _varlen_list_len(list_row, n_iter, pid_m * BLOCK_M, seqlen_q, seqlen_k,
-                                      BLOCK_M, BLOCK_N, IS_CAUSAL)
-        else:
-            n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
-                                       IS_CAUSAL)
+    list_off, n_iter = _query_tile_keys(ListIdx, ListCnt, b, h, pid_m, list_hdiv, stride_lb,
+                                        stride_lh, stride_lm, stride_cb, stride_ch, stride_cm,
+                                        n_k_tiles, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
+                                        IS_CAUSAL, USE_LIST, VARLEN)
+    list_row = ListIdx + list_off
+    bits_row = MaskBits + list_off
 
     mask_klim, bias_klim = _key_bounds(stride_mm, stride_bm, seqlen_k, MASK_PAD, BIAS_PAD)
     if USE_LIST and not GATHER:

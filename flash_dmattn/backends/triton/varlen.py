@@ -87,6 +87,33 @@ def _varlen_list_len(row, n, start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def _query_tile_keys(ListIdx, ListCnt, b, h, pid_m, list_hdiv, stride_lb, stride_lh, stride_lm,
+                     stride_cb, stride_ch, stride_cm, n_k_tiles, seqlen_q, seqlen_k,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                     USE_LIST: tl.constexpr, VARLEN: tl.constexpr):
+    """``(offset, steps)`` of query tile ``pid_m``'s walk over the keys, for the forward and
+    the dQ kernels: with ``USE_LIST`` the offset of its row in the key lists (``ListIdx``, and
+    the mask bits laid out like them) and that row's length (``ListCnt``), else offset 0 and
+    ``n_k_tiles`` key tiles; with ``VARLEN`` cut at the tile's causal limit in its sequence."""
+    if USE_LIST:
+        lh = h // list_hdiv
+        list_off = b * stride_lb + lh * stride_lh + pid_m * stride_lm
+        n_iter = tl.load(ListCnt + b * stride_cb + lh * stride_ch + pid_m * stride_cm)
+    else:
+        list_off = pid_m * 0
+        n_iter = n_k_tiles
+    if VARLEN:
+        if USE_LIST:
+            # The (sequence, mask head) row of live key tiles, cut at this tile's causal limit.
+            n_iter = _varlen_list_len(ListIdx + list_off, n_iter, pid_m * BLOCK_M, seqlen_q,
+                                      seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        else:
+            n_iter = _varlen_key_tiles(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
+                                       IS_CAUSAL)
+    return list_off, n_iter
+
+
+@triton.jit
 def _varlen_tile_state(row, n, tile):
     """``(live, partial)`` of key tile ``tile`` in a varlen key-tile list (``n`` live)."""
     pos = _list_lower_bound(row, n, tile)
