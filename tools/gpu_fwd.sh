@@ -2,7 +2,8 @@
 # One device call for the cuda key-interval forward: builds the d128 bf16 modules the
 # breakdown uses side by side (and, with AB_FLAGS, all of them again with those nvcc flags), then tools/fwd_breakdown.py at each of LENGTHS (default and AB_FLAGS builds in the
 # same call, so their rows compare), Nsight Compute on NCU_ROWS (0 skips), and
-# tools/dma_probe.py with PROBE_ARGS (PROBE_S=0 skips). With AB_FLAGS and AB_TESTS (pytest
+# tools/dma_probe.py with PROBE_ARGS (PROBE_S=0 skips; with AB_FLAGS, PROBE_ROUNDS rounds
+# alternating the two builds). With AB_FLAGS and AB_TESTS (pytest
 # paths; AB_K a -k expression), those GPU tests first run against the AB_FLAGS build
 # (AB_TESTS_S seconds at most), so one call checks a kernel switch and times it: choose tests
 # of the specs built here (d128 bf16), others would build in the call. Logs go to $OUT.
@@ -37,8 +38,20 @@ done
 if [ "${NCU_ROWS:-0}" != 0 ]; then
   NCU_S=${NCU_S:-90} ncu_ranges tools/fwd_breakdown.py $NCU_ROWS
 fi
+# The probe: with AB_FLAGS, PROBE_ROUNDS rounds (default 2) alternating the default and the
+# AB_FLAGS builds, so their rows compare within the call.
 if [ "${PROBE_S:-120}" -gt 0 ]; then
-  timeout "${PROBE_S:-120}" python3 tools/dma_probe.py ${PROBE_ARGS:-32768 65536 --kinds causal --backends cuda} \
-    2>&1 | tee "$OUT/probe.log"
+  PROBE=(python3 tools/dma_probe.py ${PROBE_ARGS:-32768 65536 --kinds causal --backends cuda})
+  if [ -z "${AB_FLAGS:-}" ]; then
+    timeout "${PROBE_S:-120}" "${PROBE[@]}" 2>&1 | tee "$OUT/probe.log"
+  else
+    for r in $(seq "${PROBE_ROUNDS:-2}"); do
+      echo "== round $r: default build" | tee -a "$OUT/probe.log"
+      timeout "${PROBE_S:-120}" "${PROBE[@]}" 2>&1 | tee -a "$OUT/probe.log"
+      echo "== round $r: FLASH_DMATTN_CUDA_FLAGS=$AB_FLAGS" | tee -a "$OUT/probe.log"
+      FLASH_DMATTN_CUDA_FLAGS="$AB_FLAGS" timeout "${PROBE_S:-120}" "${PROBE[@]}" 2>&1 |
+        tee -a "$OUT/probe.log"
+    done
+  fi
 fi
 exit 0
