@@ -67,7 +67,7 @@ def test_cuda_topk_selection(hopper, causal_selection, monkeypatch):
 
 @pytest.mark.parametrize("W", [100, 130, 700, 2048])
 def test_cuda_topk_selection_list_tails(hopper, W):
-    """Causal top-W lists whose last step holds few keys (the forward's narrow tail products)
+    """Causal top-W lists whose last step holds few keys (most of the step's rows past the list)
     and lists whose last step is wide, against the reference."""
     from flash_dmattn.backends.cuda.intervals import plan_for
     from flash_dmattn.utils.mask import topk_intervals
@@ -82,7 +82,7 @@ def test_cuda_topk_selection_list_tails(hopper, W):
     lens = plan.tile_len.flatten().cpu().long()
     steps = (lens + plan.block_n - 1) // plan.block_n
     tails = lens - (steps - 1) * plan.block_n
-    assert ((steps > 1) & (tails <= 64)).any(), tails  # the narrow tail runs
+    assert ((steps > 1) & (tails <= 64)).any(), tails  # some list ends in a short step
     check_case(B, L, L, H, Hkv, D, None, (B, Hkv, 1, L), True, device="cuda",
                dtype=torch.bfloat16, intervals=ki.to("cpu"), fn=cuda_func)
 

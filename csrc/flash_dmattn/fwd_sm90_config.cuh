@@ -32,11 +32,6 @@ struct Sm90FwdConfig : Sm90FwdShape<kHD> {
   using MmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
       Layout<Shape<Int<Base::kConsumerWGs>, _1, _1>>{}));
-  // S of a key list's last step when it holds at most kTailN keys (fwd_kernel_sm90).
-  template <int kTailN>
-  using MmaQKTail = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kTailN>, Int<kHeadDim>>>(),
-      Layout<Shape<Int<Base::kConsumerWGs>, _1, _1>>{}));
   using MmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),

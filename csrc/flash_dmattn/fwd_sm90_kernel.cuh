@@ -44,11 +44,6 @@
 // $FLASH_DMATTN_CUDA_FLAGS) gives the host pass every header of the device pass.
 #pragma once
 #include "fwd_sm90_launch.h"
-// Narrow products for a key list's short last step (tail_step in fwd_kernel_sm90): off until
-// measured on a GPU (docs/architecture.md, developer settings).
-#ifndef FLASH_DMATTN_FWD_TAIL
-#define FLASH_DMATTN_FWD_TAIL 0
-#endif
 #ifndef FLASH_DMATTN_FWD_HOST_CUTE
 #define FLASH_DMATTN_FWD_HOST_CUTE 0
 #endif
@@ -668,7 +663,7 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
         wgmma_issue<true>(mma_pv, tOrP, tOrVts, acc_o, /*zero=*/false);
       };
       // Scores of tile i (its S product waited for) -> probabilities; alpha as softmax_step.
-      auto scores_to_probs_of = [&](auto& acc, int i, float (&alpha)[2]) {
+      auto scores_to_probs = [&](int i, float (&alpha)[2]) {
         const int g = step0 + i;
         stage_released(bar.k_empty + g % kStages);
         // The last S product was the last reader of Q: the producer may load the next item's.
@@ -676,59 +671,19 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
         if constexpr (Cfg::kHasAux || kGather) {
           const int a = g % kAuxStages;
           ClusterBarrier::wait(bar.aux_full + a, (g / kAuxStages) & 1);
-          to_logits(acc, i, a);
+          to_logits(acc_s, i, a);
           stage_released(bar.aux_empty + a);
         } else {
-          to_logits(acc, i, 0);
+          to_logits(acc_s, i, 0);
         }
-        softmax_step(acc, alpha);
-        if constexpr (kDropout) drop_probs(acc, i);
+        softmax_step(acc_s, alpha);
+        if constexpr (kDropout) drop_probs(acc_s, i);
       };
-      auto scores_to_probs = [&](int i, float (&alpha)[2]) { scores_to_probs_of(acc_s, i, alpha); };
       auto pv_done = [&](int i) {
         wgmma_wait<0>(acc_o);
         warpgroup_fence_operand(rP);
         stage_released(bar.v_empty + (step0 + i) % kStages);
       };
-
-      // The last step of a key list holds the list's remainder, often a few keys (a causal
-      // top-W tile lists W plus a few dozen keys): with at most kTailN keys it runs as
-      // kTailN-wide products over the stage's first rows (S = Q K[:kTailN]^T, O += P V[:kTailN])
-      // instead of kBlockN-wide ones. Rows past the list are never read.
-      auto tail_step = [&](auto tail_n) {
-        constexpr int kTailN = decltype(tail_n)::value;
-        const int i = n_steps - 1;
-        const int g = step0 + i, s = g % kStages;
-        typename Cfg::template MmaQKTail<kTailN> mma_t;
-        auto thr_t = mma_t.get_thread_slice(tid);
-        Tensor sKt = local_tile(sK(_, _, s), Shape<Int<kTailN>, Int<kD>>{}, make_coord(0, 0));
-        Tensor tSrQt = thr_t.partition_fragment_A(sQ);
-        Tensor tSrKt = thr_t.partition_fragment_B(sKt);
-        Tensor acc_t = partition_fragment_C(mma_t, Shape<Int<kBlockM>, Int<kTailN>>{});
-        ClusterBarrier::wait(bar.k_full + s, (g / kStages) & 1);
-        wgmma_issue<false>(mma_t, tSrQt, tSrKt, acc_t, /*zero=*/true);
-        issue_pv(i - 1);
-        wgmma_wait<1>(acc_t);
-        float alpha_t[2];
-        scores_to_probs_of(acc_t, i, alpha_t);
-        pv_done(i - 1);
-        rescale_o(alpha_t);
-        Tensor rPt = make_tensor_like<Elem>(acc_t);
-        CUTE_UNROLL
-        for (int e = 0; e < size(acc_t); ++e) rPt(e) = Elem(acc_t(e));
-        Tensor tOrPt = make_tensor(rPt.data(), acc_as_gmma_a_layout(rPt.layout()));
-        ClusterBarrier::wait(bar.v_full + s, (g / kStages) & 1);
-        Tensor tOrVts = tOrVt(_, _, _, s);
-        wgmma_issue<true>(mma_pv, tOrPt, tOrVts, acc_o, /*zero=*/false);  // k < kTailN / 16
-        wgmma_wait<0>(acc_o);
-        warpgroup_fence_operand(rPt);
-        stage_released(bar.v_empty + s);
-      };
-      constexpr bool kTail = FLASH_DMATTN_FWD_TAIL && kIntervals && !kDropout;
-      const int tail_keys = n_keys - (n_steps - 1) * kBlockN;  // keys in the last step
-      const bool tail32 = kTail && n_steps > 1 && tail_keys <= 32;
-      const bool tail64 = kTail && n_steps > 1 && tail_keys <= 64;
-      const int n_full_steps = tail64 ? n_steps - 1 : n_steps;
 
       ClusterBarrier::wait(bar.q_full, rounds & 1);
       float alpha[2];
@@ -736,7 +691,7 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
       wgmma_wait<0>(acc_s);
       scores_to_probs(0, alpha);  // O is still zero: nothing to rescale
       to_p();
-      for (int i = 1; i < n_full_steps; ++i) {
+      for (int i = 1; i < n_steps; ++i) {
         issue_qk(i);
         issue_pv(i - 1);
         wgmma_wait<1>(acc_s);  // batches complete in order: S(i) is ready, P V may still run
@@ -745,19 +700,8 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
         rescale_o(alpha);
         to_p();
       }
-      if constexpr (kTail) {
-        if (tail32) {
-          tail_step(Int<32>{});
-        } else if (tail64) {
-          tail_step(Int<64>{});
-        } else {
-          issue_pv(n_steps - 1);
-          pv_done(n_steps - 1);
-        }
-      } else {
-        issue_pv(n_steps - 1);
-        pv_done(n_steps - 1);
-      }
+      issue_pv(n_steps - 1);
+      pv_done(n_steps - 1);
     }
 
     // Epilogue: normalise, write lse (natural log; -inf and zero output for rows with no key).
