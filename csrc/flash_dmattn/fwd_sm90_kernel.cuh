@@ -598,16 +598,12 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
           row_sum[r] = row_sum[r] * alpha[r] + sum;  // quad-reduced once, at the end
         }
       };
-      // Dropout of tile i's probabilities (after softmax_step has summed them): dropped ones
-      // zeroed. Its Philox evaluations run while the previous tile's P V product is on the
-      // tensor cores. A warp's 16 rows are one 16-row group (q0 is a multiple of kBlockM):
-      // kBlockN / 32 evaluations a thread, for listed keys as for a key tile.
-      auto drop_probs = [&](auto& acc_s, int i) {
-        constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
-        static_assert(kGroupsS * 8 == kBlockN, "a thread's columns span the tile");
+      // Keep bits of tile i (dropout_query_rows_bits): they depend on the tile's keys and rows
+      // only, not on its scores. A warp's 16 rows are one 16-row group (q0 is a multiple of
+      // kBlockM): kBlockN / 32 evaluations a thread, for listed keys as for a key tile.
+      auto keep_bits_of = [&](int i, uint32_t (&bits)[2]) {
         const int lane = tid % 32;
         const int row0 = q0 + get<0>(cS(make_coord(0, 0, 0), 0, 0));
-        uint32_t bits[2];
         if constexpr (kGather) {
           // Columns past the list are invisible (probability 0): any key will do.
           const int32_t* keys = list + i * kBlockN;
@@ -619,6 +615,12 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
           dropout_query_rows_bits<kBlockN>(dkey, uint32_t(row0) >> 4, lane,
                                            [&](int c) { return k0 + c; }, bits);
         }
+      };
+      // Dropout of a tile's probabilities (after softmax_step has summed them): dropped ones
+      // zeroed.
+      auto drop_probs = [&](auto& acc_s, const uint32_t (&bits)[2]) {
+        constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
+        static_assert(kGroupsS * 8 == kBlockN, "a thread's columns span the tile");
         CUTE_UNROLL
         for (int r = 0; r < 2; ++r) {
           CUTE_UNROLL
@@ -662,6 +664,13 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
         Tensor tOrVts = tOrVt(_, _, _, s);
         wgmma_issue<true>(mma_pv, tOrP, tOrVts, acc_o, /*zero=*/false);
       };
+      // Keep bits of the tile whose scores are next. With kDropEarly they are drawn right
+      // after the tile's S product (and the previous tile's P V product) are issued, while
+      // those run on the tensor cores; otherwise after its softmax, beside the P V product.
+      uint32_t keep[2] = {0u, 0u};
+      auto draw_early = [&](int i) {
+        if constexpr (kDropout && kDropEarly) keep_bits_of(i, keep);
+      };
       // Scores of tile i (its S product waited for) -> probabilities; alpha as softmax_step.
       auto scores_to_probs = [&](int i, float (&alpha)[2]) {
         const int g = step0 + i;
@@ -677,7 +686,10 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
           to_logits(acc_s, i, 0);
         }
         softmax_step(acc_s, alpha);
-        if constexpr (kDropout) drop_probs(acc_s, i);
+        if constexpr (kDropout) {
+          if constexpr (!kDropEarly) keep_bits_of(i, keep);
+          drop_probs(acc_s, keep);
+        }
       };
       auto pv_done = [&](int i) {
         wgmma_wait<0>(acc_o);
@@ -688,12 +700,14 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
       ClusterBarrier::wait(bar.q_full, rounds & 1);
       float alpha[2];
       issue_qk(0);
+      draw_early(0);
       wgmma_wait<0>(acc_s);
       scores_to_probs(0, alpha);  // O is still zero: nothing to rescale
       to_p();
       for (int i = 1; i < n_steps; ++i) {
         issue_qk(i);
         issue_pv(i - 1);
+        draw_early(i);
         wgmma_wait<1>(acc_s);  // batches complete in order: S(i) is ready, P V may still run
         scores_to_probs(i, alpha);
         pv_done(i - 1);
