@@ -6,7 +6,8 @@
 # alternating the two builds). With AB_FLAGS and AB_TESTS (pytest
 # paths; AB_K a -k expression), those GPU tests first run against the AB_FLAGS build
 # (AB_TESTS_S seconds at most), so one call checks a kernel switch and times it: choose tests
-# of the specs built here (d128 bf16), others would build in the call. Logs go to $OUT.
+# of the specs built here (d128 bf16), others would build in the call. BENCH_ARGS adds
+# benchmarks.run rows, alternating the builds. Logs go to $OUT.
 #   bash tools/gpu_fwd.sh   (run with carry [".wheels"])
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}
@@ -53,5 +54,20 @@ if [ "${PROBE_S:-120}" -gt 0 ]; then
         tee -a "$OUT/probe.log"
     done
   fi
+fi
+# BENCH_ARGS (benchmarks.run arguments, e.g. --suite dense --match "dense B1 H16 L16384 D128
+# causal" --backends cuda): those rows too, alternating the builds for PROBE_ROUNDS rounds.
+if [ -n "${BENCH_ARGS:-}" ]; then
+  eval "bench_args=($BENCH_ARGS)"
+  builds=("")
+  [ -n "${AB_FLAGS:-}" ] && builds+=("$AB_FLAGS")
+  for r in $(seq "${PROBE_ROUNDS:-2}"); do
+    for flags in "${builds[@]}"; do
+      echo "== bench round $r: FLASH_DMATTN_CUDA_FLAGS=$flags" | tee -a "$OUT/bench.log"
+      FLASH_DMATTN_CUDA_FLAGS="$flags" timeout "${BENCH_S:-120}" python3 -m benchmarks.run \
+        --out "$W/bench-$r-${#flags}" "${bench_args[@]}" 2>&1 | grep -E "^== |^   " |
+        tee -a "$OUT/bench.log"
+    done
+  done
 fi
 exit 0

@@ -44,6 +44,11 @@
 // $FLASH_DMATTN_CUDA_FLAGS) gives the host pass every header of the device pass.
 #pragma once
 #include "fwd_sm90_launch.h"
+// Row maximum and sum of a step as trees (1) or as one chain through the row's values (0):
+// see softmax_step in fwd_kernel_sm90 and docs/architecture.md (developer settings).
+#ifndef FLASH_DMATTN_FWD_TREE
+#define FLASH_DMATTN_FWD_TREE 0
+#endif
 #ifndef FLASH_DMATTN_FWD_HOST_CUTE
 #define FLASH_DMATTN_FWD_HOST_CUTE 0
 #endif
@@ -201,6 +206,7 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
   // the loops stop after it at compile time, so the ring counters stay constants (the
   // persistent form's extra live state made the other walks spill).
   constexpr bool kPersistent = kIntervals;
+  constexpr bool kTreeReduce = FLASH_DMATTN_FWD_TREE != 0;
   const int m_blocks = (p.Lq + kBlockM - 1) / kBlockM;
   const int n_items = m_blocks * p.B * p.H;
   struct Item {
@@ -572,29 +578,57 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
       // rescaled by.
       // Accumulator value (c, r, g) is column 8 g + c, row 8 r of this thread's quad; the four
       // threads of a quad share rows.
+      // With kTreeReduce the row's maximum and sum are trees (depth log2 of the values) instead
+      // of one chain through every value (a dependent FMNMX / FADD each): the maximum is the
+      // same either way, the sum's rounding order differs.
       auto softmax_step = [&](auto& acc_s, float (&alpha)[2]) {
         constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
         CUTE_UNROLL
         for (int r = 0; r < 2; ++r) {
           float mx = row_max[r];
-          CUTE_UNROLL
-          for (int g = 0; g < kGroupsS; ++g) {
-            mx = fmaxf(mx, fmaxf(acc_s(make_coord(0, r, g), 0, 0), acc_s(make_coord(1, r, g), 0, 0)));
+          if constexpr (kTreeReduce) {
+            static_assert((kGroupsS & (kGroupsS - 1)) == 0, "a tree over whole pairs");
+            float m[kGroupsS];
+            CUTE_UNROLL
+            for (int g = 0; g < kGroupsS; ++g) {
+              m[g] = fmaxf(acc_s(make_coord(0, r, g), 0, 0), acc_s(make_coord(1, r, g), 0, 0));
+            }
+            CUTE_UNROLL
+            for (int w = kGroupsS / 2; w > 0; w /= 2) {
+              CUTE_UNROLL
+              for (int g = 0; g < w; ++g) m[g] = fmaxf(m[g], m[g + w]);
+            }
+            mx = fmaxf(mx, m[0]);
+          } else {
+            CUTE_UNROLL
+            for (int g = 0; g < kGroupsS; ++g) {
+              mx = fmaxf(mx, fmaxf(acc_s(make_coord(0, r, g), 0, 0), acc_s(make_coord(1, r, g), 0, 0)));
+            }
           }
           mx = quad_max(mx);
           const float base = mx == -INFINITY ? 0.f : mx;
           alpha[r] = exp2f(row_max[r] - base);
           row_max[r] = mx;
-          float sum = 0.f;
+          // Partial sums: kSums independent chains (one with kTreeReduce off), added pairwise.
+          constexpr int kSums = kTreeReduce ? 4 : 1;
+          float part[kSums];
+          CUTE_UNROLL
+          for (int k = 0; k < kSums; ++k) part[k] = 0.f;
           CUTE_UNROLL
           for (int g = 0; g < kGroupsS; ++g) {
             CUTE_UNROLL
             for (int c = 0; c < 2; ++c) {
               const float pv = exp2f(acc_s(make_coord(c, r, g), 0, 0) - base);
               acc_s(make_coord(c, r, g), 0, 0) = pv;
-              sum += pv;
+              if (kSums > 1 && 2 * g + c < kSums) {
+                part[2 * g + c] = pv;  // a chain's first value: no add to zero
+              } else {
+                part[(2 * g + c) % kSums] += pv;
+              }
             }
           }
+          float sum = part[0];
+          if constexpr (kSums == 4) sum = (part[0] + part[1]) + (part[2] + part[3]);
           row_sum[r] = row_sum[r] * alpha[r] + sum;  // quad-reduced once, at the end
         }
       };
