@@ -78,14 +78,18 @@ struct Sm90FwdBarriers {
   uint64_t* v_empty;
   uint64_t* aux_full;
   uint64_t* aux_empty;
+  uint64_t* drop_full;   // producer-drawn keep bits (kDropStages of them; none when 0)
+  uint64_t* drop_empty;
 
   template <typename Cfg>
   __device__ static Sm90FwdBarriers at(char* smem) {
     uint64_t* b = reinterpret_cast<uint64_t*>(smem + Cfg::kBarOff);
     constexpr int S = Cfg::kStages;
     constexpr int A = Cfg::kMaxAuxStages;
+    constexpr int D = Cfg::kDropStages;
     return {b,         b + 1,         b + 2,         b + 2 + S,
-            b + 2 + 2 * S, b + 2 + 3 * S, b + 2 + 4 * S, b + 2 + 4 * S + A};
+            b + 2 + 2 * S, b + 2 + 3 * S, b + 2 + 4 * S, b + 2 + 4 * S + A,
+            b + 2 + 4 * S + 2 * A, b + 2 + 4 * S + 2 * A + D};
   }
 };
 
@@ -176,6 +180,7 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
   const int kAuxStages = aux.stages;
   extern __shared__ __align__(1024) char smem[];
 
+  char* drop_smem0 = smem + Cfg::kDropOff;
   char* mask_smem0 = smem + Cfg::kAuxOff;
   char* bias_smem0 = smem + Cfg::kAuxOff + aux.mask_bytes;
 
@@ -192,6 +197,12 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
     for (int s = 0; s < kAuxStages; ++s) {
       ClusterBarrier::init(bar.aux_full + s, Cfg::kProducerThreads);
       ClusterBarrier::init(bar.aux_empty + s, Cfg::kConsumerWarps);
+    }
+    if constexpr (kDropout && Cfg::kDropProducer) {
+      for (int s = 0; s < Cfg::kDropStages; ++s) {
+        ClusterBarrier::init(bar.drop_full + s, Cfg::kProducerThreads);
+        ClusterBarrier::init(bar.drop_empty + s, Cfg::kConsumerWarps);
+      }
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -262,6 +273,8 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
       auto tile_of = [&](int i) { return walk.tile(i); };
       auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0, Lq(), Lk()); };
       const int ptid = threadIdx.x;
+      DropoutKey dkey;
+      if constexpr (kDropout && Cfg::kDropProducer) dkey = dropout_key(p.drop, b, h);
       if (n_steps > 0) {
         // Q of the previous item is free once the consumers' last S product read it.
         if (rounds > 0) ClusterBarrier::wait(bar.q_empty, (rounds - 1) & 1);
@@ -344,6 +357,32 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
                 smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
           }
           stage_filled(bar.v_full + s);
+          if constexpr (kDropout && Cfg::kDropProducer) {
+            // This step's keep bits for consumer warps pw and pw + 4 (their 16-row groups),
+            // drawn as those warps' lanes would (dropout_query_rows_bits), one uint2 a
+            // consumer thread, while the consumers work on earlier steps.
+            const int d = g % Cfg::kDropStages;
+            ClusterBarrier::wait(bar.drop_empty + d, ((g / Cfg::kDropStages) & 1) ^ 1);
+            const int pw = ptid / 32, lane = ptid % 32;
+            uint2* dst = reinterpret_cast<uint2*>(drop_smem0 + d * Cfg::kDropBitsBytes);
+            CUTE_UNROLL
+            for (int half = 0; half < 2; ++half) {
+              const int cw = pw + 4 * half;
+              const uint32_t grp = uint32_t(q0 >> 4) + uint32_t(cw);
+              uint32_t bits[2];
+              if constexpr (kGather) {
+                const int32_t* keys = list + k0;
+                const int n = n_keys - k0;
+                dropout_query_rows_bits<kBlockN>(dkey, grp, lane,
+                                                 [&](int c) { return c < n ? keys[c] : 0; }, bits);
+              } else {
+                dropout_query_rows_bits<kBlockN>(dkey, grp, lane,
+                                                 [&](int c) { return k0 + c; }, bits);
+              }
+              dst[cw * 32 + lane] = make_uint2(bits[0], bits[1]);
+            }
+            ClusterBarrier::arrive(bar.drop_full + d);
+          }
         }
       }
       if (n_steps > 0) {
@@ -698,12 +737,24 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
         Tensor tOrVts = tOrVt(_, _, _, s);
         wgmma_issue<true>(mma_pv, tOrP, tOrVts, acc_o, /*zero=*/false);
       };
-      // Keep bits of the tile whose scores are next. With kDropEarly they are drawn right
-      // after the tile's S product (and the previous tile's P V product) are issued, while
-      // those run on the tensor cores; otherwise after its softmax, beside the P V product.
+      // Keep bits of the tile whose scores are next, taken right after the tile's S product
+      // (and the previous tile's P V product) are issued, while those run on the tensor
+      // cores: read from the producer's stage (Cfg::kDropProducer, which takes precedence) or
+      // drawn here (kDropEarly). Otherwise they are drawn after the softmax, beside the P V
+      // product.
+      constexpr bool kDrawAfter = !kDropEarly && !Cfg::kDropProducer;
       uint32_t keep[2] = {0u, 0u};
       auto draw_early = [&](int i) {
-        if constexpr (kDropout && kDropEarly) keep_bits_of(i, keep);
+        if constexpr (kDropout && Cfg::kDropProducer) {
+          const int g = step0 + i, d = g % Cfg::kDropStages;
+          ClusterBarrier::wait(bar.drop_full + d, (g / Cfg::kDropStages) & 1);
+          const uint2 w = reinterpret_cast<const uint2*>(drop_smem0 + d * Cfg::kDropBitsBytes)[tid];
+          keep[0] = w.x;
+          keep[1] = w.y;
+          stage_released(bar.drop_empty + d);
+        } else if constexpr (kDropout && kDropEarly) {
+          keep_bits_of(i, keep);
+        }
       };
       // Scores of tile i (its S product waited for) -> probabilities; alpha as softmax_step.
       auto scores_to_probs = [&](int i, float (&alpha)[2]) {
@@ -721,7 +772,7 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
         }
         softmax_step(acc_s, alpha);
         if constexpr (kDropout) {
-          if constexpr (!kDropEarly) keep_bits_of(i, keep);
+          if constexpr (kDrawAfter) keep_bits_of(i, keep);
           drop_probs(acc_s, keep);
         }
       };
