@@ -121,6 +121,25 @@ __device__ __forceinline__ void load_gathered_aux(const FwdParams& p, int b, int
   }
 }
 
+// Keep bits of one key step for the 16-row group `grp` as lane `lane` of the warp holding it
+// needs them (dropout_query_rows_bits): the step's keys are the list entries from `k0` on
+// (kGather; columns past the list are invisible, so any key will do) or keys k0 + [0, kBlockN).
+// They depend on the step's coordinates only, so the consumer warp itself or the producer on
+// its behalf draws the same bits.
+template <int kBlockN, bool kGather>
+__device__ __forceinline__ void step_keep_bits(const DropoutKey& dkey, uint32_t grp, int lane,
+                                               const int32_t* list, int n_keys, int k0,
+                                               uint32_t (&bits)[2]) {
+  if constexpr (kGather) {
+    const int32_t* keys = list + k0;
+    const int n = n_keys - k0;
+    dropout_query_rows_bits<kBlockN>(dkey, grp, lane,
+                                     [&](int c) { return c < n ? keys[c] : 0; }, bits);
+  } else {
+    dropout_query_rows_bits<kBlockN>(dkey, grp, lane, [&](int c) { return k0 + c; }, bits);
+  }
+}
+
 // A raw score q·k as a logit in log2 units (the natural-log logit times log2 e): scaled,
 // soft-capped where the call asks for it. The sm90 forward keeps every logit, running max and
 // bias in these units, so exp2 of a logit minus the max needs no multiply.
@@ -359,8 +378,7 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
           stage_filled(bar.v_full + s);
           if constexpr (kDropout && Cfg::kDropProducer) {
             // This step's keep bits for consumer warps pw and pw + 4 (their 16-row groups),
-            // drawn as those warps' lanes would (dropout_query_rows_bits), one uint2 a
-            // consumer thread, while the consumers work on earlier steps.
+            // one uint2 a consumer thread, while the consumers work on earlier steps.
             const int d = g % Cfg::kDropStages;
             ClusterBarrier::wait(bar.drop_empty + d, ((g / Cfg::kDropStages) & 1) ^ 1);
             const int pw = ptid / 32, lane = ptid % 32;
@@ -368,17 +386,9 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
             CUTE_UNROLL
             for (int half = 0; half < 2; ++half) {
               const int cw = pw + 4 * half;
-              const uint32_t grp = uint32_t(q0 >> 4) + uint32_t(cw);
               uint32_t bits[2];
-              if constexpr (kGather) {
-                const int32_t* keys = list + k0;
-                const int n = n_keys - k0;
-                dropout_query_rows_bits<kBlockN>(dkey, grp, lane,
-                                                 [&](int c) { return c < n ? keys[c] : 0; }, bits);
-              } else {
-                dropout_query_rows_bits<kBlockN>(dkey, grp, lane,
-                                                 [&](int c) { return k0 + c; }, bits);
-              }
+              step_keep_bits<kBlockN, kGather>(dkey, uint32_t(q0 >> 4) + uint32_t(cw), lane,
+                                               list, n_keys, k0, bits);
               dst[cw * 32 + lane] = make_uint2(bits[0], bits[1]);
             }
             ClusterBarrier::arrive(bar.drop_full + d);
@@ -650,9 +660,7 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
           row_max[r] = mx;
           // Partial sums: kSums independent chains (one with kTreeReduce off), added pairwise.
           constexpr int kSums = kTreeReduce ? 4 : 1;
-          float part[kSums];
-          CUTE_UNROLL
-          for (int k = 0; k < kSums; ++k) part[k] = 0.f;
+          float part[kSums] = {};
           CUTE_UNROLL
           for (int g = 0; g < kGroupsS; ++g) {
             CUTE_UNROLL
@@ -671,23 +679,12 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
           row_sum[r] = row_sum[r] * alpha[r] + sum;  // quad-reduced once, at the end
         }
       };
-      // Keep bits of tile i (dropout_query_rows_bits): they depend on the tile's keys and rows
-      // only, not on its scores. A warp's 16 rows are one 16-row group (q0 is a multiple of
-      // kBlockM): kBlockN / 32 evaluations a thread, for listed keys as for a key tile.
+      // Keep bits of tile i (step_keep_bits). A warp's 16 rows are one 16-row group (q0 is a
+      // multiple of kBlockM): kBlockN / 32 evaluations a thread.
       auto keep_bits_of = [&](int i, uint32_t (&bits)[2]) {
-        const int lane = tid % 32;
         const int row0 = q0 + get<0>(cS(make_coord(0, 0, 0), 0, 0));
-        if constexpr (kGather) {
-          // Columns past the list are invisible (probability 0): any key will do.
-          const int32_t* keys = list + i * kBlockN;
-          const int n = n_keys - i * kBlockN;
-          dropout_query_rows_bits<kBlockN>(dkey, uint32_t(row0) >> 4, lane,
-                                           [&](int c) { return c < n ? keys[c] : 0; }, bits);
-        } else {
-          const int k0 = tile_of(i) * kBlockN;
-          dropout_query_rows_bits<kBlockN>(dkey, uint32_t(row0) >> 4, lane,
-                                           [&](int c) { return k0 + c; }, bits);
-        }
+        step_keep_bits<kBlockN, kGather>(dkey, uint32_t(row0) >> 4, tid % 32, list, n_keys,
+                                         kGather ? i * kBlockN : tile_of(i) * kBlockN, bits);
       };
       // Dropout of a tile's probabilities (after softmax_step has summed them): dropped ones
       // zeroed.
