@@ -6,6 +6,13 @@
 #                            nvidia-cutlass wheel carried in .wheels/ (run with carry [".wheels"])
 # bench NAME LIMIT ARGS...   python -m benchmarks.run ARGS under a time limit, log to
 #                            $OUT/bench-NAME.log, print its result rows
+# ab_variants                sets the array `builds`: "" (the default build), then each nvcc
+#                            flag set of AB_FLAGS (separated by ";"): kernel switches to build,
+#                            test and time beside the default in one call
+# build_variants SPEC...     every SPEC under every flag set of `builds`, side by side; the last
+#                            line of each build's log to $OUT/build.log
+# test_variants TESTS        pytest -m gpu TESTS (AB_K: a -k expression) under each switch
+#                            variant (AB_TESTS_S seconds each), log to $OUT/ab-tests.log
 # ncu_ranges SCRIPT RANGE... Nsight Compute on `python3 SCRIPT --ncu`, once per NVTX range
 #                            (kernels inside RANGE/), log to $OUT/ncu-RANGE.txt, print the
 #                            headline rows; NCU_METRICS (comma list) replaces the stall metrics
@@ -27,6 +34,34 @@ device_install() {
     if [ "${1:-}" = cutlass ]; then
       python3 -m pip install --no-deps .wheels/nvidia_cutlass-*.whl
     fi; } >"$W/install.log" 2>&1 || { tail -20 "$W/install.log"; exit 1; }
+}
+
+ab_variants() {
+  IFS=';' read -r -a builds <<<"${AB_FLAGS:-}"
+  builds=("" "${builds[@]}")
+}
+
+build_variants() {
+  local n=0 flags spec
+  for flags in "${builds[@]}"; do
+    for spec in "$@"; do
+      FLASH_DMATTN_CUDA_FLAGS="$flags" timeout 400 python3 -m flash_dmattn build "$spec" \
+        >"$W/build-$n-$spec.log" 2>&1 &
+    done
+    n=$((n + 1))
+  done
+  wait
+  for f in "$W"/build-*.log; do echo "== $f"; tail -1 "$f"; done | tee -a "$OUT/build.log"
+}
+
+test_variants() {
+  local flags
+  for flags in "${builds[@]:1}"; do
+    FLASH_DMATTN_CUDA_FLAGS="$flags" timeout "${AB_TESTS_S:-240}" python3 -m pytest -q \
+      -p no:cacheprovider -m gpu $1 ${AB_K:+-k "$AB_K"} >>"$OUT/ab-tests.log" 2>&1
+    echo "tests with FLASH_DMATTN_CUDA_FLAGS=$flags rc=$?: $(tail -n 1 "$OUT/ab-tests.log")" |
+      tee -a "$OUT/build.log"
+  done
 }
 
 bench() {
