@@ -332,15 +332,6 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       const int entry = step_info[st];
       const int q0 = (entry >> 1) * kBM;
       const bool partial = (entry & 1) != 0;
-      // Dropout: bit key_rows_bit(g, c2) of drop_bits[r] says whether query
-      // q0 + 8 g + 2 (lane % 4) + c2 keeps key r (two evaluations a thread). They depend on
-      // the step's keys and queries only: with kDropEarly they are drawn while the step's
-      // products run, otherwise after its scores are read.
-      static_assert(kGroups == 8, "dropout_key_rows_bits: 64 queries a step");
-      uint32_t drop_bits[2] = {0u, 0u};
-      auto draw_bits = [&] {
-        dropout_key_rows_bits(dkey, drop_key[0], drop_key[1], q0, lane, drop_bits);
-      };
 
       Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, _64>{});   // S^T
       Tensor acc_dp = partition_fragment_C(mma_s, Shape<_64, _64>{});  // dP^T
@@ -349,7 +340,6 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
         Tensor tSrdO = thr_s.partition_fragment_B(make_tensor(at((5 + 2 * st) * kT), typename Cfg::Tile{}));
         wgmma_issue<false>(mma_s, tSrK, tSrQ, acc_s, /*zero=*/true);
         wgmma_issue<false>(mma_s, tSrV, tSrdO, acc_dp, /*zero=*/true);
-        if constexpr (kDropout && kDropEarly) draw_bits();
         wgmma_wait<0>(acc_s);
         warpgroup_fence_operand(acc_dp);
       }
@@ -421,7 +411,13 @@ __global__ void __launch_bounds__(Sm90BwdConfig<kHeadDimBucket>::kKvThreads, 1)
       } else {
         plain = kPlainPath && !kSoftcap && !check && !use_mask && !(kHasBias && bias_rows);
       }
-      if constexpr (kDropout && !kDropEarly) draw_bits();
+      // Dropout: bit key_rows_bit(g, c2) of drop_bits[r] says whether query
+      // q0 + 8 g + 2 (lane % 4) + c2 keeps key r (two evaluations a thread).
+      static_assert(kGroups == 8, "dropout_key_rows_bits: 64 queries a step");
+      uint32_t drop_bits[2] = {0u, 0u};
+      if constexpr (kDropout) {
+        dropout_key_rows_bits(dkey, drop_key[0], drop_key[1], q0, lane, drop_bits);
+      }
       // P of the value and its dS from P and dP (dropout: P Z and P (dP Z - delta)).
       const float dscale = kDropout ? p.drop.scale : 1.f;
       // bit: key_rows_bit of the value's column.
@@ -683,17 +679,6 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
       cp_async_fence();
 
       const int k_off = (2 + 4 * st + wg) * kT, v_off = (4 + 4 * st + wg) * kT;
-      // Dropout: this warpgroup's 64 keys of the thread's two rows (a warp's 16 rows are one
-      // 16-row group: q0 is a multiple of 64); bit 2 g + c2 of drop_bits[r] for key
-      // k0 + kw + 8 g + 2 (lane % 4) + c2. Drawn while the step's products run (kDropEarly)
-      // or after its scores are read.
-      uint32_t drop_bits[2] = {0u, 0u};
-      auto draw_bits = [&] {
-        const int row0 = q0 + get<0>(cS(make_coord(make_coord(0, 0, 0), 0, 0)));
-        const int kk = k0 + kw;
-        dropout_query_rows_bits<64>(dkey, uint32_t(row0) >> 4, tid % 32,
-                                    [&](int c) { return kk + c; }, drop_bits);
-      };
       Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, _64>{});
       Tensor acc_dp = partition_fragment_C(mma_s, Shape<_64, _64>{});
       {
@@ -701,7 +686,6 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
         Tensor tSrV = thr_s.partition_fragment_B(make_tensor(at(v_off), typename Cfg::Tile{}));
         wgmma_issue<false>(mma_s, tSrQ, tSrK, acc_s, /*zero=*/true);
         wgmma_issue<false>(mma_s, tSrdO, tSrV, acc_dp, /*zero=*/true);
-        if constexpr (kDropout && kDropEarly) draw_bits();
         wgmma_wait<0>(acc_s);
         warpgroup_fence_operand(acc_dp);
       }
@@ -710,7 +694,16 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const BwdParams p) {
       const char* btile = bias_smem + st * BiasT::kBytes;
       const bool check = partial || (k0 + kw + 64 > Lk());
       const bool use_mask = kHasMask && partial;
-      if constexpr (kDropout && !kDropEarly) draw_bits();
+      // Dropout: this warpgroup's 64 keys of the thread's two rows (a warp's 16 rows are one
+      // 16-row group: q0 is a multiple of 64); bit 2 g + c2 of drop_bits[r] for key
+      // k0 + kw + 8 g + 2 (lane % 4) + c2.
+      uint32_t drop_bits[2] = {0u, 0u};
+      if constexpr (kDropout) {
+        const int row0 = q0 + get<0>(cS(make_coord(make_coord(0, 0, 0), 0, 0)));
+        const int kk = k0 + kw;
+        dropout_query_rows_bits<64>(dkey, uint32_t(row0) >> 4, tid % 32,
+                                    [&](int c) { return kk + c; }, drop_bits);
+      }
       // A thread's values come in pairs of adjacent keys (c, c + 1), c even: their mask / bias
       // are read as one 2- / 4-byte word; the causal / ragged bound is one key limit per row.
       CUTE_UNROLL

@@ -7,7 +7,7 @@
 # other specs build in the call), then tools/dropout_probe.py --backends cuda for ROUNDS rounds
 # (default 2), each over the default build and every variant, so their rows compare within the
 # call (PROBE_ARGS adds arguments, PROBE_S limits each run). Logs go to $OUT.
-#   AB_FLAGS="-DFLASH_DMATTN_DROP_EARLY=1;-DFLASH_DMATTN_DROP_PRODUCER=1" \
+#   AB_FLAGS="-DMY_SWITCH=1;-DMY_SWITCH=1 -DMY_OTHER_SWITCH=1" \
 #     bash tools/gpu_dropout.sh                                  (carry [".wheels"])
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}

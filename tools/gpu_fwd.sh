@@ -8,7 +8,7 @@
 # each of LENGTHS, Nsight Compute on NCU_ROWS (default build; 0 skips), tools/dma_probe.py with
 # PROBE_ARGS (PROBE_S=0 skips) and the benchmarks.run rows of BENCH_ARGS, the last two in
 # PROBE_ROUNDS rounds, so the builds' rows compare within the call. Logs go to $OUT.
-#   AB_FLAGS="-DFLASH_DMATTN_FWD_TREE=1" bash tools/gpu_fwd.sh   (carry [".wheels"])
+#   AB_FLAGS="-DMY_SWITCH=1" bash tools/gpu_fwd.sh   (carry [".wheels"])
 source "$(dirname "$0")/device_common.sh"
 export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}
 export MAX_JOBS=${MAX_JOBS:-2}

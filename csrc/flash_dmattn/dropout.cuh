@@ -32,15 +32,6 @@
 
 namespace flash_dmattn {
 
-// Where a kernel step draws its keep bits (developer setting, docs/architecture.md): 1 right
-// after issuing the step's products, so the Philox evaluations run while the tensor cores do;
-// 0 after the step's scores are read. The bits depend on the step's coordinates only, so both
-// give the same mask.
-#ifndef FLASH_DMATTN_DROP_EARLY
-#define FLASH_DMATTN_DROP_EARLY 0
-#endif
-constexpr bool kDropEarly = FLASH_DMATTN_DROP_EARLY != 0;
-
 // The stream's Philox rounds: flash_dmattn.dropout.ROUNDS, which says why 7.
 constexpr int kPhiloxRounds = 7;
 

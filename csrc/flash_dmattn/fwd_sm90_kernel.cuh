@@ -44,11 +44,6 @@
 // $FLASH_DMATTN_CUDA_FLAGS) gives the host pass every header of the device pass.
 #pragma once
 #include "fwd_sm90_launch.h"
-// Row maximum and sum of a step as trees (1) or as one chain through the row's values (0):
-// see softmax_step in fwd_kernel_sm90 and docs/architecture.md (developer settings).
-#ifndef FLASH_DMATTN_FWD_TREE
-#define FLASH_DMATTN_FWD_TREE 0
-#endif
 #ifndef FLASH_DMATTN_FWD_HOST_CUTE
 #define FLASH_DMATTN_FWD_HOST_CUTE 0
 #endif
@@ -78,18 +73,14 @@ struct Sm90FwdBarriers {
   uint64_t* v_empty;
   uint64_t* aux_full;
   uint64_t* aux_empty;
-  uint64_t* drop_full;   // producer-drawn keep bits (kDropStages of them; none when 0)
-  uint64_t* drop_empty;
 
   template <typename Cfg>
   __device__ static Sm90FwdBarriers at(char* smem) {
     uint64_t* b = reinterpret_cast<uint64_t*>(smem + Cfg::kBarOff);
     constexpr int S = Cfg::kStages;
     constexpr int A = Cfg::kMaxAuxStages;
-    constexpr int D = Cfg::kDropStages;
     return {b,         b + 1,         b + 2,         b + 2 + S,
-            b + 2 + 2 * S, b + 2 + 3 * S, b + 2 + 4 * S, b + 2 + 4 * S + A,
-            b + 2 + 4 * S + 2 * A, b + 2 + 4 * S + 2 * A + D};
+            b + 2 + 2 * S, b + 2 + 3 * S, b + 2 + 4 * S, b + 2 + 4 * S + A};
   }
 };
 
@@ -118,25 +109,6 @@ __device__ __forceinline__ void load_gathered_aux(const FwdParams& p, int b, int
       cp_async_16(bias_smem + tid * 16, valid > 0 ? src : reinterpret_cast<const Elem*>(g.bias),
                   valid);
     }
-  }
-}
-
-// Keep bits of one key step for the 16-row group `grp` as lane `lane` of the warp holding it
-// needs them (dropout_query_rows_bits): the step's keys are the list entries from `k0` on
-// (kGather; columns past the list are invisible, so any key will do) or keys k0 + [0, kBlockN).
-// They depend on the step's coordinates only, so the consumer warp itself or the producer on
-// its behalf draws the same bits.
-template <int kBlockN, bool kGather>
-__device__ __forceinline__ void step_keep_bits(const DropoutKey& dkey, uint32_t grp, int lane,
-                                               const int32_t* list, int n_keys, int k0,
-                                               uint32_t (&bits)[2]) {
-  if constexpr (kGather) {
-    const int32_t* keys = list + k0;
-    const int n = n_keys - k0;
-    dropout_query_rows_bits<kBlockN>(dkey, grp, lane,
-                                     [&](int c) { return c < n ? keys[c] : 0; }, bits);
-  } else {
-    dropout_query_rows_bits<kBlockN>(dkey, grp, lane, [&](int c) { return k0 + c; }, bits);
   }
 }
 
@@ -199,7 +171,6 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
   const int kAuxStages = aux.stages;
   extern __shared__ __align__(1024) char smem[];
 
-  char* drop_smem0 = smem + Cfg::kDropOff;
   char* mask_smem0 = smem + Cfg::kAuxOff;
   char* bias_smem0 = smem + Cfg::kAuxOff + aux.mask_bytes;
 
@@ -217,12 +188,6 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
       ClusterBarrier::init(bar.aux_full + s, Cfg::kProducerThreads);
       ClusterBarrier::init(bar.aux_empty + s, Cfg::kConsumerWarps);
     }
-    if constexpr (kDropout && Cfg::kDropProducer) {
-      for (int s = 0; s < Cfg::kDropStages; ++s) {
-        ClusterBarrier::init(bar.drop_full + s, Cfg::kProducerThreads);
-        ClusterBarrier::init(bar.drop_empty + s, Cfg::kConsumerWarps);
-      }
-    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -236,7 +201,6 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
   // the loops stop after it at compile time, so the ring counters stay constants (the
   // persistent form's extra live state made the other walks spill).
   constexpr bool kPersistent = kIntervals;
-  constexpr bool kTreeReduce = FLASH_DMATTN_FWD_TREE != 0;
   const int m_blocks = (p.Lq + kBlockM - 1) / kBlockM;
   const int n_items = m_blocks * p.B * p.H;
   struct Item {
@@ -292,8 +256,6 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
       auto tile_of = [&](int i) { return walk.tile(i); };
       auto partial_of = [&](int i, int k0) { return walk.partial(p, i, k0, Lq(), Lk()); };
       const int ptid = threadIdx.x;
-      DropoutKey dkey;
-      if constexpr (kDropout && Cfg::kDropProducer) dkey = dropout_key(p.drop, b, h);
       if (n_steps > 0) {
         // Q of the previous item is free once the consumers' last S product read it.
         if (rounds > 0) ClusterBarrier::wait(bar.q_empty, (rounds - 1) & 1);
@@ -376,23 +338,6 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
                 smem + Cfg::kVOff + s * Cfg::kStageBytes, ptid);
           }
           stage_filled(bar.v_full + s);
-          if constexpr (kDropout && Cfg::kDropProducer) {
-            // This step's keep bits for consumer warps pw and pw + 4 (their 16-row groups),
-            // one uint2 a consumer thread, while the consumers work on earlier steps.
-            const int d = g % Cfg::kDropStages;
-            ClusterBarrier::wait(bar.drop_empty + d, ((g / Cfg::kDropStages) & 1) ^ 1);
-            const int pw = ptid / 32, lane = ptid % 32;
-            uint2* dst = reinterpret_cast<uint2*>(drop_smem0 + d * Cfg::kDropBitsBytes);
-            CUTE_UNROLL
-            for (int half = 0; half < 2; ++half) {
-              const int cw = pw + 4 * half;
-              uint32_t bits[2];
-              step_keep_bits<kBlockN, kGather>(dkey, uint32_t(q0 >> 4) + uint32_t(cw), lane,
-                                               list, n_keys, k0, bits);
-              dst[cw * 32 + lane] = make_uint2(bits[0], bits[1]);
-            }
-            ClusterBarrier::arrive(bar.drop_full + d);
-          }
         }
       }
       if (n_steps > 0) {
@@ -627,70 +572,53 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
       // rescaled by.
       // Accumulator value (c, r, g) is column 8 g + c, row 8 r of this thread's quad; the four
       // threads of a quad share rows.
-      // With kTreeReduce the row's maximum and sum are trees (depth log2 of the values) instead
-      // of one chain through every value (a dependent FMNMX / FADD each): the maximum is the
-      // same either way, the sum's rounding order differs.
       auto softmax_step = [&](auto& acc_s, float (&alpha)[2]) {
         constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
         CUTE_UNROLL
         for (int r = 0; r < 2; ++r) {
           float mx = row_max[r];
-          if constexpr (kTreeReduce) {
-            static_assert((kGroupsS & (kGroupsS - 1)) == 0, "a tree over whole pairs");
-            float m[kGroupsS];
-            CUTE_UNROLL
-            for (int g = 0; g < kGroupsS; ++g) {
-              m[g] = fmaxf(acc_s(make_coord(0, r, g), 0, 0), acc_s(make_coord(1, r, g), 0, 0));
-            }
-            CUTE_UNROLL
-            for (int w = kGroupsS / 2; w > 0; w /= 2) {
-              CUTE_UNROLL
-              for (int g = 0; g < w; ++g) m[g] = fmaxf(m[g], m[g + w]);
-            }
-            mx = fmaxf(mx, m[0]);
-          } else {
-            CUTE_UNROLL
-            for (int g = 0; g < kGroupsS; ++g) {
-              mx = fmaxf(mx, fmaxf(acc_s(make_coord(0, r, g), 0, 0), acc_s(make_coord(1, r, g), 0, 0)));
-            }
+          CUTE_UNROLL
+          for (int g = 0; g < kGroupsS; ++g) {
+            mx = fmaxf(mx, fmaxf(acc_s(make_coord(0, r, g), 0, 0), acc_s(make_coord(1, r, g), 0, 0)));
           }
           mx = quad_max(mx);
           const float base = mx == -INFINITY ? 0.f : mx;
           alpha[r] = exp2f(row_max[r] - base);
           row_max[r] = mx;
-          // Partial sums: kSums independent chains (one with kTreeReduce off), added pairwise.
-          constexpr int kSums = kTreeReduce ? 4 : 1;
-          float part[kSums] = {};
+          float sum = 0.f;
           CUTE_UNROLL
           for (int g = 0; g < kGroupsS; ++g) {
             CUTE_UNROLL
             for (int c = 0; c < 2; ++c) {
               const float pv = exp2f(acc_s(make_coord(c, r, g), 0, 0) - base);
               acc_s(make_coord(c, r, g), 0, 0) = pv;
-              if (kSums > 1 && 2 * g + c < kSums) {
-                part[2 * g + c] = pv;  // a chain's first value: no add to zero
-              } else {
-                part[(2 * g + c) % kSums] += pv;
-              }
+              sum += pv;
             }
           }
-          float sum = part[0];
-          if constexpr (kSums == 4) sum = (part[0] + part[1]) + (part[2] + part[3]);
           row_sum[r] = row_sum[r] * alpha[r] + sum;  // quad-reduced once, at the end
         }
       };
-      // Keep bits of tile i (step_keep_bits). A warp's 16 rows are one 16-row group (q0 is a
-      // multiple of kBlockM): kBlockN / 32 evaluations a thread.
-      auto keep_bits_of = [&](int i, uint32_t (&bits)[2]) {
-        const int row0 = q0 + get<0>(cS(make_coord(0, 0, 0), 0, 0));
-        step_keep_bits<kBlockN, kGather>(dkey, uint32_t(row0) >> 4, tid % 32, list, n_keys,
-                                         kGather ? i * kBlockN : tile_of(i) * kBlockN, bits);
-      };
-      // Dropout of a tile's probabilities (after softmax_step has summed them): dropped ones
-      // zeroed.
-      auto drop_probs = [&](auto& acc_s, const uint32_t (&bits)[2]) {
+      // Dropout of tile i's probabilities (after softmax_step has summed them): dropped ones
+      // zeroed. Its Philox evaluations run while the previous tile's P V product is on the
+      // tensor cores. A warp's 16 rows are one 16-row group (q0 is a multiple of kBlockM):
+      // kBlockN / 32 evaluations a thread, for listed keys as for a key tile.
+      auto drop_probs = [&](auto& acc_s, int i) {
         constexpr int kGroupsS = decltype(size<0, 2>(acc_s))::value;
         static_assert(kGroupsS * 8 == kBlockN, "a thread's columns span the tile");
+        const int lane = tid % 32;
+        const int row0 = q0 + get<0>(cS(make_coord(0, 0, 0), 0, 0));
+        uint32_t bits[2];
+        if constexpr (kGather) {
+          // Columns past the list are invisible (probability 0): any key will do.
+          const int32_t* keys = list + i * kBlockN;
+          const int n = n_keys - i * kBlockN;
+          dropout_query_rows_bits<kBlockN>(dkey, uint32_t(row0) >> 4, lane,
+                                           [&](int c) { return c < n ? keys[c] : 0; }, bits);
+        } else {
+          const int k0 = tile_of(i) * kBlockN;
+          dropout_query_rows_bits<kBlockN>(dkey, uint32_t(row0) >> 4, lane,
+                                           [&](int c) { return k0 + c; }, bits);
+        }
         CUTE_UNROLL
         for (int r = 0; r < 2; ++r) {
           CUTE_UNROLL
@@ -734,25 +662,6 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
         Tensor tOrVts = tOrVt(_, _, _, s);
         wgmma_issue<true>(mma_pv, tOrP, tOrVts, acc_o, /*zero=*/false);
       };
-      // Keep bits of the tile whose scores are next, taken right after the tile's S product
-      // (and the previous tile's P V product) are issued, while those run on the tensor
-      // cores: read from the producer's stage (Cfg::kDropProducer, which takes precedence) or
-      // drawn here (kDropEarly). Otherwise they are drawn after the softmax, beside the P V
-      // product.
-      constexpr bool kDrawAfter = !kDropEarly && !Cfg::kDropProducer;
-      uint32_t keep[2] = {0u, 0u};
-      auto draw_early = [&](int i) {
-        if constexpr (kDropout && Cfg::kDropProducer) {
-          const int g = step0 + i, d = g % Cfg::kDropStages;
-          ClusterBarrier::wait(bar.drop_full + d, (g / Cfg::kDropStages) & 1);
-          const uint2 w = reinterpret_cast<const uint2*>(drop_smem0 + d * Cfg::kDropBitsBytes)[tid];
-          keep[0] = w.x;
-          keep[1] = w.y;
-          stage_released(bar.drop_empty + d);
-        } else if constexpr (kDropout && kDropEarly) {
-          keep_bits_of(i, keep);
-        }
-      };
       // Scores of tile i (its S product waited for) -> probabilities; alpha as softmax_step.
       auto scores_to_probs = [&](int i, float (&alpha)[2]) {
         const int g = step0 + i;
@@ -768,10 +677,7 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
           to_logits(acc_s, i, 0);
         }
         softmax_step(acc_s, alpha);
-        if constexpr (kDropout) {
-          if constexpr (kDrawAfter) keep_bits_of(i, keep);
-          drop_probs(acc_s, keep);
-        }
+        if constexpr (kDropout) drop_probs(acc_s, i);
       };
       auto pv_done = [&](int i) {
         wgmma_wait<0>(acc_o);
@@ -782,14 +688,12 @@ __global__ void __launch_bounds__(Sm90FwdShape<kHeadDimBucket>::kThreads, 1)
       ClusterBarrier::wait(bar.q_full, rounds & 1);
       float alpha[2];
       issue_qk(0);
-      draw_early(0);
       wgmma_wait<0>(acc_s);
       scores_to_probs(0, alpha);  // O is still zero: nothing to rescale
       to_p();
       for (int i = 1; i < n_steps; ++i) {
         issue_qk(i);
         issue_pv(i - 1);
-        draw_early(i);
         wgmma_wait<1>(acc_s);  // batches complete in order: S(i) is ready, P V may still run
         scores_to_probs(i, alpha);
         pv_done(i - 1);

@@ -14,12 +14,6 @@
 #include "params.h"
 #include "spec.h"
 
-// Dropout keep bits drawn by the producer warpgroup into shared memory (1) or by the
-// consumers themselves (0): see fwd_kernel_sm90 and docs/architecture.md (developer settings).
-#ifndef FLASH_DMATTN_DROP_PRODUCER
-#define FLASH_DMATTN_DROP_PRODUCER 0
-#endif
-
 namespace flash_dmattn {
 
 template <int kHD>
@@ -63,15 +57,9 @@ struct Sm90FwdShape {
   // At most this many mask / bias stages (as many as fit, for the call's mask and bias
   // shapes): 4 keep a per-key bias two tiles ahead of the consumers with room to spare.
   static constexpr int kMaxAuxStages = 4;
-  // Producer-drawn dropout keep bits: a stage holds each consumer thread's two words for one
-  // key step (kDropStages steps ahead at most), with a full / empty mbarrier each.
-  static constexpr bool kDropProducer = FLASH_DMATTN_DROP_PRODUCER != 0;
-  static constexpr int kDropStages = kDropProducer ? 2 : 0;
-  static constexpr int kDropBitsBytes = kConsumerThreads * 8;
-  static constexpr int kBarriers = 2 + 4 * kStages + 2 * kMaxAuxStages + 2 * kDropStages;
+  static constexpr int kBarriers = 2 + 4 * kStages + 2 * kMaxAuxStages;
   static constexpr int kBarOff = kVOff + kStages * kStageBytes;
-  static constexpr int kDropOff = kBarOff + (8 * kBarriers + 15) / 16 * 16;
-  static constexpr int kAuxOff = kDropOff + kDropStages * kDropBitsBytes;
+  static constexpr int kAuxOff = kBarOff + (8 * kBarriers + 15) / 16 * 16;
   static constexpr int kSmemLimit = 227 * 1024;
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // per thread, at launch
   static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <=
