@@ -62,6 +62,48 @@ def _keep_bits16(bh, key, grp):
     return bits
 
 
+def test_keep_bits_arithmetic_is_the_byte_compare():
+    # keep_bits16 tests four bytes at a time (keep_high_bits) and gathers the results with a
+    # multiply (gather_high_bits): the header's expressions, modelled exactly, against a plain
+    # per-byte compare for every threshold 0..256 (256: p rounds to 1) and every byte value in
+    # every byte position, among random words.
+    body = _function("keep_high_bits")
+    assert "const uint32_t s = (word & 0x7f7f7f7fu) + lo_add;" in body
+    assert "return (word & s) | ((word | s) & sel);" in body
+    assert ("return ((b & 0x80808080u) | ((a >> 4) & 0x08080808u)) * 0x00204081u;"
+            in _function("gather_high_bits"))
+    key = _function("dropout_key")
+    assert "key.lo_add = t > 255u ? 0u : (128u - (t & 127u)) * 0x01010101u;" in key
+    assert "key.sel = t < 128u ? 0x80808080u : 0u;" in key
+    bits16 = _function("keep_bits16")
+    assert "return (r0 >> 24) | ((r1 >> 16) & 0xff00u);" in bits16
+    assert "gather_high_bits(keep_high_bits(w.x, key.lo_add, key.sel)," in bits16
+    assert "gather_high_bits(keep_high_bits(w.z, key.lo_add, key.sel)," in bits16
+
+    gen = torch.Generator().manual_seed(0)
+    every_byte = torch.arange(256, dtype=torch.int64) * 0x01010101
+    random = torch.randint(0, 2**32, (4, 4096), generator=gen, dtype=torch.int64)
+    x, y, z, w = (torch.cat([every_byte.roll(17 * i), r]) for i, r in enumerate(random))
+    for t in range(257):
+        lo_add = 0 if t > 255 else (128 - (t & 127)) * 0x01010101
+        sel = 0x80808080 if t < 128 else 0
+
+        def high(word):
+            s = (word & 0x7F7F7F7F) + lo_add
+            return (word & s) | ((word | s) & sel)
+
+        def gather(a, b):
+            return (((b & 0x80808080) | ((a >> 4) & 0x08080808)) * 0x00204081) & M32
+
+        r0, r1 = gather(high(x), high(y)), gather(high(z), high(w))
+        got = (r0 >> 24) | ((r1 >> 16) & 0xFF00)
+        want = torch.zeros_like(x)
+        for k, word in enumerate((x, y, z, w)):
+            for b in range(4):
+                want |= (((word >> (8 * b)) & 0xFF) >= t).long() << (4 * k + b)
+        assert torch.equal(got, want), t
+
+
 def _shfl_xor(x, lane_xor):
     return x[LANES ^ lane_xor]
 

@@ -18,6 +18,9 @@
 #             slow to compile or run and that a before/after comparison does not need)
 #   SPECS     cuda specialisations to build first (default: what those rows use)
 #   ROUNDS    alternating rounds (default 2); TOTAL_S the call's budget (default 560)
+#   PROBE     a command to run in each tree instead of benchmarks.run (e.g. "python3
+#             tools/dropout_probe.py --backends cuda"; SUITES, MATCH, BACKENDS and SKIP then
+#             do nothing)
 # Logs: $OUT/build-<tree>.log, $OUT/bench-<tree>-<round>.log, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/device_common.sh"
 T0=$(date +%s)
@@ -52,9 +55,14 @@ for round in $(seq 1 "$ROUNDS"); do
     runs_left=$(( 2 * (ROUNDS - round) + 1 )); [ $tree = before ] && runs_left=$(( runs_left + 1 ))
     budget=$(( $(left) / runs_left ))
     [ "$budget" -lt 20 ] && { echo "no time for $tree round $round" | tee -a "$OUT/times.log"; continue; }
-    (cd "$dir" && FLASH_DMATTN_CACHE_DIR=/tmp/cache-$tree PYTHONPATH=$dir timeout "$budget" \
-      python3 -m benchmarks.run --suite "$SUITES" --backends "$BACKENDS" ${MATCH:+--match "$MATCH"} \
-      --skip "${SKIP-flex-direct,materialised}" --out "$W/bench-$tree-$round" >"$OUT/bench-$tree-$round.log" 2>&1)
+    if [ -n "${PROBE:-}" ]; then
+      (cd "$dir" && FLASH_DMATTN_CACHE_DIR=/tmp/cache-$tree PYTHONPATH=$dir timeout "$budget" \
+        bash -c "$PROBE" >"$OUT/bench-$tree-$round.log" 2>&1)
+    else
+      (cd "$dir" && FLASH_DMATTN_CACHE_DIR=/tmp/cache-$tree PYTHONPATH=$dir timeout "$budget" \
+        python3 -m benchmarks.run --suite "$SUITES" --backends "$BACKENDS" ${MATCH:+--match "$MATCH"} \
+        --skip "${SKIP-flex-direct,materialised}" --out "$W/bench-$tree-$round" >"$OUT/bench-$tree-$round.log" 2>&1)
+    fi
     echo "$tree round $round rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/times.log"
   done
 done

@@ -51,14 +51,15 @@ __device__ __forceinline__ uint4 philox4x32(uint32_t k0, uint32_t k1, uint4 c) {
 }
 
 // One call's dropout as a kernel uses it: the Philox key, the counter words that do not vary
-// within a (batch, head) and the threshold. Read from the rng tensor in the kernel (no host
-// sync: CUDA graphs replay a capture with the rng tensor's new contents).
+// within a (batch, head) and the threshold's two constants of keep_high_bits. Read from the
+// rng tensor in the kernel (no host sync: CUDA graphs replay a capture with the rng tensor's
+// new contents).
 struct DropoutKey {
   uint32_t k0 = 0, k1 = 0;  // seed, low word first
   uint32_t bh = 0;          // counter word 2: batch * heads + head
   uint32_t offset = 0;      // counter word 3
-  uint32_t thresh4 = 0;     // the threshold in each byte (thresholds <= 255)
-  bool drop_all = false;    // threshold 256: no byte reaches it
+  uint32_t lo_add = 0;      // 128 - t % 128 in each byte; 0 for t = 256 (see keep_high_bits)
+  uint32_t sel = 0;         // 0x80808080 if t < 128, else 0
 };
 
 __device__ __forceinline__ DropoutKey dropout_key(const Dropout& d, int b, int h) {
@@ -70,24 +71,44 @@ __device__ __forceinline__ DropoutKey dropout_key(const Dropout& d, int b, int h
   int64_t batch = int64_t(b) + d.b0;
   if (d.rng_batch) batch += d.rng[2];
   key.bh = static_cast<uint32_t>(batch * d.heads + h + d.h0);
-  key.drop_all = d.threshold > 255u;
-  key.thresh4 = (d.threshold & 0xffu) * 0x01010101u;
+  const uint32_t t = d.threshold;  // 0..256
+  key.lo_add = t > 255u ? 0u : (128u - (t & 127u)) * 0x01010101u;
+  key.sel = t < 128u ? 0x80808080u : 0u;
   return key;
 }
 
-// The 4 bits of one Philox word: bit i says whether byte i (low first) reaches the threshold.
-__device__ __forceinline__ uint32_t keep_bits4(uint32_t word, uint32_t thresh4) {
-  const uint32_t ge = __vcmpgeu4(word, thresh4) & 0x01010101u;  // 1 in each kept byte
-  // Gather bytes' low bits into bits 24..27 (the partial products never carry into them).
-  return (ge * 0x01020408u) >> 24;
+// Whether each byte of a Philox word reaches the threshold t, four bytes at a time: bit
+// 8 i + 7 of the result is set iff byte i >= t (the other bits are unspecified).
+//
+// With a byte b = 128 b_hi + b_lo and t = 128 t_hi + t_lo (t <= 255): b >= t iff b_hi >
+// t_hi, or b_hi == t_hi and b_lo >= t_lo. The sum s = b_lo + (128 - t_lo) stays within its
+// byte (at most 255) and has its high bit set iff b_lo >= t_lo; so the test is b_hi OR s_hi
+// for t_hi = 0 and b_hi AND s_hi for t_hi = 1: the majority of (b, s, sel) in the high bit,
+// sel's high bit being NOT t_hi. For t = 256 (p rounds to 1: nothing kept) lo_add = 0 and
+// sel = 0: s_hi is never set, so nothing passes. Three instructions a word (AND, ADD, LOP3).
+__host__ __device__ __forceinline__ uint32_t keep_high_bits(uint32_t word, uint32_t lo_add,
+                                                            uint32_t sel) {
+  const uint32_t s = (word & 0x7f7f7f7fu) + lo_add;
+  return (word & s) | ((word | s) & sel);
+}
+
+// Bits 24..31: the high bits of each byte of keep_high_bits' a (bits 24..27) then b (28..31),
+// byte 0 first. a's high bits move to 8 i + 3 beside b's at 8 i + 7; the product with
+// 2^0 + 2^7 + 2^14 + 2^21 sends 8 i + 7 to 28 + i and 8 i + 3 to 24 + i, and its partial
+// products never share a bit (no carries reach the top byte).
+__host__ __device__ __forceinline__ uint32_t gather_high_bits(uint32_t a, uint32_t b) {
+  return ((b & 0x80808080u) | ((a >> 4) & 0x08080808u)) * 0x00204081u;
 }
 
 // Bit t (t < 16) says whether query row 16 grp + t keeps key j: one evaluation.
 __device__ __forceinline__ uint32_t keep_bits16(const DropoutKey& key, uint32_t j, uint32_t grp) {
   const uint4 w = philox4x32(key.k0, key.k1, make_uint4(j, grp, key.bh, key.offset));
-  const uint32_t bits = keep_bits4(w.x, key.thresh4) | (keep_bits4(w.y, key.thresh4) << 4) |
-                        (keep_bits4(w.z, key.thresh4) << 8) | (keep_bits4(w.w, key.thresh4) << 12);
-  return key.drop_all ? 0u : bits;
+  // Rows 0-7 (words x, y) in bits 24..31 of r0, rows 8-15 (words z, w) in those of r1.
+  const uint32_t r0 = gather_high_bits(keep_high_bits(w.x, key.lo_add, key.sel),
+                                       keep_high_bits(w.y, key.lo_add, key.sel));
+  const uint32_t r1 = gather_high_bits(keep_high_bits(w.z, key.lo_add, key.sel),
+                                       keep_high_bits(w.w, key.lo_add, key.sel));
+  return (r0 >> 24) | ((r1 >> 16) & 0xff00u);
 }
 
 // One step of a transpose between lanes and bit positions (see the callers): this lane and
