@@ -37,13 +37,16 @@ KERNELS = {
 }
 
 
-# Workloads compiled again with attention dropout on (the kernels' DROPOUT code).
+# Workloads compiled again with attention dropout on (the kernels' DROPOUT code), and one
+# whose keep threshold round(256 p) is 1, an int argument the JIT turns into a constant.
 DROPOUT_WORKLOADS = ("dense", "varlen", "intervals")
+THRESHOLD_ONE = 1 / 256
 
 
 @pytest.mark.skipif(not _nvidia_backend_available(), reason="triton without its nvidia backend")
 @pytest.mark.parametrize("workload, dropout",
-                         [(w, 0.0) for w in KERNELS] + [(w, 0.1) for w in DROPOUT_WORKLOADS])
+                         [(w, 0.0) for w in KERNELS] + [(w, 0.1) for w in DROPOUT_WORKLOADS]
+                         + [("dense", THRESHOLD_ONE)])
 def test_kernels_compile_for_sm90(workload, dropout):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
