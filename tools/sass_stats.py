@@ -5,8 +5,8 @@ machine without a GPU (nvcc and the CUTLASS headers), optionally beside an older
 
 ``TU`` is a translation unit under ``csrc/`` (e.g. ``flash_fwd_sm90_dense_dropout.cu``),
 ``SPEC`` a kernel specialisation (e.g. ``d128-bf16``). The TU compiles with the JIT's own flags
-(``backends.cuda.jit.cuda_flags`` for sm_90a) plus ``-Xptxas -v``; each kernel gets one line:
-registers, spill stores, SASS instructions. ``--base REV`` compiles commit REV's ``csrc/``
+(``backends.cuda.jit.cuda_flags`` for sm_90a, ``$FLASH_DMATTN_CUDA_FLAGS`` included) plus
+``-Xptxas -v``; each kernel gets one line: registers, spill stores, SASS instructions. ``--base REV`` compiles commit REV's ``csrc/``
 beside this checkout's (a kernel change's before/after without device time: e.g. that a
 default-off switch leaves the default kernels' SASS as it was, or how many instructions a
 change saves); ``--flags`` adds nvcc flags to this checkout's build only; ``--ops`` lists the
@@ -70,8 +70,10 @@ def parse_sass(text: str) -> Dict[str, List[str]]:
 
 
 def _tools():
+    """``(toolchain for sm_90a, cuobjdump, KernelSpec, cuda_flags)``; exits naming what is
+    missing."""
     from flash_dmattn.backends.cuda import toolchain
-    from flash_dmattn.backends.cuda.jit import NVCC_FLAGS
+    from flash_dmattn.backends.cuda.jit import cuda_flags
     from flash_dmattn.backends.cuda.spec import KernelSpec
 
     nvcc, inc = toolchain.find_nvcc(), toolchain.find_cutlass_include()
@@ -88,17 +90,19 @@ def _tools():
                               ("cuobjdump", cuobjdump)) if v is None]
     if missing:
         sys.exit("needs " + ", ".join(missing))
-    return nvcc, inc, cuobjdump, NVCC_FLAGS, KernelSpec
+    tc = toolchain.Toolchain(nvcc, toolchain.nvcc_version(nvcc) or "", inc, (9, 0))
+    return tc, cuobjdump, KernelSpec, cuda_flags
 
 
 def compile_tu(csrc: Path, tu: str, spec: str, extra: List[str], work: Path):
-    """Compile ``csrc/tu`` for sm_90a into ``work``; ``(ptxas stats, sass opcodes)``."""
-    nvcc, inc, cuobjdump, nvcc_flags, kernel_spec = _tools()
+    """Compile ``csrc/tu`` for sm_90a into ``work``, with the JIT's flags for ``spec`` (and
+    ``$FLASH_DMATTN_CUDA_FLAGS``) plus ``extra``; ``(ptxas stats, sass opcodes)``."""
+    tc, cuobjdump, kernel_spec, cuda_flags = _tools()
     work.mkdir(parents=True, exist_ok=True)
     obj = work / (Path(tu).stem + ".o")
-    cmd = [nvcc, *nvcc_flags, "-gencode", "arch=compute_90a,code=sm_90a",
-           "-DFLASH_DMATTN_SM90=1", *kernel_spec.parse(spec).defines(), *extra,
-           f"-I{csrc}", f"-I{inc}", "-Xptxas", "-v", "-c", str(csrc / tu), "-o", str(obj)]
+    cmd = [tc.nvcc, *cuda_flags(kernel_spec.parse(spec), tc), *extra,
+           f"-I{csrc}", f"-I{tc.cutlass_include}", "-Xptxas", "-v", "-c", str(csrc / tu),
+           "-o", str(obj)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         sys.exit(f"nvcc failed on {csrc / tu}:\n{res.stderr[-4000:]}")
