@@ -6,11 +6,12 @@ machine without a GPU (nvcc and the CUTLASS headers), optionally beside an older
 ``TU`` is a translation unit under ``csrc/`` (e.g. ``flash_fwd_sm90_dense_dropout.cu``),
 ``SPEC`` a kernel specialisation (e.g. ``d128-bf16``). The TU compiles with the JIT's own flags
 (``backends.cuda.jit.cuda_flags`` for sm_90a, ``$FLASH_DMATTN_CUDA_FLAGS`` included) plus
-``-Xptxas -v``; each kernel gets one line: registers, spill stores, SASS instructions. ``--base REV`` compiles commit REV's ``csrc/``
-beside this checkout's (a kernel change's before/after without device time: e.g. that a
-default-off switch leaves the default kernels' SASS as it was, or how many instructions a
-change saves); ``--flags`` adds nvcc flags to this checkout's build only; ``--ops`` lists the
-opcodes whose counts differ; ``--keep DIR`` keeps the objects and SASS listings.
+``-Xptxas -v``; each kernel gets one line: registers, spill stores, SASS instructions. ``--base
+REV`` compiles commit REV's ``csrc/`` beside this checkout's (a kernel change's before/after
+without device time: e.g. that a default-off switch leaves the default kernels' SASS as it was,
+or how many instructions a change saves); ``--flags`` adds nvcc flags to this checkout's build
+only; ``--ops`` lists the opcodes whose counts differ; ``--keep DIR`` keeps the objects and
+SASS listings.
 
 What it cannot tell is speed: fewer instructions can still run slower (scheduling, register
 pressure); a change is kept on a GPU measurement.
@@ -115,7 +116,8 @@ def compile_tu(csrc: Path, tu: str, spec: str, extra: List[str], work: Path):
 
 def _short(name: str, width: int = 64) -> str:
     try:
-        name = subprocess.run(["c++filt", name], capture_output=True, text=True).stdout.strip() or name
+        demangled = subprocess.run(["c++filt", name], capture_output=True, text=True).stdout
+        name = demangled.strip() or name
     except OSError:
         pass
     return name if len(name) <= width else name[:width - 3] + "..."
@@ -128,7 +130,8 @@ def report(after, before=None, ops: bool = False) -> List[str]:
     lines = []
     for name in sass:
         st = stats.get(name, {"regs": 0, "spill": 0})
-        line = f"{_short(name):64s} regs {st['regs']:3d} spill {st['spill']:4d} instr {len(sass[name]):6d}"
+        line = (f"{_short(name):64s} regs {st['regs']:3d} spill {st['spill']:4d} "
+                f"instr {len(sass[name]):6d}")
         if before is not None:
             b_stats, b_sass = before
             if name not in b_sass:
