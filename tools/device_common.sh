@@ -6,6 +6,9 @@
 #                            nvidia-cutlass wheel carried in .wheels/ (run with carry [".wheels"])
 # bench NAME LIMIT ARGS...   python -m benchmarks.run ARGS under a time limit, log to
 #                            $OUT/bench-NAME.log, print its result rows
+# ab_setup                   the preamble of a switch A/B call: a kernel cache under $W (unless
+#                            FLASH_DMATTN_CACHE_DIR is set), the install with the CUTLASS
+#                            wheel, the GPU's name in $OUT/env.txt, ab_variants
 # ab_variants                sets the array `builds`: "" (the default build), then each nvcc
 #                            flag set of AB_FLAGS (separated by ";"): kernel switches to build,
 #                            test and time beside the default in one call
@@ -34,6 +37,13 @@ device_install() {
     if [ "${1:-}" = cutlass ]; then
       python3 -m pip install --no-deps .wheels/nvidia_cutlass-*.whl
     fi; } >"$W/install.log" 2>&1 || { tail -20 "$W/install.log"; exit 1; }
+}
+
+ab_setup() {
+  export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}
+  device_install cutlass
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
+  ab_variants
 }
 
 ab_variants() {

@@ -10,11 +10,8 @@
 #   AB_FLAGS="-DMY_SWITCH=1;-DMY_SWITCH=1 -DMY_OTHER_SWITCH=1" \
 #     bash tools/gpu_dropout.sh                                  (carry [".wheels"])
 source "$(dirname "$0")/device_common.sh"
-export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}
 export MAX_JOBS=${MAX_JOBS:-4}
-device_install cutlass
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
-ab_variants
+ab_setup
 build_variants d128-bf16 d128-bf16-mask-bias
 test_variants "${AB_TESTS:-tests/test_cuda_dropout.py}"
 PROBE=(python3 tools/dropout_probe.py --backends cuda ${PROBE_ARGS:-})

@@ -10,11 +10,8 @@
 # PROBE_ROUNDS rounds, so the builds' rows compare within the call. Logs go to $OUT.
 #   AB_FLAGS="-DMY_SWITCH=1" bash tools/gpu_fwd.sh   (carry [".wheels"])
 source "$(dirname "$0")/device_common.sh"
-export FLASH_DMATTN_CACHE_DIR=${FLASH_DMATTN_CACHE_DIR:-$W/cache}
 export MAX_JOBS=${MAX_JOBS:-2}
-device_install cutlass
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
-ab_variants
+ab_setup
 build_variants d128-bf16 d128-bf16-bias d128-bf16-mask d128-bf16-mask-bias >/dev/null
 [ -n "${AB_TESTS:-}" ] && test_variants "$AB_TESTS"
 for L in ${LENGTHS:-32768 65536}; do
