@@ -56,13 +56,14 @@ for round in $(seq 1 "$ROUNDS"); do
     budget=$(( $(left) / runs_left ))
     [ "$budget" -lt 20 ] && { echo "no time for $tree round $round" | tee -a "$OUT/times.log"; continue; }
     if [ -n "${PROBE:-}" ]; then
-      (cd "$dir" && FLASH_DMATTN_CACHE_DIR=/tmp/cache-$tree PYTHONPATH=$dir timeout "$budget" \
-        bash -c "$PROBE" >"$OUT/bench-$tree-$round.log" 2>&1)
+      cmd=(bash -c "$PROBE")
     else
-      (cd "$dir" && FLASH_DMATTN_CACHE_DIR=/tmp/cache-$tree PYTHONPATH=$dir timeout "$budget" \
-        python3 -m benchmarks.run --suite "$SUITES" --backends "$BACKENDS" ${MATCH:+--match "$MATCH"} \
-        --skip "${SKIP-flex-direct,materialised}" --out "$W/bench-$tree-$round" >"$OUT/bench-$tree-$round.log" 2>&1)
+      cmd=(python3 -m benchmarks.run --suite "$SUITES" --backends "$BACKENDS"
+           ${MATCH:+--match "$MATCH"} --skip "${SKIP-flex-direct,materialised}"
+           --out "$W/bench-$tree-$round")
     fi
+    (cd "$dir" && FLASH_DMATTN_CACHE_DIR=/tmp/cache-$tree PYTHONPATH=$dir timeout "$budget" \
+      "${cmd[@]}" >"$OUT/bench-$tree-$round.log" 2>&1)
     echo "$tree round $round rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/times.log"
   done
 done
