@@ -118,7 +118,7 @@ def plain_selection(monkeypatch):
     imported under it would keep compiled kernels that later tests cannot run on CPU.)"""
     from flash_dmattn.planning import selection_kernels
 
-    monkeypatch.setattr(selection_kernels, "available", lambda device, rows=1: False)
+    monkeypatch.setattr(selection_kernels, "available", lambda device, rows=1, length=1: False)
 
 
 @pytest.mark.parametrize("window", [8, "dense"])

@@ -304,16 +304,18 @@ def test_kernels_16_bit_biases_sort_as_packed_keys(dtype):
 
 
 @_needs_kernels
-@pytest.mark.parametrize("radix_bits", [1, 2, 3, 4, 5, 6])
-def test_kernels_every_radix_and_small_blocks(radix_bits, monkeypatch):
-    # Small blocks and checkpoints: several sub-blocks per program, several programs per row
-    # (their digit counts summed by the later ones) and many checkpoints, at small L.
+@pytest.mark.parametrize("radix_bits,check", [(1, 8), (2, 8), (3, 8), (4, 8), (5, 8), (4, 32),
+                                              (5, 32)])
+def test_kernels_every_radix_and_small_blocks(radix_bits, check, monkeypatch):
+    # Small blocks and rank-table rows: several sub-blocks per program, several programs per
+    # row (their digit counts summed by the later ones) and many table rows, at small L; the
+    # 32-entry rows use every bit of their masks (the sign bit included).
     monkeypatch.setattr(selection_kernels, "radix_bits", lambda length: radix_bits)
-    monkeypatch.setattr(selection_kernels, "_TILE", 16 << radix_bits)
+    monkeypatch.setattr(selection_kernels, "_TILE", max(16, check) << radix_bits)
     monkeypatch.setattr(selection_kernels, "MAX_BLOCKS", 4)
-    monkeypatch.setattr(selection_kernels, "CHECK", 8)
+    monkeypatch.setattr(selection_kernels, "CHECK", check)
     monkeypatch.setattr(selection_kernels, "QUERY_BLOCK", 16)
-    g = torch.Generator().manual_seed(radix_bits)
+    g = torch.Generator().manual_seed(radix_bits + check)
     for length in (9, 40, 97) if radix_bits < 3 else (64, 130, 211):
         for window, bias in zip((1, 3, 17), _biases(g, (1, 2, 1, length))):
             padding = torch.rand(1, length, generator=g) > 0.2

@@ -2,7 +2,7 @@
 
     python3 tools/selection_probe.py [L ...] [--window W] [--heads H] [--batch B]
                                        [--dtype bf16|fp16|fp32] [--radix 4,5,6] [--shared]
-                                       [--no-check] [--no-profile]
+                                       [--query 64x8,128x4] [--no-check] [--no-profile]
     python3 tools/selection_probe.py --host-stub [L ...]   # no GPU: host time, launches stubbed
 
 On a GPU, per L (default 16K 32K 64K 128K; bf16 bias (B1, Hkv4, 1, L), W 2048): the median of
@@ -11,7 +11,8 @@ enqueuing 50 calls back to back while the device runs behind, as dma_probe's ``h
 Triton launches of one call, a bit-for-bit check against the plain-PyTorch path, and a
 torch.profiler table of one call (its kernels and their device times). ``--radix`` times the
 same call with other radices of the wavelet tree (bits per level; the library picks 4 or 5 by
-L), to decide that rule on the device.
+L), to decide that rule on the device; ``--query BxW,...`` times it with other key blocks (B)
+and warps (W) of the query kernel.
 
 Without a GPU the same code runs on CPU tensors under TRITON_INTERPRET=1 (tiny lengths only:
 the interpreter is slow; the times mean nothing, the script is exercised). ``--host-stub``
@@ -87,14 +88,18 @@ def probe(a):
     else:
         device_ms = wall_ms
     radices = [int(r) for r in a.radix.split(",")] if a.radix else [None]
+    queries = [tuple(int(v) for v in q.split("x")) for q in a.query.split(",")] if a.query \
+        else [None]
     default_rule = selection_kernels.radix_bits
+    default_query = selection_kernels.QUERY_BLOCK, selection_kernels.QUERY_WARPS
     dtype = DTYPES[a.dtype]
     is_causal = not a.shared
     for length in a.lengths:
         g = torch.Generator(device=dev).manual_seed(length)
         bias = torch.randn(a.batch, a.heads, 1, length, device=dev, generator=g).to(dtype)
-        for rb in radices:
+        for rb, query in ((rb, q) for rb in radices for q in queries):
             selection_kernels.radix_bits = default_rule if rb is None else (lambda n, rb=rb: rb)
+            selection_kernels.QUERY_BLOCK, selection_kernels.QUERY_WARPS = query or default_query
             try:
                 def call():
                     return topk_intervals(bias, a.window, is_causal=is_causal)
@@ -114,7 +119,8 @@ def probe(a):
                 used = default_rule(length) if rb is None else rb
                 print(f"L{length} W{a.window} B{a.batch} H{a.heads} {a.dtype} "
                       f"{'causal' if is_causal else 'shared'} radix bits {used}"
-                      f"{'' if rb is None else ' (forced)'}: "
+                      f"{'' if rb is None else ' (forced)'}"
+                      f"{'' if query is None else ' query %dx%d' % query}: "
                       f"select {t_dev:.3f} ms "
                       f"(host {t_host:.3f} ms) | {len(n_launch)} Triton launches "
                       f"{','.join(n[1:-7] for n in n_launch)}{check}", flush=True)
@@ -130,6 +136,7 @@ def probe(a):
                         max_name_column_width=70), flush=True)
             finally:
                 selection_kernels.radix_bits = default_rule
+                selection_kernels.QUERY_BLOCK, selection_kernels.QUERY_WARPS = default_query
 
 
 def host_stub(a):
@@ -171,7 +178,7 @@ def host_stub(a):
     from flash_dmattn.planning import selection_kernels
     from flash_dmattn.utils.mask import topk_intervals
 
-    selection_kernels.available = lambda device, rows=1: True
+    selection_kernels.available = lambda device, rows=1, length=1: True
     launches = _count_launches(selection_kernels)
     real_sort = torch.sort
 
@@ -208,6 +215,8 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--radix", default="", help="comma-separated radix bits to compare (e.g. 4,5,6)")
+    ap.add_argument("--query", default="",
+                    help="comma-separated query kernel blocks x warps to compare (e.g. 64x8,128x4)")
     ap.add_argument("--shared", action="store_true", help="is_causal=False (a shared top-W)")
     ap.add_argument("--no-check", dest="check", action="store_false")
     ap.add_argument("--no-profile", dest="profile", action="store_false")

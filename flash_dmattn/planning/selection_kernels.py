@@ -12,11 +12,12 @@ levels, so a causal call is a handful of launches:
    level 0; it also zeroes the count tables of the later levels.
 4. ``_partition_kernel``, once per level but the last: the stable partition of every node of
    the level by digit (the next level's sequence), the next level's per-block digit counts
-   (integer atomics, so the result does not depend on their order) and the level's
-   checkpoint table: cumulative digit counts every ``CHECK`` entries of the sequence.
-5. ``_query_kernel``: every key walks all levels (one checkpoint row + at most ``CHECK - 1``
-   entries give any prefix count; both are loaded at once per level, so a level costs one
-   round trip to memory) and writes its interval bounds directly.
+   (integer atomics, so the result does not depend on their order) and the level's rank
+   table: every ``CHECK`` entries of the sequence, the cumulative count of each digit and
+   below, and for each digit a bit mask of the next ``CHECK`` entries with that digit or below.
+5. ``_query_kernel``: every key walks all levels (one row of the rank table gives every
+   digit's prefix count: a count plus the set bits of a mask; a level costs one load and two
+   reductions) and writes its interval bounds directly.
 
 Keys of a row are processed in blocks of ``n_sub * SUB`` entries: one program per block, so
 that at most ``MAX_BLOCKS`` blocks precede any entry (a program sums their counts itself; no
@@ -53,21 +54,26 @@ except ImportError:  # the selection then uses its plain-PyTorch path
 _TILE = 4096
 # At most this many blocks per row (each program sums the counts of the blocks before it).
 MAX_BLOCKS = 128
-# Checkpoint spacing of the per-level count tables: a query scans fewer than CHECK entries.
+# Entries per row of a level's rank table: a count per digit and a CHECK-bit mask per digit
+# (one int32 word, so at most 32).
 CHECK = 32
-# Keys per query program.
+# Keys per query program, and its warps.
 QUERY_BLOCK = 64
+QUERY_WARPS = 8
 # Elementwise block of the score kernel.
 SCORE_BLOCK = 1024
 # Bounds of a key every query sees (as selection._ALWAYS).
 _ALWAYS = 1 << 30
 # Rows (batch * heads) are the second grid dimension, which CUDA limits to 65535.
 MAX_ROWS = 65535
+# Keys per row: the tree walk packs a count below 2 ** 24 with a digit into one int32.
+MAX_LENGTH = (1 << 24) - 1
 
 
-def available(device: torch.device, rows: int = 1) -> bool:
-    """Whether the selection kernels run for ``rows`` (batch, head) rows on ``device``."""
-    if triton is None or rows > MAX_ROWS:
+def available(device: torch.device, rows: int = 1, length: int = 1) -> bool:
+    """Whether the selection kernels run for ``rows`` (batch, head) rows of ``length`` keys
+    on ``device``."""
+    if triton is None or rows > MAX_ROWS or length > MAX_LENGTH:
         return False
     return device.type == "cuda" or (device.type == "cpu" and interpret_mode())
 
@@ -169,8 +175,9 @@ if triton is not None:
                           CHK: tl.constexpr, TB: tl.constexpr, NEXT_COUNTS: tl.constexpr):
         """Level ``level``, block ``b`` of a row (see the module docstring). Reads the level's
         sequence and count table in the workspace ``Ws``, writes the next level's sequence, the
-        level's checkpoint table (from ``ck_off``: ``(levels - 1, rows, n_ck, R)``) and, with
-        ``NEXT_COUNTS``, adds the next level's block counts to its (zeroed) count table.
+        level's rank table (from ``ck_off``: ``(levels - 1, rows, n_ck, 2 R)``, see
+        :func:`_walk`) and, with ``NEXT_COUNTS``, adds the next level's block counts to its
+        (zeroed) count table.
 
         The sequence lists the values node by node (a node: ``R * child`` consecutive values)
         and inside a node in rank order. Every node but the last is full, so the entries of a
@@ -178,6 +185,8 @@ if triton is not None:
         entry's digit before it, the entry goes to ``node_start + digit * child + c -
         node_start / R`` of the next level (a stable partition of each node by digit).
         """
+        tl.static_assert(CHK <= 32)
+        tl.static_assert(SUB % CHK == 0)
         blk = tl.program_id(0)
         row = tl.program_id(1).to(tl.int64)
         digits = tl.arange(0, R)
@@ -186,7 +195,7 @@ if triton is not None:
         seq_out = Ws + ((level + 1) * rows + row) * L
         tot_in = Ws + tot_off + (level * rows + row) * n_blocks * R
         tot_out = Ws + tot_off + ((level + 1) * rows + row) * n_blocks * R
-        ck = Ws + ck_off + (level * rows + row) * n_ck * R
+        ck = Ws + ck_off + (level * rows + row) * n_ck * (2 * R)
         # Per-digit counts of the blocks before this one (at most MAX_BLOCKS of them).
         before = tl.zeros([R], dtype=tl.int32)
         for j0 in range(0, blk, TB):
@@ -208,13 +217,21 @@ if triton is not None:
             # Row-wide count of each digit up to and including every entry.
             incl = tl.cumsum(hit, 0) + before[None, :]
             same = tl.sum(tl.where(hit != 0, incl, 0), 1)
-            # Checkpoints: cumulative (digit <= d) counts at the end of every CHK entries, i.e.
-            # the digit-prefix sums of ``incl`` at the entries CHK - 1, 2 CHK - 1, ... (a masked
+            # Counts: cumulative (digit <= d) counts at the end of every CHK entries, i.e. the
+            # digit-prefix sums of ``incl`` at the entries CHK - 1, 2 CHK - 1, ... (a masked
             # store: no reshaped copy of the tile).
             le = tl.cumsum(incl, 1)
             at_end = (((offs + 1) % CHK) == 0) & ok
-            tl.store(ck + ((offs + 1) // CHK)[:, None] * R + digits[None, :], le,
+            tl.store(ck + ((offs + 1) // CHK)[:, None] * (2 * R) + digits[None, :], le,
                      mask=at_end[:, None])
+            # Bit masks: bit e of group g's word d is set when entry g * CHK + e has a digit
+            # <= d (distinct bits: their sum is their union; bit 31 wraps to the sign bit).
+            bit = 1 << (offs % CHK)
+            bits = tl.where((d[:, None] <= digits[None, :]) & ok[:, None], bit[:, None], 0)
+            words = tl.sum(tl.reshape(bits, [SUB // CHK, CHK, R]), 1)
+            grp = start // CHK + tl.arange(0, SUB // CHK)
+            tl.store(ck + grp[:, None] * (2 * R) + R + digits[None, :], words,
+                     mask=(grp < n_ck)[:, None])
             before += tl.sum(hit, 0)
             # Stable partition into the next level.
             node = (v >> (shift + RB)) << (shift + RB)
@@ -226,75 +243,72 @@ if triton is not None:
                 tl.atomic_add(tot_out + (dest // span) * R + nd, 1, mask=ok, sem="relaxed")
 
     @triton.jit
+    def _popc(x):
+        """Set bits of every int32 lane (SWAR: pair, nibble and byte sums; the masks drop the
+        sign bits an arithmetic shift brings in)."""
+        x = x - ((x >> 1) & 0x55555555)
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F
+        return ((x * 0x01010101) >> 24) & 0xFF
+
+    @triton.jit
     def _walk(Ws, row, L, rows, n_levels, top, ck_off, n_ck, m, active, W,
-              R: tl.constexpr, RB: tl.constexpr, CHK: tl.constexpr, WIDTH: tl.constexpr,
-              BLOCK: tl.constexpr):
+              R: tl.constexpr, RB: tl.constexpr, CHK: tl.constexpr, BLOCK: tl.constexpr):
         """Per lane: the ``W``-th smallest of the level-0 sequence's first ``m`` entries (a
         walk down the tree, as kth_smallest_of_prefixes); lanes not ``active`` read no memory
         and get an unspecified value.
 
         At a node (start ``a``, its first ``m`` entries in the prefix, the ``kk``-th smallest
         wanted) ``le(d)``, the number of those entries with digit ``<= d``, is non-decreasing
-        with ``le(R - 1) = m >= kk``: a binary search over the digit finds the child ``pick``
-        (the first with ``le >= kk``) in ``RB`` evaluations, keeping ``le(pick - 1)`` and
-        ``le(pick)`` on the way. ``le(d)`` = the checkpoint row's count for ``d`` plus the
-        scanned entries' count, less the full nodes before ``a``; the whole checkpoint row
-        (``R`` counts) and the ``CHK`` entries after it are loaded together, so the search
-        itself reads no memory and a level waits for one round trip.
+        with ``le(R - 1) = m >= kk``; the child to descend into is ``pick``, the number of
+        digits with ``le(d) < kk``. The prefix ends at entry ``x = a + m`` of the level's
+        sequence; row ``c = x // CHK`` of the level's rank table holds, for every digit, the
+        count of entries with digit ``<= d`` before entry ``c * CHK`` and a bit mask of those
+        among the next ``CHK`` entries, so ``le(d)`` is a count plus the set bits of a mask
+        below ``x``, less the full nodes before ``a``. A level is one load of the row's
+        ``2 R`` words and two reductions over the digits.
         """
-        # One width for the scanned entries (CHK) and the checkpoint row (R), so that both
-        # tiles, and every per-lane vector, share a layout (no conversions between them).
-        g = tl.arange(0, WIDTH)
         digits = tl.arange(0, R)
         a = tl.zeros([BLOCK], dtype=tl.int32)  # node start
         kk = tl.zeros([BLOCK], dtype=tl.int32) + W  # rank of the wanted value in the node
         for lev in range(n_levels - 1):
             shift = top - RB * (lev + 1)
-            seq = Ws + (lev * rows + row) * L
-            x = a + m  # the prefix ends at seq[x - 1]
+            x = a + m
             c = x // CHK
-            pos = (c * CHK)[:, None] + g[None, :]
-            tm = (pos < x[:, None]) & (g < CHK)[None, :] & active[:, None]
-            tv = tl.load(seq + pos, mask=tm, other=0)
-            ckrow = Ws + ck_off + ((lev * rows + row) * n_ck + c) * R
-            cks = tl.load(ckrow[:, None] + g[None, :], mask=(g < R)[None, :] & active[:, None],
-                          other=0)
-            td = tl.where(tm, (tv >> shift) & (R - 1), R)  # R: past every digit
-            # Entries per digit in the (full) nodes before this one: a / R each.
-            cks -= (a // R)[:, None] * (g[None, :] + 1)
-            lo = tl.zeros([BLOCK], dtype=tl.int32)
-            hi = lo + (R - 1)
-            below = lo  # le(lo - 1)
-            upto = m  # le(hi)
-            for _ in tl.static_range(RB):
-                mid = (lo + hi) >> 1
-                le = (tl.sum(tl.where(g[None, :] == mid[:, None], cks, 0), 1)
-                      + tl.sum((td <= mid[:, None]).to(tl.int32), 1))
-                up = le >= kk
-                hi = tl.where(up, mid, hi)
-                upto = tl.where(up, le, upto)
-                lo = tl.where(up, lo, mid + 1)
-                below = tl.where(up, below, le)
+            below_x = (1 << (x - c * CHK)) - 1  # bits of the group's entries before x
+            tab = Ws + ck_off + ((lev * rows + row) * n_ck + c) * (2 * R)
+            cnt = tl.load(tab[:, None] + digits[None, :], mask=active[:, None], other=0)
+            bits = tl.load(tab[:, None] + R + digits[None, :], mask=active[:, None], other=0)
+            le = (cnt + _popc(bits & below_x[:, None])
+                  - (a // R)[:, None] * (digits[None, :] + 1))
+            under = le < kk[:, None]
+            # le(pick - 1) and pick in one maximum (le < 2 ** 24 by available()), le(pick) in
+            # one minimum.
+            lo = tl.max(tl.where(under, le * (2 * R) + digits[None, :] + 1, 0), 1)
+            upto = tl.min(tl.where(under, 0x7FFFFFFF, le), 1)
+            below = lo // (2 * R)
             kk -= below
             m = upto - below
-            a += lo << shift
-        # Last level: a node of at most R values a .. a+R-1, its first m entries in the prefix.
+            a += (lo % (2 * R)) << shift
+        # Last level: a node of at most R values a .. a+R-1, its first m entries in the
+        # prefix; their values as bits of one word, whose kk-th set bit is the answer.
+        tl.static_assert(R <= 32)
         last = Ws + ((n_levels - 1) * rows + row) * L
         tm = (digits[None, :] < m[:, None]) & active[:, None]
         w = tl.load(last + a[:, None] + digits[None, :], mask=tm, other=0) - a[:, None]
-        w = tl.where(tm, w, R)
+        present = tl.sum(tl.where(tm, 1 << w, 0), 1)
         lo = tl.zeros([BLOCK], dtype=tl.int32)
         hi = lo + (R - 1)
         for _ in tl.static_range(RB):
             mid = (lo + hi) >> 1
-            up = tl.sum((w <= mid[:, None]).to(tl.int32), 1) >= kk
+            up = _popc(present & ((2 << mid) - 1)) >= kk
             hi = tl.where(up, mid, hi)
             lo = tl.where(up, lo, mid + 1)
         return a + lo
 
     @triton.jit
     def _query_kernel(Ws, Sorted, Bounds, L, W, n_ck, rows, n_levels, top, ck_off,
-                      R: tl.constexpr, RB: tl.constexpr, CHK: tl.constexpr, WIDTH: tl.constexpr,
+                      R: tl.constexpr, RB: tl.constexpr, CHK: tl.constexpr,
                       BLOCK: tl.constexpr, F64: tl.constexpr, PACKED: tl.constexpr):
         """Keys of ranks ``i`` in the block: ``t`` = the W-th smallest position among the keys
         of ranks below ``max(i, W)`` (:func:`_walk`), then the key's bounds ``[key, t)``
@@ -324,7 +338,7 @@ if triton is not None:
         # Fewer than W keys outrank the first W ranks: they are kept to the end, no walk.
         walk = ok & valid & (i >= W)
         t = _walk(Ws, row, L, rows, n_levels, top, ck_off, n_ck, tl.maximum(i, W), walk, W,
-                  R=R, RB=RB, CHK=CHK, WIDTH=WIDTH, BLOCK=BLOCK)
+                  R=R, RB=RB, CHK=CHK, BLOCK=BLOCK)
         t = tl.where(i < W, L, t)
         keep = valid & ((i < W) | (walk & (t > key)))
         tl.store(Bounds + row * L + key, tl.where(keep, key, 0), mask=ok)
@@ -378,10 +392,10 @@ def _layout(length, rows, rb, tile, max_blocks, check, query_block) -> _Layout:
     lay.n_ck = n_ck = length // check + 1
     lay.tables = tables = max(levels - 1, 1)
     # Workspace (int32): the sequences (levels, rows, L), the block counts (tables, rows,
-    # n_blocks, R), the checkpoints (tables, rows, n_ck, R); every part 128-byte aligned.
+    # n_blocks, R), the rank tables (tables, rows, n_ck, 2 R); every part 128-byte aligned.
     lay.tot_off = _round_up(levels * rows * length, 32)
     lay.ck_off = lay.tot_off + _round_up(tables * rows * n_blocks * radix, 32)
-    lay.ws_numel = lay.ck_off + tables * rows * n_ck * radix
+    lay.ws_numel = lay.ck_off + tables * rows * n_ck * 2 * radix
     lay.grid = (n_blocks, rows)
     lay.query_grid = (_cdiv(length, query_block), rows)
     return lay
@@ -460,6 +474,6 @@ def causal_bounds(bias, padding, min_dtype, window, batch, heads) -> torch.Tenso
                     NEXT_COUNTS=level + 2 < levels, num_warps=4))
     launch(_query_kernel, lay.query_grid,
            (ws, ranked, bounds, length, window, lay.n_ck, rows, levels, top, lay.ck_off),
-           dict(R=radix, RB=rb, CHK=CHECK, WIDTH=max(radix, CHECK), BLOCK=QUERY_BLOCK,
-                F64=bias.dtype == torch.float64, PACKED=packed, num_warps=8))
+           dict(R=radix, RB=rb, CHK=CHECK, BLOCK=QUERY_BLOCK,
+                F64=bias.dtype == torch.float64, PACKED=packed, num_warps=QUERY_WARPS))
     return bounds
