@@ -9,15 +9,16 @@ levels, so a causal call is a handful of launches:
    ``+0.0``), one pass over the bias.
 2. ``torch.sort`` (stable, descending): ``order``, the key positions in rank order.
 3. ``_prep_kernel``: ``order`` as int32 (the level-0 sequence) and per-block digit counts of
-   level 0; it also zeroes the count tables of the later levels.
+   level 0; it also zeroes the count tables of the later levels and the rank tables' masks.
 4. ``_partition_kernel``, once per level but the last: the stable partition of every node of
    the level by digit (the next level's sequence), the next level's per-block digit counts
    (integer atomics, so the result does not depend on their order) and the level's rank
-   table: every ``CHECK`` entries of the sequence, the cumulative count of each digit and
-   below, and for each digit a bit mask of the next ``CHECK`` entries with that digit or below.
+   table: every ``CHECK`` entries of the sequence, the count of each digit before them and,
+   for each digit, a bit mask of its entries among them (OR atomics into words the prep
+   kernel zeroed).
 5. ``_query_kernel``: every key walks all levels (one row of the rank table gives every
-   digit's prefix count: a count plus the set bits of a mask; a level costs one load and two
-   reductions) and writes its interval bounds directly.
+   digit's prefix count: a count plus the set bits of a mask; a level costs one load, a scan
+   and two reductions) and writes its interval bounds directly.
 
 Keys of a row are processed in blocks of ``n_sub * SUB`` entries: one program per block, so
 that at most ``MAX_BLOCKS`` blocks precede any entry (a program sums their counts itself; no
@@ -141,17 +142,23 @@ if triton is not None:
             tl.store(Out + rows * L + out_off, tl.where(valid, hi, 0), mask=ok)
 
     @triton.jit
-    def _prep_kernel(Order, Ws, L, rows, n_sub, n_blocks, n_tables, tot_off, shift0,
-                     R: tl.constexpr, SUB: tl.constexpr, FLAT: tl.constexpr):
+    def _prep_kernel(Order, Ws, L, rows, n_sub, n_blocks, n_tables, n_ck, tot_off, ck_off,
+                     shift0, R: tl.constexpr, SUB: tl.constexpr, CHK: tl.constexpr,
+                     FLAT: tl.constexpr):
         """Block ``b`` of every row: the level-0 sequence ``order`` as int32, the level-0 digit
         counts of the block into count table 0, zeros into the later tables (later levels add
-        to them). ``FLAT``: ``Order`` holds indices into the flattened ``(rows, L)`` keys (a flat
-        sort), so a row's entries are ``row * L`` above its positions. The workspace ``Ws`` holds the sequences of all levels ``(levels, rows, L)``
-        and, from ``tot_off``, the count tables ``(n_tables, rows, n_blocks, R)``."""
+        to them) and into the mask words of the block's rows of every rank table (the
+        partitions OR bits into them). ``FLAT``: ``Order`` holds indices into the flattened
+        ``(rows, L)`` keys (a flat sort), so a row's entries are ``row * L`` above its
+        positions. The workspace ``Ws`` holds the sequences of all levels ``(levels, rows,
+        L)``, from ``tot_off`` the count tables ``(n_tables, rows, n_blocks, R)`` and from
+        ``ck_off`` the rank tables ``(n_tables, rows, n_ck, 2 R)``."""
+        tl.static_assert(SUB % CHK == 0)
         blk = tl.program_id(0)
         row = tl.program_id(1).to(tl.int64)
         digits = tl.arange(0, R)
         hist = tl.zeros([R], dtype=tl.int32)
+        zeros = tl.zeros([SUB // CHK, R], dtype=tl.int32)
         for sb in range(n_sub):
             offs = (blk * n_sub + sb) * SUB + tl.arange(0, SUB)
             ok = offs < L
@@ -163,6 +170,10 @@ if triton is not None:
             d = (v >> shift0) & (R - 1)
             hit = (d[:, None] == digits[None, :]) & ok[:, None]
             hist += tl.sum(hit.to(tl.int32), 0)
+            grp = (blk * n_sub + sb) * (SUB // CHK) + tl.arange(0, SUB // CHK)
+            for t in range(n_tables):
+                words = Ws + ck_off + ((t * rows + row) * n_ck + grp) * (2 * R) + R
+                tl.store(words[:, None] + digits[None, :], zeros, mask=(grp < n_ck)[:, None])
         tot = Ws + tot_off
         tl.store(tot + (row * n_blocks + blk) * R + digits, hist)
         for t in range(1, n_tables):
@@ -186,7 +197,6 @@ if triton is not None:
         node_start / R`` of the next level (a stable partition of each node by digit).
         """
         tl.static_assert(CHK <= 32)
-        tl.static_assert(SUB % CHK == 0)
         blk = tl.program_id(0)
         row = tl.program_id(1).to(tl.int64)
         digits = tl.arange(0, R)
@@ -217,21 +227,15 @@ if triton is not None:
             # Row-wide count of each digit up to and including every entry.
             incl = tl.cumsum(hit, 0) + before[None, :]
             same = tl.sum(tl.where(hit != 0, incl, 0), 1)
-            # Counts: cumulative (digit <= d) counts at the end of every CHK entries, i.e. the
-            # digit-prefix sums of ``incl`` at the entries CHK - 1, 2 CHK - 1, ... (a masked
-            # store: no reshaped copy of the tile).
-            le = tl.cumsum(incl, 1)
+            # Counts: every digit's count before entry c * CHK, at the entries CHK - 1,
+            # 2 CHK - 1, ... (a masked store: no reshaped copy of the tile).
             at_end = (((offs + 1) % CHK) == 0) & ok
-            tl.store(ck + ((offs + 1) // CHK)[:, None] * (2 * R) + digits[None, :], le,
+            tl.store(ck + ((offs + 1) // CHK)[:, None] * (2 * R) + digits[None, :], incl,
                      mask=at_end[:, None])
-            # Bit masks: bit e of group g's word d is set when entry g * CHK + e has a digit
-            # <= d (distinct bits: their sum is their union; bit 31 wraps to the sign bit).
-            bit = 1 << (offs % CHK)
-            bits = tl.where((d[:, None] <= digits[None, :]) & ok[:, None], bit[:, None], 0)
-            words = tl.sum(tl.reshape(bits, [SUB // CHK, CHK, R]), 1)
-            grp = start // CHK + tl.arange(0, SUB // CHK)
-            tl.store(ck + grp[:, None] * (2 * R) + R + digits[None, :], words,
-                     mask=(grp < n_ck)[:, None])
+            # Masks: each entry sets its bit in its group's word of its digit (the prep zeroed
+            # the words; OR does not depend on the order).
+            tl.atomic_or(ck + (offs // CHK) * (2 * R) + R + d, 1 << (offs % CHK), mask=ok,
+                         sem="relaxed")
             before += tl.sum(hit, 0)
             # Stable partition into the next level.
             node = (v >> (shift + RB)) << (shift + RB)
@@ -262,11 +266,12 @@ if triton is not None:
         wanted) ``le(d)``, the number of those entries with digit ``<= d``, is non-decreasing
         with ``le(R - 1) = m >= kk``; the child to descend into is ``pick``, the number of
         digits with ``le(d) < kk``. The prefix ends at entry ``x = a + m`` of the level's
-        sequence; row ``c = x // CHK`` of the level's rank table holds, for every digit, the
-        count of entries with digit ``<= d`` before entry ``c * CHK`` and a bit mask of those
-        among the next ``CHK`` entries, so ``le(d)`` is a count plus the set bits of a mask
-        below ``x``, less the full nodes before ``a``. A level is one load of the row's
-        ``2 R`` words and two reductions over the digits.
+        sequence; row ``c = x // CHK`` of the level's rank table holds, for every digit, its
+        count before entry ``c * CHK`` and a bit mask of its entries among the next ``CHK``,
+        so a digit's count before ``x`` is a count plus the set bits of a mask below ``x``,
+        less the full nodes before ``a`` (``a / R`` entries of every digit), and ``le`` is
+        their running sum. A level is one load of the row's ``2 R`` words, a scan and two
+        reductions over the digits.
         """
         digits = tl.arange(0, R)
         a = tl.zeros([BLOCK], dtype=tl.int32)  # node start
@@ -279,8 +284,7 @@ if triton is not None:
             tab = Ws + ck_off + ((lev * rows + row) * n_ck + c) * (2 * R)
             cnt = tl.load(tab[:, None] + digits[None, :], mask=active[:, None], other=0)
             bits = tl.load(tab[:, None] + R + digits[None, :], mask=active[:, None], other=0)
-            le = (cnt + _popc(bits & below_x[:, None])
-                  - (a // R)[:, None] * (digits[None, :] + 1))
+            le = tl.cumsum(cnt + _popc(bits & below_x[:, None]) - (a // R)[:, None], 1)
             under = le < kk[:, None]
             # le(pick - 1) and pick in one maximum (le < 2 ** 24 by available()), le(pick) in
             # one minimum.
@@ -463,8 +467,9 @@ def causal_bounds(bias, padding, min_dtype, window, batch, heads) -> torch.Tenso
     bounds = torch.empty((2, batch, heads, length), dtype=torch.int32, device=device)
     radix, rb, levels, top = lay.radix, lay.rb, lay.levels, lay.top
     launch(_prep_kernel, lay.grid,
-           (order, ws, length, rows, lay.n_sub, lay.n_blocks, lay.tables, lay.tot_off, top - rb),
-           dict(R=radix, SUB=lay.sub, FLAT=packed, num_warps=4))
+           (order, ws, length, rows, lay.n_sub, lay.n_blocks, lay.tables, lay.n_ck, lay.tot_off,
+            lay.ck_off, top - rb),
+           dict(R=radix, SUB=lay.sub, CHK=CHECK, FLAT=packed, num_warps=4))
     for level in range(levels - 1):
         # The last level is only read by the queries: no counts for it.
         launch(_partition_kernel, lay.grid,
