@@ -1,7 +1,7 @@
 """Quick timings of key-interval attention on a GPU (fast iteration beside benchmarks' dma_long).
 
     python3 tools/dma_probe.py [L ...] [--window W] [--kinds shared,causal]
-                                 [--backends triton,cuda] [--profile [--trace DIR]]
+                                 [--backends triton,cuda] [--profile [--trace DIR]] [--spans]
 
 Per L and selection kind: topk_intervals build, the planner alone, each backend's forward and
 forward+backward (planning included, as a user's call), the same with the selection built in
@@ -9,6 +9,10 @@ the timed call, dense causal cuDNN SDPA, and cuDNN over the W gathered keys ("se
 only"); medians of do_bench, bf16, B1 H16/Hkv4 D128. ``--profile`` prints torch.profiler tables of
 the plan, the selection, the forward, the selection and forward together, and fwd+bwd (three
 calls each); ``--trace DIR`` also writes their chrome traces (kernel gaps show host-bound stretches).
+``--spans`` adds the device time per call of the forward and of the selection with the forward,
+read from a profiler trace of calls back to back (the host runs ahead of the device, so this is
+the time of the call's kernels and the gaps between them, whatever the host's load; do_bench's
+median also counts the time the device waits for a host that fell behind).
 """
 import argparse
 
@@ -41,6 +45,35 @@ def host_ms(fn, calls=50, sync=None):
     return (t1 - t0) * 1e3 / calls
 
 
+def device_span_ms(fn, calls=8):
+    """Median device time per call of ``fn`` run ``calls`` times back to back: from the end of
+    one call's longest kernel to the end of the next call's (the first call, which the host
+    does not run ahead of, is left out), and the kernels' busy time in that stretch."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    total = {}
+    for e in events:
+        total[e.name] = total.get(e.name, 0) + e.time_range.elapsed_us()
+    marker = max(total, key=total.get)
+    ends = [i for i, e in enumerate(events) if e.name == marker]
+    spans, busy = [], []
+    for i, j in zip(ends[1:], ends[2:]):
+        spans.append(events[j].time_range.end - events[i].time_range.end)
+        busy.append(sum(e.time_range.elapsed_us() for e in events[i + 1:j + 1]))
+    spans.sort()
+    busy.sort()
+    return spans[len(spans) // 2] / 1e3, busy[len(busy) // 2] / 1e3
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("lengths", nargs="*", type=int, default=[16384, 32768])
@@ -49,6 +82,8 @@ def main():
     ap.add_argument("--backends", default="triton")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--trace", default="", help="with --profile: write chrome traces here")
+    ap.add_argument("--spans", action="store_true",
+                    help="device time per call of fwd and select+fwd, from a profiler trace")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     B, H, Hkv, D, W = 1, 16, 4, 128, a.window
@@ -113,6 +148,12 @@ def main():
                 t_sfb = med(lambda: torch.autograd.grad(sf(), (q, k, v, bias), g))
                 print(f"    {name:6s} select+fwd {t_sf:.3f} ({t_sf / dense_fwd:.3f}x dense) | "
                       f"select+fwd+bwd {t_sfb:.3f} ({t_sfb / dense_fb:.3f}x dense)", flush=True)
+                if a.spans:
+                    span_f, busy_f = device_span_ms(f)
+                    span_sf, busy_sf = device_span_ms(sf)
+                    print(f"    {name:6s} device per call: fwd {span_f:.3f} (kernels {busy_f:.3f}, "
+                          f"{span_f / dense_fwd:.3f}x dense) | select+fwd {span_sf:.3f} (kernels "
+                          f"{busy_sf:.3f}, {span_sf / dense_fwd:.3f}x dense)", flush=True)
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
                 torch.autograd.grad(f(), (q, k, v, bias), g)
