@@ -133,6 +133,25 @@ def _dispatch_keys() -> list:
     return _DISPATCH_KEYS
 
 
+def kernel_environment() -> tuple:
+    """The raw values (None where unset) of the variables that choose a compiled extension:
+    ``FLASH_DMATTN_CUDA_FLAGS`` and ``FLASH_DMATTN_CACHE_DIR`` (part of the key of the cuda
+    backend's per-call module memo; read as :func:`dispatch_environment` reads its own)."""
+    data = getattr(os.environ, "_data", None)
+    if data is None:
+        return _env(CUDA_FLAGS), _env(CACHE_DIR)
+    keys = _KERNEL_KEYS or _kernel_keys()
+    return data.get(keys[0]), data.get(keys[1])
+
+
+_KERNEL_KEYS: list = []
+
+
+def _kernel_keys() -> list:
+    _KERNEL_KEYS[:] = [os.environ.encodekey(n) for n in (CUDA_FLAGS, CACHE_DIR)]
+    return _KERNEL_KEYS
+
+
 def interpret_mode() -> bool:
     """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
     raw = _env("TRITON_INTERPRET")

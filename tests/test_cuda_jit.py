@@ -713,6 +713,29 @@ def test_a_training_step_loads_forward_and_backward(asked_ops):
     assert asked_ops == [("d64-bf16", "bwd")]
 
 
+def test_a_call_looks_its_module_up_once(asked_ops, monkeypatch):
+    # Later calls with the same attributes take the memo (no spec, toolchain or loader key);
+    # another head dim, operation, mask/bias flag or build variable asks again, and so does
+    # every call after clear_loaded().
+    from flash_dmattn.backends.cuda.extension import kernel_module
+
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    monkeypatch.delenv("FLASH_DMATTN_CUDA_FLAGS", raising=False)
+    first = kernel_module(q, True, True, op="fwd")
+    assert kernel_module(q, True, True, op="fwd") is first
+    assert asked_ops == [("d64-bf16-mask-bias", "fwd")]
+    kernel_module(q, True, True, op="bwd")
+    kernel_module(q, True, False, op="fwd")
+    kernel_module(torch.randn(1, 8, 2, 128, dtype=torch.bfloat16), True, True, op="fwd")
+    monkeypatch.setenv("FLASH_DMATTN_CUDA_FLAGS", "-DSOME_SWITCH=1")
+    kernel_module(q, True, True, op="fwd")
+    assert asked_ops[1:] == [("d64-bf16-mask-bias", "bwd"), ("d64-bf16-mask", "fwd"),
+                             ("d128-bf16-mask-bias", "fwd"), ("d64-bf16-mask-bias", "fwd")]
+    jit.clear_loaded()
+    kernel_module(q, True, True, op="fwd")
+    assert len(asked_ops) == 6
+
+
 def test_import_touches_neither_cuda_nor_nvcc():
     code = r"""
 import subprocess, sys, torch

@@ -5,6 +5,7 @@ XDG_CACHE_HOME) where they look for the toolchain or the cache, but a ``FLASH_DM
 variable read anywhere else would be a setting that envs.py and the README do not list.
 """
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def test_readers(monkeypatch):
     assert envs.forced_backend() is None and envs.disabled_backends() == set()
     assert envs.cache_dir() is None and envs.hf_varlen_mode() is None
     assert envs.triton_autotune() and not envs.cuda_auto() and envs.cuda_extra_flags() == []
+    assert envs.kernel_environment() == (None, None)
     monkeypatch.setenv(envs.BACKEND, " flex ")
     monkeypatch.setenv(envs.DISABLE, "cuda, ,triton")
     monkeypatch.setenv(envs.CACHE_DIR, "~/kernels")
@@ -54,3 +56,6 @@ def test_readers(monkeypatch):
     assert envs.cache_dir() == Path("~/kernels").expanduser()
     assert not envs.triton_autotune() and envs.cuda_auto()
     assert envs.cuda_extra_flags() == ["-DA=1", "-DB=2"]
+    # Raw values, as stored (only their equality matters: a memo key).
+    assert [v if v is None or isinstance(v, str) else os.fsdecode(v)
+            for v in envs.kernel_environment()] == ["-DA=1  -DB=2", "~/kernels"]

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from ... import envs
 from . import jit, toolchain
 from .spec import KernelSpec
 
@@ -16,9 +17,20 @@ def kernel_module(q: torch.Tensor, has_mask: bool, has_bias: bool, packed: bool 
                   op: str):
     """The compiled extension of operation ``op`` (``fwd``, ``bwd`` or ``decode``, see
     :data:`.jit.OPS`) for this call's specialisation, built on first use: a call loads only
-    the operation it runs."""
-    spec = KernelSpec.for_call(q.shape[-1], q.dtype, has_mask, has_bias, packed)
-    return jit.load_kernel(spec, op, toolchain.detect(q.device))
+    the operation it runs.
+
+    Memoised by the call's raw attributes (head dim, dtype, flags, device and the variables
+    that choose a build): the specialisation, the toolchain and the loader's key cost a
+    device query, a path expansion and a few dozen Python calls, paid by every attention
+    call otherwise."""
+    key = (q.shape[-1], q.dtype, has_mask, has_bias, packed, op, q.get_device(),
+           envs.kernel_environment())
+    module = jit.BY_ATTRIBUTES.get(key)
+    if module is None:
+        spec = KernelSpec.for_call(q.shape[-1], q.dtype, has_mask, has_bias, packed)
+        module = jit.load_kernel(spec, op, toolchain.detect(q.device))
+        jit.BY_ATTRIBUTES[key] = module
+    return module
 
 
 def kernel_modules(q: torch.Tensor, has_mask: bool, has_bias: bool, packed: bool = False, *,

@@ -97,6 +97,8 @@ NVCC_FLAGS = [
 
 _LOADED: Dict[str, object] = {}
 _BY_CALL: Dict[tuple, object] = {}  # load_kernel's arguments -> module
+# A call's raw attributes -> module (extension.kernel_module's memo; emptied with _BY_CALL).
+BY_ATTRIBUTES: Dict[tuple, object] = {}
 
 
 def package_csrc_dirs() -> List[Path]:
@@ -452,3 +454,4 @@ def clear_loaded() -> None:
     """Forget the modules loaded in this process (tests; the disk cache is untouched)."""
     _LOADED.clear()
     _BY_CALL.clear()
+    BY_ATTRIBUTES.clear()
