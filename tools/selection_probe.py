@@ -1,7 +1,7 @@
 """Timings of the causal top-W selection alone (``topk_intervals``), beside tools/dma_probe.py.
 
     python3 tools/selection_probe.py [L ...] [--window W] [--heads H] [--batch B]
-                                       [--dtype bf16|fp16|fp32] [--radix 4,5,6] [--shared]
+                                       [--dtype bf16|fp16|fp32] [--radix 3,4,5] [--shared]
                                        [--query 64x8,128x4] [--no-check] [--no-profile]
     python3 tools/selection_probe.py --host-stub [L ...]   # no GPU: host time, launches stubbed
 
@@ -214,7 +214,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--radix", default="", help="comma-separated radix bits to compare (e.g. 4,5,6)")
+    ap.add_argument("--radix", default="", help="comma-separated radix bits to compare (e.g. 3,4,5; at most 5)")
     ap.add_argument("--query", default="",
                     help="comma-separated query kernel blocks x warps to compare (e.g. 64x8,128x4)")
     ap.add_argument("--shared", action="store_true", help="is_causal=False (a shared top-W)")

@@ -80,7 +80,8 @@ def available(device: torch.device, rows: int = 1, length: int = 1) -> bool:
 
 
 def radix_bits(length: int) -> int:
-    """Bits per level: 5 where that saves a level over 4 (fewer launches), else 4."""
+    """Bits per level: 5 where that saves a level over 4 (fewer launches), else 4. The kernels
+    take at most 5 (the last level holds a node's values as the bits of one int32 word)."""
     bits = max(1, (length - 1).bit_length())
     return 5 if -(-bits // 5) < -(-bits // 4) else 4
 
