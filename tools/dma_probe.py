@@ -45,11 +45,9 @@ def host_ms(fn, calls=50, sync=None):
     return (t1 - t0) * 1e3 / calls
 
 
-def device_span_ms(fn, calls=8):
-    """Median device time per call of ``fn`` run ``calls`` times back to back: from the end of
-    one call's longest kernel to the end of the next call's (the first call, which the host
-    does not run ahead of, is left out), and the kernels' busy time in that stretch."""
-    from torch.autograd import DeviceType
+def cuda_trace(fn, calls):
+    """A torch.profiler trace (device activity only) of ``calls`` calls of ``fn`` back to back,
+    after one untraced call (compilation, caches)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -58,6 +56,16 @@ def device_span_ms(fn, calls=8):
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def device_span_ms(fn, calls=8):
+    """Median device time per call of ``fn`` run ``calls`` times back to back: from the end of
+    one call's longest kernel to the end of the next call's (the first call, which the host
+    does not run ahead of, is left out), and the kernels' busy time in that stretch."""
+    from torch.autograd import DeviceType
+
+    prof = cuda_trace(fn, calls)
     events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
     total = {}

@@ -29,20 +29,14 @@ from flash_dmattn.planning import list_kernels
 from flash_dmattn.planning.key_lists import end_bucket_for, key_ranges, segment_capacity
 from flash_dmattn.utils.mask import topk_intervals
 
-from dma_probe import host_ms  # the sibling tool's host timing (tools/ is this script's path)
+from dma_probe import cuda_trace, host_ms  # the sibling tool (tools/ is this script's path)
 
 
 def kernels_per_call(fn, calls=10):
     """``[(name, launches per call, device us per call)]`` of ``calls`` calls, longest first."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+    prof = cuda_trace(fn, calls)
     rows = []
     for evt in prof.key_averages():
         if evt.device_type != DeviceType.CUDA:
