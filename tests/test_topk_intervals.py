@@ -356,6 +356,16 @@ def test_kernels_low_precision_and_thresholds(dtype):
 
 
 @_needs_kernels
+def test_kernels_decline_rows_past_their_limits():
+    # The walk packs a count with a digit into one int32 (counts below 2 ** 24), and rows are
+    # a grid dimension: longer or more rows take the plain path.
+    dev = torch.device(_DEVICE)
+    assert selection_kernels.available(dev, 1, selection_kernels.MAX_LENGTH)
+    assert not selection_kernels.available(dev, 1, selection_kernels.MAX_LENGTH + 1)
+    assert not selection_kernels.available(dev, selection_kernels.MAX_ROWS + 1, 100)
+
+
+@_needs_kernels
 def test_kernels_broadcast_batch_and_strided_bias():
     g = torch.Generator().manual_seed(8)
     bias = torch.randn(1, 3, 1, 50, generator=g)
