@@ -10,6 +10,67 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+
+def _memoise_language_patches():
+    """Triton's interpreter patches the modules of ``triton.language`` that a kernel's globals
+    name for the kernel's run (its grid executor restores them after), and patches again on
+    every call of a ``@triton.jit`` function inside the run: a walk over every builtin of the
+    language per call, a third of the suite's interpreter time (kernels call their helpers,
+    and ``tl.sum`` and the like are such functions, in loops). Within one run nothing undoes
+    a patch, so a call whose modules the run has already patched skips its walk here; the
+    first call naming another module (``tl.core`` from the standard library's helpers) still
+    patches it, as before. Applied only to the Triton this was written against (its sources
+    checked); another keeps its own path."""
+    try:
+        import inspect
+
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    try:
+        grid_source = inspect.getsource(interpreter.GridExecutor.__call__)
+        call_source = inspect.getsource(interpreter.InterpretedFunction.__call__)
+        patch = interpreter._patch_lang
+        run_kernel = interpreter.GridExecutor.__call__
+    except (AttributeError, OSError, TypeError):
+        return
+    if ("patch_scope = _patch_lang(self.fn)" not in grid_source
+            or "patch_scope.restore()" not in grid_source
+            or "_patch_lang(self.fn)" not in call_source):
+        return
+    languages = (tl, tl.core)
+    state = {"patched": None}  # ids of the modules the current run has patched
+
+    class _Nothing:
+        def restore(self):
+            pass
+
+    def patch_lang(fn):
+        patched = state["patched"]
+        if patched is None:
+            return patch(fn)
+        names = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in languages}
+        if names and names <= patched:
+            return _Nothing()
+        scope = patch(fn)
+        patched.update(names)
+        return scope
+
+    def run(self, *args, **kwargs):
+        outer = state["patched"]
+        state["patched"] = set()
+        try:
+            return run_kernel(self, *args, **kwargs)
+        finally:
+            state["patched"] = outer
+
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = run
+
+
+_memoise_language_patches()
+
 from flash_dmattn import registry  # noqa: E402
 
 import tiers  # noqa: E402
