@@ -60,23 +60,32 @@ def cuda_trace(fn, calls):
 
 
 def device_span_ms(fn, calls=8):
-    """Median device time per call of ``fn`` run ``calls`` times back to back: from the end of
-    one call's longest kernel to the end of the next call's (the first call, which the host
-    does not run ahead of, is left out), and the kernels' busy time in that stretch."""
+    """Median device time per call of ``fn`` run ``calls`` times back to back, and the
+    kernels' busy time in it (:func:`spans_per_call` on a trace of the calls)."""
     from torch.autograd import DeviceType
 
     prof = cuda_trace(fn, calls)
-    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
+    return spans_per_call([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                           if e.device_type == DeviceType.CUDA])
+
+
+def spans_per_call(events):
+    """``(span ms, busy ms)`` medians over the calls of a trace, from ``events`` ``[(name,
+    start us, end us)]`` of device activity: a call runs from the end of the previous call's
+    longest kernel (the one with the most time in the trace) to the end of its own, and is
+    busy for the summed durations of the activity in that stretch. The first two calls, which
+    the host may not be ahead of yet, are left out (the first span starts at the second call's
+    end)."""
+    events = sorted(events, key=lambda e: e[1])
     total = {}
-    for e in events:
-        total[e.name] = total.get(e.name, 0) + e.time_range.elapsed_us()
+    for name, start, end in events:
+        total[name] = total.get(name, 0) + end - start
     marker = max(total, key=total.get)
-    ends = [i for i, e in enumerate(events) if e.name == marker]
+    ends = [i for i, e in enumerate(events) if e[0] == marker]
     spans, busy = [], []
     for i, j in zip(ends[1:], ends[2:]):
-        spans.append(events[j].time_range.end - events[i].time_range.end)
-        busy.append(sum(e.time_range.elapsed_us() for e in events[i + 1:j + 1]))
+        spans.append(events[j][2] - events[i][2])
+        busy.append(sum(end - start for _, start, end in events[i + 1:j + 1]))
     spans.sort()
     busy.sort()
     return spans[len(spans) // 2] / 1e3, busy[len(busy) // 2] / 1e3
