@@ -813,16 +813,13 @@ def test_cp_profile_script_under_torchrun():
 def test_cp_profile_device_timeline():
     # tools/cp_profile.py's device timeline on a made-up trace (GPU traces exist only on GPUs):
     # the compute stream's idle stretches and how much of each NCCL kernel it overlapped.
-    import importlib.util
-    from pathlib import Path
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "cp_profile.py"
-    spec = importlib.util.spec_from_file_location("cp_profile", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    from tool_env import load_tool
+
+    tool = load_tool("cp_profile")
 
     def ev(name, start, end, device=True, stream=7):
         return SimpleNamespace(name=name, device_type=DeviceType.CUDA if device else DeviceType.CPU,

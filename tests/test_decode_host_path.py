@@ -15,23 +15,17 @@ on an H100 (``tools/decode_host_overhead.py``'s harness), and hold:
 * the dispatch decision made once per call signature (the memo answers the other layers).
 """
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 from interpreter_only import needs_triton
-
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "decode_host_overhead.py"
+from tool_env import load_tool
 
 
 @pytest.fixture(scope="module")
 def harness():
-    spec = importlib.util.spec_from_file_location("decode_host_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("decode_host_overhead")
 
 
 def _shape(**kw):

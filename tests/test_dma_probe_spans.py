@@ -1,16 +1,6 @@
 """tools/dma_probe.py's device time per call (``--spans``), on a synthetic trace (the tool
 itself needs a GPU)."""
-import importlib.util
-from pathlib import Path
-
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "dma_probe.py"
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("dma_probe", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tool_env import load_tool
 
 
 def _trace(gaps):
@@ -26,7 +16,7 @@ def _trace(gaps):
 
 
 def test_spans_follow_the_longest_kernel_and_skip_the_first_call():
-    spans_per_call = _tool().spans_per_call
+    spans_per_call = load_tool("dma_probe").spans_per_call
     # Back to back: 312 us of work and 3 us of gaps a call.
     span, busy = spans_per_call(_trace([50.0, 0.0, 0.0, 0.0, 0.0]))
     assert abs(span - 0.315) < 1e-9 and abs(busy - 0.312) < 1e-9

@@ -1,18 +1,13 @@
 """tools/doge_generate_probe.py runs (--tiny: CPU, a tiny Doge and Llama, a profiled prefill and step)."""
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from tool_env import load_tool
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "doge_generate_probe.py"
-
 
 def test_tiny_probe_runs_and_reports(capsys):
-    spec = importlib.util.spec_from_file_location("doge_generate_probe", SCRIPT)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = load_tool("doge_generate_probe")
     assert probe.main(["--tiny", "--runs", "1", "--profile"]) == 0
     out = capsys.readouterr().out
     assert "device: CPU" in out

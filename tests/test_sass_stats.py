@@ -1,16 +1,10 @@
 """tools/sass_stats.py's parsing of ptxas and cuobjdump output, on canned text (the tool itself
 needs nvcc and the CUTLASS headers, which CI does not have)."""
-import importlib.util
-from pathlib import Path
-
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "sass_stats.py"
+from tool_env import load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("sass_stats", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("sass_stats")
 
 
 PTXAS = """\
