@@ -214,7 +214,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--radix", default="", help="comma-separated radix bits to compare (e.g. 3,4,5; at most 5)")
+    ap.add_argument("--radix", default="",
+                    help="comma-separated radix bits to compare (e.g. 3,4,5; at most 5)")
     ap.add_argument("--query", default="",
                     help="comma-separated query kernel blocks x warps to compare (e.g. 64x8,128x4)")
     ap.add_argument("--shared", action="store_true", help="is_causal=False (a shared top-W)")

@@ -289,7 +289,8 @@ def topk_intervals(
     # did not (its own position): the KeyIntervals window promise.
     _kernels = _KERNELS or _import_kernels()
 
-    if batch * heads * length > 0 and _kernels.available(attention_bias.device, batch * heads, length):
+    rows = batch * heads
+    if rows * length > 0 and _kernels.available(attention_bias.device, rows, length):
         # Triton: one score pass, the sort and (causal) a launch per tree level plus two; the
         # same integers as the plain path below. The kernels only read the bias (no gradient
         # flows through the selection), through its strides.
