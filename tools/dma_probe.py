@@ -13,6 +13,12 @@ calls each); ``--trace DIR`` also writes their chrome traces (kernel gaps show h
 read from a profiler trace of calls back to back (the host runs ahead of the device, so this is
 the time of the call's kernels and the gaps between them, whatever the host's load; do_bench's
 median also counts the time the device waits for a host that fell behind).
+
+The rows run back to back, so each timing sees the power state the rows before it left: a
+GPU at its power limit lowers its clocks, and the select+fwd rows, timed right after the
+fwd+bwd rows, come out several percent above ``--spans`` (a few calls after an idle moment,
+at full clocks). ``tools/dma_user_call.py --warmup-ms 2000`` times the dense baseline and the
+user's call both at the limit.
 """
 import argparse
 
