@@ -121,15 +121,21 @@ def _check_inputs(attention_bias, window_size, is_causal, padding_mask, min_dtyp
                 f"padding_mask is on {padding_mask.device} but attention_bias is on "
                 f"{attention_bias.device}"
             )
+    return padding_mask, resolve_min_dtype(min_dtype, attention_bias.dtype)
+
+
+def resolve_min_dtype(min_dtype, dtype: torch.dtype) -> float:
+    """The bias value that marks a key as never selectable: ``min_dtype`` as a float (a number
+    or a one-element tensor), or the lowest finite value of ``dtype`` when it is None."""
     if min_dtype is None:
-        min_dtype = torch.finfo(attention_bias.dtype).min
-    elif isinstance(min_dtype, torch.Tensor):
+        return torch.finfo(dtype).min
+    if isinstance(min_dtype, torch.Tensor):
         if min_dtype.numel() != 1:
             raise ValueError(f"min_dtype must be a scalar, got a tensor of shape {tuple(min_dtype.shape)}")
-        min_dtype = float(min_dtype)
-    elif isinstance(min_dtype, bool) or not isinstance(min_dtype, (int, float)):
-        raise TypeError(f"min_dtype must be a float or None, got {type(min_dtype).__name__}")
-    return padding_mask, min_dtype
+        return float(min_dtype)
+    if isinstance(min_dtype, bool) or not isinstance(min_dtype, (int, float)):
+        raise TypeError(f"min_dtype must be a float or None, got {min_dtype.__class__.__name__}")
+    return min_dtype
 
 
 def kth_smallest_of_prefixes(perm: torch.Tensor, prefix_len: torch.Tensor, k: int) -> torch.Tensor:

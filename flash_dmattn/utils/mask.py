@@ -227,14 +227,7 @@ def create_mask(
     _check_int("query_len", query_len, 0)
     _check_int("key_len", key_len, 0)
     _check_dims("attention_bias", attention_bias.shape, batch_size, query_len, key_len)
-    if min_dtype is None:
-        min_dtype = torch.finfo(attention_bias.dtype).min
-    elif isinstance(min_dtype, torch.Tensor):
-        if min_dtype.numel() != 1:
-            raise ValueError(f"min_dtype must be a scalar, got a tensor of shape {tuple(min_dtype.shape)}")
-        min_dtype = float(min_dtype)
-    elif not isinstance(min_dtype, (int, float)) or isinstance(min_dtype, bool):
-        raise TypeError(f"min_dtype must be a float or None, got {_type_name(min_dtype)}")
+    min_dtype = resolve_min_dtype(min_dtype, attention_bias.dtype)
 
     bias = attention_bias.detach()
     mask = _normalize_mask(attention_mask, batch_size, query_len, key_len, bias.device)
@@ -394,5 +387,6 @@ def _type_name(obj) -> str:
     return obj.__class__.__name__
 
 
-# The interval form of the top-W selections above (O(L) memory); it lives with the planners.
-from ..planning.selection import topk_intervals  # noqa: E402
+# The interval form of the top-W selections above (O(L) memory) lives with the planners, as
+# does the min_dtype rule both share.
+from ..planning.selection import resolve_min_dtype, topk_intervals  # noqa: E402
