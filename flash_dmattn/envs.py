@@ -112,44 +112,34 @@ def dispatch_environment() -> tuple:
     """The raw values (None where unset) of the variables auto-dispatch's decision reads:
     ``FLASH_DMATTN_DISABLE``, ``FLASH_DMATTN_CUDA_AUTO``, ``TRITON_INTERPRET`` and
     ``FLASH_DMATTN_BACKEND`` (part of the key its memo keeps decisions by; a forced backend is
-    also read before the memo is asked, see :func:`flash_dmattn.registry.select_backend`).
-    Read on every dispatched call, so straight from ``os.environ``'s store (see :func:`_env`)
-    and as stored there: only their equality matters."""
-    data = getattr(os.environ, "_data", None)
-    if data is None:
-        return _env(DISABLE), _env(CUDA_AUTO), _env("TRITON_INTERPRET"), _env(BACKEND)
-    keys = _DISPATCH_KEYS or _dispatch_keys()
-    return data.get(keys[0]), data.get(keys[1]), data.get(keys[2]), data.get(keys[3])
-
-
-# The os.environ._data keys of the names dispatch_environment reads (encoded once; the
-# values are read on every call).
-_DISPATCH_KEYS: list = []
-
-
-def _dispatch_keys() -> list:
-    _DISPATCH_KEYS[:] = [os.environ.encodekey(n)
-                         for n in (DISABLE, CUDA_AUTO, "TRITON_INTERPRET", BACKEND)]
-    return _DISPATCH_KEYS
+    also read before the memo is asked, see :func:`flash_dmattn.registry.select_backend`)."""
+    return _raw_values(_DISPATCH_NAMES, _DISPATCH_KEYS)
 
 
 def kernel_environment() -> tuple:
     """The raw values (None where unset) of the variables that choose a compiled extension:
     ``FLASH_DMATTN_CUDA_FLAGS`` and ``FLASH_DMATTN_CACHE_DIR`` (part of the key of the cuda
-    backend's per-call module memo; read as :func:`dispatch_environment` reads its own)."""
-    data = getattr(os.environ, "_data", None)
-    if data is None:
-        return _env(CUDA_FLAGS), _env(CACHE_DIR)
-    keys = _KERNEL_KEYS or _kernel_keys()
-    return data.get(keys[0]), data.get(keys[1])
+    backend's per-call module memo)."""
+    return _raw_values(_KERNEL_NAMES, _KERNEL_KEYS)
 
 
+_DISPATCH_NAMES = (DISABLE, CUDA_AUTO, "TRITON_INTERPRET", BACKEND)
+_KERNEL_NAMES = (CUDA_FLAGS, CACHE_DIR)
+# Their os.environ._data keys, encoded on first use (the values are read on every call).
+_DISPATCH_KEYS: list = []
 _KERNEL_KEYS: list = []
 
 
-def _kernel_keys() -> list:
-    _KERNEL_KEYS[:] = [os.environ.encodekey(n) for n in (CUDA_FLAGS, CACHE_DIR)]
-    return _KERNEL_KEYS
+def _raw_values(names: tuple, keys: list) -> tuple:
+    """The values of ``names`` as stored (None where unset): read on every attention call as
+    part of a memo key, so straight from ``os.environ``'s store (see :func:`_env`), where only
+    their equality matters. ``keys`` caches the names' encoded store keys."""
+    data = getattr(os.environ, "_data", None)
+    if data is None:
+        return tuple(_env(n) for n in names)
+    if not keys:
+        keys[:] = [os.environ.encodekey(n) for n in names]
+    return tuple(map(data.get, keys))
 
 
 def interpret_mode() -> bool:
