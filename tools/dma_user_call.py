@@ -31,13 +31,19 @@ from flash_dmattn.utils.mask import topk_intervals
 
 
 def power_state():
-    """The GPU's SM clock, power draw and active clock-event reasons, from nvidia-smi."""
+    """The GPU's SM clock, power draw and active clock-event reasons, from nvidia-smi. The GPU
+    is named by its UUID: nvidia-smi numbers GPUs without CUDA_VISIBLE_DEVICES, torch within
+    it (the index is the fallback where torch gives no UUID)."""
     if shutil.which("nvidia-smi") is None:
         return "nvidia-smi not found"
     idx = torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(idx), "uuid", None)
+    which = str(idx) if uuid is None else str(uuid)
+    if uuid is not None and not which.startswith("GPU-"):
+        which = "GPU-" + which
     q = "clocks.sm,power.draw,clocks_event_reasons.active"
-    r = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader", "-i",
-                        str(idx)], capture_output=True, text=True)
+    r = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader", "-i", which],
+                       capture_output=True, text=True)
     return r.stdout.strip() or r.stderr.strip()
 
 
